@@ -1,0 +1,88 @@
+from typing import Optional
+
+import msgspec
+
+from rlcli.config.base import Config
+
+
+class SamplingConfig(Config):
+    """Sampling parameters of every generation request."""
+
+    temperature: float = 1.0
+    """Softmax temperature; the trainer recomputes logprobs at the same temperature."""
+
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+
+    max_tokens: int = 32
+    """Most tokens per completion (an environment may ask for fewer)."""
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise ValueError("orchestrate.sampling.temperature must be > 0 for RL")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"orchestrate.sampling.top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 1:
+            raise ValueError("orchestrate.sampling.max_tokens must be >= 1")
+
+
+class AdvantageConfig(Config):
+    """Group-relative advantages."""
+
+    std_normalize: bool = False
+    """Divide by the group's reward std (GRPO); off gives Dr. GRPO's mean-centred advantages."""
+
+    skip_zero_variance: bool = False
+    """Drop groups whose rewards are all equal (they carry no gradient)."""
+
+
+class OrchestrateConfig(Config):
+    """rl-orchestrate: the RL loop."""
+
+    batch_size: int = 16
+    """Prompts (groups) per training step."""
+
+    group_size: int = 8
+    """Completions sampled per prompt."""
+
+    max_async: int = 1
+    """Steps the orchestrator may run ahead of the trainer: batch N is sampled from policies
+    >= N - 1 - max_async. 0 is exactly synchronous RL."""
+
+    max_off_policy_steps: Optional[int] = None
+    """Drop rollouts whose oldest token came from a policy older than N - 1 - this; defaults
+    to max_async and may not exceed it."""
+
+    sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
+    """Sampling parameters."""
+
+    advantage: AdvantageConfig = msgspec.field(default_factory=AdvantageConfig)
+    """Advantage estimation."""
+
+    request_timeout_s: float = 300.0
+    """Re-dispatch a request that an rl-infer server has not answered for this long."""
+
+    keep_rollouts: int = 8
+    """Delete rollout batches this many steps behind the trainer."""
+
+    connect: list[str] = []
+    """Explicit rl-infer endpoints (tcp://host:port); empty discovers them in RUN/registry."""
+
+    num_train_ranks: int = 1
+    """Trainer data-parallel ranks; each batch is split into this many balanced files."""
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1 or self.group_size < 1:
+            raise ValueError("orchestrate.batch_size and orchestrate.group_size must be >= 1")
+        if self.max_async < 0:
+            raise ValueError(f"orchestrate.max_async must be >= 0, got {self.max_async}")
+        if self.max_off_policy_steps is not None and not 0 <= self.max_off_policy_steps <= self.max_async:
+            raise ValueError(
+                f"orchestrate.max_off_policy_steps ({self.max_off_policy_steps}) must be in "
+                f"[0, max_async={self.max_async}]: no batch is more off-policy than max_async"
+            )
+
+    @property
+    def off_policy_bound(self) -> int:
+        """The most policy versions a token of batch N may lag behind N - 1."""
+        return self.max_async if self.max_off_policy_steps is None else self.max_off_policy_steps

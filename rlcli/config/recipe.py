@@ -1,0 +1,60 @@
+import msgspec
+
+from rlcli.config.base import Config
+from rlcli.config.env import EnvConfig, ReverseEnvConfig
+from rlcli.config.infer import InferConfig
+from rlcli.config.model import ModelConfig
+from rlcli.config.orchestrate import OrchestrateConfig
+from rlcli.config.services import CacheConfig, SyncConfig, UpConfig
+from rlcli.config.train import TrainConfig
+
+
+class RecipeConfig(Config):
+    """A whole run: every command reads the sections it needs from one recipe."""
+
+    name: str = "default"
+    """Recipe name; a run directory remembers it and refuses another recipe's processes."""
+
+    run_dir: str = ""
+    """Run directory shared by all processes; defaults to runs/<name>."""
+
+    seed: int = 0
+    """Seed for weight init, task sampling and sampling RNGs."""
+
+    num_steps: int = 10
+    """RL training steps (batches)."""
+
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    """Policy model."""
+
+    env: EnvConfig = msgspec.field(default_factory=ReverseEnvConfig)
+    """Environment: tasks and rewards."""
+
+    infer: InferConfig = msgspec.field(default_factory=InferConfig)
+    """rl-infer."""
+
+    train: TrainConfig = msgspec.field(default_factory=TrainConfig)
+    """rl-train."""
+
+    orchestrate: OrchestrateConfig = msgspec.field(default_factory=OrchestrateConfig)
+    """rl-orchestrate."""
+
+    sync: SyncConfig = msgspec.field(default_factory=SyncConfig)
+    """rl-sync."""
+
+    cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
+    """rl-cache."""
+
+    up: UpConfig = msgspec.field(default_factory=UpConfig)
+    """rl-orchestrate up."""
+
+    def __post_init__(self) -> None:
+        if self.num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {self.num_steps}")
+        if not self.run_dir:
+            self.run_dir = f"runs/{self.name}"
+        if self.orchestrate.sampling.max_tokens >= self.model.max_seq_len:
+            raise ValueError(
+                f"orchestrate.sampling.max_tokens ({self.orchestrate.sampling.max_tokens}) must be "
+                f"< model.max_seq_len ({self.model.max_seq_len})"
+            )

@@ -1,0 +1,112 @@
+from typing import Literal
+
+import msgspec
+
+from rlcli.config.base import Config
+
+
+class OptimConfig(Config):
+    """AdamW."""
+
+    lr: float = 1e-5
+    """Peak learning rate."""
+
+    beta1: float = 0.9
+    """Adam first-moment decay."""
+
+    beta2: float = 0.99
+    """Adam second-moment decay."""
+
+    eps: float = 1e-8
+    """Adam epsilon."""
+
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up, in optimizer steps."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+
+
+class LossConfig(Config):
+    """Policy-gradient loss; ``kind`` picks a function from rlcli.train.loss.LOSSES."""
+
+    kind: Literal["icepop", "tis"] = "icepop"
+    """icepop: mask tokens whose trainer/inference probability ratio leaves [mask_low, mask_high];
+    tis: truncate the ratio at mask_high instead of masking."""
+
+    mask_low: float = 0.5
+    """Lower bound of the trust interval on pi_train / pi_infer."""
+
+    mask_high: float = 2.0
+    """Upper bound of the trust interval on pi_train / pi_infer."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.mask_low < 1 < self.mask_high:
+            raise ValueError(
+                f"train.loss needs 0 <= mask_low < 1 < mask_high, got {self.mask_low}, {self.mask_high}"
+            )
+
+
+class SFTConfig(Config):
+    """Supervised warm-up (and `rl-train sft`)."""
+
+    num_steps: int = 0
+    """Optimizer steps of supervised warm-up before RL step 1; 0 skips it."""
+
+    batch_size: int = 64
+    """Examples per SFT step."""
+
+    lr: float = 1e-3
+    """SFT learning rate (constant after warm-up)."""
+
+    warmup_steps: int = 10
+    """Linear SFT learning-rate warm-up."""
+
+    dataset: str = "env"
+    """'env' draws demonstrations from the recipe's environment; otherwise a JSONL file of
+    {"prompt": ..., "completion": ...} objects."""
+
+
+class CheckpointConfig(Config):
+    """Full trainer state for resume."""
+
+    interval: int = 1
+    """Save a checkpoint every this many steps (and always at the last step)."""
+
+    keep: int = 2
+    """Keep this many newest checkpoints; older ones are deleted."""
+
+
+class TrainConfig(Config):
+    """rl-train."""
+
+    micro_batch_tokens: int = 4096
+    """Tokens per packed micro-batch row; sequences are packed into rows of this length."""
+
+    optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
+    """Optimizer."""
+
+    loss: LossConfig = msgspec.field(default_factory=LossConfig)
+    """Policy-gradient loss."""
+
+    sft: SFTConfig = msgspec.field(default_factory=SFTConfig)
+    """Supervised warm-up."""
+
+    checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
+    """Checkpointing."""
+
+    num_threads: int = 0
+    """torch intra-op threads; 0 keeps torch's default."""
+
+    pub_port: int = 0
+    """TCP port of the weights-published announcement socket; 0 picks a free one."""
+
+    wait_timeout_s: float = 0.0
+    """Give up if no rollout batch arrives for this long; 0 waits forever."""

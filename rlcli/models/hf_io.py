@@ -1,0 +1,190 @@
+"""Build, load and save models in the Hugging Face layout.
+
+``load_model`` builds on the meta device and assigns tensors viewed straight out of the
+memory-mapped safetensors files (one copy at most: a dtype conversion or the stacking of
+per-expert tensors). ``save_model`` writes the same layout back, sharded, with the
+original ``config.json`` and tokenizer files, so transformers and vLLM read our weights.
+"""
+
+import importlib
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from rlcli.errors import ModelLoadError
+from rlcli.models.config import ARCHITECTURES, ModelArgs
+from rlcli.models.safetensors_io import iter_tensors, save_sharded, weight_files
+from rlcli.models.transformer import CausalLM
+
+_EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_STACKED = {"gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down"}
+_UNSTACKED = {v: k for k, v in _STACKED.items()}
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json", "vocab.json", "merges.txt")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def model_class(args: ModelArgs) -> type[CausalLM]:
+    module = importlib.import_module(f"rlcli.models.{ARCHITECTURES[args.model_type]}")
+    return next(v for v in vars(module).values()
+                if isinstance(v, type) and issubclass(v, CausalLM) and v is not CausalLM)
+
+
+def build_model(args: ModelArgs, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                materialize: bool = True) -> CausalLM:
+    """The architecture of ``args`` on the meta device; materialized (uninitialized weights,
+    computed buffers) on ``device`` unless ``materialize`` is False."""
+    with torch.device("meta"):
+        model = model_class(args)(args)
+    model.to(dtype=dtype)
+    for module in model.modules():  # routing bias stays fp32 like the router's scores
+        if getattr(module, "e_score_correction_bias", None) is not None:
+            module.e_score_correction_bias = module.e_score_correction_bias.float()
+    if materialize:
+        model.to_empty(device=device)
+        model.tie_weights()
+        model.init_buffers()
+    return model
+
+
+def has_weights(model_dir: str | Path) -> bool:
+    return bool(weight_files(model_dir))
+
+
+def hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
+    """The model's tensors under HF names (stacked experts split into per-expert views)."""
+    out: dict[str, torch.Tensor] = {}
+    tied = model.args.tie_word_embeddings
+    for name, t in model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue
+        prefix, _, leaf = name.rpartition(".")
+        if leaf in _UNSTACKED and prefix.endswith("mlp.experts"):
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{e}.{_UNSTACKED[leaf]}.weight"] = t[e]
+        else:
+            out[name] = t
+    return out
+
+
+def _ignorable(name: str, args: ModelArgs) -> bool:
+    if name.endswith("rotary_emb.inv_freq"):
+        return True
+    m = _LAYER_RE.match(name)  # DeepSeek multi-token-prediction layers sit past the last layer
+    return bool(m and int(m.group(1)) >= args.num_hidden_layers)
+
+
+def collect_state_dict(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], source: str,
+                       dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Map HF-named tensors onto ``model``'s state dict (names, shapes, dtype), stacking experts.
+    Raises ModelLoadError naming the first missing or mis-shaped tensor."""
+    expected = model.state_dict()
+    args = model.args
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, torch.Tensor] = {}
+    filled: dict[str, set[int]] = {}
+    for name, t in tensors:
+        m = _EXPERT_RE.match(name)
+        if m:
+            key = f"{m.group(1)}.{_STACKED[m.group(3)]}"
+            if key not in expected:
+                raise ModelLoadError(f"{source}: unexpected tensor {name} (layer is not MoE in config.json)")
+            e = int(m.group(2))
+            target = expected[key]
+            if e >= target.shape[0] or list(t.shape) != list(target.shape[1:]):
+                raise ModelLoadError(f"{source}: tensor {name} has shape {list(t.shape)}, "
+                                     f"config.json implies {list(target.shape[1:])} for {target.shape[0]} experts")
+            if key not in experts:
+                experts[key] = torch.empty(target.shape, dtype=dtype)
+            experts[key][e].copy_(t)
+            filled.setdefault(key, set()).add(e)
+            continue
+        if name not in expected:
+            if _ignorable(name, args) or (name == "lm_head.weight" and args.tie_word_embeddings):
+                continue
+            raise ModelLoadError(f"{source}: unexpected tensor {name} for model_type {args.model_type}")
+        if list(t.shape) != list(expected[name].shape):
+            raise ModelLoadError(f"{source}: tensor {name} has shape {list(t.shape)}, "
+                                 f"config.json implies {list(expected[name].shape)}")
+        keep_fp32 = name.endswith("e_score_correction_bias")
+        out[name] = t if (t.dtype == dtype or keep_fp32) else t.to(dtype)
+    for key, got in filled.items():
+        if len(got) != expected[key].shape[0]:
+            missing = min(set(range(expected[key].shape[0])) - got)
+            raise ModelLoadError(f"{source}: missing tensor {key.rsplit('.', 1)[0]}.{missing}."
+                                 f"{_UNSTACKED[key.rsplit('.', 1)[1]]}.weight")
+    out.update(experts)
+    for name in expected:
+        if name not in out and not (name == "lm_head.weight" and args.tie_word_embeddings):
+            raise ModelLoadError(f"{source}: missing tensor {name}")
+    return out
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+               seed: int = 0, weights_dir: str | Path | None = None) -> CausalLM:
+    """Load an HF-layout model. A directory with config.json but no safetensors gets random
+    weights from ``seed`` (tiny models built from a config). ``weights_dir`` reads the tensors
+    from another directory (a policy version) with the architecture of ``path``."""
+    args = ModelArgs.from_dir(path)
+    source = Path(weights_dir or path)
+    model = build_model(args, device="meta", dtype=dtype, materialize=False)
+    if not has_weights(source):
+        if weights_dir is not None:
+            raise ModelLoadError(f"{source} holds no safetensors files")
+        model.to_empty(device=device)
+        model.tie_weights()
+        model.init_buffers()
+        model.init_weights(seed)
+        return model
+    state = collect_state_dict(model, iter_tensors(source), str(source), dtype)
+    if torch.device(device).type != "cpu":
+        state = {k: v.to(device) for k, v in state.items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    for name, buf in model.named_buffers():  # buffers not in the checkpoint (rotary tables)
+        if buf.is_meta:
+            parent = model.get_submodule(name.rsplit(".", 1)[0])
+            setattr(parent, name.rsplit(".", 1)[1], torch.empty_like(buf, device=device))
+    model.init_buffers()
+    return model
+
+
+@torch.no_grad()
+def load_weights(model: CausalLM, weights_dir: str | Path) -> None:
+    """Copy a checkpoint's tensors into ``model``'s existing parameters (in-place weight update)."""
+    params = model.state_dict()
+    state = collect_state_dict(model, iter_tensors(weights_dir), str(weights_dir), next(model.parameters()).dtype)
+    for name, t in state.items():
+        params[name].copy_(t)
+
+
+def save_model(model: CausalLM, out_dir: str | Path, source_dir: str | Path | None = None,
+               max_shard_bytes: int = 5 << 30, dtype: torch.dtype | None = None) -> None:
+    """Write ``model`` as an HF-layout directory: safetensors shards (+ index), config.json,
+    and the tokenizer / generation files found in ``source_dir``."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = hf_state_dict(model)
+    if dtype is not None:
+        tensors = {k: (v if k.endswith("e_score_correction_bias") else v.to(dtype)) for k, v in tensors.items()}
+    save_sharded(tensors, out_dir, max_shard_bytes)
+    hf = dict(model.args.hf)
+    if dtype is not None:
+        hf["torch_dtype" if "torch_dtype" in hf else "dtype"] = str(dtype).removeprefix("torch.")
+    (out_dir / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    if source_dir is not None:
+        copy_tokenizer_files(source_dir, out_dir)
+
+
+def copy_tokenizer_files(source_dir: str | Path, out_dir: str | Path) -> None:
+    for fname in TOKENIZER_FILES:
+        src = Path(source_dir) / fname
+        if src.is_file():
+            shutil.copyfile(src, Path(out_dir) / fname)

@@ -1,0 +1,111 @@
+"""Memory-mapped safetensors reading and sharded writing in the Hugging Face layout.
+
+Reading maps each file privately (copy-on-write) and views tensors straight out of the
+mapping: nothing is read until touched, and a parameter assigned from such a view costs
+no second copy. Writing splits tensors into shards of at most ``max_shard_bytes`` with a
+``model.safetensors.index.json`` (one file is written as plain ``model.safetensors``).
+"""
+
+import json
+import mmap
+import struct
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors.torch import save_file
+
+from rlcli.errors import ModelLoadError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+class SafetensorsFile:
+    """One safetensors file, memory-mapped; ``tensor(name)`` views into the mapping."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as f:
+                (header_len,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(header_len))
+                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        except (OSError, ValueError, struct.error) as e:
+            raise ModelLoadError(f"{self.path}: not a readable safetensors file ({e})") from None
+        self.metadata = header.pop("__metadata__", {}) or {}
+        self.entries = header
+        self._base = 8 + header_len
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def shape(self, name: str) -> list[int]:
+        return self.entries[name]["shape"]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        entry = self.entries[name]
+        dtype = _DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise ModelLoadError(f"{self.path}: tensor {name} has unsupported dtype {entry['dtype']}")
+        start, end = entry["data_offsets"]
+        shape = entry["shape"]
+        if end == start:
+            return torch.empty(shape, dtype=dtype)
+        flat = torch.frombuffer(self._mmap, dtype=torch.uint8, count=end - start, offset=self._base + start)
+        return flat.view(dtype).view(shape)
+
+
+def weight_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of an HF-layout directory (via the index when sharded)."""
+    model_dir = Path(model_dir)
+    index = model_dir / INDEX_NAME
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({model_dir / f for f in weight_map.values()})
+        for f in files:
+            if not f.is_file():
+                raise ModelLoadError(f"{index} lists {f.name}, which is missing")
+        return files
+    return sorted(model_dir.glob("*.safetensors"))
+
+
+def iter_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, mmap-backed tensor) for every tensor of the model directory."""
+    for path in weight_files(model_dir):
+        f = SafetensorsFile(path)
+        for name in f.keys():
+            yield name, f.tensor(name)
+
+
+def save_sharded(tensors: dict[str, torch.Tensor], out_dir: str | Path, max_shard_bytes: int = 5 << 30) -> list[str]:
+    """Write ``tensors`` (names in HF layout) as one or more safetensors shards + index."""
+    out_dir = Path(out_dir)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t.detach().contiguous().cpu()
+        size += nbytes
+    if len(shards) == 1:
+        names = [SINGLE_NAME]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for fname, shard in zip(names, shards):
+        save_file(shard, str(out_dir / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in shard})
+    if len(shards) > 1:
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        (out_dir / INDEX_NAME).write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    return names

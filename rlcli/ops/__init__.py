@@ -1,0 +1,1 @@
+"""Numerics shared by the trainer and the inference engine."""

@@ -1,0 +1,290 @@
+"""Every message that crosses a process boundary.
+
+Messages are msgspec structs encoded as msgpack, tagged by ``type`` and carrying the
+protocol version they were written with. A receiver first reads the small
+:class:`Envelope` (type, protocol, request_id) so that a message from another version
+or of an unknown type still gets an error reply naming its request.
+
+Tensors travel as :class:`WireTensor`: raw little-endian bytes + dtype name + shape.
+"""
+
+from typing import Optional, Union
+
+import msgspec
+import numpy as np
+
+PROTOCOL_VERSION = 1
+
+__all__ = [
+    "PROTOCOL_VERSION", "WireTensor", "Envelope", "Message", "SamplingParams", "GenerateRequest",
+    "Completion", "GenerateResponse", "LoadWeights", "WeightsLoaded", "HealthRequest",
+    "HealthResponse", "ErrorReply", "WeightsPublished", "PolicyUpdated", "CachePut", "CacheGet",
+    "CacheExists", "CacheStatsRequest", "CacheReply", "CacheGetReply", "CacheExistsReply",
+    "CacheStats", "Shutdown", "AnyMessage", "encode", "decode", "decode_envelope",
+]
+
+
+class WireTensor(msgspec.Struct, array_like=True):
+    """A tensor as bytes. ``dtype`` is a numpy dtype name ("float32", "int32", "uint8", ...);
+    bfloat16 travels as its uint16 bit pattern with dtype "bfloat16"."""
+
+    data: bytes
+    dtype: str
+    shape: list[int]
+
+    @classmethod
+    def from_numpy(cls, array: np.ndarray) -> "WireTensor":
+        array = np.ascontiguousarray(array)
+        return cls(array.tobytes(), array.dtype.name, list(array.shape))
+
+    def numpy(self) -> np.ndarray:
+        dtype = np.uint16 if self.dtype == "bfloat16" else np.dtype(self.dtype)
+        return np.frombuffer(self.data, dtype=dtype).reshape(self.shape)
+
+
+class Envelope(msgspec.Struct):
+    """The fields every message has; decoded first, before the full schema."""
+
+    type: str
+    protocol: int = 0
+    request_id: str = ""
+
+
+class Message(msgspec.Struct, tag_field="type", kw_only=True):
+    protocol: int = PROTOCOL_VERSION
+    """Protocol version the sender speaks."""
+
+
+# ---------------------------------------------------------------- rl-infer
+
+
+class SamplingParams(msgspec.Struct, kw_only=True):
+    temperature: float = 1.0
+    """Softmax temperature; 0 is greedy. Logprobs are of the temperature-scaled distribution."""
+    top_p: float = 1.0
+    """Nucleus mass; logprobs are reported before truncation."""
+    max_tokens: int = 32
+    """Most tokens to generate."""
+    n: int = 1
+    """Completions for this prompt; they share the prompt's KV blocks."""
+    stop_token_ids: list[int] = []
+    """Tokens that end a completion (kept in the output); the tokenizer's EOS is added by the server."""
+    ignore_eos: bool = False
+    """Generate exactly max_tokens tokens."""
+    seed: Optional[int] = None
+    """Per-request RNG seed; None draws from the server's generator."""
+    return_routing: bool = False
+    """Return the experts each token was routed to (MoE models; R3 replay)."""
+
+
+class GenerateRequest(Message, tag="generate"):
+    request_id: str
+    """Caller-chosen id echoed in the response."""
+    prompt_ids: list[int]
+    """Prompt token ids."""
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    """Sampling parameters."""
+    cache_salt: str = ""
+    """Prefix-cache namespace, the policy version at dispatch: blocks are shared only between
+    requests with the same salt, so KV computed under older weights is never reused."""
+
+
+class Completion(msgspec.Struct, kw_only=True):
+    token_ids: list[int]
+    """Generated tokens (the stop token included)."""
+    logprobs: list[float]
+    """Log-probability of each generated token under the temperature-scaled policy."""
+    versions: list[int]
+    """Policy version that produced each token (weights can change mid-completion)."""
+    finish_reason: str
+    """'stop' (stop token), 'length' (max_tokens or context), or 'abort'."""
+    routed_experts: Optional[WireTensor] = None
+    """uint8/int16 [prompt + generated - 1, num_moe_layers, top_k] expert ids, if requested."""
+
+
+class GenerateResponse(Message, tag="generate_response"):
+    request_id: str
+    """Id of the request answered."""
+    completions: list[Completion]
+    """n completions."""
+    num_prompt_tokens: int
+    """Prompt length."""
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache."""
+
+
+class LoadWeights(Message, tag="load_weights"):
+    request_id: str
+    """Caller-chosen id."""
+    version: int
+    """Policy version these weights are (the trainer step that wrote them)."""
+    path: str
+    """HF-layout safetensors directory to load."""
+
+
+class WeightsLoaded(Message, tag="weights_loaded"):
+    request_id: str
+    """Id of the LoadWeights answered."""
+    version: int
+    """Version now serving."""
+    load_time_s: float = 0.0
+    """Seconds spent reading and swapping the weights."""
+
+
+class HealthRequest(Message, tag="health"):
+    request_id: str = ""
+    """Caller-chosen id."""
+
+
+class HealthResponse(Message, tag="health_response"):
+    request_id: str = ""
+    """Id of the request answered."""
+    role: str = ""
+    """Command that answered."""
+    version: int = -1
+    """Policy version being served (rl-infer)."""
+    num_running: int = 0
+    """Sequences decoding."""
+    num_waiting: int = 0
+    """Requests queued."""
+    stats: dict[str, float] = {}
+    """Counters (tokens generated, prefix-cache hit rate, ...)."""
+
+
+class ErrorReply(Message, tag="error"):
+    request_id: str = ""
+    """Id of the request that failed, when it could be read."""
+    message: str
+    """What was wrong with it."""
+
+
+class Shutdown(Message, tag="shutdown"):
+    request_id: str = ""
+    """Caller-chosen id; the server replies with HealthResponse, then exits."""
+
+
+# ---------------------------------------------------------------- announcements (PUB/SUB)
+
+
+class WeightsPublished(Message, tag="weights_published"):
+    step: int
+    """Trainer step whose weights are now STABLE in RUN/weights/step_<step>."""
+    path: str
+    """That directory."""
+
+
+class PolicyUpdated(Message, tag="policy_updated"):
+    version: int
+    """Every live rl-infer server now serves this version (new requests use it as salt)."""
+
+
+# ---------------------------------------------------------------- rl-cache
+
+
+class CachePut(Message, tag="cache_put"):
+    request_id: str = ""
+    """Caller-chosen id."""
+    keys: list[bytes]
+    """Block keys (content hashes, salted)."""
+    values: list[bytes]
+    """Block payloads, one per key."""
+
+
+class CacheGet(Message, tag="cache_get"):
+    request_id: str = ""
+    """Caller-chosen id."""
+    keys: list[bytes]
+    """Block keys to read."""
+
+
+class CacheExists(Message, tag="cache_exists"):
+    request_id: str = ""
+    """Caller-chosen id."""
+    keys: list[bytes]
+    """Block keys to test."""
+
+
+class CacheStatsRequest(Message, tag="cache_stats"):
+    request_id: str = ""
+    """Caller-chosen id."""
+
+
+class CacheReply(Message, tag="cache_reply"):
+    request_id: str = ""
+    """Id of the put answered."""
+    num_stored: int = 0
+    """Blocks stored (a block larger than the capacity is refused)."""
+
+
+class CacheGetReply(Message, tag="cache_get_reply"):
+    request_id: str = ""
+    """Id of the get answered."""
+    values: list[Optional[bytes]]
+    """Payload per key; None for a miss."""
+
+
+class CacheExistsReply(Message, tag="cache_exists_reply"):
+    request_id: str = ""
+    """Id of the request answered."""
+    exists: list[bool]
+    """Presence per key."""
+
+
+class CacheStats(Message, tag="cache_stats_reply"):
+    request_id: str = ""
+    """Id of the request answered."""
+    num_blocks: int
+    """Blocks held."""
+    bytes_used: int
+    """Bytes held."""
+    capacity_bytes: int
+    """Byte capacity."""
+    hits: int
+    """Keys found by get."""
+    misses: int
+    """Keys not found by get."""
+    evictions: int
+    """Blocks evicted to make room."""
+    puts: int
+    """Blocks stored."""
+
+
+AnyMessage = Union[
+    GenerateRequest, GenerateResponse, LoadWeights, WeightsLoaded, HealthRequest, HealthResponse,
+    ErrorReply, Shutdown, WeightsPublished, PolicyUpdated, CachePut, CacheGet, CacheExists,
+    CacheStatsRequest, CacheReply, CacheGetReply, CacheExistsReply, CacheStats,
+]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(AnyMessage)
+_envelope_decoder = msgspec.msgpack.Decoder(Envelope)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_envelope(data: bytes) -> Envelope:
+    """Raises msgspec.DecodeError when ``data`` is not a msgpack message."""
+    return _envelope_decoder.decode(data)
+
+
+def decode(data: bytes) -> Message:
+    """Decode a message, checking the protocol version first.
+
+    Raises ``ValueError`` with a message fit for an ErrorReply when the bytes are not a
+    message, come from another protocol version, or have an unknown type.
+    """
+    try:
+        env = decode_envelope(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ValueError(f"not an rlcli message: {e}") from None
+    if env.protocol != PROTOCOL_VERSION:
+        raise ValueError(
+            f"protocol version {env.protocol} is not supported (this is version {PROTOCOL_VERSION}); "
+            "run the same rlcli version on every process"
+        )
+    try:
+        return _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ValueError(f"malformed {env.type!r} message: {e}") from None

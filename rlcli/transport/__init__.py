@@ -1,0 +1,1 @@
+"""Run-directory I/O (atomic writes, markers, registry) and ZeroMQ helpers."""

@@ -1,0 +1,167 @@
+"""The run directory: the durable truth every process shares.
+
+::
+
+    RUN/
+      run.json                      recipe identity (name + fingerprint of model and env)
+      config/<command>.toml         resolved config each process ran with
+      registry/<role>-<id>.json     endpoint, pid, host, heartbeat of each live process
+      rollouts/step_<N>/<rank>.msgpack (+ .sha256), STABLE
+      weights/step_<N>/             HF-layout safetensors + config.json, STABLE
+      checkpoints/step_<N>/         trainer state for resume, STABLE
+      progress/<command>.json       last completed step / policy version
+      metrics/<command>.jsonl       one JSON object per step
+      logs/<command>-<id>.log
+
+A process that missed a ZeroMQ announcement recovers by reading this directory.
+"""
+
+import hashlib
+import json
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from rlcli.errors import RunDirError
+from rlcli.transport.atomic import (
+    atomic_write_bytes,
+    atomic_write_json,
+    is_stable,
+    read_json,
+    read_marker,
+)
+
+_STEP_RE = re.compile(r"^step_(\d+)$")
+
+
+class RunDir:
+    def __init__(self, root: str | Path):
+        self.root = Path(root).resolve()
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.root)!r})"
+
+    # ------------------------------------------------------------ layout
+    def config_file(self, command: str) -> Path:
+        return self.root / "config" / f"{command}.toml"
+
+    def registry_dir(self) -> Path:
+        return self.root / "registry"
+
+    def rollouts_dir(self, step: int) -> Path:
+        return self.root / "rollouts" / f"step_{step}"
+
+    def weights_dir(self, step: int) -> Path:
+        return self.root / "weights" / f"step_{step}"
+
+    def checkpoint_dir(self, step: int) -> Path:
+        return self.root / "checkpoints" / f"step_{step}"
+
+    def progress_file(self, command: str) -> Path:
+        return self.root / "progress" / f"{command}.json"
+
+    def metrics_file(self, command: str) -> Path:
+        return self.root / "metrics" / f"{command}.jsonl"
+
+    def log_file(self, command: str, instance: int | str = 0) -> Path:
+        return self.root / "logs" / f"{command}-{instance}.log"
+
+    # ------------------------------------------------------------ identity
+    def claim(self, name: str, identity: dict[str, Any]) -> None:
+        """Create the run directory for recipe ``name``, or check that it is this recipe's.
+
+        ``identity`` holds the sections that must not change within a run (model, env);
+        any other recipe, or the same recipe with another model or environment, is refused.
+        """
+        fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+        path = self.root / "run.json"
+        existing = read_json(path)
+        if existing is None:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for sub in ("config", "registry", "rollouts", "weights", "checkpoints", "progress", "metrics", "logs"):
+                (self.root / sub).mkdir(exist_ok=True)
+            try:
+                # O_EXCL: of several processes creating the run at once, one writes run.json.
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                existing = self._read_run_json(path)
+            else:
+                with os.fdopen(fd, "w") as f:
+                    json.dump({"name": name, "fingerprint": fingerprint, "identity": identity,
+                               "created": time.time()}, f, indent=1, sort_keys=True)
+                    f.flush()
+                    os.fsync(f.fileno())
+                return
+        if existing.get("name") != name or existing.get("fingerprint") != fingerprint:
+            what = "recipe" if existing.get("name") != name else "model or environment of recipe"
+            raise RunDirError(
+                f"run directory {self.root} belongs to {what} '{existing.get('name')}'; "
+                "pass another --run-dir (or delete this one)"
+            )
+
+    def _read_run_json(self, path: Path) -> dict[str, Any]:
+        for _ in range(50):  # the creator is between O_EXCL and fsync
+            try:
+                return json.loads(path.read_text())
+            except (json.JSONDecodeError, FileNotFoundError):
+                time.sleep(0.02)
+        raise RunDirError(f"{path} is unreadable; delete the run directory or pass another --run-dir")
+
+    # ------------------------------------------------------------ steps
+    def stable_steps(self, kind: str) -> list[int]:
+        """Sorted steps of ``kind`` ('weights', 'rollouts', 'checkpoints') that are complete."""
+        parent = self.root / kind
+        if not parent.is_dir():
+            return []
+        steps = []
+        for child in parent.iterdir():
+            m = _STEP_RE.match(child.name)
+            if m and is_stable(child):
+                steps.append(int(m.group(1)))
+        return sorted(steps)
+
+    def latest_stable(self, kind: str) -> int | None:
+        steps = self.stable_steps(kind)
+        return steps[-1] if steps else None
+
+    def resolve_weights(self, step: int) -> Path:
+        """Directory holding policy ``step``'s tensors. Step 0 of an unmodified base model is
+        a marker pointing at the model directory instead of a copy."""
+        d = self.weights_dir(step)
+        marker = read_marker(d) or {}
+        return Path(marker.get("source") or d)
+
+    # ------------------------------------------------------------ progress and metrics
+    def write_progress(self, command: str, **fields: Any) -> None:
+        atomic_write_json(self.progress_file(command), {"time": time.time(), **fields}, fsync=False)
+
+    def read_progress(self, command: str) -> dict[str, Any]:
+        try:
+            return read_json(self.progress_file(command), {}) or {}
+        except json.JSONDecodeError:
+            return {}
+
+    def append_metrics(self, command: str, record: dict[str, Any]) -> None:
+        path = self.metrics_file(command)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(json.dumps(record, sort_keys=True) + "\n")
+
+    def read_metrics(self, command: str) -> list[dict[str, Any]]:
+        """All complete records (a partially written last line is skipped)."""
+        try:
+            text = self.metrics_file(command).read_text()
+        except FileNotFoundError:
+            return []
+        out = []
+        for line in text.splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return out
+
+    def write_config(self, command: str, text: str) -> None:
+        atomic_write_bytes(self.config_file(command), text.encode(), fsync=False)

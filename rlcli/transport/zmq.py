@@ -1,0 +1,222 @@
+"""ZeroMQ sockets speaking :mod:`rlcli.protocol`.
+
+Three patterns, each with its delivery contract in its docstring. All sockets close
+with ``linger=0``: a process that exits never blocks on undelivered messages, because
+every durable fact also lives in the run directory.
+"""
+
+import socket
+import time
+import uuid
+from typing import Iterable
+
+import zmq
+
+from rlcli.errors import PeerUnreachable
+from rlcli.protocol import ErrorReply, Message, decode, decode_envelope, encode
+
+DEFAULT_HWM = 10_000
+
+
+def context() -> zmq.Context:
+    return zmq.Context.instance()
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def _bind(sock: zmq.Socket, host: str, port: int) -> str:
+    if port:
+        sock.bind(f"tcp://{host}:{port}")
+    else:
+        port = sock.bind_to_random_port(f"tcp://{host}")
+    # Bound to every interface: advertise an address peers on other hosts can reach.
+    advertised = socket.gethostbyname(socket.gethostname()) if host in ("0.0.0.0", "*") else host
+    return f"tcp://{advertised}:{port}"
+
+
+class RpcServer:
+    """ROUTER socket serving request/reply.
+
+    Contract: requests from any number of DEALER clients are queued up to ``hwm`` per
+    client; replies go back to the client identity that sent the request, and are dropped
+    if that client has gone (a restarted client re-sends what it still needs). A message
+    that is not a valid rlcli message of this protocol version gets an :class:`ErrorReply`
+    and the server keeps running.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, hwm: int = DEFAULT_HWM):
+        self.sock = context().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, hwm)
+        self.sock.setsockopt(zmq.RCVHWM, hwm)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.endpoint = _bind(self.sock, host, port)
+
+    def recv(self, timeout_ms: int = 0) -> tuple[bytes, Message] | None:
+        """The next valid request as (client identity, message), or None after ``timeout_ms``.
+        Invalid messages are answered with an ErrorReply and skipped."""
+        deadline = time.monotonic() + timeout_ms / 1000
+        while True:
+            remaining = max(0, int((deadline - time.monotonic()) * 1000))
+            if not self.sock.poll(remaining, zmq.POLLIN):
+                return None
+            frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            if len(frames) < 2:
+                continue
+            identity, payload = frames[0], frames[-1]
+            try:
+                return identity, decode(payload)
+            except ValueError as e:
+                request_id = ""
+                try:
+                    request_id = decode_envelope(payload).request_id
+                except Exception:
+                    pass
+                self.reply(identity, ErrorReply(request_id=request_id, message=str(e)))
+
+    def drain(self) -> Iterable[tuple[bytes, Message]]:
+        """Every request already queued, without waiting."""
+        while (item := self.recv(0)) is not None:
+            yield item
+
+    def reply(self, identity: bytes, msg: Message) -> None:
+        try:
+            self.sock.send_multipart([identity, encode(msg)], zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # the client's queue is full or it is gone; it will retry
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+class RpcClient:
+    """DEALER socket to one :class:`RpcServer`.
+
+    Contract: requests are pipelined (many may be in flight); replies arrive in any order
+    and are matched by ``request_id``. With ``ZMQ_IMMEDIATE`` a request is only queued on a
+    completed connection, so sending to a peer that is down fails fast (``send`` returns
+    False) instead of queueing forever. ZeroMQ reconnects by itself when a server comes
+    back on the same endpoint, but requests in flight at its death are lost: the caller
+    re-sends them (see the orchestrator's timeout and incarnation checks).
+    """
+
+    def __init__(self, endpoint: str, hwm: int = DEFAULT_HWM):
+        self.endpoint = endpoint
+        self.sock = context().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, hwm)
+        self.sock.setsockopt(zmq.RCVHWM, hwm)
+        self.sock.setsockopt(zmq.IMMEDIATE, 1)
+        self.sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        self.sock.connect(endpoint)
+        self._pending: dict[str, Message] = {}
+
+    def send(self, msg: Message, timeout_s: float = 0.0) -> bool:
+        """Queue ``msg``; retry for up to ``timeout_s`` while no connection is up."""
+        data = encode(msg)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.sock.send(data, zmq.NOBLOCK)
+                return True
+            except zmq.Again:
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.01)
+
+    def recv(self, timeout_ms: int = 0) -> Message | None:
+        """The next reply, or None after ``timeout_ms``. Undecodable replies become ErrorReply."""
+        if self._pending:
+            return self._pending.pop(next(iter(self._pending)))
+        if not self.sock.poll(timeout_ms, zmq.POLLIN):
+            return None
+        payload = self.sock.recv(zmq.NOBLOCK)
+        try:
+            return decode(payload)
+        except ValueError as e:
+            return ErrorReply(message=f"bad reply from {self.endpoint}: {e}")
+
+    def call(self, msg: Message, timeout_s: float = 10.0, peer: str = "peer") -> Message:
+        """Send ``msg`` and wait for the reply with its ``request_id``; other replies that
+        arrive meanwhile are kept for :meth:`recv`. Raises PeerUnreachable on timeout."""
+        request_id = getattr(msg, "request_id")
+        deadline = time.monotonic() + timeout_s
+        if not self.send(msg, timeout_s):
+            raise PeerUnreachable(f"cannot reach {peer} at {self.endpoint} (is it running? check --connect)")
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise PeerUnreachable(f"{peer} at {self.endpoint} did not answer within {timeout_s:.0f}s")
+            if not self.sock.poll(int(remaining * 1000) + 1, zmq.POLLIN):
+                continue
+            reply = decode(self.sock.recv(zmq.NOBLOCK))
+            if getattr(reply, "request_id", None) == request_id:
+                return reply
+            self._pending[getattr(reply, "request_id", "") or new_request_id()] = reply
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+class Publisher:
+    """PUB socket for announcements.
+
+    Contract: fire-and-forget to the subscribers connected at the time of sending; a
+    subscriber that joins late or is slower than ``hwm`` messages misses them, and catches
+    up from the run directory (every announcement states a fact that is already on disk).
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, hwm: int = 1000):
+        self.sock = context().socket(zmq.PUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, hwm)
+        self.endpoint = _bind(self.sock, host, port)
+
+    def publish(self, msg: Message) -> None:
+        try:
+            self.sock.send(encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+class Subscriber:
+    """SUB socket receiving every announcement of the publishers it is connected to.
+
+    Contract: see :class:`Publisher`; messages that fail to decode are skipped. Connect
+    more endpoints at any time (e.g. when a publisher appears in the registry).
+    """
+
+    def __init__(self, endpoints: Iterable[str] = ()):
+        self.sock = context().socket(zmq.SUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.connected: set[str] = set()
+        for endpoint in endpoints:
+            self.connect(endpoint)
+
+    def connect(self, endpoint: str) -> None:
+        if endpoint not in self.connected:
+            self.sock.connect(endpoint)
+            self.connected.add(endpoint)
+
+    def disconnect(self, endpoint: str) -> None:
+        if endpoint in self.connected:
+            self.sock.disconnect(endpoint)
+            self.connected.discard(endpoint)
+
+    def recv(self, timeout_ms: int = 0) -> Message | None:
+        while self.sock.poll(timeout_ms, zmq.POLLIN):
+            try:
+                return decode(self.sock.recv(zmq.NOBLOCK))
+            except ValueError:
+                timeout_ms = 0
+        return None
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
