@@ -58,3 +58,8 @@ class RecipeConfig(Config):
                 f"orchestrate.sampling.max_tokens ({self.orchestrate.sampling.max_tokens}) must be "
                 f"< model.max_seq_len ({self.model.max_seq_len})"
             )
+        if self.train.micro_batch_tokens < self.model.max_seq_len:
+            raise ValueError(
+                f"train.micro_batch_tokens ({self.train.micro_batch_tokens}) must be >= model.max_seq_len "
+                f"({self.model.max_seq_len}) so every sequence fits one packed row"
+            )

@@ -63,8 +63,10 @@ class PagedAttentionMetadata:
     """Where the tokens of one engine step go and what they attend to.
 
     Tokens are flattened ``[1, N]`` in sequence order; sequence ``i`` owns tokens
-    ``query_start[i]:query_start[i+1]``, sits at positions ending at ``context_lens[i] - 1``
-    and keeps its KV in blocks ``block_tables[i]``.
+    ``query_start[i]:query_start[i+1]``, ends at position ``context_lens[i] - 1`` and keeps
+    its KV in blocks ``block_tables[i]``. The first ``num_decode`` sequences have exactly
+    one query token each and are attended in one batched call; the rest (prefill chunks)
+    one by one.
     """
 
     slot_mapping: torch.Tensor  # int64 [N]: cache slot (block * block_size + offset) per new token
@@ -72,8 +74,8 @@ class PagedAttentionMetadata:
     context_lens: list[int]  # len S: tokens in cache after this step, per sequence
     block_tables: torch.Tensor  # int64 [S, max_blocks], -1 padded
     block_size: int
-    decode_only: bool = False  # every sequence has exactly one query token
-    # Gather index for the batched decode path (built lazily, shared by every layer).
+    num_decode: int = 0
+    # Gather index of the batched decode path, built once per step and shared by every layer.
     _decode_gather: tuple | None = field(default=None, repr=False)
 
 
@@ -88,53 +90,48 @@ class PagedAttention:
                  scale: float) -> torch.Tensor:
         meta = self.meta
         k_cache, v_cache = self.kv_caches[layer_idx]
-        q_NHD, k_NHD, v_NHD = q[0], k[0], v[0]
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, k_NHD.to(k_cache.dtype))
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v_NHD.to(v_cache.dtype))
-        if meta.decode_only:
-            out = self._decode(q_NHD, k_cache, v_cache, scale)
-        else:
-            out = torch.cat([self._one(i, q_NHD, k_cache, v_cache, scale)
-                             for i in range(len(meta.context_lens))], dim=0)
-        return out[None]
+        q_NHD = q[0]
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, k[0].to(k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v[0].to(v_cache.dtype))
+        outs = []
+        if meta.num_decode:
+            outs.append(self._decode(q_NHD[:meta.num_decode], k_cache, v_cache, scale))
+        for i in range(meta.num_decode, len(meta.context_lens)):
+            outs.append(self._prefill(i, q_NHD, k_cache, v_cache, scale))
+        return torch.cat(outs, dim=0)[None]
 
     def _gather(self, cache: torch.Tensor, i: int) -> torch.Tensor:
         meta = self.meta
         n = meta.context_lens[i]
-        num_blocks = (n + meta.block_size - 1) // meta.block_size
-        blocks = meta.block_tables[i, :num_blocks]
+        blocks = meta.block_tables[i, :(n + meta.block_size - 1) // meta.block_size]
         return cache.index_select(0, blocks).flatten(0, 1)[:n]  # [n, H, D]
 
-    def _one(self, i: int, q_NHD, k_cache, v_cache, scale) -> torch.Tensor:
+    def _prefill(self, i: int, q_NHD, k_cache, v_cache, scale) -> torch.Tensor:
         meta = self.meta
         q_i = q_NHD[meta.query_start[i]:meta.query_start[i + 1]]
         t, n = q_i.shape[0], meta.context_lens[i]
         k_i, v_i = self._gather(k_cache, i), self._gather(v_cache, i)
         # Query j sits at position n - t + j and sees keys 0 .. n - t + j.
-        mask = None
-        if t > 1:
-            mask = torch.ones(t, n, dtype=torch.bool, device=q_i.device).tril(diagonal=n - t)
+        mask = torch.ones(t, n, dtype=torch.bool, device=q_i.device).tril(diagonal=n - t) if t > 1 else None
         out = _sdpa(q_i.transpose(0, 1)[None], k_i.transpose(0, 1)[None], v_i.transpose(0, 1)[None], scale,
                     mask=mask)
         return out[0].transpose(0, 1)
 
     def _decode(self, q_SHD, k_cache, v_cache, scale) -> torch.Tensor:
-        """All sequences decode one token: one padded, masked SDPA call for the batch."""
+        """One query token per sequence: a single padded, masked SDPA call for all of them."""
         meta = self.meta
         if meta._decode_gather is None:
-            lens = torch.tensor(meta.context_lens, device=q_SHD.device)
-            max_len = int(max(meta.context_lens))
-            pos = torch.arange(max_len, device=q_SHD.device)
+            S = meta.num_decode
+            lens = torch.tensor(meta.context_lens[:S], device=q_SHD.device)
+            pos = torch.arange(int(lens.max()), device=q_SHD.device)
             block_idx = (pos // meta.block_size).clamp(max=meta.block_tables.shape[1] - 1)
-            blocks = meta.block_tables[:, block_idx].clamp(min=0)  # [S, L]
+            blocks = meta.block_tables[:S][:, block_idx].clamp(min=0)  # [S, L]
             slots = blocks * meta.block_size + (pos % meta.block_size)[None]
-            valid = pos[None] < lens[:, None]
-            meta._decode_gather = (slots, valid)
+            meta._decode_gather = (slots, pos[None] < lens[:, None])
         slots, valid = meta._decode_gather
         k = k_cache.view(-1, *k_cache.shape[2:])[slots]  # [S, L, H, D]
         v = v_cache.view(-1, *v_cache.shape[2:])[slots]
-        out = _sdpa(q_SHD[:, :, None], k.transpose(1, 2), v.transpose(1, 2), scale,
-                    mask=valid[:, None, None, :])
+        out = _sdpa(q_SHD[:, :, None], k.transpose(1, 2), v.transpose(1, 2), scale, mask=valid[:, None, None, :])
         return out[:, :, 0]
 
 

@@ -62,3 +62,81 @@ def encode_batch(batch: TrainingBatch) -> bytes:
 
 def decode_batch(data: bytes) -> TrainingBatch:
     return _decoder.decode(data)
+
+
+# ---------------------------------------------------------------- packing
+
+
+class Sample(msgspec.Struct, kw_only=True):
+    """One sequence before packing (host-side; lists, not tensors)."""
+
+    token_ids: list[int]
+    """Prompt + completion."""
+    num_prompt_tokens: int
+    """Leading prompt tokens (no loss on them)."""
+    advantage: float = 0.0
+    """Advantage of the whole completion."""
+    logprobs: list[float] = []
+    """Inference logprob per completion token."""
+    versions: list[int] = []
+    """Policy version per completion token."""
+    routed_experts: Optional[WireTensor] = None
+    """[len(token_ids) - 1, layers, top_k] experts, when recorded."""
+
+
+def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
+    """First-fit decreasing: indices of the sequences in each row of at most ``capacity`` tokens."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if lengths[i] > capacity:
+            raise ValueError(f"a sequence of {lengths[i]} tokens exceeds train.micro_batch_tokens={capacity}")
+        for r, free in enumerate(room):
+            if lengths[i] <= free:
+                rows[r].append(i)
+                room[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            room.append(capacity - lengths[i])
+    return rows
+
+
+def split_rows(rows: list[list[int]], lengths: list[int], num_ranks: int) -> list[list[list[int]]]:
+    """Assign rows to ranks, heaviest first to the least loaded (balanced token counts)."""
+    per_rank: list[list[list[int]]] = [[] for _ in range(num_ranks)]
+    load = [0] * num_ranks
+    for row in sorted(rows, key=lambda r: -sum(lengths[i] for i in r)):
+        r = load.index(min(load))
+        per_rank[r].append(row)
+        load[r] += sum(lengths[i] for i in row)
+    return per_rank
+
+
+def build_micro_batch(samples: list[Sample], temperature: float) -> MicroBatch:
+    """Concatenate samples into one packed row."""
+    import numpy as np
+
+    ids, pos, mask, adv, lps, vers = [], [], [], [], [], []
+    routes = []
+    for s in samples:
+        n, p = len(s.token_ids), s.num_prompt_tokens
+        c = n - p
+        ids.extend(s.token_ids)
+        pos.extend(range(n))
+        mask.extend([False] * p + [True] * c)
+        adv.extend([0.0] * p + [s.advantage] * c)
+        lps.extend([0.0] * p + list(s.logprobs))
+        vers.extend([-1] * p + list(s.versions))
+        if s.routed_experts is not None:
+            r = s.routed_experts.numpy()
+            # Routes exist for every token but the last; the last token's are never used
+            # (its output predicts nothing), so repeat the previous row.
+            routes.append(np.concatenate([r, r[-1:]], axis=0) if len(r) == n - 1 else r)
+    T = WireTensor.from_numpy
+    return MicroBatch(
+        input_ids=T(np.asarray(ids, dtype=np.int32)), position_ids=T(np.asarray(pos, dtype=np.int32)),
+        loss_mask=T(np.asarray(mask, dtype=np.bool_)), advantages=T(np.asarray(adv, dtype=np.float32)),
+        inference_logprobs=T(np.asarray(lps, dtype=np.float32)), versions=T(np.asarray(vers, dtype=np.int32)),
+        routed_experts=T(np.concatenate(routes)) if routes and len(routes) == len(samples) else None,
+        temperature=temperature, num_samples=len(samples))

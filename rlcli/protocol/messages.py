@@ -77,7 +77,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     """Return the experts each token was routed to (MoE models; R3 replay)."""
 
 
-class GenerateRequest(Message, tag="generate"):
+class GenerateRequest(Message, tag="generate", kw_only=True):
     request_id: str
     """Caller-chosen id echoed in the response."""
     prompt_ids: list[int]
@@ -102,7 +102,7 @@ class Completion(msgspec.Struct, kw_only=True):
     """uint8/int16 [prompt + generated - 1, num_moe_layers, top_k] expert ids, if requested."""
 
 
-class GenerateResponse(Message, tag="generate_response"):
+class GenerateResponse(Message, tag="generate_response", kw_only=True):
     request_id: str
     """Id of the request answered."""
     completions: list[Completion]
@@ -113,7 +113,7 @@ class GenerateResponse(Message, tag="generate_response"):
     """Prompt tokens served from the prefix cache."""
 
 
-class LoadWeights(Message, tag="load_weights"):
+class LoadWeights(Message, tag="load_weights", kw_only=True):
     request_id: str
     """Caller-chosen id."""
     version: int
@@ -122,7 +122,7 @@ class LoadWeights(Message, tag="load_weights"):
     """HF-layout safetensors directory to load."""
 
 
-class WeightsLoaded(Message, tag="weights_loaded"):
+class WeightsLoaded(Message, tag="weights_loaded", kw_only=True):
     request_id: str
     """Id of the LoadWeights answered."""
     version: int
@@ -131,12 +131,12 @@ class WeightsLoaded(Message, tag="weights_loaded"):
     """Seconds spent reading and swapping the weights."""
 
 
-class HealthRequest(Message, tag="health"):
+class HealthRequest(Message, tag="health", kw_only=True):
     request_id: str = ""
     """Caller-chosen id."""
 
 
-class HealthResponse(Message, tag="health_response"):
+class HealthResponse(Message, tag="health_response", kw_only=True):
     request_id: str = ""
     """Id of the request answered."""
     role: str = ""
@@ -151,14 +151,14 @@ class HealthResponse(Message, tag="health_response"):
     """Counters (tokens generated, prefix-cache hit rate, ...)."""
 
 
-class ErrorReply(Message, tag="error"):
+class ErrorReply(Message, tag="error", kw_only=True):
     request_id: str = ""
     """Id of the request that failed, when it could be read."""
     message: str
     """What was wrong with it."""
 
 
-class Shutdown(Message, tag="shutdown"):
+class Shutdown(Message, tag="shutdown", kw_only=True):
     request_id: str = ""
     """Caller-chosen id; the server replies with HealthResponse, then exits."""
 
@@ -166,14 +166,14 @@ class Shutdown(Message, tag="shutdown"):
 # ---------------------------------------------------------------- announcements (PUB/SUB)
 
 
-class WeightsPublished(Message, tag="weights_published"):
+class WeightsPublished(Message, tag="weights_published", kw_only=True):
     step: int
     """Trainer step whose weights are now STABLE in RUN/weights/step_<step>."""
     path: str
     """That directory."""
 
 
-class PolicyUpdated(Message, tag="policy_updated"):
+class PolicyUpdated(Message, tag="policy_updated", kw_only=True):
     version: int
     """Every live rl-infer server now serves this version (new requests use it as salt)."""
 
@@ -181,7 +181,7 @@ class PolicyUpdated(Message, tag="policy_updated"):
 # ---------------------------------------------------------------- rl-cache
 
 
-class CachePut(Message, tag="cache_put"):
+class CachePut(Message, tag="cache_put", kw_only=True):
     request_id: str = ""
     """Caller-chosen id."""
     keys: list[bytes]
@@ -190,47 +190,47 @@ class CachePut(Message, tag="cache_put"):
     """Block payloads, one per key."""
 
 
-class CacheGet(Message, tag="cache_get"):
+class CacheGet(Message, tag="cache_get", kw_only=True):
     request_id: str = ""
     """Caller-chosen id."""
     keys: list[bytes]
     """Block keys to read."""
 
 
-class CacheExists(Message, tag="cache_exists"):
+class CacheExists(Message, tag="cache_exists", kw_only=True):
     request_id: str = ""
     """Caller-chosen id."""
     keys: list[bytes]
     """Block keys to test."""
 
 
-class CacheStatsRequest(Message, tag="cache_stats"):
+class CacheStatsRequest(Message, tag="cache_stats", kw_only=True):
     request_id: str = ""
     """Caller-chosen id."""
 
 
-class CacheReply(Message, tag="cache_reply"):
+class CacheReply(Message, tag="cache_reply", kw_only=True):
     request_id: str = ""
     """Id of the put answered."""
     num_stored: int = 0
     """Blocks stored (a block larger than the capacity is refused)."""
 
 
-class CacheGetReply(Message, tag="cache_get_reply"):
+class CacheGetReply(Message, tag="cache_get_reply", kw_only=True):
     request_id: str = ""
     """Id of the get answered."""
     values: list[Optional[bytes]]
     """Payload per key; None for a miss."""
 
 
-class CacheExistsReply(Message, tag="cache_exists_reply"):
+class CacheExistsReply(Message, tag="cache_exists_reply", kw_only=True):
     request_id: str = ""
     """Id of the request answered."""
     exists: list[bool]
     """Presence per key."""
 
 
-class CacheStats(Message, tag="cache_stats_reply"):
+class CacheStats(Message, tag="cache_stats_reply", kw_only=True):
     request_id: str = ""
     """Id of the request answered."""
     num_blocks: int

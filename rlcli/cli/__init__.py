@@ -1,0 +1,1 @@
+"""Typer apps, one module per command: parse, lazy-import, run()."""

@@ -1,0 +1,54 @@
+"""One table from exceptions to a one-line message and an exit code.
+
+Exit codes: 0 ok, 1 runtime failure, 2 usage or config error. Set ``RLCLI_DEBUG=1`` to
+get the traceback instead.
+"""
+
+import functools
+import os
+import sys
+from typing import Callable
+
+import typer
+
+from rlcli.errors import RLCLIError
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+
+def _describe(exc: BaseException) -> tuple[str, int]:
+    if isinstance(exc, RLCLIError):
+        return str(exc), exc.exit_code
+    if isinstance(exc, FileNotFoundError):
+        return f"file not found: {exc.filename}", EXIT_USAGE
+    if isinstance(exc, PermissionError):
+        return f"permission denied: {exc.filename}", EXIT_FAILURE
+    if isinstance(exc, ImportError):
+        return f"{exc} (an optional dependency is missing; see README)", EXIT_FAILURE
+    if isinstance(exc, MemoryError):
+        return "out of memory; lower the batch or model size", EXIT_FAILURE
+    return f"{type(exc).__name__}: {exc} (set RLCLI_DEBUG=1 for the traceback)", EXIT_FAILURE
+
+
+def handle_errors(command: str) -> Callable:
+    """Decorate a typer command so errors print one line on stderr and set the exit code."""
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except (typer.Exit, typer.Abort, SystemExit):
+                raise
+            except KeyboardInterrupt:
+                raise typer.Exit(130) from None
+            except Exception as exc:
+                if os.environ.get("RLCLI_DEBUG"):
+                    raise
+                message, code = _describe(exc)
+                print(f"{command}: error: {message}", file=sys.stderr, flush=True)
+                raise typer.Exit(code) from None
+
+        return inner
+
+    return wrap

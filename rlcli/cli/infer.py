@@ -1,0 +1,77 @@
+"""rl-infer: an inference server, and a client for quick generations from the shell."""
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from rlcli.cli._errors import handle_errors
+from rlcli.cli.common import (
+    OVERRIDES, OVERRIDES_HELP, ConfigOpt, JsonOpt, PrintConfigOpt, RunDirOpt, emit_json, main_with_default, open_run,
+    print_config, resolve_config,
+)
+
+app = typer.Typer(help="Inference server: generates tokens with logprobs, loads new weights in flight.",
+                  add_completion=False, pretty_exceptions_enable=False)
+
+
+@app.command("serve", context_settings=OVERRIDES, epilog=OVERRIDES_HELP)
+@handle_errors("rl-infer")
+def serve(
+    ctx: typer.Context,
+    config: ConfigOpt = None,
+    run_dir: RunDirOpt = None,
+    instance: Annotated[int, typer.Option("--id", help="Instance id of this server (registry key infer-<id>).")] = 0,
+    host: Annotated[Optional[str], typer.Option(help="Interface to bind [default: infer.host].")] = None,
+    port: Annotated[Optional[int], typer.Option(help="TCP port; 0 picks a free one [default: infer.port].")] = None,
+    threads: Annotated[Optional[int], typer.Option(help="torch intra-op threads [default: infer.num_threads].")] = None,
+    print_config_: PrintConfigOpt = False,
+) -> None:
+    """Serve GenerateRequests over ZeroMQ with the native engine (the default command)."""
+    cfg = resolve_config(ctx, config, {"run_dir": str(run_dir) if run_dir else None, "infer.host": host,
+                                       "infer.port": port, "infer.num_threads": threads})
+    if print_config_:
+        return print_config(cfg)
+    run = open_run(cfg, f"infer-{instance}")
+    from rlcli.infer.server import run as serve_forever
+
+    raise typer.Exit(serve_forever(cfg, run, instance))
+
+
+@app.command("generate")
+@handle_errors("rl-infer")
+def generate(
+    prompts: Annotated[Optional[list[str]], typer.Argument(help="Prompts; read one per line from stdin if none.",
+                                                           show_default=False)] = None,
+    run_dir: RunDirOpt = None,
+    connect: Annotated[Optional[str], typer.Option(help="Server endpoint (tcp://host:port) instead of the "
+                                                   "run directory's registry.")] = None,
+    model: Annotated[Optional[Path], typer.Option(help="Model directory for the tokenizer [default: the run's "
+                                                  "newest weights].")] = None,
+    max_tokens: Annotated[int, typer.Option(help="Most tokens per completion.")] = 64,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature; 0 is greedy.")] = 0.0,
+    n: Annotated[int, typer.Option(help="Completions per prompt.")] = 1,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for each answer.")] = 120.0,
+    json_: JsonOpt = False,
+) -> None:
+    """Send prompts to a running server and print the completions (one per line, or JSON lines)."""
+    from rlcli.infer.client import generate_texts
+
+    texts = prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    for prompt, result in generate_texts(texts, run_dir=run_dir, connect=connect, model=model,
+                                         max_tokens=max_tokens, temperature=temperature, n=n, timeout=timeout):
+        if json_:
+            emit_json({"prompt": prompt, **result})
+        else:
+            for text in result["completions"]:
+                sys.stdout.write(text.replace("\n", "\\n") + "\n")
+    sys.stdout.flush()
+
+
+def main() -> None:
+    main_with_default(app, "serve", "rl-infer")
+
+
+if __name__ == "__main__":
+    main()

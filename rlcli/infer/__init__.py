@@ -1,0 +1,1 @@
+"""rl-infer: inference server (native paged engine; vLLM backend later)."""

@@ -1,0 +1,47 @@
+"""A small client for `rl-infer generate`: text in, completions out."""
+
+from pathlib import Path
+from typing import Iterator
+
+from rlcli.errors import ConfigError, PeerUnreachable
+from rlcli.models.tokenizer import load_tokenizer
+from rlcli.protocol import ErrorReply, GenerateRequest, GenerateResponse, SamplingParams
+from rlcli.transport.registry import list_entries
+from rlcli.transport.rundir import RunDir
+from rlcli.transport.zmq import RpcClient, new_request_id
+
+
+def generate_texts(prompts: list[str], *, run_dir: Path | None, connect: str | None, model: Path | None,
+                   max_tokens: int, temperature: float, n: int, timeout: float) -> Iterator[tuple[str, dict]]:
+    run = RunDir(run_dir) if run_dir else None
+    if connect is None:
+        if run is None:
+            raise ConfigError("pass --connect tcp://host:port or --run-dir of a run with a live rl-infer")
+        entries = list_entries(run.registry_dir(), "infer")
+        if not entries:
+            raise PeerUnreachable(f"no live rl-infer registered in {run.registry_dir()}")
+        connect = entries[0].endpoints["rpc"]
+    if model is None:
+        step = run.latest_stable("weights") if run else None
+        if step is None:
+            raise ConfigError("pass --model DIR (for the tokenizer) or --run-dir of a run with weights")
+        model = run.resolve_weights(step)
+    tokenizer = load_tokenizer(model)
+    client = RpcClient(connect)
+    try:
+        for prompt in prompts:
+            request = GenerateRequest(request_id=new_request_id(), prompt_ids=tokenizer.encode(prompt),
+                                      sampling=SamplingParams(temperature=temperature, max_tokens=max_tokens, n=n))
+            reply = client.call(request, timeout, peer="rl-infer")
+            if isinstance(reply, ErrorReply):
+                raise ConfigError(f"rl-infer rejected the request: {reply.message}")
+            assert isinstance(reply, GenerateResponse)
+            yield prompt, {
+                "completions": [tokenizer.decode(c.token_ids) for c in reply.completions],
+                "token_ids": [c.token_ids for c in reply.completions],
+                "logprobs": [c.logprobs for c in reply.completions],
+                "versions": [c.versions for c in reply.completions],
+                "finish_reasons": [c.finish_reason for c in reply.completions],
+            }
+    finally:
+        client.close()

@@ -1,0 +1,377 @@
+"""The native inference engine: continuous batching over a block-paged KV cache.
+
+Each :meth:`NativeEngine.step` schedules one forward pass over a flattened batch:
+one token for every running sequence (decode) and a chunk of prompt for newly admitted
+ones (chunked prefill, up to ``max_num_batched_tokens``). Prefill and decode are the
+same operation, "compute tokens[num_computed:] and sample after the last one", so a
+preempted sequence simply re-prefills its tokens when readmitted.
+
+A request for ``n`` completions prefills its prompt once, samples ``n`` first tokens
+from the last prompt position and forks: the children share the prompt's full blocks
+and each gets a copy of the partial last block.
+
+Weights change only between steps (:meth:`load_weights`); running sequences keep their
+KV and continue under the new weights, and every token records the policy version that
+sampled it.
+"""
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rlcli.infer.block_manager import BlockManager, chain_hash
+from rlcli.models import CausalLM, load_weights
+from rlcli.ops.attention import ForwardContext, PagedAttention, PagedAttentionMetadata, RoutingContext
+from rlcli.ops.sampling import sample
+from rlcli.protocol import Completion, GenerateRequest, GenerateResponse, SamplingParams, WireTensor
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    salt: str
+    stop_ids: frozenset[int]
+    generator: torch.Generator | None
+    completions: list[Completion | None]
+    arrival: float = field(default_factory=time.monotonic)
+    num_cached_tokens: int = 0
+    prompt_routes: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return all(c is not None for c in self.completions)
+
+
+@dataclass
+class Sequence:
+    req: Request
+    index: int  # completion slot; -1 for a prompt not yet forked into n completions
+    tokens: list[int]
+    num_computed: int = 0
+    blocks: list[int] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)  # chain hashes of the full blocks so far
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    routes: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - len(self.req.prompt_ids)
+
+
+class NativeEngine:
+    def __init__(self, model: CausalLM, *, eos_token_ids: list[int], max_model_len: int, block_size: int = 16,
+                 kv_cache_memory_mb: int = 256, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+                 enable_prefix_caching: bool = True, version: int = 0, seed: int = 0):
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max(max_num_batched_tokens, block_size)
+        self.version = version
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        spec = model.kv_cache_spec()
+        bytes_per_block = block_size * sum(h * (dk + dv) for h, dk, dv in spec) * self.dtype.itemsize
+        num_blocks = max(int(kv_cache_memory_mb * 2**20 // bytes_per_block), 2)
+        self.kv_caches = [
+            (torch.zeros(num_blocks, block_size, h, dk, dtype=self.dtype, device=self.device),
+             torch.zeros(num_blocks, block_size, h, dv, dtype=self.dtype, device=self.device))
+            for h, dk, dv in spec
+        ]
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.is_moe = model.args.is_moe
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.requests: dict[str, Request] = {}
+        self.stats = {"num_generated_tokens": 0, "num_prompt_tokens": 0, "num_cached_tokens": 0,
+                      "num_steps": 0, "num_preemptions": 0, "num_requests": 0}
+
+    # ------------------------------------------------------------------ public API
+    def add_request(self, req: GenerateRequest) -> None:
+        sp = req.sampling
+        if not req.prompt_ids:
+            raise ValueError("prompt_ids is empty")
+        if len(req.prompt_ids) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(req.prompt_ids)} tokens does not fit max_model_len {self.max_model_len}")
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already running")
+        vocab = self.model.args.vocab_size
+        if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if sp.n < 1 or sp.max_tokens < 1:
+            raise ValueError("sampling.n and sampling.max_tokens must be >= 1")
+        stop = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids))
+        gen = torch.Generator(device=self.device).manual_seed(sp.seed) if sp.seed is not None else None
+        r = Request(req.request_id, list(req.prompt_ids), sp, req.cache_salt or f"v{self.version}",
+                    frozenset(stop), gen, [None] * sp.n)
+        self.requests[r.request_id] = r
+        self.waiting.append(Sequence(r, -1, list(r.prompt_ids)))
+        self.stats["num_requests"] += 1
+
+    def abort(self, request_id: str) -> bool:
+        r = self.requests.pop(request_id, None)
+        if r is None:
+            return False
+        for queue in (self.running, self.waiting):
+            for seq in [s for s in queue if s.req is r]:
+                self.blocks.release(seq.blocks)
+                queue.remove(seq)
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @torch.no_grad()
+    def load_weights(self, path: str | Path, version: int) -> None:
+        """Swap in new weights between two steps; running sequences keep going."""
+        load_weights(self.model, path)
+        self.version = version
+
+    def reset_prefix_cache(self) -> None:
+        self.blocks.reset_prefix_cache()
+
+    @torch.no_grad()
+    def step(self) -> list[GenerateResponse]:
+        """Run one forward pass; return the requests that finished in it."""
+        batch = self._schedule()
+        if not batch:
+            return []
+        self.stats["num_steps"] += 1
+        logits, routes = self._forward(batch)
+        return self._postprocess(batch, logits, routes)
+
+    # ------------------------------------------------------------------ scheduling
+    def _blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        total = seq.num_computed + num_tokens
+        return max(0, (total + self.block_size - 1) // self.block_size - len(seq.blocks))
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's blocks; it re-prefills its tokens when readmitted."""
+        self.running.remove(seq)
+        self.blocks.release(seq.blocks)
+        seq.blocks, seq.hashes, seq.num_computed = [], [], 0
+        self.waiting.appendleft(seq)
+        self.stats["num_preemptions"] += 1
+
+    def _fork_blocks(self, seq: Sequence, num_tokens: int) -> int:
+        """Blocks a prompt finishing this step needs for its n - 1 copies of a partial last block."""
+        total = seq.num_computed + num_tokens
+        if seq.index >= 0 or total < len(seq.tokens) or total % self.block_size == 0:
+            return 0
+        return seq.req.sampling.n - 1
+
+    def _allocate(self, seq: Sequence, num_tokens: int) -> None:
+        for _ in range(self._blocks_needed(seq, num_tokens)):
+            seq.blocks.append(self.blocks.allocate())
+
+    def _schedule(self) -> list[tuple[Sequence, int]]:
+        """(sequence, number of tokens to compute) for this step, single-token decodes first."""
+        batch: list[tuple[Sequence, int]] = []
+        budget = self.max_num_batched_tokens
+        reserved = 0  # blocks promised to prompts that fork at the end of this step
+        # Running sequences: one decode token each, or the next chunk of a long prompt.
+        # Under memory pressure the newest running sequences are preempted.
+        for seq in list(self.running):
+            if seq not in self.running or budget <= 0:
+                continue
+            n = min(len(seq.tokens) - seq.num_computed, budget)
+            while self._blocks_needed(seq, n) + self._fork_blocks(seq, n) > self.blocks.num_available - reserved:
+                self._preempt(self.running[-1])
+                if seq not in self.running:
+                    break
+            else:
+                reserved += self._fork_blocks(seq, n)
+                self._allocate(seq, n)
+                batch.append((seq, n))
+                budget -= n
+        # Admit waiting sequences within the token budget.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.num_computed == 0 and not seq.blocks:
+                self._match_prefix(seq)
+            n = min(len(seq.tokens) - seq.num_computed, budget)
+            if self._blocks_needed(seq, n) + self._fork_blocks(seq, n) > self.blocks.num_available - reserved:
+                # Waiting sequences hold no blocks: give the matched prefix back (it stays cached).
+                self.blocks.release(seq.blocks)
+                seq.blocks, seq.hashes, seq.num_computed = [], [], 0
+                if not self.running:
+                    raise RuntimeError("KV cache too small for one sequence; raise infer.kv_cache_memory_mb")
+                break
+            reserved += self._fork_blocks(seq, n)
+            self._allocate(seq, n)
+            self.running.append(self.waiting.popleft())
+            batch.append((seq, n))
+            budget -= n
+        batch.sort(key=lambda item: not (item[1] == 1 and item[0].num_computed > 0))
+        return batch
+
+    def _match_prefix(self, seq: Sequence) -> None:
+        if seq.req.sampling.return_routing and self.is_moe:
+            return  # routes of cached tokens are not stored with their blocks
+        # Never take the whole prompt from cache: the last position must run to give logits.
+        hashes = self.blocks.block_hashes(seq.tokens[:-1], seq.req.salt)
+        blocks = self.blocks.match_prefix(hashes)
+        seq.blocks, seq.hashes = blocks, hashes[:len(blocks)]
+        seq.num_computed = len(blocks) * self.block_size
+        self.blocks.num_queries += len(seq.tokens)
+        self.blocks.num_hits += seq.num_computed
+        if seq.index < 0:
+            seq.req.num_cached_tokens = seq.num_computed
+
+    # ------------------------------------------------------------------ forward
+    def _forward(self, batch: list[tuple[Sequence, int]]):
+        ids, pos, slots, qstart, ctx_lens = [], [], [], [0], []
+        bs = self.block_size
+        for seq, n in batch:
+            start = seq.num_computed
+            ids.extend(seq.tokens[start:start + n])
+            pos.extend(range(start, start + n))
+            slots.extend(seq.blocks[p // bs] * bs + p % bs for p in range(start, start + n))
+            qstart.append(qstart[-1] + n)
+            ctx_lens.append(start + n)
+        width = max(len(seq.blocks) for seq, _ in batch)
+        tables = np.full((len(batch), width), -1, dtype=np.int64)
+        for i, (seq, _) in enumerate(batch):
+            tables[i, :len(seq.blocks)] = seq.blocks
+        num_decode = 0
+        while num_decode < len(batch) and batch[num_decode][1] == 1 and batch[num_decode][0].num_computed > 0:
+            num_decode += 1
+        dev = self.device
+        meta = PagedAttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev), query_start=qstart,
+            context_lens=ctx_lens, block_tables=torch.from_numpy(tables).to(dev), block_size=bs,
+            num_decode=num_decode)
+        record = self.is_moe and any(seq.req.sampling.return_routing for seq, _ in batch)
+        routing = RoutingContext(record=True) if record else None
+        ctx = ForwardContext(attn=PagedAttention(self.kv_caches, meta), routing=routing)
+        ids_t = torch.tensor([ids], dtype=torch.int64, device=dev)
+        pos_t = torch.tensor([pos], dtype=torch.int64, device=dev)
+        hidden = self.model.hidden_states(ids_t, pos_t, ctx)[0]
+        last = torch.tensor([q - 1 for q in qstart[1:]], device=dev)
+        logits = self.model.lm_head(hidden[last])
+        routes = routing.stacked() if record else None
+        return logits, routes
+
+    # ------------------------------------------------------------------ sampling and bookkeeping
+    def _postprocess(self, batch, logits, routes) -> list[GenerateResponse]:
+        rows, temps, top_ps, row_gens, owners = [], [], [], {}, []
+        offset = 0
+        for i, (seq, n) in enumerate(batch):
+            if routes is not None and seq.req.sampling.return_routing:
+                r = routes[offset:offset + n].to(torch.int16).cpu()
+                (seq.req.prompt_routes if seq.index < 0 else seq.routes).append(r)
+            offset += n
+            seq.num_computed += n
+            self._register_full_blocks(seq)
+            if seq.num_computed < len(seq.tokens):
+                continue  # a prefill chunk: nothing to sample yet
+            copies = seq.req.sampling.n if seq.index < 0 else 1
+            for _ in range(copies):
+                if seq.req.generator is not None:
+                    row_gens[len(rows)] = seq.req.generator
+                rows.append(i)
+                temps.append(seq.req.sampling.temperature)
+                top_ps.append(seq.req.sampling.top_p)
+                owners.append(seq)
+        if not rows:
+            return []
+        dev = self.device
+        tokens, logprobs = sample(logits[torch.tensor(rows, device=dev)], torch.tensor(temps, device=dev),
+                                  torch.tensor(top_ps, device=dev), self.generator, row_gens)
+        tokens, logprobs = tokens.tolist(), logprobs.tolist()
+        finished: list[GenerateResponse] = []
+        j = 0
+        while j < len(owners):
+            seq = owners[j]
+            if seq.index < 0:
+                children = self._fork(seq)
+                for child in children:
+                    self._append(child, tokens[j], logprobs[j])
+                    j += 1
+            else:
+                self._append(seq, tokens[j], logprobs[j])
+                j += 1
+        for r in {id(s.req): s.req for s in owners}.values():
+            if r.done and self.requests.pop(r.request_id, None) is not None:
+                finished.append(GenerateResponse(request_id=r.request_id, completions=list(r.completions),
+                                                 num_prompt_tokens=len(r.prompt_ids),
+                                                 num_cached_tokens=r.num_cached_tokens))
+        return finished
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        bs = self.block_size
+        while len(seq.hashes) < seq.num_computed // bs:
+            b = len(seq.hashes)
+            parent = seq.hashes[-1] if seq.hashes else None
+            h = chain_hash(parent, seq.req.salt, seq.tokens[b * bs:(b + 1) * bs])
+            seq.hashes.append(h)
+            self.blocks.register(seq.blocks[b], h)
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """Split a fully prefilled prompt into its n completion sequences."""
+        r = parent.req
+        self.running.remove(parent)
+        self.stats["num_prompt_tokens"] += len(r.prompt_ids)
+        self.stats["num_cached_tokens"] += r.num_cached_tokens
+        children = []
+        partial = parent.num_computed % self.block_size != 0
+        for k in range(r.sampling.n):
+            child = Sequence(r, k, list(parent.tokens), parent.num_computed, list(parent.blocks),
+                             list(parent.hashes))
+            if k > 0:
+                for b in child.blocks[:-1] if partial else child.blocks:
+                    self.blocks.share(b)
+                if partial:
+                    child.blocks[-1] = self._copy_block(parent.blocks[-1])
+            children.append(child)
+            self.running.append(child)
+        return children
+
+    def _copy_block(self, src: int) -> int:
+        dst = self.blocks.allocate()
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[dst].copy_(k_cache[src])
+            v_cache[dst].copy_(v_cache[src])
+        return dst
+
+    def _append(self, seq: Sequence, token: int, logprob: float) -> None:
+        seq.tokens.append(token)
+        seq.logprobs.append(logprob)
+        seq.versions.append(self.version)
+        self.stats["num_generated_tokens"] += 1
+        sp = seq.req.sampling
+        reason = None
+        if token in seq.req.stop_ids:
+            reason = "stop"
+        elif seq.num_generated >= sp.max_tokens or len(seq.tokens) >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self._finish(seq, reason)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.running.remove(seq)
+        self.blocks.release(seq.blocks)
+        seq.blocks = []
+        r = seq.req
+        routed = None
+        if r.sampling.return_routing and self.is_moe:
+            # Routes of every token that went through the model: prompt + generated - 1.
+            routed = WireTensor.from_numpy(torch.cat(r.prompt_routes + seq.routes).numpy())
+        r.completions[seq.index] = Completion(
+            token_ids=seq.tokens[len(r.prompt_ids):], logprobs=seq.logprobs, versions=seq.versions,
+            finish_reason=reason, routed_experts=routed)
+
+    def server_stats(self) -> dict[str, float]:
+        bm = self.blocks
+        return {**{k: float(v) for k, v in self.stats.items()},
+                "prefix_cache_hit_rate": bm.num_hits / bm.num_queries if bm.num_queries else 0.0,
+                "kv_blocks_free": float(bm.num_available), "kv_blocks_total": float(bm.num_blocks)}

@@ -1,0 +1,81 @@
+"""The live view on stderr: recent steps from RUN/metrics, and the processes of `up`.
+
+On a terminal it is a rich Live table redrawn twice a second; otherwise (logs, CI) each
+new step is printed once as a plain line.
+"""
+
+from dataclasses import dataclass
+
+from rich.console import Group as RichGroup
+from rich.live import Live
+from rich.table import Table
+
+from rlcli.logging import console
+from rlcli.transport.rundir import RunDir
+
+
+@dataclass
+class ProcessRow:
+    name: str
+    pid: int
+    status: str
+    log: str
+
+
+def _fmt(value, spec: str) -> str:
+    return "" if value is None else format(value, spec)
+
+
+def steps_table(run: RunDir, last: int = 10) -> Table:
+    orch = {m["step"]: m for m in run.read_metrics("orchestrate")}
+    train = {m["step"]: m for m in run.read_metrics("train")}
+    table = Table(title=f"run {run.root.name}", title_justify="left", expand=False)
+    for col in ("step", "reward", "len", "lag", "tok/s", "orch wait", "loss", "mismatch kl", "masked",
+                "train wait"):
+        table.add_column(col, justify="right")
+    for step in sorted(set(orch) | set(train))[-last:]:
+        o, t = orch.get(step, {}), train.get(step, {})
+        table.add_row(str(step), _fmt(o.get("reward_mean"), ".3f"), _fmt(o.get("completion_len_mean"), ".1f"),
+                      _fmt(o.get("off_policy_lag_max"), "d"), _fmt(o.get("tokens_per_s"), ".0f"),
+                      _fmt(o.get("wait_s"), ".2f"), _fmt(t.get("loss"), "+.4f"), _fmt(t.get("mismatch_kl"), ".1e"),
+                      _fmt(t.get("masked_fraction"), ".3f"), _fmt(t.get("wait_s"), ".2f"))
+    return table
+
+
+def processes_table(rows: list[ProcessRow]) -> Table:
+    table = Table(title="processes", title_justify="left")
+    for col in ("process", "pid", "status", "log"):
+        table.add_column(col)
+    for r in rows:
+        style = "green" if r.status == "running" else ("red" if "exit" in r.status and r.status != "exit 0" else "")
+        table.add_row(r.name, str(r.pid), f"[{style}]{r.status}[/]" if style else r.status, r.log)
+    return table
+
+
+class LiveView:
+    """Redraws on a terminal; prints one line per new step otherwise."""
+
+    def __init__(self, run: RunDir):
+        self.run = run
+        self.live = Live(console=console, refresh_per_second=2, transient=False) if console.is_terminal else None
+        self.printed = 0
+
+    def __enter__(self) -> "LiveView":
+        if self.live:
+            self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.live:
+            self.live.__exit__(*exc)
+
+    def update(self, processes: list[ProcessRow] | None = None) -> None:
+        if self.live:
+            parts = [steps_table(self.run)] + ([processes_table(processes)] if processes else [])
+            self.live.update(RichGroup(*parts))
+            return
+        orch = self.run.read_metrics("orchestrate")
+        for m in orch[self.printed:]:
+            console.print(f"step {m['step']:>4}  reward {m['reward_mean']:.3f}  len {m['completion_len_mean']:.1f}  "
+                          f"lag {m['off_policy_lag_max']}  tok/s {m['tokens_per_s']:.0f}")
+        self.printed = len(orch)

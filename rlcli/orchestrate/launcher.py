@@ -1,0 +1,184 @@
+"""`rl-orchestrate up`: every process of a recipe as a child of one command, for one machine.
+
+Each child is the same command a user would type in its own shell, pointed at one
+resolved recipe (RUN/config/up.toml, paths made absolute) and one run directory; its
+stdout and stderr go to RUN/logs/<command>-<id>.log. Children are tracked and ended
+by pid: when one fails, on Ctrl-C, or once the trainer and the orchestrator are done,
+every child gets SIGTERM (servers last), then SIGKILL after a grace period.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlcli.config import RecipeConfig, dump_toml, to_dict
+from rlcli.logging import console, setup_logging
+from rlcli.orchestrate.dashboard import LiveView, ProcessRow
+from rlcli.transport.rundir import RunDir
+
+log = setup_logging("rl-orchestrate")
+
+# Start order; servers first so the others find them, stopped in reverse.
+ORDER = ("cache", "train", "sync", "infer", "orchestrate")
+MODULES = {"cache": ["rlcli.cli.cache", "serve"], "train": ["rlcli.cli.train", "run"], "sync": ["rlcli.cli.sync"],
+           "infer": ["rlcli.cli.infer", "serve"], "orchestrate": ["rlcli.cli.orchestrate", "run"]}
+FINITE = ("train", "orchestrate")  # the run is over when these exit 0
+
+
+@dataclass
+class Child:
+    name: str
+    instance: int
+    proc: subprocess.Popen
+    log_path: Path
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}-{self.instance}" if self.name == "infer" else self.name
+
+
+def resolved_recipe(cfg: RecipeConfig) -> RecipeConfig:
+    """The recipe with every path absolute, so children can run from any directory."""
+    tree = to_dict(cfg)
+    tree["run_dir"] = os.path.abspath(cfg.run_dir)
+    if cfg.model.path:
+        tree["model"]["path"] = os.path.abspath(cfg.model.path)
+    if cfg.train.sft.dataset != "env":
+        tree["train"]["sft"]["dataset"] = os.path.abspath(cfg.train.sft.dataset)
+    import msgspec
+
+    return msgspec.convert(tree, RecipeConfig)
+
+
+class Launcher:
+    def __init__(self, cfg: RecipeConfig, run: RunDir):
+        self.cfg = resolved_recipe(cfg)
+        self.run = run
+        self.recipe_path = run.config_file("up")
+        run.write_config("up", dump_toml(to_dict(self.cfg)))
+        self.children: list[Child] = []
+        self.started = time.monotonic()
+
+    def start(self) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        for name in ORDER:
+            if name not in self.cfg.up.processes:
+                continue
+            for i in range(self.cfg.up.num_infer if name == "infer" else 1):
+                cmd = [sys.executable, "-m", *MODULES[name], "--config", str(self.recipe_path)]
+                if name == "infer":
+                    cmd += ["--id", str(i)]
+                log_path = self.run.log_file(name, i)
+                log_path.parent.mkdir(parents=True, exist_ok=True)
+                with open(log_path, "ab") as f:
+                    proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            env=env, start_new_session=True)
+                self.children.append(Child(name, i, proc, log_path))
+
+    def rows(self) -> list[ProcessRow]:
+        out = []
+        for c in self.children:
+            code = c.proc.poll()
+            out.append(ProcessRow(c.label, c.proc.pid, "running" if code is None else f"exit {code}",
+                                  str(c.log_path.relative_to(self.run.root))))
+        return out
+
+    def failed(self) -> Child | None:
+        for c in self.children:
+            code = c.proc.poll()
+            if code is not None and (code != 0 or c.name not in FINITE):
+                return c
+        return None
+
+    def finished(self) -> bool:
+        finite = [c for c in self.children if c.name in FINITE]
+        return all(c.proc.poll() == 0 for c in finite)
+
+    def stop_all(self, grace_s: float = 10.0) -> None:
+        for c in reversed(self.children):
+            if c.proc.poll() is None:
+                try:
+                    os.killpg(c.proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace_s
+        for c in self.children:
+            try:
+                c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s (pid %d) did not stop; killing it", c.label, c.proc.pid)
+                try:
+                    os.killpg(c.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                c.proc.wait()
+
+    def summary(self) -> dict:
+        orch = self.run.read_metrics("orchestrate")
+        rewards = [m["reward_mean"] for m in orch]
+        k = min(5, len(rewards))
+        return {
+            "run_dir": str(self.run.root), "steps": len(rewards), "wall_s": round(time.monotonic() - self.started, 1),
+            "reward_first5": round(sum(rewards[:k]) / k, 4) if k else None,
+            "reward_last5": round(sum(rewards[-k:]) / k, 4) if k else None,
+            "tokens_generated": sum(int(m["completion_len_mean"] * m["num_samples"]) for m in orch),
+            "plot": str(self.run.root / "reward.png") if self.cfg.up.plot and rewards else None,
+        }
+
+    def plot(self) -> None:
+        from rlcli.orchestrate.plot import line_plot_png, moving_average
+
+        orch = self.run.read_metrics("orchestrate")
+        if not orch:
+            return
+        steps = [m["step"] for m in orch]
+        rewards = [m["reward_mean"] for m in orch]
+        series = {"reward": (steps, rewards), "reward (5-step mean)": (steps, moving_average(rewards, 5))}
+        sft = self.run.read_metrics("sft")
+        title = f"{self.cfg.name}: mean reward per RL step" + (f" (after {len(sft) * 10} SFT steps)" if sft else "")
+        line_plot_png(self.run.root / "reward.png", series, title=title, xlabel="RL step", ylabel="reward",
+                      y_range=(0.0, 1.0))
+
+
+def up(cfg: RecipeConfig, run: RunDir) -> tuple[int, dict]:
+    launcher = Launcher(cfg, run)
+    stop = {"signal": None}
+
+    def on_signal(signum, frame):
+        stop["signal"] = signum
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    code = 0
+    launcher.start()
+    console.print(f"rl-orchestrate up: {len(launcher.children)} processes, run directory {run.root}")
+    try:
+        with LiveView(run) as view:
+            while True:
+                view.update(launcher.rows())
+                if stop["signal"] is not None:
+                    console.print("interrupted; stopping every process")
+                    code = 130
+                    break
+                bad = launcher.failed()
+                if bad is not None:
+                    console.print(f"[red]error:[/] {bad.label} exited with code {bad.proc.poll()}; "
+                                  f"see {bad.log_path}")
+                    code = 1
+                    break
+                if launcher.finished():
+                    break
+                time.sleep(0.5)
+            view.update(launcher.rows())
+    finally:
+        launcher.stop_all()
+    if cfg.up.plot:
+        try:
+            launcher.plot()
+        except Exception as e:  # a plot is a convenience; never fail the run for it
+            log.warning("could not write reward.png: %s", e)
+    return code, launcher.summary()

@@ -1,0 +1,214 @@
+"""The RL loop with bounded off-policy asynchrony.
+
+Batch N feeds trainer step N, which turns policy N-1 into policy N. With
+``k = max_async``, requests for batch N may be dispatched once the inference servers
+serve policy >= N - 1 - k, so the orchestrator runs at most k steps ahead of the
+trainer; ``k = 0`` is exactly synchronous RL (batch N comes from policy N - 1 alone).
+
+Completions are not bound to a step at dispatch: a finished group joins the buffer,
+and batch N takes the first ``batch_size`` groups whose oldest token comes from a
+policy >= N - 1 - bound, where bound = min(max_async, max_off_policy_steps). Groups that
+fall behind the bound (a long completion overtaken by faster ones) are dropped. So
+short completions never wait for the long tail, and no batch is ever more than
+``max_async`` steps off-policy.
+
+Every request carries the policy version at dispatch as its cache salt: prefix KV
+computed by older weights is never reused by it.
+"""
+
+import random
+import time
+
+from rlcli.config import RecipeConfig
+from rlcli.envs import make_env, render_prompt
+from rlcli.logging import setup_logging
+from rlcli.models.tokenizer import load_tokenizer
+from rlcli.orchestrate.advantages import group_advantages
+from rlcli.orchestrate.pool import InferPool
+from rlcli.orchestrate.rollouts import Group, write_batch
+from rlcli.protocol import ErrorReply, GenerateRequest, PolicyUpdated, SamplingParams
+from rlcli.transport.atomic import clean_temporaries, remove_dir
+from rlcli.transport.registry import Registration, list_entries
+from rlcli.transport.rundir import RunDir
+from rlcli.transport.zmq import Subscriber, new_request_id
+
+log = setup_logging("rl-orchestrate")
+
+REFRESH_S = 0.25
+
+
+class Orchestrator:
+    def __init__(self, cfg: RecipeConfig, run: RunDir):
+        self.cfg, self.run, self.ocfg = cfg, run, cfg.orchestrate
+        self.env = make_env(cfg.env)
+        self.tokenizer = load_tokenizer(cfg.model.path)
+        self.pool = InferPool(run, self.ocfg.connect, self.ocfg.request_timeout_s)
+        if self.ocfg.connect:
+            self.pool.check_reachable()
+        self.sub = Subscriber()
+        self.registration = Registration(run.registry_dir(), "orchestrate", 0, {})
+        clean_temporaries(run.root / "rollouts")
+        done = max(int(run.read_progress("orchestrate").get("step", 0)), run.latest_stable("rollouts") or 0)
+        self.next_step = done + 1
+        self.rng = random.Random(cfg.seed * 1_000_003 + self.next_step)
+        self.policy_version = -1
+        self.buffer: list[Group] = []
+        self.inflight: dict[str, Group] = {}
+        self.unsent: list[GenerateRequest] = []
+        self.next_gid = 0
+        self.stopping = False
+        self.on_tick = lambda: None  # called once per loop iteration (live dashboard)
+        self._next_refresh = 0.0
+        self._reset_step_stats()
+
+    def _reset_step_stats(self) -> None:
+        self.step_started = time.monotonic()
+        self.gen_tokens = 0
+        self.num_stale = 0
+        self.num_filtered = 0
+        self.num_errors = 0
+        self.wait_s = 0.0
+
+    # ------------------------------------------------------------------ policy version
+    def refresh(self) -> None:
+        for request in self.pool.refresh() + self.pool.expired():
+            group = self.inflight.pop(request.request_id, None)
+            if group is not None:
+                log.warning("request %s lost (server gone, restarted or timed out); re-dispatching",
+                            request.request_id)
+                self._send(group)
+        for entry in list_entries(self.run.registry_dir(), "sync"):
+            self.sub.connect(entry.endpoints["pub"])
+        version = self.run.read_progress("sync").get("version")
+        if version is not None:
+            self._set_policy(int(version))
+
+    def _set_policy(self, version: int) -> None:
+        if version > self.policy_version:
+            self.policy_version = version
+
+    # ------------------------------------------------------------------ dispatch
+    def num_to_dispatch(self) -> int:
+        if self.policy_version < 0:
+            return 0
+        last = min(self.policy_version + 1 + self.ocfg.max_async, self.cfg.num_steps)
+        want = self.ocfg.batch_size * (last - self.next_step + 1)
+        return max(0, want - len(self.buffer) - len(self.inflight))  # inflight includes unsent
+
+    def dispatch(self) -> None:
+        for _ in range(self.num_to_dispatch()):
+            task = self.env.sample_task(self.rng)
+            prompt = render_prompt(task, self.tokenizer, self.cfg.env)
+            room = self.cfg.model.max_seq_len - len(prompt)
+            if room < 1:
+                log.warning("skipping a task whose prompt (%d tokens) fills model.max_seq_len", len(prompt))
+                continue
+            group = Group(self.next_gid, task, prompt, self.policy_version)
+            self.next_gid += 1
+            self._send(group)
+        while self.unsent and self.pool.submit(self.unsent[0]):
+            self.unsent.pop(0)
+
+    def _send(self, group: Group) -> None:
+        s = self.ocfg.sampling
+        max_tokens = min(group.task.max_tokens or s.max_tokens, self.cfg.model.max_seq_len - len(group.prompt_ids))
+        request = GenerateRequest(
+            request_id=new_request_id(), prompt_ids=group.prompt_ids, cache_salt=f"v{self.policy_version}",
+            sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p, max_tokens=max_tokens,
+                                    n=self.ocfg.group_size, ignore_eos=group.task.ignore_eos))
+        group.dispatch_version = self.policy_version
+        self.inflight[request.request_id] = group
+        self.unsent.append(request)
+
+    # ------------------------------------------------------------------ completions
+    def on_reply(self, request: GenerateRequest, reply) -> None:
+        group = self.inflight.pop(request.request_id, None)
+        if group is None:
+            return
+        if isinstance(reply, ErrorReply):
+            self.num_errors += 1
+            log.error("rl-infer rejected a request: %s", reply.message)
+            return
+        group.completions = reply.completions
+        group.rewards = [self.env.reward(group.task, self.tokenizer.decode(c.token_ids)) for c in reply.completions]
+        self.gen_tokens += sum(len(c.token_ids) for c in reply.completions)
+        if self.ocfg.advantage.skip_zero_variance and max(group.rewards) == min(group.rewards):
+            self.num_filtered += 1
+            return
+        group.advantages = group_advantages(group.rewards, self.ocfg.advantage.std_normalize)
+        self.buffer.append(group)
+
+    def try_write_batch(self) -> bool:
+        bound = self.ocfg.off_policy_bound
+        fresh = [g for g in self.buffer if self.next_step - 1 - g.min_version <= bound]
+        self.num_stale += len(self.buffer) - len(fresh)
+        self.buffer = fresh
+        if len(self.buffer) < self.ocfg.batch_size:
+            return False
+        groups, self.buffer = self.buffer[:self.ocfg.batch_size], self.buffer[self.ocfg.batch_size:]
+        step = self.next_step
+        info = write_batch(self.run, step, groups, self.ocfg.num_train_ranks, self.cfg.train.micro_batch_tokens,
+                           self.ocfg.sampling.temperature)
+        self.run.write_progress("orchestrate", step=step)
+        self.run.append_metrics("orchestrate", self._metrics(step, groups, info))
+        self.next_step += 1
+        self._reset_step_stats()
+        self._retain()
+        return True
+
+    def _metrics(self, step: int, groups: list[Group], info: dict) -> dict:
+        rewards = [r for g in groups for r in g.rewards]
+        lengths = [len(c.token_ids) for g in groups for c in g.completions]
+        lags = [step - 1 - g.min_version for g in groups]
+        elapsed = time.monotonic() - self.step_started
+        m = {
+            "step": step, "reward_mean": sum(rewards) / len(rewards),
+            "reward_std": (sum((r - sum(rewards) / len(rewards)) ** 2 for r in rewards) / len(rewards)) ** 0.5,
+            "completion_len_mean": sum(lengths) / len(lengths), "completion_len_max": max(lengths),
+            "off_policy_lag_mean": sum(lags) / len(lags), "off_policy_lag_max": max(lags),
+            "policy_version": self.policy_version, "num_stale_dropped": self.num_stale,
+            "num_filtered": self.num_filtered, "num_errors": self.num_errors, "step_s": elapsed,
+            "tokens_per_s": self.gen_tokens / elapsed if elapsed > 0 else 0.0, "wait_s": self.wait_s,
+            "time": time.time(), **info,
+        }
+        log.info("step %d reward %.3f len %.1f lag %.1f (max %d) tok/s %.0f wait %.2fs", step, m["reward_mean"],
+                 m["completion_len_mean"], m["off_policy_lag_mean"], m["off_policy_lag_max"], m["tokens_per_s"],
+                 m["wait_s"])
+        return m
+
+    def _retain(self) -> None:
+        trainer_step = int(self.run.read_progress("train").get("step", 0))
+        for step in self.run.stable_steps("rollouts"):
+            if step < trainer_step - self.ocfg.keep_rollouts:
+                remove_dir(self.run.rollouts_dir(step))
+
+    # ------------------------------------------------------------------ loop
+    def loop(self) -> int:
+        announced = False
+        while self.next_step <= self.cfg.num_steps and not self.stopping:
+            now = time.monotonic()
+            if now >= self._next_refresh:
+                self.refresh()
+                self._next_refresh = now + REFRESH_S
+                if not self.pool.servers and not announced:
+                    log.info("waiting for rl-infer servers to register in %s", self.run.registry_dir())
+                    announced = True
+            while (msg := self.sub.recv(0)) is not None:
+                if isinstance(msg, PolicyUpdated):
+                    self._set_policy(msg.version)
+            self.dispatch()
+            idle = not self.inflight
+            t0 = time.monotonic()
+            for request, reply in self.pool.poll(20):
+                self.on_reply(request, reply)
+            if idle:
+                self.wait_s += time.monotonic() - t0  # blocked on the policy gate: nothing to generate
+            while self.next_step <= self.cfg.num_steps and self.try_write_batch():
+                pass
+            self.on_tick()
+        return 0
+
+    def close(self) -> None:
+        self.pool.close()
+        self.sub.close()
+        self.registration.close()

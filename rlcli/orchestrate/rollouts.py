@@ -1,0 +1,61 @@
+"""Groups of completions and the packed batch files written for the trainer."""
+
+import hashlib
+from dataclasses import dataclass, field
+
+from rlcli.envs import Task
+from rlcli.protocol import Completion
+from rlcli.protocol.batch import (
+    Sample, TrainingBatch, build_micro_batch, encode_batch, pack_rows, split_rows,
+)
+from rlcli.transport.atomic import atomic_dir
+from rlcli.transport.rundir import RunDir
+
+
+@dataclass
+class Group:
+    """One prompt and its ``group_size`` completions."""
+
+    gid: int
+    task: Task
+    prompt_ids: list[int]
+    dispatch_version: int
+    completions: list[Completion] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    advantages: list[float] = field(default_factory=list)
+
+    @property
+    def min_version(self) -> int:
+        """Oldest policy that produced any token of the group."""
+        return min(min(c.versions, default=self.dispatch_version) for c in self.completions)
+
+    @property
+    def max_version(self) -> int:
+        return max(max(c.versions, default=self.dispatch_version) for c in self.completions)
+
+    def samples(self) -> list[Sample]:
+        return [Sample(token_ids=self.prompt_ids + c.token_ids, num_prompt_tokens=len(self.prompt_ids),
+                       advantage=a, logprobs=c.logprobs, versions=c.versions, routed_experts=c.routed_experts)
+                for c, a in zip(self.completions, self.advantages)]
+
+
+def write_batch(run: RunDir, step: int, groups: list[Group], num_ranks: int, capacity: int,
+                temperature: float) -> dict:
+    """Pack ``groups`` into per-rank files under RUN/rollouts/step_<step> (STABLE last)."""
+    samples = [s for g in groups for s in g.samples()]
+    lengths = [len(s.token_ids) for s in samples]
+    per_rank = split_rows(pack_rows(lengths, capacity), lengths, num_ranks)
+    num_loss_tokens = sum(len(s.token_ids) - s.num_prompt_tokens for s in samples)
+    min_v = min(g.min_version for g in groups)
+    max_v = max(g.max_version for g in groups)
+    with atomic_dir(run.rollouts_dir(step), {"step": step, "num_samples": len(samples)}) as tmp:
+        for rank, rows in enumerate(per_rank):
+            batch = TrainingBatch(
+                step=step, rank=rank,
+                micro_batches=[build_micro_batch([samples[i] for i in row], temperature) for row in rows],
+                num_loss_tokens=num_loss_tokens, num_samples=len(samples), min_version=min_v, max_version=max_v)
+            data = encode_batch(batch)
+            (tmp / f"{rank}.msgpack").write_bytes(data)
+            (tmp / f"{rank}.msgpack.sha256").write_text(hashlib.sha256(data).hexdigest() + "\n")
+    return {"num_samples": len(samples), "num_loss_tokens": num_loss_tokens,
+            "num_micro_batches": sum(len(r) for r in per_rank), "min_version": min_v, "max_version": max_v}

@@ -1,0 +1,1 @@
+"""rl-sync: moves each new policy from the trainer to every inference server."""

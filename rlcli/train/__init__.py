@@ -1,0 +1,1 @@
+"""rl-train: consumes rollout batches, steps the policy, writes weights and checkpoints."""

@@ -1,0 +1,45 @@
+"""Reading rollout batches from the run directory (and turning them into tensors)."""
+
+import time
+from pathlib import Path
+
+import torch
+
+from rlcli.protocol.batch import MicroBatch, TrainingBatch, decode_batch
+from rlcli.transport.atomic import is_stable, sha256_file
+from rlcli.transport.rundir import RunDir
+
+
+class BatchCorrupt(RuntimeError):
+    pass
+
+
+def batch_path(run: RunDir, step: int, rank: int) -> Path:
+    return run.rollouts_dir(step) / f"{rank}.msgpack"
+
+
+def wait_for_batch(run: RunDir, step: int, rank: int, timeout_s: float = 0.0, poll_s: float = 0.05,
+                   should_stop=lambda: False) -> TrainingBatch | None:
+    """Block until RUN/rollouts/step_<step> is STABLE, then read and verify this rank's file.
+    Returns None on timeout or when ``should_stop()`` turns true."""
+    start = time.monotonic()
+    directory = run.rollouts_dir(step)
+    while not is_stable(directory):
+        if should_stop() or (timeout_s and time.monotonic() - start > timeout_s):
+            return None
+        time.sleep(poll_s)
+    path = batch_path(run, step, rank)
+    expected = (path.with_suffix(".msgpack.sha256")).read_text().strip()
+    if sha256_file(path) != expected:
+        raise BatchCorrupt(f"{path} does not match its sha256; the orchestrator will rewrite it")
+    return decode_batch(path.read_bytes())
+
+
+def to_tensors(mb: MicroBatch, device: torch.device) -> dict[str, torch.Tensor]:
+    """[1, T] tensors of one packed micro-batch."""
+    out = {}
+    for name in ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs", "versions"):
+        out[name] = torch.from_numpy(getattr(mb, name).numpy().copy()).to(device)[None]
+    if mb.routed_experts is not None:
+        out["routed_experts"] = torch.from_numpy(mb.routed_experts.numpy().astype("int64")).to(device)
+    return out

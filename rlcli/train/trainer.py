@@ -1,0 +1,182 @@
+"""The RL training loop.
+
+Step N reads RUN/rollouts/step_N (written by rl-orchestrate from policies >= N - 1 -
+max_async), takes one optimizer step, writes RUN/weights/step_N and announces it.
+Policy version N is the weights after step N; version 0 is the starting policy (the
+base model, or the SFT warm-up's result), written before step 1.
+
+The step reads top to bottom: ``train_step`` = ``forward_backward`` per packed
+micro-batch, then clip, step, schedule. Token counts come from the batch file (host
+side), so the loss normalizer needs no device sync; ``.item()`` happens only when
+metrics are logged.
+"""
+
+import signal
+import time
+
+import torch
+
+from rlcli.config import RecipeConfig
+from rlcli.logging import setup_logging
+from rlcli.models import DTYPES, load_model, save_model
+from rlcli.models.hf_io import has_weights
+from rlcli.models.tokenizer import load_tokenizer
+from rlcli.ops.attention import ForwardContext, PackedCausalAttention, RoutingContext
+from rlcli.protocol import WeightsPublished
+from rlcli.protocol.batch import TrainingBatch
+from rlcli.train.checkpoint import load_latest_checkpoint, save_checkpoint
+from rlcli.train.data import to_tensors, wait_for_batch
+from rlcli.train.loss import LOSSES, token_logprobs
+from rlcli.train.sft import run_sft
+from rlcli.transport.atomic import atomic_dir, clean_temporaries, is_stable
+from rlcli.transport.registry import Registration
+from rlcli.transport.rundir import RunDir
+from rlcli.transport.zmq import Publisher
+
+log = setup_logging("rl-train")
+
+
+class Trainer:
+    def __init__(self, cfg: RecipeConfig, run: RunDir):
+        self.cfg, self.run = cfg, run
+        tcfg = cfg.train
+        if tcfg.num_threads:
+            torch.set_num_threads(tcfg.num_threads)
+        torch.manual_seed(cfg.seed)
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.dtype = DTYPES[cfg.model.dtype]
+        self.stopping = False
+        self.publisher = Publisher(cfg.infer.host, tcfg.pub_port)
+        self.registration = Registration(run.registry_dir(), "train", 0, {"pub": self.publisher.endpoint})
+        clean_temporaries(run.root / "weights")
+        self.model = self._initial_model()
+        o = tcfg.optim
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                           weight_decay=o.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / o.warmup_steps) if o.warmup_steps else 1.0)
+        self.step = 0
+        extra = load_latest_checkpoint(run, self.model, self.optimizer, self.scheduler)
+        if extra is not None:
+            self.step = int(extra["step"])
+            log.info("resumed from checkpoint step %d", self.step)
+        self.loss_fn = LOSSES[tcfg.loss.kind]
+
+    # ------------------------------------------------------------------ policy version 0
+    def _initial_model(self):
+        cfg, run = self.cfg, self.run
+        if is_stable(run.weights_dir(0)):
+            # Policy 0 exists (a restart): train from it; a checkpoint, if any, overrides it below.
+            return load_model(run.resolve_weights(0), self.device, self.dtype, cfg.seed)
+        model = load_model(cfg.model.path, self.device, self.dtype, cfg.seed)
+        if cfg.train.sft.num_steps:
+            log.info("SFT warm-up: %d steps", cfg.train.sft.num_steps)
+            run_sft(cfg, model, load_tokenizer(cfg.model.path), log,
+                    on_step=lambda s, loss: run.append_metrics("sft", {"step": s, "loss": loss.item()})
+                    if s % 10 == 0 else None)
+            self.publish(0, model)
+        elif has_weights(cfg.model.path):
+            # The unmodified base model: a marker pointing at it instead of a copy.
+            with atomic_dir(run.weights_dir(0), {"step": 0, "source": str(cfg.model.path)}):
+                pass
+            self.announce(0)
+        else:
+            self.publish(0, model)
+        return model
+
+    def publish(self, step: int, model=None) -> None:
+        """Write policy ``step`` to RUN/weights/step_<step> (STABLE last) and announce it."""
+        with atomic_dir(self.run.weights_dir(step), {"step": step}) as tmp:
+            save_model(model if model is not None else self.model, tmp, source_dir=self.cfg.model.path)
+        self.announce(step)
+
+    def announce(self, step: int) -> None:
+        self.publisher.publish(WeightsPublished(step=step, path=str(self.run.weights_dir(step))))
+
+    # ------------------------------------------------------------------ one step
+    def forward_backward(self, mb, num_loss_tokens: int) -> dict[str, torch.Tensor]:
+        t = to_tensors(mb, self.device)
+        routing = RoutingContext(replay=t["routed_experts"]) if "routed_experts" in t else None
+        ctx = ForwardContext(attn=PackedCausalAttention(t["position_ids"]), routing=routing)
+        logits = self.model(t["input_ids"], t["position_ids"], ctx)
+        lp, entropy = token_logprobs(logits, t["input_ids"], mb.temperature)
+        mask = t["loss_mask"]
+        loss, metrics = self.loss_fn(lp, t["inference_logprobs"], t["advantages"], mask, self.cfg.train.loss)
+        (loss / num_loss_tokens).backward()
+        metrics["loss"] = loss.detach()
+        metrics["entropy"] = (entropy * mask).sum()
+        return metrics
+
+    def train_step(self, batch: TrainingBatch) -> dict[str, float]:
+        self.model.train()
+        totals: dict[str, torch.Tensor] = {}
+        for mb in batch.micro_batches:
+            for k, v in self.forward_backward(mb, batch.num_loss_tokens).items():
+                totals[k] = totals.get(k, 0) + v
+        max_norm = self.cfg.train.optim.max_grad_norm
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm if max_norm else float("inf"))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        n = max(batch.num_loss_tokens, 1)
+        out = {k: float(v) / n for k, v in totals.items()}  # the one host sync of the step
+        out["masked_fraction"] = out.pop("masked_tokens")
+        out["grad_norm"] = float(grad_norm)
+        out["lr"] = self.scheduler.get_last_lr()[0]
+        return out
+
+    # ------------------------------------------------------------------ loop
+    def train(self) -> int:
+        cfg, run = self.cfg, self.run
+        if self.step >= cfg.num_steps:
+            log.info("already trained %d steps", self.step)
+        while self.step < cfg.num_steps and not self.stopping:
+            step = self.step + 1
+            t_wait = time.monotonic()
+            self.registration.update(step=self.step, waiting_for=step)
+            batch = wait_for_batch(run, step, 0, cfg.train.wait_timeout_s, should_stop=lambda: self.stopping)
+            if batch is None:
+                if self.stopping:
+                    break
+                log.error("no rollout batch for step %d within %.0fs (is rl-orchestrate running?)", step,
+                          cfg.train.wait_timeout_s)
+                return 1
+            wait_s = time.monotonic() - t_wait
+            t0 = time.monotonic()
+            metrics = self.train_step(batch)
+            compute_s = time.monotonic() - t0
+            self.step = step
+            t1 = time.monotonic()
+            self.publish(step)
+            if step % cfg.train.checkpoint.interval == 0 or step == cfg.num_steps:
+                save_checkpoint(run, step, self.model, self.optimizer, self.scheduler, {"step": step},
+                                cfg.train.checkpoint.keep)
+            save_s = time.monotonic() - t1
+            record = {"step": step, **metrics, "wait_s": wait_s, "compute_s": compute_s, "save_s": save_s,
+                      "num_loss_tokens": batch.num_loss_tokens, "num_samples": batch.num_samples,
+                      "min_version": batch.min_version, "max_version": batch.max_version,
+                      "off_policy_lag": step - 1 - batch.min_version, "time": time.time()}
+            run.append_metrics("train", record)
+            run.write_progress("train", step=step)
+            log.info("step %d loss %+.4f kl %.2e masked %.3f |g| %.3f lag %d (wait %.2fs, train %.2fs, save %.2fs)",
+                     step, metrics["loss"], metrics["mismatch_kl"], metrics["masked_fraction"],
+                     metrics["grad_norm"], record["off_policy_lag"], wait_s, compute_s, save_s)
+        return 0
+
+    def close(self) -> None:
+        self.registration.close()
+        self.publisher.close()
+
+
+def run(cfg: RecipeConfig, rundir: RunDir) -> int:
+    trainer = Trainer(cfg, rundir)
+
+    def stop(signum, frame):
+        trainer.stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
