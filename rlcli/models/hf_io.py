@@ -123,6 +123,9 @@ def collect_state_dict(model: CausalLM, tensors: Iterable[tuple[str, torch.Tenso
     out.update(experts)
     for name in expected:
         if name not in out and not (name == "lm_head.weight" and args.tie_word_embeddings):
+            prefix, _, leaf = name.rpartition(".")
+            if leaf in _UNSTACKED:  # name the first per-expert tensor the checkpoint should hold
+                name = f"{prefix}.0.{_UNSTACKED[leaf]}.weight"
             raise ModelLoadError(f"{source}: missing tensor {name}")
     return out
 
