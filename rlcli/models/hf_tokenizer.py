@@ -8,9 +8,9 @@ in a chat prompt is a silent off-policy error. So this module copies the few pla
 
 * tokens listed in ``added_tokens_decoder`` or named as special tokens but missing from
   ``tokenizer.json`` are added (named ones as special);
-* an explicit ``add_bos_token`` / ``add_eos_token`` in ``tokenizer_config.json`` (or a
-  ``tokenizer.json`` without a post-processor) replaces the post-processor by a template that
-  adds exactly those tokens;
+* BOS/EOS are added by ``tokenizer.json``'s post-processor alone: when ``tokenizer.json``
+  exists, transformers v5 drops ``add_bos_token`` / ``add_eos_token`` from
+  ``tokenizer_config.json``, and so do we;
 * chat templates render in jinja2's immutable sandbox with ``trim_blocks`` and
   ``lstrip_blocks``, the ``raise_exception`` / ``strftime_now`` globals, a ``tojson`` that keeps
   non-ASCII characters, the named special tokens as variables, and the rendered text is
@@ -77,7 +77,6 @@ class HFTokenizer:
         cfg = {**_read_json(model_dir / "special_tokens_map.json"), **_read_json(model_dir / "tokenizer_config.json")}
         self.special_tokens = self._special_tokens(cfg)
         self._add_missing_tokens(cfg)
-        self._set_post_processor(cfg)
         self._cleanup = bool(cfg.get("clean_up_tokenization_spaces", False)) and \
             type(self._tok.model).__name__ != "BPE"  # transformers v5 never cleans up BPE output
         self.chat_template = self._chat_template(model_dir, cfg)
@@ -124,24 +123,6 @@ class HFTokenizer:
         if missing:
             self._tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
 
-    def _set_post_processor(self, cfg: dict[str, Any]) -> None:
-        from tokenizers import processors
-
-        if not ("add_bos_token" in cfg or "add_eos_token" in cfg or self._tok.post_processor is None):
-            return
-        specials = []
-        bos, eos = self.special_tokens.get("bos_token"), self.special_tokens.get("eos_token")
-        add_bos = bool(cfg.get("add_bos_token")) and bos is not None
-        add_eos = bool(cfg.get("add_eos_token")) and eos is not None
-        if add_bos:
-            specials.append((bos, self._tok.token_to_id(bos)))
-        if add_eos:
-            specials.append((eos, self._tok.token_to_id(eos)))
-        single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
-        pair = f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
-        self._tok.post_processor = processors.TemplateProcessing(single=single, pair=pair,
-                                                                 special_tokens=specials)
-
     @staticmethod
     def _chat_template(model_dir: Path, cfg: dict[str, Any]) -> str | None:
         jinja_file = model_dir / "chat_template.jinja"
@@ -170,10 +151,15 @@ class HFTokenizer:
         if self.chat_template is None:
             raise ModelLoadError("the tokenizer has no chat template; set env.use_chat_template = false or add "
                                  "chat_template to tokenizer_config.json")
+        import jinja2
+
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
-        return _compile(self.chat_template).render(messages=messages, tools=None, documents=None,
-                                                   add_generation_prompt=add_generation_prompt,
-                                                   **{**self.special_tokens, **kwargs})
+        try:
+            return _compile(self.chat_template).render(messages=messages, tools=None, documents=None,
+                                                       add_generation_prompt=add_generation_prompt,
+                                                       **{**self.special_tokens, **kwargs})
+        except jinja2.TemplateError as e:  # raise_exception() in the template: these messages do not fit it
+            raise ValueError(f"chat template: {e}") from None
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
