@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
-from zoo import ARCHS, MOE_ARCHS, random_ids
+from zoo import ARCHS, random_ids
 
 from rlcli.errors import ModelLoadError
 from rlcli.models import load_model, load_weights, save_model
@@ -125,16 +125,16 @@ def test_missing_tensor_in_weight_update_is_named(hf_model_dir, tmp_path):
         load_weights(model, d)
 
 
-@pytest.mark.parametrize("arch,field,value,tensor", [
-    ("llama", "intermediate_size", 80, "mlp.gate_proj.weight"),
-    ("qwen3_moe", "moe_intermediate_size", 16, "mlp.experts.0.gate_proj.weight"),
-    ("deepseek_v3", "kv_lora_rank", 8, "kv_a_proj_with_mqa.weight"),
+@pytest.mark.parametrize("arch,field,value", [
+    ("llama", "intermediate_size", 80),
+    ("qwen3_moe", "moe_intermediate_size", 16),
+    ("deepseek_v3", "kv_lora_rank", 8),
 ])
-def test_shape_mismatch_names_tensor_and_shapes(arch, field, value, tensor, hf_model_dir, tmp_path):
+def test_shape_mismatch_names_tensor_and_shapes(arch, field, value, hf_model_dir, tmp_path):
     d = _copy(hf_model_dir(arch)[0], tmp_path / "m")
     _edit_config(d, **{field: value})
-    with pytest.raises(ModelLoadError, match=rf"{tensor.replace('.', r'.')} has shape \[\d+(, \d+)*\], "
-                                             rf"config\.json implies"):
+    with pytest.raises(ModelLoadError, match=r"tensor model\.layers\.\d+\.\S+ has shape \[[\d, ]+\], "
+                                             r"config\.json implies \[[\d, ]+\]"):
         load_model(d)
 
 
@@ -177,11 +177,10 @@ def test_missing_tokenizer_is_an_error(hf_model_dir, tmp_path):
         load_tokenizer(d)
 
 
-@pytest.mark.parametrize("arch", MOE_ARCHS[:1])
-def test_moe_config_without_moe_tensors(arch, hf_model_dir, tmp_path):
+def test_moe_config_without_moe_tensors(hf_model_dir, tmp_path):
     """A dense checkpoint under an MoE config fails on the first expert tensor it lacks."""
-    d = _copy(hf_model_dir(arch)[0], tmp_path / "m")
+    d = _copy(hf_model_dir("qwen3_moe")[0], tmp_path / "m")
     tensors = {k: v for k, v in load_file(d / SINGLE_NAME).items() if ".experts." not in k}
     save_file(tensors, d / SINGLE_NAME, metadata={"format": "pt"})
-    with pytest.raises(ModelLoadError, match=r"missing tensor model\.layers\.0\.mlp\.experts\.w_"):
+    with pytest.raises(ModelLoadError, match=r"missing tensor model\.layers\.0\.mlp\.experts\.0\.(gate|up|down)_proj"):
         load_model(d)

@@ -2,52 +2,11 @@
 
 import pytest
 import torch
-from zoo import ARCHS, max_abs_diff, random_ids
+from zoo import ARCHS, make_caches, max_abs_diff, paged_step, random_ids, scattered_blocks
 
 from rlcli.models import load_model
-from rlcli.ops.attention import ForwardContext, PagedAttention, PagedAttentionMetadata
 
 TOL = 1e-4
-BLOCK_SIZE = 4
-NUM_BLOCKS = 32
-
-
-def make_caches(model, num_blocks: int = NUM_BLOCKS, block_size: int = BLOCK_SIZE, fill: float | None = None):
-    """Per layer (k_cache, v_cache) [num_blocks, block_size, Hkv, D] holding large random garbage
-    (or ``fill``), so that attending to a slot this test never wrote shows up in the logits."""
-    gen = torch.Generator().manual_seed(123)
-
-    def garbage(*shape):
-        return torch.full(shape, fill) if fill is not None else torch.randn(shape, generator=gen) * 100
-
-    return [(garbage(num_blocks, block_size, h, dk), garbage(num_blocks, block_size, h, dv))
-            for h, dk, dv in model.kv_cache_spec()]
-
-
-def paged_step(model, caches, chunks, num_decode: int = 0) -> torch.Tensor:
-    """One engine step. ``chunks`` is a list of (new token ids [t], start position, block table),
-    the first ``num_decode`` of them single decode tokens; returns logits [sum t, V] in chunk order."""
-    ids, positions, slots, query_start, context_lens = [], [], [], [0], []
-    max_blocks = max(len(table) for _, _, table in chunks)
-    tables = torch.full((len(chunks), max_blocks), -1, dtype=torch.long)
-    for i, (new_ids, start, table) in enumerate(chunks):
-        pos = torch.arange(start, start + len(new_ids))
-        ids.append(new_ids)
-        positions.append(pos)
-        slots += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in pos.tolist()]
-        query_start.append(query_start[-1] + len(new_ids))
-        context_lens.append(start + len(new_ids))
-        tables[i, :len(table)] = torch.tensor(table)
-    meta = PagedAttentionMetadata(slot_mapping=torch.tensor(slots), query_start=query_start,
-                                  context_lens=context_lens, block_tables=tables, block_size=BLOCK_SIZE,
-                                  num_decode=num_decode)
-    ctx = ForwardContext(attn=PagedAttention(caches, meta))
-    return model(torch.cat(ids)[None], torch.cat(positions)[None], ctx)[0]
-
-
-def _table(seed: int, n: int) -> list[int]:
-    """A scattered block table: blocks need not be contiguous or ordered."""
-    return torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(seed))[:n].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +20,7 @@ def test_prefill_then_decode_matches_full_forward(arch, models):
     model = models(arch)
     seq = random_ids(model.args.vocab_size, 17, seed=5)
     full = model(seq[None])[0]
-    caches, table = make_caches(model), _table(0, 5)
+    caches, table = make_caches(model), scattered_blocks(0, 5)
     prefill = paged_step(model, caches, [(seq[:11], 0, table)])
     diffs = [max_abs_diff(prefill, full[:11])]
     for p in range(11, 17):
@@ -77,7 +36,7 @@ def test_chunked_prefill_matches_full_forward(arch, models):
     model = models(arch)
     seq = random_ids(model.args.vocab_size, 14, seed=6)
     full = model(seq[None])[0]
-    caches, table = make_caches(model), _table(1, 4)
+    caches, table = make_caches(model), scattered_blocks(1, 4)
     first = paged_step(model, caches, [(seq[:6], 0, table)])
     second = paged_step(model, caches, [(seq[6:], 6, table)])
     diff = max_abs_diff(torch.cat([first, second]), full)
@@ -94,7 +53,7 @@ def test_batched_steps_of_sequences_with_different_lengths(arch, models):
     seqs = [random_ids(V, n + num_decode, seed=10 + i) for i, n in enumerate(lengths)]
     fulls = [model(s[None])[0] for s in seqs]
     caches = make_caches(model)
-    blocks = _table(3, 12)  # disjoint, scattered blocks for each sequence
+    blocks = scattered_blocks(3, 12)  # disjoint, scattered blocks for each sequence
     tables = [blocks[4 * i:4 * i + 4] for i in range(3)]
     prefill = paged_step(model, caches, [(s[:n], 0, t) for s, n, t in zip(seqs, lengths, tables)])
     starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
@@ -113,7 +72,7 @@ def test_mixed_step_decodes_and_prefills_together(arch, models):
     model = models(arch)
     V = model.args.vocab_size
     a, b, c = (random_ids(V, n, seed=30 + i) for i, n in enumerate((8, 5, 7)))
-    blocks = _table(4, 9)
+    blocks = scattered_blocks(4, 9)
     ta, tb, tc = blocks[:3], blocks[3:6], blocks[6:]
     caches = make_caches(model)
     paged_step(model, caches, [(a[:7], 0, ta), (b[:4], 0, tb)])
@@ -130,7 +89,7 @@ def test_decode_reads_the_cache(models):
     seq = random_ids(model.args.vocab_size, 9, seed=8)
     other = random_ids(model.args.vocab_size, 8, seed=9)
     full = model(seq[None])[0]
-    caches, table = make_caches(model), _table(2, 3)
+    caches, table = make_caches(model), scattered_blocks(2, 3)
     paged_step(model, caches, [(other, 0, table)])
     step = paged_step(model, caches, [(seq[8:9], 8, table)], num_decode=1)
     assert torch.isfinite(step).all() and max_abs_diff(step[0], full[8]) > TOL
@@ -145,7 +104,7 @@ def test_batched_decode_ignores_non_finite_values_in_padded_slots(models):
     V = model.args.vocab_size
     short, long = random_ids(V, 3, seed=40), random_ids(V, 9, seed=41)
     caches = make_caches(model, fill=float("nan"))  # unwritten slots hold NaN (a stale, overflowed block)
-    blocks = _table(5, 4)
+    blocks = scattered_blocks(5, 4)
     tables = [blocks[:1], blocks[1:]]
     paged_step(model, caches, [(short[:2], 0, tables[0]), (long[:8], 0, tables[1])])
     step = paged_step(model, caches, [(short[2:], 2, tables[0]), (long[8:], 8, tables[1])], num_decode=2)

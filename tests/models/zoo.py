@@ -10,6 +10,8 @@ mapping error (a transposed, swapped or skipped tensor) changes the logits.
 import torch
 import transformers
 
+from rlcli.ops.attention import ForwardContext, PagedAttention, PagedAttentionMetadata, RoutingContext
+
 _COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=128)
 
@@ -77,3 +79,48 @@ def random_ids(vocab_size: int, *shape: int, seed: int = 0) -> torch.Tensor:
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b|, with NaN counted as infinitely far (so ``max()`` over a list cannot hide it)."""
     return (a - b).abs().nan_to_num(nan=float("inf")).max().item()
+
+
+# ------------------------------------------------------------------------------ paged KV cache
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 32
+
+
+def make_caches(model, num_blocks: int = NUM_BLOCKS, block_size: int = BLOCK_SIZE, fill: float | None = None):
+    """Per layer (k_cache, v_cache) [num_blocks, block_size, Hkv, D] holding large random garbage
+    (or ``fill``), so that attending to a slot this test never wrote shows up in the logits."""
+    gen = torch.Generator().manual_seed(123)
+
+    def garbage(*shape):
+        return torch.full(shape, fill) if fill is not None else torch.randn(shape, generator=gen) * 100
+
+    return [(garbage(num_blocks, block_size, h, dk), garbage(num_blocks, block_size, h, dv))
+            for h, dk, dv in model.kv_cache_spec()]
+
+
+def paged_step(model, caches, chunks, num_decode: int = 0, routing: RoutingContext | None = None) -> torch.Tensor:
+    """One inference-engine step through the paged KV cache. ``chunks`` is a list of (new token
+    ids [t], start position, block table), the first ``num_decode`` of them single decode tokens;
+    returns logits [sum t, V] in chunk order."""
+    ids, positions, slots, query_start, context_lens = [], [], [], [0], []
+    max_blocks = max(len(table) for _, _, table in chunks)
+    tables = torch.full((len(chunks), max_blocks), -1, dtype=torch.long)
+    for i, (new_ids, start, table) in enumerate(chunks):
+        pos = torch.arange(start, start + len(new_ids))
+        ids.append(new_ids)
+        positions.append(pos)
+        slots += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in pos.tolist()]
+        query_start.append(query_start[-1] + len(new_ids))
+        context_lens.append(start + len(new_ids))
+        tables[i, :len(table)] = torch.tensor(table)
+    meta = PagedAttentionMetadata(slot_mapping=torch.tensor(slots), query_start=query_start,
+                                  context_lens=context_lens, block_tables=tables, block_size=BLOCK_SIZE,
+                                  num_decode=num_decode)
+    ctx = ForwardContext(attn=PagedAttention(caches, meta), routing=routing)
+    return model(torch.cat(ids)[None], torch.cat(positions)[None], ctx)[0]
+
+
+def scattered_blocks(seed: int, n: int) -> list[int]:
+    """A scattered block table: blocks need not be contiguous or ordered."""
+    return torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(seed))[:n].tolist()
