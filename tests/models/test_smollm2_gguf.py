@@ -7,13 +7,17 @@ cache as ``generate(do_sample=False)``.
 """
 
 import importlib.util
+import random
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import transformers
 from zoo import make_caches, max_abs_diff, paged_step
 
+from rlcli.config import load_recipe
+from rlcli.envs import make_env, render_prompt
 from rlcli.models import load_model
 from rlcli.models.gguf import convert_gguf, find_packaged_gguf
 from rlcli.models.hf_tokenizer import HFTokenizer
@@ -115,3 +119,19 @@ def test_tokenizer_splits_every_number_character(smollm2):
     for ch in "٣٤٥":
         assert ours.decode(ours.encode(ch)) == ch
     assert ours.encode("٣٤٥") == [i for ch in "٣٤٥" for i in ours.encode(ch)]
+
+
+def test_recipe_fits_the_converted_model(smollm2):
+    """recipes/smollm2-reverse.toml: the longest chat prompt plus the completion budget fits
+    model.max_seq_len, and the KV cache holds one step's batch of such sequences."""
+    recipe = load_recipe(Path(__file__).parents[2] / "recipes" / "smollm2-reverse.toml")
+    assert Path(recipe.model.path).name == smollm2[1].name
+    tokenizer, env = HFTokenizer(smollm2[1]), make_env(recipe.env)
+    rng = random.Random(0)
+    longest = max(len(render_prompt(env.sample_task(rng), tokenizer, recipe.env)) for _ in range(50))
+    seq_len = longest + recipe.orchestrate.sampling.max_tokens
+    assert seq_len <= recipe.model.max_seq_len
+    model = load_model(smollm2[1], device="meta")
+    bytes_per_token = sum(h * (dk + dv) * 4 for h, dk, dv in model.kv_cache_spec())
+    batch = recipe.orchestrate.batch_size * recipe.orchestrate.group_size
+    assert batch * seq_len * bytes_per_token <= recipe.infer.kv_cache_memory_mb << 20
