@@ -106,22 +106,31 @@ class HFTokenizer:
         return {n: c for n in names if (c := _content(cfg.get(n))) is not None}
 
     def _add_missing_tokens(self, cfg: dict[str, Any]) -> None:
+        """Add what transformers adds on load: ``added_tokens_decoder`` entries the file lacks, and
+        every named special token as a special added token (even one that is an ordinary vocabulary
+        entry in the file: it is then matched whole and skipped by ``skip_special_tokens``)."""
         from tokenizers import AddedToken
+
+        def added_token(tok: dict[str, Any], special: bool) -> AddedToken:
+            return AddedToken(tok["content"], single_word=tok.get("single_word", False),
+                              lstrip=tok.get("lstrip", False), rstrip=tok.get("rstrip", False),
+                              normalized=tok.get("normalized", not special), special=special)
 
         decoder = cfg.get("added_tokens_decoder") or {}
         for _, tok in sorted(((int(i), t) for i, t in decoder.items()), key=lambda x: x[0]):
             if self._tok.token_to_id(tok["content"]) is None:
-                self._tok.add_tokens([AddedToken(tok["content"], single_word=tok.get("single_word", False),
-                                                 lstrip=tok.get("lstrip", False), rstrip=tok.get("rstrip", False),
-                                                 normalized=tok.get("normalized", not tok.get("special", False)),
-                                                 special=tok.get("special", False))])
+                self._tok.add_tokens([added_token(tok, tok.get("special", False))])
         extras = cfg.get("additional_special_tokens") or cfg.get("extra_special_tokens") or []
         extras = list(extras.values()) if isinstance(extras, dict) else list(extras)
-        named = list(self.special_tokens.values()) + [_content(t) for t in extras]
-        added = {t.content for t in self._tok.get_added_tokens_decoder().values()}
-        missing = [t for t in dict.fromkeys(named) if t and t not in added and self._tok.token_to_id(t) is None]
-        if missing:
-            self._tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
+        named = [cfg.get(n) for n in self.special_tokens] + extras
+        special = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
+        tokens = {}
+        for t in named:
+            tok = t if isinstance(t, dict) else {"content": t, "normalized": False}
+            if tok.get("content") and tok["content"] not in special:
+                tokens.setdefault(tok["content"], added_token(tok, special=True))
+        if tokens:
+            self._tok.add_special_tokens(list(tokens.values()))
 
     @staticmethod
     def _chat_template(model_dir: Path, cfg: dict[str, Any]) -> str | None:

@@ -11,7 +11,7 @@ import json
 
 import pytest
 import transformers
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from rlcli.errors import ModelLoadError
 from rlcli.models.hf_tokenizer import HFTokenizer
@@ -223,6 +223,24 @@ def test_token_known_only_to_tokenizer_config_is_added(tmp_path):
     ids = ours.encode("<tool_call>", add_special_tokens=False)
     assert len(ids) == 1 and ids == ref.encode("<tool_call>", add_special_tokens=False)
     assert ours.decode(ids, skip_special_tokens=True) == "<tool_call>"  # not special: kept
+
+
+@pytest.mark.parametrize("eos_kind", ["vocabulary_entry", "plain_added_token"])
+def test_named_special_token_becomes_special(eos_kind, tmp_path):
+    """transformers makes every named special token a special added token on load, even an ordinary
+    vocabulary entry ("the" here): it is then matched whole and dropped by skip_special_tokens."""
+    tok = _train([])
+    eos = "the"
+    if eos_kind == "plain_added_token":
+        eos = "<|im_end|>"
+        tok.add_tokens([AddedToken(eos, special=False, normalized=False)])
+    path = _write(tmp_path / "m", tok, {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos})
+    ours, ref = HFTokenizer(path), transformers.AutoTokenizer.from_pretrained(path)
+    for text in [f"a {eos} b", f"x{eos}y", "other"]:
+        ids = ref.encode(text)
+        assert ours.encode(text) == ids, text
+        assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
+    assert ours.eos_token_ids == [ref.eos_token_id]
 
 
 def test_load_tokenizer_dispatch(tmp_path):
