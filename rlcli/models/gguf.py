@@ -23,6 +23,10 @@ import numpy as np
 import torch
 
 from rlcli.errors import ModelLoadError
+from rlcli.models.config import ModelArgs
+from rlcli.models.hf_io import DTYPES, build_model, collect_state_dict
+from rlcli.models.safetensors_io import save_sharded
+from rlcli.transport.atomic import atomic_dir
 
 # GGUF tensor name (after "blk.N.") -> HF module name (after "model.layers.N.").
 _LAYER_TENSORS = {
@@ -49,7 +53,6 @@ _PRE_TOKENIZERS = {
     "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
 }
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _import_gguf():
@@ -94,17 +97,16 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, dtype: str = "fl
     Writes ``model.safetensors`` (weights dequantized to ``dtype``: float32 keeps the
     dequantized values exactly), ``config.json`` (``LlamaForCausalLM``), ``tokenizer.json``,
     ``tokenizer_config.json`` (chat template, special tokens) and ``generation_config.json``.
-    The directory is built under a temporary name and renamed into place; an existing
-    non-empty ``out_dir`` is replaced only with ``overwrite=True``. Raises ModelLoadError
+    The directory is built under a temporary name and renamed into place (with a ``STABLE``
+    marker naming the source); an existing non-empty ``out_dir`` is replaced, as a whole,
+    only with ``overwrite=True``. Raises ModelLoadError
     for a file that is not GGUF, an unsupported architecture or tokenizer, or a missing
     ``gguf`` package.
     """
-    from rlcli.transport.atomic import atomic_dir
-
     gguf = _import_gguf()
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    if dtype not in _DTYPES:
-        raise ModelLoadError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if not gguf_path.is_file():
         raise ModelLoadError(f"GGUF file {gguf_path} does not exist")
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
@@ -116,11 +118,8 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, dtype: str = "fl
     meta = _Metadata(reader, gguf_path)
     hf = _hf_config(meta, reader, dtype)
     tokenizer, tokenizer_config = _tokenizer(meta)
-    tensors = _tensors(reader, hf, gguf_path, _DTYPES[dtype], gguf)
+    tensors = _tensors(reader, hf, gguf_path, DTYPES[dtype], gguf)
     _check_shapes(hf, tensors, gguf_path)
-
-    from rlcli.models.safetensors_io import save_sharded
-
     with atomic_dir(out_dir, {"source": str(gguf_path)}) as tmp:
         save_sharded(tensors, tmp)
         (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
@@ -187,7 +186,9 @@ def _hf_config(meta: _Metadata, reader, dtype: str) -> dict[str, Any]:
     if rope_dim != head_dim:
         raise ModelLoadError(f"{meta.path}: partial rotary (rope.dimension_count {rope_dim} != head dim "
                              f"{head_dim}) is not supported")
-    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embd is None:
+        raise ModelLoadError(f"{meta.path}: no token_embd.weight tensor; the file holds no complete model")
     kv_heads = meta.hparam("attention.head_count_kv", heads)
     if isinstance(kv_heads, list):
         raise ModelLoadError(f"{meta.path}: per-layer KV head counts are not supported")
@@ -279,9 +280,6 @@ def _tensors(reader, hf: dict[str, Any], path: Path, dtype: torch.dtype, gguf) -
 
 def _check_shapes(hf: dict[str, Any], tensors: dict[str, torch.Tensor], path: Path) -> None:
     """Every tensor the config implies is there with its shape (raises ModelLoadError naming it)."""
-    from rlcli.models.config import ModelArgs
-    from rlcli.models.hf_io import build_model, collect_state_dict
-
     model = build_model(ModelArgs.from_hf(hf), materialize=False)
     collect_state_dict(model, tensors.items(), str(path), torch.float32)
 

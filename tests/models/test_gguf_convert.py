@@ -70,7 +70,8 @@ def _store(writer, name: str, w: torch.Tensor, qtype) -> None:
         writer.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
 
 
-def write_llama_gguf(path, tied: bool, arch: str = "llama", tokenizer_model: str = "gpt2"):
+def write_llama_gguf(path, tied: bool = True, arch: str = "llama", tokenizer_model: str = "gpt2",
+                     pre: str = "smollm"):
     """A tiny random Llama as llama.cpp would write it; returns the HF model it came from."""
     tok = _smollm_tokenizer()
     vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
@@ -102,7 +103,7 @@ def write_llama_gguf(path, tied: bool, arch: str = "llama", tokenizer_model: str
     w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
     w.add_vocab_size(len(tokens))
     w.add_tokenizer_model(tokenizer_model)
-    w.add_tokenizer_pre("smollm")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
     w.add_token_merges(merges)
@@ -218,6 +219,18 @@ def test_digits_are_split_one_by_one(converted):
     assert ours.encode("12") != [ours.vocab_size - 1]
 
 
+@pytest.mark.parametrize("pre", ["default", "llama-bpe"])
+def test_other_pre_tokenizers_match_transformers(pre, tmp_path):
+    """GPT-2's split (digits grouped) and Llama 3's (digits in threes): the "12" merge applies."""
+    path = tmp_path / "m.gguf"
+    write_llama_gguf(path, pre=pre)
+    ours = HFTokenizer(convert_gguf(path, tmp_path / "out"))
+    ref = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    for text in ["x12345 and 1234567", "  The year 2024!\n\n", "it's 12 o'clock, isn't it?"]:
+        assert ours.encode(text) == ref.encode(text), text
+    assert ours.vocab_size - 1 in ours.encode("12")
+
+
 # ------------------------------------------------------------------------------ errors
 
 
@@ -231,13 +244,14 @@ def test_not_a_gguf_file(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("arch,tokenizer_model,message", [
-    ("qwen2", "gpt2", "GGUF architecture 'qwen2' is not supported"),
-    ("llama", "llama", "tokenizer model 'llama' is not supported"),
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(arch="qwen2"), "GGUF architecture 'qwen2' is not supported"),
+    (dict(tokenizer_model="llama"), "tokenizer model 'llama' is not supported"),
+    (dict(pre="qwen2"), "pre-tokenizer 'qwen2' is not supported"),
 ])
-def test_unsupported_file_is_refused_before_writing(arch, tokenizer_model, message, tmp_path):
+def test_unsupported_file_is_refused_before_writing(kwargs, message, tmp_path):
     path = tmp_path / "m.gguf"
-    write_llama_gguf(path, tied=True, arch=arch, tokenizer_model=tokenizer_model)
+    write_llama_gguf(path, **kwargs)
     with pytest.raises(ModelLoadError, match=message):
         convert_gguf(path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
