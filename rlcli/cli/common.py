@@ -40,6 +40,10 @@ def open_run(cfg, command: str):
     from rlcli.config import dump_toml, to_dict
     from rlcli.transport.rundir import RunDir
 
+    if command in ("train", "orchestrate", "up"):
+        from rlcli.models.config import ModelArgs
+
+        ModelArgs.from_dir(cfg.model.path)  # fail early, in one line, on a missing model directory
     run = RunDir(cfg.run_dir)
     model = to_dict(cfg.model)
     model["path"] = os.path.abspath(model["path"]) if model["path"] else ""

@@ -85,6 +85,8 @@ class ModelArgs:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelArgs":
+        if not str(path):
+            raise ModelLoadError("model.path is not set; set [model] path in the recipe or pass --model.path DIR")
         path = Path(path)
         if not path.is_dir():
             raise ModelLoadError(f"model directory {path} does not exist; check model.path")

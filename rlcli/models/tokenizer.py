@@ -62,7 +62,11 @@ class ByteTokenizer:
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
+    if not str(model_dir):
+        raise ModelLoadError("model.path is not set; set [model] path in the recipe or pass --model.path DIR")
     model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"model directory {model_dir} does not exist; check model.path")
     cfg_path = model_dir / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
     if cfg.get("tokenizer_class") == "ByteTokenizer":

@@ -129,8 +129,11 @@ class PagedAttention:
             slots = blocks * meta.block_size + (pos % meta.block_size)[None]
             meta._decode_gather = (slots, pos[None] < lens[:, None])
         slots, valid = meta._decode_gather
-        k = k_cache.view(-1, *k_cache.shape[2:])[slots]  # [S, L, H, D]
-        v = v_cache.view(-1, *v_cache.shape[2:])[slots]
+        # Padding slots are masked, but a masked score still multiplies its value: zero them so
+        # stale non-finite cache contents cannot leak into other sequences (0 * NaN = NaN).
+        keep = valid[:, :, None, None]
+        k = k_cache.view(-1, *k_cache.shape[2:])[slots].masked_fill(~keep, 0)  # [S, L, H, D]
+        v = v_cache.view(-1, *v_cache.shape[2:])[slots].masked_fill(~keep, 0)
         out = _sdpa(q_SHD[:, :, None], k.transpose(1, 2), v.transpose(1, 2), scale, mask=valid[:, None, None, :])
         return out[:, :, 0]
 

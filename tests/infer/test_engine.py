@@ -1,0 +1,185 @@
+import pytest
+import torch
+
+from rlcli.infer.block_manager import BlockManager
+from rlcli.infer.engine import NativeEngine
+from rlcli.models import load_model, save_model
+from rlcli.protocol import GenerateRequest, SamplingParams
+
+
+@pytest.fixture
+def model(tiny_model_dir):
+    return load_model(tiny_model_dir, seed=1)
+
+
+def run_all(engine: NativeEngine) -> dict:
+    out = {}
+    while engine.has_work():
+        for r in engine.step():
+            out[r.request_id] = r
+    return out
+
+
+@torch.no_grad()
+def greedy_reference(model, prompt, n):
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def prompts(k, start=10):
+    return [[256] + list(range(start + i, start + 9 + 3 * i)) for i in range(k)]
+
+
+@pytest.mark.parametrize("kwargs", [
+    {},  # plenty of memory
+    {"kv_cache_memory_mb": 0.03, "block_size": 4},  # forces preemption and recompute
+    {"max_num_batched_tokens": 8, "block_size": 4},  # chunked prefill
+    {"max_num_seqs": 2},
+])
+def test_greedy_matches_full_forward(model, kwargs):
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=128, **kwargs)
+    ps = prompts(6)
+    for i, p in enumerate(ps):
+        engine.add_request(GenerateRequest(request_id=str(i), prompt_ids=p,
+                                           sampling=SamplingParams(temperature=0.0, max_tokens=10, n=1 + i % 3)))
+    out = run_all(engine)
+    assert sorted(out) == [str(i) for i in range(6)]
+    for rid, resp in out.items():
+        ref = greedy_reference(model, ps[int(rid)], 10)
+        assert len(resp.completions) == 1 + int(rid) % 3
+        for c in resp.completions:
+            assert c.token_ids == ref and c.finish_reason == "length" and c.versions == [0] * 10
+    if "kv_cache_memory_mb" in kwargs:
+        assert engine.stats["num_preemptions"] > 0
+    assert engine.blocks.num_available == engine.blocks.num_blocks  # every block came back
+
+
+def test_logprobs_are_of_the_temperature_scaled_policy(model):
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=128)
+    prompt = [256, 5, 6, 7]
+    engine.add_request(GenerateRequest(request_id="s", prompt_ids=prompt,
+                                       sampling=SamplingParams(temperature=0.7, top_p=0.9, max_tokens=8, n=3)))
+    resp = run_all(engine)["s"]
+    for c in resp.completions:
+        ids = prompt + c.token_ids
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([ids]))[0].float() / 0.7, -1)
+        ref = [lp[len(prompt) - 1 + j, t].item() for j, t in enumerate(c.token_ids)]
+        assert max(abs(a - b) for a, b in zip(ref, c.logprobs)) < 1e-4
+
+
+def test_seeded_requests_reproduce_whatever_the_batch(model):
+    def sample(with_others: bool):
+        engine = NativeEngine(model, eos_token_ids=[], max_model_len=128, seed=123 if with_others else 7)
+        if with_others:
+            for i, p in enumerate(prompts(3, start=40)):
+                engine.add_request(GenerateRequest(request_id=f"o{i}", prompt_ids=p,
+                                                   sampling=SamplingParams(max_tokens=6, n=2)))
+        engine.add_request(GenerateRequest(request_id="x", prompt_ids=[256, 1, 2, 3],
+                                           sampling=SamplingParams(max_tokens=12, n=2, seed=99)))
+        return [c.token_ids for c in run_all(engine)["x"].completions]
+
+    assert sample(False) == sample(True)
+
+
+def test_stop_tokens_and_eos(model):
+    ref = greedy_reference(model, [256, 1, 2], 8)
+    stop = ref[3]
+    engine = NativeEngine(model, eos_token_ids=[stop], max_model_len=128)
+    engine.add_request(GenerateRequest(request_id="eos", prompt_ids=[256, 1, 2],
+                                       sampling=SamplingParams(temperature=0, max_tokens=8)))
+    engine.add_request(GenerateRequest(request_id="ignore", prompt_ids=[256, 1, 2],
+                                       sampling=SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)))
+    engine.add_request(GenerateRequest(request_id="stop", prompt_ids=[256, 1, 2],
+                                       sampling=SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                               stop_token_ids=[ref[1]])))
+    out = run_all(engine)
+    first = ref.index(stop)
+    assert out["eos"].completions[0].token_ids == ref[:first + 1]
+    assert out["eos"].completions[0].finish_reason == "stop"
+    assert out["ignore"].completions[0].token_ids == ref
+    assert out["stop"].completions[0].token_ids == ref[:ref.index(ref[1]) + 1]
+
+
+def test_max_model_len_ends_a_completion(model):
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=12)
+    engine.add_request(GenerateRequest(request_id="r", prompt_ids=[256] + list(range(1, 9)),
+                                       sampling=SamplingParams(max_tokens=50)))
+    c = run_all(engine)["r"].completions[0]
+    assert len(c.token_ids) == 3 and c.finish_reason == "length"
+
+
+def test_bad_requests_are_rejected(model):
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=16)
+    for prompt, match in [([], "empty"), (list(range(20)), "max_model_len"), ([100000], r"\[0, 259\)")]:
+        with pytest.raises(ValueError, match=match):
+            engine.add_request(GenerateRequest(request_id="b", prompt_ids=prompt))
+
+
+def test_prefix_cache_is_salted(model):
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=128, block_size=4)
+    prompt = [256] + list(range(1, 30))
+    sp = SamplingParams(temperature=0, max_tokens=2)
+
+    def cached(rid, salt):
+        engine.add_request(GenerateRequest(request_id=rid, prompt_ids=prompt, sampling=sp, cache_salt=salt))
+        return run_all(engine)[rid]
+
+    first = cached("a", "v0")
+    assert first.num_cached_tokens == 0
+    again = cached("b", "v0")
+    assert again.num_cached_tokens == 28  # 7 full blocks; the last token always runs
+    assert again.completions[0].token_ids == first.completions[0].token_ids
+    assert cached("c", "v1").num_cached_tokens == 0  # new policy version: no stale KV
+
+
+def test_in_flight_weight_update_keeps_requests_running(model, tiny_model_dir, tmp_path):
+    other = load_model(tiny_model_dir, seed=2)
+    save_model(other, tmp_path / "v1")
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=128)
+    engine.add_request(GenerateRequest(request_id="r", prompt_ids=[256, 1, 2, 3],
+                                       sampling=SamplingParams(temperature=0, max_tokens=12, n=2)))
+    for _ in range(5):
+        assert engine.step() == []
+    engine.load_weights(tmp_path / "v1", version=1)
+    resp = run_all(engine)["r"]
+    for c in resp.completions:
+        assert len(c.token_ids) == 12
+        assert c.versions == [0] * 5 + [1] * 7  # tokens say which policy sampled them
+    # The new weights really are in use: the logprobs of the tokens sampled before the swap
+    # are the old model's, those after it are not.
+    ids = [256, 1, 2, 3] + resp.completions[0].token_ids
+    old_model = load_model(tiny_model_dir, seed=1)  # `model` itself now holds the new weights
+    with torch.no_grad():
+        old_lp = torch.log_softmax(old_model(torch.tensor([ids]))[0].float(), -1)
+    old = [old_lp[3 + j, t].item() for j, t in enumerate(resp.completions[0].token_ids)]
+    diffs = [abs(a - b) for a, b in zip(old, resp.completions[0].logprobs)]
+    assert max(diffs[:5]) < 1e-4 and min(diffs[5:]) > 1e-3
+
+
+def test_abort_frees_blocks(model):
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=128)
+    engine.add_request(GenerateRequest(request_id="r", prompt_ids=[256, 1, 2, 3],
+                                       sampling=SamplingParams(max_tokens=50, n=3)))
+    engine.step()
+    engine.step()
+    assert engine.abort("r") and not engine.has_work()
+    assert engine.blocks.num_available == engine.blocks.num_blocks
+
+
+def test_block_manager_lru_and_refcounts():
+    bm = BlockManager(num_blocks=3, block_size=2)
+    hashes = bm.block_hashes([1, 2, 3, 4, 5], "s")
+    assert len(hashes) == 2 and bm.block_hashes([1, 2, 3, 4], "t")[0] != hashes[0]
+    a, b = bm.allocate(), bm.allocate()
+    bm.register(a, hashes[0])
+    bm.register(b, hashes[1])
+    bm.release([a, b])  # both cached, evictable
+    assert bm.num_available == 3
+    assert bm.match_prefix(hashes) == [a, b] and bm.num_available == 1
+    bm.release([a, b])
+    c, d = bm.allocate(), bm.allocate()  # the free block first, then the LRU cached one (a)
+    assert c not in (a, b) and d == a
+    assert bm.match_prefix(hashes) == []  # a's content is gone, so the chain breaks at once

@@ -1,0 +1,43 @@
+import torch
+
+from rlcli.ops.sampling import sample
+
+
+def test_greedy_rows_and_sampled_rows_in_one_batch():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [0.0, 5.0, 1.0]])
+    tokens, lps = sample(logits, torch.tensor([0.0, 1.0]), torch.tensor([1.0, 1.0]),
+                         torch.Generator().manual_seed(0))
+    assert tokens[0].item() == 1
+    assert torch.allclose(lps[0], torch.log_softmax(logits[0], -1)[1])
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().expand(20000, 4).contiguous()
+    tokens, _ = sample(logits, torch.ones(20000), torch.ones(20000), torch.Generator().manual_seed(0))
+    freq = torch.bincount(tokens, minlength=4).float() / 20000
+    assert torch.allclose(freq, probs, atol=0.015)
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().expand(5000, 4).contiguous()
+    tokens, lps = sample(logits, torch.ones(5000), torch.full((5000,), 0.75), torch.Generator().manual_seed(0))
+    assert set(tokens.tolist()) == {0, 1}  # 0.5 + 0.3 reaches 0.75
+    # logprobs are reported before truncation
+    assert torch.allclose(lps, probs.log()[tokens])
+
+
+def test_temperature_sharpens():
+    logits = torch.tensor([[2.0, 1.0, 0.0]]).expand(4000, 3).contiguous()
+    cold, _ = sample(logits, torch.full((4000,), 0.25), torch.ones(4000), torch.Generator().manual_seed(0))
+    hot, _ = sample(logits, torch.full((4000,), 4.0), torch.ones(4000), torch.Generator().manual_seed(0))
+    assert (cold == 0).float().mean() > 0.95 > (hot == 0).float().mean()
+
+
+def test_row_generators_make_rows_independent_of_the_batch():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(3))
+    temp, top_p = torch.ones(3), torch.ones(3)
+    a, _ = sample(logits, temp, top_p, torch.Generator().manual_seed(1), {2: torch.Generator().manual_seed(9)})
+    b, _ = sample(logits, temp, top_p, torch.Generator().manual_seed(2), {2: torch.Generator().manual_seed(9)})
+    assert a[2] == b[2]

@@ -1,0 +1,112 @@
+"""The commands as a user types them: help, exit codes, one-line errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from procs import write_recipe
+
+COMMANDS = {"rl-infer": "rlcli.cli.infer", "rl-train": "rlcli.cli.train", "rl-sync": "rlcli.cli.sync",
+            "rl-cache": "rlcli.cli.cache", "rl-orchestrate": "rlcli.cli.orchestrate"}
+
+
+def cli(module: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def one_line_error(out: subprocess.CompletedProcess, code: int, *needles: str) -> None:
+    assert out.returncode == code, (out.returncode, out.stderr)
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "error:" in lines[0] and "Traceback" not in out.stderr, out.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("module", COMMANDS.values())
+def test_help_is_light(module):
+    """--help works and never imports torch (it must stay fast)."""
+    code = (f"import sys; from {module} import app; import typer\n"
+            "from typer.testing import CliRunner\n"
+            "r = CliRunner().invoke(app, ['--help'])\n"
+            "assert r.exit_code == 0, r.output\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def test_print_config_writes_toml_to_stdout(tmp_path, tiny_model_dir):
+    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, tmp_path / "run")
+    out = cli("rlcli.cli.train", "--config", str(recipe), "--steps", "7", "--train.optim.lr", "0.5",
+              "--print-config")
+    assert out.returncode == 0, out.stderr
+    import tomllib
+
+    tree = tomllib.loads(out.stdout)
+    assert tree["num_steps"] == 7 and tree["train"]["optim"]["lr"] == 0.5
+    assert not (tmp_path / "run").exists()  # printing the config touches nothing
+
+
+def test_unknown_recipe_key(tmp_path, tiny_model_dir):
+    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, tmp_path / "run", train={"learning_rate": 1})
+    one_line_error(cli("rlcli.cli.train", "--config", str(recipe)), 2, "unknown key 'train.learning_rate'")
+
+
+def test_unknown_option(tmp_path, tiny_model_dir):
+    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, tmp_path / "run")
+    one_line_error(cli("rlcli.cli.orchestrate", "run", "--config", str(recipe), "--bogus", "1"), 2, "--bogus")
+
+
+@pytest.mark.parametrize("module, args", [("rlcli.cli.train", []), ("rlcli.cli.orchestrate", ["run"]),
+                                          ("rlcli.cli.orchestrate", ["up"])])
+def test_missing_model_directory(tmp_path, tiny_model_dir, module, args):
+    recipe = write_recipe(tmp_path / "r.toml", tmp_path / "nope", tmp_path / "run")
+    if args == ["up"]:
+        out = cli(module, "up", str(recipe))
+    else:
+        out = cli(module, *args, "--config", str(recipe))
+    one_line_error(out, 2, "model directory", "nope", "model.path")
+    assert not (tmp_path / "run").exists()
+
+
+def test_unreachable_peers(tmp_path, tiny_model_dir):
+    one_line_error(cli("rlcli.cli.cache", "stats", "--connect", "tcp://127.0.0.1:9", "--timeout", "1"), 1,
+                   "cannot reach rl-cache at tcp://127.0.0.1:9")
+    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, tmp_path / "run")
+    one_line_error(cli("rlcli.cli.orchestrate", "run", "--config", str(recipe), "--connect", "tcp://127.0.0.1:9"),
+                   1, "cannot reach rl-infer at tcp://127.0.0.1:9")
+    one_line_error(cli("rlcli.cli.infer", "generate", "hello", "--run-dir", str(tmp_path / "empty")), 1,
+                   "no live rl-infer")
+
+
+def test_run_directory_of_another_recipe(tmp_path, tiny_model_dir):
+    run_dir = tmp_path / "run"
+    first = write_recipe(tmp_path / "a.toml", tiny_model_dir, run_dir)
+    assert cli("rlcli.cli.orchestrate", "run", "--config", str(first), "--steps", "1",
+               "--connect", "tcp://127.0.0.1:9").returncode == 1  # claims the run directory, then fails
+    other = write_recipe(tmp_path / "b.toml", tiny_model_dir, run_dir, top={"name": "other"})
+    one_line_error(cli("rlcli.cli.train", "--config", str(other)), 2, "belongs to recipe 'e2e'", "--run-dir")
+
+
+def test_status_reports_a_run(tmp_path, tiny_model_dir):
+    one_line_error(cli("rlcli.cli.orchestrate", "status", str(tmp_path)), 2, "not a run directory")
+
+
+def test_debug_env_shows_traceback(tmp_path, tiny_model_dir):
+    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, tmp_path / "run", train={"learning_rate": 1})
+    out = subprocess.run([sys.executable, "-m", "rlcli.cli.train", "--config", str(recipe)], capture_output=True,
+                         text=True, env={**__import__("os").environ, "RLCLI_DEBUG": "1"})
+    assert out.returncode != 0 and "Traceback" in out.stderr
+
+
+def test_sft_command_writes_a_loadable_model(tmp_path, tiny_model_dir):
+    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, tmp_path / "run", train={"sft": {"batch_size": 8}})
+    out = cli("rlcli.cli.train", "sft", "--config", str(recipe), "--steps", "3", "--out", str(tmp_path / "sft"))
+    assert out.returncode == 0, out.stderr
+    from rlcli.models import load_model
+
+    model = load_model(tmp_path / "sft")
+    assert (tmp_path / "sft" / "STABLE").is_file() and model.args.vocab_size == 259
+    assert json.loads((tmp_path / "sft" / "tokenizer_config.json").read_text())["tokenizer_class"] == "ByteTokenizer"

@@ -1,0 +1,116 @@
+import ast
+import inspect
+import tomllib
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from rlcli.config import RecipeConfig, dump_toml, load_recipe, to_dict
+from rlcli.config.load import parse_overrides
+from rlcli.errors import ConfigError
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPES = sorted((REPO / "recipes").glob("*.toml"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_every_recipe_parses(recipe):
+    cfg = load_recipe(recipe)
+    assert cfg.name
+
+
+def test_there_are_recipes():
+    assert any(p.name == "reverse.toml" for p in RECIPES)
+
+
+def _config_structs():
+    import rlcli.config.env as env
+    import rlcli.config.infer as infer
+    import rlcli.config.model as model
+    import rlcli.config.orchestrate as orch
+    import rlcli.config.recipe as recipe
+    import rlcli.config.services as services
+    import rlcli.config.train as train
+
+    for module in (env, infer, model, orch, recipe, services, train):
+        for obj in vars(module).values():
+            if isinstance(obj, type) and issubclass(obj, msgspec.Struct) and obj.__module__ == module.__name__:
+                yield obj
+
+
+def test_every_config_field_has_a_docstring():
+    missing = []
+    for cls in _config_structs():
+        tree = ast.parse(inspect.getsource(cls))
+        body = tree.body[0].body
+        for i, node in enumerate(body):
+            if isinstance(node, ast.AnnAssign):
+                nxt = body[i + 1] if i + 1 < len(body) else None
+                if not (isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)):
+                    missing.append(f"{cls.__name__}.{node.target.id}")
+    assert not missing, f"fields without a docstring: {missing}"
+
+
+def test_config_package_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, rlcli.config, rlcli.protocol; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["--train.optim.lrr", "1"], "unknown key 'train.optim.lrr'"),
+    (["--bogus.key", "1"], "unknown key 'bogus'"),
+    (["--model.dtype", "int3"], "model.dtype"),
+    (["--num_steps", "many"], "num_steps"),
+    (["--env.name", "chess"], "env.name"),
+    (["--orchestrate.max_async", "1", "--orchestrate.max_off_policy_steps", "3"], "max_off_policy_steps"),
+    (["--orchestrate.sampling.temperature", "0"], "temperature"),
+    (["--model.max_seq_len", "64", "--train.micro_batch_tokens", "32"], "micro_batch_tokens"),
+])
+def test_bad_values_name_the_key(overrides, expected):
+    with pytest.raises(ConfigError) as e:
+        load_recipe(None, {}, parse_overrides(overrides))
+    assert expected in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_unknown_key_in_recipe_file(tmp_path):
+    p = tmp_path / "x.toml"
+    p.write_text('name = "x"\n[train]\nmicro_batch_tokenz = 3\n')
+    with pytest.raises(ConfigError, match=r"x.toml: unknown key 'train.micro_batch_tokenz'"):
+        load_recipe(p)
+
+
+def test_precedence_file_then_flags_then_overrides(tmp_path):
+    p = tmp_path / "x.toml"
+    p.write_text('name = "x"\nnum_steps = 3\n[train.optim]\nlr = 0.1\n')
+    cfg = load_recipe(p, {"num_steps": 5, "train.optim.lr": None}, parse_overrides(["--train.optim.lr=0.2"]))
+    assert cfg.num_steps == 5 and cfg.train.optim.lr == 0.2
+    assert cfg.run_dir == "runs/x"
+
+
+def test_override_values_are_toml_literals():
+    o = parse_overrides(["--a.b", "3", "--a.c", "true", "--a.d", "[1, 2]", "--a.e", "hello", "--a.f", "-1"])
+    assert o == {"a.b": 3, "a.c": True, "a.d": [1, 2], "a.e": "hello", "a.f": -1}
+
+
+def test_flag_without_dot_is_rejected():
+    with pytest.raises(ConfigError, match="no such option --lr"):
+        parse_overrides(["--lr", "1"])
+
+
+def test_dump_toml_round_trips():
+    cfg = load_recipe(REPO / "recipes" / "reverse.toml")
+    text = dump_toml(to_dict(cfg))
+    again = msgspec.convert(tomllib.loads(text), RecipeConfig)
+    assert again == cfg
+
+
+def test_off_policy_bound_defaults_to_max_async():
+    cfg = load_recipe(None, {"orchestrate.max_async": 2})
+    assert cfg.orchestrate.off_policy_bound == 2
+    cfg = load_recipe(None, {"orchestrate.max_async": 2, "orchestrate.max_off_policy_steps": 1})
+    assert cfg.orchestrate.off_policy_bound == 1

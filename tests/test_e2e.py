@@ -1,0 +1,89 @@
+"""The whole loop as separate processes: off-policy bounds, any start order, restarts."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from procs import Procs, progress, read_jsonl, wait_until, write_recipe
+from rlcli.protocol.batch import decode_batch
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def batch_versions(run_dir, step) -> np.ndarray:
+    """Policy versions of every completion token of batch ``step``."""
+    batch = decode_batch((run_dir / "rollouts" / f"step_{step}" / "0.msgpack").read_bytes())
+    v = np.concatenate([mb.versions.numpy() for mb in batch.micro_batches])
+    return v[v >= 0]
+
+
+def run_up(recipe, *args, timeout=240):
+    return subprocess.run([sys.executable, "-m", "rlcli.cli.orchestrate", "up", str(recipe), "--no-plot", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_max_async_0_is_exactly_synchronous(tmp_path, tiny_model_dir):
+    run_dir = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, run_dir)
+    out = run_up(recipe, "--max-async", "0", "--steps", "5")
+    assert out.returncode == 0, out.stderr[-3000:]
+    for step in range(1, 6):
+        versions = batch_versions(run_dir, step)
+        assert len(versions) and (versions == step - 1).all(), f"batch {step} has versions {set(versions)}"
+    train = read_jsonl(run_dir / "metrics" / "train.jsonl")
+    assert [m["step"] for m in train] == [1, 2, 3, 4, 5]
+    assert all(m["min_version"] == m["max_version"] == m["step"] - 1 for m in train)
+
+
+def test_max_async_bounds_off_policy_lag(tmp_path, tiny_model_dir):
+    run_dir = tmp_path / "run"
+    # Long-tailed completion lengths make the asynchrony visible.
+    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, run_dir,
+                          env={"name": "longtail", "median_tokens": 6, "sigma": 1.0, "max_tokens": 40},
+                          model={"max_seq_len": 64})
+    out = run_up(recipe, "--max-async", "2", "--steps", "8")
+    assert out.returncode == 0, out.stderr[-3000:]
+    lags = []
+    for step in range(1, 9):
+        versions = batch_versions(run_dir, step)
+        lags.append(int(step - 1 - versions.min()))
+        assert versions.max() <= step - 1  # a batch never holds tokens of a policy it trains into
+    assert max(lags) <= 2, lags
+    assert max(lags) >= 1, f"the run never went off-policy: {lags}"
+    orch = read_jsonl(run_dir / "metrics" / "orchestrate.jsonl")
+    assert all(m["off_policy_lag_max"] <= 2 for m in orch)
+
+
+def test_processes_start_in_any_order_and_restart_alone(tmp_path, tiny_model_dir):
+    run_dir = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, run_dir, top={"num_steps": 14},
+                          orchestrate={"max_async": 1})
+    procs = Procs(tmp_path / "logs")
+    try:
+        # Reverse of the natural order: the orchestrator and the server wait for the others.
+        procs.start("orchestrate", recipe)
+        procs.start("infer-0", recipe, "--id", "0")
+        procs.start("sync", recipe)
+        procs.start("train", recipe)
+        wait_until(lambda: progress(run_dir, "train") >= 3, 120, "trainer step 3", procs)
+
+        procs.kill("infer-0")  # SIGKILL: in-flight requests die with it
+        procs.start("infer-0", recipe, "--id", "0")
+        reached = progress(run_dir, "train")
+        wait_until(lambda: progress(run_dir, "train") >= reached + 3, 120, "progress after rl-infer restart",
+                   procs)
+
+        procs.kill("train")
+        procs.start("train", recipe)
+        assert procs.wait("train", 180) == 0, procs.logs()
+        assert procs.wait("orchestrate", 60) == 0, procs.logs()
+    finally:
+        procs.stop_all()
+    train = read_jsonl(run_dir / "metrics" / "train.jsonl")
+    assert {m["step"] for m in train} == set(range(1, 15))
+    assert all(m["off_policy_lag"] <= 1 for m in train)
+    logs = procs.logs()
+    assert "resumed from checkpoint" in logs
+    assert (run_dir / "weights" / "step_14" / "STABLE").is_file()

@@ -1,0 +1,100 @@
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rlcli.errors import RunDirError
+from rlcli.transport.atomic import (
+    atomic_dir, atomic_write_json, clean_temporaries, is_stable, read_json, read_marker, remove_dir,
+)
+from rlcli.transport.rundir import RunDir
+
+
+def test_atomic_dir_marks_only_complete_directories(tmp_path):
+    final = tmp_path / "weights" / "step_1"
+    with pytest.raises(RuntimeError):
+        with atomic_dir(final) as tmp:
+            (tmp / "a.bin").write_bytes(b"half")
+            raise RuntimeError("crash while writing")
+    assert not final.exists() and not is_stable(final)
+    assert list((tmp_path / "weights").iterdir()) == []  # the temporary is gone too
+    with atomic_dir(final, {"step": 1}) as tmp:
+        (tmp / "a.bin").write_bytes(b"whole")
+    assert is_stable(final) and read_marker(final)["step"] == 1
+    assert (final / "a.bin").read_bytes() == b"whole"
+
+
+def test_atomic_dir_replaces_an_existing_directory(tmp_path):
+    final = tmp_path / "step_3"
+    with atomic_dir(final) as tmp:
+        (tmp / "old").write_text("1")
+    with atomic_dir(final) as tmp:
+        (tmp / "new").write_text("2")
+    assert sorted(p.name for p in final.iterdir()) == ["STABLE", "new"]
+    assert [p.name for p in tmp_path.iterdir()] == ["step_3"]
+
+
+def test_remove_dir_unmarks_first(tmp_path):
+    with atomic_dir(tmp_path / "d") as tmp:
+        (tmp / "x").write_text("1")
+    remove_dir(tmp_path / "d")
+    assert not (tmp_path / "d").exists()
+
+
+def test_clean_temporaries_keeps_those_of_live_writers(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    (tmp_path / f".step_1.tmp-{dead}").mkdir()
+    (tmp_path / f".step_2.tmp-{os.getppid()}").mkdir()  # our parent is alive
+    (tmp_path / "step_0").mkdir()
+    clean_temporaries(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".step_2.tmp-{os.getppid()}", "step_0"]
+
+
+def test_atomic_json(tmp_path):
+    atomic_write_json(tmp_path / "p.json", {"a": 1})
+    assert read_json(tmp_path / "p.json") == {"a": 1}
+    assert read_json(tmp_path / "missing.json", "default") == "default"
+    assert [p.name for p in tmp_path.iterdir()] == ["p.json"]
+
+
+def test_run_dir_refuses_another_recipe(tmp_path):
+    run = RunDir(tmp_path / "run")
+    run.claim("reverse", {"model": {"path": "/m"}, "env": {"name": "reverse"}})
+    run.claim("reverse", {"model": {"path": "/m"}, "env": {"name": "reverse"}})  # same recipe: fine
+    with pytest.raises(RunDirError, match="belongs to recipe 'reverse'"):
+        run.claim("other", {"model": {"path": "/m"}, "env": {"name": "reverse"}})
+    with pytest.raises(RunDirError, match="model or environment"):
+        run.claim("reverse", {"model": {"path": "/other"}, "env": {"name": "reverse"}})
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["name"] == "reverse"
+
+
+def test_stable_steps_ignore_incomplete(tmp_path):
+    run = RunDir(tmp_path)
+    for step in (0, 1, 2):
+        with atomic_dir(run.weights_dir(step)):
+            pass
+    run.weights_dir(3).mkdir()  # renamed into place but never marked
+    (run.root / "weights" / ".step_4.tmp-1").mkdir()
+    assert run.stable_steps("weights") == [0, 1, 2]
+    assert run.latest_stable("weights") == 2 and run.latest_stable("rollouts") is None
+
+
+def test_resolve_weights_follows_source_marker(tmp_path):
+    run = RunDir(tmp_path)
+    with atomic_dir(run.weights_dir(0), {"source": "/models/base"}):
+        pass
+    with atomic_dir(run.weights_dir(1)):
+        pass
+    assert str(run.resolve_weights(0)) == "/models/base"
+    assert run.resolve_weights(1) == run.weights_dir(1)
+
+
+def test_metrics_skip_a_partial_last_line(tmp_path):
+    run = RunDir(tmp_path)
+    run.append_metrics("train", {"step": 1})
+    with open(run.metrics_file("train"), "a") as f:
+        f.write('{"step": 2, "lo')
+    assert run.read_metrics("train") == [{"step": 1}]

@@ -1,0 +1,89 @@
+import threading
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from rlcli.errors import PeerUnreachable
+from rlcli.protocol import ErrorReply, HealthRequest, HealthResponse, PolicyUpdated
+from rlcli.transport.registry import Registration, list_entries, read_entry
+from rlcli.transport.zmq import Publisher, RpcClient, RpcServer, Subscriber, context
+
+
+def _serve(server: RpcServer, stop: threading.Event):
+    while not stop.is_set():
+        item = server.recv(20)
+        if item:
+            identity, msg = item
+            server.reply(identity, HealthResponse(request_id=msg.request_id, role="test", version=7))
+
+
+def test_request_reply_and_malformed_messages():
+    server = RpcServer()
+    stop = threading.Event()
+    t = threading.Thread(target=_serve, args=(server, stop), daemon=True)
+    t.start()
+    client = RpcClient(server.endpoint)
+    try:
+        reply = client.call(HealthRequest(request_id="a"), timeout_s=5)
+        assert isinstance(reply, HealthResponse) and reply.version == 7
+        # Garbage gets an ErrorReply and the server keeps serving.
+        raw = context().socket(zmq.DEALER)
+        raw.connect(server.endpoint)
+        raw.send(b"\x81\xa4type\xa3bad")
+        raw.send(msgspec.msgpack.encode({"type": "health", "protocol": 99, "request_id": "old"}))
+        assert raw.poll(5000)
+        first = msgspec.msgpack.decode(raw.recv())
+        assert first["type"] == "error"
+        assert raw.poll(5000)
+        second = msgspec.msgpack.decode(raw.recv())
+        assert second["type"] == "error" and second["request_id"] == "old" and "protocol" in second["message"]
+        raw.close(linger=0)
+        assert isinstance(client.call(HealthRequest(request_id="b"), timeout_s=5), HealthResponse)
+    finally:
+        stop.set()
+        t.join()
+        client.close()
+        server.close()
+
+
+def test_unreachable_peer_fails_fast():
+    client = RpcClient("tcp://127.0.0.1:9")  # nothing listens on the discard port
+    t0 = time.monotonic()
+    with pytest.raises(PeerUnreachable, match="cannot reach rl-infer"):
+        client.call(HealthRequest(request_id="x"), timeout_s=0.5, peer="rl-infer")
+    assert time.monotonic() - t0 < 5
+    client.close()
+
+
+def test_error_reply_is_a_message():
+    assert ErrorReply(message="m").request_id == ""
+
+
+def test_pub_sub():
+    pub = Publisher()
+    sub = Subscriber([pub.endpoint])
+    got = None
+    for _ in range(100):  # slow joiner: the subscription needs a moment
+        pub.publish(PolicyUpdated(version=3))
+        got = sub.recv(50)
+        if got:
+            break
+    assert got == PolicyUpdated(version=3)
+    pub.close()
+    sub.close()
+
+
+def test_registry_heartbeat_and_removal(tmp_path):
+    reg = Registration(tmp_path, "infer", 2, {"rpc": "tcp://h:1"}, {"version": 0}, interval=0.05)
+    entry = read_entry(tmp_path / "infer-2.json")
+    assert entry.pid and entry.endpoints == {"rpc": "tcp://h:1"} and entry.info == {"version": 0}
+    time.sleep(0.2)
+    assert read_entry(tmp_path / "infer-2.json").heartbeat > entry.heartbeat
+    reg.update(version=5)
+    assert [e.info["version"] for e in list_entries(tmp_path, "infer")] == [5]
+    assert list_entries(tmp_path, "train") == []
+    assert list_entries(tmp_path, "infer", stale_after=0.0) == []
+    reg.close()
+    assert not (tmp_path / "infer-2.json").exists()
