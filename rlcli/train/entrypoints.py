@@ -26,12 +26,12 @@ def sft(cfg: RecipeConfig, out: Path) -> None:
     log.info("wrote %s", out)
 
 
-def convert(source: str, out: Path) -> None:
+def convert(source: str, out: Path, dtype: str = "float32", overwrite: bool = False) -> None:
     from rlcli.models.gguf import convert_gguf, find_packaged_gguf
 
     path = Path(source)
     if not path.exists() and not source.endswith(".gguf"):
         path = find_packaged_gguf(source)
     t0 = time.monotonic()
-    convert_gguf(path, out)
+    convert_gguf(path, out, dtype=dtype, overwrite=overwrite)
     log.info("converted %s -> %s in %.1fs", path, out, time.monotonic() - t0)

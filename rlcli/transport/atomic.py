@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -36,7 +37,8 @@ def _fsync_dir(path: Path) -> None:
 def atomic_write_bytes(path: str | Path, data: bytes, *, fsync: bool = True) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    # Unique per call: two threads of one process may write the same file at once.
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}-{os.getpid()}")
     with open(tmp, "wb") as f:
         f.write(data)
         if fsync:

@@ -81,8 +81,7 @@ class Registration:
     def _write(self) -> None:
         with self._lock:
             self.entry.heartbeat = time.time()
-            data = _encoder.encode(self.entry)
-        atomic_write_bytes(self.path, data, fsync=False)
+            atomic_write_bytes(self.path, _encoder.encode(self.entry), fsync=False)
 
     def _beat(self) -> None:
         while not self._stop.wait(self._interval):

@@ -87,3 +87,14 @@ def test_registry_heartbeat_and_removal(tmp_path):
     assert list_entries(tmp_path, "infer", stale_after=0.0) == []
     reg.close()
     assert not (tmp_path / "infer-2.json").exists()
+
+
+def test_registry_updates_race_the_heartbeat(tmp_path):
+    """Regression: update() and the heartbeat thread once shared a temporary file name."""
+    reg = Registration(tmp_path, "infer", 0, {"rpc": "tcp://h:1"}, interval=0.0001)
+    try:
+        for v in range(2000):
+            reg.update(version=v)
+    finally:
+        reg.close()
+    assert not list(tmp_path.iterdir())

@@ -1,0 +1,79 @@
+"""Synchronous vs asynchronous RL on a long-tailed workload, side by side.
+
+Runs the same recipe (default: recipes/bench-longtail.toml) twice with every process
+live through `rl-orchestrate up`: once with max_async = 0 (synchronous RL, the
+baseline) and once with max_async = 2, then prints per mode the mean trainer step time
+(time between consecutive trainer steps, after a warm-up), the trainer's idle fraction
+(time waiting for batches / wall time), throughput, and the ratio of step times.
+
+    python bench/async_vs_sync.py [--recipe recipes/bench-longtail.toml] [--steps 24] [--warmup 4]
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def run_mode(recipe: Path, max_async: int, steps: int, run_dir: Path) -> None:
+    cmd = [sys.executable, "-m", "rlcli.cli.orchestrate", "up", str(recipe), "--run-dir", str(run_dir),
+           "--steps", str(steps), "--max-async", str(max_async), "--no-plot"]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"max_async={max_async} failed:\n{out.stderr[-3000:]}")
+
+
+def read(run_dir: Path, name: str) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics" / f"{name}.jsonl").read_text().splitlines()]
+
+
+def summarize(run_dir: Path, warmup: int) -> dict:
+    train = read(run_dir, "train")[warmup:]
+    orch = read(run_dir, "orchestrate")[warmup:]
+    times = [m["time"] for m in train]
+    step_s = statistics.fmean(b - a for a, b in zip(times, times[1:]))
+    wall = times[-1] - times[0]
+    busy = sum(m["compute_s"] + m["save_s"] for m in train[1:])
+    tokens = sum(m["num_loss_tokens"] for m in train[1:])
+    return {
+        "step_s": step_s,
+        "trainer_idle": max(0.0, 1 - busy / wall),
+        "train_tokens_per_s": tokens / wall,
+        "lag_max": max(m["off_policy_lag"] for m in train),
+        "stale_dropped": sum(m["num_stale_dropped"] for m in orch),
+        "completion_len_mean": statistics.fmean(m["completion_len_mean"] for m in orch),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--recipe", type=Path, default=Path(__file__).resolve().parent.parent / "recipes" /
+                   "bench-longtail.toml")
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--max-async", type=int, default=2)
+    p.add_argument("--keep", type=Path, default=None, help="Keep the two run directories under this folder.")
+    args = p.parse_args()
+    base = args.keep or Path(tempfile.mkdtemp(prefix="rlcli-bench-"))
+    results = {}
+    for k in (0, args.max_async):
+        run_dir = base / f"max_async_{k}"
+        print(f"running max_async={k} ({args.steps} steps) ...", file=sys.stderr, flush=True)
+        run_mode(args.recipe, k, args.steps, run_dir)
+        results[k] = summarize(run_dir, args.warmup)
+    sync, asyn = results[0], results[args.max_async]
+    print(f"{'mode':<14}{'step s':>9}{'trainer idle':>14}{'train tok/s':>13}{'max lag':>9}{'dropped':>9}"
+          f"{'mean len':>10}")
+    for k, r in results.items():
+        print(f"{'max_async=' + str(k):<14}{r['step_s']:>9.3f}{r['trainer_idle']:>14.1%}"
+              f"{r['train_tokens_per_s']:>13.0f}{r['lag_max']:>9d}{r['stale_dropped']:>9d}"
+              f"{r['completion_len_mean']:>10.1f}")
+    print(f"step-time ratio (sync / async): {sync['step_s'] / asyn['step_s']:.2f}x")
+    print(json.dumps({"ratio": sync["step_s"] / asyn["step_s"], "sync": sync, "async": asyn}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""`rl-orchestrate up`: a failed child stops the run, naming it; Ctrl-C stops every child."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from procs import read_jsonl, wait_until, write_recipe
+from rlcli.transport.registry import list_entries
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def start_up(recipe, *args):
+    return subprocess.Popen([sys.executable, "-m", "rlcli.cli.orchestrate", "up", str(recipe), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_up_runs_to_the_end_with_summary_and_plot(tmp_path, tiny_model_dir):
+    run_dir = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, run_dir, top={"num_steps": 4})
+    proc = start_up(recipe)
+    out, err = proc.communicate(timeout=200)
+    assert proc.returncode == 0, err[-3000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["steps"] == 4 and summary["reward_first5"] is not None
+    png = (run_dir / "reward.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n")
+    assert len(read_jsonl(run_dir / "metrics" / "train.jsonl")) == 4
+    assert sorted(p.name for p in (run_dir / "logs").iterdir()) == [
+        "cache-0.log", "infer-0.log", "orchestrate-0.log", "sync-0.log", "train-0.log"]
+    assert list_entries(run_dir / "registry", alive_only=False) == []  # everyone deregistered
+
+
+def test_a_failed_child_stops_the_run(tmp_path, tiny_model_dir):
+    run_dir = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, run_dir, top={"num_steps": 500})
+    proc = start_up(recipe, "--no-plot")
+    try:
+        entries = wait_until(lambda: len(list_entries(run_dir / "registry")) >= 5 and
+                             list_entries(run_dir / "registry"), 120, "all five processes registered")
+        pids = [e.pid for e in entries]
+        infer = next(e for e in entries if e.role == "infer")
+        os.kill(infer.pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1
+    assert "infer-0 exited with code -9" in err and "infer-0.log" in err
+    assert not any(pid_alive(p) for p in pids)
+
+
+def test_ctrl_c_stops_every_child(tmp_path, tiny_model_dir):
+    run_dir = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, run_dir, top={"num_steps": 500})
+    proc = start_up(recipe, "--no-plot")
+    try:
+        entries = wait_until(lambda: len(list_entries(run_dir / "registry")) >= 5 and
+                             list_entries(run_dir / "registry"), 120, "all five processes registered")
+        wait_until(lambda: (run_dir / "progress" / "train.json").is_file(), 120, "a training step")
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    assert not any(pid_alive(e.pid) for e in entries)
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["steps"] >= 1
