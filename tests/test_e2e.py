@@ -84,6 +84,28 @@ def test_processes_start_in_any_order_and_restart_alone(tmp_path, tiny_model_dir
     train = read_jsonl(run_dir / "metrics" / "train.jsonl")
     assert {m["step"] for m in train} == set(range(1, 15))
     assert all(m["off_policy_lag"] <= 1 for m in train)
-    logs = procs.logs()
-    assert "resumed from checkpoint" in logs
+    restarted = (tmp_path / "logs" / "train.2.log").read_text()
+    assert "resumed from checkpoint" in restarted
     assert (run_dir / "weights" / "step_14" / "STABLE").is_file()
+
+
+def test_generate_client_talks_to_a_live_server(tmp_path, tiny_model_dir):
+    run_dir = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, run_dir)
+    procs = Procs(tmp_path / "logs")
+    try:
+        procs.start("train", recipe)  # writes policy 0, then waits for batches forever
+        procs.start("infer-0", recipe, "--id", "0")
+        wait_until(lambda: list((run_dir / "registry").glob("infer-0.json")), 60, "rl-infer registered", procs)
+        out = subprocess.run([sys.executable, "-m", "rlcli.cli.infer", "generate", "--run-dir", str(run_dir),
+                              "--max-tokens", "5", "--n", "2", "--json"], input="abc=\nxyz=\n",
+                             capture_output=True, text=True, timeout=60)
+    finally:
+        procs.stop_all()
+    assert out.returncode == 0, out.stderr
+    import json
+
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [r["prompt"] for r in rows] == ["abc=", "xyz="]
+    assert all(len(r["token_ids"]) == 2 and all(len(t) <= 5 for t in r["token_ids"]) for r in rows)
+    assert all(v == [0] * len(v) for r in rows for v in r["versions"])

@@ -1,10 +1,9 @@
 """rl-cache serve: the block store behind a ROUTER socket (batch get/put/exists/stats)."""
 
-import signal
-
 from rlcli.cache.store import make_store
 from rlcli.config import RecipeConfig
 from rlcli.logging import setup_logging
+from rlcli.process import stop_on_signals
 from rlcli.protocol import (
     CacheExists, CacheExistsReply, CacheGet, CacheGetReply, CachePut, CacheReply, CacheStats, CacheStatsRequest,
     ErrorReply, HealthRequest, HealthResponse, Shutdown,
@@ -22,12 +21,7 @@ def serve(cfg: RecipeConfig, run: RunDir | None) -> int:
     registration = Registration(run.registry_dir(), "cache", 0, {"rpc": server.endpoint}) if run else None
     log.info("%s store of %d MiB on %s", cfg.cache.backend, cfg.cache.capacity_mb, server.endpoint)
     state = {"stop": False}
-
-    def stop(signum, frame):
-        state["stop"] = True
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    stop_on_signals(lambda: state.update(stop=True))
     try:
         while not state["stop"]:
             item = server.recv(200)

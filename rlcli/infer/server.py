@@ -6,7 +6,6 @@ applied between two decode steps: running sequences keep their KV and continue u
 the new weights. Every reply goes to the client identity that sent the request.
 """
 
-import signal
 import time
 
 import torch
@@ -17,6 +16,7 @@ from rlcli.infer.engine import NativeEngine
 from rlcli.logging import setup_logging
 from rlcli.models import DTYPES, load_model
 from rlcli.models.tokenizer import load_tokenizer
+from rlcli.process import stop_on_signals
 from rlcli.protocol import (
     ErrorReply, GenerateRequest, HealthRequest, HealthResponse, LoadWeights, Shutdown, WeightsLoaded,
 )
@@ -121,12 +121,7 @@ class InferServer:
 
 def run(cfg: RecipeConfig, run: RunDir, instance: int = 0) -> int:
     server = InferServer(cfg, run, instance)
-
-    def stop(signum, frame):
-        server.stopping = True
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    stop_on_signals(lambda: setattr(server, "stopping", True))
     try:
         server.serve()
     finally:

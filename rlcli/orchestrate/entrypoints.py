@@ -1,6 +1,5 @@
 """`rl-orchestrate run` and `rl-orchestrate status`."""
 
-import signal
 import time
 from pathlib import Path
 
@@ -9,18 +8,14 @@ from rlcli.errors import RunDirError
 from rlcli.logging import console
 from rlcli.orchestrate.dashboard import LiveView
 from rlcli.orchestrate.loop import Orchestrator
+from rlcli.process import stop_on_signals
 from rlcli.transport.registry import list_entries
 from rlcli.transport.rundir import RunDir
 
 
 def orchestrate(cfg: RecipeConfig, run: RunDir) -> int:
     orch = Orchestrator(cfg, run)
-
-    def stop(signum, frame):
-        orch.stopping = True
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    stop_on_signals(lambda: setattr(orch, "stopping", True))
     try:
         if console.is_terminal:
             with LiveView(run) as view:

@@ -14,13 +14,13 @@ The transport is a backend: ``filesystem`` tells servers to read RUN/weights/ste
 An NCCL broadcast backend plugs in at :meth:`Syncer.push`.
 """
 
-import signal
 import time
 
 import zmq
 
 from rlcli.config import RecipeConfig
 from rlcli.logging import setup_logging
+from rlcli.process import stop_on_signals
 from rlcli.protocol import ErrorReply, LoadWeights, PolicyUpdated, WeightsLoaded, WeightsPublished
 from rlcli.transport.atomic import remove_dir
 from rlcli.transport.registry import Entry, Registration, list_entries
@@ -148,12 +148,7 @@ class Syncer:
 
 def run(cfg: RecipeConfig, rundir: RunDir) -> int:
     syncer = Syncer(cfg, rundir)
-
-    def stop(signum, frame):
-        syncer.stopping = True
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    stop_on_signals(lambda: setattr(syncer, "stopping", True))
     try:
         syncer.loop()
     finally:

@@ -11,7 +11,6 @@ side), so the loss normalizer needs no device sync; ``.item()`` happens only whe
 metrics are logged.
 """
 
-import signal
 import time
 
 import torch
@@ -22,6 +21,7 @@ from rlcli.models import DTYPES, load_model, save_model
 from rlcli.models.hf_io import has_weights
 from rlcli.models.tokenizer import load_tokenizer
 from rlcli.ops.attention import ForwardContext, PackedCausalAttention, RoutingContext
+from rlcli.process import stop_on_signals
 from rlcli.protocol import WeightsPublished
 from rlcli.protocol.batch import TrainingBatch
 from rlcli.train.checkpoint import load_latest_checkpoint, save_checkpoint
@@ -170,12 +170,7 @@ class Trainer:
 
 def run(cfg: RecipeConfig, rundir: RunDir) -> int:
     trainer = Trainer(cfg, rundir)
-
-    def stop(signum, frame):
-        trainer.stopping = True
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    stop_on_signals(lambda: setattr(trainer, "stopping", True))
     try:
         return trainer.train()
     finally:
