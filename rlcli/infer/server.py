@@ -18,7 +18,7 @@ from rlcli.models import DTYPES, load_model
 from rlcli.models.tokenizer import load_tokenizer
 from rlcli.process import stop_on_signals
 from rlcli.protocol import (
-    ErrorReply, GenerateRequest, HealthRequest, HealthResponse, LoadWeights, Shutdown, WeightsLoaded,
+    AbortRequests, ErrorReply, GenerateRequest, HealthRequest, HealthResponse, LoadWeights, Shutdown, WeightsLoaded,
 )
 from rlcli.transport.registry import Registration
 from rlcli.transport.rundir import RunDir
@@ -83,6 +83,10 @@ class InferServer:
                      len(self.engine.running))
             self.server.reply(identity, WeightsLoaded(request_id=msg.request_id, version=msg.version,
                                                       load_time_s=dt))
+        elif isinstance(msg, AbortRequests):
+            for request_id in msg.request_ids:
+                self.engine.abort(request_id)
+                self.clients.pop(request_id, None)
         elif isinstance(msg, HealthRequest):
             self.server.reply(identity, self.health(msg.request_id))
         elif isinstance(msg, Shutdown):

@@ -118,24 +118,42 @@ class PagedAttention:
         return out[0].transpose(0, 1)
 
     def _decode(self, q_SHD, k_cache, v_cache, scale) -> torch.Tensor:
-        """One query token per sequence: a single padded, masked SDPA call for all of them."""
+        """One query token per sequence. Sequences are bucketed by context length (powers of
+        two) and each bucket is one padded, masked SDPA call, so a long-tailed batch wastes at
+        most 2x on padding instead of padding everyone to the longest sequence."""
         meta = self.meta
         if meta._decode_gather is None:
-            S = meta.num_decode
-            lens = torch.tensor(meta.context_lens[:S], device=q_SHD.device)
-            pos = torch.arange(int(lens.max()), device=q_SHD.device)
+            meta._decode_gather = self._decode_buckets(q_SHD.device)
+        out = q_SHD.new_empty(q_SHD.shape[0], q_SHD.shape[1], v_cache.shape[-1])
+        k_flat, v_flat = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
+        for rows, slots, valid in meta._decode_gather:
+            # Padding slots are masked, but a masked score still multiplies its value: zero them so
+            # stale non-finite cache contents cannot leak into other sequences (0 * NaN = NaN).
+            keep = valid[:, :, None, None]
+            k = k_flat[slots].masked_fill(~keep, 0)  # [S_b, L_b, H, D]
+            v = v_flat[slots].masked_fill(~keep, 0)
+            q = q_SHD[rows][:, :, None]
+            out[rows] = _sdpa(q, k.transpose(1, 2), v.transpose(1, 2), scale, mask=valid[:, None, None, :])[:, :, 0]
+        return out
+
+    def _decode_buckets(self, device) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per bucket: (row indices, cache slots [S_b, L_b], valid mask [S_b, L_b]); shared by all layers."""
+        meta = self.meta
+        lens = meta.context_lens[:meta.num_decode]
+        buckets: dict[int, list[int]] = {}
+        for i, n in enumerate(lens):
+            buckets.setdefault(max(meta.block_size, 1 << (n - 1).bit_length()), []).append(i)
+        out = []
+        for _, rows in sorted(buckets.items()):
+            width = max(lens[i] for i in rows)
+            rows_t = torch.tensor(rows, device=device)
+            pos = torch.arange(width, device=device)
             block_idx = (pos // meta.block_size).clamp(max=meta.block_tables.shape[1] - 1)
-            blocks = meta.block_tables[:S][:, block_idx].clamp(min=0)  # [S, L]
+            blocks = meta.block_tables[rows_t][:, block_idx].clamp(min=0)
             slots = blocks * meta.block_size + (pos % meta.block_size)[None]
-            meta._decode_gather = (slots, pos[None] < lens[:, None])
-        slots, valid = meta._decode_gather
-        # Padding slots are masked, but a masked score still multiplies its value: zero them so
-        # stale non-finite cache contents cannot leak into other sequences (0 * NaN = NaN).
-        keep = valid[:, :, None, None]
-        k = k_cache.view(-1, *k_cache.shape[2:])[slots].masked_fill(~keep, 0)  # [S, L, H, D]
-        v = v_cache.view(-1, *v_cache.shape[2:])[slots].masked_fill(~keep, 0)
-        out = _sdpa(q_SHD[:, :, None], k.transpose(1, 2), v.transpose(1, 2), scale, mask=valid[:, None, None, :])
-        return out[:, :, 0]
+            valid = pos[None] < torch.tensor([lens[i] for i in rows], device=device)[:, None]
+            out.append((rows_t, slots, valid))
+        return out
 
 
 @dataclass

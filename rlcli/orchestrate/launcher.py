@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
+
 from rlcli.config import RecipeConfig, dump_toml, to_dict
 from rlcli.logging import console, setup_logging
 from rlcli.orchestrate.dashboard import LiveView, ProcessRow
@@ -49,8 +51,6 @@ def resolved_recipe(cfg: RecipeConfig) -> RecipeConfig:
         tree["model"]["path"] = os.path.abspath(cfg.model.path)
     if cfg.train.sft.dataset != "env":
         tree["train"]["sft"]["dataset"] = os.path.abspath(cfg.train.sft.dataset)
-    import msgspec
-
     return msgspec.convert(tree, RecipeConfig)
 
 

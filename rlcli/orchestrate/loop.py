@@ -67,6 +67,7 @@ class Orchestrator:
         self.num_stale = 0
         self.num_filtered = 0
         self.num_errors = 0
+        self.num_aborted = 0
         self.wait_s = 0.0
 
     # ------------------------------------------------------------------ policy version
@@ -82,6 +83,20 @@ class Orchestrator:
         version = self.run.read_progress("sync").get("version")
         if version is not None:
             self._set_policy(int(version))
+
+    def abort_hopeless(self) -> None:
+        """Stop in-flight groups that can no longer join any batch: their oldest token is at
+        best from the policy they were dispatched under, already too old for the next step."""
+        oldest_usable = self.next_step - 1 - self.ocfg.off_policy_bound
+        hopeless = [rid for rid, g in self.inflight.items() if g.dispatch_version < oldest_usable]
+        if not hopeless:
+            return
+        self.pool.abort(hopeless)
+        hopeless_set = set(hopeless)
+        self.unsent = [r for r in self.unsent if r.request_id not in hopeless_set]
+        for rid in hopeless:
+            del self.inflight[rid]
+        self.num_aborted += len(hopeless)
 
     def _set_policy(self, version: int) -> None:
         if version > self.policy_version:
@@ -167,7 +182,8 @@ class Orchestrator:
             "completion_len_mean": sum(lengths) / len(lengths), "completion_len_max": max(lengths),
             "off_policy_lag_mean": sum(lags) / len(lags), "off_policy_lag_max": max(lags),
             "policy_version": self.policy_version, "num_stale_dropped": self.num_stale,
-            "num_filtered": self.num_filtered, "num_errors": self.num_errors, "step_s": elapsed,
+            "num_filtered": self.num_filtered, "num_errors": self.num_errors, "num_aborted": self.num_aborted,
+            "step_s": elapsed,
             "tokens_per_s": self.gen_tokens / elapsed if elapsed > 0 else 0.0, "wait_s": self.wait_s,
             "time": time.time(), **info,
         }
@@ -196,6 +212,7 @@ class Orchestrator:
             while (msg := self.sub.recv(0)) is not None:
                 if isinstance(msg, PolicyUpdated):
                     self._set_policy(msg.version)
+            self.abort_hopeless()
             self.dispatch()
             idle = not self.inflight
             t0 = time.monotonic()

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import zmq
 
 from rlcli.errors import PeerUnreachable
-from rlcli.protocol import ErrorReply, GenerateRequest, GenerateResponse, HealthRequest, HealthResponse
+from rlcli.protocol import AbortRequests, ErrorReply, GenerateRequest, GenerateResponse, HealthRequest, HealthResponse
 from rlcli.transport.registry import list_entries
 from rlcli.transport.rundir import RunDir
 from rlcli.transport.zmq import RpcClient, new_request_id
@@ -76,6 +76,17 @@ class InferPool:
                 self.servers[o.server].num_outstanding -= o.request.sampling.n
             out.append(o.request)
         return out
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Stop requests whose results are no longer wanted, freeing their server's capacity."""
+        by_server: dict[str, list[str]] = {}
+        for rid in request_ids:
+            o = self.outstanding.pop(rid, None)
+            if o is not None and o.server in self.servers:
+                self.servers[o.server].num_outstanding -= o.request.sampling.n
+                by_server.setdefault(o.server, []).append(rid)
+        for key, rids in by_server.items():
+            self.servers[key].client.send(AbortRequests(request_ids=rids))
 
     def submit(self, request: GenerateRequest) -> bool:
         """Send to the least loaded server; False when no server can take it now."""

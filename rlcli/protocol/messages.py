@@ -20,7 +20,7 @@ __all__ = [
     "Completion", "GenerateResponse", "LoadWeights", "WeightsLoaded", "HealthRequest",
     "HealthResponse", "ErrorReply", "WeightsPublished", "PolicyUpdated", "CachePut", "CacheGet",
     "CacheExists", "CacheStatsRequest", "CacheReply", "CacheGetReply", "CacheExistsReply",
-    "CacheStats", "Shutdown", "AnyMessage", "encode", "decode", "decode_envelope",
+    "CacheStats", "Shutdown", "AbortRequests", "AnyMessage", "encode", "decode", "decode_envelope",
 ]
 
 
@@ -158,6 +158,11 @@ class ErrorReply(Message, tag="error", kw_only=True):
     """What was wrong with it."""
 
 
+class AbortRequests(Message, tag="abort", kw_only=True):
+    request_ids: list[str]
+    """Requests to stop and forget (their results can no longer be used); no reply is sent."""
+
+
 class Shutdown(Message, tag="shutdown", kw_only=True):
     request_id: str = ""
     """Caller-chosen id; the server replies with HealthResponse, then exits."""
@@ -251,7 +256,7 @@ class CacheStats(Message, tag="cache_stats_reply", kw_only=True):
 
 AnyMessage = Union[
     GenerateRequest, GenerateResponse, LoadWeights, WeightsLoaded, HealthRequest, HealthResponse,
-    ErrorReply, Shutdown, WeightsPublished, PolicyUpdated, CachePut, CacheGet, CacheExists,
+    ErrorReply, Shutdown, AbortRequests, WeightsPublished, PolicyUpdated, CachePut, CacheGet, CacheExists,
     CacheStatsRequest, CacheReply, CacheGetReply, CacheExistsReply, CacheStats,
 ]
 

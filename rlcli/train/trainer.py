@@ -11,11 +11,13 @@ side), so the loss normalizer needs no device sync; ``.item()`` happens only whe
 metrics are logged.
 """
 
+import os
 import time
 
 import torch
 
 from rlcli.config import RecipeConfig
+from rlcli.errors import ConfigError
 from rlcli.logging import setup_logging
 from rlcli.models import DTYPES, load_model, save_model
 from rlcli.models.hf_io import has_weights
@@ -40,6 +42,11 @@ class Trainer:
     def __init__(self, cfg: RecipeConfig, run: RunDir):
         self.cfg, self.run = cfg, run
         tcfg = cfg.train
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if world_size != 1 or cfg.orchestrate.num_train_ranks != 1:
+            # Rollout files are already split per rank; sharded training (FSDP2) is what is missing.
+            raise ConfigError(f"rl-train runs as one process for now (WORLD_SIZE={world_size}, "
+                              f"orchestrate.num_train_ranks={cfg.orchestrate.num_train_ranks}); set both to 1")
         if tcfg.num_threads:
             torch.set_num_threads(tcfg.num_threads)
         torch.manual_seed(cfg.seed)
