@@ -47,6 +47,9 @@ class LossConfig(Config):
     mask_high: float = 2.0
     """Upper bound of the trust interval on pi_train / pi_infer."""
 
+    entropy_coef: float = 0.0
+    """Weight of an entropy bonus on completion tokens (keeps small policies exploring); 0 disables it."""
+
     def __post_init__(self) -> None:
         if not 0 <= self.mask_low < 1 < self.mask_high:
             raise ValueError(

@@ -63,7 +63,8 @@ LOSSES: dict[str, LossFn] = {"icepop": icepop_loss, "tis": tis_loss}
 
 def token_logprobs(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor, temperature: float
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logprob of each next token under ``softmax(logits / T)`` and the entropy, both [B, T].
+    """Logprob of each next token under ``softmax(logits / T)`` and the entropy of that
+    distribution (with grad, for an entropy bonus), both [B, T].
 
     Position t scores token t + 1; the last position of each row scores nothing (0).
     """
@@ -71,4 +72,4 @@ def token_logprobs(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor, tempera
     lp = logp.gather(-1, input_ids_BT[:, 1:, None].long())[..., 0]
     entropy = -(logp.exp() * logp).sum(-1)
     pad = lp.new_zeros(lp.shape[0], 1)
-    return torch.cat([pad, lp], dim=1), torch.cat([pad, entropy.detach()], dim=1)
+    return torch.cat([pad, lp], dim=1), torch.cat([pad, entropy], dim=1)

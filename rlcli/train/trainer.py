@@ -108,10 +108,13 @@ class Trainer:
         logits = self.model(t["input_ids"], t["position_ids"], ctx)
         lp, entropy = token_logprobs(logits, t["input_ids"], mb.temperature)
         mask = t["loss_mask"]
-        loss, metrics = self.loss_fn(lp, t["inference_logprobs"], t["advantages"], mask, self.cfg.train.loss)
-        (loss / num_loss_tokens).backward()
+        lcfg = self.cfg.train.loss
+        loss, metrics = self.loss_fn(lp, t["inference_logprobs"], t["advantages"], mask, lcfg)
+        entropy_sum = (entropy * mask).sum()
+        total = loss - lcfg.entropy_coef * entropy_sum if lcfg.entropy_coef else loss
+        (total / num_loss_tokens).backward()
         metrics["loss"] = loss.detach()
-        metrics["entropy"] = (entropy * mask).sum()
+        metrics["entropy"] = entropy_sum.detach()
         return metrics
 
     def train_step(self, batch: TrainingBatch) -> dict[str, float]:

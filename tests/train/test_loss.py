@@ -59,3 +59,13 @@ def test_on_policy_loss_is_the_policy_gradient():
     (-(lp * adv * mask).sum()).backward()
     assert torch.allclose(g1, logits.grad, atol=1e-6)
     assert m["mismatch_kl"].item() == pytest.approx(0.0, abs=1e-7)
+
+
+def test_entropy_carries_grad_for_the_bonus():
+    torch.manual_seed(2)
+    logits = torch.randn(1, 4, 5, requires_grad=True)
+    _, ent = token_logprobs(logits, torch.zeros(1, 4, dtype=torch.long), temperature=1.0)
+    p = torch.softmax(logits[0, :-1], -1)
+    assert torch.allclose(ent[0, 1:], -(p * p.log()).sum(-1), atol=1e-6)
+    ent.sum().backward()  # maximizing entropy pushes logits toward uniform
+    assert logits.grad[0, :-1].abs().sum() > 0 and logits.grad[0, -1].abs().sum() == 0
