@@ -139,7 +139,7 @@ class Launcher:
         rewards = [m["reward_mean"] for m in orch]
         series = {"reward": (steps, rewards), "reward (5-step mean)": (steps, moving_average(rewards, 5))}
         sft = self.run.read_metrics("sft")
-        title = f"{self.cfg.name}: mean reward per RL step" + (f" (after {len(sft) * 10} SFT steps)" if sft else "")
+        title = f"{self.cfg.name}: mean reward per RL step" + (f" (after {sft[-1]['step']} SFT steps)" if sft else "")
         line_plot_png(self.run.root / "reward.png", series, title=title, xlabel="RL step", ylabel="reward",
                       y_range=(0.0, 1.0))
 

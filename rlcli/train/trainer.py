@@ -80,7 +80,7 @@ class Trainer:
             log.info("SFT warm-up: %d steps", cfg.train.sft.num_steps)
             run_sft(cfg, model, load_tokenizer(cfg.model.path), log,
                     on_step=lambda s, loss: run.append_metrics("sft", {"step": s, "loss": loss.item()})
-                    if s % 10 == 0 else None)
+                    if s % 10 == 0 or s == cfg.train.sft.num_steps else None)
             self.publish(0, model)
         elif has_weights(cfg.model.path):
             # The unmodified base model: a marker pointing at it instead of a copy.
