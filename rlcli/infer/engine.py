@@ -41,7 +41,6 @@ class Request:
     completions: list[Completion | None]
     arrival: float = field(default_factory=time.monotonic)
     num_cached_tokens: int = 0
-    prompt_routes: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def done(self) -> bool:
@@ -58,7 +57,7 @@ class Sequence:
     hashes: list[bytes] = field(default_factory=list)  # chain hashes of the full blocks so far
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    routes: list[torch.Tensor] = field(default_factory=list)
+    routes: list[torch.Tensor] = field(default_factory=list)  # [n, layers, top_k] per computed chunk
 
     @property
     def num_generated(self) -> int:
@@ -158,7 +157,7 @@ class NativeEngine:
         """Free a running sequence's blocks; it re-prefills its tokens when readmitted."""
         self.running.remove(seq)
         self.blocks.release(seq.blocks)
-        seq.blocks, seq.hashes, seq.num_computed = [], [], 0
+        seq.blocks, seq.hashes, seq.num_computed, seq.routes = [], [], 0, []
         self.waiting.appendleft(seq)
         self.stats["num_preemptions"] += 1
 
@@ -267,8 +266,7 @@ class NativeEngine:
         offset = 0
         for i, (seq, n) in enumerate(batch):
             if routes is not None and seq.req.sampling.return_routing:
-                r = routes[offset:offset + n].to(torch.int16).cpu()
-                (seq.req.prompt_routes if seq.index < 0 else seq.routes).append(r)
+                seq.routes.append(routes[offset:offset + n].to(torch.int16).cpu())
             offset += n
             seq.num_computed += n
             self._register_full_blocks(seq)
@@ -326,7 +324,7 @@ class NativeEngine:
         partial = parent.num_computed % self.block_size != 0
         for k in range(r.sampling.n):
             child = Sequence(r, k, list(parent.tokens), parent.num_computed, list(parent.blocks),
-                             list(parent.hashes))
+                             list(parent.hashes), routes=list(parent.routes))
             if k > 0:
                 for b in child.blocks[:-1] if partial else child.blocks:
                     self.blocks.share(b)
@@ -365,7 +363,7 @@ class NativeEngine:
         routed = None
         if r.sampling.return_routing and self.is_moe:
             # Routes of every token that went through the model: prompt + generated - 1.
-            routed = WireTensor.from_numpy(torch.cat(r.prompt_routes + seq.routes).numpy())
+            routed = WireTensor.from_numpy(torch.cat(seq.routes).numpy())
         r.completions[seq.index] = Completion(
             token_ids=seq.tokens[len(r.prompt_ids):], logprobs=seq.logprobs, versions=seq.versions,
             finish_reason=reason, routed_experts=routed)

@@ -183,3 +183,39 @@ def test_block_manager_lru_and_refcounts():
     c, d = bm.allocate(), bm.allocate()  # the free block first, then the LRU cached one (a)
     assert c not in (a, b) and d == a
     assert bm.match_prefix(hashes) == []  # a's content is gone, so the chain breaks at once
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"kv_cache_memory_mb": 0.02, "block_size": 4}])
+def test_moe_routes_are_recorded_for_every_token(tmp_path, kwargs):
+    import json
+
+    from rlcli.ops.attention import ForwardContext, PackedCausalAttention, RoutingContext
+
+    cfg = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 64,
+           "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16, "num_hidden_layers": 3,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "num_experts": 8,
+           "num_experts_per_tok": 2, "norm_topk_prob": True, "mlp_only_layers": [1]}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    moe = load_model(tmp_path, seed=3)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.3)  # spread the router so ties cannot hide a wrong route
+    engine = NativeEngine(moe, eos_token_ids=[], max_model_len=64, **kwargs)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11]]
+    for i, p in enumerate(prompts):
+        engine.add_request(GenerateRequest(request_id=str(i), prompt_ids=p, sampling=SamplingParams(
+            max_tokens=9, n=2, return_routing=True, seed=i)))
+    out = run_all(engine)
+    for i, p in enumerate(prompts):
+        for c in out[str(i)].completions:
+            ids = p + c.token_ids
+            routes = c.routed_experts.numpy()
+            assert routes.shape == (len(ids) - 1, 2, 2)  # 2 MoE layers (layer 1 is dense), top-2
+            pos = torch.arange(len(ids))[None]
+            ctx = ForwardContext(attn=PackedCausalAttention(pos), routing=RoutingContext(record=True))
+            with torch.no_grad():
+                moe(torch.tensor([ids]), pos, ctx)
+            ref = ctx.routing.stacked()[:-1].numpy()
+            assert (routes.astype("int64") == ref).all()
+    if kwargs:
+        assert engine.stats["num_preemptions"] > 0  # routes survive recompute after preemption
