@@ -27,6 +27,12 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+def all_registered(run_dir):
+    """The registry entries once all five processes of the run have registered."""
+    return wait_until(lambda: len(list_entries(run_dir / "registry")) >= 5 and list_entries(run_dir / "registry"),
+                      120, "all five processes registered")
+
+
 def start_up(recipe, *args):
     return subprocess.Popen([sys.executable, "-m", "rlcli.cli.orchestrate", "up", str(recipe), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -53,8 +59,7 @@ def test_a_failed_child_stops_the_run(tmp_path, tiny_model_dir):
     recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, run_dir, top={"num_steps": 500})
     proc = start_up(recipe, "--no-plot")
     try:
-        entries = wait_until(lambda: len(list_entries(run_dir / "registry")) >= 5 and
-                             list_entries(run_dir / "registry"), 120, "all five processes registered")
+        entries = all_registered(run_dir)
         pids = [e.pid for e in entries]
         infer = next(e for e in entries if e.role == "infer")
         os.kill(infer.pid, signal.SIGKILL)
@@ -72,8 +77,7 @@ def test_ctrl_c_stops_every_child(tmp_path, tiny_model_dir):
     recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, run_dir, top={"num_steps": 500})
     proc = start_up(recipe, "--no-plot")
     try:
-        entries = wait_until(lambda: len(list_entries(run_dir / "registry")) >= 5 and
-                             list_entries(run_dir / "registry"), 120, "all five processes registered")
+        entries = all_registered(run_dir)
         wait_until(lambda: (run_dir / "progress" / "train.json").is_file(), 120, "a training step")
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
