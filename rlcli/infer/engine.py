@@ -15,7 +15,6 @@ KV and continue under the new weights, and every token records the policy versio
 sampled it.
 """
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +38,6 @@ class Request:
     stop_ids: frozenset[int]
     generator: torch.Generator | None
     completions: list[Completion | None]
-    arrival: float = field(default_factory=time.monotonic)
     num_cached_tokens: int = 0
 
     @property

@@ -4,6 +4,7 @@ On a terminal it is a rich Live table redrawn twice a second; otherwise (logs, C
 new step is printed once as a plain line.
 """
 
+import json
 from dataclasses import dataclass
 
 from rich.console import Group as RichGroup
@@ -26,10 +27,34 @@ def _fmt(value, spec: str) -> str:
     return "" if value is None else format(value, spec)
 
 
-def steps_table(run: RunDir, last: int = 10) -> Table:
-    orch = {m["step"]: m for m in run.read_metrics("orchestrate")}
-    train = {m["step"]: m for m in run.read_metrics("train")}
-    table = Table(title=f"run {run.root.name}", title_justify="left", expand=False)
+class MetricsTail:
+    """Complete JSONL records appended to RUN/metrics/<command>.jsonl since the last call
+    (a partially written last line waits for the next call)."""
+
+    def __init__(self, run: RunDir, command: str):
+        self.path = run.metrics_file(command)
+        self.offset = 0
+
+    def read_new(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        out = []
+        for line in data[:end].splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return out
+
+
+def steps_table(run_name: str, orch: dict[int, dict], train: dict[int, dict], last: int = 10) -> Table:
+    table = Table(title=f"run {run_name}", title_justify="left", expand=False)
     for col in ("step", "reward", "len", "lag", "tok/s", "orch wait", "loss", "mismatch kl", "masked",
                 "train wait"):
         table.add_column(col, justify="right")
@@ -58,7 +83,9 @@ class LiveView:
     def __init__(self, run: RunDir):
         self.run = run
         self.live = Live(console=console, refresh_per_second=2, transient=False) if console.is_terminal else None
-        self.printed = 0
+        self.orch_tail, self.train_tail = MetricsTail(run, "orchestrate"), MetricsTail(run, "train")
+        self.orch: dict[int, dict] = {}
+        self.train: dict[int, dict] = {}
 
     def __enter__(self) -> "LiveView":
         if self.live:
@@ -70,12 +97,15 @@ class LiveView:
             self.live.__exit__(*exc)
 
     def update(self, processes: list[ProcessRow] | None = None) -> None:
+        new_orch = self.orch_tail.read_new()
         if self.live:
-            parts = [steps_table(self.run)] + ([processes_table(processes)] if processes else [])
-            self.live.update(RichGroup(*parts))
+            for m in new_orch:
+                self.orch[m["step"]] = m
+            for m in self.train_tail.read_new():
+                self.train[m["step"]] = m
+            parts = [steps_table(self.run.root.name, self.orch, self.train)]
+            self.live.update(RichGroup(*parts, *([processes_table(processes)] if processes else [])))
             return
-        orch = self.run.read_metrics("orchestrate")
-        for m in orch[self.printed:]:
+        for m in new_orch:
             console.print(f"step {m['step']:>4}  reward {m['reward_mean']:.3f}  len {m['completion_len_mean']:.1f}  "
                           f"lag {m['off_policy_lag_max']}  tok/s {m['tokens_per_s']:.0f}")
-        self.printed = len(orch)

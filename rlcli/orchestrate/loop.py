@@ -55,7 +55,6 @@ class Orchestrator:
         self.buffer: list[Group] = []
         self.inflight: dict[str, Group] = {}
         self.unsent: list[GenerateRequest] = []
-        self.next_gid = 0
         self.stopping = False
         self.on_tick = lambda: None  # called once per loop iteration (live dashboard)
         self._next_refresh = 0.0
@@ -118,8 +117,7 @@ class Orchestrator:
             if room < 1:
                 log.warning("skipping a task whose prompt (%d tokens) fills model.max_seq_len", len(prompt))
                 continue
-            group = Group(self.next_gid, task, prompt, self.policy_version)
-            self.next_gid += 1
+            group = Group(task, prompt, self.policy_version)
             self._send(group)
         while self.unsent and self.pool.submit(self.unsent[0]):
             self.unsent.pop(0)

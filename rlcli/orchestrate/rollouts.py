@@ -16,7 +16,6 @@ from rlcli.transport.rundir import RunDir
 class Group:
     """One prompt and its ``group_size`` completions."""
 
-    gid: int
     task: Task
     prompt_ids: list[int]
     dispatch_version: int

@@ -76,11 +76,6 @@ class RpcServer:
                     pass
                 self.reply(identity, ErrorReply(request_id=request_id, message=str(e)))
 
-    def drain(self) -> Iterable[tuple[bytes, Message]]:
-        """Every request already queued, without waiting."""
-        while (item := self.recv(0)) is not None:
-            yield item
-
     def reply(self, identity: bytes, msg: Message) -> None:
         try:
             self.sock.send_multipart([identity, encode(msg)], zmq.NOBLOCK)
