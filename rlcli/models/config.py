@@ -67,6 +67,10 @@ class ModelArgs:
     def is_moe(self) -> bool:
         return self.num_experts > 0 and bool(self.moe_layers)
 
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.moe_layers)
+
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelArgs":
         model_type = hf.get("model_type")
