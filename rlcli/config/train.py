@@ -87,6 +87,25 @@ class CheckpointConfig(Config):
     """Keep this many newest checkpoints; older ones are deleted."""
 
 
+class ParallelConfig(Config):
+    """How rl-train's ranks split the work (torchrun's WORLD_SIZE = dp * cp).
+
+    The device mesh has axes ("dp", "cp"). FSDP2 shards parameters over both (dp x cp
+    ranks hold disjoint data or disjoint parts of one sequence). Expert parallelism borrows
+    ``ep`` of those ranks: experts are split over groups of ``ep`` consecutive ranks of the
+    flattened dp x cp axis, and expert weights are FSDP-sharded over the rest.
+    """
+
+    dp: int = -1
+    """Data-parallel degree; -1 takes what WORLD_SIZE leaves after cp."""
+
+    ep: int = 1
+    """Expert-parallel degree (MoE models): must divide dp * cp and the number of experts."""
+
+    cp: int = 1
+    """Context-parallel degree: each sequence is split over this many ranks."""
+
+
 class TrainConfig(Config):
     """rl-train."""
 
@@ -104,6 +123,9 @@ class TrainConfig(Config):
 
     checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
     """Checkpointing."""
+
+    parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
+    """Data, expert and context parallelism."""
 
     num_threads: int = 0
     """torch intra-op threads; 0 keeps torch's default."""

@@ -17,7 +17,6 @@ sampled it.
 
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -26,7 +25,9 @@ from rlcli.infer.block_manager import BlockManager, chain_hash
 from rlcli.models import CausalLM, load_weights
 from rlcli.ops.attention import ForwardContext, PagedAttention, PagedAttentionMetadata, RoutingContext
 from rlcli.ops.sampling import sample
-from rlcli.protocol import Completion, GenerateRequest, GenerateResponse, SamplingParams, WireTensor
+from rlcli.protocol import (
+    Completion, FsWeights, GenerateRequest, GenerateResponse, SamplingParams, WeightsRef, WireTensor,
+)
 
 
 @dataclass
@@ -128,9 +129,11 @@ class NativeEngine:
         return bool(self.waiting or self.running)
 
     @torch.no_grad()
-    def load_weights(self, path: str | Path, version: int) -> None:
+    def load_weights(self, ref: WeightsRef, version: int) -> None:
         """Swap in new weights between two steps; running sequences keep going."""
-        load_weights(self.model, path)
+        if not isinstance(ref, FsWeights):
+            raise ValueError(f"the native engine cannot receive {type(ref).__name__} yet")
+        load_weights(self.model, ref.path)
         self.version = version
 
     def reset_prefix_cache(self) -> None:

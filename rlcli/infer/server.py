@@ -73,8 +73,8 @@ class InferServer:
         elif isinstance(msg, LoadWeights):
             t0 = time.monotonic()
             try:
-                self.engine.load_weights(msg.path, msg.version)
-            except (RLCLIError, OSError) as e:
+                self.engine.load_weights(msg.weights, msg.version)
+            except (RLCLIError, OSError, ValueError) as e:
                 self.server.reply(identity, ErrorReply(request_id=msg.request_id, message=str(e)))
                 return
             dt = time.monotonic() - t0

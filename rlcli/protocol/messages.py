@@ -17,7 +17,7 @@ PROTOCOL_VERSION = 1
 
 __all__ = [
     "PROTOCOL_VERSION", "WireTensor", "Envelope", "Message", "SamplingParams", "GenerateRequest",
-    "Completion", "GenerateResponse", "LoadWeights", "WeightsLoaded", "HealthRequest",
+    "Completion", "GenerateResponse", "TensorSpec", "FsWeights", "NcclWeights", "WeightsRef", "LoadWeights", "WeightsLoaded", "HealthRequest",
     "HealthResponse", "ErrorReply", "WeightsPublished", "PolicyUpdated", "CachePut", "CacheGet",
     "CacheExists", "CacheStatsRequest", "CacheReply", "CacheGetReply", "CacheExistsReply",
     "CacheStats", "Shutdown", "AbortRequests", "AnyMessage", "encode", "decode", "decode_envelope",
@@ -113,13 +113,46 @@ class GenerateResponse(Message, tag="generate_response", kw_only=True):
     """Prompt tokens served from the prefix cache."""
 
 
+class TensorSpec(msgspec.Struct, array_like=True):
+    """One tensor of a collective weight transfer, in the order it is broadcast."""
+
+    name: str
+    """Parameter name in the HF checkpoint layout (the engine maps it to its own)."""
+    dtype: str
+    """torch dtype name without the prefix ("bfloat16", "float8_e4m3fn", ...)."""
+    shape: list[int]
+    """Full (unsharded) shape."""
+
+
+class FsWeights(msgspec.Struct, tag="fs", kw_only=True):
+    """Weights on the shared filesystem: an HF-layout safetensors directory with a STABLE marker."""
+
+    path: str
+    """The directory to load."""
+
+
+class NcclWeights(msgspec.Struct, tag="nccl", kw_only=True):
+    """Weights that arrive over a collective group (NCCL on GPU, gloo on CPU): the sender
+    broadcasts ``tensors`` in order, in buckets of at most ``bucket_bytes``."""
+
+    group: str
+    """Rendezvous name of the weight-transfer group (rl-sync hands it out)."""
+    tensors: list[TensorSpec]
+    """Every tensor of the update, in broadcast order."""
+    bucket_bytes: int = 0
+    """Largest bucket the sender broadcasts at once; 0 sends tensor by tensor."""
+
+
+WeightsRef = Union[FsWeights, NcclWeights]
+
+
 class LoadWeights(Message, tag="load_weights", kw_only=True):
     request_id: str
     """Caller-chosen id."""
     version: int
     """Policy version these weights are (the trainer step that wrote them)."""
-    path: str
-    """HF-layout safetensors directory to load."""
+    weights: WeightsRef
+    """Where the weights come from: a directory, or a collective transfer."""
 
 
 class WeightsLoaded(Message, tag="weights_loaded", kw_only=True):

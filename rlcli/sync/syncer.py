@@ -21,7 +21,7 @@ import zmq
 from rlcli.config import RecipeConfig
 from rlcli.logging import setup_logging
 from rlcli.process import stop_on_signals
-from rlcli.protocol import ErrorReply, LoadWeights, PolicyUpdated, WeightsLoaded, WeightsPublished
+from rlcli.protocol import ErrorReply, FsWeights, LoadWeights, PolicyUpdated, WeightsLoaded, WeightsPublished
 from rlcli.transport.atomic import remove_dir
 from rlcli.transport.registry import Entry, Registration, list_entries
 from rlcli.transport.rundir import RunDir
@@ -83,7 +83,7 @@ class Syncer:
                 s.pending = None
             if s.pending is None and s.version < self.target:
                 rid = new_request_id()
-                if s.client.send(LoadWeights(request_id=rid, version=self.target, path=path)):
+                if s.client.send(LoadWeights(request_id=rid, version=self.target, weights=FsWeights(path=path))):
                     s.pending = (rid, self.target, now)
 
     def collect(self, timeout_ms: int) -> None:

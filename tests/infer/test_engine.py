@@ -4,7 +4,7 @@ import torch
 from rlcli.infer.block_manager import BlockManager
 from rlcli.infer.engine import NativeEngine
 from rlcli.models import load_model, save_model
-from rlcli.protocol import GenerateRequest, SamplingParams
+from rlcli.protocol import FsWeights, GenerateRequest, SamplingParams
 
 
 @pytest.fixture
@@ -143,7 +143,7 @@ def test_in_flight_weight_update_keeps_requests_running(model, tiny_model_dir, t
                                        sampling=SamplingParams(temperature=0, max_tokens=12, n=2)))
     for _ in range(5):
         assert engine.step() == []
-    engine.load_weights(tmp_path / "v1", version=1)
+    engine.load_weights(FsWeights(path=str(tmp_path / "v1")), version=1)
     resp = run_all(engine)["r"]
     for c in resp.completions:
         assert len(c.token_ids) == 12
