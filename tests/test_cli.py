@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -110,3 +111,19 @@ def test_sft_command_writes_a_loadable_model(tmp_path, tiny_model_dir):
     model = load_model(tmp_path / "sft")
     assert (tmp_path / "sft" / "STABLE").is_file() and model.args.vocab_size == 259
     assert json.loads((tmp_path / "sft" / "tokenizer_config.json").read_text())["tokenizer_class"] == "ByteTokenizer"
+
+
+def test_process_title_names_the_command(tmp_path, tiny_model_dir):
+    """`ps` and `top` show `rl-cache serve ...`, not `python -m rlcli.cli.cache`."""
+    from procs import Procs, wait_until
+
+    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, tmp_path / "run")
+    procs = Procs(tmp_path / "logs")
+    try:
+        proc = procs.start("cache", recipe)
+        cmdline = Path(f"/proc/{proc.pid}/cmdline")
+        title = wait_until(lambda: cmdline.read_bytes().split(b"\0")[0].decode().startswith("rl-cache serve")
+                           and cmdline.read_bytes(), 60, "the process title", procs)
+        assert b"--config" in title
+    finally:
+        procs.stop_all()

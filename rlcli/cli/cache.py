@@ -7,7 +7,7 @@ import typer
 from rlcli.cli._errors import handle_errors
 from rlcli.cli.common import (
     OVERRIDES, OVERRIDES_HELP, ConfigOpt, JsonOpt, PrintConfigOpt, RunDirOpt, emit_json, open_run, print_config,
-    resolve_config,
+    resolve_config, run_app,
 )
 
 app = typer.Typer(help="Shared KV-cache block store.", add_completion=False, pretty_exceptions_enable=False,
@@ -56,7 +56,7 @@ def stats(
 
 
 def main() -> None:
-    app(prog_name="rl-cache")
+    run_app(app, "rl-cache")
 
 
 if __name__ == "__main__":

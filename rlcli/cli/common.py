@@ -57,11 +57,55 @@ def emit_json(obj: Any) -> None:
     sys.stdout.flush()
 
 
-def main_with_default(app: typer.Typer, default: str, prog: str) -> None:
-    """Run ``app`` (a group of subcommands) with ``default`` as the subcommand when none is named,
-    so ``rl-train --config x.toml`` means ``rl-train run --config x.toml``."""
+COMPLETE_ARGS = "_TYPER_COMPLETE_ARGS"
+"""Environment variable through which typer's zsh and fish scripts pass the command line."""
+
+
+def run_app(app: typer.Typer, prog: str, default: Optional[str] = None) -> None:
+    """Run ``app`` as ``prog``. With ``default`` (a subcommand name), a command line that names no
+    subcommand runs that one: ``rl-train --config x.toml`` means ``rl-train run --config x.toml``.
+
+    Shell completion is click's own, as typer provides it: the scripts in completions/ call back
+    into ``prog`` with ``_<PROG>_COMPLETE=complete_<shell>`` and the words typed so far, and click
+    answers from the command tree (subcommands, options, choices, paths). The same default
+    subcommand is inserted into those words, so completion and execution see one command line.
+    """
+    from typer.completion import completion_init
+
+    completion_init()
     argv = sys.argv[1:]
-    names = {c.name or c.callback.__name__.replace("_", "-") for c in app.registered_commands}
-    if not argv or (argv[0] not in names and argv[0] not in ("--help", "-h", "--version")):
-        argv = [default, *argv]
+    try:
+        from setproctitle import setproctitle
+
+        setproctitle(" ".join([prog, *argv])[:200])  # `ps` and `top` show rl-infer, not python
+    except ImportError:
+        pass
+    if default is not None:
+        names = {c.name or c.callback.__name__.replace("_", "-") for c in app.registered_commands}
+        if not argv or (argv[0] not in names and argv[0] not in ("--help", "-h", "--version")):
+            argv = [default, *argv]
+        if os.environ.get(f"_{prog.replace('-', '_').upper()}_COMPLETE"):
+            _complete_with_default(names, default)
     app(args=argv, prog_name=prog)
+
+
+def _complete_with_default(names: set[str], default: str) -> None:
+    """Insert ``default`` after the program name in a completion request whose first argument is
+    an option or is already complete and names no subcommand. bash passes the words in
+    COMP_WORDS/COMP_CWORD; zsh and fish pass the typed line in COMPLETE_ARGS."""
+
+    def needs_default(words: list[str], first_is_complete: bool) -> bool:
+        return len(words) >= 2 and words[1] not in names and (words[1].startswith("-") or first_is_complete)
+
+    if "COMP_WORDS" in os.environ:
+        words = os.environ["COMP_WORDS"].split()  # typer joins them with newlines
+        cword = int(os.environ.get("COMP_CWORD", "1"))
+        if needs_default(words, cword >= 2):
+            os.environ["COMP_WORDS"] = " ".join([words[0], default, *words[1:]])
+            os.environ["COMP_CWORD"] = str(cword + 1)
+    line = os.environ.get(COMPLETE_ARGS)
+    if line is not None:
+        words = line.split()
+        if needs_default(words, len(words) > 2 or line.endswith(" ")):
+            head, _, rest = line.partition(" ")
+            os.environ[COMPLETE_ARGS] = f"{head} {default} {rest}"

@@ -8,7 +8,7 @@ import typer
 
 from rlcli.cli._errors import handle_errors
 from rlcli.cli.common import (
-    OVERRIDES, OVERRIDES_HELP, ConfigOpt, JsonOpt, PrintConfigOpt, RunDirOpt, emit_json, main_with_default, open_run,
+    OVERRIDES, OVERRIDES_HELP, ConfigOpt, JsonOpt, PrintConfigOpt, RunDirOpt, emit_json, run_app, open_run,
     print_config, resolve_config,
 )
 
@@ -70,7 +70,7 @@ def generate(
 
 
 def main() -> None:
-    main_with_default(app, "serve", "rl-infer")
+    run_app(app, "rl-infer", "serve")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import typer
 from rlcli.cli._errors import handle_errors
 from rlcli.cli.common import (
     OVERRIDES, OVERRIDES_HELP, ConfigOpt, PrintConfigOpt, RunDirOpt, emit_json, open_run, print_config,
-    resolve_config,
+    resolve_config, run_app,
 )
 
 app = typer.Typer(help="The RL loop: tasks, rewards, advantages, bounded off-policy batching.",
@@ -83,7 +83,7 @@ def status_cmd(
 
 
 def main() -> None:
-    app(prog_name="rl-orchestrate")
+    run_app(app, "rl-orchestrate")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import typer
 
 from rlcli.cli._errors import handle_errors
 from rlcli.cli.common import (
-    OVERRIDES, OVERRIDES_HELP, ConfigOpt, PrintConfigOpt, RunDirOpt, open_run, print_config, resolve_config,
+    OVERRIDES, OVERRIDES_HELP, ConfigOpt, PrintConfigOpt, RunDirOpt, open_run, print_config, resolve_config, run_app,
 )
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
@@ -33,7 +33,7 @@ def main_cmd(
 
 
 def main() -> None:
-    app(prog_name="rl-sync")
+    run_app(app, "rl-sync")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import typer
 
 from rlcli.cli._errors import handle_errors
 from rlcli.cli.common import (
-    OVERRIDES, OVERRIDES_HELP, ConfigOpt, PrintConfigOpt, RunDirOpt, main_with_default, open_run, print_config,
+    OVERRIDES, OVERRIDES_HELP, ConfigOpt, PrintConfigOpt, RunDirOpt, run_app, open_run, print_config,
     resolve_config,
 )
 
@@ -80,7 +80,7 @@ def convert_cmd(
 
 
 def main() -> None:
-    main_with_default(app, "run", "rl-train")
+    run_app(app, "rl-train", "run")
 
 
 if __name__ == "__main__":
