@@ -6,6 +6,7 @@ from typing import Annotated, Optional
 import typer
 
 from rlcli.cli._errors import handle_errors
+from rlcli.errors import RunDirError
 from rlcli.cli.common import (
     OVERRIDES, OVERRIDES_HELP, ConfigOpt, PrintConfigOpt, RunDirOpt, emit_json, open_run, print_config,
     resolve_config, run_app,
@@ -80,6 +81,22 @@ def status_cmd(
     from rlcli.orchestrate.entrypoints import status
 
     emit_json(status(run_dir))
+
+
+@app.command("plot")
+@handle_errors("rl-orchestrate")
+def plot_cmd(
+    run_dir: Annotated[Path, typer.Argument(help="Run directory.")],
+    out: Annotated[Optional[Path], typer.Option(help="PNG to write [default: RUN/reward.png].",
+                                                show_default=False)] = None,
+) -> None:
+    """Draw reward, mismatch KL, throughput and off-policy lag of a run as a PNG (needs matplotlib)."""
+    from rlcli.orchestrate.plot import plot_run
+    from rlcli.transport.rundir import RunDir
+
+    if not (run_dir / "run.json").is_file():
+        raise RunDirError(f"{run_dir} is not a run directory (no run.json)")
+    emit_json({"plot": str(plot_run(RunDir(run_dir), out))})
 
 
 def main() -> None:

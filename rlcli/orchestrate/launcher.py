@@ -126,22 +126,21 @@ class Launcher:
             "reward_first5": round(sum(rewards[:k]) / k, 4) if k else None,
             "reward_last5": round(sum(rewards[-k:]) / k, 4) if k else None,
             "tokens_generated": sum(int(m["completion_len_mean"] * m["num_samples"]) for m in orch),
-            "plot": str(self.run.root / "reward.png") if self.cfg.up.plot and rewards else None,
         }
 
-    def plot(self) -> None:
-        from rlcli.orchestrate.plot import line_plot_png, moving_average
+    def plot(self) -> str | None:
+        """RUN/reward.png from the metrics, or None (with one log line) when there is nothing to draw."""
+        from rlcli.orchestrate.plot import PlotUnavailable, plot_run
 
-        orch = self.run.read_metrics("orchestrate")
-        if not orch:
-            return
-        steps = [m["step"] for m in orch]
-        rewards = [m["reward_mean"] for m in orch]
-        series = {"reward": (steps, rewards), "reward (5-step mean)": (steps, moving_average(rewards, 5))}
         sft = self.run.read_metrics("sft")
-        title = f"{self.cfg.name}: mean reward per RL step" + (f" (after {sft[-1]['step']} SFT steps)" if sft else "")
-        line_plot_png(self.run.root / "reward.png", series, title=title, xlabel="RL step", ylabel="reward",
-                      y_range=(0.0, 1.0))
+        title = f"{self.cfg.name}" + (f" (after {sft[-1]['step']} SFT steps)" if sft else "")
+        try:
+            return str(plot_run(self.run, title=title))
+        except PlotUnavailable as e:
+            log.info("no reward.png: %s", e)
+        except Exception as e:  # a plot is a convenience; never fail the run for it
+            log.warning("could not write reward.png: %s", e)
+        return None
 
 
 def up(cfg: RecipeConfig, run: RunDir) -> tuple[int, dict]:
@@ -176,9 +175,6 @@ def up(cfg: RecipeConfig, run: RunDir) -> tuple[int, dict]:
             view.update(launcher.rows())
     finally:
         launcher.stop_all()
-    if cfg.up.plot:
-        try:
-            launcher.plot()
-        except Exception as e:  # a plot is a convenience; never fail the run for it
-            log.warning("could not write reward.png: %s", e)
-    return code, launcher.summary()
+    summary = launcher.summary()
+    summary["plot"] = launcher.plot() if cfg.up.plot and summary["steps"] else None
+    return code, summary
