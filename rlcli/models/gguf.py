@@ -12,6 +12,13 @@ The result is a dense float model: quantization error stays baked into the weigh
 computes what llama.cpp computes, up to float arithmetic. Only the ``llama`` architecture
 (Llama 2/3, SmolLM, Mistral-style dense models) with a GPT-2 style byte-level BPE
 vocabulary is supported; anything else is refused with a ModelLoadError before writing.
+
+Why not a thin wrapper over transformers' ``from_pretrained(..., gguf_file=...)``: checked with
+transformers 5.24 on the SmolLM2 GGUF (2026-11-30), it loads the model but then refuses
+``save_pretrained`` ("The model is quantized with gguf and is not serializable"), so it cannot
+write the directory rlcli and vLLM load; it would also make transformers (and accelerate) a run-time
+dependency of ``rl-train convert``. The tests hold this converter to transformers' reading of the
+same files: every tensor, the logits, greedy decoding and the tokenizer.
 """
 
 import importlib.util
