@@ -67,3 +67,14 @@ def test_micro_batch_layout():
     assert np.allclose(mb.inference_logprobs.numpy(), [0, 0, -1, -2, 0, -0.1, -0.2])
     assert mb.versions.numpy().tolist() == [-1, -1, 3, 4, -1, 4, 4]
     assert mb.temperature == 0.7 and mb.num_samples == 2
+
+
+@pytest.mark.parametrize("bad", [{"temperature": float("nan")}, {"temperature": -1.0}, {"temperature": float("inf")},
+                                 {"top_p": 0.0}, {"top_p": float("nan")}, {"top_p": 1.5}, {"n": 0},
+                                 {"max_tokens": 0}, {"seed": -1}])
+def test_insane_sampling_values_are_refused_on_decode(bad):
+    good = encode(GenerateRequest(request_id="r", prompt_ids=[1], sampling=SamplingParams()))
+    tree = msgspec.msgpack.decode(good)
+    tree["sampling"].update(bad)
+    with pytest.raises(ValueError, match="sampling"):
+        decode(msgspec.msgpack.encode(tree))

@@ -105,8 +105,10 @@ class NativeEngine:
         vocab = self.model.args.vocab_size
         if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if sp.n < 1 or sp.max_tokens < 1:
-            raise ValueError("sampling.n and sampling.max_tokens must be >= 1")
+        if not 1 <= sp.n <= self.blocks.num_blocks:  # each completion needs a block of its own
+            raise ValueError(f"sampling.n must be in [1, {self.blocks.num_blocks}] (this server's KV blocks)")
+        if sp.max_tokens < 1:
+            raise ValueError("sampling.max_tokens must be >= 1")
         stop = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids))
         gen = torch.Generator(device=self.device).manual_seed(sp.seed) if sp.seed is not None else None
         r = Request(req.request_id, list(req.prompt_ids), sp, req.cache_salt or f"v{self.version}",

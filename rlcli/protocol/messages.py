@@ -8,6 +8,7 @@ or of an unknown type still gets an error reply naming its request.
 Tensors travel as :class:`WireTensor`: raw little-endian bytes + dtype name + shape.
 """
 
+import math
 from typing import Optional, Union
 
 import msgspec
@@ -24,6 +25,11 @@ __all__ = [
 ]
 
 
+WIRE_DTYPES = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4, "int64": 8,
+               "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+"""Tensor dtypes that travel, with their item sizes in bytes."""
+
+
 class WireTensor(msgspec.Struct, array_like=True):
     """A tensor as bytes. ``dtype`` is a numpy dtype name ("float32", "int32", "uint8", ...);
     bfloat16 travels as its uint16 bit pattern with dtype "bfloat16"."""
@@ -31,6 +37,18 @@ class WireTensor(msgspec.Struct, array_like=True):
     data: bytes
     dtype: str
     shape: list[int]
+
+    def __post_init__(self) -> None:
+        # Runs on decode too: a tensor whose bytes do not match its dtype and shape is refused
+        # at the socket (the receiver gets an ErrorReply), never reshaped into garbage later.
+        if self.dtype not in WIRE_DTYPES:
+            raise ValueError(f"unsupported tensor dtype {self.dtype!r}")
+        if any(d < 0 for d in self.shape):
+            raise ValueError(f"negative tensor dimension in shape {self.shape}")
+        expected = WIRE_DTYPES[self.dtype] * math.prod(self.shape)
+        if len(self.data) != expected:
+            raise ValueError(f"tensor of dtype {self.dtype} and shape {self.shape} needs {expected} bytes, "
+                             f"got {len(self.data)}")
 
     @classmethod
     def from_numpy(cls, array: np.ndarray) -> "WireTensor":
@@ -75,6 +93,18 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     """Per-request RNG seed; None draws from the server's generator."""
     return_routing: bool = False
     """Return the experts each token was routed to (MoE models; R3 replay)."""
+
+    def __post_init__(self) -> None:
+        # Checked on decode, so every engine sees only sane values (NaN or negative temperatures
+        # would otherwise sample garbage without an error).
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"sampling.temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 1 or self.n < 1:
+            raise ValueError("sampling.max_tokens and sampling.n must be >= 1")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"sampling.seed must be in [0, 2**63), got {self.seed}")
 
 
 class GenerateRequest(Message, tag="generate", kw_only=True):

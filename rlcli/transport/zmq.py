@@ -16,6 +16,8 @@ from rlcli.errors import PeerUnreachable
 from rlcli.protocol import ErrorReply, Message, decode, decode_envelope, encode
 
 DEFAULT_HWM = 10_000
+DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
+"""Largest request a server reads (prompts of 131k tokens are ~1 MiB; KV blocks travel in batches)."""
 
 
 def context() -> zmq.Context:
@@ -42,16 +44,23 @@ class RpcServer:
     Contract: requests from any number of DEALER clients are queued up to ``hwm`` per
     client; replies go back to the client identity that sent the request, and are dropped
     if that client has gone (a restarted client re-sends what it still needs). A message
-    that is not a valid rlcli message of this protocol version gets an :class:`ErrorReply`
-    and the server keeps running.
+    that is not a valid rlcli message of this protocol version (malformed msgpack, unknown
+    type, other protocol version, a tensor whose bytes do not match its dtype and shape), or
+    that is larger than ``max_message_bytes``, gets an :class:`ErrorReply` and the server
+    keeps running; past twice that size ZeroMQ disconnects the sender.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, hwm: int = DEFAULT_HWM):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, hwm: int = DEFAULT_HWM,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
         self.sock = context().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, hwm)
         self.sock.setsockopt(zmq.RCVHWM, hwm)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        # Past twice the limit ZeroMQ drops the connection itself, so one peer cannot make the
+        # server buffer arbitrary amounts; up to that, oversized messages get an ErrorReply.
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 2 * max_message_bytes)
+        self.max_message_bytes = max_message_bytes
         self.endpoint = _bind(self.sock, host, port)
 
     def recv(self, timeout_ms: int = 0) -> tuple[bytes, Message] | None:
@@ -66,6 +75,10 @@ class RpcServer:
             if len(frames) < 2:
                 continue
             identity, payload = frames[0], frames[-1]
+            if len(payload) > self.max_message_bytes:
+                self.reply(identity, ErrorReply(message=f"message of {len(payload)} bytes exceeds this server's "
+                                                        f"limit of {self.max_message_bytes} bytes"))
+                continue
             try:
                 return identity, decode(payload)
             except ValueError as e:

@@ -116,6 +116,8 @@ def test_bad_requests_are_rejected(model):
     for prompt, match in [([], "empty"), (list(range(20)), "max_model_len"), ([100000], r"\[0, 259\)")]:
         with pytest.raises(ValueError, match=match):
             engine.add_request(GenerateRequest(request_id="b", prompt_ids=prompt))
+    with pytest.raises(ValueError, match="KV blocks"):  # refused up front, not a crash in a later step
+        engine.add_request(GenerateRequest(request_id="n", prompt_ids=[1], sampling=SamplingParams(n=10**6)))
 
 
 def test_prefix_cache_is_salted(model):

@@ -6,7 +6,7 @@ import pytest
 import zmq
 
 from rlcli.errors import PeerUnreachable
-from rlcli.protocol import ErrorReply, HealthRequest, HealthResponse, PolicyUpdated
+from rlcli.protocol import PROTOCOL_VERSION, ErrorReply, HealthRequest, HealthResponse, PolicyUpdated
 from rlcli.transport.registry import Registration, list_entries, read_entry
 from rlcli.transport.zmq import Publisher, RpcClient, RpcServer, Subscriber, context
 
@@ -98,3 +98,32 @@ def test_registry_updates_race_the_heartbeat(tmp_path):
     finally:
         reg.close()
     assert not list(tmp_path.iterdir())
+
+
+def test_oversized_and_inconsistent_messages_get_error_replies():
+    server = RpcServer(max_message_bytes=1 << 16)
+    stop = threading.Event()
+    t = threading.Thread(target=_serve, args=(server, stop), daemon=True)
+    t.start()
+    raw = context().socket(zmq.DEALER)
+    raw.connect(server.endpoint)
+    try:
+        big = msgspec.msgpack.encode({"type": "cache_put", "protocol": PROTOCOL_VERSION, "request_id": "big",
+                                      "keys": [b"k"], "values": [b"\0" * ((1 << 16) + 100)]})
+        bad_tensor = msgspec.msgpack.encode({
+            "type": "generate_response", "protocol": PROTOCOL_VERSION, "request_id": "t", "num_prompt_tokens": 1,
+            "completions": [{"token_ids": [1], "logprobs": [0.0], "versions": [0], "finish_reason": "stop",
+                             "routed_experts": [b"\0" * 5, "int16", [2, 2]]}]})
+        for payload, needle in ((big, "exceeds this server's limit of 65536 bytes"), (bad_tensor, "needs 8 bytes, got 5")):
+            raw.send(payload)
+            assert raw.poll(5000)
+            reply = msgspec.msgpack.decode(raw.recv())
+            assert reply["type"] == "error" and needle in reply["message"], reply
+        client = RpcClient(server.endpoint)
+        assert isinstance(client.call(HealthRequest(request_id="ok"), timeout_s=5), HealthResponse)
+        client.close()
+    finally:
+        raw.close(linger=0)
+        stop.set()
+        t.join()
+        server.close()
