@@ -49,6 +49,10 @@ def open_run(cfg, command: str):
     model["path"] = os.path.abspath(model["path"]) if model["path"] else ""
     run.claim(cfg.name, {"model": model, "env": to_dict(cfg.env)})
     run.write_config(command, dump_toml(to_dict(cfg)))
+    if command != "up":  # `up`'s children log for themselves
+        from rlcli.transport.sinks import make_sinks
+
+        run.sinks = make_sinks(cfg, run.root, command)
     return run
 
 

@@ -4,6 +4,7 @@ from rlcli.config.base import Config
 from rlcli.config.env import EnvConfig, ReverseEnvConfig
 from rlcli.config.infer import InferConfig
 from rlcli.config.model import ModelConfig
+from rlcli.config.monitor import MonitorConfig
 from rlcli.config.orchestrate import OrchestrateConfig
 from rlcli.config.services import CacheConfig, SyncConfig, UpConfig
 from rlcli.config.train import TrainConfig
@@ -47,6 +48,9 @@ class RecipeConfig(Config):
 
     up: UpConfig = msgspec.field(default_factory=UpConfig)
     """rl-orchestrate up."""
+
+    monitor: MonitorConfig = msgspec.field(default_factory=MonitorConfig)
+    """Metric sinks (W&B, TensorBoard) beside the metrics files."""
 
     def __post_init__(self) -> None:
         if self.num_steps < 1:

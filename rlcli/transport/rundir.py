@@ -18,6 +18,7 @@ A process that missed a ZeroMQ announcement recovers by reading this directory.
 
 import hashlib
 import json
+import logging
 import os
 import re
 import time
@@ -39,6 +40,7 @@ _STEP_RE = re.compile(r"^step_(\d+)$")
 class RunDir:
     def __init__(self, root: str | Path):
         self.root = Path(root).resolve()
+        self.sinks: list = []  # rlcli.transport.sinks.MetricsSink, attached by the process that logs
 
     def __repr__(self) -> str:
         return f"RunDir({str(self.root)!r})"
@@ -144,10 +146,19 @@ class RunDir:
             return {}
 
     def append_metrics(self, command: str, record: dict[str, Any]) -> None:
+        """Append ``record`` to RUN/metrics/<command>.jsonl, then mirror it to every attached sink
+        (W&B, TensorBoard; see :mod:`rlcli.transport.sinks`). A failing sink is dropped with a warning."""
         path = self.metrics_file(command)
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as f:
             f.write(json.dumps(record, sort_keys=True) + "\n")
+        for sink in list(self.sinks):
+            try:
+                sink.log(command, record)
+            except Exception as e:  # monitoring never stops a run
+                logging.getLogger("rlcli").warning("metrics sink %s failed and is dropped: %s",
+                                                   type(sink).__name__, e)
+                self.sinks.remove(sink)
 
     def read_metrics(self, command: str) -> list[dict[str, Any]]:
         """All complete records (a partially written last line is skipped)."""
