@@ -109,3 +109,13 @@ def progress(run_dir: Path, command: str) -> int:
         return json.loads((run_dir / "progress" / f"{command}.json").read_text()).get("step", 0)
     except (FileNotFoundError, json.JSONDecodeError):
         return 0
+
+
+def serve_initial_policy(run_dir: Path, model_dir: Path) -> None:
+    """RUN/weights/step_0 from ``model_dir`` (random weights, seed 0), as rl-train writes it, so an
+    rl-infer can start without a trainer."""
+    from rlcli.models import load_model, save_model
+    from rlcli.transport.atomic import atomic_dir
+
+    with atomic_dir(run_dir / "weights" / "step_0", {"step": 0}) as tmp:
+        save_model(load_model(model_dir, seed=0), tmp, source_dir=model_dir)

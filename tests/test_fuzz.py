@@ -7,14 +7,12 @@ generation, a stored block), and the process must still be alive and registered.
 
 import pytest
 from fuzz import blast
-from procs import Procs, wait_until, write_recipe
+from procs import Procs, serve_initial_policy, wait_until, write_recipe
 
-from rlcli.models import load_model, save_model
 from rlcli.protocol import (
     CacheGet, CacheGetReply, CachePut, CacheReply, GenerateRequest, GenerateResponse, HealthRequest,
     HealthResponse, SamplingParams,
 )
-from rlcli.transport.atomic import atomic_dir
 from rlcli.transport.registry import list_entries
 from rlcli.transport.zmq import DEFAULT_MAX_MESSAGE_BYTES, RpcClient
 
@@ -38,8 +36,7 @@ def probe_generate(client: RpcClient) -> list[int]:
 def test_endpoints_survive_fuzzing(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "run"
     recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, run_dir, cache={"capacity_mb": 64})
-    with atomic_dir(run_dir / "weights" / "step_0", {"step": 0}) as tmp:
-        save_model(load_model(tiny_model_dir, seed=0), tmp, source_dir=tiny_model_dir)
+    serve_initial_policy(run_dir, tiny_model_dir)
     procs = Procs(tmp_path / "logs")
     try:
         infer, cache = procs.start("infer-0", recipe, "--id", "0"), procs.start("cache", recipe)

@@ -55,14 +55,26 @@ def generate(
     timeout: Annotated[float, typer.Option(help="Seconds to wait for each answer.")] = 120.0,
     json_: JsonOpt = False,
 ) -> None:
-    """Send prompts to a running server and print the completions (one per line, or JSON lines)."""
+    """Send prompts to a running server and print the completions (one per line, or JSON lines).
+
+    Lines of stdin that are JSON objects with a "prompt" (as `rl-orchestrate tasks` writes them) keep
+    every field in the --json output, so `rl-orchestrate score` can read the answers after them."""
+    import json
+
     from rlcli.infer.client import generate_texts
 
-    texts = prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
-    for prompt, result in generate_texts(texts, run_dir=run_dir, connect=connect, model=model,
-                                         max_tokens=max_tokens, temperature=temperature, n=n, timeout=timeout):
+    items: list = list(prompts or [])
+    if not items:
+        for line in sys.stdin:
+            if not line.strip():
+                continue
+            record = json.loads(line) if line.lstrip().startswith("{") else None
+            items.append(record if isinstance(record, dict) and "prompt" in record else line.rstrip("\n"))
+    for item, (prompt, result) in zip(items, generate_texts(
+            items, run_dir=run_dir, connect=connect, model=model, max_tokens=max_tokens, temperature=temperature,
+            n=n, timeout=timeout)):
         if json_:
-            emit_json({"prompt": prompt, **result})
+            emit_json({**(item if isinstance(item, dict) else {}), "prompt": prompt, **result})
         else:
             for text in result["completions"]:
                 sys.stdout.write(text.replace("\n", "\\n") + "\n")

@@ -99,6 +99,72 @@ def plot_cmd(
     emit_json({"plot": str(plot_run(RunDir(run_dir), out))})
 
 
+EnvOpt = Annotated[Optional[str], typer.Option("--env", help="Environment name (e.g. reverse) [default: the "
+                                                "recipe's env].", show_default=False)]
+
+
+def _env_config(ctx: typer.Context, config: Optional[Path], env: Optional[str]):
+    return resolve_config(ctx, config, {"env.name": env}).env
+
+
+@app.command("tasks", context_settings=OVERRIDES, epilog=OVERRIDES_HELP)
+@handle_errors("rl-orchestrate")
+def tasks_cmd(
+    ctx: typer.Context,
+    config: ConfigOpt = None,
+    env: EnvOpt = None,
+    num: Annotated[int, typer.Option("-n", "--num", help="Tasks to sample.")] = 16,
+    seed: Annotated[int, typer.Option(help="Task-sampling seed.")] = 0,
+) -> None:
+    """Sample tasks from an environment as JSON lines (prompt, answer, info) for a pipeline."""
+    from rlcli.orchestrate.pipeline import sample_tasks, write_records
+
+    write_records(sample_tasks(_env_config(ctx, config, env), num, seed))
+
+
+@app.command("score", context_settings=OVERRIDES, epilog=OVERRIDES_HELP)
+@handle_errors("rl-orchestrate")
+def score_cmd(
+    ctx: typer.Context,
+    config: ConfigOpt = None,
+    env: EnvOpt = None,
+) -> None:
+    """Score completions: JSON lines in (prompt, answer, completions), the same with rewards out."""
+    import sys
+
+    from rlcli.orchestrate.pipeline import read_records, score_records, write_records
+
+    write_records(score_records(_env_config(ctx, config, env), read_records(sys.stdin)))
+
+
+@app.command("eval", context_settings=OVERRIDES, epilog=OVERRIDES_HELP)
+@handle_errors("rl-orchestrate")
+def eval_cmd(
+    ctx: typer.Context,
+    config: ConfigOpt = None,
+    run_dir: RunDirOpt = None,
+    env: EnvOpt = None,
+    connect: Annotated[Optional[str], typer.Option(help="rl-infer endpoint instead of the run's registry.")] = None,
+    num: Annotated[int, typer.Option("-n", "--num", help="Tasks.")] = 64,
+    k: Annotated[int, typer.Option("-k", help="Samples per task: reports pass@1 and pass@k.")] = 4,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature.")] = 1.0,
+    max_tokens: Annotated[int, typer.Option(help="Most tokens per completion.")] = 64,
+    threshold: Annotated[float, typer.Option(help="A completion passes when its reward is >= this.")] = 1.0,
+    seed: Annotated[int, typer.Option(help="Task-sampling seed (the same tasks for every version).")] = 1234,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for each answer.")] = 300.0,
+) -> None:
+    """Evaluate the policy a live rl-infer serves on an environment: pass@k and mean reward as JSON."""
+    from rlcli.infer.client import generate_texts
+    from rlcli.orchestrate.pipeline import sample_tasks, score_records, summarize_eval
+
+    cfg = resolve_config(ctx, config, {"run_dir": str(run_dir) if run_dir else None, "env.name": env})
+    tasks = list(sample_tasks(cfg.env, num, seed))
+    generated = [{**task, **result} for task, (_, result) in zip(tasks, generate_texts(
+        tasks, run_dir=Path(cfg.run_dir), connect=connect, model=None, max_tokens=max_tokens,
+        temperature=temperature, n=k, timeout=timeout))]
+    emit_json(summarize_eval(list(score_records(cfg.env, generated)), k, threshold))
+
+
 def main() -> None:
     run_app(app, "rl-orchestrate")
 

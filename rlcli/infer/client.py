@@ -11,8 +11,10 @@ from rlcli.transport.rundir import RunDir
 from rlcli.transport.zmq import RpcClient, new_request_id
 
 
-def generate_texts(prompts: list[str], *, run_dir: Path | None, connect: str | None, model: Path | None,
+def generate_texts(prompts: list[str | dict], *, run_dir: Path | None, connect: str | None, model: Path | None,
                    max_tokens: int, temperature: float, n: int, timeout: float) -> Iterator[tuple[str, dict]]:
+    """(prompt, result) per prompt, in order. A prompt is a string or a record with a ``prompt`` field
+    (and optionally its own ``max_tokens``), as ``rl-orchestrate tasks`` writes them."""
     run = RunDir(run_dir) if run_dir else None
     if connect is None:
         if run is None:
@@ -29,9 +31,11 @@ def generate_texts(prompts: list[str], *, run_dir: Path | None, connect: str | N
     tokenizer = load_tokenizer(model)
     client = RpcClient(connect)
     try:
-        for prompt in prompts:
+        for item in prompts:
+            prompt = item["prompt"] if isinstance(item, dict) else item
+            limit = int(item.get("max_tokens") or max_tokens) if isinstance(item, dict) else max_tokens
             request = GenerateRequest(request_id=new_request_id(), prompt_ids=tokenizer.encode(prompt),
-                                      sampling=SamplingParams(temperature=temperature, max_tokens=max_tokens, n=n))
+                                      sampling=SamplingParams(temperature=temperature, max_tokens=limit, n=n))
             reply = client.call(request, timeout, peer="rl-infer")
             if isinstance(reply, ErrorReply):
                 raise ConfigError(f"rl-infer rejected the request: {reply.message}")

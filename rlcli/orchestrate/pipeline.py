@@ -1,0 +1,87 @@
+"""Pipeline commands: environments as filters over JSON lines.
+
+    rl-orchestrate tasks --env reverse -n 64 | rl-infer generate --run-dir RUN --json \\
+        | rl-orchestrate score --env reverse | jq .reward_mean
+
+``tasks`` writes one object per task (``prompt``, ``answer``, ``info``); ``rl-infer generate --json``
+keeps every field of an input object and adds the completions; ``score`` adds ``rewards`` (one per
+completion) and ``reward_mean``. ``eval`` does all three against a live rl-infer and reports pass@k.
+Each object travels whole, so any tool (jq, a notebook) can join the stream at any point.
+"""
+
+import json
+import random
+import sys
+from typing import Any, Iterable, Iterator, TextIO
+
+from rlcli.envs import Task, make_env
+from rlcli.errors import ConfigError
+
+
+def task_record(task: Task) -> dict[str, Any]:
+    return {"prompt": task.prompt, "answer": task.answer, "info": task.info,
+            **({"max_tokens": task.max_tokens} if task.max_tokens else {})}
+
+
+def sample_tasks(env_cfg, num_tasks: int, seed: int) -> Iterator[dict[str, Any]]:
+    env, rng = make_env(env_cfg), random.Random(seed)
+    for _ in range(num_tasks):
+        yield task_record(env.sample_task(rng))
+
+
+def read_records(stream: TextIO) -> Iterator[dict[str, Any]]:
+    """JSON objects, one per non-empty line; a line that is not one is an error naming it."""
+    for number, line in enumerate(stream, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"stdin line {number} is not JSON ({e.msg}); pipe in JSON lines") from None
+        if not isinstance(obj, dict):
+            raise ConfigError(f"stdin line {number} is a JSON {type(obj).__name__}, expected an object")
+        yield obj
+
+
+def score_records(env_cfg, records: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """Each record with ``rewards`` for its ``completions`` under the environment's reward."""
+    env = make_env(env_cfg)
+    for number, rec in enumerate(records, 1):
+        completions = rec.get("completions")
+        if isinstance(completions, str):
+            completions = [completions]
+        if not isinstance(completions, list) or "prompt" not in rec:
+            raise ConfigError(f"record {number} needs 'prompt' and 'completions' (as `rl-infer generate --json` "
+                              "writes them)")
+        task = Task(prompt=rec["prompt"], answer=rec.get("answer"), info=rec.get("info") or {})
+        rewards = [float(env.reward(task, text)) for text in completions]
+        yield {**rec, "rewards": rewards, "reward_mean": sum(rewards) / len(rewards) if rewards else None}
+
+
+def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct (Chen et al., 2021): 1 - C(n-c, k) / C(n, k)."""
+    if num_samples - num_correct < k:
+        return 1.0
+    prob_all_wrong = 1.0
+    for i in range(num_samples - num_correct + 1, num_samples + 1):
+        prob_all_wrong *= 1.0 - k / i
+    return 1.0 - prob_all_wrong
+
+
+def summarize_eval(scored: list[dict[str, Any]], k: int, threshold: float) -> dict[str, Any]:
+    """pass@1..k (a completion passes when its reward >= threshold), mean reward and the policy versions seen."""
+    versions = sorted({v for rec in scored for vs in rec.get("versions", []) for v in vs})
+    ks = sorted({1, k})
+    out: dict[str, Any] = {"num_tasks": len(scored), "samples_per_task": k, "threshold": threshold,
+                           "reward_mean": sum(r["reward_mean"] for r in scored) / len(scored) if scored else None,
+                           "policy_versions": versions}
+    for kk in ks:
+        out[f"pass@{kk}"] = (sum(pass_at_k(len(r["rewards"]), sum(x >= threshold for x in r["rewards"]), kk)
+                                 for r in scored) / len(scored)) if scored else None
+    return out
+
+
+def write_records(records: Iterable[dict[str, Any]], stream: TextIO = sys.stdout) -> None:
+    for rec in records:
+        stream.write(json.dumps(rec, sort_keys=True) + "\n")
+        stream.flush()
