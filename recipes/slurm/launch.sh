@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# Place every rlcli command of one recipe on the nodes of a Slurm allocation, watch them, end them.
+#
+#   launch.sh RECIPE [--dry-run]      (called by single-node.sbatch / multi-node.sbatch)
+#
+# Roles (the first node is the head):
+#   head node        rl-sync, rl-orchestrate, rl-cache (light processes, no GPU)
+#   trainer nodes    rl-train under torchrun: TRAIN_NODES nodes x GPUS_PER_NODE ranks, rendezvous on the
+#                    first trainer node
+#   inference nodes  one rl-infer per node (INFER_NODES of them), or, on a single node, one rl-infer on
+#                    the GPUs the trainer does not use
+# Every process reads the same recipe and meets the others in RUN_DIR, which must be on a shared
+# filesystem. Logs: RUN_DIR/logs/<process>.log. The job ends 0 when rl-train and rl-orchestrate have
+# both finished; if any process dies first, it names it, stops the rest and exits with its code.
+#
+# Environment: TRAIN_NODES (default 1, or 0 extra nodes when the job has one node), INFER_NODES
+# (default: the nodes left), GPUS_PER_NODE (default 8), TRAIN_GPUS (single node: GPUs for rl-train,
+# default half), RUN_DIR (default runs/<job name>-<job id>), RDZV_PORT (default 29500), BIND_HOST
+# (interface the servers listen on, default 0.0.0.0),
+# RLCLI_ARGS (extra flags for every command, e.g. dotted overrides).
+set -euo pipefail
+
+RECIPE=${1:?usage: launch.sh RECIPE [--dry-run]}
+DRY_RUN=${2:-}
+[ -f "$RECIPE" ] || { echo "rlcli-slurm: error: recipe $RECIPE not found" >&2; exit 2; }
+: "${SLURM_JOB_NODELIST:?rlcli-slurm: error: not inside a Slurm allocation (no SLURM_JOB_NODELIST); use sbatch}"
+
+mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+NUM_NODES=${#NODES[@]}
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+RUN_DIR=${RUN_DIR:-runs/${SLURM_JOB_NAME:-rlcli}-${SLURM_JOB_ID:-0}}
+RDZV_PORT=${RDZV_PORT:-29500}
+BIND_HOST=${BIND_HOST:-0.0.0.0}  # servers listen here; the registry advertises this host's address
+read -r -a EXTRA <<< "${RLCLI_ARGS:-}"
+COMMON=(--config "$RECIPE" --run-dir "$RUN_DIR" "${EXTRA[@]}")
+
+# name|node|command, in start order (servers first).
+PLAN=()
+HEAD=${NODES[0]}
+PLAN+=("cache|$HEAD|rl-cache serve ${COMMON[*]} --cache.host $BIND_HOST")
+PLAN+=("sync|$HEAD|rl-sync ${COMMON[*]}")
+if [ "$NUM_NODES" -eq 1 ]; then
+  TRAIN_GPUS=${TRAIN_GPUS:-$(( GPUS_PER_NODE > 1 ? GPUS_PER_NODE / 2 : 1 ))}
+  INFER_GPUS=$(seq -s, "$TRAIN_GPUS" $(( GPUS_PER_NODE > 1 ? GPUS_PER_NODE - 1 : 0 )))
+  TRAIN_VISIBLE=$(seq -s, 0 $(( TRAIN_GPUS - 1 )))
+  PLAN+=("train|$HEAD|env CUDA_VISIBLE_DEVICES=$TRAIN_VISIBLE rl-train ${COMMON[*]} --nproc-per-node $TRAIN_GPUS --nnodes 1 --node-rank 0 --rdzv-endpoint $HEAD:$RDZV_PORT")
+  PLAN+=("infer-0|$HEAD|env CUDA_VISIBLE_DEVICES=$INFER_GPUS rl-infer ${COMMON[*]} --id 0")
+else
+  TRAIN_NODES=${TRAIN_NODES:-1}
+  INFER_NODES=${INFER_NODES:-$(( NUM_NODES - TRAIN_NODES ))}
+  if [ "$TRAIN_NODES" -lt 1 ] || [ "$INFER_NODES" -lt 1 ] || [ $(( TRAIN_NODES + INFER_NODES )) -gt "$NUM_NODES" ]; then
+    echo "rlcli-slurm: error: TRAIN_NODES=$TRAIN_NODES + INFER_NODES=$INFER_NODES must be >= 1 each and fit the job's $NUM_NODES nodes; change them or --nodes" >&2
+    exit 2
+  fi
+  TRAIN_HEAD=${NODES[0]}
+  for (( r = 0; r < TRAIN_NODES; r++ )); do
+    PLAN+=("train-$r|${NODES[$r]}|rl-train ${COMMON[*]} --nproc-per-node $GPUS_PER_NODE --nnodes $TRAIN_NODES --node-rank $r --rdzv-endpoint $TRAIN_HEAD:$RDZV_PORT")
+  done
+  for (( i = 0; i < INFER_NODES; i++ )); do
+    PLAN+=("infer-$i|${NODES[$(( TRAIN_NODES + i ))]}|rl-infer ${COMMON[*]} --id $i --infer.host $BIND_HOST")
+  done
+fi
+PLAN+=("orchestrate|$HEAD|rl-orchestrate run ${COMMON[*]}")
+
+if [ "$DRY_RUN" = "--dry-run" ]; then
+  for entry in "${PLAN[@]}"; do IFS='|' read -r name node cmd <<< "$entry"; printf '%s\t%s\t%s\n' "$node" "$name" "$cmd"; done
+  exit 0
+fi
+
+mkdir -p "$RUN_DIR/logs"
+declare -A NAME_OF NODE_OF
+PIDS=()
+for entry in "${PLAN[@]}"; do
+  IFS='|' read -r name node cmd <<< "$entry"
+  srun --nodes=1 --ntasks=1 --overlap -w "$node" bash -c "exec $cmd" > "$RUN_DIR/logs/$name.log" 2>&1 &
+  NAME_OF[$!]=$name; NODE_OF[$!]=$node; PIDS+=($!)
+  echo "rlcli-slurm: started $name on $node (log $RUN_DIR/logs/$name.log)" >&2
+done
+
+stop_all() {
+  for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+  for _ in $(seq 20); do alive=0; for p in "${PIDS[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+                         [ "$alive" -eq 0 ] && break; sleep 0.5; done
+  for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+}
+trap 'echo "rlcli-slurm: interrupted; stopping every process" >&2; stop_all; exit 130' INT TERM
+
+is_finite() { [[ "$1" =~ ^(train|train-[0-9]+|orchestrate)$ ]]; }
+finite_left=0
+for p in "${PIDS[@]}"; do if is_finite "${NAME_OF[$p]}"; then finite_left=$(( finite_left + 1 )); fi; done
+# Poll rather than `wait -n`: bash 4.4 (still common on clusters) has no `wait -n -p`.
+while [ "$finite_left" -gt 0 ]; do
+  sleep 2
+  for p in "${PIDS[@]}"; do
+    kill -0 "$p" 2>/dev/null && continue
+    set +e; wait "$p"; code=$?; set -e
+    name=${NAME_OF[$p]}
+    PIDS=($(for q in "${PIDS[@]}"; do [ "$q" != "$p" ] && echo "$q"; done))
+    if [ "$code" -ne 0 ] || ! is_finite "$name"; then
+      echo "rlcli-slurm: error: $name on ${NODE_OF[$p]} exited with code $code; see $RUN_DIR/logs/$name.log" >&2
+      stop_all
+      exit $(( code == 0 ? 1 : code ))
+    fi
+    echo "rlcli-slurm: $name finished" >&2
+    finite_left=$(( finite_left - 1 ))
+  done
+done
+stop_all
+echo "rlcli-slurm: run complete in $RUN_DIR" >&2

@@ -1,0 +1,95 @@
+"""The sbatch scripts in a fake Slurm: SLURM_* variables and local stand-ins for srun and scontrol
+(tests/fake_slurm) that run each per-node command here. Hosts are loopback addresses."""
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from procs import progress, wait_until, write_recipe
+
+from rlcli.transport.registry import list_entries
+
+REPO = Path(__file__).resolve().parent.parent
+SLURM = REPO / "recipes" / "slurm"
+FAKE = Path(__file__).resolve().parent / "fake_slurm"
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def slurm_env(tmp_path: Path, hosts: list[str], **extra: str) -> dict:
+    import sys
+
+    return {**os.environ, "PATH": f"{FAKE}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+            "SLURM_JOB_NODELIST": f"fake[{len(hosts)}]", "SLURM_NNODES": str(len(hosts)), "SLURM_JOB_ID": "42",
+            "SLURM_JOB_NAME": "rlcli", "SLURM_SUBMIT_DIR": str(REPO), "FAKE_SLURM_HOSTS": ",".join(hosts),
+            "GPUS_PER_NODE": "1", "BIND_HOST": "127.0.0.1", "RDZV_PORT": str(free_port()),
+            "RUN_DIR": str(tmp_path / "run"), **extra}
+
+
+def sbatch(script: str, recipe: Path, env: dict, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(["bash", str(SLURM / script), str(recipe), *args], env=env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def test_dry_run_places_each_command(tmp_path, tiny_model_dir):
+    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, tmp_path / "run")
+    env = slurm_env(tmp_path, ["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4"], TRAIN_NODES="2",
+                    GPUS_PER_NODE="8")
+    out = subprocess.run(["bash", str(SLURM / "multi-node.sbatch"), str(recipe), "--dry-run"], env=env,
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    plan = [line.split("\t") for line in out.splitlines()]
+    where = {name: host for host, name, _ in plan}
+    assert where == {"cache": "10.0.0.1", "sync": "10.0.0.1", "orchestrate": "10.0.0.1", "train-0": "10.0.0.1",
+                     "train-1": "10.0.0.2", "infer-0": "10.0.0.3", "infer-1": "10.0.0.4"}
+    train1 = next(cmd for _, name, cmd in plan if name == "train-1")
+    assert "--nproc-per-node 8 --nnodes 2 --node-rank 1 --rdzv-endpoint 10.0.0.1:" in train1
+    single = subprocess.run(["bash", str(SLURM / "single-node.sbatch"), str(recipe), "--dry-run"],
+                            env={**env, "FAKE_SLURM_HOSTS": "10.0.0.9", "SLURM_NNODES": "1"},
+                            capture_output=True, text=True, timeout=60, check=True).stdout
+    cmds = {name: cmd for _, name, cmd in (line.split("\t") for line in single.splitlines())}
+    assert "CUDA_VISIBLE_DEVICES=0,1,2,3 rl-train" in cmds["train"] and "CUDA_VISIBLE_DEVICES=4,5,6,7 rl-infer" in \
+        cmds["infer-0"]
+    bad = subprocess.run(["bash", str(SLURM / "multi-node.sbatch"), str(recipe), "--dry-run"],
+                         env={**env, "TRAIN_NODES": "4"}, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "TRAIN_NODES=4 + INFER_NODES=0" in bad.stderr
+
+
+@pytest.mark.parametrize("script,hosts", [("single-node.sbatch", ["127.0.0.1"]),
+                                          ("multi-node.sbatch", ["127.0.0.1", "127.0.0.2"])])
+def test_a_run_starts_coordinates_and_ends(script, hosts, tmp_path, tiny_model_dir):
+    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, tmp_path / "run", top={"num_steps": 2})
+    job = sbatch(script, recipe, slurm_env(tmp_path, hosts))
+    out, err = job.communicate(timeout=400)
+    assert job.returncode == 0, err[-4000:]
+    assert "run complete" in err and progress(tmp_path / "run", "train") == 2
+    logs = sorted(p.name for p in (tmp_path / "run" / "logs").iterdir())
+    assert logs == ["cache.log", "infer-0.log", "orchestrate.log", "sync.log",
+                    "train.log" if len(hosts) == 1 else "train-0.log"]
+
+
+def test_a_killed_component_fails_the_job_naming_it(tmp_path, tiny_model_dir):
+    run_dir = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, run_dir, top={"num_steps": 500})
+    job = sbatch("multi-node.sbatch", recipe, slurm_env(tmp_path, ["127.0.0.1", "127.0.0.2"]))
+    try:
+        entry = wait_until(lambda: list_entries(run_dir / "registry", "infer"), 180, "rl-infer registered")[0]
+        os.kill(entry.pid, signal.SIGKILL)
+        _, err = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode != 0
+    assert "rlcli-slurm: error: infer-0 on 127.0.0.2 exited with code" in err, err[-3000:]
+    time.sleep(1)
+    alive = [e.key for e in list_entries(run_dir / "registry")]
+    assert alive == [], alive  # every other process was stopped (and deregistered)
