@@ -12,7 +12,11 @@ and each gets a copy of the partial last block.
 
 Weights change only between steps (:meth:`load_weights`); running sequences keep their
 KV and continue under the new weights, and every token records the policy version that
-sampled it.
+sampled it. Prefix-cache blocks are keyed by the request's cache salt and the weights
+version that computed them, and looked up with the version served now, so a request
+never reads KV of other weights: not in the window between a swap and the
+orchestrator's ``PolicyUpdated`` (new requests still carry the old salt), not when it
+waited across a swap, and not when it re-prefills after preemption.
 """
 
 from collections import deque
@@ -57,6 +61,7 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     routes: list[torch.Tensor] = field(default_factory=list)  # [n, layers, top_k] per computed chunk
+    partial_versions: set[int] = field(default_factory=set)  # weights that computed the partial last block
 
     @property
     def num_generated(self) -> int:
@@ -111,7 +116,7 @@ class NativeEngine:
             raise ValueError("sampling.max_tokens must be >= 1")
         stop = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids))
         gen = torch.Generator(device=self.device).manual_seed(sp.seed) if sp.seed is not None else None
-        r = Request(req.request_id, list(req.prompt_ids), sp, req.cache_salt or f"v{self.version}",
+        r = Request(req.request_id, list(req.prompt_ids), sp, req.cache_salt,
                     frozenset(stop), gen, [None] * sp.n)
         self.requests[r.request_id] = r
         self.waiting.append(Sequence(r, -1, list(r.prompt_ids)))
@@ -160,7 +165,7 @@ class NativeEngine:
         """Free a running sequence's blocks; it re-prefills its tokens when readmitted."""
         self.running.remove(seq)
         self.blocks.release(seq.blocks)
-        seq.blocks, seq.hashes, seq.num_computed, seq.routes = [], [], 0, []
+        seq.blocks, seq.hashes, seq.num_computed, seq.routes, seq.partial_versions = [], [], 0, [], set()
         self.waiting.appendleft(seq)
         self.stats["num_preemptions"] += 1
 
@@ -220,7 +225,8 @@ class NativeEngine:
         if seq.req.sampling.return_routing and self.is_moe:
             return  # routes of cached tokens are not stored with their blocks
         # Never take the whole prompt from cache: the last position must run to give logits.
-        hashes = self.blocks.block_hashes(seq.tokens[:-1], seq.req.salt)
+        # Only blocks computed by the weights served now can match (see _register_full_blocks).
+        hashes = self.blocks.block_hashes(seq.tokens[:-1], f"{seq.req.salt}|w{self.version}")
         blocks = self.blocks.match_prefix(hashes)
         seq.blocks, seq.hashes = blocks, hashes[:len(blocks)]
         seq.num_computed = len(blocks) * self.block_size
@@ -309,13 +315,21 @@ class NativeEngine:
         return finished
 
     def _register_full_blocks(self, seq: Sequence) -> None:
+        """File each newly full block under the request's salt and the weights that computed
+        it. A block computed across a swap names every version involved ("w3-w4"); lookups
+        name exactly one, so its KV is never reused, nor is any block chained behind it."""
         bs = self.block_size
+        seq.partial_versions.add(self.version)
         while len(seq.hashes) < seq.num_computed // bs:
             b = len(seq.hashes)
+            weights = "-".join(f"w{v}" for v in sorted(seq.partial_versions))
             parent = seq.hashes[-1] if seq.hashes else None
-            h = chain_hash(parent, seq.req.salt, seq.tokens[b * bs:(b + 1) * bs])
+            h = chain_hash(parent, f"{seq.req.salt}|{weights}", seq.tokens[b * bs:(b + 1) * bs])
             seq.hashes.append(h)
             self.blocks.register(seq.blocks[b], h)
+            seq.partial_versions = {self.version}
+        if seq.num_computed % bs == 0:
+            seq.partial_versions = set()
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Split a fully prefilled prompt into its n completion sequences."""
@@ -327,7 +341,8 @@ class NativeEngine:
         partial = parent.num_computed % self.block_size != 0
         for k in range(r.sampling.n):
             child = Sequence(r, k, list(parent.tokens), parent.num_computed, list(parent.blocks),
-                             list(parent.hashes), routes=list(parent.routes))
+                             list(parent.hashes), routes=list(parent.routes),
+                             partial_versions=set(parent.partial_versions))
             if k > 0:
                 for b in child.blocks[:-1] if partial else child.blocks:
                     self.blocks.share(b)
