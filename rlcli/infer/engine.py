@@ -21,12 +21,17 @@ waited across a swap, and not when it re-prefills after preemption.
 
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from rlcli.config import RecipeConfig
+from rlcli.errors import ConfigError
+from rlcli.infer.base import Delta
 from rlcli.infer.block_manager import BlockManager, chain_hash
-from rlcli.models import CausalLM, load_weights
+from rlcli.models import DTYPES, CausalLM, load_model, load_weights
+from rlcli.models.tokenizer import load_tokenizer
 from rlcli.ops.attention import ForwardContext, PagedAttention, PagedAttentionMetadata, RoutingContext
 from rlcli.ops.sampling import sample
 from rlcli.protocol import (
@@ -43,6 +48,7 @@ class Request:
     stop_ids: frozenset[int]
     generator: torch.Generator | None
     completions: list[Completion | None]
+    stream: bool = False
     num_cached_tokens: int = 0
 
     @property
@@ -62,13 +68,28 @@ class Sequence:
     versions: list[int] = field(default_factory=list)
     routes: list[torch.Tensor] = field(default_factory=list)  # [n, layers, top_k] per computed chunk
     partial_versions: set[int] = field(default_factory=set)  # weights that computed the partial last block
+    num_streamed: int = 0  # generated tokens already returned in a Delta
 
     @property
     def num_generated(self) -> int:
         return len(self.tokens) - len(self.req.prompt_ids)
 
 
+def resolve_device(name: str) -> torch.device:
+    """``infer.device`` as a torch device, refusing a CUDA device torch cannot see."""
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"infer.device is {name} but torch sees no CUDA device; pass --device cpu")
+        if (device.index or 0) >= torch.cuda.device_count():
+            raise ConfigError(f"infer.device is {name} but torch sees {torch.cuda.device_count()} CUDA devices; "
+                              "pick another --device")
+    return device
+
+
 class NativeEngine:
+    """The native implementation of :class:`rlcli.infer.base.Engine`."""
+
     def __init__(self, model: CausalLM, *, eos_token_ids: list[int], max_model_len: int, block_size: int = 16,
                  kv_cache_memory_mb: int = 256, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  enable_prefix_caching: bool = True, version: int = 0, seed: int = 0):
@@ -95,11 +116,26 @@ class NativeEngine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.requests: dict[str, Request] = {}
-        self.stats = {"num_generated_tokens": 0, "num_prompt_tokens": 0, "num_cached_tokens": 0,
-                      "num_steps": 0, "num_preemptions": 0, "num_requests": 0}
+        self.counters = {"num_generated_tokens": 0, "num_prompt_tokens": 0, "num_cached_tokens": 0,
+                         "num_steps": 0, "num_preemptions": 0, "num_requests": 0}
+
+    @classmethod
+    def from_config(cls, cfg: RecipeConfig, weights: Path, version: int, instance: int = 0) -> "NativeEngine":
+        """Load the model and tokenizer of ``weights`` on ``infer.device`` (see ``rlcli.infer.base``)."""
+        icfg, ecfg = cfg.infer, cfg.infer.engine
+        if ecfg.num_threads:
+            torch.set_num_threads(ecfg.num_threads)
+        device = resolve_device(icfg.device)
+        model = load_model(weights, device=device, dtype=DTYPES[icfg.dtype or cfg.model.dtype], seed=cfg.seed)
+        eos = sorted(set(load_tokenizer(weights).eos_token_ids) | set(model.args.eos_token_id))
+        return cls(model, eos_token_ids=eos, max_model_len=cfg.model.max_seq_len, block_size=ecfg.block_size,
+                   kv_cache_memory_mb=ecfg.kv_cache_memory_mb, max_num_seqs=icfg.max_num_seqs,
+                   max_num_batched_tokens=icfg.max_num_batched_tokens,
+                   enable_prefix_caching=icfg.enable_prefix_caching, version=version,
+                   seed=cfg.seed * 1000 + instance)
 
     # ------------------------------------------------------------------ public API
-    def add_request(self, req: GenerateRequest) -> None:
+    def add_request(self, req: GenerateRequest, stream: bool = False) -> None:
         sp = req.sampling
         if not req.prompt_ids:
             raise ValueError("prompt_ids is empty")
@@ -116,11 +152,11 @@ class NativeEngine:
             raise ValueError("sampling.max_tokens must be >= 1")
         stop = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids))
         gen = torch.Generator(device=self.device).manual_seed(sp.seed) if sp.seed is not None else None
-        r = Request(req.request_id, list(req.prompt_ids), sp, req.cache_salt,
-                    frozenset(stop), gen, [None] * sp.n)
+        r = Request(req.request_id, list(req.prompt_ids), sp, req.cache_salt, frozenset(stop), gen, [None] * sp.n,
+                    stream=stream)
         self.requests[r.request_id] = r
         self.waiting.append(Sequence(r, -1, list(r.prompt_ids)))
-        self.stats["num_requests"] += 1
+        self.counters["num_requests"] += 1
 
     def abort(self, request_id: str) -> bool:
         r = self.requests.pop(request_id, None)
@@ -146,13 +182,28 @@ class NativeEngine:
     def reset_prefix_cache(self) -> None:
         self.blocks.reset_prefix_cache()
 
+    def stats(self) -> dict[str, float]:
+        bm = self.blocks
+        return {**{k: float(v) for k, v in self.counters.items()},
+                "num_running": float(len(self.running)), "num_waiting": float(len(self.waiting)),
+                "prefix_cache_hit_rate": bm.num_hits / bm.num_queries if bm.num_queries else 0.0,
+                "kv_blocks_free": float(bm.num_available), "kv_blocks_total": float(bm.num_blocks)}
+
+    def close(self) -> None:
+        for seq in [*self.running, *self.waiting]:
+            self.blocks.release(seq.blocks)
+        self.running, self.requests, self.kv_caches = [], {}, []
+        self.waiting.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     @torch.no_grad()
-    def step(self) -> list[GenerateResponse]:
-        """Run one forward pass; return the requests that finished in it."""
+    def step(self) -> list[GenerateResponse | Delta]:
+        """Run one forward pass; return streamed deltas and the requests that finished in it."""
         batch = self._schedule()
         if not batch:
             return []
-        self.stats["num_steps"] += 1
+        self.counters["num_steps"] += 1
         logits, routes = self._forward(batch)
         return self._postprocess(batch, logits, routes)
 
@@ -167,7 +218,7 @@ class NativeEngine:
         self.blocks.release(seq.blocks)
         seq.blocks, seq.hashes, seq.num_computed, seq.routes, seq.partial_versions = [], [], 0, [], set()
         self.waiting.appendleft(seq)
-        self.stats["num_preemptions"] += 1
+        self.counters["num_preemptions"] += 1
 
     def _fork_blocks(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks a prompt finishing this step needs for its n - 1 copies of a partial last block."""
@@ -270,7 +321,7 @@ class NativeEngine:
         return logits, routes
 
     # ------------------------------------------------------------------ sampling and bookkeeping
-    def _postprocess(self, batch, logits, routes) -> list[GenerateResponse]:
+    def _postprocess(self, batch, logits, routes) -> list[GenerateResponse | Delta]:
         rows, temps, top_ps, row_gens, owners = [], [], [], {}, []
         offset = 0
         for i, (seq, n) in enumerate(batch):
@@ -295,24 +346,29 @@ class NativeEngine:
         tokens, logprobs = sample(logits[torch.tensor(rows, device=dev)], torch.tensor(temps, device=dev),
                                   torch.tensor(top_ps, device=dev), self.generator, row_gens)
         tokens, logprobs = tokens.tolist(), logprobs.tolist()
-        finished: list[GenerateResponse] = []
+        sampled: list[Sequence] = []  # completion sequences that got a token, in order
         j = 0
         while j < len(owners):
             seq = owners[j]
-            if seq.index < 0:
-                children = self._fork(seq)
-                for child in children:
-                    self._append(child, tokens[j], logprobs[j])
-                    j += 1
-            else:
-                self._append(seq, tokens[j], logprobs[j])
+            for child in self._fork(seq) if seq.index < 0 else [seq]:
+                self._append(child, tokens[j], logprobs[j])
+                sampled.append(child)
                 j += 1
+        out: list[GenerateResponse | Delta] = [self._delta(s) for s in sampled if s.req.stream]
         for r in {id(s.req): s.req for s in owners}.values():
             if r.done and self.requests.pop(r.request_id, None) is not None:
-                finished.append(GenerateResponse(request_id=r.request_id, completions=list(r.completions),
-                                                 num_prompt_tokens=len(r.prompt_ids),
-                                                 num_cached_tokens=r.num_cached_tokens))
-        return finished
+                out.append(GenerateResponse(request_id=r.request_id, completions=list(r.completions),
+                                            num_prompt_tokens=len(r.prompt_ids),
+                                            num_cached_tokens=r.num_cached_tokens))
+        return out
+
+    def _delta(self, seq: Sequence) -> Delta:
+        k, end = len(seq.req.prompt_ids) + seq.num_streamed, len(seq.tokens)
+        first = seq.num_streamed
+        seq.num_streamed = end - len(seq.req.prompt_ids)
+        done = seq.req.completions[seq.index]
+        return Delta(seq.req.request_id, seq.index, seq.tokens[k:end], seq.logprobs[first:],
+                     seq.versions[first:], done.finish_reason if done is not None else None)
 
     def _register_full_blocks(self, seq: Sequence) -> None:
         """File each newly full block under the request's salt and the weights that computed
@@ -335,8 +391,8 @@ class NativeEngine:
         """Split a fully prefilled prompt into its n completion sequences."""
         r = parent.req
         self.running.remove(parent)
-        self.stats["num_prompt_tokens"] += len(r.prompt_ids)
-        self.stats["num_cached_tokens"] += r.num_cached_tokens
+        self.counters["num_prompt_tokens"] += len(r.prompt_ids)
+        self.counters["num_cached_tokens"] += r.num_cached_tokens
         children = []
         partial = parent.num_computed % self.block_size != 0
         for k in range(r.sampling.n):
@@ -363,7 +419,7 @@ class NativeEngine:
         seq.tokens.append(token)
         seq.logprobs.append(logprob)
         seq.versions.append(self.version)
-        self.stats["num_generated_tokens"] += 1
+        self.counters["num_generated_tokens"] += 1
         sp = seq.req.sampling
         reason = None
         if token in seq.req.stop_ids:
@@ -385,9 +441,3 @@ class NativeEngine:
         r.completions[seq.index] = Completion(
             token_ids=seq.tokens[len(r.prompt_ids):], logprobs=seq.logprobs, versions=seq.versions,
             finish_reason=reason, routed_experts=routed)
-
-    def server_stats(self) -> dict[str, float]:
-        bm = self.blocks
-        return {**{k: float(v) for k, v in self.stats.items()},
-                "prefix_cache_hit_rate": bm.num_hits / bm.num_queries if bm.num_queries else 0.0,
-                "kv_blocks_free": float(bm.num_available), "kv_blocks_total": float(bm.num_blocks)}
