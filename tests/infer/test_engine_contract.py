@@ -279,3 +279,14 @@ def test_moe_routes_cover_every_token(backend, tmp_path):
         assert (routes[:, :, 0] != routes[:, :, 1]).all()  # top-2 picks two experts
         prompt_routes.append(routes[:len(p)])
     assert (prompt_routes[0] == prompt_routes[1]).all()  # the shared prompt went through once
+
+
+def test_vllm_without_vllm_fails_in_one_line(weights):
+    if _vllm_imports():
+        pytest.skip("vllm imports here")
+    from rlcli.errors import ConfigError
+
+    cfg = load_recipe(None, {}, {"model.path": str(weights["dir"]), "infer.engine.name": "vllm"})
+    with pytest.raises(ConfigError, match=r"pip install 'rlcli\[vllm\]'.*--engine native") as e:
+        make_engine(cfg, weights["v0"].path, version=0)
+    assert "\n" not in str(e.value)
