@@ -117,7 +117,7 @@ class NativeEngine:
         self.running: list[Sequence] = []
         self.requests: dict[str, Request] = {}
         self.counters = {"num_generated_tokens": 0, "num_prompt_tokens": 0, "num_cached_tokens": 0,
-                         "num_steps": 0, "num_preemptions": 0, "num_requests": 0}
+                         "num_steps": 0, "num_preemptions": 0, "num_requests": 0, "num_aborted": 0}
 
     @classmethod
     def from_config(cls, cfg: RecipeConfig, weights: Path, version: int, instance: int = 0) -> "NativeEngine":
@@ -162,6 +162,7 @@ class NativeEngine:
         r = self.requests.pop(request_id, None)
         if r is None:
             return False
+        self.counters["num_aborted"] += 1
         for queue in (self.running, self.waiting):
             for seq in [s for s in queue if s.req is r]:
                 self.blocks.release(seq.blocks)

