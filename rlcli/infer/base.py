@@ -32,7 +32,8 @@ Contract:
   old salt, requests queued across it and re-prefills after preemption. A ``WeightsRef``
   kind the engine cannot receive raises ``ValueError``.
 - ``stats()`` returns flat float counters for ``HealthResponse.stats``; it always holds
-  ``num_running`` and ``num_waiting`` (sequences) and ``num_generated_tokens``.
+  ``num_running`` and ``num_waiting`` (sequences), ``num_generated_tokens`` and
+  ``num_aborted`` (requests ``abort`` forgot).
 """
 
 from dataclasses import dataclass
@@ -83,7 +84,7 @@ class Engine(Protocol):
         ...
 
     def stats(self) -> dict[str, float]:
-        """Flat counters, at least num_running, num_waiting and num_generated_tokens."""
+        """Flat counters, at least num_running, num_waiting, num_generated_tokens and num_aborted."""
         ...
 
     def close(self) -> None:

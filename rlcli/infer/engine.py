@@ -176,7 +176,8 @@ class NativeEngine:
     def load_weights(self, ref: WeightsRef, version: int) -> None:
         """Swap in new weights between two steps; running sequences keep going."""
         if not isinstance(ref, FsWeights):
-            raise ValueError(f"the native engine cannot receive {type(ref).__name__} yet")
+            raise ValueError(f"the native engine cannot receive {type(ref).__name__} yet (no NCCL weight "
+                             "receiver); publish weights to the filesystem")
         load_weights(self.model, ref.path)
         self.version = version
 

@@ -283,7 +283,8 @@ class Formatter:
         """The next stream chunk of choice ``c``, or None if it has nothing new to say."""
         offset = c.num_sent_chars
         text, ids, logprobs, versions = c.take()
-        if not (text or ids or first) and (c.finish_reason is None or c.finish_sent):
+        says_tokens = bool(ids) and (self.want_logprobs or self.req.return_token_ids or self.req.return_policy_versions)
+        if not (text or says_tokens or first) and (c.finish_reason is None or c.finish_sent):
             return None
         c.finish_sent = c.finish_reason is not None
         body = self._head("chat.completion.chunk" if self.chat else "text_completion")

