@@ -178,33 +178,50 @@ class Choice:
         self.num_sent_chars = 0
         self.finish_sent = False
         self.engine_done = False  # the engine has finished this completion
+        self.prefix_offset = self.read_offset = 0  # detokenization window (see _decode_new)
 
     def feed(self, delta: Delta) -> None:
         self.engine_done = delta.finish_reason is not None
         if self.finish_reason is not None:
             return  # stopped by a stop string; the engine may still be generating
         for token, logprob, version in zip(delta.token_ids, delta.logprobs, delta.versions):
-            before = len(self.text)
             self.token_ids.append(token)
             self.logprobs.append(logprob)
             self.versions.append(version)
-            self.text = self.tokenizer.decode(self.token_ids)
-            if self.stops:
-                start = max(0, before - self.hold)
-                hits = [p for p in (self.text.find(s, start) for s in self.stops) if p >= 0]
-                if hits:
-                    self.text = self.text[:min(hits)]
-                    self.finish_reason = "stop"
-                    return
-        self.finish_reason = delta.finish_reason
+            if self._extend(self._decode_new(final=False)):
+                return
+        if delta.finish_reason is not None and not self._extend(self._decode_new(final=True)):
+            self.finish_reason = delta.finish_reason
+
+    def _decode_new(self, final: bool) -> str:
+        """The text the newest tokens add, decoding a short window rather than the whole
+        completion (so the cost per token does not grow with its length); "" while they end
+        inside a character, unless ``final``."""
+        ids = self.token_ids
+        known = self.tokenizer.decode(ids[self.prefix_offset:self.read_offset])
+        text = self.tokenizer.decode(ids[self.prefix_offset:])
+        if len(text) > len(known) and (final or not text.endswith("\ufffd")):
+            self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+            return text[len(known):]
+        return ""
+
+    def _extend(self, piece: str) -> bool:
+        """Append ``piece``; True if that completed a stop string (the text then ends before it)."""
+        if not piece:
+            return False
+        start = max(0, len(self.text) - self.hold)
+        self.text += piece
+        hits = [p for p in (self.text.find(s, start) for s in self.stops) if p >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+            self.finish_reason = "stop"
+        return bool(hits)
 
     def take(self) -> tuple[str, list[int], list[float], list[int]]:
         """Text and tokens not yet sent; text that may still turn into a stop string is held back."""
         end = len(self.text)
         if self.finish_reason is None:
             end = max(self.num_sent_chars, end - self.hold)
-            while end > self.num_sent_chars and self.text[end - 1] == "\ufffd":  # an unfinished UTF-8 sequence
-                end -= 1
         text = self.text[self.num_sent_chars:end]
         k = self.num_sent_tokens
         self.num_sent_chars, self.num_sent_tokens = end, len(self.token_ids)

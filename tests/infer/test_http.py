@@ -220,6 +220,10 @@ def test_a_client_that_leaves_mid_stream_aborts_its_request(server):
     with socket.create_connection((host, int(port)), timeout=30) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-        assert b"data: " in s.recv(4096)  # the stream has started
+        received = b""
+        while b"data: " not in received:  # the stream has started
+            chunk = s.recv(4096)
+            assert chunk, "the server closed the stream before sending data"
+            received += chunk
     wait_until(lambda: health(server).num_running == 0, 30, "the abandoned request to end", server["procs"])
     assert health(server).stats["num_aborted"] == aborted + 1
