@@ -34,6 +34,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from rlcli.config import RecipeConfig
+from rlcli.errors import ConfigError
 from rlcli.infer.base import Delta
 from rlcli.infer.openai import (
     ApiError, ChatRequest, Choice, CompletionRequest, Formatter, chat_prompt, check_unsupported, decode_request,
@@ -51,7 +52,12 @@ def _listen(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot serve HTTP on {host}:{port} ({e.strerror}); pick another --http-port "
+                          "(0 is any free port) or infer.http_host") from None
     sock.listen(128)
     sock.setblocking(False)
     return sock
