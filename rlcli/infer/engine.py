@@ -146,10 +146,15 @@ class NativeEngine:
         vocab = self.model.args.vocab_size
         if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if not 1 <= sp.n <= self.blocks.num_blocks:  # each completion needs a block of its own
-            raise ValueError(f"sampling.n must be in [1, {self.blocks.num_blocks}] (this server's KV blocks)")
-        if sp.max_tokens < 1:
-            raise ValueError("sampling.max_tokens must be >= 1")
+        if sp.n < 1 or sp.max_tokens < 1:
+            raise ValueError("sampling.n and sampling.max_tokens must be >= 1")
+        # One completion at its longest, plus the n - 1 copies of the prompt's partial block made
+        # at the fork, must fit the whole cache, or the scheduler could never run it.
+        longest = min(len(req.prompt_ids) + sp.max_tokens, self.max_model_len)
+        need = -(-longest // self.block_size) + sp.n - 1
+        if need > self.blocks.num_blocks:
+            raise ValueError(f"this request needs {need} KV blocks and the cache has {self.blocks.num_blocks}; "
+                             "lower max_tokens or n, or raise infer.engine.kv_cache_memory_mb")
         stop = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids))
         gen = torch.Generator(device=self.device).manual_seed(sp.seed) if sp.seed is not None else None
         r = Request(req.request_id, list(req.prompt_ids), sp, req.cache_salt, frozenset(stop), gen, [None] * sp.n,

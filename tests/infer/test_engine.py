@@ -120,6 +120,20 @@ def test_bad_requests_are_rejected(model):
         engine.add_request(GenerateRequest(request_id="n", prompt_ids=[1], sampling=SamplingParams(n=10**6)))
 
 
+def test_a_request_the_cache_cannot_hold_is_rejected_not_fatal(model):
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=128, kv_cache_memory_mb=0.03, block_size=4)
+    capacity = engine.blocks.num_blocks * 4
+    with pytest.raises(ValueError, match="kv_cache_memory_mb"):
+        engine.add_request(GenerateRequest(request_id="big", prompt_ids=[1] * 8,
+                                           sampling=SamplingParams(max_tokens=capacity)))
+    with pytest.raises(ValueError, match="KV blocks"):  # n - 1 partial-block copies at the fork
+        engine.add_request(GenerateRequest(request_id="wide", prompt_ids=[1] * (capacity - 5),
+                                           sampling=SamplingParams(max_tokens=2, n=8)))
+    engine.add_request(GenerateRequest(request_id="fits", prompt_ids=[1] * 8,
+                                       sampling=SamplingParams(max_tokens=capacity - 8)))
+    assert len(run_all(engine)["fits"].completions[0].token_ids) == capacity - 8
+
+
 def test_prefix_cache_is_salted(model):
     engine = NativeEngine(model, eos_token_ids=[], max_model_len=128, block_size=4)
     prompt = [256] + list(range(1, 30))
