@@ -159,8 +159,12 @@ def sampling_params(req: _Request, num_prompt: int, max_model_len: int, max_toke
         raise ApiError(400, f"stop takes at most {MAX_STOPS} non-empty strings", param="stop")
     if any(not 0 <= t < vocab_size for t in req.stop_token_ids):
         raise ApiError(400, f"stop_token_ids must be in [0, {vocab_size})", param="stop_token_ids")
-    return SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, n=n,
-                          stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos, seed=req.seed), stops
+    try:
+        sampling = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, n=n,
+                                  stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos, seed=req.seed)
+    except ValueError as e:  # the wire format's own checks
+        raise ApiError(400, str(e)) from None
+    return sampling, stops
 
 
 class Choice:
