@@ -21,7 +21,7 @@ def write_recipe(path: Path, model_dir: Path, run_dir: Path, **tables: dict) -> 
         "name": "e2e", "seed": 0, "num_steps": 6, "run_dir": str(run_dir),
         "model": {"path": str(model_dir), "max_seq_len": 48},
         "env": {"name": "reverse", "min_len": 3, "max_len": 6},
-        "infer": {"num_threads": 1, "kv_cache_memory_mb": 16},
+        "infer": {"engine": {"name": "native", "num_threads": 1, "kv_cache_memory_mb": 16}},
         "train": {"micro_batch_tokens": 256, "num_threads": 1, "optim": {"lr": 1e-3}},
         "orchestrate": {"batch_size": 4, "group_size": 4, "keep_rollouts": 100, "sampling": {"max_tokens": 8}},
         "sync": {"keep_weights": 100},

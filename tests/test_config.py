@@ -69,6 +69,10 @@ def test_config_package_does_not_import_torch():
     (["--orchestrate.max_async", "1", "--orchestrate.max_off_policy_steps", "3"], "max_off_policy_steps"),
     (["--orchestrate.sampling.temperature", "0"], "temperature"),
     (["--model.max_seq_len", "64", "--train.micro_batch_tokens", "32"], "micro_batch_tokens"),
+    (["--infer.device", "gpu"], "infer.device"),
+    (["--infer.engine.name", "tpu"], "infer.engine.name"),
+    (["--infer.engine.name", "vllm", "--infer.engine.block_size", "16"], "infer.engine.block_size"),
+    (["--infer.http_port", "70000"], "infer.http_port"),
 ])
 def test_bad_values_name_the_key(overrides, expected):
     with pytest.raises(ConfigError) as e:
@@ -114,3 +118,14 @@ def test_off_policy_bound_defaults_to_max_async():
     assert cfg.orchestrate.off_policy_bound == 2
     cfg = load_recipe(None, {"orchestrate.max_async": 2, "orchestrate.max_off_policy_steps": 1})
     assert cfg.orchestrate.off_policy_bound == 1
+
+
+def test_switching_the_engine_drops_the_other_engines_recipe_keys():
+    from rlcli.config.infer import NativeEngineConfig, VllmEngineConfig
+
+    recipe = REPO / "recipes" / "reverse.toml"
+    vllm = load_recipe(recipe, {"infer.engine.name": "vllm"}, {"infer.engine.enforce_eager": True})
+    assert isinstance(vllm.infer.engine, VllmEngineConfig) and vllm.infer.engine.enforce_eager
+    native = load_recipe(recipe, {"infer.engine.name": "native", "infer.device": "cuda:1"})
+    assert isinstance(native.infer.engine, NativeEngineConfig) and native.infer.engine.kv_cache_memory_mb == 64
+    assert native.infer.engine.name == "native" and native.infer.device == "cuda:1"

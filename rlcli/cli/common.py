@@ -3,6 +3,7 @@
 import json
 import os
 import sys
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -17,6 +18,15 @@ RunDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", help="Run direct
                                                    "[default: runs/<recipe name>].", show_default=False)]
 PrintConfigOpt = Annotated[bool, typer.Option("--print-config", help="Print the resolved recipe as TOML and exit.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Write JSON lines to stdout.")]
+
+
+class EngineName(str, Enum):
+    native = "native"
+    vllm = "vllm"
+
+
+EngineOpt = Annotated[Optional[EngineName], typer.Option("--engine", help="rl-infer's engine [default: "
+                                                         "infer.engine.name].", show_default=False)]
 
 OVERRIDES_HELP = "Any recipe key can be overridden as --section.key VALUE (e.g. --train.optim.lr 3e-6)."
 

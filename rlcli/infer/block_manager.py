@@ -1,11 +1,13 @@
 """KV-cache block accounting with salted prefix caching.
 
 The cache is ``num_blocks`` blocks of ``block_size`` tokens. A sequence owns a list of
-blocks; full blocks are content-addressed by a hash chain over (cache salt, tokens), so
-a later sequence with the same salt and prefix reuses them instead of recomputing. The
-salt is the policy version the request was dispatched under: after a weight update,
-new requests carry a new salt and never read KV computed by older weights, while
-sequences already running keep their own blocks.
+blocks; full blocks are content-addressed by a hash chain over (key salt, tokens), so a
+later sequence with the same key salt and prefix reuses them instead of recomputing. The
+engine builds the key salt from the request's cache salt *and* the weights version that
+computed the block (``"<salt>|w<version>"``, see ``NativeEngine._register_full_blocks``),
+and looks up with the version it serves now: KV computed by other weights is never
+reused, whatever salt a request carries, while sequences already running keep their
+own blocks.
 
 Blocks nobody references but whose content is still valid stay in an LRU pool and are
 handed out (and forgotten) only when the free list is empty.

@@ -12,17 +12,26 @@ and each gets a copy of the partial last block.
 
 Weights change only between steps (:meth:`load_weights`); running sequences keep their
 KV and continue under the new weights, and every token records the policy version that
-sampled it.
+sampled it. Prefix-cache blocks are keyed by the request's cache salt and the weights
+version that computed them, and looked up with the version served now, so a request
+never reads KV of other weights: not in the window between a swap and the
+orchestrator's ``PolicyUpdated`` (new requests still carry the old salt), not when it
+waited across a swap, and not when it re-prefills after preemption.
 """
 
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from rlcli.config import RecipeConfig
+from rlcli.errors import ConfigError
+from rlcli.infer.base import Delta
 from rlcli.infer.block_manager import BlockManager, chain_hash
-from rlcli.models import CausalLM, load_weights
+from rlcli.models import DTYPES, CausalLM, load_model, load_weights
+from rlcli.models.tokenizer import load_tokenizer
 from rlcli.ops.attention import ForwardContext, PagedAttention, PagedAttentionMetadata, RoutingContext
 from rlcli.ops.sampling import sample
 from rlcli.protocol import (
@@ -39,6 +48,7 @@ class Request:
     stop_ids: frozenset[int]
     generator: torch.Generator | None
     completions: list[Completion | None]
+    stream: bool = False
     num_cached_tokens: int = 0
 
     @property
@@ -57,13 +67,29 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     routes: list[torch.Tensor] = field(default_factory=list)  # [n, layers, top_k] per computed chunk
+    partial_versions: set[int] = field(default_factory=set)  # weights that computed the partial last block
+    num_streamed: int = 0  # generated tokens already returned in a Delta
 
     @property
     def num_generated(self) -> int:
         return len(self.tokens) - len(self.req.prompt_ids)
 
 
+def resolve_device(name: str) -> torch.device:
+    """``infer.device`` as a torch device, refusing a CUDA device torch cannot see."""
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"infer.device is {name} but torch sees no CUDA device; pass --device cpu")
+        if (device.index or 0) >= torch.cuda.device_count():
+            raise ConfigError(f"infer.device is {name} but torch sees {torch.cuda.device_count()} CUDA devices; "
+                              "pick another --device")
+    return device
+
+
 class NativeEngine:
+    """The native implementation of :class:`rlcli.infer.base.Engine`."""
+
     def __init__(self, model: CausalLM, *, eos_token_ids: list[int], max_model_len: int, block_size: int = 16,
                  kv_cache_memory_mb: int = 256, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  enable_prefix_caching: bool = True, version: int = 0, seed: int = 0):
@@ -90,11 +116,26 @@ class NativeEngine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.requests: dict[str, Request] = {}
-        self.stats = {"num_generated_tokens": 0, "num_prompt_tokens": 0, "num_cached_tokens": 0,
-                      "num_steps": 0, "num_preemptions": 0, "num_requests": 0}
+        self.counters = {"num_generated_tokens": 0, "num_prompt_tokens": 0, "num_cached_tokens": 0,
+                         "num_steps": 0, "num_preemptions": 0, "num_requests": 0, "num_aborted": 0}
+
+    @classmethod
+    def from_config(cls, cfg: RecipeConfig, weights: Path, version: int, instance: int = 0) -> "NativeEngine":
+        """Load the model and tokenizer of ``weights`` on ``infer.device`` (see ``rlcli.infer.base``)."""
+        icfg, ecfg = cfg.infer, cfg.infer.engine
+        if ecfg.num_threads:
+            torch.set_num_threads(ecfg.num_threads)
+        device = resolve_device(icfg.device)
+        model = load_model(weights, device=device, dtype=DTYPES[icfg.dtype or cfg.model.dtype], seed=cfg.seed)
+        eos = sorted(set(load_tokenizer(weights).eos_token_ids) | set(model.args.eos_token_id))
+        return cls(model, eos_token_ids=eos, max_model_len=cfg.model.max_seq_len, block_size=ecfg.block_size,
+                   kv_cache_memory_mb=ecfg.kv_cache_memory_mb, max_num_seqs=icfg.max_num_seqs,
+                   max_num_batched_tokens=icfg.max_num_batched_tokens,
+                   enable_prefix_caching=icfg.enable_prefix_caching, version=version,
+                   seed=cfg.seed * 1000 + instance)
 
     # ------------------------------------------------------------------ public API
-    def add_request(self, req: GenerateRequest) -> None:
+    def add_request(self, req: GenerateRequest, stream: bool = False) -> None:
         sp = req.sampling
         if not req.prompt_ids:
             raise ValueError("prompt_ids is empty")
@@ -105,22 +146,28 @@ class NativeEngine:
         vocab = self.model.args.vocab_size
         if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if not 1 <= sp.n <= self.blocks.num_blocks:  # each completion needs a block of its own
-            raise ValueError(f"sampling.n must be in [1, {self.blocks.num_blocks}] (this server's KV blocks)")
-        if sp.max_tokens < 1:
-            raise ValueError("sampling.max_tokens must be >= 1")
+        if sp.n < 1 or sp.max_tokens < 1:
+            raise ValueError("sampling.n and sampling.max_tokens must be >= 1")
+        # One completion at its longest, plus the n - 1 copies of the prompt's partial block made
+        # at the fork, must fit the whole cache, or the scheduler could never run it.
+        longest = min(len(req.prompt_ids) + sp.max_tokens, self.max_model_len)
+        need = -(-longest // self.block_size) + sp.n - 1
+        if need > self.blocks.num_blocks:
+            raise ValueError(f"this request needs {need} KV blocks and the cache has {self.blocks.num_blocks}; "
+                             "lower max_tokens or n, or raise infer.engine.kv_cache_memory_mb")
         stop = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids))
         gen = torch.Generator(device=self.device).manual_seed(sp.seed) if sp.seed is not None else None
-        r = Request(req.request_id, list(req.prompt_ids), sp, req.cache_salt or f"v{self.version}",
-                    frozenset(stop), gen, [None] * sp.n)
+        r = Request(req.request_id, list(req.prompt_ids), sp, req.cache_salt, frozenset(stop), gen, [None] * sp.n,
+                    stream=stream)
         self.requests[r.request_id] = r
         self.waiting.append(Sequence(r, -1, list(r.prompt_ids)))
-        self.stats["num_requests"] += 1
+        self.counters["num_requests"] += 1
 
     def abort(self, request_id: str) -> bool:
         r = self.requests.pop(request_id, None)
         if r is None:
             return False
+        self.counters["num_aborted"] += 1
         for queue in (self.running, self.waiting):
             for seq in [s for s in queue if s.req is r]:
                 self.blocks.release(seq.blocks)
@@ -134,20 +181,36 @@ class NativeEngine:
     def load_weights(self, ref: WeightsRef, version: int) -> None:
         """Swap in new weights between two steps; running sequences keep going."""
         if not isinstance(ref, FsWeights):
-            raise ValueError(f"the native engine cannot receive {type(ref).__name__} yet")
+            raise ValueError(f"the native engine cannot receive {type(ref).__name__} yet (no NCCL weight "
+                             "receiver); publish weights to the filesystem")
         load_weights(self.model, ref.path)
         self.version = version
 
     def reset_prefix_cache(self) -> None:
         self.blocks.reset_prefix_cache()
 
+    def stats(self) -> dict[str, float]:
+        bm = self.blocks
+        return {**{k: float(v) for k, v in self.counters.items()},
+                "num_running": float(len(self.running)), "num_waiting": float(len(self.waiting)),
+                "prefix_cache_hit_rate": bm.num_hits / bm.num_queries if bm.num_queries else 0.0,
+                "kv_blocks_free": float(bm.num_available), "kv_blocks_total": float(bm.num_blocks)}
+
+    def close(self) -> None:
+        for seq in [*self.running, *self.waiting]:
+            self.blocks.release(seq.blocks)
+        self.running, self.requests, self.kv_caches = [], {}, []
+        self.waiting.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     @torch.no_grad()
-    def step(self) -> list[GenerateResponse]:
-        """Run one forward pass; return the requests that finished in it."""
+    def step(self) -> list[GenerateResponse | Delta]:
+        """Run one forward pass; return streamed deltas and the requests that finished in it."""
         batch = self._schedule()
         if not batch:
             return []
-        self.stats["num_steps"] += 1
+        self.counters["num_steps"] += 1
         logits, routes = self._forward(batch)
         return self._postprocess(batch, logits, routes)
 
@@ -160,9 +223,9 @@ class NativeEngine:
         """Free a running sequence's blocks; it re-prefills its tokens when readmitted."""
         self.running.remove(seq)
         self.blocks.release(seq.blocks)
-        seq.blocks, seq.hashes, seq.num_computed, seq.routes = [], [], 0, []
+        seq.blocks, seq.hashes, seq.num_computed, seq.routes, seq.partial_versions = [], [], 0, [], set()
         self.waiting.appendleft(seq)
-        self.stats["num_preemptions"] += 1
+        self.counters["num_preemptions"] += 1
 
     def _fork_blocks(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks a prompt finishing this step needs for its n - 1 copies of a partial last block."""
@@ -220,7 +283,8 @@ class NativeEngine:
         if seq.req.sampling.return_routing and self.is_moe:
             return  # routes of cached tokens are not stored with their blocks
         # Never take the whole prompt from cache: the last position must run to give logits.
-        hashes = self.blocks.block_hashes(seq.tokens[:-1], seq.req.salt)
+        # Only blocks computed by the weights served now can match (see _register_full_blocks).
+        hashes = self.blocks.block_hashes(seq.tokens[:-1], f"{seq.req.salt}|w{self.version}")
         blocks = self.blocks.match_prefix(hashes)
         seq.blocks, seq.hashes = blocks, hashes[:len(blocks)]
         seq.num_computed = len(blocks) * self.block_size
@@ -264,7 +328,7 @@ class NativeEngine:
         return logits, routes
 
     # ------------------------------------------------------------------ sampling and bookkeeping
-    def _postprocess(self, batch, logits, routes) -> list[GenerateResponse]:
+    def _postprocess(self, batch, logits, routes) -> list[GenerateResponse | Delta]:
         rows, temps, top_ps, row_gens, owners = [], [], [], {}, []
         offset = 0
         for i, (seq, n) in enumerate(batch):
@@ -289,45 +353,59 @@ class NativeEngine:
         tokens, logprobs = sample(logits[torch.tensor(rows, device=dev)], torch.tensor(temps, device=dev),
                                   torch.tensor(top_ps, device=dev), self.generator, row_gens)
         tokens, logprobs = tokens.tolist(), logprobs.tolist()
-        finished: list[GenerateResponse] = []
+        sampled: list[Sequence] = []  # completion sequences that got a token, in order
         j = 0
         while j < len(owners):
             seq = owners[j]
-            if seq.index < 0:
-                children = self._fork(seq)
-                for child in children:
-                    self._append(child, tokens[j], logprobs[j])
-                    j += 1
-            else:
-                self._append(seq, tokens[j], logprobs[j])
+            for child in self._fork(seq) if seq.index < 0 else [seq]:
+                self._append(child, tokens[j], logprobs[j])
+                sampled.append(child)
                 j += 1
+        out: list[GenerateResponse | Delta] = [self._delta(s) for s in sampled if s.req.stream]
         for r in {id(s.req): s.req for s in owners}.values():
             if r.done and self.requests.pop(r.request_id, None) is not None:
-                finished.append(GenerateResponse(request_id=r.request_id, completions=list(r.completions),
-                                                 num_prompt_tokens=len(r.prompt_ids),
-                                                 num_cached_tokens=r.num_cached_tokens))
-        return finished
+                out.append(GenerateResponse(request_id=r.request_id, completions=list(r.completions),
+                                            num_prompt_tokens=len(r.prompt_ids),
+                                            num_cached_tokens=r.num_cached_tokens))
+        return out
+
+    def _delta(self, seq: Sequence) -> Delta:
+        k, end = len(seq.req.prompt_ids) + seq.num_streamed, len(seq.tokens)
+        first = seq.num_streamed
+        seq.num_streamed = end - len(seq.req.prompt_ids)
+        done = seq.req.completions[seq.index]
+        return Delta(seq.req.request_id, seq.index, seq.tokens[k:end], seq.logprobs[first:],
+                     seq.versions[first:], done.finish_reason if done is not None else None)
 
     def _register_full_blocks(self, seq: Sequence) -> None:
+        """File each newly full block under the request's salt and the weights that computed
+        it. A block computed across a swap names every version involved ("w3-w4"); lookups
+        name exactly one, so its KV is never reused, nor is any block chained behind it."""
         bs = self.block_size
+        seq.partial_versions.add(self.version)
         while len(seq.hashes) < seq.num_computed // bs:
             b = len(seq.hashes)
+            weights = "-".join(f"w{v}" for v in sorted(seq.partial_versions))
             parent = seq.hashes[-1] if seq.hashes else None
-            h = chain_hash(parent, seq.req.salt, seq.tokens[b * bs:(b + 1) * bs])
+            h = chain_hash(parent, f"{seq.req.salt}|{weights}", seq.tokens[b * bs:(b + 1) * bs])
             seq.hashes.append(h)
             self.blocks.register(seq.blocks[b], h)
+            seq.partial_versions = {self.version}
+        if seq.num_computed % bs == 0:
+            seq.partial_versions = set()
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Split a fully prefilled prompt into its n completion sequences."""
         r = parent.req
         self.running.remove(parent)
-        self.stats["num_prompt_tokens"] += len(r.prompt_ids)
-        self.stats["num_cached_tokens"] += r.num_cached_tokens
+        self.counters["num_prompt_tokens"] += len(r.prompt_ids)
+        self.counters["num_cached_tokens"] += r.num_cached_tokens
         children = []
         partial = parent.num_computed % self.block_size != 0
         for k in range(r.sampling.n):
             child = Sequence(r, k, list(parent.tokens), parent.num_computed, list(parent.blocks),
-                             list(parent.hashes), routes=list(parent.routes))
+                             list(parent.hashes), routes=list(parent.routes),
+                             partial_versions=set(parent.partial_versions))
             if k > 0:
                 for b in child.blocks[:-1] if partial else child.blocks:
                     self.blocks.share(b)
@@ -348,7 +426,7 @@ class NativeEngine:
         seq.tokens.append(token)
         seq.logprobs.append(logprob)
         seq.versions.append(self.version)
-        self.stats["num_generated_tokens"] += 1
+        self.counters["num_generated_tokens"] += 1
         sp = seq.req.sampling
         reason = None
         if token in seq.req.stop_ids:
@@ -370,9 +448,3 @@ class NativeEngine:
         r.completions[seq.index] = Completion(
             token_ids=seq.tokens[len(r.prompt_ids):], logprobs=seq.logprobs, versions=seq.versions,
             finish_reason=reason, routed_experts=routed)
-
-    def server_stats(self) -> dict[str, float]:
-        bm = self.blocks
-        return {**{k: float(v) for k, v in self.stats.items()},
-                "prefix_cache_hit_rate": bm.num_hits / bm.num_queries if bm.num_queries else 0.0,
-                "kv_blocks_free": float(bm.num_available), "kv_blocks_total": float(bm.num_blocks)}

@@ -1,30 +1,36 @@
-"""rl-infer's serving loop: one thread, ZeroMQ between engine steps.
+"""rl-infer's serving loop: one thread drives the engine; ZeroMQ and HTTP feed it.
 
-The loop blocks on the socket only when the engine is idle; otherwise it drains the
-socket without waiting, then runs one engine step. A ``LoadWeights`` is therefore
-applied between two decode steps: running sequences keep their KV and continue under
-the new weights. Every reply goes to the client identity that sent the request.
+The loop blocks only when the engine is idle, on a poll over the ZeroMQ request socket
+and the HTTP front door's wake-up socket; otherwise it drains both without waiting,
+then runs one engine step. A ``LoadWeights`` is therefore applied between two decode
+steps: running sequences keep their KV and continue under the new weights. Every reply
+goes to the client that sent the request: a ZeroMQ identity, or the HTTP handler's
+sink (see :mod:`rlcli.infer.http`). The engine is reached only through the ``Engine``
+Protocol (:mod:`rlcli.infer.base`) and built by :func:`rlcli.infer.factory.make_engine`.
 """
 
 import time
+from typing import Callable
 
-import torch
+import zmq
 
 from rlcli.config import RecipeConfig
 from rlcli.errors import RLCLIError
-from rlcli.infer.engine import NativeEngine
+from rlcli.infer.base import Delta, Engine
+from rlcli.infer.factory import make_engine
 from rlcli.logging import setup_logging
-from rlcli.models import DTYPES, load_model
-from rlcli.models.tokenizer import load_tokenizer
 from rlcli.process import stop_on_signals
 from rlcli.protocol import (
-    AbortRequests, ErrorReply, GenerateRequest, HealthRequest, HealthResponse, LoadWeights, Shutdown, WeightsLoaded,
+    AbortRequests, ErrorReply, GenerateRequest, GenerateResponse, HealthRequest, HealthResponse, LoadWeights,
+    Shutdown, WeightsLoaded,
 )
 from rlcli.transport.registry import Registration
 from rlcli.transport.rundir import RunDir
 from rlcli.transport.zmq import RpcServer
 
 log = setup_logging("rl-infer")
+
+Sink = Callable[[object], None]  # where an HTTP request's deltas, response or error go
 
 
 def wait_for_policy(run: RunDir, poll_s: float = 0.2) -> int:
@@ -42,26 +48,24 @@ class InferServer:
     def __init__(self, cfg: RecipeConfig, run: RunDir, instance: int):
         self.cfg, self.run, self.instance = cfg, run, instance
         icfg = cfg.infer
-        if icfg.num_threads:
-            torch.set_num_threads(icfg.num_threads)
         version = wait_for_policy(run)
         weights = run.resolve_weights(version)
         t0 = time.monotonic()
-        model = load_model(weights, dtype=DTYPES[cfg.model.dtype], seed=cfg.seed)
-        tokenizer = load_tokenizer(weights)
-        eos = sorted(set(tokenizer.eos_token_ids) | set(model.args.eos_token_id))
-        self.engine = NativeEngine(
-            model, eos_token_ids=eos, max_model_len=cfg.model.max_seq_len, block_size=icfg.block_size,
-            kv_cache_memory_mb=icfg.kv_cache_memory_mb, max_num_seqs=icfg.max_num_seqs,
-            max_num_batched_tokens=icfg.max_num_batched_tokens, enable_prefix_caching=icfg.enable_prefix_caching,
-            version=version, seed=cfg.seed * 1000 + instance)
+        self.engine: Engine = make_engine(cfg, weights, version, instance)
         self.server = RpcServer(icfg.host, icfg.port)
-        self.registration = Registration(run.registry_dir(), "infer", instance, {"rpc": self.server.endpoint},
-                                         {"version": version})
-        self.clients: dict[str, bytes] = {}  # request_id -> client identity
+        endpoints = {"rpc": self.server.endpoint}
+        self.http = None
+        if icfg.http_port >= 0:
+            from rlcli.infer.http import HttpFrontDoor
+
+            self.http = HttpFrontDoor(cfg, weights)
+            endpoints["http"] = self.http.endpoint
+        self.registration = Registration(run.registry_dir(), "infer", instance, endpoints, {"version": version})
+        self.clients: dict[str, bytes] = {}  # request_id -> ZeroMQ client identity
+        self.sinks: dict[str, Sink] = {}  # request_id -> HTTP handler
         self.stopping = False
-        log.info("serving policy v%d from %s on %s (%d KV blocks, loaded in %.1fs)", version, weights,
-                 self.server.endpoint, self.engine.blocks.num_blocks, time.monotonic() - t0)
+        log.info("serving policy v%d from %s with the %s engine on %s (%s) in %.1fs", version, weights,
+                 icfg.engine.name, icfg.device, ", ".join(endpoints.values()), time.monotonic() - t0)
 
     def handle(self, identity: bytes, msg) -> None:
         if isinstance(msg, GenerateRequest):
@@ -80,7 +84,7 @@ class InferServer:
             dt = time.monotonic() - t0
             self.registration.update(version=msg.version)
             log.info("loaded policy v%d in %.2fs (%d sequences kept running)", msg.version, dt,
-                     len(self.engine.running))
+                     self.engine.stats()["num_running"])
             self.server.reply(identity, WeightsLoaded(request_id=msg.request_id, version=msg.version,
                                                       load_time_s=dt))
         elif isinstance(msg, AbortRequests):
@@ -96,31 +100,77 @@ class InferServer:
             self.server.reply(identity, ErrorReply(request_id=getattr(msg, "request_id", ""),
                                                    message=f"rl-infer does not handle {type(msg).__name__}"))
 
+    def handle_http(self, command: tuple) -> None:
+        """A command from the HTTP thread: ("add", GenerateRequest, sink) or ("abort", request_id)."""
+        if command[0] == "add":
+            _, req, sink = command
+            try:
+                self.engine.add_request(req, stream=True)
+                self.sinks[req.request_id] = sink
+            except ValueError as e:
+                sink(e)
+        else:
+            if self.sinks.pop(command[1], None) is not None:
+                self.engine.abort(command[1])
+
     def health(self, request_id: str) -> HealthResponse:
-        e = self.engine
-        return HealthResponse(request_id=request_id, role="infer", version=e.version, num_running=len(e.running),
-                              num_waiting=len(e.waiting), stats=e.server_stats())
+        stats = self.engine.stats()
+        return HealthResponse(request_id=request_id, role="infer", version=self.engine.version,
+                              num_running=int(stats["num_running"]), num_waiting=int(stats["num_waiting"]),
+                              stats=stats)
+
+    def drain(self) -> None:
+        """Handle every request already waiting on either door, without blocking."""
+        item = self.server.recv(0)
+        while item is not None:
+            try:
+                self.handle(*item)
+            except Exception as e:  # a bad request must not take the server down
+                log.exception("failed to handle %s", type(item[1]).__name__)
+                self.server.reply(item[0], ErrorReply(request_id=getattr(item[1], "request_id", ""),
+                                                      message=f"{type(e).__name__}: {e}"))
+            item = self.server.recv(0)
+        if self.http is not None:
+            for command in self.http.take_commands():
+                try:
+                    self.handle_http(command)
+                except Exception as e:
+                    log.exception("failed to handle an HTTP request")
+                    if command[0] == "add":
+                        command[2](e)
+
+    def route(self, outputs: list[GenerateResponse | Delta]) -> None:
+        for out in outputs:
+            rid = out.request_id
+            if isinstance(out, Delta):
+                if rid in self.sinks:
+                    self.sinks[rid](out)
+            elif (sink := self.sinks.pop(rid, None)) is not None:
+                sink(out)
+            elif (identity := self.clients.pop(rid, None)) is not None:
+                self.server.reply(identity, out)
 
     def serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.server.sock, zmq.POLLIN)
+        if self.http is not None:
+            poller.register(self.http.wake_socket, zmq.POLLIN)
         while not self.stopping:
-            item = self.server.recv(0 if self.engine.has_work() else 50)
-            while item is not None:
-                try:
-                    self.handle(*item)
-                except Exception as e:  # a bad request must not take the server down
-                    log.exception("failed to handle %s", type(item[1]).__name__)
-                    self.server.reply(item[0], ErrorReply(request_id=getattr(item[1], "request_id", ""),
-                                                          message=f"{type(e).__name__}: {e}"))
-                item = self.server.recv(0)
+            if not self.engine.has_work():
+                poller.poll(50)
+            self.drain()
             if self.engine.has_work():
-                for response in self.engine.step():
-                    identity = self.clients.pop(response.request_id, None)
-                    if identity is not None:
-                        self.server.reply(identity, response)
+                self.route(self.engine.step())
 
     def close(self) -> None:
+        for sink in self.sinks.values():
+            sink(RuntimeError("rl-infer is shutting down"))
+        self.sinks.clear()
+        if self.http is not None:
+            self.http.close()
         self.registration.close()
         self.server.close()
+        self.engine.close()
 
 
 def run(cfg: RecipeConfig, run: RunDir, instance: int = 0) -> int:
@@ -129,6 +179,7 @@ def run(cfg: RecipeConfig, run: RunDir, instance: int = 0) -> int:
     try:
         server.serve()
     finally:
+        generated = server.engine.stats().get("num_generated_tokens", 0)
         server.close()
-        log.info("stopped after %d generated tokens", server.engine.stats["num_generated_tokens"])
+        log.info("stopped after %d generated tokens", generated)
     return 0

@@ -12,8 +12,10 @@ fall behind the bound (a long completion overtaken by faster ones) are dropped. 
 short completions never wait for the long tail, and no batch is ever more than
 ``max_async`` steps off-policy.
 
-Every request carries the policy version at dispatch as its cache salt: prefix KV
-computed by older weights is never reused by it.
+Every request carries the policy version at dispatch as its cache salt. The salt only
+names a prefix-cache namespace: rl-infer also keys each cached block by the weights
+version that computed it, so a request that reaches a server after its swap (before
+``PolicyUpdated`` arrives here) does not reuse KV of the older weights.
 """
 
 import random

@@ -115,8 +115,9 @@ class GenerateRequest(Message, tag="generate", kw_only=True):
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     """Sampling parameters."""
     cache_salt: str = ""
-    """Prefix-cache namespace, the policy version at dispatch: blocks are shared only between
-    requests with the same salt, so KV computed under older weights is never reused."""
+    """Prefix-cache namespace (the orchestrator sends the policy version at dispatch): blocks
+    are shared only between requests with the same salt. The engine also keys blocks by the
+    weights version that computed them, so KV of other weights is never reused, whatever the salt."""
 
 
 class Completion(msgspec.Struct, kw_only=True):

@@ -52,7 +52,7 @@ def test_greedy_matches_full_forward(model, kwargs):
         for c in resp.completions:
             assert c.token_ids == ref and c.finish_reason == "length" and c.versions == [0] * 10
     if "kv_cache_memory_mb" in kwargs:
-        assert engine.stats["num_preemptions"] > 0
+        assert engine.stats()["num_preemptions"] > 0
     assert engine.blocks.num_available == engine.blocks.num_blocks  # every block came back
 
 
@@ -120,6 +120,20 @@ def test_bad_requests_are_rejected(model):
         engine.add_request(GenerateRequest(request_id="n", prompt_ids=[1], sampling=SamplingParams(n=10**6)))
 
 
+def test_a_request_the_cache_cannot_hold_is_rejected_not_fatal(model):
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=128, kv_cache_memory_mb=0.03, block_size=4)
+    capacity = engine.blocks.num_blocks * 4
+    with pytest.raises(ValueError, match="kv_cache_memory_mb"):
+        engine.add_request(GenerateRequest(request_id="big", prompt_ids=[1] * 8,
+                                           sampling=SamplingParams(max_tokens=capacity)))
+    with pytest.raises(ValueError, match="KV blocks"):  # n - 1 partial-block copies at the fork
+        engine.add_request(GenerateRequest(request_id="wide", prompt_ids=[1] * (capacity - 5),
+                                           sampling=SamplingParams(max_tokens=2, n=8)))
+    engine.add_request(GenerateRequest(request_id="fits", prompt_ids=[1] * 8,
+                                       sampling=SamplingParams(max_tokens=capacity - 8)))
+    assert len(run_all(engine)["fits"].completions[0].token_ids) == capacity - 8
+
+
 def test_prefix_cache_is_salted(model):
     engine = NativeEngine(model, eos_token_ids=[], max_model_len=128, block_size=4)
     prompt = [256] + list(range(1, 30))
@@ -134,7 +148,7 @@ def test_prefix_cache_is_salted(model):
     again = cached("b", "v0")
     assert again.num_cached_tokens == 28  # 7 full blocks; the last token always runs
     assert again.completions[0].token_ids == first.completions[0].token_ids
-    assert cached("c", "v1").num_cached_tokens == 0  # new policy version: no stale KV
+    assert cached("c", "v1").num_cached_tokens == 0  # another salt: another namespace
 
 
 def test_in_flight_weight_update_keeps_requests_running(model, tiny_model_dir, tmp_path):
@@ -220,4 +234,61 @@ def test_moe_routes_are_recorded_for_every_token(tmp_path, kwargs):
             ref = ctx.routing.stacked()[:-1].numpy()
             assert (routes.astype("int64") == ref).all()
     if kwargs:
-        assert engine.stats["num_preemptions"] > 0  # routes survive recompute after preemption
+        assert engine.stats()["num_preemptions"] > 0  # routes survive recompute after preemption
+
+
+@torch.no_grad()
+def full_logprobs(model, ids, num_prompt):
+    """Log-probabilities of ids[num_prompt:] under one full forward of ``model``."""
+    lp = torch.log_softmax(model(torch.tensor([ids]))[0].float(), -1)
+    return [lp[num_prompt - 1 + j, t].item() for j, t in enumerate(ids[num_prompt:])]
+
+
+def test_prefix_cache_is_keyed_by_the_weights_that_computed_it(model, tiny_model_dir, tmp_path):
+    """KV from other weights is never reused: not by requests queued across a swap, nor by
+    those that arrive after it still carrying the old salt (before the orchestrator hears
+    of the new version)."""
+    new_model = load_model(tiny_model_dir, seed=2)
+    save_model(new_model, tmp_path / "v1")
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=128, block_size=4)
+    prompt = [256] + list(range(1, 30))
+
+    def add(rid):
+        engine.add_request(GenerateRequest(request_id=rid, prompt_ids=prompt, cache_salt="v0",
+                                           sampling=SamplingParams(temperature=0, max_tokens=3)))
+
+    add("before")
+    assert run_all(engine)["before"].num_cached_tokens == 0
+    add("queued")  # waits across the swap
+    engine.load_weights(FsWeights(path=str(tmp_path / "v1")), version=1)
+    add("window")  # the swap window: new weights, old salt
+    out = run_all(engine)
+    for rid in ("queued", "window"):
+        c = out[rid].completions[0]
+        assert out[rid].num_cached_tokens == 0, rid
+        assert c.versions == [1, 1, 1]
+        ref = full_logprobs(new_model, prompt + c.token_ids, len(prompt))
+        assert max(abs(a - b) for a, b in zip(ref, c.logprobs)) < 1e-4
+    add("after")  # same salt, same weights: the blocks computed under v1 are shared
+    assert run_all(engine)["after"].num_cached_tokens == 28
+
+
+def test_a_block_computed_across_a_swap_is_never_reused(model, tiny_model_dir, tmp_path):
+    """A block whose tokens were computed partly under old and partly under new weights
+    belongs to neither version."""
+    save_model(load_model(tiny_model_dir, seed=2), tmp_path / "v1")
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=128, block_size=4)
+    engine.add_request(GenerateRequest(request_id="a", prompt_ids=[256, 1], cache_salt="s",
+                                       sampling=SamplingParams(temperature=0, max_tokens=8)))
+    engine.step()  # prefill positions 0-1 under v0
+    engine.step()  # position 2 under v0
+    engine.load_weights(FsWeights(path=str(tmp_path / "v1")), version=1)
+    gen = run_all(engine)["a"].completions[0].token_ids  # position 3 (closing block 0) under v1
+    prompt = [256, 1] + gen[:7]  # covers block 0 (mixed) and block 1 (v1 only, behind it)
+    for rid in ("b", "c"):
+        engine.add_request(GenerateRequest(request_id=rid, prompt_ids=prompt, cache_salt="s",
+                                           sampling=SamplingParams(temperature=0, max_tokens=2)))
+        engine.step() if rid == "b" else None
+    out = run_all(engine)
+    assert out["b"].num_cached_tokens == 0
+    assert out["c"].num_cached_tokens == 8  # b's blocks, computed under v1 alone

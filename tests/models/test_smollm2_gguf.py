@@ -134,4 +134,4 @@ def test_recipe_fits_the_converted_model(smollm2):
     model = load_model(smollm2[1], device="meta")
     bytes_per_token = sum(h * (dk + dv) * 4 for h, dk, dv in model.kv_cache_spec())
     batch = recipe.orchestrate.batch_size * recipe.orchestrate.group_size
-    assert batch * seq_len * bytes_per_token <= recipe.infer.kv_cache_memory_mb << 20
+    assert batch * seq_len * bytes_per_token <= recipe.infer.engine.kv_cache_memory_mb * 2**20
