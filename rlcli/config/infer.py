@@ -7,6 +7,7 @@ from typing import Literal, Union
 import msgspec
 
 from rlcli.config.base import Config
+from rlcli.config.model import Fp8Config
 
 _DEVICE_RE = re.compile(r"cpu|cuda(:\d+)?")
 
@@ -98,6 +99,9 @@ class InferConfig(Config):
 
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes with the same cache salt and weights version."""
+
+    fp8: Fp8Config = msgspec.field(default_factory=Fp8Config)
+    """FP8 block-scaled GEMMs in the native engine (rl-infer --fp8); match train.fp8."""
 
     def __post_init__(self) -> None:
         if not _DEVICE_RE.fullmatch(self.device):

@@ -1,5 +1,7 @@
 from typing import Literal
 
+import msgspec
+
 from rlcli.config.base import Config
 
 
@@ -19,3 +21,28 @@ class ModelConfig(Config):
     def __post_init__(self) -> None:
         if self.max_seq_len < 8:
             raise ValueError(f"model.max_seq_len must be >= 8, got {self.max_seq_len}")
+
+
+class Fp8Config(Config):
+    """FP8 block-scaled GEMMs (DeepSeek-V3 recipe: 1x128 activation tiles, 128x128 weight blocks).
+
+    Linears whose module name matches an ``include`` pattern and no ``exclude`` pattern
+    (fnmatch, on names like ``model.layers.0.self_attn.q_proj``) are swapped for FP8
+    linears; stacked MoE experts (``...mlp.experts``) use FP8 grouped GEMMs. Set the same
+    values under ``train.fp8`` and ``infer.fp8`` so trainer and engine compute one function.
+    """
+
+    enabled: bool = False
+    """Run the matched GEMMs in FP8 (rl-train --fp8 / rl-infer --fp8)."""
+
+    backend: Literal["auto", "deep_gemm", "torch", "emulated"] = "auto"
+    """GEMM kernels: auto picks deep_gemm, then torch scaled_mm (SM90), then the CPU emulation."""
+
+    include: list[str] = msgspec.field(default_factory=lambda: ["*"])
+    """fnmatch patterns of module names to run in FP8."""
+
+    exclude: list[str] = msgspec.field(default_factory=lambda: ["*embed_tokens", "lm_head", "*.mlp.gate"])
+    """fnmatch patterns left in high precision (embeddings, LM head and MoE router by default)."""
+
+    ue8m0: bool = False
+    """Round block scales up to powers of two (UE8M0) instead of exact fp32 scales."""

@@ -3,6 +3,7 @@ from typing import Literal
 import msgspec
 
 from rlcli.config.base import Config
+from rlcli.config.model import Fp8Config
 
 
 class OptimConfig(Config):
@@ -126,6 +127,9 @@ class TrainConfig(Config):
 
     parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
     """Data, expert and context parallelism."""
+
+    fp8: Fp8Config = msgspec.field(default_factory=Fp8Config)
+    """FP8 block-scaled training (rl-train --fp8)."""
 
     num_threads: int = 0
     """torch intra-op threads; 0 keeps torch's default."""

@@ -1,0 +1,232 @@
+"""FP8 block-scaled GEMM backends: DeepGEMM, torch ``scaled_mm``, and a CPU emulation.
+
+Every backend takes operands already quantized by :mod:`rlcli.ops.fp8.quant` (so all
+three see bit-identical FP8 data and scales) and computes, with fp32 accumulation:
+
+    gemm(a, sa, b, sb)                a [M, K] 1x128, b [N, K] 128x128      -> a @ b^T  [M, N]
+    gemm_1x128(a, sa, b, sb)          a [M, K] 1x128, b [N, K] 1x128        -> a @ b^T  [M, N]  (weight gradients)
+    grouped_gemm(a, sa, b, sb, offs)  a [M, K] 1x128 rows sorted by group,  -> [M, N], rows offs[g-1]:offs[g]
+                                      b [G, N, K] 128x128, offs [G] int32      use b[g]
+                                      cumulative row ends (torch grouped_mm's convention)
+
+``emulated`` dequantizes and multiplies in fp32: the reference, on any device.
+``torch`` calls ``torch.nn.functional.scaled_mm`` with ``BlockWise1x128`` x
+``BlockWise128x128`` (cuBLASLt, Hopper): scale_a column-major ``(M, K/128)`` with stride
+``(1, M)``, scale_b the ``(N/128, K/128)`` block scales transposed. Its grouped GEMM
+loops over groups (one host sync for the offsets). ``deep_gemm`` calls DeepGEMM's
+``fp8_gemm_nt`` and ``m_grouped_fp8_gemm_nt_contiguous``; the contiguous grouped layout
+needs every group's rows aligned to 128, which is built on the device (rows scattered into
+a padded buffer, padding rows marked -1) so it needs no host sync. Weight gradients
+(1x128 x 1x128) go through ``scaled_mm``'s ``BlockWise1x128`` pair on both GPU backends.
+
+Kernels want K a multiple of 128: the FP8 data is zero padded along K, which adds zeros
+to every dot product (see the quantization note on edge blocks).
+"""
+
+import logging
+from typing import Literal, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from rlcli.ops.fp8.quant import BLOCK, FP8_DTYPE, ceil_div, dequantize_1x128, dequantize_128x128
+
+log = logging.getLogger("rlcli.fp8")
+
+BackendName = Literal["auto", "deep_gemm", "torch", "emulated"]
+
+
+class GemmBackend(Protocol):
+    name: str
+
+    def gemm(self, a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
+             out_dtype: torch.dtype) -> torch.Tensor: ...
+
+    def gemm_1x128(self, a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
+                   out_dtype: torch.dtype) -> torch.Tensor: ...
+
+    def grouped_gemm(self, a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
+                     offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor: ...
+
+
+def group_ranges(offs: torch.Tensor) -> list[tuple[int, int]]:
+    """(start, end) row range of every group; one host sync."""
+    ends = offs.tolist()
+    return list(zip([0] + ends[:-1], ends))
+
+
+class EmulatedBackend:
+    """Dequantize, then an fp32 matmul: the reference the kernels are checked against."""
+
+    name = "emulated"
+
+    def gemm(self, a, sa, b, sb, out_dtype):
+        return (dequantize_1x128(a, sa) @ dequantize_128x128(b, sb).T).to(out_dtype)
+
+    def gemm_1x128(self, a, sa, b, sb, out_dtype):
+        return (dequantize_1x128(a, sa) @ dequantize_1x128(b, sb).T).to(out_dtype)
+
+    def grouped_gemm(self, a, sa, b, sb, offs, out_dtype):
+        out = a.new_zeros(a.shape[0], b.shape[1], dtype=out_dtype)
+        for g, (s, e) in enumerate(group_ranges(offs)):
+            if e > s:
+                out[s:e] = self.gemm(a[s:e], sa[s:e], b[g], sb[g], out_dtype)
+        return out
+
+
+def _pad_k(q: torch.Tensor) -> torch.Tensor:
+    """Zero pad FP8 data along its last dim to a multiple of 128 (padding in uint8: fp8 has no pad kernel)."""
+    pad = (-q.shape[-1]) % BLOCK
+    if not pad:
+        return q
+    return F.pad(q.view(torch.uint8), (0, pad)).view(FP8_DTYPE)
+
+
+def _col_major(s: torch.Tensor) -> torch.Tensor:
+    return s.t().contiguous().t()
+
+
+class TorchScaledMMBackend:
+    """``torch.nn.functional.scaled_mm`` with DeepSeek-style block scales (cuBLASLt on SM90)."""
+
+    name = "torch"
+
+    def __init__(self) -> None:
+        self._fp32_out = True  # cuBLASLt builds without fp32 output for block scaling fall back to bf16
+
+    def _mm(self, a, sa, b, sb, recipe_b, out_dtype):
+        a, b = _pad_k(a), _pad_k(b)
+        if hasattr(F, "scaled_mm"):
+            from torch.nn.functional import ScalingType
+            rb = ScalingType.BlockWise128x128 if recipe_b == "128x128" else ScalingType.BlockWise1x128
+            return F.scaled_mm(a, b.t(), sa, ScalingType.BlockWise1x128, sb, rb, output_dtype=out_dtype)
+        return torch._scaled_mm(a, b.t(), sa, sb, out_dtype=out_dtype)
+
+    def gemm(self, a, sa, b, sb, out_dtype):
+        kb = sb.shape[1]
+        sbp = F.pad(sb, (0, (-kb) % 4), value=1.0)  # cuBLASLt wants the K-block count rounded up to 4
+        return self._mm(a, _col_major(sa), b, sbp.t(), "128x128", out_dtype)
+
+    def gemm_1x128(self, a, sa, b, sb, out_dtype):
+        if out_dtype == torch.float32 and self._fp32_out:
+            try:
+                return self._mm(a, _col_major(sa), b, _col_major(sb), "1x128", out_dtype)
+            except RuntimeError as e:
+                log.warning("scaled_mm 1x128 x 1x128 with fp32 output failed (%s); using bf16 output", e)
+                self._fp32_out = False
+        return self._mm(a, _col_major(sa), b, _col_major(sb), "1x128", torch.bfloat16).to(out_dtype)
+
+    def grouped_gemm(self, a, sa, b, sb, offs, out_dtype):
+        out = a.new_zeros(a.shape[0], b.shape[1], dtype=out_dtype)
+        for g, (s, e) in enumerate(group_ranges(offs)):
+            if e > s:
+                out[s:e] = self.gemm(a[s:e], sa[s:e], b[g], sb[g], out_dtype)
+        return out
+
+
+class DeepGemmBackend:
+    """DeepGEMM's JIT kernels (``fp8_gemm_nt``, ``m_grouped_fp8_gemm_nt_contiguous``).
+
+    Unless ``strict``, a kernel that raises (an unsupported shape, a DeepGEMM build whose
+    signature differs) is logged once and that operation falls back to torch ``scaled_mm``.
+    """
+
+    name = "deep_gemm"
+
+    def __init__(self, dg, strict: bool = False) -> None:
+        self.dg, self.strict = dg, strict
+        self.torch = TorchScaledMMBackend()
+        self.failed: set[str] = set()
+        try:
+            self.align = int(dg.get_mk_alignment_for_contiguous_layout())
+        except AttributeError:
+            self.align = BLOCK
+
+    def _guarded(self, op: str, kernel, fallback):
+        if op in self.failed:
+            return fallback()
+        try:
+            return kernel()
+        except (RuntimeError, AssertionError, TypeError) as e:
+            if self.strict:
+                raise
+            log.warning("deep_gemm %s failed (%s); using torch scaled_mm for it from now on", op, e)
+            self.failed.add(op)
+            return fallback()
+
+    def gemm(self, a, sa, b, sb, out_dtype):
+        def kernel():
+            out = torch.empty(a.shape[0], b.shape[0], dtype=torch.bfloat16, device=a.device)
+            self.dg.fp8_gemm_nt((_pad_k(a), sa), (_pad_k(b), sb), out)
+            return out.to(out_dtype)
+        return self._guarded("fp8_gemm_nt", kernel, lambda: self.torch.gemm(a, sa, b, sb, out_dtype))
+
+    def gemm_1x128(self, a, sa, b, sb, out_dtype):
+        return self.torch.gemm_1x128(a, sa, b, sb, out_dtype)
+
+    def grouped_gemm(self, a, sa, b, sb, offs, out_dtype):
+        return self._guarded("m_grouped_fp8_gemm_nt_contiguous", lambda: self._grouped(a, sa, b, sb, offs, out_dtype),
+                             lambda: self.torch.grouped_gemm(a, sa, b, sb, offs, out_dtype))
+
+    def _grouped(self, a, sa, b, sb, offs, out_dtype):
+        M, K = a.shape
+        G, N = b.shape[0], b.shape[1]
+        dev = a.device
+        offs = offs.to(device=dev, dtype=torch.int64)
+        counts = torch.diff(offs, prepend=offs.new_zeros(1))
+        padded = (counts + self.align - 1) // self.align * self.align
+        pad_starts = torch.cumsum(padded, 0) - padded
+        row = torch.arange(M, device=dev)
+        group = torch.searchsorted(offs, row, right=True)
+        dst = row - (offs - counts)[group] + pad_starts[group]
+        M_pad = ceil_div(M + G * (self.align - 1), self.align) * self.align  # static bound: no host sync
+        a_pad = torch.zeros(M_pad, K, dtype=torch.uint8, device=dev)
+        a_pad[dst] = a.view(torch.uint8)
+        sa_pad = torch.ones(M_pad, sa.shape[1], dtype=sa.dtype, device=dev)
+        sa_pad[dst] = sa
+        layout = torch.full((M_pad,), -1, dtype=torch.int32, device=dev)
+        layout[dst] = group.to(torch.int32)
+        out = torch.empty(M_pad, N, dtype=torch.bfloat16, device=dev)
+        self.dg.m_grouped_fp8_gemm_nt_contiguous((_pad_k(a_pad.view(FP8_DTYPE)), sa_pad), (_pad_k(b), sb), out, layout)
+        return out[dst].to(out_dtype)
+
+
+def import_deep_gemm():
+    """The deep_gemm module, from a standalone install or vLLM's bundled copy; None if neither imports."""
+    for name in ("deep_gemm", "vllm.third_party.deep_gemm"):
+        try:
+            import importlib
+
+            dg = importlib.import_module(name)
+            if hasattr(dg, "fp8_gemm_nt"):
+                return dg
+        except (ImportError, OSError, RuntimeError, AssertionError) as e:  # no CUDA toolkit: its init asserts
+            log.debug("cannot import %s: %s", name, e)
+    return None
+
+
+def _is_sm90(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def make_backend(name: BackendName = "auto", device: torch.device | str = "cpu") -> GemmBackend:
+    """The GEMM backend ``name`` for ``device``; ``auto`` prefers deep_gemm, then torch, then emulated.
+    Raises ValueError naming the config key when a requested backend cannot run here."""
+    device = torch.device(device)
+    if name in ("auto", "deep_gemm") and device.type == "cuda":
+        dg = import_deep_gemm()
+        if dg is not None:
+            backend = DeepGemmBackend(dg)
+            log.info("fp8 GEMM backend: deep_gemm %s", getattr(dg, "__version__", "?"))
+            return backend
+        if name == "deep_gemm":
+            raise ValueError("fp8.backend = 'deep_gemm' but deep_gemm does not import; install it or set "
+                             "fp8.backend = 'auto'")
+    if name in ("auto", "torch") and _is_sm90(device):
+        log.info("fp8 GEMM backend: torch scaled_mm (blockwise 1x128 x 128x128)")
+        return TorchScaledMMBackend()
+    if name in ("deep_gemm", "torch"):
+        raise ValueError(f"fp8.backend = {name!r} needs a Hopper (SM90) CUDA device, got {device}; "
+                         "set fp8.backend = 'emulated' or 'auto'")
+    log.info("fp8 GEMM backend: emulated (dequantize + fp32 matmul) on %s", device)
+    return EmulatedBackend()

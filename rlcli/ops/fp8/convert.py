@@ -1,0 +1,76 @@
+"""Swap a model's linears (and stacked MoE experts) for FP8 ones, from outside the model.
+
+Model files keep plain ``nn.Linear`` and ``GroupedExperts``; ``convert_to_fp8`` replaces
+the modules whose qualified names match the config's patterns. The replacements share the
+original Parameters (same names, shapes and dtypes in the state dict), so optimizer,
+checkpoints, weight publishing and FSDP2 see no difference: call it after building (or
+loading) the model and before ``parallelize``/``fully_shard``. Trainer and inference
+engine call it with the same config so both compute the same function.
+"""
+
+import fnmatch
+import logging
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from rlcli.models.moe import GroupedExperts
+from rlcli.ops.fp8.backends import GemmBackend, make_backend
+from rlcli.ops.fp8.linear import FP8Linear, WeightCache, fp8_grouped_mm
+
+log = logging.getLogger("rlcli.fp8")
+
+
+class FP8GroupedExperts(GroupedExperts):
+    """Stacked SwiGLU experts whose three GEMMs are FP8 grouped GEMMs over expert-sorted tokens."""
+
+    backend: GemmBackend
+    ue8m0: bool
+
+    def forward(self, x_ND: torch.Tensor, idx_Nk: torch.Tensor, gates_Nk: torch.Tensor) -> torch.Tensor:
+        k = idx_Nk.shape[1]
+        flat = idx_Nk.reshape(-1)
+        order = flat.argsort(stable=True)
+        offs = torch.cumsum(torch.bincount(flat, minlength=self.num_experts), 0).to(torch.int32)
+        token = order // k
+        x_sorted = x_ND[token]
+        gmm = lambda x, w, c: fp8_grouped_mm(x, w, offs, self.backend, c, self.ue8m0)  # noqa: E731
+        h = F.silu(gmm(x_sorted, self.w_gate, self._caches[0])) * gmm(x_sorted, self.w_up, self._caches[1])
+        y_sorted = gmm(h, self.w_down, self._caches[2]) * gates_Nk.reshape(-1)[order, None]
+        out = torch.zeros_like(x_ND)
+        return out.index_add_(0, token, y_sorted.to(out.dtype))
+
+
+def _matches(name: str, include: list[str], exclude: list[str]) -> bool:
+    return (any(fnmatch.fnmatchcase(name, p) for p in include)
+            and not any(fnmatch.fnmatchcase(name, p) for p in exclude))
+
+
+def convert_to_fp8(model: nn.Module, cfg, device: torch.device | str | None = None,
+                   backend: GemmBackend | None = None) -> list[str]:
+    """Replace, in place, every ``nn.Linear`` and ``GroupedExperts`` of ``model`` that ``cfg``
+    (an :class:`rlcli.config.model.Fp8Config`) selects; returns the converted module names.
+    The GEMM backend is made for ``device`` (default: where the model's parameters are)."""
+    if backend is None:
+        if device is None:
+            p = next(model.parameters(), None)
+            device = p.device if p is not None and not p.is_meta else "cpu"
+        backend = make_backend(cfg.backend, device)
+    converted: list[str] = []
+    for name, module in list(model.named_modules()):
+        if not name or not _matches(name, cfg.include, cfg.exclude):
+            continue
+        if type(module) is nn.Linear:
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, FP8Linear.from_linear(module, backend, cfg.ue8m0))
+            converted.append(name)
+        elif type(module) is GroupedExperts:
+            module.__class__ = FP8GroupedExperts  # keeps its Parameters and hooks where they are
+            module.backend, module.ue8m0 = backend, cfg.ue8m0
+            module._caches = (WeightCache(), WeightCache(), WeightCache())
+            converted.append(name)
+    log.info("fp8: %d modules converted (backend %s)%s", len(converted), backend.name,
+             "" if converted else "; no module matched train/infer.fp8.include")
+    return converted
