@@ -17,8 +17,10 @@ import torch
 
 from rlcli.errors import ModelLoadError
 from rlcli.models.config import ARCHITECTURES, ModelArgs
+from rlcli.models.fp8_io import QUANTIZATION_CONFIG, SCALE_SUFFIX, dequantize_stream, is_fp8_checkpoint, quantize_for_save
 from rlcli.models.safetensors_io import iter_tensors, save_sharded, weight_files
 from rlcli.models.transformer import CausalLM
+from rlcli.ops.fp8.quant import FP8_DTYPE, quantize_128x128
 
 _EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _STACKED = {"gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down"}
@@ -84,9 +86,14 @@ def _ignorable(name: str, args: ModelArgs) -> bool:
 def collect_state_dict(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], source: str,
                        dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Map HF-named tensors onto ``model``'s state dict (names, shapes, dtype), stacking experts.
-    Raises ModelLoadError naming the first missing or mis-shaped tensor."""
+    FP8 weights with ``weight_scale_inv`` are dequantized to ``dtype``, unless the model holds
+    that weight in FP8 (then data and scales load as they are; a high-precision weight is
+    quantized for it). Raises ModelLoadError naming the first missing or mis-shaped tensor."""
     expected = model.state_dict()
     args = model.args
+    fp8_held = {n for n, t in expected.items() if t.dtype == FP8_DTYPE}
+    tensors = dequantize_stream(tensors, source, dtype,
+                                keep=lambda n: n in fp8_held or n[: -len(SCALE_SUFFIX)] in fp8_held)
     out: dict[str, torch.Tensor] = {}
     experts: dict[str, torch.Tensor] = {}
     filled: dict[str, set[int]] = {}
@@ -113,8 +120,11 @@ def collect_state_dict(model: CausalLM, tensors: Iterable[tuple[str, torch.Tenso
         if list(t.shape) != list(expected[name].shape):
             raise ModelLoadError(f"{source}: tensor {name} has shape {list(t.shape)}, "
                                  f"config.json implies {list(expected[name].shape)}")
-        keep_fp32 = name.endswith("e_score_correction_bias")
-        out[name] = t if (t.dtype == dtype or keep_fp32) else t.to(dtype)
+        if name in fp8_held and t.dtype != FP8_DTYPE:
+            out[name], out[name + SCALE_SUFFIX] = quantize_128x128(t)
+            continue
+        keep = name.endswith("e_score_correction_bias") or name in fp8_held or name.endswith(SCALE_SUFFIX)
+        out[name] = t if (t.dtype == dtype or keep) else t.to(dtype)
     for key, got in filled.items():
         if len(got) != expected[key].shape[0]:
             missing = min(set(range(expected[key].shape[0])) - got)
@@ -131,20 +141,35 @@ def collect_state_dict(model: CausalLM, tensors: Iterable[tuple[str, torch.Tenso
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               seed: int = 0, weights_dir: str | Path | None = None) -> CausalLM:
+               seed: int = 0, weights_dir: str | Path | None = None, fp8=None, fp8_storage: bool = False) -> CausalLM:
     """Load an HF-layout model. A directory with config.json but no safetensors gets random
     weights from ``seed`` (tiny models built from a config). ``weights_dir`` reads the tensors
-    from another directory (a policy version) with the architecture of ``path``."""
+    from another directory (a policy version) with the architecture of ``path``.
+
+    FP8 checkpoints (``quantization_config.quant_method = "fp8"``) are dequantized to ``dtype``.
+    With ``fp8`` (an enabled :class:`~rlcli.config.model.Fp8Config`) the selected linears become
+    FP8 linears: on master weights in ``dtype`` (training), or with ``fp8_storage`` holding FP8
+    weights + scales as the checkpoint has them (inference)."""
     args = ModelArgs.from_dir(path)
     source = Path(weights_dir or path)
+    is_fp8_checkpoint(args.hf, str(path))  # refuses quantization schemes we cannot read
     model = build_model(args, device="meta", dtype=dtype, materialize=False)
+    fp8 = fp8 if fp8 is not None and fp8.enabled else None
+    if fp8 is not None:
+        from rlcli.ops.fp8.convert import convert_to_fp8
+
+        convert_to_fp8(model, fp8, device, fp8_storage=fp8_storage)
     if not has_weights(source):
         if weights_dir is not None:
             raise ModelLoadError(f"{source} holds no safetensors files")
+        if fp8 is not None and fp8_storage:  # random init needs master weights first
+            model = build_model(args, device="meta", dtype=dtype, materialize=False)
         model.to_empty(device=device)
         model.tie_weights()
         model.init_buffers()
         model.init_weights(seed)
+        if fp8 is not None and fp8_storage:
+            convert_to_fp8(model, fp8, device, fp8_storage=True)
         return model
     state = collect_state_dict(model, iter_tensors(source), str(source), dtype)
     if torch.device(device).type != "cpu":
@@ -169,16 +194,26 @@ def load_weights(model: CausalLM, weights_dir: str | Path) -> None:
 
 
 def save_model(model: CausalLM, out_dir: str | Path, source_dir: str | Path | None = None,
-               max_shard_bytes: int = 5 << 30, dtype: torch.dtype | None = None) -> None:
+               max_shard_bytes: int = 5 << 30, dtype: torch.dtype | None = None, fp8: bool = False) -> None:
     """Write ``model`` as an HF-layout directory: safetensors shards (+ index), config.json,
-    and the tokenizer / generation files found in ``source_dir``."""
+    and the tokenizer / generation files found in ``source_dir``. With ``fp8`` (implied by FP8
+    weights in the model) every FP8 linear is written as FP8 + ``weight_scale_inv`` and
+    config.json declares DeepSeek-V3's ``quantization_config``; otherwise that key is dropped."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = hf_state_dict(model)
+    fp8_names = [f"{n}.weight" for n, m in model.named_modules() if hasattr(m, "to_fp8_storage")]
+    fp8 = fp8 or any(t.dtype == FP8_DTYPE for t in tensors.values())
+    if fp8:
+        tensors = quantize_for_save(tensors, fp8_names)
     if dtype is not None:
-        tensors = {k: (v if k.endswith("e_score_correction_bias") else v.to(dtype)) for k, v in tensors.items()}
+        tensors = {k: (v if k.endswith(("e_score_correction_bias", SCALE_SUFFIX)) or v.dtype == FP8_DTYPE
+                       else v.to(dtype)) for k, v in tensors.items()}
     save_sharded(tensors, out_dir, max_shard_bytes)
     hf = dict(model.args.hf)
+    hf.pop("quantization_config", None)
+    if fp8:
+        hf["quantization_config"] = dict(QUANTIZATION_CONFIG)
     if dtype is not None:
         hf["torch_dtype" if "torch_dtype" in hf else "dtype"] = str(dtype).removeprefix("torch.")
     (out_dir / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")

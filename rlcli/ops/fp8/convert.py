@@ -48,10 +48,12 @@ def _matches(name: str, include: list[str], exclude: list[str]) -> bool:
 
 
 def convert_to_fp8(model: nn.Module, cfg, device: torch.device | str | None = None,
-                   backend: GemmBackend | None = None) -> list[str]:
+                   backend: GemmBackend | None = None, fp8_storage: bool = False) -> list[str]:
     """Replace, in place, every ``nn.Linear`` and ``GroupedExperts`` of ``model`` that ``cfg``
     (an :class:`rlcli.config.model.Fp8Config`) selects; returns the converted module names.
-    The GEMM backend is made for ``device`` (default: where the model's parameters are)."""
+    The GEMM backend is made for ``device`` (default: where the model's parameters are).
+    ``fp8_storage`` keeps the linears' weights in FP8 + ``weight_scale_inv`` (inference; on a
+    meta model it sets the shapes an FP8 checkpoint loads into). Experts keep master weights."""
     if backend is None:
         if device is None:
             p = next(model.parameters(), None)
@@ -64,7 +66,10 @@ def convert_to_fp8(model: nn.Module, cfg, device: torch.device | str | None = No
         if type(module) is nn.Linear:
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, child, FP8Linear.from_linear(module, backend, cfg.ue8m0))
+            new = FP8Linear.from_linear(module, backend, cfg.ue8m0)
+            if fp8_storage:
+                new.to_fp8_storage()
+            setattr(parent, child, new)
             converted.append(name)
         elif type(module) is GroupedExperts:
             module.__class__ = FP8GroupedExperts  # keeps its Parameters and hooks where they are

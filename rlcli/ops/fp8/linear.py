@@ -116,7 +116,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 class FP8Linear(nn.Linear):
-    """An ``nn.Linear`` whose GEMMs run in FP8; same parameters and state dict as the Linear it replaces."""
+    """An ``nn.Linear`` whose GEMMs run in FP8.
+
+    Two storages: a high-precision master ``weight`` quantized on the fly (training; same
+    parameters and state dict as the Linear it replaces), or, after :meth:`to_fp8_storage`,
+    an FP8 ``weight`` plus its ``weight_scale_inv`` block scales, DeepSeek-V3's checkpoint
+    layout (inference only: no gradients flow into an FP8 weight).
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
                  backend: GemmBackend | None = None, ue8m0: bool = False):
@@ -133,13 +139,36 @@ class FP8Linear(nn.Linear):
         new.backend, new.ue8m0, new.cache = backend, ue8m0, WeightCache()
         return new
 
+    @property
+    def fp8_storage(self) -> bool:
+        return self.weight.dtype == quant.FP8_DTYPE
+
+    @torch.no_grad()
+    def to_fp8_storage(self) -> None:
+        """Replace the master weight by its 128x128 quantization (meta stays meta: shapes only)."""
+        w = self.weight
+        if w.is_meta:
+            q = torch.empty(w.shape, dtype=quant.FP8_DTYPE, device="meta")
+            s = torch.empty(quant.ceil_div(w.shape[0], quant.BLOCK), quant.ceil_div(w.shape[1], quant.BLOCK),
+                            device="meta")
+        else:
+            q, s = quant.quantize_128x128(w, self.ue8m0)
+        self.weight = nn.Parameter(q, requires_grad=False)
+        self.register_buffer("weight_scale_inv", s)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.is_meta:
             return F.linear(x, self.weight, self.bias)
+        if self.fp8_storage:
+            xq, xs = quantize_1x128(x.reshape(-1, x.shape[-1]), self.ue8m0)
+            y = self.backend.gemm(xq, xs, self.weight, self.weight_scale_inv, x.dtype)
+            y = y if self.bias is None else y + self.bias.to(y.dtype)
+            return y.view(*x.shape[:-1], -1)
         return fp8_linear(x, self.weight, self.bias, self.backend, self.cache, self.ue8m0)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, fp8={self.backend.name}{', ue8m0' if self.ue8m0 else ''}"
+        store = ", fp8 weights" if self.fp8_storage else ""
+        return f"{super().extra_repr()}, fp8={self.backend.name}{', ue8m0' if self.ue8m0 else ''}{store}"
 
 
 class _FP8GroupedFn(torch.autograd.Function):

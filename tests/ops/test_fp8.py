@@ -1,0 +1,186 @@
+"""FP8 block quantization, the emulated GEMM backend, and the FP8 linear's autograd recipe.
+
+Error model used for every bound here. e4m3fn has 3 mantissa bits: rounding a normal value
+to nearest is off by at most u = 2^-4 of it; below 2^-6 (subnormals) the spacing is 2^-9,
+so the error is at most 2^-10 absolute. Scaled by the block scale s, one element's error is
+
+    e(x) <= u |x| + 2^-10 s        (s = amax(block) / 448)
+
+and a dot product of two quantized vectors is off by at most
+sum_k e(a_k)|b_k| + |a_k| e(b_k) + e(a_k) e(b_k), i.e. E_a |B| + |A| E_b + E_a E_b as matrices
+(~2u = 12.5% of sum |a||b| in the worst case; for random signs the typical error is
+~sqrt(2/3) u ~ 4% of the result's norm). bf16 (8 mantissa bits) has u = 2^-8 and no
+block term. The tests check every element against these bounds, plus fp32 accumulation.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rlcli.ops.fp8.backends import EmulatedBackend, make_backend
+from rlcli.ops.fp8.linear import FP8Linear, fp8_grouped_mm, fp8_linear
+from rlcli.ops.fp8.quant import (
+    FP8_DTYPE, dequantize_1x128, dequantize_128x128, quantize_1x128, quantize_128x128, transpose_blocks,
+)
+
+U_FP8, U_BF16, SUB = 2.0 ** -4, 2.0 ** -8, 2.0 ** -10
+
+
+def ref_scales(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """Per-element amax/448 of each (rows x 128) block, computed by plain loops (independent of quant.py)."""
+    x = x.double()
+    out = torch.empty_like(x)
+    for i in range(0, x.shape[0], rows):
+        for j in range(0, x.shape[1], 128):
+            blk = x[i:i + rows, j:j + 128]
+            out[i:i + rows, j:j + 128] = blk.abs().max().clamp(min=1e-12) / 448.0
+    return out
+
+
+def err_bound(x: torch.Tensor, rows: int, u: float = U_FP8) -> torch.Tensor:
+    return u * x.double().abs() + SUB * ref_scales(x, rows) if u == U_FP8 else u * x.double().abs()
+
+
+def product_bound(a, ea, b, eb) -> torch.Tensor:
+    """Bound on |(A+dA)(B+dB)^T - AB^T| for |dA| <= ea, |dB| <= eb (all [*, K])."""
+    A, B = a.double().abs(), b.double().abs()
+    return ea @ B.T + A @ eb.T + ea @ eb.T + 1e-6 * (A @ B.T)  # last term: fp32 accumulation
+
+
+def data(*shape, seed=0, outliers=True):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g)
+    if outliers:  # a few large channels, as real activations have: block scaling must contain them
+        x[..., 3] *= 50
+    return x
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (200, 190), (5, 130)])
+def test_quantization_round_trip_within_bounds(shape):
+    x = data(*shape)
+    q, s = quantize_1x128(x)
+    assert q.dtype == FP8_DTYPE and s.shape == (shape[0], -(-shape[1] // 128))
+    assert torch.allclose(s.repeat_interleave(128, 1)[:, :shape[1]].double(), ref_scales(x, 1), rtol=1e-6)
+    assert ((dequantize_1x128(q, s).double() - x.double()).abs() <= err_bound(x, 1) * (1 + 1e-6)).all()
+
+    q, s = quantize_128x128(x)
+    assert s.shape == (-(-shape[0] // 128), -(-shape[1] // 128))
+    assert ((dequantize_128x128(q, s).double() - x.double()).abs() <= err_bound(x, 128) * (1 + 1e-6)).all()
+
+
+def test_ue8m0_scales_are_powers_of_two_covering_the_block_max():
+    x = data(130, 300)
+    q, s = quantize_128x128(x, ue8m0=True)
+    exact = ref_scales(x, 128)[::128, ::128].float()
+    assert torch.equal(s, torch.exp2(torch.log2(s).round()))
+    assert (s >= exact).all() and (s < 2 * exact).all()
+    assert q.float().abs().max() <= 448
+    err = (dequantize_128x128(q, s).double() - x.double()).abs()
+    assert (err <= U_FP8 * x.double().abs() + SUB * s.repeat_interleave(128, 0).repeat_interleave(128, 1)
+            [:130, :300].double() * (1 + 1e-6)).all()
+
+
+def test_transposed_blocks_equal_quantizing_the_transpose():
+    w = data(200, 330)
+    qt, st = transpose_blocks(*quantize_128x128(w))
+    q2, s2 = quantize_128x128(w.T.contiguous())
+    assert torch.equal(qt.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(st, s2)
+
+
+def test_all_zero_block_quantizes_to_zero():
+    x = torch.zeros(3, 256)
+    x[:, 128:] = 1.0
+    q, s = quantize_1x128(x)
+    assert torch.isfinite(s).all() and (dequantize_1x128(q, s)[:, :128] == 0).all()
+
+
+@pytest.mark.parametrize("M,N,K", [(64, 256, 384), (37, 190, 200)])
+def test_emulated_gemm_equals_float64_of_dequantized_operands(M, N, K):
+    be = EmulatedBackend()
+    (aq, sa), (bq, sb) = quantize_1x128(data(M, K, seed=1)), quantize_128x128(data(N, K, seed=2))
+    a64, b64 = dequantize_1x128(aq, sa).double(), dequantize_128x128(bq, sb).double()
+    ref = a64 @ b64.T
+    out = be.gemm(aq, sa, bq, sb, torch.float32).double()
+    assert ((out - ref).abs() <= 2 * K * 2.0 ** -24 * (a64.abs() @ b64.abs().T) + 1e-30).all()
+    (b1, s1) = quantize_1x128(data(N, K, seed=3))
+    ref = a64 @ dequantize_1x128(b1, s1).double().T
+    out = be.gemm_1x128(aq, sa, b1, s1, torch.float32).double()
+    assert ((out - ref).abs() <= 2 * K * 2.0 ** -24 * (a64.abs() @ dequantize_1x128(b1, s1).double().abs().T)).all()
+
+
+def test_backend_factory_on_cpu():
+    assert make_backend("auto", "cpu").name == "emulated"
+    with pytest.raises(ValueError, match="fp8.backend"):
+        make_backend("torch", "cpu")
+
+
+def _grads(fn, x, w, dy):
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = fn(x, w)
+    y.backward(dy)
+    return y.detach(), x.grad, w.grad
+
+
+@pytest.mark.parametrize("M,N,K", [(256, 384, 256), (300, 190, 200)])
+def test_fp8_linear_forward_and_gradients_within_recipe_bounds(M, N, K):
+    """y, dX, dW of the FP8 linear (DeepSeek-V3 recipe) against exact float64, element by element,
+    and against a bf16 linear: |fp8 - bf16| <= fp8 bound + bf16 bound."""
+    x, w, dy = data(M, K, seed=1), data(N, K, seed=2, outliers=False) * 0.05, data(M, N, seed=3, outliers=False)
+    be = EmulatedBackend()
+    y8, dx8, dw8 = _grads(lambda a, b: fp8_linear(a, b, None, be), x, w, dy)
+    yb, dxb, dwb = (t.double() for t in _grads(lambda a, b: F.linear(a.bfloat16(), b.bfloat16()).float(), x, w, dy))
+    X, W, DY = x.double(), w.double(), dy.double()
+    checks = {  # name: (fp8 value, bf16 value, exact, fp8 bound, bf16 bound)
+        "y": (y8, yb, X @ W.T, product_bound(x, err_bound(x, 1), w, err_bound(w, 128)),
+              product_bound(x, err_bound(x, 1, U_BF16), w, err_bound(w, 128, U_BF16))),
+        "dx": (dx8, dxb, DY @ W, product_bound(dy, err_bound(dy, 1), w.T, err_bound(w.T.contiguous(), 128)),
+               product_bound(dy, err_bound(dy, 1, U_BF16), w.T, err_bound(w.T.contiguous(), 128, U_BF16))),
+        "dw": (dw8, dwb, DY.T @ X, product_bound(dy.T, err_bound(dy.T.contiguous(), 1), x.T,
+                                                 err_bound(x.T.contiguous(), 1)),
+               product_bound(dy.T, err_bound(dy.T.contiguous(), 1, U_BF16), x.T,
+                             err_bound(x.T.contiguous(), 1, U_BF16))),
+    }
+    for name, (v8, vb, exact, b8, bb) in checks.items():
+        bb = bb + U_BF16 * (exact.abs() + bb)  # the bf16 linear also rounds its output
+        assert ((v8.double() - exact).abs() <= b8).all(), name
+        assert ((vb - exact).abs() <= bb).all(), name
+        assert ((v8.double() - vb).abs() <= b8 + bb).all(), name
+        rel = float((v8.double() - exact).norm() / exact.norm())
+        assert rel < 0.06, (name, rel)  # typical error ~4%: the bound above is not vacuous
+
+
+def test_fp8_linear_module_swaps_in_and_caches_weight():
+    lin = torch.nn.Linear(256, 130, bias=True)
+    fp8 = FP8Linear.from_linear(lin, EmulatedBackend())
+    assert fp8.weight is lin.weight and set(fp8.state_dict()) == {"weight", "bias"}
+    x = data(4, 7, 256)
+    y = fp8(x)
+    assert y.shape == (4, 7, 130)
+    key = fp8.cache.key
+    fp8(x)
+    assert fp8.cache.key == key
+    with torch.no_grad():
+        lin.weight.add_(1.0)  # an optimizer step bumps the version: the FP8 copy is refreshed
+    fp8(x)
+    assert fp8.cache.key != key
+    fp8.to_fp8_storage()
+    assert fp8.weight.dtype == FP8_DTYPE and fp8.weight_scale_inv.shape == (2, 2)
+    assert torch.allclose(fp8(x), fp8_linear(x, lin.weight, lin.bias, EmulatedBackend()), atol=1e-5)
+
+
+def test_grouped_fp8_matches_per_group_fp8_linear_and_gradients():
+    G, N, K = 4, 130, 200
+    offs = torch.tensor([50, 50, 180, 300], dtype=torch.int32)  # group 1 is empty
+    x, w, dy = data(300, K, seed=1), data(G, N, K, seed=2) * 0.05, data(300, N, seed=3)
+    be = EmulatedBackend()
+    y, dx, dw = _grads(lambda a, b: fp8_grouped_mm(a, b, offs, be), x, w, dy)
+    bounds = [0, 50, 50, 180, 300]
+    for g in range(G):
+        s, e = bounds[g], bounds[g + 1]
+        if e == s:
+            assert (dw[g] == 0).all()
+            continue
+        yg, dxg, dwg = _grads(lambda a, b: fp8_linear(a, b, None, be), x[s:e], w[g], dy[s:e])
+        torch.testing.assert_close(y[s:e], yg, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dx[s:e], dxg, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dw[g], dwg, rtol=1e-5, atol=1e-5)
