@@ -41,6 +41,7 @@ def serve(
                                                      "free one, -1 is off [default: infer.http_port].")] = None,
     threads: Annotated[Optional[int], typer.Option(help="torch intra-op threads of the native engine "
                                                    "[default: infer.engine.num_threads].")] = None,
+    fp8: Annotated[bool, typer.Option("--fp8", help="FP8 block-scaled GEMMs (infer.fp8.enabled).")] = False,
     print_config_: PrintConfigOpt = False,
 ) -> None:
     """Serve GenerateRequests over ZeroMQ (and the OpenAI API over HTTP) (the default command)."""
@@ -48,7 +49,8 @@ def serve(
                                        "infer.port": port, "infer.http_port": http_port,
                                        "infer.engine.name": engine.value if engine else None,
                                        "infer.device": device, "infer.dtype": dtype.value if dtype else None,
-                                       "infer.engine.num_threads": threads})
+                                       "infer.engine.num_threads": threads,
+                                       "infer.fp8.enabled": True if fp8 else None})
     if print_config_:
         return print_config(cfg)
     run = open_run(cfg, f"infer-{instance}")

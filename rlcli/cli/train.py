@@ -29,12 +29,13 @@ def run_cmd(
     lr: LrOpt = None,
     micro_batch_tokens: Annotated[Optional[int], typer.Option(help="Tokens per packed micro-batch row.")] = None,
     threads: ThreadsOpt = None,
+    fp8: Annotated[bool, typer.Option("--fp8", help="FP8 block-scaled GEMMs (train.fp8.enabled).")] = False,
     print_config_: PrintConfigOpt = False,
 ) -> None:
     """Train on rollout batches as they arrive (the default command); resumes from the newest checkpoint."""
     cfg = resolve_config(ctx, config, {"run_dir": str(run_dir) if run_dir else None, "num_steps": steps,
                                        "train.optim.lr": lr, "train.micro_batch_tokens": micro_batch_tokens,
-                                       "train.num_threads": threads})
+                                       "train.num_threads": threads, "train.fp8.enabled": True if fp8 else None})
     if print_config_:
         return print_config(cfg)
     run = open_run(cfg, "train")

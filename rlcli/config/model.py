@@ -46,3 +46,6 @@ class Fp8Config(Config):
 
     ue8m0: bool = False
     """Round block scales up to powers of two (UE8M0) instead of exact fp32 scales."""
+
+    publish: bool = False
+    """rl-train: write policy weights as FP8 + weight_scale_inv (DeepSeek-V3 layout) instead of model.dtype."""

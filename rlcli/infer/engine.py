@@ -126,7 +126,9 @@ class NativeEngine:
         if ecfg.num_threads:
             torch.set_num_threads(ecfg.num_threads)
         device = resolve_device(icfg.device)
-        model = load_model(weights, device=device, dtype=DTYPES[icfg.dtype or cfg.model.dtype], seed=cfg.seed)
+        # infer.fp8: FP8 weights + scales (as published, or quantized on load as the trainer's forward does)
+        model = load_model(weights, device=device, dtype=DTYPES[icfg.dtype or cfg.model.dtype], seed=cfg.seed,
+                           fp8=icfg.fp8, fp8_storage=True)
         eos = sorted(set(load_tokenizer(weights).eos_token_ids) | set(model.args.eos_token_id))
         return cls(model, eos_token_ids=eos, max_model_len=cfg.model.max_seq_len, block_size=ecfg.block_size,
                    kv_cache_memory_mb=ecfg.kv_cache_memory_mb, max_num_seqs=icfg.max_num_seqs,

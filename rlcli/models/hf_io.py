@@ -120,8 +120,8 @@ def collect_state_dict(model: CausalLM, tensors: Iterable[tuple[str, torch.Tenso
         if list(t.shape) != list(expected[name].shape):
             raise ModelLoadError(f"{source}: tensor {name} has shape {list(t.shape)}, "
                                  f"config.json implies {list(expected[name].shape)}")
-        if name in fp8_held and t.dtype != FP8_DTYPE:
-            out[name], out[name + SCALE_SUFFIX] = quantize_128x128(t)
+        if name in fp8_held and t.dtype != FP8_DTYPE:  # quantized from ``dtype``, as the trainer's master weight is
+            out[name], out[name + SCALE_SUFFIX] = quantize_128x128(t.to(dtype))
             continue
         keep = name.endswith("e_score_correction_bias") or name in fp8_held or name.endswith(SCALE_SUFFIX)
         out[name] = t if (t.dtype == dtype or keep) else t.to(dtype)

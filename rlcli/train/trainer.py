@@ -74,8 +74,9 @@ class Trainer:
         cfg, run = self.cfg, self.run
         if is_stable(run.weights_dir(0)):
             # Policy 0 exists (a restart): train from it; a checkpoint, if any, overrides it below.
-            return load_model(run.resolve_weights(0), self.device, self.dtype, cfg.seed)
-        model = load_model(cfg.model.path, self.device, self.dtype, cfg.seed)
+            return load_model(run.resolve_weights(0), self.device, self.dtype, cfg.seed, fp8=cfg.train.fp8)
+        # FP8 linears on master weights (train.fp8): swapped in here, before any parallelization.
+        model = load_model(cfg.model.path, self.device, self.dtype, cfg.seed, fp8=cfg.train.fp8)
         if cfg.train.sft.num_steps:
             log.info("SFT warm-up: %d steps", cfg.train.sft.num_steps)
             run_sft(cfg, model, load_tokenizer(cfg.model.path), log,
@@ -94,7 +95,8 @@ class Trainer:
     def publish(self, step: int, model=None) -> None:
         """Write policy ``step`` to RUN/weights/step_<step> (STABLE last) and announce it."""
         with atomic_dir(self.run.weights_dir(step), {"step": step}) as tmp:
-            save_model(model if model is not None else self.model, tmp, source_dir=self.cfg.model.path)
+            save_model(model if model is not None else self.model, tmp, source_dir=self.cfg.model.path,
+                       fp8=self.cfg.train.fp8.enabled and self.cfg.train.fp8.publish)
         self.announce(step)
 
     def announce(self, step: int) -> None:

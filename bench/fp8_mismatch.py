@@ -1,0 +1,96 @@
+"""Train/inference mismatch with FP8 on both sides against bf16 (and fp32) on both sides.
+
+    python bench/fp8_mismatch.py [--model DIR] [--prompts 32]
+
+The same weights are loaded twice per numeric mode: as the native inference engine loads
+them (rl-infer; with FP8, weights held as FP8 + scales) and as the trainer does (rl-train;
+with FP8, master weights quantized on the fly). The engine samples completions with their
+logprobs; the trainer recomputes the logprobs of the same tokens (one packed forward per
+sequence, as in training). Reported per mode: the k3 estimate of KL(pi_infer || pi_train)
+per completion token (the trainer's mismatch_kl metric) and the largest |logprob gap|.
+Without --model it uses recipes/models/tiny-llama with random weights (std 0.1, so the
+distributions are not flat).
+"""
+
+import argparse
+import os
+import sys
+import tempfile
+from types import SimpleNamespace
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from rlcli.infer.engine import NativeEngine  # noqa: E402
+from rlcli.models import load_model, save_model  # noqa: E402
+from rlcli.protocol import GenerateRequest, SamplingParams  # noqa: E402
+from rlcli.train.loss import token_logprobs  # noqa: E402
+
+FP8 = SimpleNamespace(enabled=True, backend="auto", include=["*"], exclude=["*embed_tokens", "lm_head", "*.mlp.gate"],
+                      ue8m0=False)
+MODES = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None), "fp8 (fp32 master)": (torch.float32, FP8),
+         "fp8 (bf16 master)": (torch.bfloat16, FP8)}
+
+
+def measure(model_dir: str, dtype, fp8, prompts: list[list[int]], n: int, max_tokens: int) -> tuple[float, float, int]:
+    engine_model = load_model(model_dir, dtype=dtype, fp8=fp8, fp8_storage=True)
+    trainer_model = load_model(model_dir, dtype=dtype, fp8=fp8).eval()
+    engine = NativeEngine(engine_model, eos_token_ids=list(engine_model.args.eos_token_id), max_model_len=128,
+                          kv_cache_memory_mb=16, seed=0)
+    for i, p in enumerate(prompts):
+        engine.add_request(GenerateRequest(request_id=str(i), prompt_ids=p, sampling=SamplingParams(
+            temperature=1.0, max_tokens=max_tokens, n=n, seed=i)))
+    responses = []
+    while engine.has_work():
+        responses.extend(engine.step())
+    kl_sum, gap, count = 0.0, 0.0, 0
+    with torch.no_grad():
+        for r in responses:
+            prompt = prompts[int(r.request_id)]
+            for c in r.completions:
+                ids = torch.tensor([prompt + c.token_ids])
+                lp, _ = token_logprobs(trainer_model(ids).float(), ids, 1.0)
+                lp_train = lp[0, len(prompt):].double()
+                lp_infer = torch.tensor(c.logprobs, dtype=torch.float64)
+                log_r = lp_train - lp_infer
+                kl_sum += float((log_r.exp() - 1 - log_r).sum())
+                gap = max(gap, float(log_r.abs().max()))
+                count += len(c.logprobs)
+    return kl_sum / max(count, 1), gap, count
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="HF-layout model directory [default: random tiny-llama]")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--n", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of: " + ", ".join(MODES))
+    args = ap.parse_args()
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = args.model
+        if model_dir is None:
+            model = load_model(os.path.join(ROOT, "recipes/models/tiny-llama"), seed=0)
+            model.init_weights(seed=0, std=0.1)
+            save_model(model, tmp)
+            model_dir = tmp
+        gen = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, 256, (int(torch.randint(4, 16, (1,), generator=gen)),), generator=gen).tolist()
+                   for _ in range(args.prompts)]
+        rows = []
+        for name in args.modes.split(","):
+            dtype, fp8 = MODES[name]
+            kl, gap, count = measure(model_dir, dtype, fp8, prompts, args.n, args.max_tokens)
+            rows.append((name, kl, gap, count))
+            print(f"done {name}", file=sys.stderr, flush=True)
+    print(f"\nTrain/inference mismatch, native engine vs trainer forward, same weights ({args.model or 'random tiny-llama'})")
+    print(f"{'numerics (both sides)':22s} {'KL/token (k3)':>14s} {'max |dlogp|':>12s} {'tokens':>7s}")
+    for name, kl, gap, count in rows:
+        print(f"{name:22s} {kl:14.3e} {gap:12.3e} {count:7d}")
+
+
+if __name__ == "__main__":
+    main()
