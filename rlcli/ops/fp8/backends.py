@@ -105,7 +105,12 @@ class TorchScaledMMBackend:
     def gemm(self, a, sa, b, sb, out_dtype):
         kb = sb.shape[1]
         sbp = F.pad(sb, (0, (-kb) % 4), value=1.0)  # cuBLASLt wants the K-block count rounded up to 4
-        return self._mm(a, _col_major(sa), b, sbp.t(), "128x128", out_dtype)
+        M = a.shape[0]
+        pad = (-M) % BLOCK  # cuBLASLt found no algorithm for ragged M (expert groups) on the H200: pad rows
+        if pad:
+            a = F.pad(a.view(torch.uint8), (0, 0, 0, pad)).view(FP8_DTYPE)
+            sa = F.pad(sa, (0, 0, 0, pad), value=1.0)
+        return self._mm(a, _col_major(sa), b, sbp.t(), "128x128", out_dtype)[:M]
 
     def gemm_1x128(self, a, sa, b, sb, out_dtype):
         if out_dtype == torch.float32 and self._fp32_out:

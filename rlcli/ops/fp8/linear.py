@@ -16,10 +16,10 @@ fp32 (then cast to the master weight's dtype). The bias and all non-GEMM math st
 high precision. x is saved for the backward pass in its own dtype (quantized along tokens
 there), not in FP8: simpler, at the cost of activation memory.
 
-The weight is quantized on the fly from the master weight; :class:`WeightCache` keeps
-the FP8 copy (and its transpose, once the backward pass needs it) until the weight's
-version counter moves, i.e. for every micro-batch of one optimizer step, and for every
-forward of a frozen inference model.
+The weight is quantized on the fly from the master weight in every training forward (its
+transpose for the input gradient is read off the same blocks); :class:`WeightCache` keeps
+the FP8 copy across forwards only when no gradient is recorded (inference), until the
+weight's version counter moves.
 """
 
 import torch
@@ -71,26 +71,26 @@ class WeightCache:
 
 class _FP8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, cache: WeightCache, backend: GemmBackend, ue8m0: bool):
+    def forward(ctx, x, weight, bias, cache: WeightCache | None, backend: GemmBackend, ue8m0: bool):
         x2 = x.reshape(-1, x.shape[-1])
-        wq, ws = cache.get(weight, ue8m0)
+        wq, ws = weight_fp8(weight, cache, ue8m0)
         xq, xs = quantize_1x128(x2, ue8m0)
         y = backend.gemm(xq, xs, wq, ws, x.dtype)
         if bias is not None:
             y = y + bias.to(y.dtype)
-        ctx.save_for_backward(x2, weight)
+        ctx.save_for_backward(x2, weight, wq, ws)
         ctx.cache, ctx.backend, ctx.ue8m0, ctx.has_bias = cache, backend, ue8m0, bias is not None
         ctx.x_shape = x.shape
         return y.view(*x.shape[:-1], -1)
 
     @staticmethod
     def backward(ctx, dy):
-        x2, weight = ctx.saved_tensors
+        x2, weight, wq, ws = ctx.saved_tensors
         backend, ue8m0 = ctx.backend, ctx.ue8m0
         dy2 = dy.reshape(-1, dy.shape[-1])
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            wtq, wts = ctx.cache.get(weight, ue8m0, transposed=True)
+            wtq, wts = transpose_blocks(wq, ws)
             dyq, dys = quantize_1x128(dy2, ue8m0)
             dx = backend.gemm(dyq, dys, wtq, wts, x2.dtype).view(ctx.x_shape)
         if ctx.needs_input_grad[1]:
@@ -98,6 +98,19 @@ class _FP8LinearFn(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.float().sum(0)
         return dx, dw, db, None, None, None
+
+
+def weight_fp8(w: torch.Tensor, cache: WeightCache | None, ue8m0: bool):
+    """The weight's 128x128 quantization, from ``cache`` when one is given (see :func:`_cache_for`)."""
+    return quantize_128x128(w.detach(), ue8m0) if cache is None else cache.get(w, ue8m0)
+
+
+def _cache_for(w: torch.Tensor, cache: WeightCache | None) -> WeightCache | None:
+    """Cache only when no gradient is recorded (inference: weights change only through in-place
+    loads, which bump the version). A training forward re-quantizes: fused optimizers update
+    parameters without bumping their version counter, so a cache keyed on it would serve a stale
+    weight. Decided outside autograd.Function.forward, where grad mode is always off."""
+    return None if torch.is_grad_enabled() and w.requires_grad else (cache or WeightCache())
 
 
 def wgrad(backend: GemmBackend, dy_MN: torch.Tensor, x_MK: torch.Tensor, ue8m0: bool) -> torch.Tensor:
@@ -112,7 +125,7 @@ def wgrad(backend: GemmBackend, dy_MN: torch.Tensor, x_MK: torch.Tensor, ue8m0: 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, backend: GemmBackend,
                cache: WeightCache | None = None, ue8m0: bool = False) -> torch.Tensor:
     """``F.linear`` in FP8 (see module docstring); differentiable in x, weight and bias."""
-    return _FP8LinearFn.apply(x, weight, bias, cache or WeightCache(), backend, ue8m0)
+    return _FP8LinearFn.apply(x, weight, bias, _cache_for(weight, cache), backend, ue8m0)
 
 
 class FP8Linear(nn.Linear):
@@ -173,21 +186,21 @@ class FP8Linear(nn.Linear):
 
 class _FP8GroupedFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, offs, cache: WeightCache, backend: GemmBackend, ue8m0: bool):
-        wq, ws = cache.get(w, ue8m0)
+    def forward(ctx, x, w, offs, cache: WeightCache | None, backend: GemmBackend, ue8m0: bool):
+        wq, ws = weight_fp8(w, cache, ue8m0)
         xq, xs = quantize_1x128(x, ue8m0)
         y = backend.grouped_gemm(xq, xs, wq, ws, offs, x.dtype)
-        ctx.save_for_backward(x, w, offs)
+        ctx.save_for_backward(x, w, offs, wq, ws)
         ctx.cache, ctx.backend, ctx.ue8m0 = cache, backend, ue8m0
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, w, offs = ctx.saved_tensors
+        x, w, offs, wq, ws = ctx.saved_tensors
         backend, ue8m0 = ctx.backend, ctx.ue8m0
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            wtq, wts = ctx.cache.get(w, ue8m0, transposed=True)
+            wtq, wts = transpose_blocks(wq, ws)
             dyq, dys = quantize_1x128(dy, ue8m0)
             dx = backend.grouped_gemm(dyq, dys, wtq, wts, offs, x.dtype)
         if ctx.needs_input_grad[1]:
@@ -204,4 +217,4 @@ def fp8_grouped_mm(x_MK: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor
                    cache: WeightCache | None = None, ue8m0: bool = False) -> torch.Tensor:
     """Rows ``offs[g-1]:offs[g]`` of ``x`` times ``w[g]^T`` in FP8; the FP8 twin of
     ``F.grouped_mm(x, w.transpose(-2, -1), offs=offs)``. ``offs`` holds int32 cumulative row ends."""
-    return _FP8GroupedFn.apply(x_MK, w_GNK, offs_G, cache or WeightCache(), backend, ue8m0)
+    return _FP8GroupedFn.apply(x_MK, w_GNK, offs_G, _cache_for(w_GNK, cache), backend, ue8m0)
