@@ -179,3 +179,5 @@ class ForwardContext:
 
     attn: object  # PackedCausalAttention | PagedAttention | any callable with that signature
     routing: RoutingContext | None = None
+    position_ids: torch.Tensor | None = None  # [B, T] of the tokens; CausalLM.hidden_states fills it in
+    dsa_selection: object = None  # DSA: the last indexer layer's top-k choice, reused by "shared" layers

@@ -1,0 +1,139 @@
+"""Multi-head latent attention (MLA) in latent form, dense or DeepSeek-sparse (DSA).
+
+MLA keys and values are up-projections of one per-token latent ``c`` (``kv_lora_rank``
+values) plus one rotary key shared by all heads. Folding the key up-projection into the
+query (``q_lat = q_nope @ W_UK``) turns attention into multi-query attention over the
+cached ``kv = [c, k_rot]`` (576 values per token for DeepSeek-V3) with the latent ``c``
+as the value; the value up-projection is applied after the weighted sum. So the paged
+cache holds ``kv`` only, 71x less than expanded per-head K and V for DeepSeek-V3.
+
+DSA adds a lightning indexer: ``score[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s])``
+over all earlier tokens ``s`` of the same sequence, and query ``t`` attends to its
+``index_topk`` best tokens only. :func:`select_topk` is the one selection rule for
+training and inference: causal (keys ``lo[t]..hi[t]``), every allowed token when there
+are at most ``topk`` of them, and ties broken towards the earlier token (a stable sort),
+so the choice never depends on how the scores were chunked or padded.
+
+Long sequences never hold a ``[T, S]`` tensor of more than ``chunk`` query rows; under
+autograd each chunk of sparse attention is checkpointed, so backward keeps only inputs.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from rlcli.ops.attention import PagedAttention
+
+# Query rows per chunk are sized so that one [rows, S] score tensor stays near this many elements.
+CHUNK_ELEMENTS = 1 << 26
+
+
+def _chunk(rows_per_key: int, num_keys: int) -> int:
+    return max(1, CHUNK_ELEMENTS // max(1, rows_per_key * num_keys))
+
+
+@torch.no_grad()
+def index_scores(q_THD: torch.Tensor, w_TH: torch.Tensor, k_SD: torch.Tensor, scale: float) -> torch.Tensor:
+    """Lightning-indexer scores [T, S] in fp32 (the order of operations of the reference)."""
+    s_THS = torch.matmul(q_THD.float(), k_SD.float().T[None]) * scale
+    return torch.matmul(w_TH.float()[:, None, :], F.relu(s_THS))[:, 0]
+
+
+@torch.no_grad()
+def select_topk(q_THD: torch.Tensor, w_TH: torch.Tensor, k_SD: torch.Tensor, lo_T: torch.Tensor,
+                hi_T: torch.Tensor, topk: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k keys per query among keys ``lo[t] <= s <= hi[t]``: (indices [T, k], valid [T, k]),
+    ``k = min(topk, S)``; a query with fewer allowed keys gets all of them (rest invalid)."""
+    T, S = q_THD.shape[0], k_SD.shape[0]
+    k = min(topk, S)
+    idx_Tk = torch.empty(T, k, dtype=torch.long, device=q_THD.device)
+    valid_Tk = torch.empty(T, k, dtype=torch.bool, device=q_THD.device)
+    pos_S = torch.arange(S, device=q_THD.device)
+    step = _chunk(q_THD.shape[1], S)
+    for a in range(0, T, step):
+        b = min(a + step, T)
+        scores = index_scores(q_THD[a:b], w_TH[a:b], k_SD, scale)
+        allowed = (pos_S[None] >= lo_T[a:b, None]) & (pos_S[None] <= hi_T[a:b, None])
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        order = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+        idx_Tk[a:b] = order
+        valid_Tk[a:b] = allowed.gather(1, order)
+    return idx_Tk, valid_Tk
+
+
+def _sparse_chunk(q_CHL, kv_SL, idx_Ck, valid_Ck, value_dim: int, scale: float) -> torch.Tensor:
+    kv_CkL = kv_SL[idx_Ck]
+    s_CHk = torch.einsum("chl,ckl->chk", q_CHL, kv_CkL).float() * scale
+    p_CHk = torch.softmax(s_CHk.masked_fill(~valid_Ck[:, None], float("-inf")), dim=-1).to(q_CHL.dtype)
+    return torch.einsum("chk,ckr->chr", p_CHk, kv_CkL[..., :value_dim])
+
+
+def sparse_latent_attention(q_THL: torch.Tensor, kv_SL: torch.Tensor, idx_Tk: torch.Tensor, valid_Tk: torch.Tensor,
+                            value_dim: int, scale: float) -> torch.Tensor:
+    """Attention of each query over its selected latent tokens only: [T, H, value_dim]."""
+    T, H, _ = q_THL.shape
+    step = _chunk(H, idx_Tk.shape[1] * 8)
+    if T <= step:
+        return _sparse_chunk(q_THL, kv_SL, idx_Tk, valid_Tk, value_dim, scale)
+    outs = []
+    for a in range(0, T, step):
+        args = (q_THL[a:a + step], kv_SL, idx_Tk[a:a + step], valid_Tk[a:a + step], value_dim, scale)
+        if torch.is_grad_enabled() and (q_THL.requires_grad or kv_SL.requires_grad):
+            outs.append(checkpoint(_sparse_chunk, *args, use_reentrant=False))
+        else:
+            outs.append(_sparse_chunk(*args))
+    return torch.cat(outs)
+
+
+def dense_latent_attention(q_THL: torch.Tensor, kv_SL: torch.Tensor, value_dim: int, scale: float,
+                           mask_TS: torch.Tensor | None) -> torch.Tensor:
+    """Multi-query attention over the latent (one shared key/value head): [T, H, value_dim]."""
+    q = q_THL.transpose(0, 1)[None]  # [1, H, T, L]
+    k = kv_SL[None, None]  # [1, 1, S, L]
+    v = kv_SL[None, None, :, :value_dim]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_TS, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+# ------------------------------------------------------------------------------ paged (inference)
+
+
+def paged_latent_attention(attn: PagedAttention, layer_idx: int, q_NHL: torch.Tensor, kv_NL: torch.Tensor,
+                           value_dim: int, scale: float, indexer=None, selection=None):
+    """One engine step of latent MLA over the paged cache of ``attn``.
+
+    The layer's cache is ``(kv_cache [blocks, block_size, 1, L],)`` plus, for a DSA layer with its
+    own indexer, ``index_cache [blocks, block_size, 1, Di]``. ``indexer`` is ``(q [N, Hi, Di],
+    w [N, Hi], k [N, Di], topk, scale)`` for such a layer; a layer that shares an earlier
+    layer's choice passes that layer's ``selection`` instead. Returns ``(out [N, H, value_dim],
+    selection)``, where ``selection`` lists per sequence (token indices, valid) or None.
+    """
+    meta = attn.meta
+    caches = attn.kv_caches[layer_idx]
+    kv_flat = caches[0].view(-1, caches[0].shape[-1])
+    kv_flat.index_copy_(0, meta.slot_mapping, kv_NL.to(kv_flat.dtype))
+    if indexer is not None:
+        iq_NHD, iw_NH, ik_ND, topk, iscale = indexer
+        ik_flat = caches[1].view(-1, caches[1].shape[-1])
+        ik_flat.index_copy_(0, meta.slot_mapping, ik_ND.to(ik_flat.dtype))
+    outs, chosen = [], []
+    bs = meta.block_size
+    for i, n in enumerate(meta.context_lens):
+        a, b = meta.query_start[i], meta.query_start[i + 1]
+        t = b - a
+        pos = torch.arange(n, device=kv_flat.device)
+        slots = meta.block_tables[i, pos // bs] * bs + pos % bs
+        kv_SL = kv_flat[slots]
+        hi_T = torch.arange(n - t, n, device=kv_flat.device)
+        sel = None
+        if indexer is not None:
+            sel = select_topk(iq_NHD[a:b], iw_NH[a:b], ik_flat[slots], torch.zeros_like(hi_T), hi_T, topk, iscale)
+        elif selection is not None:
+            sel = selection[i]
+        chosen.append(sel)
+        if sel is not None:
+            outs.append(sparse_latent_attention(q_NHL[a:b], kv_SL, sel[0], sel[1], value_dim, scale))
+        else:
+            mask = pos[None] <= hi_T[:, None] if t > 1 else None
+            outs.append(dense_latent_attention(q_NHL[a:b], kv_SL, value_dim, scale, mask))
+    return torch.cat(outs), (chosen if indexer is not None or selection is not None else None)
