@@ -11,8 +11,9 @@ DSA adds a lightning indexer: ``score[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s
 over all earlier tokens ``s`` of the same sequence, and query ``t`` attends to its
 ``index_topk`` best tokens only. :func:`select_topk` is the one selection rule for
 training and inference: causal (keys ``lo[t]..hi[t]``), every allowed token when there
-are at most ``topk`` of them, and ties broken towards the earlier token (a stable sort),
-so the choice never depends on how the scores were chunked or padded.
+are at most ``topk`` of them, and exact ties broken towards the earlier token (top-k over
+an integer key of score bits then position), so the choice never depends on how the
+scores were chunked or padded. ``torch.topk`` alone breaks ties by memory layout.
 
 Long sequences never hold a ``[T, S]`` tensor of more than ``chunk`` query rows; under
 autograd each chunk of sparse attention is checkpointed, so backward keeps only inputs.
@@ -24,12 +25,24 @@ from torch.utils.checkpoint import checkpoint
 
 from rlcli.ops.attention import PagedAttention
 
-# Query rows per chunk are sized so that one [rows, S] score tensor stays near this many elements.
+# Query rows per chunk are sized so that the chunk's largest intermediate (indexer scores
+# [rows, Hi, S], gathered latents [rows, k, L]) stays near this many elements.
 CHUNK_ELEMENTS = 1 << 26
+_POS_BITS = 21  # tie-break positions within one key window: up to 2M tokens
 
 
-def _chunk(rows_per_key: int, num_keys: int) -> int:
-    return max(1, CHUNK_ELEMENTS // max(1, rows_per_key * num_keys))
+def _chunk(per_row: int) -> int:
+    return max(1, CHUNK_ELEMENTS // max(1, per_row))
+
+
+def _topk_earliest(scores_TW: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest scores per row, exact ties going to the smaller index."""
+    W = scores_TW.shape[-1]
+    assert W < 1 << _POS_BITS, "key window too long for the tie-break key"
+    bits = (scores_TW + 0.0).view(torch.int32).to(torch.int64)  # + 0.0 makes -0.0 equal +0.0
+    bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # float order as integer order
+    rank = ((1 << _POS_BITS) - 1) - torch.arange(W, device=scores_TW.device)
+    return ((bits << _POS_BITS) | rank).topk(k, dim=-1).indices
 
 
 @torch.no_grad()
@@ -43,21 +56,25 @@ def index_scores(q_THD: torch.Tensor, w_TH: torch.Tensor, k_SD: torch.Tensor, sc
 def select_topk(q_THD: torch.Tensor, w_TH: torch.Tensor, k_SD: torch.Tensor, lo_T: torch.Tensor,
                 hi_T: torch.Tensor, topk: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k keys per query among keys ``lo[t] <= s <= hi[t]``: (indices [T, k], valid [T, k]),
-    ``k = min(topk, S)``; a query with fewer allowed keys gets all of them (rest invalid)."""
+    ``k = min(topk, S)``; a query with fewer allowed keys gets all of them (rest invalid).
+    Each chunk of queries scores only the key window its rows can see (one host sync per chunk)."""
     T, S = q_THD.shape[0], k_SD.shape[0]
     k = min(topk, S)
-    idx_Tk = torch.empty(T, k, dtype=torch.long, device=q_THD.device)
-    valid_Tk = torch.empty(T, k, dtype=torch.bool, device=q_THD.device)
-    pos_S = torch.arange(S, device=q_THD.device)
-    step = _chunk(q_THD.shape[1], S)
+    idx_Tk = torch.zeros(T, k, dtype=torch.long, device=q_THD.device)
+    valid_Tk = torch.zeros(T, k, dtype=torch.bool, device=q_THD.device)
+    step = _chunk(q_THD.shape[1] * S)
     for a in range(0, T, step):
         b = min(a + step, T)
-        scores = index_scores(q_THD[a:b], w_TH[a:b], k_SD, scale)
-        allowed = (pos_S[None] >= lo_T[a:b, None]) & (pos_S[None] <= hi_T[a:b, None])
+        first, last = int(lo_T[a:b].min()), int(hi_T[a:b].max()) + 1
+        scores = index_scores(q_THD[a:b], w_TH[a:b], k_SD[first:last], scale)
+        pos_W = torch.arange(first, last, device=q_THD.device)
+        allowed = (pos_W[None] >= lo_T[a:b, None]) & (pos_W[None] <= hi_T[a:b, None])
         scores = scores.masked_fill(~allowed, float("-inf"))
-        order = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
-        idx_Tk[a:b] = order
-        valid_Tk[a:b] = allowed.gather(1, order)
+        kk = min(k, last - first)
+        order = _topk_earliest(scores, kk)
+        keep = allowed.gather(1, order)
+        idx_Tk[a:b, :kk] = (order + first).masked_fill(~keep, 0)  # invalid entries point at token 0
+        valid_Tk[a:b, :kk] = keep
     return idx_Tk, valid_Tk
 
 
@@ -71,8 +88,8 @@ def _sparse_chunk(q_CHL, kv_SL, idx_Ck, valid_Ck, value_dim: int, scale: float) 
 def sparse_latent_attention(q_THL: torch.Tensor, kv_SL: torch.Tensor, idx_Tk: torch.Tensor, valid_Tk: torch.Tensor,
                             value_dim: int, scale: float) -> torch.Tensor:
     """Attention of each query over its selected latent tokens only: [T, H, value_dim]."""
-    T, H, _ = q_THL.shape
-    step = _chunk(H, idx_Tk.shape[1] * 8)
+    T = q_THL.shape[0]
+    step = _chunk(idx_Tk.shape[1] * kv_SL.shape[-1])
     if T <= step:
         return _sparse_chunk(q_THL, kv_SL, idx_Tk, valid_Tk, value_dim, scale)
     outs = []
