@@ -22,7 +22,7 @@ from rlcli.models.indexer import Indexer
 from rlcli.models.layers import RMSNorm, RotaryEmbedding, yarn_mscale
 from rlcli.models.transformer import CausalLM
 from rlcli.ops.attention import ForwardContext, PagedAttention
-from rlcli.ops.mla import paged_latent_attention, select_topk, sparse_latent_attention
+from rlcli.ops.mla import LatentQuery, SparseLatentAttention, paged_latent_attention
 
 
 class MLAttention(nn.Module):
@@ -53,6 +53,7 @@ class MLAttention(nn.Module):
         # DSA: a layer runs its own indexer, or reuses the last indexer layer's choice (GLM-5 "shared").
         self.sparse = args.is_dsa
         self.indexer = Indexer(args) if args.is_dsa and layer_idx in args.indexer_layers else None
+        self.sparse_attention = SparseLatentAttention(layer_idx) if args.is_dsa else None
 
     def kv_spec(self) -> tuple[tuple[int, int], ...]:
         """(heads, dim) of each paged cache tensor: the latent + rope key, and the indexer keys."""
@@ -96,18 +97,14 @@ class MLAttention(nn.Module):
             out, sel = paged_latent_attention(ctx.attn, self.layer_idx, q_BTHL[0], kv_BTL[0], R, self.scale,
                                               idx_args, None if index is not None else ctx.dsa_selection)
             out_BTHR, selections = out[None], sel
-        else:  # a packed training row: query t sees tokens t - position[t] .. t
-            t_T = torch.arange(T, device=x_BTD.device)
-            selections = [] if index is not None else ctx.dsa_selection
-            outs = []
-            for b in range(B):
-                if index is not None:
-                    lo_T = t_T - ctx.position_ids[b]
-                    selections.append(select_topk(index[0][b], index[1][b], index[2][b], lo_T, t_T,
-                                                  self.indexer.topk, self.indexer.scale))
-                idx, valid = selections[b]
-                outs.append(sparse_latent_attention(q_BTHL[b], kv_BTL[b], idx, valid, R, self.scale))
-            out_BTHR = torch.stack(outs)
+        else:  # packed training rows (under CP: this rank's queries, keys gathered by the CP hook)
+            q = LatentQuery(q_BTHL, R)
+            if index is not None:
+                q.index_q_BTHD, q.index_w_BTH, q.topk, q.index_scale = index[0], index[1], self.indexer.topk, \
+                    self.indexer.scale
+            keys = index[2][:, :, None] if index is not None else kv_BTL.new_zeros(B, T, 1, 1)
+            out_BTHR = self.sparse_attention(q, kv_BTL[:, :, None], keys, self.scale, ctx)
+            selections = ctx.dsa_selection
         if self.sparse:
             ctx.dsa_selection = selections
         return torch.einsum("bthr,hvr->bthv", out_BTHR, w_uv)

@@ -19,7 +19,10 @@ Long sequences never hold a ``[T, S]`` tensor of more than ``chunk`` query rows;
 autograd each chunk of sparse attention is checkpointed, so backward keeps only inputs.
 """
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
@@ -110,6 +113,55 @@ def dense_latent_attention(q_THL: torch.Tensor, kv_SL: torch.Tensor, value_dim: 
     v = kv_SL[None, None, :, :value_dim]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_TS, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)
+
+
+# ------------------------------------------------------------------------------ packed rows (training)
+
+
+@dataclass
+class LatentQuery:
+    """A DSA layer's local queries: absorbed MLA queries and, for a layer with its own
+    indexer, the indexer's queries and head weights (None on a "shared" layer)."""
+
+    q_BTHL: torch.Tensor
+    value_dim: int
+    index_q_BTHD: torch.Tensor | None = None
+    index_w_BTH: torch.Tensor | None = None
+    topk: int = 0
+    index_scale: float = 1.0
+
+
+class SparseLatentAttention(nn.Module):
+    """DSA over packed training rows, in latent form: ``forward(query: LatentQuery,
+    kv [B, S, 1, L], index_keys [B, S, 1, Di], scale, ctx) -> [B, T, H, value_dim]``.
+
+    Query ``t`` (row index ``r_t``, position ``p_t``) chooses among tokens ``r_t - p_t ..
+    r_t`` of its own document. Keys are passed separately from queries so that context
+    parallelism can hook this module: gather ``kv`` and ``index_keys`` of the whole row
+    (S > T) while queries stay local, their row indices in ``ctx.attn.query_index``."""
+
+    def __init__(self, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+
+    def forward(self, query: LatentQuery, kv_BS1L: torch.Tensor, index_keys_BS1D: torch.Tensor, scale: float,
+                ctx) -> torch.Tensor:
+        B, T = query.q_BTHL.shape[:2]
+        device = kv_BS1L.device
+        rows = getattr(ctx.attn, "query_index", None)
+        rows_T = rows.to(device) if rows is not None else torch.arange(T, device=device)
+        own = query.index_q_BTHD is not None
+        selections = [] if own else ctx.dsa_selection
+        outs = []
+        for b in range(B):
+            if own:
+                lo_T = rows_T - ctx.position_ids[b]
+                selections.append(select_topk(query.index_q_BTHD[b], query.index_w_BTH[b], index_keys_BS1D[b, :, 0],
+                                              lo_T, rows_T, query.topk, query.index_scale))
+            idx, valid = selections[b]
+            outs.append(sparse_latent_attention(query.q_BTHL[b], kv_BS1L[b, :, 0], idx, valid, query.value_dim, scale))
+        ctx.dsa_selection = selections
+        return torch.stack(outs)
 
 
 # ------------------------------------------------------------------------------ paged (inference)
