@@ -83,10 +83,21 @@ class MLAttention(nn.Module):
         out = ctx.attn(self.layer_idx, q, k, v, self.scale)
         return self.o_proj(out.reshape(B, T, H * self.v_dim))
 
+    def _kv_b_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """``kv_b_proj``'s weight for absorption; an FP8 weight with DeepSeek's 128x128 block
+        scales (``weight_scale_inv``, FP8 inference storage) is dequantized."""
+        w = self.kv_b_proj.weight
+        scale = getattr(self.kv_b_proj, "weight_scale_inv", None)
+        if scale is None or w.dtype.itemsize != 1:
+            return w
+        rows, cols = w.shape
+        s = scale.float().repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
+        return (w.float() * s).to(dtype)
+
     def _latent(self, x_BTD, q_resid, q_nope, q_rot, latent_BTR, k_rot_BTd, rope, cos_sin, ctx) -> torch.Tensor:
         """Absorbed MLA: attention over [latent, rope key] per token; returns [B, T, H, v_dim]."""
         B, T, H, R = *q_nope.shape[:3], self.kv_lora_rank
-        w_HXR = self.kv_b_proj.weight.view(H, self.nope_dim + self.v_dim, R)
+        w_HXR = self._kv_b_weight(q_nope.dtype).view(H, self.nope_dim + self.v_dim, R)
         w_uk, w_uv = w_HXR[:, :self.nope_dim], w_HXR[:, self.nope_dim:]
         q_BTHL = torch.cat([torch.einsum("bthd,hdr->bthr", q_nope, w_uk), q_rot], dim=-1)
         kv_BTL = torch.cat([latent_BTR, k_rot_BTd], dim=-1)

@@ -137,3 +137,23 @@ def test_kv_bytes_per_token_latent_vs_expanded():
     latent = sum(h * d for h, d in spec)
     expanded = 128 * (128 + 64) + 128 * 128
     assert latent == 576 and expanded / latent == pytest.approx(71.1, abs=0.1)
+
+
+@torch.no_grad()
+def test_absorbed_decode_reads_an_fp8_kv_b_proj_with_block_scales(hf_model_dir):
+    """FP8 inference storage (DeepSeek layout: FP8 weight + 128x128 ``weight_scale_inv``) of the
+    up-projection the latent path folds into queries and outputs."""
+    from zoo import make_caches, paged_step, scattered_blocks
+    path, _ = hf_model_dir("deepseek_v3")
+    model, ref = load_model(path).eval(), load_model(path).eval()
+    seq = random_ids(model.args.vocab_size, 9, seed=11)
+    for layer, ref_layer in zip(model.model.layers, ref.model.layers):
+        lin = layer.self_attn.kv_b_proj
+        w = lin.weight  # [H * (nope + v), R]: one 128x128 block here, so one scale
+        scale = w.abs().max() / 448.0
+        q = (w / scale).to(torch.float8_e4m3fn)
+        lin.weight = torch.nn.Parameter(q, requires_grad=False)
+        lin.register_buffer("weight_scale_inv", scale.reshape(1, 1))
+        ref_layer.self_attn.kv_b_proj.weight.copy_(q.float() * scale)
+    outs = [paged_step(m, make_caches(m), [(seq, 0, scattered_blocks(6, 3))]) for m in (model, ref)]
+    assert max_abs_diff(*outs) <= 1e-5
