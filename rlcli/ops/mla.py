@@ -50,8 +50,9 @@ def _topk_earliest(scores_TW: torch.Tensor, k: int) -> torch.Tensor:
 
 @torch.no_grad()
 def index_scores(q_THD: torch.Tensor, w_TH: torch.Tensor, k_SD: torch.Tensor, scale: float) -> torch.Tensor:
-    """Lightning-indexer scores [T, S] in fp32 (the order of operations of the reference)."""
-    s_THS = torch.matmul(q_THD.float(), k_SD.float().T[None]) * scale
+    """Lightning-indexer scores [T, S] in fp32 (the order of operations of the reference);
+    keys are shared ``[S, D]`` or per query ``[T, S, D]``."""
+    s_THS = torch.matmul(q_THD.float(), k_SD.float().transpose(-1, -2).expand(q_THD.shape[0], -1, -1)) * scale
     return torch.matmul(w_TH.float()[:, None, :], F.relu(s_THS))[:, 0]
 
 
@@ -60,8 +61,9 @@ def select_topk(q_THD: torch.Tensor, w_TH: torch.Tensor, k_SD: torch.Tensor, lo_
                 hi_T: torch.Tensor, topk: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k keys per query among keys ``lo[t] <= s <= hi[t]``: (indices [T, k], valid [T, k]),
     ``k = min(topk, S)``; a query with fewer allowed keys gets all of them (rest invalid).
-    Each chunk of queries scores only the key window its rows can see (one host sync per chunk)."""
-    T, S = q_THD.shape[0], k_SD.shape[0]
+    Keys are shared ``[S, D]`` or per query ``[T, S, D]`` (a padded decode batch). Each chunk
+    of queries scores only the key window its rows can see (one host sync per chunk)."""
+    T, S = q_THD.shape[0], k_SD.shape[-2]
     k = min(topk, S)
     idx_Tk = torch.zeros(T, k, dtype=torch.long, device=q_THD.device)
     valid_Tk = torch.zeros(T, k, dtype=torch.bool, device=q_THD.device)
@@ -69,7 +71,8 @@ def select_topk(q_THD: torch.Tensor, w_TH: torch.Tensor, k_SD: torch.Tensor, lo_
     for a in range(0, T, step):
         b = min(a + step, T)
         first, last = int(lo_T[a:b].min()), int(hi_T[a:b].max()) + 1
-        scores = index_scores(q_THD[a:b], w_TH[a:b], k_SD[first:last], scale)
+        keys = k_SD[first:last] if k_SD.dim() == 2 else k_SD[a:b, first:last]
+        scores = index_scores(q_THD[a:b], w_TH[a:b], keys, scale)
         pos_W = torch.arange(first, last, device=q_THD.device)
         allowed = (pos_W[None] >= lo_T[a:b, None]) & (pos_W[None] <= hi_T[a:b, None])
         scores = scores.masked_fill(~allowed, float("-inf"))
@@ -81,11 +84,15 @@ def select_topk(q_THD: torch.Tensor, w_TH: torch.Tensor, k_SD: torch.Tensor, lo_
     return idx_Tk, valid_Tk
 
 
-def _sparse_chunk(q_CHL, kv_SL, idx_Ck, valid_Ck, value_dim: int, scale: float) -> torch.Tensor:
-    kv_CkL = kv_SL[idx_Ck]
+def _attend(q_CHL, kv_CkL, valid_Ck, value_dim: int, scale: float) -> torch.Tensor:
+    """Each query row over its own keys ``kv[c]`` (the first ``value_dim`` features are the value)."""
     s_CHk = torch.einsum("chl,ckl->chk", q_CHL, kv_CkL).float() * scale
     p_CHk = torch.softmax(s_CHk.masked_fill(~valid_Ck[:, None], float("-inf")), dim=-1).to(q_CHL.dtype)
     return torch.einsum("chk,ckr->chr", p_CHk, kv_CkL[..., :value_dim])
+
+
+def _sparse_chunk(q_CHL, kv_SL, idx_Ck, valid_Ck, value_dim: int, scale: float) -> torch.Tensor:
+    return _attend(q_CHL, kv_SL[idx_Ck], valid_Ck, value_dim, scale)
 
 
 def sparse_latent_attention(q_THL: torch.Tensor, kv_SL: torch.Tensor, idx_Tk: torch.Tensor, valid_Tk: torch.Tensor,
@@ -174,35 +181,57 @@ def paged_latent_attention(attn: PagedAttention, layer_idx: int, q_NHL: torch.Te
     The layer's cache is ``(kv_cache [blocks, block_size, 1, L],)`` plus, for a DSA layer with its
     own indexer, ``index_cache [blocks, block_size, 1, Di]``. ``indexer`` is ``(q [N, Hi, Di],
     w [N, Hi], k [N, Di], topk, scale)`` for such a layer; a layer that shares an earlier
-    layer's choice passes that layer's ``selection`` instead. Returns ``(out [N, H, value_dim],
-    selection)``, where ``selection`` lists per sequence (token indices, valid) or None.
+    layer's choice passes that layer's ``selection`` instead. The decoding sequences (one
+    query each) are attended in one padded batch, prefill chunks one by one. Returns
+    ``(out [N, H, value_dim], selection)``: (the decode batch's, [each prefill's]) (token
+    indices, valid), or None for dense MLA.
     """
     meta = attn.meta
     caches = attn.kv_caches[layer_idx]
     kv_flat = caches[0].view(-1, caches[0].shape[-1])
     kv_flat.index_copy_(0, meta.slot_mapping, kv_NL.to(kv_flat.dtype))
+    ik_flat = None
     if indexer is not None:
         iq_NHD, iw_NH, ik_ND, topk, iscale = indexer
         ik_flat = caches[1].view(-1, caches[1].shape[-1])
         ik_flat.index_copy_(0, meta.slot_mapping, ik_ND.to(ik_flat.dtype))
-    outs, chosen = [], []
-    bs = meta.block_size
-    for i, n in enumerate(meta.context_lens):
-        a, b = meta.query_start[i], meta.query_start[i + 1]
-        t = b - a
+    sparse = indexer is not None or selection is not None
+    D, outs, decode_sel, prefill_sel = meta.num_decode, [], None, []
+    if D:
+        lens = meta.context_lens[:D]
+        pos_L = torch.arange(max(lens), device=kv_flat.device)
+        hi_D = torch.tensor(lens, device=kv_flat.device) - 1
+        blocks = meta.block_tables[:D, pos_L // meta.block_size].clamp(min=0)
+        slots_DL = blocks * meta.block_size + pos_L % meta.block_size
+        valid_DL = pos_L[None] <= hi_D[:, None]
+        # Padding slots hold other sequences' (or stale, non-finite) values: zero them.
+        kv_DLL = kv_flat[slots_DL].masked_fill(~valid_DL[..., None], 0)
+        if indexer is not None:
+            decode_sel = select_topk(iq_NHD[:D], iw_NH[:D], ik_flat[slots_DL], torch.zeros_like(hi_D), hi_D, topk,
+                                     iscale)
+        elif selection is not None:
+            decode_sel = selection[0]
+        if decode_sel is not None:
+            idx_Dk, keep_Dk = decode_sel
+            kv_DkL = kv_DLL.gather(1, idx_Dk[..., None].expand(-1, -1, kv_DLL.shape[-1]))
+            outs.append(_attend(q_NHL[:D], kv_DkL, keep_Dk, value_dim, scale))
+        else:
+            outs.append(_attend(q_NHL[:D], kv_DLL, valid_DL, value_dim, scale))
+    for j, i in enumerate(range(D, len(meta.context_lens))):
+        n, a, b = meta.context_lens[i], meta.query_start[i], meta.query_start[i + 1]
         pos = torch.arange(n, device=kv_flat.device)
-        slots = meta.block_tables[i, pos // bs] * bs + pos % bs
+        slots = meta.block_tables[i, pos // meta.block_size] * meta.block_size + pos % meta.block_size
         kv_SL = kv_flat[slots]
-        hi_T = torch.arange(n - t, n, device=kv_flat.device)
+        hi_T = torch.arange(n - (b - a), n, device=kv_flat.device)
         sel = None
         if indexer is not None:
             sel = select_topk(iq_NHD[a:b], iw_NH[a:b], ik_flat[slots], torch.zeros_like(hi_T), hi_T, topk, iscale)
         elif selection is not None:
-            sel = selection[i]
-        chosen.append(sel)
+            sel = selection[1][j]
+        prefill_sel.append(sel)
         if sel is not None:
             outs.append(sparse_latent_attention(q_NHL[a:b], kv_SL, sel[0], sel[1], value_dim, scale))
         else:
-            mask = pos[None] <= hi_T[:, None] if t > 1 else None
+            mask = pos[None] <= hi_T[:, None] if b - a > 1 else None
             outs.append(dense_latent_attention(q_NHL[a:b], kv_SL, value_dim, scale, mask))
-    return torch.cat(outs), (chosen if indexer is not None or selection is not None else None)
+    return torch.cat(outs), ((decode_sel, prefill_sel) if sparse else None)

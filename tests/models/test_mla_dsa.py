@@ -157,3 +157,20 @@ def test_absorbed_decode_reads_an_fp8_kv_b_proj_with_block_scales(hf_model_dir):
         ref_layer.self_attn.kv_b_proj.weight.copy_(q.float() * scale)
     outs = [paged_step(m, make_caches(m), [(seq, 0, scattered_blocks(6, 3))]) for m in (model, ref)]
     assert max_abs_diff(*outs) <= 1e-5
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm_moe_dsa"])
+@torch.no_grad()
+def test_batched_latent_decode_ignores_non_finite_padding(arch, models):
+    """Two sequences of different lengths decode in one padded batch over NaN-filled caches."""
+    from zoo import make_caches, paged_step, scattered_blocks
+    model = models(arch)
+    V = model.args.vocab_size
+    short, long = random_ids(V, 3, seed=40), random_ids(V, 15, seed=41)
+    caches = make_caches(model, fill=float("nan"))
+    blocks = scattered_blocks(5, 5)
+    tables = [blocks[:1], blocks[1:]]
+    paged_step(model, caches, [(short[:2], 0, tables[0]), (long[:14], 0, tables[1])])
+    step = paged_step(model, caches, [(short[2:], 2, tables[0]), (long[14:], 14, tables[1])], num_decode=2)
+    assert max_abs_diff(step[0], model(short[None])[0, 2]) <= 1e-5
+    assert max_abs_diff(step[1], model(long[None])[0, 14]) <= 1e-5
