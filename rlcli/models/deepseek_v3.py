@@ -53,6 +53,7 @@ class MLAttention(nn.Module):
         # DSA: a layer runs its own indexer, or reuses the last indexer layer's choice (GLM-5 "shared").
         self.sparse = args.is_dsa
         self.indexer = Indexer(args) if args.is_dsa and layer_idx in args.indexer_layers else None
+        self.index_source = max((i for i in args.indexer_layers if i <= layer_idx), default=layer_idx)
         self.sparse_attention = SparseLatentAttention(layer_idx) if args.is_dsa else None
 
     def kv_spec(self) -> tuple[tuple[int, int], ...]:
@@ -105,19 +106,19 @@ class MLAttention(nn.Module):
         if isinstance(ctx.attn, PagedAttention):
             idx_args = None if index is None else (index[0][0], index[1][0], index[2][0], self.indexer.topk,
                                                     self.indexer.scale)
+            shared = ctx.dsa_selection.get(self.index_source) if index is None else None
             out, sel = paged_latent_attention(ctx.attn, self.layer_idx, q_BTHL[0], kv_BTL[0], R, self.scale,
-                                              idx_args, None if index is not None else ctx.dsa_selection)
-            out_BTHR, selections = out[None], sel
+                                              idx_args, shared)
+            if index is not None:
+                ctx.dsa_selection[self.layer_idx] = sel
+            out_BTHR = out[None]
         else:  # packed training rows (under CP: this rank's queries, keys gathered by the CP hook)
-            q = LatentQuery(q_BTHL, R)
+            q = LatentQuery(q_BTHL, R, self.index_source)
             if index is not None:
                 q.index_q_BTHD, q.index_w_BTH, q.topk, q.index_scale = index[0], index[1], self.indexer.topk, \
                     self.indexer.scale
             keys = index[2][:, :, None] if index is not None else kv_BTL.new_zeros(B, T, 1, 1)
             out_BTHR = self.sparse_attention(q, kv_BTL[:, :, None], keys, self.scale, ctx)
-            selections = ctx.dsa_selection
-        if self.sparse:
-            ctx.dsa_selection = selections
         return torch.einsum("bthr,hvr->bthv", out_BTHR, w_uv)
 
 

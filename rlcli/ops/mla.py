@@ -128,10 +128,12 @@ def dense_latent_attention(q_THL: torch.Tensor, kv_SL: torch.Tensor, value_dim: 
 @dataclass
 class LatentQuery:
     """A DSA layer's local queries: absorbed MLA queries and, for a layer with its own
-    indexer, the indexer's queries and head weights (None on a "shared" layer)."""
+    indexer, the indexer's queries and head weights (None on a "shared" layer, which reads
+    ``ctx.dsa_selection[source_layer]``)."""
 
     q_BTHL: torch.Tensor
     value_dim: int
+    source_layer: int  # the indexer layer whose choice this layer uses (itself, if it has one)
     index_q_BTHD: torch.Tensor | None = None
     index_w_BTH: torch.Tensor | None = None
     topk: int = 0
@@ -158,7 +160,7 @@ class SparseLatentAttention(nn.Module):
         rows = getattr(ctx.attn, "query_index", None)
         rows_T = rows.to(device) if rows is not None else torch.arange(T, device=device)
         own = query.index_q_BTHD is not None
-        selections = [] if own else ctx.dsa_selection
+        selections = [] if own else ctx.dsa_selection[query.source_layer]
         outs = []
         for b in range(B):
             if own:
@@ -167,7 +169,7 @@ class SparseLatentAttention(nn.Module):
                                               lo_T, rows_T, query.topk, query.index_scale))
             idx, valid = selections[b]
             outs.append(sparse_latent_attention(query.q_BTHL[b], kv_BS1L[b, :, 0], idx, valid, query.value_dim, scale))
-        ctx.dsa_selection = selections
+        ctx.dsa_selection[query.source_layer] = selections
         return torch.stack(outs)
 
 

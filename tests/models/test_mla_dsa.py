@@ -174,3 +174,23 @@ def test_batched_latent_decode_ignores_non_finite_padding(arch, models):
     step = paged_step(model, caches, [(short[2:], 2, tables[0]), (long[14:], 14, tables[1])], num_decode=2)
     assert max_abs_diff(step[0], model(short[None])[0, 2]) <= 1e-5
     assert max_abs_diff(step[1], model(long[None])[0, 14]) <= 1e-5
+
+
+def test_shared_topk_layers_under_activation_checkpointing(hf_model_dir):
+    """GLM-5's shared layers reuse an earlier layer's top-k; recomputing blocks in backward
+    (activation checkpointing, blocks in reverse order) must read the choice the forward used."""
+    from torch.utils.checkpoint import checkpoint
+    path, _ = hf_model_dir("glm_moe_dsa")
+    ids = random_ids(97, 1, 23, seed=5)
+
+    def grads(checkpointed: bool):
+        model = load_model(path)
+        if checkpointed:
+            for block in model.model.layers:
+                block.forward = (lambda f: lambda *a: checkpoint(f, *a, use_reentrant=False))(block.forward)
+        model(ids).logsumexp(-1).mean().backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    plain, ckpt = grads(False), grads(True)
+    assert plain.keys() == ckpt.keys()
+    assert max(max_abs_diff(plain[n], ckpt[n]) for n in plain) <= 1e-6
