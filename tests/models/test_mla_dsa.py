@@ -49,7 +49,7 @@ def test_engine_greedy_through_latent_cache_matches_full_forward(arch, tight, mo
         ref = greedy_reference(model, ps[int(rid)], 6)
         assert all(c.token_ids == ref for c in resp.completions), (arch, rid)
     if kwargs:
-        assert engine.stats["num_preemptions"] > 0
+        assert engine.stats()["num_preemptions"] > 0
     layer = engine.kv_caches[-1]
     a = model.args
     assert layer[0].shape[2:] == (1, a.kv_lora_rank + a.qk_rope_head_dim)  # latent + rope key, no heads
