@@ -113,12 +113,17 @@ class MLAttention(nn.Module):
                 ctx.dsa_selection[self.layer_idx] = sel
             out_BTHR = out[None]
         else:  # packed training rows (under CP: this rank's queries, keys gathered by the CP hook)
-            q = LatentQuery(q_BTHL, R, self.index_source)
+            def expand_kv(kv_SL):
+                k_nope, v = self.kv_b_proj(kv_SL[:, :R]).view(-1, H, self.nope_dim + self.v_dim).split(
+                    [self.nope_dim, self.v_dim], dim=-1)
+                return torch.cat([k_nope, kv_SL[:, None, R:].expand(-1, H, -1)], dim=-1), v
+
+            q = LatentQuery(q_BTHL, R, self.index_source, w_uv, torch.cat([q_nope, q_rot], dim=-1), expand_kv)
             if index is not None:
                 q.index_q_BTHD, q.index_w_BTH, q.topk, q.index_scale = index[0], index[1], self.indexer.topk, \
                     self.indexer.scale
             keys = index[2][:, :, None] if index is not None else kv_BTL.new_zeros(B, T, 1, 1)
-            out_BTHR = self.sparse_attention(q, kv_BTL[:, :, None], keys, self.scale, ctx)
+            return self.sparse_attention(q, kv_BTL[:, :, None], keys, self.scale, ctx)
         return torch.einsum("bthr,hvr->bthv", out_BTHR, w_uv)
 
 

@@ -52,7 +52,9 @@ def _topk_earliest(scores_TW: torch.Tensor, k: int) -> torch.Tensor:
 def index_scores(q_THD: torch.Tensor, w_TH: torch.Tensor, k_SD: torch.Tensor, scale: float) -> torch.Tensor:
     """Lightning-indexer scores [T, S] in fp32 (the order of operations of the reference);
     keys are shared ``[S, D]`` or per query ``[T, S, D]``."""
-    s_THS = torch.matmul(q_THD.float(), k_SD.float().transpose(-1, -2).expand(q_THD.shape[0], -1, -1)) * scale
+    k_DS = k_SD.float().transpose(-1, -2)
+    # Shared keys broadcast (one GEMM for all queries and heads); per-query keys batch over queries.
+    s_THS = torch.matmul(q_THD.float(), k_DS[None] if k_SD.dim() == 2 else k_DS) * scale
     return torch.matmul(w_TH.float()[:, None, :], F.relu(s_THS))[:, 0]
 
 
@@ -122,7 +124,37 @@ def dense_latent_attention(q_THL: torch.Tensor, kv_SL: torch.Tensor, value_dim: 
     return out[0].transpose(0, 1)
 
 
+def _masked_chunk(q_CHD, k_SHD, v_SHV, idx_Ck, valid_Ck, scale: float) -> torch.Tensor:
+    C, S = q_CHD.shape[0], k_SHD.shape[0]
+    mask = torch.zeros(C, S + 1, dtype=torch.bool, device=q_CHD.device)
+    mask.scatter_(1, idx_Ck.masked_fill(~valid_Ck, S), True)  # invalid entries land in the extra column
+    out = F.scaled_dot_product_attention(q_CHD.transpose(0, 1)[None], k_SHD.transpose(0, 1)[None],
+                                         v_SHV.transpose(0, 1)[None], attn_mask=mask[None, None, :, :S], scale=scale)
+    return out[0].transpose(0, 1)
+
+
+def masked_dense_attention(q_THD: torch.Tensor, k_SHD: torch.Tensor, v_SHV: torch.Tensor, idx_Tk: torch.Tensor,
+                           valid_Tk: torch.Tensor, rows_T: torch.Tensor, scale: float) -> torch.Tensor:
+    """The sparse selection as a boolean mask over expanded keys, per query chunk (keys up to
+    the chunk's last row only); each chunk is checkpointed, so only indices are saved."""
+    T = q_THD.shape[0]
+    step = _chunk(8 * k_SHD.shape[0])
+    outs = []
+    for a in range(0, T, step):
+        last = int(rows_T[a:a + step].max()) + 1
+        args = (q_THD[a:a + step], k_SHD[:last], v_SHV[:last], idx_Tk[a:a + step], valid_Tk[a:a + step], scale)
+        if torch.is_grad_enabled() and q_THD.requires_grad:
+            outs.append(checkpoint(_masked_chunk, *args, use_reentrant=False))
+        else:
+            outs.append(_masked_chunk(*args))
+    return torch.cat(outs)
+
+
 # ------------------------------------------------------------------------------ packed rows (training)
+
+# Training kernel for DSA: None picks the masked dense kernel on CUDA, the gathered one elsewhere.
+MASKED_DENSE: bool | None = None
+
 
 
 @dataclass
@@ -134,6 +166,9 @@ class LatentQuery:
     q_BTHL: torch.Tensor
     value_dim: int
     source_layer: int  # the indexer layer whose choice this layer uses (itself, if it has one)
+    w_uv_HVR: torch.Tensor  # value up-projection: latent output -> per-head values
+    q_BTHD: torch.Tensor  # the same queries expanded (nope + rope), for the masked dense kernel
+    expand_kv: object  # kv [S, L] -> (k [S, H, D], v [S, H, V]): the layer's up-projection
     index_q_BTHD: torch.Tensor | None = None
     index_w_BTH: torch.Tensor | None = None
     topk: int = 0
@@ -141,8 +176,13 @@ class LatentQuery:
 
 
 class SparseLatentAttention(nn.Module):
-    """DSA over packed training rows, in latent form: ``forward(query: LatentQuery,
-    kv [B, S, 1, L], index_keys [B, S, 1, Di], scale, ctx) -> [B, T, H, value_dim]``.
+    """DSA over packed training rows: ``forward(query: LatentQuery, kv [B, S, 1, L],
+    index_keys [B, S, 1, Di], scale, ctx) -> [B, T, H, V]`` (per-head values).
+
+    Two kernels for the same function: gathering each query's selected latents (CPU; the
+    reference), or, on CUDA (``MASKED_DENSE``), SDPA over expanded K/V with the top-k as a
+    boolean mask per query chunk: dense work, but on the fused kernel, until a sparse
+    gathered-index kernel replaces it.
 
     Query ``t`` (row index ``r_t``, position ``p_t``) chooses among tokens ``r_t - p_t ..
     r_t`` of its own document. Keys are passed separately from queries so that context
@@ -161,6 +201,7 @@ class SparseLatentAttention(nn.Module):
         rows_T = rows.to(device) if rows is not None else torch.arange(T, device=device)
         own = query.index_q_BTHD is not None
         selections = [] if own else ctx.dsa_selection[query.source_layer]
+        masked = kv_BS1L.is_cuda if MASKED_DENSE is None else MASKED_DENSE
         outs = []
         for b in range(B):
             if own:
@@ -168,7 +209,12 @@ class SparseLatentAttention(nn.Module):
                 selections.append(select_topk(query.index_q_BTHD[b], query.index_w_BTH[b], index_keys_BS1D[b, :, 0],
                                               lo_T, rows_T, query.topk, query.index_scale))
             idx, valid = selections[b]
-            outs.append(sparse_latent_attention(query.q_BTHL[b], kv_BS1L[b, :, 0], idx, valid, query.value_dim, scale))
+            if masked:
+                k_SHD, v_SHV = query.expand_kv(kv_BS1L[b, :, 0])
+                outs.append(masked_dense_attention(query.q_BTHD[b], k_SHD, v_SHV, idx, valid, rows_T, scale))
+            else:
+                out_THR = sparse_latent_attention(query.q_BTHL[b], kv_BS1L[b, :, 0], idx, valid, query.value_dim, scale)
+                outs.append(torch.einsum("thr,hvr->thv", out_THR, query.w_uv_HVR))
         ctx.dsa_selection[query.source_layer] = selections
         return torch.stack(outs)
 
