@@ -3,8 +3,9 @@ small DeepSeek-V3.2-shaped model at long context, and KV-cache bytes per token, 
 against expanded, for a DeepSeek-V3 layer.
 
 The same weights run twice per length: with DSA (lightning indexer, top-``index_topk``
-sparse attention in latent form, :mod:`rlcli.ops.mla`) and dense (the indexer switched off,
-expanded MLA through SDPA causal attention). It prints per length the peak memory and
+selection, :mod:`rlcli.ops.mla`; on CUDA the selection is a boolean mask for SDPA over
+expanded K/V per query chunk) and dense (the indexer switched off, expanded MLA through
+SDPA causal attention). It prints per length the peak memory and
 median step time of both, and the ratios. Needs only torch (no msgspec/zmq); the engine
 allocation line is printed where ``rlcli.infer`` imports.
 
@@ -111,7 +112,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU, short sequences")
     p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=None)
-    p.add_argument("--steps", type=int, default=2, help="timed steps per point (after one warm-up)")
+    p.add_argument("--steps", type=int, default=1, help="timed steps per point (after one warm-up)")
     p.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
     args = p.parse_args()
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
@@ -122,7 +123,7 @@ def main() -> None:
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # the indexer scores in fp32
-        mla.CHUNK_ELEMENTS = 1 << 30
+        mla.CHUNK_ELEMENTS = 1 << 31
     model = build_model(ModelArgs.from_hf(cfg), device=device, dtype=dtype)
     model.init_weights(seed=0)
     model.train()
