@@ -103,7 +103,7 @@ def main() -> None:
                                 generator=gen).tolist()
         ref = dense_greedy(model, prompts[:num_check], args.new_tokens, device)
         greedy = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
-        per_token_kb = sum(h * (dk + dv) for h, dk, dv in model.kv_cache_spec()) * DTYPES[dtype].itemsize / 1024
+        per_token_kb = sum(h * d for layer in model.kv_cache_spec() for h, d in layer) * DTYPES[dtype].itemsize / 1024
         for label, kv_mb in [("plenty", 2048.0), ("preempting", 3 * (args.prompt_len + args.new_tokens)
                                                   * per_token_kb / 1024)]:
             engine = NativeEngine(model, eos_token_ids=[], max_model_len=args.prompt_len + args.new_tokens + 1,

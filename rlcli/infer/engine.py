@@ -103,14 +103,11 @@ class NativeEngine:
         self.max_num_batched_tokens = max(max_num_batched_tokens, block_size)
         self.version = version
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        spec = model.kv_cache_spec()
-        bytes_per_block = block_size * sum(h * (dk + dv) for h, dk, dv in spec) * self.dtype.itemsize
+        spec = model.kv_cache_spec()  # per layer: (heads, dim) of each cache tensor (K, V or MLA latent, ...)
+        bytes_per_block = block_size * sum(h * d for layer in spec for h, d in layer) * self.dtype.itemsize
         num_blocks = max(int(kv_cache_memory_mb * 2**20 // bytes_per_block), 2)
-        self.kv_caches = [
-            (torch.zeros(num_blocks, block_size, h, dk, dtype=self.dtype, device=self.device),
-             torch.zeros(num_blocks, block_size, h, dv, dtype=self.dtype, device=self.device))
-            for h, dk, dv in spec
-        ]
+        self.kv_caches = [tuple(torch.zeros(num_blocks, block_size, h, d, dtype=self.dtype, device=self.device)
+                                for h, d in layer) for layer in spec]
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.is_moe = model.args.is_moe
         self.waiting: deque[Sequence] = deque()
@@ -419,9 +416,9 @@ class NativeEngine:
 
     def _copy_block(self, src: int) -> int:
         dst = self.blocks.allocate()
-        for k_cache, v_cache in self.kv_caches:
-            k_cache[dst].copy_(k_cache[src])
-            v_cache[dst].copy_(v_cache[src])
+        for layer in self.kv_caches:
+            for cache in layer:
+                cache[dst].copy_(cache[src])
         return dst
 
     def _append(self, seq: Sequence, token: int, logprob: float) -> None:

@@ -36,7 +36,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def model_class(args: ModelArgs) -> type[CausalLM]:
     module = importlib.import_module(f"rlcli.models.{ARCHITECTURES[args.model_type]}")
     return next(v for v in vars(module).values()
-                if isinstance(v, type) and issubclass(v, CausalLM) and v is not CausalLM)
+                if isinstance(v, type) and issubclass(v, CausalLM) and v.__module__ == module.__name__)
 
 
 def build_model(args: ModelArgs, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,

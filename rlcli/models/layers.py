@@ -108,10 +108,17 @@ class RotaryEmbedding(nn.Module):
         cos, sin = emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
         return cos.to(dtype), sin.to(dtype)
 
-    def apply(self, x_BTHD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
+    def apply(self, x_BTHD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor,
+              interleave: bool | None = None) -> torch.Tensor:
+        """Rotate the first ``dim`` features of every head (all of them unless the rotary is
+        partial); ``interleave`` overrides the table's pair layout (the DSA indexer's own)."""
         cos, sin = cos_BTD[:, :, None], sin_BTD[:, :, None]
-        if self.interleave:
-            half = cos.shape[-1] // 2
+        rot = cos.shape[-1]
+        if x_BTHD.shape[-1] > rot:
+            x_rot, x_pass = x_BTHD.split([rot, x_BTHD.shape[-1] - rot], dim=-1)
+            return torch.cat([self.apply(x_rot, cos_BTD, sin_BTD, interleave), x_pass], dim=-1)
+        if self.interleave if interleave is None else interleave:
+            half = rot // 2
             cos, sin = cos[..., :half], sin[..., :half]
             x1, x2 = x_BTHD[..., 0::2], x_BTHD[..., 1::2]
             return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
@@ -133,14 +140,14 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(D, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(D, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(D, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, D, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, D, bias=args.o_proj_bias)
         self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.scale = self.head_dim ** -0.5
 
-    def kv_spec(self) -> tuple[int, int, int]:
-        """(kv heads, key dim, value dim) of this layer's KV cache."""
-        return self.num_kv_heads, self.head_dim, self.head_dim
+    def kv_spec(self) -> tuple[tuple[int, int], ...]:
+        """(heads, dim) of this layer's paged K and V caches."""
+        return (self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim)
 
     def forward(self, x_BTD: torch.Tensor, rope: RotaryEmbedding, cos_sin, ctx: ForwardContext) -> torch.Tensor:
         B, T, _ = x_BTD.shape

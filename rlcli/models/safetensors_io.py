@@ -62,26 +62,48 @@ class SafetensorsFile:
         return flat.view(dtype).view(shape)
 
 
-def weight_files(model_dir: str | Path) -> list[Path]:
-    """The safetensors files of an HF-layout directory (via the index when sharded)."""
-    model_dir = Path(model_dir)
+def _weight_map(model_dir: Path) -> dict[str, str] | None:
     index = model_dir / INDEX_NAME
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+    if not index.is_file():
+        return None
+    try:
+        return json.loads(index.read_text()).get("weight_map", {})
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{index}: invalid JSON: {e}") from None
+
+
+def weight_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of an HF-layout directory: those the index names when there is one,
+    else ``model.safetensors``, else the only ``*.safetensors`` file. Other files beside them
+    (an optimizer dump, an older export) are not read; without an index, several candidate
+    files are refused by name rather than guessed at."""
+    model_dir = Path(model_dir)
+    weight_map = _weight_map(model_dir)
+    if weight_map is not None:
         files = sorted({model_dir / f for f in weight_map.values()})
         for f in files:
             if not f.is_file():
-                raise ModelLoadError(f"{index} lists {f.name}, which is missing")
+                raise ModelLoadError(f"{model_dir / INDEX_NAME} lists {f.name}, which is missing")
         return files
-    return sorted(model_dir.glob("*.safetensors"))
+    if (model_dir / SINGLE_NAME).is_file():
+        return [model_dir / SINGLE_NAME]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if len(files) > 1:
+        names = ", ".join(f.name for f in files)
+        raise ModelLoadError(f"{model_dir} has {len(files)} safetensors files ({names}) but no {SINGLE_NAME} and no "
+                             f"{INDEX_NAME}; refusing to guess which hold the model: add the index or remove the others")
+    return files
 
 
 def iter_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, mmap-backed tensor) for every tensor of the model directory."""
+    """(name, mmap-backed tensor) for every tensor of the model directory; with an index, only the
+    tensors it maps to each file (a stray tensor inside a listed shard is not read)."""
+    weight_map = _weight_map(Path(model_dir))
     for path in weight_files(model_dir):
         f = SafetensorsFile(path)
         for name in f.keys():
-            yield name, f.tensor(name)
+            if weight_map is None or weight_map.get(name) == path.name:
+                yield name, f.tensor(name)
 
 
 def save_sharded(tensors: dict[str, torch.Tensor], out_dir: str | Path, max_shard_bytes: int = 5 << 30) -> list[str]:

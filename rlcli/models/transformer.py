@@ -82,6 +82,8 @@ class CausalLM(nn.Module):
             position_ids_BT = torch.arange(T, device=input_ids_BT.device).expand_as(input_ids_BT)
         if ctx is None:
             ctx = ForwardContext(attn=PackedCausalAttention(position_ids_BT))
+        if ctx.position_ids is None:
+            ctx.position_ids = position_ids_BT
         return self.model(input_ids_BT, position_ids_BT, ctx)
 
     def forward(self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor | None = None,
@@ -89,8 +91,9 @@ class CausalLM(nn.Module):
         """Logits [B, T, V]. Without ``ctx``, rows are causal packed sequences split at position 0."""
         return self.lm_head(self.hidden_states(input_ids_BT, position_ids_BT, ctx))
 
-    def kv_cache_spec(self) -> list[tuple[int, int, int]]:
-        """Per layer (kv heads, key dim, value dim), for allocating a KV cache."""
+    def kv_cache_spec(self) -> list[tuple[tuple[int, int], ...]]:
+        """Per layer, (heads, dim) of each paged cache tensor: (K, V) for GQA, (latent + rope key,)
+        for MLA, plus the indexer keys for a DSA layer."""
         return [layer.self_attn.kv_spec() for layer in self.model.layers]
 
     def tie_weights(self) -> None:

@@ -179,3 +179,8 @@ class ForwardContext:
 
     attn: object  # PackedCausalAttention | PagedAttention | any callable with that signature
     routing: RoutingContext | None = None
+    position_ids: torch.Tensor | None = None  # [B, T] of the tokens; CausalLM.hidden_states fills it in
+    # DSA: each indexer layer's top-k choice, by layer, for the "shared" layers after it. Keyed by
+    # layer (not "the last one") so that recomputing a block under activation checkpointing reads
+    # the same choice as its forward did.
+    dsa_selection: dict = field(default_factory=dict)

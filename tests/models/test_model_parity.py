@@ -6,7 +6,7 @@ from zoo import ARCHS, max_abs_diff, random_ids
 
 from rlcli.models import load_model
 
-TOL = 1e-4
+TOL = 1e-5
 
 
 @pytest.mark.parametrize("arch", ARCHS)

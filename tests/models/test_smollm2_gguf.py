@@ -132,6 +132,6 @@ def test_recipe_fits_the_converted_model(smollm2):
     seq_len = longest + recipe.orchestrate.sampling.max_tokens
     assert seq_len <= recipe.model.max_seq_len
     model = load_model(smollm2[1], device="meta")
-    bytes_per_token = sum(h * (dk + dv) * 4 for h, dk, dv in model.kv_cache_spec())
+    bytes_per_token = sum(h * d * 4 for layer in model.kv_cache_spec() for h, d in layer)
     batch = recipe.orchestrate.batch_size * recipe.orchestrate.group_size
     assert batch * seq_len * bytes_per_token <= recipe.infer.engine.kv_cache_memory_mb * 2**20

@@ -40,6 +40,24 @@ TINY_CONFIGS = {
         _COMMON, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
         n_group=1, topk_group=1, first_k_dense_replace=2, n_shared_experts=2, q_lora_rank=None, kv_lora_rank=16,
         qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
+        _COMMON, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+        first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=1.5, attention_bias=True,
+        use_qk_norm=True, head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                        "partial_rotary_factor": 0.5})),
+    # DSA: index_topk below the test sequence lengths, so top-k really drops tokens.
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", dict(
+        _COMMON, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=2, topk_group=1, first_k_dense_replace=1, n_shared_experts=1, q_lora_rank=24, kv_lora_rank=16,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, index_topk=5, index_n_heads=8, index_head_dim=16,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 32, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "beta_fast": 32, "beta_slow": 1})),
+    "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", dict(
+        _COMMON, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+        first_k_dense_replace=1, n_shared_experts=1, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, index_topk=6, index_n_heads=8, index_head_dim=24,
+        indexer_types=["full", "shared", "full"])),
 }
 ARCHS = list(TINY_CONFIGS)
 MOE_ARCHS = ["qwen3_moe", "qwen3_moe_unnormed", "deepseek_v3", "deepseek_v3_no_q_lora"]
@@ -88,15 +106,15 @@ NUM_BLOCKS = 32
 
 
 def make_caches(model, num_blocks: int = NUM_BLOCKS, block_size: int = BLOCK_SIZE, fill: float | None = None):
-    """Per layer (k_cache, v_cache) [num_blocks, block_size, Hkv, D] holding large random garbage
-    (or ``fill``), so that attending to a slot this test never wrote shows up in the logits."""
+    """Per layer the paged cache tensors ``[num_blocks, block_size, heads, dim]`` of
+    ``model.kv_cache_spec()`` (K and V, or the MLA latent and DSA indexer keys), holding large
+    random garbage (or ``fill``), so that attending to a slot this test never wrote shows up."""
     gen = torch.Generator().manual_seed(123)
 
     def garbage(*shape):
         return torch.full(shape, fill) if fill is not None else torch.randn(shape, generator=gen) * 100
 
-    return [(garbage(num_blocks, block_size, h, dk), garbage(num_blocks, block_size, h, dv))
-            for h, dk, dv in model.kv_cache_spec()]
+    return [tuple(garbage(num_blocks, block_size, h, d) for h, d in layer) for layer in model.kv_cache_spec()]
 
 
 def paged_step(model, caches, chunks, num_decode: int = 0, routing: RoutingContext | None = None) -> torch.Tensor:

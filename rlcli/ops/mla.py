@@ -1,0 +1,285 @@
+"""Multi-head latent attention (MLA) in latent form, dense or DeepSeek-sparse (DSA).
+
+MLA keys and values are up-projections of one per-token latent ``c`` (``kv_lora_rank``
+values) plus one rotary key shared by all heads. Folding the key up-projection into the
+query (``q_lat = q_nope @ W_UK``) turns attention into multi-query attention over the
+cached ``kv = [c, k_rot]`` (576 values per token for DeepSeek-V3) with the latent ``c``
+as the value; the value up-projection is applied after the weighted sum. So the paged
+cache holds ``kv`` only, 71x less than expanded per-head K and V for DeepSeek-V3.
+
+DSA adds a lightning indexer: ``score[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s])``
+over all earlier tokens ``s`` of the same sequence, and query ``t`` attends to its
+``index_topk`` best tokens only. :func:`select_topk` is the one selection rule for
+training and inference: causal (keys ``lo[t]..hi[t]``), every allowed token when there
+are at most ``topk`` of them, and exact ties broken towards the earlier token (top-k over
+an integer key of score bits then position), so the choice never depends on how the
+scores were chunked or padded. ``torch.topk`` alone breaks ties by memory layout.
+
+Long sequences never hold a ``[T, S]`` tensor of more than ``chunk`` query rows; under
+autograd each chunk of sparse attention is checkpointed, so backward keeps only inputs.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from rlcli.ops.attention import PagedAttention
+
+# Query rows per chunk are sized so that the chunk's largest intermediate (indexer scores
+# [rows, Hi, S], gathered latents [rows, k, L]) stays near this many elements.
+CHUNK_ELEMENTS = 1 << 26
+_POS_BITS = 21  # tie-break positions within one key window: up to 2M tokens
+
+
+def _chunk(per_row: int) -> int:
+    return max(1, CHUNK_ELEMENTS // max(1, per_row))
+
+
+def _topk_earliest(scores_TW: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest scores per row, exact ties going to the smaller index."""
+    W = scores_TW.shape[-1]
+    assert W < 1 << _POS_BITS, "key window too long for the tie-break key"
+    bits = (scores_TW + 0.0).view(torch.int32).to(torch.int64)  # + 0.0 makes -0.0 equal +0.0
+    bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # float order as integer order
+    rank = ((1 << _POS_BITS) - 1) - torch.arange(W, device=scores_TW.device)
+    return ((bits << _POS_BITS) | rank).topk(k, dim=-1).indices
+
+
+@torch.no_grad()
+def index_scores(q_THD: torch.Tensor, w_TH: torch.Tensor, k_SD: torch.Tensor, scale: float) -> torch.Tensor:
+    """Lightning-indexer scores [T, S] in fp32 (the order of operations of the reference);
+    keys are shared ``[S, D]`` or per query ``[T, S, D]``."""
+    k_DS = k_SD.float().transpose(-1, -2)
+    # Shared keys broadcast (one GEMM for all queries and heads); per-query keys batch over queries.
+    s_THS = torch.matmul(q_THD.float(), k_DS[None] if k_SD.dim() == 2 else k_DS) * scale
+    return torch.matmul(w_TH.float()[:, None, :], F.relu(s_THS))[:, 0]
+
+
+@torch.no_grad()
+def select_topk(q_THD: torch.Tensor, w_TH: torch.Tensor, k_SD: torch.Tensor, lo_T: torch.Tensor,
+                hi_T: torch.Tensor, topk: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k keys per query among keys ``lo[t] <= s <= hi[t]``: (indices [T, k], valid [T, k]),
+    ``k = min(topk, S)``; a query with fewer allowed keys gets all of them (rest invalid).
+    Keys are shared ``[S, D]`` or per query ``[T, S, D]`` (a padded decode batch). Each chunk
+    of queries scores only the key window its rows can see (one host sync per chunk)."""
+    T, S = q_THD.shape[0], k_SD.shape[-2]
+    k = min(topk, S)
+    idx_Tk = torch.zeros(T, k, dtype=torch.long, device=q_THD.device)
+    valid_Tk = torch.zeros(T, k, dtype=torch.bool, device=q_THD.device)
+    step = _chunk(q_THD.shape[1] * S)
+    for a in range(0, T, step):
+        b = min(a + step, T)
+        first, last = int(lo_T[a:b].min()), int(hi_T[a:b].max()) + 1
+        keys = k_SD[first:last] if k_SD.dim() == 2 else k_SD[a:b, first:last]
+        scores = index_scores(q_THD[a:b], w_TH[a:b], keys, scale)
+        pos_W = torch.arange(first, last, device=q_THD.device)
+        allowed = (pos_W[None] >= lo_T[a:b, None]) & (pos_W[None] <= hi_T[a:b, None])
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        kk = min(k, last - first)
+        order = _topk_earliest(scores, kk)
+        keep = allowed.gather(1, order)
+        idx_Tk[a:b, :kk] = (order + first).masked_fill(~keep, 0)  # invalid entries point at token 0
+        valid_Tk[a:b, :kk] = keep
+    return idx_Tk, valid_Tk
+
+
+def _attend(q_CHL, kv_CkL, valid_Ck, value_dim: int, scale: float) -> torch.Tensor:
+    """Each query row over its own keys ``kv[c]`` (the first ``value_dim`` features are the value)."""
+    s_CHk = torch.einsum("chl,ckl->chk", q_CHL, kv_CkL).float() * scale
+    p_CHk = torch.softmax(s_CHk.masked_fill(~valid_Ck[:, None], float("-inf")), dim=-1).to(q_CHL.dtype)
+    return torch.einsum("chk,ckr->chr", p_CHk, kv_CkL[..., :value_dim])
+
+
+def _sparse_chunk(q_CHL, kv_SL, idx_Ck, valid_Ck, value_dim: int, scale: float) -> torch.Tensor:
+    return _attend(q_CHL, kv_SL[idx_Ck], valid_Ck, value_dim, scale)
+
+
+def sparse_latent_attention(q_THL: torch.Tensor, kv_SL: torch.Tensor, idx_Tk: torch.Tensor, valid_Tk: torch.Tensor,
+                            value_dim: int, scale: float) -> torch.Tensor:
+    """Attention of each query over its selected latent tokens only: [T, H, value_dim]."""
+    T = q_THL.shape[0]
+    step = _chunk(idx_Tk.shape[1] * kv_SL.shape[-1])
+    if T <= step:
+        return _sparse_chunk(q_THL, kv_SL, idx_Tk, valid_Tk, value_dim, scale)
+    outs = []
+    for a in range(0, T, step):
+        args = (q_THL[a:a + step], kv_SL, idx_Tk[a:a + step], valid_Tk[a:a + step], value_dim, scale)
+        if torch.is_grad_enabled() and (q_THL.requires_grad or kv_SL.requires_grad):
+            outs.append(checkpoint(_sparse_chunk, *args, use_reentrant=False))
+        else:
+            outs.append(_sparse_chunk(*args))
+    return torch.cat(outs)
+
+
+def dense_latent_attention(q_THL: torch.Tensor, kv_SL: torch.Tensor, value_dim: int, scale: float,
+                           mask_TS: torch.Tensor | None) -> torch.Tensor:
+    """Multi-query attention over the latent (one shared key/value head): [T, H, value_dim]."""
+    q = q_THL.transpose(0, 1)[None]  # [1, H, T, L]
+    k = kv_SL[None, None]  # [1, 1, S, L]
+    v = kv_SL[None, None, :, :value_dim]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_TS, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def _masked_chunk(q_CHD, k_SHD, v_SHV, idx_Ck, valid_Ck, scale: float) -> torch.Tensor:
+    C, S = q_CHD.shape[0], k_SHD.shape[0]
+    mask = torch.zeros(C, S + 1, dtype=torch.bool, device=q_CHD.device)
+    mask.scatter_(1, idx_Ck.masked_fill(~valid_Ck, S), True)  # invalid entries land in the extra column
+    out = F.scaled_dot_product_attention(q_CHD.transpose(0, 1)[None], k_SHD.transpose(0, 1)[None],
+                                         v_SHV.transpose(0, 1)[None], attn_mask=mask[None, None, :, :S], scale=scale)
+    return out[0].transpose(0, 1)
+
+
+def masked_dense_attention(q_THD: torch.Tensor, k_SHD: torch.Tensor, v_SHV: torch.Tensor, idx_Tk: torch.Tensor,
+                           valid_Tk: torch.Tensor, rows_T: torch.Tensor, scale: float) -> torch.Tensor:
+    """The sparse selection as a boolean mask over expanded keys, per query chunk (keys up to
+    the chunk's last row only); each chunk is checkpointed, so only indices are saved."""
+    T = q_THD.shape[0]
+    step = _chunk(8 * k_SHD.shape[0])
+    outs = []
+    for a in range(0, T, step):
+        last = int(rows_T[a:a + step].max()) + 1
+        args = (q_THD[a:a + step], k_SHD[:last], v_SHV[:last], idx_Tk[a:a + step], valid_Tk[a:a + step], scale)
+        if torch.is_grad_enabled() and q_THD.requires_grad:
+            outs.append(checkpoint(_masked_chunk, *args, use_reentrant=False))
+        else:
+            outs.append(_masked_chunk(*args))
+    return torch.cat(outs)
+
+
+# ------------------------------------------------------------------------------ packed rows (training)
+
+# Training kernel for DSA: None picks the masked dense kernel on CUDA, the gathered one elsewhere.
+MASKED_DENSE: bool | None = None
+
+
+
+@dataclass
+class LatentQuery:
+    """A DSA layer's local queries: absorbed MLA queries and, for a layer with its own
+    indexer, the indexer's queries and head weights (None on a "shared" layer, which reads
+    ``ctx.dsa_selection[source_layer]``)."""
+
+    q_BTHL: torch.Tensor
+    value_dim: int
+    source_layer: int  # the indexer layer whose choice this layer uses (itself, if it has one)
+    w_uv_HVR: torch.Tensor  # value up-projection: latent output -> per-head values
+    q_BTHD: torch.Tensor  # the same queries expanded (nope + rope), for the masked dense kernel
+    expand_kv: object  # kv [S, L] -> (k [S, H, D], v [S, H, V]): the layer's up-projection
+    index_q_BTHD: torch.Tensor | None = None
+    index_w_BTH: torch.Tensor | None = None
+    topk: int = 0
+    index_scale: float = 1.0
+
+
+class SparseLatentAttention(nn.Module):
+    """DSA over packed training rows: ``forward(query: LatentQuery, kv [B, S, 1, L],
+    index_keys [B, S, 1, Di], scale, ctx) -> [B, T, H, V]`` (per-head values).
+
+    Two kernels for the same function: gathering each query's selected latents (CPU; the
+    reference), or, on CUDA (``MASKED_DENSE``), SDPA over expanded K/V with the top-k as a
+    boolean mask per query chunk: dense work, but on the fused kernel, until a sparse
+    gathered-index kernel replaces it.
+
+    Query ``t`` (row index ``r_t``, position ``p_t``) chooses among tokens ``r_t - p_t ..
+    r_t`` of its own document. Keys are passed separately from queries so that context
+    parallelism can hook this module: gather ``kv`` and ``index_keys`` of the whole row
+    (S > T) while queries stay local, their row indices in ``ctx.attn.query_index``."""
+
+    def __init__(self, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+
+    def forward(self, query: LatentQuery, kv_BS1L: torch.Tensor, index_keys_BS1D: torch.Tensor, scale: float,
+                ctx) -> torch.Tensor:
+        B, T = query.q_BTHL.shape[:2]
+        device = kv_BS1L.device
+        rows = getattr(ctx.attn, "query_index", None)
+        rows_T = rows.to(device) if rows is not None else torch.arange(T, device=device)
+        own = query.index_q_BTHD is not None
+        selections = [] if own else ctx.dsa_selection[query.source_layer]
+        masked = kv_BS1L.is_cuda if MASKED_DENSE is None else MASKED_DENSE
+        outs = []
+        for b in range(B):
+            if own:
+                lo_T = rows_T - ctx.position_ids[b]
+                selections.append(select_topk(query.index_q_BTHD[b], query.index_w_BTH[b], index_keys_BS1D[b, :, 0],
+                                              lo_T, rows_T, query.topk, query.index_scale))
+            idx, valid = selections[b]
+            if masked:
+                k_SHD, v_SHV = query.expand_kv(kv_BS1L[b, :, 0])
+                outs.append(masked_dense_attention(query.q_BTHD[b], k_SHD, v_SHV, idx, valid, rows_T, scale))
+            else:
+                out_THR = sparse_latent_attention(query.q_BTHL[b], kv_BS1L[b, :, 0], idx, valid, query.value_dim, scale)
+                outs.append(torch.einsum("thr,hvr->thv", out_THR, query.w_uv_HVR))
+        ctx.dsa_selection[query.source_layer] = selections
+        return torch.stack(outs)
+
+
+# ------------------------------------------------------------------------------ paged (inference)
+
+
+def paged_latent_attention(attn: PagedAttention, layer_idx: int, q_NHL: torch.Tensor, kv_NL: torch.Tensor,
+                           value_dim: int, scale: float, indexer=None, selection=None):
+    """One engine step of latent MLA over the paged cache of ``attn``.
+
+    The layer's cache is ``(kv_cache [blocks, block_size, 1, L],)`` plus, for a DSA layer with its
+    own indexer, ``index_cache [blocks, block_size, 1, Di]``. ``indexer`` is ``(q [N, Hi, Di],
+    w [N, Hi], k [N, Di], topk, scale)`` for such a layer; a layer that shares an earlier
+    layer's choice passes that layer's ``selection`` instead. The decoding sequences (one
+    query each) are attended in one padded batch, prefill chunks one by one. Returns
+    ``(out [N, H, value_dim], selection)``: (the decode batch's, [each prefill's]) (token
+    indices, valid), or None for dense MLA.
+    """
+    meta = attn.meta
+    caches = attn.kv_caches[layer_idx]
+    kv_flat = caches[0].view(-1, caches[0].shape[-1])
+    kv_flat.index_copy_(0, meta.slot_mapping, kv_NL.to(kv_flat.dtype))
+    ik_flat = None
+    if indexer is not None:
+        iq_NHD, iw_NH, ik_ND, topk, iscale = indexer
+        ik_flat = caches[1].view(-1, caches[1].shape[-1])
+        ik_flat.index_copy_(0, meta.slot_mapping, ik_ND.to(ik_flat.dtype))
+    sparse = indexer is not None or selection is not None
+    D, outs, decode_sel, prefill_sel = meta.num_decode, [], None, []
+    if D:
+        lens = meta.context_lens[:D]
+        pos_L = torch.arange(max(lens), device=kv_flat.device)
+        hi_D = torch.tensor(lens, device=kv_flat.device) - 1
+        blocks = meta.block_tables[:D, pos_L // meta.block_size].clamp(min=0)
+        slots_DL = blocks * meta.block_size + pos_L % meta.block_size
+        valid_DL = pos_L[None] <= hi_D[:, None]
+        # Padding slots hold other sequences' (or stale, non-finite) values: zero them.
+        kv_DLL = kv_flat[slots_DL].masked_fill(~valid_DL[..., None], 0)
+        if indexer is not None:
+            decode_sel = select_topk(iq_NHD[:D], iw_NH[:D], ik_flat[slots_DL], torch.zeros_like(hi_D), hi_D, topk,
+                                     iscale)
+        elif selection is not None:
+            decode_sel = selection[0]
+        if decode_sel is not None:
+            idx_Dk, keep_Dk = decode_sel
+            kv_DkL = kv_DLL.gather(1, idx_Dk[..., None].expand(-1, -1, kv_DLL.shape[-1]))
+            outs.append(_attend(q_NHL[:D], kv_DkL, keep_Dk, value_dim, scale))
+        else:
+            outs.append(_attend(q_NHL[:D], kv_DLL, valid_DL, value_dim, scale))
+    for j, i in enumerate(range(D, len(meta.context_lens))):
+        n, a, b = meta.context_lens[i], meta.query_start[i], meta.query_start[i + 1]
+        pos = torch.arange(n, device=kv_flat.device)
+        slots = meta.block_tables[i, pos // meta.block_size] * meta.block_size + pos % meta.block_size
+        kv_SL = kv_flat[slots]
+        hi_T = torch.arange(n - (b - a), n, device=kv_flat.device)
+        sel = None
+        if indexer is not None:
+            sel = select_topk(iq_NHD[a:b], iw_NH[a:b], ik_flat[slots], torch.zeros_like(hi_T), hi_T, topk, iscale)
+        elif selection is not None:
+            sel = selection[1][j]
+        prefill_sel.append(sel)
+        if sel is not None:
+            outs.append(sparse_latent_attention(q_NHL[a:b], kv_SL, sel[0], sel[1], value_dim, scale))
+        else:
+            mask = pos[None] <= hi_T[:, None] if b - a > 1 else None
+            outs.append(dense_latent_attention(q_NHL[a:b], kv_SL, value_dim, scale, mask))
+    return torch.cat(outs), ((decode_sel, prefill_sel) if sparse else None)
