@@ -129,6 +129,9 @@ class VllmEngine:
         if on_cpu != (icfg.device == "cpu"):
             raise ConfigError(f"this vLLM build runs on {'the CPU' if on_cpu else 'CUDA'} but infer.device is "
                               f"{icfg.device}; pass --device {'cpu' if on_cpu else 'cuda'}")
+        if icfg.fp8.enabled:
+            raise ConfigError("infer.fp8 (--fp8) is the native engine's FP8 path; the vLLM engine serves the "
+                              "checkpoint's own dtype: drop --fp8 or pass --engine native")
         args = ModelArgs.from_dir(weights)
         if cfg.model.max_seq_len > args.max_position_embeddings:
             raise ConfigError(f"model.max_seq_len {cfg.model.max_seq_len} exceeds the model's max_position_embeddings "
