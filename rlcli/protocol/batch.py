@@ -28,7 +28,8 @@ class MicroBatch(msgspec.Struct, kw_only=True):
     versions: WireTensor
     """int32 [T] policy version that produced each completion token (-1 on prompt tokens)."""
     routed_experts: Optional[WireTensor] = None
-    """uint8/int16 [T, num_moe_layers, top_k] experts chosen at inference (R3), when recorded."""
+    """uint8/int16 [T, num_moe_layers, top_k] experts chosen at inference (R3), when recorded.
+    Per token like input_ids: a context-parallel split slices it along T with the others."""
     temperature: float = 1.0
     """Sampling temperature; the trainer scales its logits by it before log-softmax."""
     top_p: float = 1.0
