@@ -25,7 +25,7 @@ def sample(logits_SV: torch.Tensor, temperature_S: torch.Tensor, top_p_S: torch.
     logprobs = torch.log_softmax(logits / temp[:, None], dim=-1)
     probs = logprobs.exp()
     if bool((top_p_S < 1).any()):
-        keep = top_p_keep(probs, top_p_S.float()[:, None]) | greedy[:, None]
+        keep = top_p_keep(probs, top_p_S.float()[:, None]) | (greedy | (top_p_S >= 1))[:, None]
         probs = probs.masked_fill(~keep, 0.0)
         logprobs = torch.log_softmax(logprobs.masked_fill(~keep, float("-inf")), dim=-1)
     noise = torch.empty_like(probs).exponential_(generator=generator)
