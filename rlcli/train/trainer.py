@@ -21,6 +21,7 @@ from rlcli.errors import ConfigError
 from rlcli.logging import setup_logging
 from rlcli.models import DTYPES, load_model, save_model
 from rlcli.models.hf_io import has_weights
+from rlcli.models.moe import check_routes
 from rlcli.models.tokenizer import load_tokenizer
 from rlcli.ops.attention import ForwardContext, PackedCausalAttention, RoutingContext
 from rlcli.process import stop_on_signals
@@ -28,7 +29,6 @@ from rlcli.protocol import WeightsPublished
 from rlcli.protocol.batch import TrainingBatch
 from rlcli.train.checkpoint import load_latest_checkpoint, save_checkpoint
 from rlcli.train.data import to_tensors, wait_for_batch
-from rlcli.models.moe import check_routes
 from rlcli.train.loss import LOSSES, sequence_ids, token_logprobs
 from rlcli.train.sft import run_sft
 from rlcli.transport.atomic import atomic_dir, clean_temporaries, is_stable
