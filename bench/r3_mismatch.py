@@ -119,6 +119,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=0, help="Layers (0: the recipe's).")
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--init-std", type=float, default=0.08, help="Std of the random weights.")
+    p.add_argument("--kv-cache-mb", type=int, default=256, help="The engine's KV cache.")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     if args.smoke:
@@ -137,7 +138,8 @@ def main() -> None:
     print(f"model: qwen3_moe hidden {a.hidden_size}, {a.num_hidden_layers} layers, {a.num_experts} experts top-"
           f"{a.num_experts_per_tok}; inference bf16 (native engine), trainer fp32; device {device}", file=sys.stderr)
     t0 = time.monotonic()
-    engine = NativeEngine(infer, eos_token_ids=[], max_model_len=args.prompt_len + args.max_tokens + 1, seed=args.seed)
+    engine = NativeEngine(infer, eos_token_ids=[], max_model_len=args.prompt_len + args.max_tokens + 1, seed=args.seed,
+                          kv_cache_memory_mb=args.kv_cache_mb)
     pairs = generate(engine, args, np.random.default_rng(args.seed), a.vocab_size)
     gen_s = time.monotonic() - t0
     results = {"without R3": measure(trainer, pairs, device, replay=False),
