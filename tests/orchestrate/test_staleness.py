@@ -100,9 +100,10 @@ def test_deadline_uses_the_oldest_token_not_the_dispatch_version():
 
 
 def test_zero_variance_drops_are_capped_then_groups_join_anyway():
-    from rlcli.models.tokenizer import load_tokenizer
-    from tests.conftest import TINY_MODEL
+    from tiny import TINY_MODEL
+
     from rlcli.envs import make_env
+    from rlcli.models.tokenizer import load_tokenizer
 
     o = bare_orchestrator(max_async=0, batch_size=2, num_steps=5, skip_zero_variance=True,
                           max_zero_variance_drops=3)
