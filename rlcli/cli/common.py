@@ -16,6 +16,11 @@ ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML 
                                                    show_default=False)]
 RunDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", help="Run directory shared by all processes "
                                                    "[default: runs/<recipe name>].", show_default=False)]
+SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Seed of the run (default: the recipe's seed).",
+                                                show_default=False)]
+R3Opt = Annotated[Optional[bool], typer.Option("--r3/--no-r3", help="Routing replay for MoE models: the engine "
+                                               "records routes, the trainer replays them (default: the recipe's r3).",
+                                               show_default=False)]
 PrintConfigOpt = Annotated[bool, typer.Option("--print-config", help="Print the resolved recipe as TOML and exit.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Write JSON lines to stdout.")]
 

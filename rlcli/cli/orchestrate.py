@@ -8,8 +8,8 @@ import typer
 from rlcli.cli._errors import handle_errors
 from rlcli.errors import RunDirError
 from rlcli.cli.common import (
-    OVERRIDES, OVERRIDES_HELP, ConfigOpt, EngineOpt, PrintConfigOpt, RunDirOpt, emit_json, open_run, print_config,
-    resolve_config, run_app,
+    OVERRIDES, OVERRIDES_HELP, ConfigOpt, EngineOpt, PrintConfigOpt, R3Opt, RunDirOpt, SeedOpt, emit_json,
+    open_run, print_config, resolve_config, run_app,
 )
 
 app = typer.Typer(help="The RL loop: tasks, rewards, advantages, bounded off-policy batching.",
@@ -32,12 +32,15 @@ def run_cmd(
     group_size: Annotated[Optional[int], typer.Option(help="Completions per prompt.")] = None,
     connect: Annotated[Optional[list[str]], typer.Option(help="rl-infer endpoint (repeatable) instead of "
                                                          "the registry.")] = None,
+    seed: SeedOpt = None,
+    r3: R3Opt = None,
     print_config_: PrintConfigOpt = False,
 ) -> None:
     """Run the RL loop against the inference servers of a run directory."""
     cfg = resolve_config(ctx, config, {"run_dir": str(run_dir) if run_dir else None, "num_steps": steps,
                                        "orchestrate.max_async": max_async, "orchestrate.batch_size": batch_size,
-                                       "orchestrate.group_size": group_size, "orchestrate.connect": connect})
+                                       "orchestrate.group_size": group_size, "orchestrate.connect": connect,
+                                       "seed": seed, "r3": r3})
     if print_config_:
         return print_config(cfg)
     run = open_run(cfg, "orchestrate")
@@ -58,6 +61,8 @@ def up_cmd(
     engine: EngineOpt = None,
     plot: Annotated[Optional[bool], typer.Option("--plot/--no-plot", help="Write RUN/reward.png at the end.")] = None,
     fp8: Annotated[bool, typer.Option("--fp8", help="FP8 GEMMs in trainer and engines (train/infer.fp8.enabled).")] = False,
+    seed: SeedOpt = None,
+    r3: R3Opt = None,
     print_config_: PrintConfigOpt = False,
 ) -> None:
     """Launch every process of a recipe on this machine, show the live dashboard, stop them all at the end."""
@@ -65,7 +70,8 @@ def up_cmd(
     cfg = resolve_config(ctx, recipe, {"run_dir": str(run_dir) if run_dir else None, "num_steps": steps,
                                        "orchestrate.max_async": max_async, "up.num_infer": num_infer,
                                        "up.plot": plot, "infer.engine.name": engine.value if engine else None,
-                                       "train.fp8.enabled": on, "infer.fp8.enabled": on})
+                                       "train.fp8.enabled": on, "infer.fp8.enabled": on, "seed": seed,
+                                       "r3": r3})
     if print_config_:
         return print_config(cfg)
     run = open_run(cfg, "up")

@@ -7,8 +7,8 @@ import typer
 
 from rlcli.cli._errors import handle_errors
 from rlcli.cli.common import (
-    OVERRIDES, OVERRIDES_HELP, ConfigOpt, PrintConfigOpt, RunDirOpt, run_app, open_run, print_config,
-    resolve_config,
+    OVERRIDES, OVERRIDES_HELP, ConfigOpt, PrintConfigOpt, R3Opt, RunDirOpt, SeedOpt, open_run, print_config,
+    resolve_config, run_app,
 )
 
 app = typer.Typer(help="Trainer: consumes rollout batches, writes weights and checkpoints.",
@@ -30,12 +30,15 @@ def run_cmd(
     micro_batch_tokens: Annotated[Optional[int], typer.Option(help="Tokens per packed micro-batch row.")] = None,
     threads: ThreadsOpt = None,
     fp8: Annotated[bool, typer.Option("--fp8", help="FP8 block-scaled GEMMs (train.fp8.enabled).")] = False,
+    seed: SeedOpt = None,
+    r3: R3Opt = None,
     print_config_: PrintConfigOpt = False,
 ) -> None:
     """Train on rollout batches as they arrive (the default command); resumes from the newest checkpoint."""
     cfg = resolve_config(ctx, config, {"run_dir": str(run_dir) if run_dir else None, "num_steps": steps,
                                        "train.optim.lr": lr, "train.micro_batch_tokens": micro_batch_tokens,
-                                       "train.num_threads": threads, "train.fp8.enabled": True if fp8 else None})
+                                       "train.num_threads": threads, "train.fp8.enabled": True if fp8 else None,
+                                       "seed": seed, "r3": r3})
     if print_config_:
         return print_config(cfg)
     run = open_run(cfg, "train")

@@ -12,7 +12,8 @@ class SamplingConfig(Config):
     """Softmax temperature; the trainer recomputes logprobs at the same temperature."""
 
     top_p: float = 1.0
-    """Nucleus sampling mass."""
+    """Nucleus sampling mass; the engine reports logprobs of the truncated distribution and the
+    trainer recomputes the same truncation, so importance ratios stay unbiased."""
 
     max_tokens: int = 32
     """Most tokens per completion (an environment may ask for fewer)."""
@@ -33,7 +34,11 @@ class AdvantageConfig(Config):
     """Divide by the group's reward std (GRPO); off gives Dr. GRPO's mean-centred advantages."""
 
     skip_zero_variance: bool = False
-    """Drop groups whose rewards are all equal (they carry no gradient)."""
+    """Drop groups whose rewards are all equal (they carry no gradient) and sample replacements."""
+
+    max_zero_variance_drops: int = -1
+    """Most zero-variance groups dropped per step; beyond it they join the batch anyway (so a
+    saturated task set cannot stall the run; reported as num_zero_variance_kept). -1: 2 x batch_size."""
 
 
 class OrchestrateConfig(Config):

@@ -25,6 +25,10 @@ class RecipeConfig(Config):
     num_steps: int = 10
     """RL training steps (batches)."""
 
+    r3: bool = False
+    """Routing replay (MoE): rl-orchestrate asks the engine for the experts of every prompt and
+    completion token, and rl-train replays them; both must agree (rl-train refuses a mismatch)."""
+
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     """Policy model."""
 

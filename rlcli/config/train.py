@@ -48,14 +48,24 @@ class LossConfig(Config):
     mask_high: float = 2.0
     """Upper bound of the trust interval on pi_train / pi_infer."""
 
+    sequence_mask_low: float = 0.0
+    """Mask every token of a sequence whose geometric-mean ratio is below this; 0 disables it."""
+
+    sequence_mask_high: float = 0.0
+    """Mask every token of a sequence whose geometric-mean ratio is above this; 0 disables it."""
+
     entropy_coef: float = 0.0
-    """Weight of an entropy bonus on completion tokens (keeps small policies exploring); 0 disables it."""
+    """Weight of an entropy bonus on the completion tokens the loss keeps (keeps small policies
+    exploring); 0 disables it."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.mask_low < 1 < self.mask_high:
             raise ValueError(
                 f"train.loss needs 0 <= mask_low < 1 < mask_high, got {self.mask_low}, {self.mask_high}"
             )
+        if not 0 <= self.sequence_mask_low < 1 or not (self.sequence_mask_high == 0 or self.sequence_mask_high > 1):
+            raise ValueError(f"train.loss needs 0 <= sequence_mask_low < 1 and sequence_mask_high = 0 or > 1, got "
+                             f"{self.sequence_mask_low}, {self.sequence_mask_high}")
 
 
 class SFTConfig(Config):

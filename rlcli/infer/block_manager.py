@@ -11,6 +11,10 @@ own blocks.
 
 Blocks nobody references but whose content is still valid stay in an LRU pool and are
 handed out (and forgotten) only when the free list is empty.
+
+For MoE routing replay (R3) a block may also keep the experts its tokens were routed to
+(``routes[block]``, ``[block_size, layers, top_k]``), registered by a request that
+recorded them; requests that need routes match only blocks that have them.
 """
 
 import hashlib
@@ -37,6 +41,7 @@ class BlockManager:
         self.block_hash: dict[int, bytes] = {}
         self.hash_to_block: dict[bytes, int] = {}
         self.evictable: OrderedDict[int, None] = OrderedDict()
+        self.routes: dict[int, object] = {}  # block -> its tokens' routes (a tensor), when recorded
         self.num_hits = 0  # prompt tokens served from cache
         self.num_queries = 0  # prompt tokens looked up
 
@@ -50,6 +55,7 @@ class BlockManager:
         elif self.evictable:
             block, _ = self.evictable.popitem(last=False)
             self.hash_to_block.pop(self.block_hash.pop(block), None)
+            self.routes.pop(block, None)
         else:
             raise RuntimeError("KV cache exhausted")  # the scheduler checks num_available first
         self.refcount[block] = 1
@@ -77,24 +83,31 @@ class BlockManager:
             out.append(parent)
         return out
 
-    def match_prefix(self, hashes: Seq[bytes]) -> list[int]:
-        """Cached blocks for the longest prefix of ``hashes``; each is shared (refcount + 1)."""
+    def match_prefix(self, hashes: Seq[bytes], with_routes: bool = False) -> list[int]:
+        """Cached blocks for the longest prefix of ``hashes`` (that also kept their routes, with
+        ``with_routes``); each is shared (refcount + 1)."""
         if not self.enable_prefix_caching:
             return []
         blocks = []
         for h in hashes:
             block = self.hash_to_block.get(h)
-            if block is None:
+            if block is None or (with_routes and block not in self.routes):
                 break
             self.share(block)
             blocks.append(block)
         return blocks
 
-    def register(self, block: int, h: bytes) -> None:
-        """Publish a full, computed block under hash ``h`` (first writer wins)."""
-        if self.enable_prefix_caching and h not in self.hash_to_block and block not in self.block_hash:
+    def register(self, block: int, h: bytes, routes=None) -> None:
+        """Publish a full, computed block under hash ``h`` (first writer wins), with the routes
+        of its tokens when given (they are added to a first writer that had none)."""
+        if not self.enable_prefix_caching:
+            return
+        if h not in self.hash_to_block and block not in self.block_hash:
             self.hash_to_block[h] = block
             self.block_hash[block] = h
+        owner = self.hash_to_block.get(h)
+        if routes is not None and owner is not None and owner not in self.routes:
+            self.routes[owner] = routes
 
     def reset_prefix_cache(self) -> None:
         for block in list(self.evictable):
@@ -102,3 +115,4 @@ class BlockManager:
         self.evictable.clear()
         self.hash_to_block.clear()
         self.block_hash.clear()
+        self.routes.clear()

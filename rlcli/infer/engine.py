@@ -279,14 +279,15 @@ class NativeEngine:
         return batch
 
     def _match_prefix(self, seq: Sequence) -> None:
-        if seq.req.sampling.return_routing and self.is_moe:
-            return  # routes of cached tokens are not stored with their blocks
         # Never take the whole prompt from cache: the last position must run to give logits.
         # Only blocks computed by the weights served now can match (see _register_full_blocks).
         hashes = self.blocks.block_hashes(seq.tokens[:-1], f"{seq.req.salt}|w{self.version}")
-        blocks = self.blocks.match_prefix(hashes)
+        want_routes = seq.req.sampling.return_routing and self.is_moe
+        blocks = self.blocks.match_prefix(hashes, with_routes=want_routes)
         seq.blocks, seq.hashes = blocks, hashes[:len(blocks)]
         seq.num_computed = len(blocks) * self.block_size
+        if want_routes and blocks:  # cached blocks keep the routes their tokens took
+            seq.routes = [torch.cat([self.blocks.routes[b] for b in blocks])]
         self.blocks.num_queries += len(seq.tokens)
         self.blocks.num_hits += seq.num_computed
         if seq.index < 0:
@@ -382,13 +383,17 @@ class NativeEngine:
         name exactly one, so its KV is never reused, nor is any block chained behind it."""
         bs = self.block_size
         seq.partial_versions.add(self.version)
+        all_routes = None  # [num_computed, layers, top_k]: cached blocks keep their routes (R3)
         while len(seq.hashes) < seq.num_computed // bs:
             b = len(seq.hashes)
             weights = "-".join(f"w{v}" for v in sorted(seq.partial_versions))
             parent = seq.hashes[-1] if seq.hashes else None
             h = chain_hash(parent, f"{seq.req.salt}|{weights}", seq.tokens[b * bs:(b + 1) * bs])
             seq.hashes.append(h)
-            self.blocks.register(seq.blocks[b], h)
+            if seq.req.sampling.return_routing and self.is_moe and all_routes is None:
+                all_routes = torch.cat(seq.routes)
+            routes = all_routes[b * bs:(b + 1) * bs] if all_routes is not None else None
+            self.blocks.register(seq.blocks[b], h, routes)
             seq.partial_versions = {self.version}
         if seq.num_computed % bs == 0:
             seq.partial_versions = set()

@@ -21,6 +21,18 @@ from rlcli.models.layers import MLP
 from rlcli.ops.attention import ForwardContext
 
 
+def check_routes(routes_TLk, args: ModelArgs, num_tokens: int) -> None:
+    """Refuse recorded routes that do not fit this model (another checkpoint, a wrong config)."""
+    expected = (num_tokens, args.num_moe_layers, args.num_experts_per_tok)
+    if tuple(routes_TLk.shape) != expected:
+        raise ValueError(f"recorded routes have shape {tuple(routes_TLk.shape)} but this model needs {expected} "
+                         "(tokens, MoE layers, experts per token): the engine served another model; set r3 = false "
+                         "or serve the trained model")
+    if routes_TLk.numel() and (int(routes_TLk.min()) < 0 or int(routes_TLk.max()) >= args.num_experts):
+        raise ValueError(f"recorded routes name experts outside [0, {args.num_experts}): the engine served "
+                         "another model; set r3 = false or serve the trained model")
+
+
 class Router(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -112,6 +124,12 @@ class MoE(nn.Module):
         routing = ctx.routing
         if routing is not None and routing.replay is not None:
             idx = routing.replay[:, self.moe_idx].to(device=x.device, dtype=torch.long)
+            with torch.no_grad():  # router disagreement: from the scores already computed, no second forward
+                own = self.gate.select(scores.detach())
+                differs = (own.sort(-1)[0] != idx.sort(-1)[0]).any(-1)
+                counted = routing.counted if routing.counted is not None else torch.ones_like(differs)
+                routing.num_disagree = routing.num_disagree + (differs & counted).sum()
+                routing.num_pairs = routing.num_pairs + counted.sum()
         else:
             idx = self.gate.select(scores)
         if routing is not None and routing.record:

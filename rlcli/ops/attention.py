@@ -161,12 +161,19 @@ class RoutingContext:
     """R3 routing: record the experts each token was sent to, or replay given ones.
 
     ``replay`` is ``[N, num_moe_layers, top_k]`` expert ids for the N flattened tokens of
-    the forward pass. Recorded routes are appended per MoE layer as ``[N, top_k]``.
+    the forward pass. Recorded routes are appended per MoE layer as ``[N, top_k]``. Under
+    replay each MoE layer also counts, on device, the tokens whose own top-k (what this
+    router would pick) differs from the replayed set: ``num_disagree`` of ``num_pairs``
+    token-layer pairs, over the tokens ``counted`` marks (bool [N]; a sequence's last
+    token has no recorded route of its own) or all of them.
     """
 
     replay: torch.Tensor | None = None
     record: bool = False
     recorded: list[torch.Tensor] = field(default_factory=list)
+    counted: torch.Tensor | None = None
+    num_disagree: torch.Tensor | int = 0
+    num_pairs: torch.Tensor | int = 0
 
     def stacked(self) -> torch.Tensor:
         """Recorded routes as ``[N, num_moe_layers, top_k]``."""

@@ -5,9 +5,11 @@ Sampling uses the exponential race (Gumbel-max in another form): ``argmax(p / E)
 generator; rows with their own seed overwrite their noise from their own generator, so
 a seeded request samples the same tokens whatever else is in the batch.
 
-The returned logprob of a sampled token is under the temperature-scaled distribution
-``log_softmax(logits / T)`` before top-p truncation: exactly what the trainer recomputes.
-Greedy rows (T = 0) report ``log_softmax(logits)``.
+The returned logprob of a sampled token is under the distribution it was drawn from:
+``log_softmax(logits / T)``, truncated to the top-p nucleus and renormalized when
+``top_p < 1``. The trainer recomputes exactly that (same :func:`top_p_keep`), so the
+importance ratio is 1 when both hold the same weights. Greedy rows (T = 0) report
+``log_softmax(logits)``.
 """
 
 import torch
@@ -23,7 +25,9 @@ def sample(logits_SV: torch.Tensor, temperature_S: torch.Tensor, top_p_S: torch.
     logprobs = torch.log_softmax(logits / temp[:, None], dim=-1)
     probs = logprobs.exp()
     if bool((top_p_S < 1).any()):
-        probs = _top_p(probs, top_p_S.float())
+        keep = top_p_keep(probs, top_p_S.float()[:, None]) | (greedy | (top_p_S >= 1))[:, None]
+        probs = probs.masked_fill(~keep, 0.0)
+        logprobs = torch.log_softmax(logprobs.masked_fill(~keep, float("-inf")), dim=-1)
     noise = torch.empty_like(probs).exponential_(generator=generator)
     for row, gen in (row_generators or {}).items():
         noise[row].exponential_(generator=gen)
@@ -32,9 +36,10 @@ def sample(logits_SV: torch.Tensor, temperature_S: torch.Tensor, top_p_S: torch.
     return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
 
 
-def _top_p(probs_SV: torch.Tensor, top_p_S: torch.Tensor) -> torch.Tensor:
-    sorted_p, order = probs_SV.sort(dim=-1, descending=True)
-    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-    drop = (sorted_p.cumsum(dim=-1) - sorted_p) >= top_p_S[:, None]
-    sorted_p = sorted_p.masked_fill(drop, 0.0)
-    return torch.zeros_like(probs_SV).scatter_(-1, order, sorted_p)
+def top_p_keep(probs_V: torch.Tensor, top_p: torch.Tensor | float) -> torch.Tensor:
+    """Bool mask (shape of ``probs_V``, last dim the vocabulary) of the top-p nucleus: the
+    smallest set of most likely tokens whose mass reaches ``top_p`` (the most likely token
+    always stays). ``top_p`` is a float or broadcasts against ``probs_V[..., :1]``."""
+    sorted_p, order = probs_V.sort(dim=-1, descending=True)
+    keep_sorted = (sorted_p.cumsum(dim=-1) - sorted_p) < top_p
+    return torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)

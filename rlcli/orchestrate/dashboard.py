@@ -55,12 +55,13 @@ class MetricsTail:
 
 def steps_table(run_name: str, orch: dict[int, dict], train: dict[int, dict], last: int = 10) -> Table:
     table = Table(title=f"run {run_name}", title_justify="left", expand=False)
-    for col in ("step", "reward", "len", "lag", "tok/s", "orch wait", "loss", "mismatch kl", "masked",
-                "train wait"):
+    for col in ("step", "reward", "len trained", "len generated", "dropped", "lag", "tok/s", "orch wait", "loss",
+                "mismatch kl", "masked", "train wait"):
         table.add_column(col, justify="right")
     for step in sorted(set(orch) | set(train))[-last:]:
         o, t = orch.get(step, {}), train.get(step, {})
         table.add_row(str(step), _fmt(o.get("reward_mean"), ".3f"), _fmt(o.get("completion_len_mean"), ".1f"),
+                      _fmt(o.get("generated_len_mean"), ".1f"), _fmt(o.get("dropped_fraction"), ".1%"),
                       _fmt(o.get("off_policy_lag_max"), "d"), _fmt(o.get("tokens_per_s"), ".0f"),
                       _fmt(o.get("wait_s"), ".2f"), _fmt(t.get("loss"), "+.4f"), _fmt(t.get("mismatch_kl"), ".1e"),
                       _fmt(t.get("masked_fraction"), ".3f"), _fmt(t.get("wait_s"), ".2f"))
@@ -107,5 +108,6 @@ class LiveView:
             self.live.update(RichGroup(*parts, *([processes_table(processes)] if processes else [])))
             return
         for m in new_orch:
-            console.print(f"step {m['step']:>4}  reward {m['reward_mean']:.3f}  len {m['completion_len_mean']:.1f}  "
-                          f"lag {m['off_policy_lag_max']}  tok/s {m['tokens_per_s']:.0f}")
+            console.print(f"step {m['step']:>4}  reward {m['reward_mean']:.3f}  len {m['completion_len_mean']:.1f} "
+                          f"(generated {m.get('generated_len_mean', 0):.1f})  dropped {m.get('dropped_fraction', 0):.1%}"
+                          f"  lag {m['off_policy_lag_max']}  tok/s {m['tokens_per_s']:.0f}")

@@ -1,16 +1,23 @@
-"""The RL loop with bounded off-policy asynchrony.
+"""The RL loop with bounded off-policy asynchrony and no length bias.
 
 Batch N feeds trainer step N, which turns policy N-1 into policy N. With
 ``k = max_async``, requests for batch N may be dispatched once the inference servers
 serve policy >= N - 1 - k, so the orchestrator runs at most k steps ahead of the
 trainer; ``k = 0`` is exactly synchronous RL (batch N comes from policy N - 1 alone).
 
-Completions are not bound to a step at dispatch: a finished group joins the buffer,
-and batch N takes the first ``batch_size`` groups whose oldest token comes from a
-policy >= N - 1 - bound, where bound = min(max_async, max_off_policy_steps). Groups that
-fall behind the bound (a long completion overtaken by faster ones) are dropped. So
-short completions never wait for the long tail, and no batch is ever more than
-``max_async`` steps off-policy.
+Staleness is controlled at dispatch, as in AReaL: groups consumed + buffered + in
+flight never exceed ``(policy + 1 + k) * batch_size``. A group's *deadline* is the last
+batch it may join, ``oldest token's version + 1 + bound`` (bound = max_off_policy_steps,
+default k); in flight, the version at dispatch stands in for the oldest token (tokens
+are only ever newer, so the deadline can only move later). Batches are assembled
+earliest-deadline-first, and batch N is written only when what remains (buffered and
+in flight) can still meet every deadline in batches N+1, N+2, ...; otherwise it waits
+for the stragglers. With the dispatch cap that is always possible, so no group is ever
+dropped for staleness: long completions are trained, not traded for speed. The price
+is that a step sometimes waits for the slowest group of an old cohort (``straggler_wait_s``);
+short completions still never wait for the long tail of their own cohort. Nothing is
+aborted: a group in flight cannot be proven too old, because its dispatch version is a
+lower bound on its oldest token, not an upper one.
 
 Every request carries the policy version at dispatch as its cache salt. The salt only
 names a prefix-cache namespace: rl-infer also keys each cached block by the weights
@@ -60,16 +67,22 @@ class Orchestrator:
         self.stopping = False
         self.on_tick = lambda: None  # called once per loop iteration (live dashboard)
         self._next_refresh = 0.0
+        self.zero_variance_cap = (self.ocfg.advantage.max_zero_variance_drops
+                                  if self.ocfg.advantage.max_zero_variance_drops >= 0 else 2 * self.ocfg.batch_size)
         self._reset_step_stats()
 
     def _reset_step_stats(self) -> None:
         self.step_started = time.monotonic()
         self.gen_tokens = 0
+        self.gen_completions = 0
+        self.num_dispatched = 0
         self.num_stale = 0
         self.num_filtered = 0
+        self.num_zero_variance_kept = 0
         self.num_errors = 0
-        self.num_aborted = 0
         self.wait_s = 0.0
+        self.straggler_since: float | None = None
+        self.straggler_wait_s = 0.0
 
     # ------------------------------------------------------------------ policy version
     def refresh(self) -> None:
@@ -84,20 +97,6 @@ class Orchestrator:
         version = self.run.read_progress("sync").get("version")
         if version is not None:
             self._set_policy(int(version))
-
-    def abort_hopeless(self) -> None:
-        """Stop in-flight groups that can no longer join any batch: their oldest token is at
-        best from the policy they were dispatched under, already too old for the next step."""
-        oldest_usable = self.next_step - 1 - self.ocfg.off_policy_bound
-        hopeless = [rid for rid, g in self.inflight.items() if g.dispatch_version < oldest_usable]
-        if not hopeless:
-            return
-        self.pool.abort(hopeless)
-        hopeless_set = set(hopeless)
-        self.unsent = [r for r in self.unsent if r.request_id not in hopeless_set]
-        for rid in hopeless:
-            del self.inflight[rid]
-        self.num_aborted += len(hopeless)
 
     def _set_policy(self, version: int) -> None:
         if version > self.policy_version:
@@ -121,6 +120,7 @@ class Orchestrator:
                 continue
             group = Group(task, prompt, self.policy_version)
             self._send(group)
+            self.num_dispatched += 1
         while self.unsent and self.pool.submit(self.unsent[0]):
             self.unsent.pop(0)
 
@@ -130,7 +130,8 @@ class Orchestrator:
         request = GenerateRequest(
             request_id=new_request_id(), prompt_ids=group.prompt_ids, cache_salt=f"v{self.policy_version}",
             sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p, max_tokens=max_tokens,
-                                    n=self.ocfg.group_size, ignore_eos=group.task.ignore_eos))
+                                    n=self.ocfg.group_size, ignore_eos=group.task.ignore_eos,
+                                    return_routing=self.cfg.r3))
         group.dispatch_version = self.policy_version
         self.inflight[request.request_id] = group
         self.unsent.append(request)
@@ -147,23 +148,56 @@ class Orchestrator:
         group.completions = reply.completions
         group.rewards = [self.env.reward(group.task, self.tokenizer.decode(c.token_ids)) for c in reply.completions]
         self.gen_tokens += sum(len(c.token_ids) for c in reply.completions)
+        self.gen_completions += len(reply.completions)
         if self.ocfg.advantage.skip_zero_variance and max(group.rewards) == min(group.rewards):
-            self.num_filtered += 1
-            return
+            if self.num_filtered < self.zero_variance_cap:
+                self.num_filtered += 1
+                return
+            if not self.num_zero_variance_kept:
+                log.warning("step %d: %d zero-variance groups dropped (advantage.max_zero_variance_drops); "
+                            "the rest join the batch with zero advantage", self.next_step, self.num_filtered)
+            self.num_zero_variance_kept += 1
         group.advantages = group_advantages(group.rewards, self.ocfg.advantage.std_normalize)
         self.buffer.append(group)
 
-    def try_write_batch(self) -> bool:
-        bound = self.ocfg.off_policy_bound
-        fresh = [g for g in self.buffer if self.next_step - 1 - g.min_version <= bound]
-        self.num_stale += len(self.buffer) - len(fresh)
+    def deadline(self, group: Group) -> int:
+        """Last batch ``group`` may join: its oldest token must be from policy >= N - 1 - bound."""
+        version = group.min_version if group.completions else group.dispatch_version
+        return version + 1 + self.ocfg.off_policy_bound
+
+    def select_batch(self) -> list[Group] | None:
+        """Batch ``next_step`` earliest-deadline-first, or None while waiting is needed: fewer
+        than batch_size groups are ready, or taking them would leave a straggler (buffered or in
+        flight) unable to meet its deadline in the batches after this one."""
+        step, size = self.next_step, self.ocfg.batch_size
+        fresh = [g for g in self.buffer if self.deadline(g) >= step]
+        self.num_stale += len(self.buffer) - len(fresh)  # only after a restart or a lost deadline
         self.buffer = fresh
-        if len(self.buffer) < self.ocfg.batch_size:
+        if len(self.buffer) < size:
+            return None
+        order = sorted(range(len(self.buffer)), key=lambda i: self.deadline(self.buffer[i]))
+        chosen = set(order[:size])
+        rest = [self.deadline(g) for i, g in enumerate(self.buffer) if i not in chosen]
+        rest += [self.deadline(g) for g in {id(g): g for g in self.inflight.values()}.values()]
+        rest.sort()
+        # Feasible iff for every later batch M, groups due by M fit in batches step+1..M.
+        if any(d < step + 1 + j // size for j, d in enumerate(rest)):
+            if self.straggler_since is None:
+                self.straggler_since = time.monotonic()
+            return None
+        return [self.buffer[i] for i in sorted(chosen)]
+
+    def try_write_batch(self) -> bool:
+        groups = self.select_batch()
+        if groups is None:
             return False
-        groups, self.buffer = self.buffer[:self.ocfg.batch_size], self.buffer[self.ocfg.batch_size:]
+        if self.straggler_since is not None:
+            self.straggler_wait_s = time.monotonic() - self.straggler_since
+        taken = {id(g) for g in groups}
+        self.buffer = [g for g in self.buffer if id(g) not in taken]
         step = self.next_step
         info = write_batch(self.run, step, groups, self.ocfg.num_train_ranks, self.cfg.train.micro_batch_tokens,
-                           self.ocfg.sampling.temperature)
+                           self.ocfg.sampling.temperature, self.ocfg.sampling.top_p)
         self.run.write_progress("orchestrate", step=step)
         self.run.append_metrics("orchestrate", self._metrics(step, groups, info))
         self.next_step += 1
@@ -181,15 +215,19 @@ class Orchestrator:
             "reward_std": (sum((r - sum(rewards) / len(rewards)) ** 2 for r in rewards) / len(rewards)) ** 0.5,
             "completion_len_mean": sum(lengths) / len(lengths), "completion_len_max": max(lengths),
             "off_policy_lag_mean": sum(lags) / len(lags), "off_policy_lag_max": max(lags),
-            "policy_version": self.policy_version, "num_stale_dropped": self.num_stale,
-            "num_filtered": self.num_filtered, "num_errors": self.num_errors, "num_aborted": self.num_aborted,
-            "step_s": elapsed,
+            "generated_len_mean": self.gen_tokens / self.gen_completions if self.gen_completions else 0.0,
+            "policy_version": self.policy_version, "num_dispatched": self.num_dispatched,
+            "num_stale_dropped": self.num_stale, "num_aborted": 0,
+            "dropped_fraction": self.num_stale / max(self.num_dispatched, 1),
+            "num_filtered": self.num_filtered, "num_zero_variance_kept": self.num_zero_variance_kept,
+            "num_errors": self.num_errors, "straggler_wait_s": self.straggler_wait_s, "step_s": elapsed,
             "tokens_per_s": self.gen_tokens / elapsed if elapsed > 0 else 0.0, "wait_s": self.wait_s,
             "time": time.time(), **info,
         }
-        log.info("step %d reward %.3f len %.1f lag %.1f (max %d) tok/s %.0f wait %.2fs", step, m["reward_mean"],
-                 m["completion_len_mean"], m["off_policy_lag_mean"], m["off_policy_lag_max"], m["tokens_per_s"],
-                 m["wait_s"])
+        log.info("step %d reward %.3f len %.1f (generated %.1f) lag %.1f (max %d) dropped %.1f%% tok/s %.0f "
+                 "wait %.2fs straggler wait %.2fs", step, m["reward_mean"], m["completion_len_mean"],
+                 m["generated_len_mean"], m["off_policy_lag_mean"], m["off_policy_lag_max"],
+                 100 * m["dropped_fraction"], m["tokens_per_s"], m["wait_s"], m["straggler_wait_s"])
         return m
 
     def _retain(self) -> None:
@@ -212,7 +250,6 @@ class Orchestrator:
             while (msg := self.sub.recv(0)) is not None:
                 if isinstance(msg, PolicyUpdated):
                     self._set_policy(msg.version)
-            self.abort_hopeless()
             self.dispatch()
             idle = not self.inflight
             t0 = time.monotonic()
@@ -223,6 +260,8 @@ class Orchestrator:
             while self.next_step <= self.cfg.num_steps and self.try_write_batch():
                 pass
             self.on_tick()
+        if self.inflight:  # the run is complete: free the servers of groups no batch will take
+            self.pool.abort(list(self.inflight))
         return 0
 
     def close(self) -> None:

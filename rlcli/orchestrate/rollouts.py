@@ -39,7 +39,7 @@ class Group:
 
 
 def write_batch(run: RunDir, step: int, groups: list[Group], num_ranks: int, capacity: int,
-                temperature: float) -> dict:
+                temperature: float, top_p: float = 1.0) -> dict:
     """Pack ``groups`` into per-rank files under RUN/rollouts/step_<step> (STABLE last)."""
     samples = [s for g in groups for s in g.samples()]
     lengths = [len(s.token_ids) for s in samples]
@@ -51,7 +51,7 @@ def write_batch(run: RunDir, step: int, groups: list[Group], num_ranks: int, cap
         for rank, rows in enumerate(per_rank):
             batch = TrainingBatch(
                 step=step, rank=rank,
-                micro_batches=[build_micro_batch([samples[i] for i in row], temperature) for row in rows],
+                micro_batches=[build_micro_batch([samples[i] for i in row], temperature, top_p) for row in rows],
                 num_loss_tokens=num_loss_tokens, num_samples=len(samples), min_version=min_v, max_version=max_v)
             data = encode_batch(batch)
             (tmp / f"{rank}.msgpack").write_bytes(data)

@@ -28,9 +28,12 @@ class MicroBatch(msgspec.Struct, kw_only=True):
     versions: WireTensor
     """int32 [T] policy version that produced each completion token (-1 on prompt tokens)."""
     routed_experts: Optional[WireTensor] = None
-    """uint8/int16 [T, num_moe_layers, top_k] experts chosen at inference (R3), when recorded."""
+    """uint8/int16 [T, num_moe_layers, top_k] experts chosen at inference (R3), when recorded.
+    Per token like input_ids: a context-parallel split slices it along T with the others."""
     temperature: float = 1.0
     """Sampling temperature; the trainer scales its logits by it before log-softmax."""
+    top_p: float = 1.0
+    """Sampling nucleus mass; below 1 the trainer truncates and renormalizes as the engine did."""
     num_samples: int = 0
     """Sequences packed in this micro-batch."""
 
@@ -113,7 +116,7 @@ def split_rows(rows: list[list[int]], lengths: list[int], num_ranks: int) -> lis
     return per_rank
 
 
-def build_micro_batch(samples: list[Sample], temperature: float) -> MicroBatch:
+def build_micro_batch(samples: list[Sample], temperature: float, top_p: float = 1.0) -> MicroBatch:
     """Concatenate samples into one packed row."""
     import numpy as np
 
@@ -139,4 +142,4 @@ def build_micro_batch(samples: list[Sample], temperature: float) -> MicroBatch:
         loss_mask=T(np.asarray(mask, dtype=np.bool_)), advantages=T(np.asarray(adv, dtype=np.float32)),
         inference_logprobs=T(np.asarray(lps, dtype=np.float32)), versions=T(np.asarray(vers, dtype=np.int32)),
         routed_experts=T(np.concatenate(routes)) if routes and len(routes) == len(samples) else None,
-        temperature=temperature, num_samples=len(samples))
+        temperature=temperature, top_p=top_p, num_samples=len(samples))

@@ -80,7 +80,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     temperature: float = 1.0
     """Softmax temperature; 0 is greedy. Logprobs are of the temperature-scaled distribution."""
     top_p: float = 1.0
-    """Nucleus mass; logprobs are reported before truncation."""
+    """Nucleus mass; logprobs are of the truncated, renormalized distribution sampled from."""
     max_tokens: int = 32
     """Most tokens to generate."""
     n: int = 1
@@ -124,7 +124,8 @@ class Completion(msgspec.Struct, kw_only=True):
     token_ids: list[int]
     """Generated tokens (the stop token included)."""
     logprobs: list[float]
-    """Log-probability of each generated token under the temperature-scaled policy."""
+    """Log-probability of each generated token under the distribution it was sampled from
+    (temperature-scaled; top-p truncated and renormalized)."""
     versions: list[int]
     """Policy version that produced each token (weights can change mid-completion)."""
     finish_reason: str

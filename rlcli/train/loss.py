@@ -10,10 +10,16 @@ keep it inside a trust interval:
   (IcePop / masked importance sampling); inside, the gradient is ``ratio * A * grad log pi``.
 * ``tis``: the ratio is truncated at ``mask_high`` instead (truncated importance sampling).
 
-Every loss returns the *sum* over tokens; the caller divides by the number of loss
-tokens in the whole step (token-level normalization across micro-batches and ranks).
-Add a loss by writing a function with the signature of :data:`LossFn` and registering it
-in :data:`LOSSES`.
+Both can also mask whole sequences (``sequence_mask_low/high``) whose geometric-mean
+ratio leaves an interval, as prime-rl does: one sequence drawn from a very different
+distribution is dropped whole instead of token by token.
+
+Every loss returns the *sum* over tokens, the boolean mask of the tokens it kept (the
+trainer applies the entropy bonus to those only) and mismatch diagnostics, all sums
+or counts except ``*_max``; the caller divides by the number of loss tokens in the
+whole step (token-level normalization across micro-batches and ranks). Add a loss by
+writing a function with the signature of :data:`LossFn` and registering it in
+:data:`LOSSES`.
 """
 
 from typing import Callable
@@ -21,9 +27,11 @@ from typing import Callable
 import torch
 
 from rlcli.config.train import LossConfig
+from rlcli.ops.sampling import top_p_keep
 
-LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LossConfig],
-                  tuple[torch.Tensor, dict[str, torch.Tensor]]]
+LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LossConfig],
+                  tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
+"""(trainer_lp, infer_lp, advantages, loss_mask, seq_ids, cfg) -> (loss sum, kept mask, metrics)."""
 
 
 def _ratio(trainer_lp: torch.Tensor, infer_lp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,45 +39,87 @@ def _ratio(trainer_lp: torch.Tensor, infer_lp: torch.Tensor) -> tuple[torch.Tens
     return log_ratio.exp(), log_ratio
 
 
-def _mismatch_metrics(ratio, log_ratio, mask, kept) -> dict[str, torch.Tensor]:
+def sequence_ids(position_ids_BT: torch.Tensor) -> torch.Tensor:
+    """Index of the packed sequence each token belongs to (a new one starts at position 0)."""
+    return (position_ids_BT == 0).long().flatten().cumsum(0).view_as(position_ids_BT) - 1
+
+
+def _sequence_keep(log_ratio, mask, seq_ids, cfg: LossConfig) -> torch.Tensor:
+    """False on every token of a sequence whose geometric-mean ratio leaves the sequence interval."""
+    if cfg.sequence_mask_low <= 0 and cfg.sequence_mask_high <= 0:
+        return torch.ones_like(mask)
+    lr, m = log_ratio.detach().flatten(), mask.flatten().float()
+    ids = seq_ids.flatten()
+    n = int(ids.max()) + 1 if ids.numel() else 0
+    total = torch.zeros(n, dtype=lr.dtype, device=lr.device).index_add_(0, ids, lr * m)
+    count = torch.zeros(n, dtype=lr.dtype, device=lr.device).index_add_(0, ids, m)
+    seq_ratio = (total / count.clamp(min=1)).exp()
+    ok = torch.ones(n, dtype=torch.bool, device=lr.device)
+    if cfg.sequence_mask_low > 0:
+        ok &= seq_ratio >= cfg.sequence_mask_low
+    if cfg.sequence_mask_high > 0:
+        ok &= seq_ratio <= cfg.sequence_mask_high
+    return ok[ids].view_as(mask)
+
+
+def _metrics(ratio, log_ratio, mask, kept, low, high, seq_keep) -> dict[str, torch.Tensor]:
     r, lr = ratio.detach(), log_ratio.detach()
-    m = mask.float()
+    m, k = mask.float(), kept.float()
+    kl = r - 1 - lr  # k3 estimator of KL(pi_infer || pi_train)
+    diff = lr.abs() * m
     return {
-        # k3 estimator of KL(pi_infer || pi_train), summed over loss tokens
-        "mismatch_kl": ((r - 1 - lr) * m).sum(),
+        "mismatch_kl": (kl * m).sum(),
+        "mismatch_kl_kept": (kl * k).sum(),
+        "kept_tokens": k.sum(),
         "masked_tokens": (mask & ~kept).float().sum(),
+        "masked_low": (mask & low).float().sum(),
+        "masked_high": (mask & high).float().sum(),
+        "masked_by_sequence": (mask & ~seq_keep).float().sum(),
+        "logprob_diff_abs": diff.sum(),
+        "logprob_diff_abs_max": diff.max() if diff.numel() else diff.sum(),
         "ratio": (r * m).sum(),
     }
 
 
-def icepop_loss(trainer_lp, infer_lp, advantages, mask, cfg: LossConfig):
+def icepop_loss(trainer_lp, infer_lp, advantages, mask, seq_ids, cfg: LossConfig):
     ratio, log_ratio = _ratio(trainer_lp, infer_lp)
     r = ratio.detach()
-    kept = mask & (r >= cfg.mask_low) & (r <= cfg.mask_high)
+    low, high = r < cfg.mask_low, r > cfg.mask_high
+    seq_keep = _sequence_keep(log_ratio, mask, seq_ids, cfg)
+    kept = mask & ~low & ~high & seq_keep
     loss = -(ratio * advantages * kept).sum()
-    return loss, _mismatch_metrics(ratio, log_ratio, mask, kept)
+    return loss, kept, _metrics(ratio, log_ratio, mask, kept, low, high, seq_keep)
 
 
-def tis_loss(trainer_lp, infer_lp, advantages, mask, cfg: LossConfig):
+def tis_loss(trainer_lp, infer_lp, advantages, mask, seq_ids, cfg: LossConfig):
     ratio, log_ratio = _ratio(trainer_lp, infer_lp)
     weight = ratio.detach().clamp(max=cfg.mask_high)
+    seq_keep = _sequence_keep(log_ratio, mask, seq_ids, cfg)
+    kept = mask & seq_keep
     # exp(lp - lp.detach()) is 1 in value and carries grad log pi.
-    loss = -(weight * (trainer_lp - trainer_lp.detach()).exp() * advantages * mask).sum()
-    return loss, _mismatch_metrics(ratio, log_ratio, mask, mask)
+    loss = -(weight * (trainer_lp - trainer_lp.detach()).exp() * advantages * kept).sum()
+    none = torch.zeros_like(mask)  # tis truncates: no token is masked by its own ratio
+    return loss, kept, _metrics(ratio, log_ratio, mask, kept, none, none, seq_keep)
 
 
 LOSSES: dict[str, LossFn] = {"icepop": icepop_loss, "tis": tis_loss}
 
 
-def token_logprobs(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor, temperature: float
+def token_logprobs(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor, temperature: float, top_p: float = 1.0
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprob of each next token under ``softmax(logits / T)`` and the entropy of that
     distribution (with grad, for an entropy bonus), both [B, T].
 
+    With ``top_p < 1`` the logprob is under the nucleus the engine sampled from: the
+    same truncation (:func:`rlcli.ops.sampling.top_p_keep`), renormalized; a token
+    outside the trainer's nucleus gets -inf (its ratio is 0, so the loss masks it).
     Position t scores token t + 1; the last position of each row scores nothing (0).
     """
     logp = torch.log_softmax(logits_BTV[:, :-1].float() / temperature, dim=-1)
-    lp = logp.gather(-1, input_ids_BT[:, 1:, None].long())[..., 0]
     entropy = -(logp.exp() * logp).sum(-1)
+    if top_p < 1:
+        keep = top_p_keep(logp.detach().exp(), top_p)
+        logp = torch.log_softmax(logp.masked_fill(~keep, float("-inf")), dim=-1)
+    lp = logp.gather(-1, input_ids_BT[:, 1:, None].long())[..., 0]
     pad = lp.new_zeros(lp.shape[0], 1)
     return torch.cat([pad, lp], dim=1), torch.cat([pad, entropy], dim=1)

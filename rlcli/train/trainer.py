@@ -21,6 +21,7 @@ from rlcli.errors import ConfigError
 from rlcli.logging import setup_logging
 from rlcli.models import DTYPES, load_model, save_model
 from rlcli.models.hf_io import has_weights
+from rlcli.models.moe import check_routes
 from rlcli.models.tokenizer import load_tokenizer
 from rlcli.ops.attention import ForwardContext, PackedCausalAttention, RoutingContext
 from rlcli.process import stop_on_signals
@@ -28,7 +29,7 @@ from rlcli.protocol import WeightsPublished
 from rlcli.protocol.batch import TrainingBatch
 from rlcli.train.checkpoint import load_latest_checkpoint, save_checkpoint
 from rlcli.train.data import to_tensors, wait_for_batch
-from rlcli.train.loss import LOSSES, token_logprobs
+from rlcli.train.loss import LOSSES, sequence_ids, token_logprobs
 from rlcli.train.sft import run_sft
 from rlcli.transport.atomic import atomic_dir, clean_temporaries, is_stable
 from rlcli.transport.registry import Registration
@@ -36,6 +37,24 @@ from rlcli.transport.rundir import RunDir
 from rlcli.transport.zmq import Publisher
 
 log = setup_logging("rl-train")
+
+
+def step_metrics(totals: dict[str, float], num_loss_tokens: int) -> dict[str, float]:
+    """Per-step means from the summed loss diagnostics (names as in prime-rl where it has them)."""
+    n = max(num_loss_tokens, 1)
+    out = {
+        "loss": totals["loss"] / n, "entropy": totals["entropy"] / n, "ratio": totals["ratio"] / n,
+        "mismatch_kl": totals["mismatch_kl"] / n,
+        "mismatch_kl_kept": totals["mismatch_kl_kept"] / max(totals["kept_tokens"], 1),
+        "masked_fraction": totals["masked_tokens"] / n,
+        "masked_low_fraction": totals["masked_low"] / n, "masked_high_fraction": totals["masked_high"] / n,
+        "masked_by_sequence_fraction": totals["masked_by_sequence"] / n,
+        "logprob_diff_abs_mean": totals["logprob_diff_abs"] / n,
+        "logprob_diff_abs_max": totals["logprob_diff_abs_max"],
+    }
+    if "router_pairs" in totals:
+        out["router_disagreement"] = totals["router_disagree"] / max(totals["router_pairs"], 1)
+    return out
 
 
 class Trainer:
@@ -68,6 +87,8 @@ class Trainer:
             self.step = int(extra["step"])
             log.info("resumed from checkpoint step %d", self.step)
         self.loss_fn = LOSSES[tcfg.loss.kind]
+        if cfg.r3 and not self.model.args.is_moe:
+            raise ConfigError(f"r3 = true needs a mixture-of-experts model; {cfg.model.path} is dense: set r3 = false")
 
     # ------------------------------------------------------------------ policy version 0
     def _initial_model(self):
@@ -103,20 +124,39 @@ class Trainer:
         self.publisher.publish(WeightsPublished(step=step, path=str(self.run.weights_dir(step))))
 
     # ------------------------------------------------------------------ one step
+    def _routing(self, t: dict[str, torch.Tensor]) -> RoutingContext | None:
+        """R3: replay the engine's routes; refuse batches that disagree with this trainer's r3."""
+        routes = t.get("routed_experts")
+        if not self.cfg.r3:
+            if routes is not None:
+                raise ConfigError("the rollout batch carries MoE routes (rl-orchestrate runs with r3) but "
+                                  "rl-train does not: set r3 = true for both")
+            return None
+        if routes is None:
+            raise ConfigError("rl-train runs with r3 = true but the rollout batch has no routes: set r3 = true "
+                              "for rl-orchestrate too")
+        check_routes(routes, self.model.args, t["input_ids"].shape[1])
+        pos = t["position_ids"][0]
+        last = torch.cat([pos[1:] == 0, pos.new_ones(1, dtype=torch.bool)])  # a sequence's last token
+        return RoutingContext(replay=routes, counted=~last)
+
     def forward_backward(self, mb, num_loss_tokens: int) -> dict[str, torch.Tensor]:
         t = to_tensors(mb, self.device)
-        routing = RoutingContext(replay=t["routed_experts"]) if "routed_experts" in t else None
+        routing = self._routing(t)
         ctx = ForwardContext(attn=PackedCausalAttention(t["position_ids"]), routing=routing)
         logits = self.model(t["input_ids"], t["position_ids"], ctx)
-        lp, entropy = token_logprobs(logits, t["input_ids"], mb.temperature)
-        mask = t["loss_mask"]
+        lp, entropy = token_logprobs(logits, t["input_ids"], mb.temperature, mb.top_p)
         lcfg = self.cfg.train.loss
-        loss, metrics = self.loss_fn(lp, t["inference_logprobs"], t["advantages"], mask, lcfg)
-        entropy_sum = (entropy * mask).sum()
+        loss, kept, metrics = self.loss_fn(lp, t["inference_logprobs"], t["advantages"], t["loss_mask"],
+                                           sequence_ids(t["position_ids"]), lcfg)
+        entropy_sum = (entropy * kept).sum()  # the bonus only on tokens the loss keeps
         total = loss - lcfg.entropy_coef * entropy_sum if lcfg.entropy_coef else loss
         (total / num_loss_tokens).backward()
         metrics["loss"] = loss.detach()
-        metrics["entropy"] = entropy_sum.detach()
+        metrics["entropy"] = (entropy.detach() * t["loss_mask"]).sum()
+        if routing is not None:
+            metrics["router_disagree"] = torch.as_tensor(routing.num_disagree, dtype=torch.float32)
+            metrics["router_pairs"] = torch.as_tensor(routing.num_pairs, dtype=torch.float32)
         return metrics
 
     def train_step(self, batch: TrainingBatch) -> dict[str, float]:
@@ -124,18 +164,18 @@ class Trainer:
         totals: dict[str, torch.Tensor] = {}
         for mb in batch.micro_batches:
             for k, v in self.forward_backward(mb, batch.num_loss_tokens).items():
-                totals[k] = totals.get(k, 0) + v
+                if k.endswith("_max"):
+                    totals[k] = torch.maximum(totals[k], v) if k in totals else v
+                else:
+                    totals[k] = totals.get(k, 0) + v
         max_norm = self.cfg.train.optim.max_grad_norm
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm if max_norm else float("inf"))
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        n = max(batch.num_loss_tokens, 1)
-        out = {k: float(v) / n for k, v in totals.items()}  # the one host sync of the step
-        out["masked_fraction"] = out.pop("masked_tokens")
-        out["grad_norm"] = float(grad_norm)
-        out["lr"] = self.scheduler.get_last_lr()[0]
-        return out
+        return step_metrics({k: float(v) for k, v in totals.items()},  # the one host sync of the step
+                            batch.num_loss_tokens) | {"grad_norm": float(grad_norm),
+                                                      "lr": self.scheduler.get_last_lr()[0]}
 
     # ------------------------------------------------------------------ loop
     def train(self) -> int:
@@ -170,9 +210,13 @@ class Trainer:
                       "off_policy_lag": step - 1 - batch.min_version, "time": time.time()}
             run.append_metrics("train", record)
             run.write_progress("train", step=step)
-            log.info("step %d loss %+.4f kl %.2e masked %.3f |g| %.3f lag %d (wait %.2fs, train %.2fs, save %.2fs)",
-                     step, metrics["loss"], metrics["mismatch_kl"], metrics["masked_fraction"],
-                     metrics["grad_norm"], record["off_policy_lag"], wait_s, compute_s, save_s)
+            log.info("step %d loss %+.4f kl %.2e (kept %.2e) masked %.3f (low %.3f high %.3f) |dlp| max %.2f%s "
+                     "|g| %.3f lag %d (wait %.2fs, train %.2fs, save %.2fs)",
+                     step, metrics["loss"], metrics["mismatch_kl"], metrics["mismatch_kl_kept"],
+                     metrics["masked_fraction"], metrics["masked_low_fraction"], metrics["masked_high_fraction"],
+                     metrics["logprob_diff_abs_max"],
+                     f" router disagree {metrics['router_disagreement']:.3f}" if "router_disagreement" in metrics
+                     else "", metrics["grad_norm"], record["off_policy_lag"], wait_s, compute_s, save_s)
         return 0
 
     def close(self) -> None:

@@ -56,18 +56,28 @@ def test_greedy_matches_full_forward(model, kwargs):
     assert engine.blocks.num_available == engine.blocks.num_blocks  # every block came back
 
 
-def test_logprobs_are_of_the_temperature_scaled_policy(model):
+def test_top_p_importance_ratio_is_one_with_equal_weights(model):
+    """Engine logprobs are of the truncated, renormalized nucleus; the trainer recomputes the
+    same distribution, so with the same weights every token's ratio is 1."""
+    from rlcli.train.loss import token_logprobs
+
     engine = NativeEngine(model, eos_token_ids=[], max_model_len=128)
     prompt = [256, 5, 6, 7]
     engine.add_request(GenerateRequest(request_id="s", prompt_ids=prompt,
-                                       sampling=SamplingParams(temperature=0.7, top_p=0.9, max_tokens=8, n=3)))
+                                       sampling=SamplingParams(temperature=0.7, top_p=0.5, max_tokens=8, n=3)))
     resp = run_all(engine)["s"]
+    truncated = 0
     for c in resp.completions:
-        ids = prompt + c.token_ids
+        ids = torch.tensor([prompt + c.token_ids])
         with torch.no_grad():
-            lp = torch.log_softmax(model(torch.tensor([ids]))[0].float() / 0.7, -1)
-        ref = [lp[len(prompt) - 1 + j, t].item() for j, t in enumerate(c.token_ids)]
-        assert max(abs(a - b) for a, b in zip(ref, c.logprobs)) < 1e-4
+            logits = model(ids)
+            lp, _ = token_logprobs(logits, ids, 0.7, top_p=0.5)
+            full, _ = token_logprobs(logits, ids, 0.7)
+        trainer = lp[0, len(prompt):]
+        ratio = (trainer - torch.tensor(c.logprobs)).exp()
+        assert torch.allclose(ratio, torch.ones_like(ratio), atol=1e-4)
+        truncated += int((full[0, len(prompt):] < trainer - 1e-3).sum())
+    assert truncated > 0  # the nucleus really cut mass off (the test would pass vacuously otherwise)
 
 
 def test_seeded_requests_reproduce_whatever_the_batch(model):
@@ -201,7 +211,7 @@ def test_block_manager_lru_and_refcounts():
     assert bm.match_prefix(hashes) == []  # a's content is gone, so the chain breaks at once
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"kv_cache_memory_mb": 0.02, "block_size": 4}])
+@pytest.mark.parametrize("kwargs", [{"block_size": 4}, {"kv_cache_memory_mb": 0.02, "block_size": 4}])
 def test_moe_routes_are_recorded_for_every_token(tmp_path, kwargs):
     import json
 
@@ -222,8 +232,15 @@ def test_moe_routes_are_recorded_for_every_token(tmp_path, kwargs):
         engine.add_request(GenerateRequest(request_id=str(i), prompt_ids=p, sampling=SamplingParams(
             max_tokens=9, n=2, return_routing=True, seed=i)))
     out = run_all(engine)
+    # The same prompts again: served from the prefix cache, whose blocks kept their routes.
     for i, p in enumerate(prompts):
-        for c in out[str(i)].completions:
+        engine.add_request(GenerateRequest(request_id=f"again{i}", prompt_ids=p, sampling=SamplingParams(
+            max_tokens=9, n=2, return_routing=True, seed=i)))
+    out.update(run_all(engine))
+    if "kv_cache_memory_mb" not in kwargs:
+        assert out["again0"].num_cached_tokens > 0 and out["again1"].num_cached_tokens > 0
+    for i, p in enumerate(prompts):
+        for c in out[str(i)].completions + out[f"again{i}"].completions:
             ids = p + c.token_ids
             routes = c.routed_experts.numpy()
             assert routes.shape == (len(ids) - 1, 2, 2)  # 2 MoE layers (layer 1 is dense), top-2
@@ -233,7 +250,7 @@ def test_moe_routes_are_recorded_for_every_token(tmp_path, kwargs):
                 moe(torch.tensor([ids]), pos, ctx)
             ref = ctx.routing.stacked()[:-1].numpy()
             assert (routes.astype("int64") == ref).all()
-    if kwargs:
+    if "kv_cache_memory_mb" in kwargs:
         assert engine.stats()["num_preemptions"] > 0  # routes survive recompute after preemption
 
 

@@ -24,8 +24,8 @@ def test_top_p_keeps_the_smallest_nucleus():
     logits = probs.log().expand(5000, 4).contiguous()
     tokens, lps = sample(logits, torch.ones(5000), torch.full((5000,), 0.75), torch.Generator().manual_seed(0))
     assert set(tokens.tolist()) == {0, 1}  # 0.5 + 0.3 reaches 0.75
-    # logprobs are reported before truncation
-    assert torch.allclose(lps, probs.log()[tokens])
+    # logprobs are of the nucleus actually sampled from, renormalized
+    assert torch.allclose(lps, (probs / 0.8).log()[tokens])
 
 
 def test_temperature_sharpens():

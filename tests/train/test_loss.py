@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from rlcli.config.train import LossConfig
-from rlcli.train.loss import icepop_loss, tis_loss, token_logprobs
+from rlcli.train.loss import icepop_loss, sequence_ids, tis_loss, token_logprobs
 
 
 def test_token_logprobs_align_with_the_predicted_token():
@@ -17,17 +17,22 @@ def test_token_logprobs_align_with_the_predicted_token():
     assert (ent[:, 1:] > 0).all()
 
 
+SEQ = torch.zeros(1, 4, dtype=torch.long)
+
+
 def test_icepop_masks_tokens_outside_the_trust_interval():
     cfg = LossConfig(mask_low=0.5, mask_high=2.0)
     infer_lp = torch.log(torch.tensor([[0.5, 0.5, 0.5, 0.5]]))
     train_p = torch.tensor([[0.5, 0.9, 0.2, 0.1]], requires_grad=True)  # ratios 1, 1.8, 0.4, 0.2
     adv = torch.tensor([[1.0, 1.0, -1.0, 1.0]])
     mask = torch.tensor([[True, True, True, False]])
-    loss, m = icepop_loss(train_p.log(), infer_lp, adv, mask, cfg)
+    loss, kept, m = icepop_loss(train_p.log(), infer_lp, adv, mask, SEQ, cfg)
     assert m["masked_tokens"].item() == 1  # the 0.4 ratio; the 0.2 one is not a loss token
+    assert m["masked_low"].item() == 1 and m["masked_high"].item() == 0
+    assert kept.tolist() == [[True, True, False, False]]
     # Gradient of -(ratio * A) w.r.t. log p is -ratio * A on kept tokens, 0 elsewhere.
     lp = train_p.detach().log().requires_grad_()
-    loss, _ = icepop_loss(lp, infer_lp, adv, mask, cfg)
+    loss, _, _ = icepop_loss(lp, infer_lp, adv, mask, SEQ, cfg)
     loss.backward()
     assert torch.allclose(lp.grad, torch.tensor([[-1.0, -1.8, 0.0, 0.0]]))
 
@@ -37,7 +42,7 @@ def test_tis_truncates_instead_of_masking():
     infer_lp = torch.log(torch.tensor([[0.25, 0.5]]))
     lp = torch.log(torch.tensor([[1.0, 0.5]])).requires_grad_()  # ratios 4 (truncated to 2) and 1
     adv = torch.tensor([[1.0, -2.0]])
-    loss, m = tis_loss(lp, infer_lp, adv, torch.tensor([[True, True]]), cfg)
+    loss, _, m = tis_loss(lp, infer_lp, adv, torch.tensor([[True, True]]), torch.zeros(1, 2, dtype=torch.long), cfg)
     loss.backward()
     assert torch.allclose(lp.grad, torch.tensor([[-2.0, 2.0]]))
     assert m["masked_tokens"].item() == 0
@@ -51,7 +56,7 @@ def test_on_policy_loss_is_the_policy_gradient():
     adv = torch.randn(1, 6)
     mask = torch.tensor([[False, False, True, True, True, True]])
     lp, _ = token_logprobs(logits, ids, 1.0)
-    loss, m = icepop_loss(lp, lp.detach(), adv, mask, LossConfig())
+    loss, _, m = icepop_loss(lp, lp.detach(), adv, mask, torch.zeros(1, 6, dtype=torch.long), LossConfig())
     loss.backward()
     g1 = logits.grad.clone()
     logits.grad = None
@@ -69,3 +74,44 @@ def test_entropy_carries_grad_for_the_bonus():
     assert torch.allclose(ent[0, 1:], -(p * p.log()).sum(-1), atol=1e-6)
     ent.sum().backward()  # maximizing entropy pushes logits toward uniform
     assert logits.grad[0, :-1].abs().sum() > 0 and logits.grad[0, -1].abs().sum() == 0
+
+
+def test_mismatch_metrics_split_low_high_and_kept():
+    """KL on all loss tokens vs on kept ones, masked low/high counts, |d logprob| mean and max."""
+    cfg = LossConfig(mask_low=0.5, mask_high=2.0)
+    infer_lp = torch.zeros(1, 5)
+    lr = torch.tensor([[0.0, 0.1, -1.0, 1.0, 3.0]])  # ratios 1, 1.1, 0.37, 2.7, 20 (last: not a loss token)
+    mask = torch.tensor([[True, True, True, True, False]])
+    _, kept, m = icepop_loss(lr, infer_lp, torch.ones(1, 5), mask, torch.zeros(1, 5, dtype=torch.long), cfg)
+    k3 = lr.exp() - 1 - lr
+    assert m["mismatch_kl"].item() == pytest.approx(k3[0, :4].sum().item(), rel=1e-5)
+    assert m["mismatch_kl_kept"].item() == pytest.approx(k3[0, :2].sum().item(), rel=1e-5)
+    assert (m["masked_low"].item(), m["masked_high"].item(), m["kept_tokens"].item()) == (1, 1, 2)
+    assert m["logprob_diff_abs"].item() == pytest.approx(2.1, rel=1e-5)
+    assert m["logprob_diff_abs_max"].item() == pytest.approx(1.0)
+
+
+def test_sequence_mask_drops_whole_sequences_of_a_packed_row():
+    """Two sequences packed in one row; the second's geometric-mean ratio is e^-1: with
+    sequence_mask_low = 0.5 all its tokens go, even those whose own ratio is inside the interval."""
+    cfg = LossConfig(sequence_mask_low=0.5)
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3]])
+    mask = torch.tensor([[False, True, True, False, True, True, True]])
+    lr = torch.tensor([[0.0, 0.1, -0.1, 0.0, -0.2, -0.3, -2.5]])
+    seq = sequence_ids(pos)
+    assert seq.tolist() == [[0, 0, 0, 1, 1, 1, 1]]
+    _, kept, m = icepop_loss(lr, torch.zeros(1, 7), torch.ones(1, 7), mask, seq, cfg)
+    assert kept.tolist() == [[False, True, True, False, False, False, False]]
+    assert m["masked_by_sequence"].item() == 3
+    _, kept, _ = icepop_loss(lr, torch.zeros(1, 7), torch.ones(1, 7), mask, seq, LossConfig())
+    assert kept.tolist() == [[False, True, True, False, True, True, False]]  # token mask alone
+
+
+def test_top_p_logprobs_renormalize_over_the_nucleus_with_grad():
+    logits = torch.log(torch.tensor([[[0.5, 0.3, 0.15, 0.05]] * 3])).requires_grad_()
+    ids = torch.tensor([[0, 1, 3]])
+    lp, _ = token_logprobs(logits, ids, 1.0, top_p=0.75)
+    assert lp[0, 1].item() == pytest.approx(float(torch.tensor(0.3 / 0.8).log()), rel=1e-5)
+    assert lp[0, 2].item() == float("-inf")  # outside the nucleus: ratio 0, masked by the loss
+    lp[0, 1].backward()
+    assert logits.grad[0, 0, 2:].abs().sum() == 0 and logits.grad[0, 0, :2].abs().sum() > 0

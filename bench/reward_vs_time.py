@@ -1,0 +1,78 @@
+"""Reward against wall-clock time: the demo under synchronous and asynchronous RL, side by side.
+
+Runs a recipe (default: recipes/reverse.toml, the demo) through `rl-orchestrate up` twice
+with the same seed: once with max_async = 0 (synchronous RL, the baseline) and once with
+max_async = k (default: the recipe's own). Time is measured from the first RL batch of
+each run (the SFT warm-up and process start-up are the same in both and excluded). It
+prints the final reward of each (mean of the last 5 steps), the time the asynchronous
+run took to first reach the synchronous run's final reward (5-step moving mean), and the
+ratio of that time to the synchronous run's total.
+
+    python bench/reward_vs_time.py [--recipe recipes/reverse.toml] [--seed 0] [--max-async 1] [--keep DIR]
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+WINDOW = 5
+
+
+def run_mode(recipe: Path, seed: int, max_async: int | None, run_dir: Path, steps: int | None) -> None:
+    cmd = [sys.executable, "-m", "rlcli.cli.orchestrate", "up", str(recipe), "--run-dir", str(run_dir),
+           "--seed", str(seed), "--no-plot"]
+    if max_async is not None:
+        cmd += ["--max-async", str(max_async)]
+    if steps:
+        cmd += ["--steps", str(steps)]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"max_async={max_async} failed:\n{out.stderr[-3000:]}")
+
+
+def curve(run_dir: Path) -> list[tuple[float, float]]:
+    """(seconds since the first batch, 5-step moving mean reward) per step."""
+    rows = [json.loads(line) for line in (run_dir / "metrics" / "orchestrate.jsonl").read_text().splitlines()]
+    t0 = rows[0]["time"] - rows[0]["step_s"]
+    out = []
+    for i, m in enumerate(rows):
+        window = rows[max(0, i - WINDOW + 1):i + 1]
+        out.append((m["time"] - t0, statistics.fmean(w["reward_mean"] for w in window)))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--recipe", type=Path, default=Path(__file__).resolve().parent.parent / "recipes" / "reverse.toml")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-async", type=int, default=None, help="The asynchronous run's max_async [recipe's].")
+    p.add_argument("--steps", type=int, default=None, help="RL steps [recipe's num_steps].")
+    p.add_argument("--keep", type=Path, default=None, help="Keep the two run directories under this folder.")
+    args = p.parse_args()
+    base = args.keep or Path(tempfile.mkdtemp(prefix="rlcli-reward-"))
+    curves = {}
+    for name, k in (("sync", 0), ("async", args.max_async)):
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        run_mode(args.recipe, args.seed, k, base / name, args.steps)
+        curves[name] = curve(base / name)
+    sync, asyn = curves["sync"], curves["async"]
+    target, sync_total = sync[-1][1], sync[-1][0]
+    reached = next((t for t, r in asyn if r >= target), None)
+    print(f"{'mode':<8}{'steps':>7}{'wall s':>9}{'first reward':>14}{'final reward':>14}")
+    for name, c in curves.items():
+        print(f"{name:<8}{len(c):>7}{c[-1][0]:>9.1f}{c[WINDOW - 1][1]:>14.3f}{c[-1][1]:>14.3f}")
+    if reached is None:
+        print(f"async never reached sync's final reward {target:.3f}")
+    else:
+        print(f"async reached sync's final reward {target:.3f} after {reached:.1f}s = "
+              f"{reached / sync_total:.2f}x of sync's {sync_total:.1f}s (goal <= 0.5x)")
+    print(json.dumps({"target": target, "sync_s": sync_total, "async_reached_s": reached,
+                      "curves": {k: [[round(t, 2), round(r, 4)] for t, r in c] for k, c in curves.items()}}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""R3 in the trainer: packed batches carry the engine's routes to the right tokens, the MoE
+layers use exactly those experts, gradients still reach the router, and routes that do not
+fit the model (or a trainer whose r3 disagrees with the batch) are refused."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from rlcli.config import RecipeConfig
+from rlcli.errors import ConfigError
+from rlcli.models import load_model
+from rlcli.models.moe import GroupedExperts
+from rlcli.ops.attention import ForwardContext, PackedCausalAttention, RoutingContext
+from rlcli.protocol import WireTensor
+from rlcli.protocol.batch import Sample, build_micro_batch, pack_rows
+from rlcli.train.loss import LOSSES
+from rlcli.train.trainer import Trainer
+
+NUM_EXPERTS, TOP_K, NUM_MOE_LAYERS = 8, 2, 2
+
+
+@pytest.fixture
+def moe(tmp_path):
+    cfg = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 64,
+           "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16, "num_hidden_layers": 3,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "num_experts": NUM_EXPERTS,
+           "num_experts_per_tok": TOP_K, "norm_topk_prob": True, "mlp_only_layers": [1]}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    model = load_model(tmp_path, seed=3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    return model
+
+
+def trainer_for(model, r3: bool) -> Trainer:
+    t = Trainer.__new__(Trainer)  # the step's code path, without run directory or sockets
+    t.cfg, t.model, t.device, t.loss_fn = RecipeConfig(r3=r3), model, torch.device("cpu"), LOSSES["tis"]
+    return t
+
+
+def samples(rng: np.random.Generator, lengths=(7, 12, 5, 9)) -> list[Sample]:
+    out = []
+    for n in lengths:
+        routes = np.stack([rng.permutation(NUM_EXPERTS)[:TOP_K] for _ in range((n - 1) * NUM_MOE_LAYERS)])
+        out.append(Sample(token_ids=rng.integers(0, 64, n).tolist(), num_prompt_tokens=3, advantage=1.0,
+                          logprobs=[-1.0] * (n - 3), versions=[0] * (n - 3),
+                          routed_experts=WireTensor.from_numpy(
+                              routes.reshape(n - 1, NUM_MOE_LAYERS, TOP_K).astype(np.int16))))
+    return out
+
+
+def capture_experts(model) -> list[torch.Tensor]:
+    seen: list[torch.Tensor] = []
+    for m in model.modules():
+        if isinstance(m, GroupedExperts):
+            m.register_forward_hook(lambda mod, args, out: seen.append(args[1].clone()))
+    return seen
+
+
+def test_packed_routes_reach_the_moe_layers_token_by_token(moe):
+    rng = np.random.default_rng(0)
+    ss = samples(rng)
+    row = pack_rows([len(s.token_ids) for s in ss], capacity=64)[0]  # first-fit decreasing reorders them
+    assert row != sorted(row)
+    mb = build_micro_batch([ss[i] for i in row], temperature=1.0)
+    seen = capture_experts(moe)
+    metrics = trainer_for(moe, r3=True).forward_backward(mb, num_loss_tokens=20)
+    assert len(seen) == NUM_MOE_LAYERS
+    for layer, idx in enumerate(seen):
+        expected = []
+        for i in row:
+            r = ss[i].routed_experts.numpy()[:, layer]
+            expected.append(np.concatenate([r, r[-1:]]))  # the last token's (unused) route repeats
+        assert (idx.numpy() == np.concatenate(expected)).all()
+    # Gradients still reach every router through the gate values of the replayed experts.
+    routers = [m.gate.weight for m in moe.modules() if hasattr(m, "gate") and hasattr(m.gate, "weight")]
+    assert len(routers) == NUM_MOE_LAYERS and all(w.grad is not None and w.grad.abs().sum() > 0 for w in routers)
+    # Random routes: the router would mostly pick others.
+    assert metrics["router_pairs"].item() == NUM_MOE_LAYERS * (mb.input_ids.numpy().size - len(row))
+    assert metrics["router_disagree"].item() > 0.5 * metrics["router_pairs"].item()
+
+
+def test_router_disagreement_is_zero_when_replaying_its_own_routes(moe):
+    rng = np.random.default_rng(1)
+    s = samples(rng, lengths=(10,))[0]
+    ids = torch.tensor([s.token_ids])
+    pos = torch.arange(ids.shape[1])[None]
+    ctx = ForwardContext(attn=PackedCausalAttention(pos), routing=RoutingContext(record=True))
+    with torch.no_grad():
+        moe(ids, pos, ctx)
+    s.routed_experts = WireTensor.from_numpy(ctx.routing.stacked()[:-1].numpy().astype(np.int16))
+    metrics = trainer_for(moe, r3=True).forward_backward(build_micro_batch([s], 1.0), num_loss_tokens=7)
+    assert metrics["router_disagree"].item() == 0
+
+
+def test_routes_of_another_shape_are_refused(moe):
+    rng = np.random.default_rng(2)
+    s = samples(rng, lengths=(6,))[0]
+    bad = s.routed_experts.numpy()[:, :1]  # one MoE layer recorded, the model has two
+    s.routed_experts = WireTensor.from_numpy(np.ascontiguousarray(bad))
+    with pytest.raises(ValueError, match="shape"):
+        trainer_for(moe, r3=True).forward_backward(build_micro_batch([s], 1.0), num_loss_tokens=3)
+    s = samples(rng, lengths=(6,))[0]
+    s.routed_experts = WireTensor.from_numpy(np.full((5, NUM_MOE_LAYERS, TOP_K), NUM_EXPERTS, dtype=np.int16))
+    with pytest.raises(ValueError, match="experts outside"):
+        trainer_for(moe, r3=True).forward_backward(build_micro_batch([s], 1.0), num_loss_tokens=3)
+
+
+def test_r3_mismatch_between_orchestrator_and_trainer_is_a_config_error(moe):
+    rng = np.random.default_rng(3)
+    with pytest.raises(ConfigError, match="r3 = true"):
+        trainer_for(moe, r3=False).forward_backward(build_micro_batch(samples(rng), 1.0), num_loss_tokens=20)
+    plain = [Sample(token_ids=s.token_ids, num_prompt_tokens=3, advantage=1.0, logprobs=s.logprobs,
+                    versions=s.versions) for s in samples(rng)]
+    with pytest.raises(ConfigError, match="no routes"):
+        trainer_for(moe, r3=True).forward_backward(build_micro_batch(plain, 1.0), num_loss_tokens=20)
