@@ -38,5 +38,5 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, cfg, param_dtype: to
         _import_optional("rlcli.parallel.context", "apply_cp", "--cp")(model, dims.mesh["cp"])
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
     if dims.enabled:
-        apply_fsdp(model, dims.mesh["dp_cp"], param_dtype, cfg.parallel.cpu_offload, dims.ep_mesh)
+        apply_fsdp(model, dims.fsdp_mesh, param_dtype, cfg.parallel.cpu_offload, dims.ep_mesh)
     return model

@@ -26,6 +26,8 @@ class ParallelDims:
     world_size: int
     mesh: Any = None
     """The ("dp", "cp") DeviceMesh (with flattened "dp_cp"), once :meth:`build` ran."""
+    fsdp_mesh: Any = None
+    """The flattened dp x cp mesh FSDP2 shards over, once :meth:`build` ran."""
     ep_mesh: Any = None
     """The ("edp", "ep") DeviceMesh when ep > 1, once :meth:`build` ran."""
 
@@ -49,7 +51,7 @@ class ParallelDims:
         from torch.distributed.device_mesh import init_device_mesh
 
         self.mesh = init_device_mesh(device_type, (self.dp, self.cp), mesh_dim_names=("dp", "cp"))
-        self.mesh["dp", "cp"]._flatten("dp_cp")
+        self.fsdp_mesh = self.mesh["dp", "cp"]._flatten("dp_cp")
         if self.ep > 1:
             # Groups of ep consecutive ranks split the experts; "edp" FSDP-shards them.
             self.ep_mesh = init_device_mesh(device_type, (self.fsdp_size // self.ep, self.ep),

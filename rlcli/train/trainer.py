@@ -5,31 +5,40 @@ max_async), takes one optimizer step, writes RUN/weights/step_N and announces it
 Policy version N is the weights after step N; version 0 is the starting policy (the
 base model, or the SFT warm-up's result), written before step 1.
 
+Under torchrun every rank runs this loop: the model is built on the meta device,
+parallelized (``rlcli.parallel``: FSDP2 over dp x cp, EP, CP, activation checkpointing),
+and each rank loads its own slices of policy 0. Data-parallel rank d reads
+``rollouts/step_N/<d>.msgpack`` (the CP ranks of one dp group read the same file).
+Weights and checkpoints are written by every rank into one directory that rank 0 marks
+STABLE after a barrier; only rank 0 announces, registers and writes metrics.
+
 The step reads top to bottom: ``train_step`` = ``forward_backward`` per packed
-micro-batch, then clip, step, schedule. Token counts come from the batch file (host
-side), so the loss normalizer needs no device sync; ``.item()`` happens only when
-metrics are logged.
+micro-batch (:mod:`rlcli.train.step`), then clip, step, schedule. The loss normalizer
+(loss tokens of the whole step) is all-reduced on device; the metrics' ``.tolist()`` is
+the one host sync of a step.
 """
 
-import os
 import time
 
 import torch
 
 from rlcli.config import RecipeConfig
-from rlcli.errors import ConfigError
 from rlcli.logging import setup_logging
-from rlcli.models import DTYPES, load_model, save_model
-from rlcli.models.hf_io import has_weights
+from rlcli.models import DTYPES, ModelArgs, build_model, load_model
+from rlcli.models.hf_io import has_weights, save_model
 from rlcli.models.tokenizer import load_tokenizer
-from rlcli.ops.attention import ForwardContext, PackedCausalAttention, RoutingContext
+from rlcli.parallel import parallelize, resolve_dims
+from rlcli.parallel import dist as pdist
+from rlcli.parallel.loading import load_sharded
+from rlcli.parallel.publish import publish_hf_sharded
 from rlcli.process import stop_on_signals
 from rlcli.protocol import WeightsPublished
 from rlcli.protocol.batch import TrainingBatch
 from rlcli.train.checkpoint import load_latest_checkpoint, save_checkpoint
-from rlcli.train.data import to_tensors, wait_for_batch
-from rlcli.train.loss import LOSSES, token_logprobs
+from rlcli.train.data import wait_for_batch
+from rlcli.train.loss import LOSSES
 from rlcli.train.sft import run_sft
+from rlcli.train.step import forward_backward, global_loss_tokens, padded_micro_batches, prepare
 from rlcli.transport.atomic import atomic_dir, clean_temporaries, is_stable
 from rlcli.transport.registry import Registration
 from rlcli.transport.rundir import RunDir
@@ -42,21 +51,25 @@ class Trainer:
     def __init__(self, cfg: RecipeConfig, run: RunDir):
         self.cfg, self.run = cfg, run
         tcfg = cfg.train
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        if world_size != 1 or cfg.orchestrate.num_train_ranks != 1:
-            # Rollout files are already split per rank; sharded training (FSDP2) is what is missing.
-            raise ConfigError(f"rl-train runs as one process for now (WORLD_SIZE={world_size}, "
-                              f"orchestrate.num_train_ranks={cfg.orchestrate.num_train_ranks}); set both to 1")
         if tcfg.num_threads:
             torch.set_num_threads(tcfg.num_threads)
         torch.manual_seed(cfg.seed)
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.dist = pdist.init_distributed()
+        self.device = self.dist.device
+        self.args = ModelArgs.from_dir(cfg.model.path)
+        self.dims = resolve_dims(tcfg.parallel, self.dist.world_size, self.args.num_experts,
+                                 cfg.orchestrate.num_train_ranks, tcfg.micro_batch_tokens).build(self.device.type)
+        self.dp_rank, self.cp_rank = self.dims.coords(self.dist.rank)
+        self.dp_group = self.dims.mesh["dp"].get_group() if self.dims.enabled else None
         self.dtype = DTYPES[cfg.model.dtype]
         self.stopping = False
-        self.publisher = Publisher(cfg.infer.host, tcfg.pub_port)
-        self.registration = Registration(run.registry_dir(), "train", 0, {"pub": self.publisher.endpoint})
-        clean_temporaries(run.root / "weights")
-        self.model = self._initial_model()
+        main = self.dist.is_main
+        self.publisher = Publisher(cfg.infer.host, tcfg.pub_port) if main else None
+        self.registration = Registration(run.registry_dir(), "train", 0, {"pub": self.publisher.endpoint}) \
+            if main else None
+        if main:
+            clean_temporaries(run.root / "weights")
+        self.model = self._build_model(self._policy_zero())
         o = tcfg.optim
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                            weight_decay=o.weight_decay)
@@ -66,74 +79,94 @@ class Trainer:
         extra = load_latest_checkpoint(run, self.model, self.optimizer, self.scheduler)
         if extra is not None:
             self.step = int(extra["step"])
+            saved = extra.get("parallel")
+            if saved and saved != self._mesh_record():
+                log.info("checkpoint written with %s; resharded to %s", saved, self._mesh_record())
             log.info("resumed from checkpoint step %d", self.step)
         self.loss_fn = LOSSES[tcfg.loss.kind]
 
+    def _mesh_record(self) -> dict:
+        return {"dp": self.dims.dp, "cp": self.dims.cp, "ep": self.dims.ep}
+
     # ------------------------------------------------------------------ policy version 0
-    def _initial_model(self):
+    def _policy_zero(self):
+        """Directory of policy 0, written by rank 0 if it does not exist yet (SFT warm-up, or
+        random weights for a config-only model); every rank then loads its shards from it."""
         cfg, run = self.cfg, self.run
-        if is_stable(run.weights_dir(0)):
-            # Policy 0 exists (a restart): train from it; a checkpoint, if any, overrides it below.
-            return load_model(run.resolve_weights(0), self.device, self.dtype, cfg.seed, fp8=cfg.train.fp8)
-        # FP8 linears on master weights (train.fp8): swapped in here, before any parallelization.
-        model = load_model(cfg.model.path, self.device, self.dtype, cfg.seed, fp8=cfg.train.fp8)
-        if cfg.train.sft.num_steps:
-            log.info("SFT warm-up: %d steps", cfg.train.sft.num_steps)
-            run_sft(cfg, model, load_tokenizer(cfg.model.path), log,
-                    on_step=lambda s, loss: run.append_metrics("sft", {"step": s, "loss": loss.item()})
-                    if s % 10 == 0 or s == cfg.train.sft.num_steps else None)
-            self.publish(0, model)
-        elif has_weights(cfg.model.path):
-            # The unmodified base model: a marker pointing at it instead of a copy.
-            with atomic_dir(run.weights_dir(0), {"step": 0, "source": str(cfg.model.path)}):
-                pass
+        if not is_stable(run.weights_dir(0)) and self.dist.is_main:
+            if cfg.train.sft.num_steps:
+                model = load_model(cfg.model.path, self.device, self.dtype, cfg.seed, fp8=cfg.train.fp8)
+                log.info("SFT warm-up: %d steps", cfg.train.sft.num_steps)
+                run_sft(cfg, model, load_tokenizer(cfg.model.path), log,
+                        on_step=lambda s, loss: run.append_metrics("sft", {"step": s, "loss": loss.item()})
+                        if s % 10 == 0 or s == cfg.train.sft.num_steps else None)
+                self._write_full(0, model)
+            elif has_weights(cfg.model.path):
+                # The unmodified base model: a marker pointing at it instead of a copy.
+                with atomic_dir(run.weights_dir(0), {"step": 0, "source": str(cfg.model.path)}):
+                    pass
+            else:
+                self._write_full(0, load_model(cfg.model.path, "cpu", self.dtype, cfg.seed))
             self.announce(0)
-        else:
-            self.publish(0, model)
+        pdist.barrier()
+        return run.resolve_weights(0)
+
+    def _write_full(self, step: int, model) -> None:
+        with atomic_dir(self.run.weights_dir(step), {"step": step}) as tmp:
+            save_model(model, tmp, source_dir=self.cfg.model.path)
+
+    def _build_model(self, weights_dir):
+        """Meta device -> parallelize -> materialize -> each rank loads its own slices. Under
+        FSDP2 the parameters are fp32 master weights and compute runs in model.dtype."""
+        master = torch.float32 if self.dims.enabled else self.dtype
+        model = build_model(self.args, device="meta", dtype=master, materialize=False)
+        if self.cfg.train.fp8.enabled:  # FP8 linears on master weights, swapped in before parallelizing
+            from rlcli.ops.fp8.convert import convert_to_fp8
+
+            convert_to_fp8(model, self.cfg.train.fp8, self.device)
+        parallelize(model, self.dims, self.cfg.train, self.dtype)
+        model.to_empty(device=self.device)
+        if not self.dims.enabled:
+            model.tie_weights()
+        model.init_buffers()
+        load_sharded(model, weights_dir)
         return model
 
-    def publish(self, step: int, model=None) -> None:
-        """Write policy ``step`` to RUN/weights/step_<step> (STABLE last) and announce it."""
-        with atomic_dir(self.run.weights_dir(step), {"step": step}) as tmp:
-            save_model(model if model is not None else self.model, tmp, source_dir=self.cfg.model.path,
-                       fp8=self.cfg.train.fp8.enabled and self.cfg.train.fp8.publish)
+    def publish(self, step: int) -> None:
+        """Every rank writes its share of policy ``step`` to RUN/weights/step_<step>; rank 0 marks
+        it STABLE after a barrier and announces it."""
+        with pdist.shared_atomic_dir(self.run.weights_dir(step), {"step": step}) as tmp:
+            publish_hf_sharded(self.model, tmp, source_dir=self.cfg.model.path,
+                               dtype=self.dtype if self.dims.enabled else None,
+                               fp8=self.cfg.train.fp8.enabled and self.cfg.train.fp8.publish)
         self.announce(step)
 
     def announce(self, step: int) -> None:
-        self.publisher.publish(WeightsPublished(step=step, path=str(self.run.weights_dir(step))))
+        if self.publisher is not None:
+            self.publisher.publish(WeightsPublished(step=step, path=str(self.run.weights_dir(step))))
 
     # ------------------------------------------------------------------ one step
-    def forward_backward(self, mb, num_loss_tokens: int) -> dict[str, torch.Tensor]:
-        t = to_tensors(mb, self.device)
-        routing = RoutingContext(replay=t["routed_experts"]) if "routed_experts" in t else None
-        ctx = ForwardContext(attn=PackedCausalAttention(t["position_ids"]), routing=routing)
-        logits = self.model(t["input_ids"], t["position_ids"], ctx)
-        lp, entropy = token_logprobs(logits, t["input_ids"], mb.temperature)
-        mask = t["loss_mask"]
-        lcfg = self.cfg.train.loss
-        loss, metrics = self.loss_fn(lp, t["inference_logprobs"], t["advantages"], mask, lcfg)
-        entropy_sum = (entropy * mask).sum()
-        total = loss - lcfg.entropy_coef * entropy_sum if lcfg.entropy_coef else loss
-        (total / num_loss_tokens).backward()
-        metrics["loss"] = loss.detach()
-        metrics["entropy"] = entropy_sum.detach()
-        return metrics
-
     def train_step(self, batch: TrainingBatch) -> dict[str, float]:
         self.model.train()
+        tcfg = self.cfg.train
+        normalizer = global_loss_tokens(batch.micro_batches, self.device, self.dp_group)
         totals: dict[str, torch.Tensor] = {}
-        for mb in batch.micro_batches:
-            for k, v in self.forward_backward(mb, batch.num_loss_tokens).items():
+        for mb, padding in padded_micro_batches(batch.micro_batches):
+            t = prepare(mb, self.device, empty=padding)
+            for k, v in forward_backward(self.model, t, normalizer, self.loss_fn, tcfg.loss,
+                                         tcfg.logprob_chunk_tokens).items():
                 totals[k] = totals.get(k, 0) + v
-        max_norm = self.cfg.train.optim.max_grad_norm
+        max_norm = tcfg.optim.max_grad_norm
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm if max_norm else float("inf"))
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        n = max(batch.num_loss_tokens, 1)
-        out = {k: float(v) / n for k, v in totals.items()}  # the one host sync of the step
+        names = sorted(totals)
+        summed = pdist.all_reduce_sum(torch.stack([totals[k].float() for k in names]), group=self.dp_group)
+        values = (summed / normalizer).tolist()  # the one host sync of the step
+        out = dict(zip(names, values))
         out["masked_fraction"] = out.pop("masked_tokens")
-        out["grad_norm"] = float(grad_norm)
+        out["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         out["lr"] = self.scheduler.get_last_lr()[0]
         return out
 
@@ -145,8 +178,10 @@ class Trainer:
         while self.step < cfg.num_steps and not self.stopping:
             step = self.step + 1
             t_wait = time.monotonic()
-            self.registration.update(step=self.step, waiting_for=step)
-            batch = wait_for_batch(run, step, 0, cfg.train.wait_timeout_s, should_stop=lambda: self.stopping)
+            if self.registration is not None:
+                self.registration.update(step=self.step, waiting_for=step)
+            batch = wait_for_batch(run, step, self.dp_rank, cfg.train.wait_timeout_s,
+                                   should_stop=lambda: self.stopping)
             if batch is None:
                 if self.stopping:
                     break
@@ -161,23 +196,25 @@ class Trainer:
             t1 = time.monotonic()
             self.publish(step)
             if step % cfg.train.checkpoint.interval == 0 or step == cfg.num_steps:
-                save_checkpoint(run, step, self.model, self.optimizer, self.scheduler, {"step": step},
-                                cfg.train.checkpoint.keep)
+                save_checkpoint(run, step, self.model, self.optimizer, self.scheduler,
+                                {"step": step}, cfg.train.checkpoint.keep, self._mesh_record())
             save_s = time.monotonic() - t1
             record = {"step": step, **metrics, "wait_s": wait_s, "compute_s": compute_s, "save_s": save_s,
                       "num_loss_tokens": batch.num_loss_tokens, "num_samples": batch.num_samples,
                       "min_version": batch.min_version, "max_version": batch.max_version,
                       "off_policy_lag": step - 1 - batch.min_version, "time": time.time()}
-            run.append_metrics("train", record)
-            run.write_progress("train", step=step)
+            if self.dist.is_main:
+                run.append_metrics("train", record)
+                run.write_progress("train", step=step)
             log.info("step %d loss %+.4f kl %.2e masked %.3f |g| %.3f lag %d (wait %.2fs, train %.2fs, save %.2fs)",
                      step, metrics["loss"], metrics["mismatch_kl"], metrics["masked_fraction"],
                      metrics["grad_norm"], record["off_policy_lag"], wait_s, compute_s, save_s)
         return 0
 
     def close(self) -> None:
-        self.registration.close()
-        self.publisher.close()
+        if self.registration is not None:
+            self.registration.close()
+            self.publisher.close()
 
 
 def run(cfg: RecipeConfig, rundir: RunDir) -> int:

@@ -1,0 +1,99 @@
+"""One training step over this rank's packed rows, with no host sync inside it.
+
+``prepare`` turns a packed micro-batch into tensors aligned on the *predicting* position:
+position t carries the target token t + 1 and that token's loss mask, advantage and
+inference logprob, so a row can be cut anywhere (context parallelism) without losing a
+pair. ``forward_backward`` runs the model to hidden states and computes logprobs (and
+entropy) chunk by chunk from them (:mod:`rlcli.ops.logprobs`), never as full-vocab fp32
+logits of the batch.
+
+Normalization: the loss of every micro-batch on every rank is divided by the number of
+loss tokens of the whole step, summed over the data-parallel ranks with an all-reduce on
+device; FSDP2 then sums (not averages) gradients, so the update equals a single process
+training on the whole batch. Ranks may hold different numbers of rows; every rank runs as
+many forward/backward passes as the busiest one (FSDP's collectives must pair up), padding
+with rows whose loss mask is empty.
+"""
+
+from typing import Callable
+
+import torch
+
+from rlcli.ops.attention import ForwardContext, PackedCausalAttention, RoutingContext
+from rlcli.ops.logprobs import chunked_logprobs
+from rlcli.parallel import dist as pdist
+from rlcli.protocol.batch import MicroBatch
+from rlcli.train.data import to_tensors
+
+_SHIFTED = ("loss_mask", "advantages", "inference_logprobs")
+
+
+def prepare(mb: MicroBatch, device: torch.device, empty: bool = False) -> dict[str, torch.Tensor]:
+    """[1, T] tensors of one packed row, aligned on predicting positions (module docstring).
+    ``empty`` zeroes the loss mask (a padding pass)."""
+    t = to_tensors(mb, device)
+
+    def shift(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], dim=1)
+
+    t["targets"] = shift(t["input_ids"])
+    for name in _SHIFTED:
+        t[name] = shift(t[name])
+    if empty:
+        t["loss_mask"] = torch.zeros_like(t["loss_mask"])
+    t["temperature"] = mb.temperature
+    return t
+
+
+def forward_backward(model: torch.nn.Module, t: dict, normalizer: torch.Tensor, loss_fn: Callable, lcfg,
+                     chunk: int) -> dict[str, torch.Tensor]:
+    """Loss of one row divided by ``normalizer`` (device scalar), backward; sums for metrics."""
+    routing = RoutingContext(replay=t["routed_experts"]) if "routed_experts" in t else None
+    ctx = ForwardContext(attn=PackedCausalAttention(t["position_ids"]), routing=routing)
+    h_BTD = model.hidden_states(t["input_ids"], t["position_ids"], ctx)
+    targets = t["targets"]
+    lp, entropy = chunked_logprobs(h_BTD.flatten(0, 1), model.lm_head.weight, targets.flatten(),
+                                   t["temperature"], chunk)
+    lp, entropy = lp.view(targets.shape), entropy.view(targets.shape)
+    mask = t["loss_mask"]
+    loss, metrics = loss_fn(lp, t["inference_logprobs"], t["advantages"], mask, lcfg)
+    if lcfg.entropy_coef:
+        entropy_sum = (entropy * mask).sum()
+        total = loss - lcfg.entropy_coef * entropy_sum
+    else:  # logged only: no gradient flows into the entropy
+        entropy_sum = (entropy.detach() * mask).sum()
+        total = loss
+    (total / normalizer).backward()
+    metrics["loss"] = loss.detach()
+    metrics["entropy"] = entropy_sum.detach()
+    return metrics
+
+
+def global_loss_tokens(micro_batches: list[MicroBatch], device: torch.device, group=None) -> torch.Tensor:
+    """Loss tokens of the whole step: this rank's count (host-side, from the batch file) summed
+    over ``group`` (the data-parallel ranks) on device."""
+    local = sum(int(mb.loss_mask.numpy()[1:].sum()) for mb in micro_batches)
+    n = torch.tensor(float(local), device=device)
+    return pdist.all_reduce_sum(n, group=group).clamp(min=1.0)
+
+
+def padded_micro_batches(micro_batches: list[MicroBatch]) -> list[tuple[MicroBatch, bool]]:
+    """(row, is_padding) pairs: as many as the busiest rank holds (one small collective)."""
+    n = pdist.all_reduce_max_int(len(micro_batches))
+    out = [(mb, False) for mb in micro_batches]
+    if len(out) < n:
+        filler = micro_batches[0] if micro_batches else _tiny_row()
+        out += [(filler, True)] * (n - len(out))
+    return out
+
+
+def _tiny_row() -> MicroBatch:
+    import numpy as np
+
+    from rlcli.protocol.messages import WireTensor
+
+    T = WireTensor.from_numpy
+    z = np.zeros(2, dtype=np.int32)
+    return MicroBatch(input_ids=T(z), position_ids=T(np.arange(2, dtype=np.int32)),
+                      loss_mask=T(np.zeros(2, dtype=np.bool_)), advantages=T(np.zeros(2, dtype=np.float32)),
+                      inference_logprobs=T(np.zeros(2, dtype=np.float32)), versions=T(z))
