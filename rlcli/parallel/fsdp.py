@@ -3,7 +3,8 @@
 FSDP2: ``fully_shard`` on every decoder block, then on the root (embeddings, final norm,
 LM head, and the tied weight when embeddings are tied). Parameters stay fp32 (master
 weights); the mixed-precision policy all-gathers them in the compute dtype and reduces
-gradients in fp32. Blocks reshard after forward (the backward all-gathers them again);
+gradients in fp32. ``cpu_offload`` keeps the sharded parameters, their gradients and so
+the optimizer state in host memory (FSDP2's CPUOffloadPolicy; GPU runs). Blocks reshard after forward (the backward all-gathers them again);
 the root keeps its parameters gathered until backward, FSDP2's default for a root, which
 is what lets the trainer compute chunked logprobs from ``lm_head.weight`` after the
 forward call returns. Gradients are *summed* across ranks (divide factor 1): the trainer
@@ -66,8 +67,10 @@ def apply_fsdp(model: torch.nn.Module, mesh, param_dtype: torch.dtype, cpu_offlo
     (their "ep" split is expert parallelism's business)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+    # On a CPU-only mesh everything already lives in host memory: offloading is a no-op.
+    offload = cpu_offload and mesh.device_type != "cpu"
     kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
-              offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
+              offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
     layers = model.model.layers
     for block in layers:
         experts = getattr(block.mlp, "experts", None)
