@@ -78,6 +78,28 @@ def grouped_experts_forward(self, x_ND, idx_Nk, gates_Nk):
     return torch.zeros_like(x_ND).index_add_(0, order // k, y.to(x_ND.dtype))
 
 
+def select_experts(model: torch.nn.Module, experts: str) -> None:
+    """"loop": one matmul per expert; "grouped": one grouped GEMM per projection. With
+    rlcli.ops.grouped_gemm (the model's own grouped GEMM) the loop is its reference path;
+    without it the model loops and the grouped path is :func:`grouped_experts_forward`."""
+    try:
+        from rlcli.ops import grouped_gemm
+    except ImportError:
+        grouped_gemm = None
+    if grouped_gemm is not None:
+        grouped_gemm._works.clear()
+        if experts == "loop":
+            for key in [("cuda", torch.bfloat16), ("cuda", torch.float32), ("cpu", torch.float32)]:
+                grouped_gemm._works[key] = False
+        return
+    if experts == "grouped":
+        from rlcli.models.moe import GroupedExperts
+
+        for m in model.modules():
+            if isinstance(m, GroupedExperts):
+                m.forward = grouped_experts_forward.__get__(m)
+
+
 # ------------------------------------------------------------------ one configuration
 
 def setup_dist(device_type: str) -> tuple[int, int]:
@@ -108,12 +130,7 @@ def run_config(hf: dict, seq: int, rows: int, steps: int, warmup: int, device: t
 
     args = ModelArgs.from_hf(hf)
     model = build_model(args, device="meta", dtype=torch.float32, materialize=False)
-    if experts == "grouped":
-        from rlcli.models.moe import GroupedExperts
-
-        for m in model.modules():
-            if isinstance(m, GroupedExperts):
-                m.forward = grouped_experts_forward.__get__(m)
+    select_experts(model, experts)
     world = dist.get_world_size()
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_cp",))
     apply_activation_checkpointing(model, ac)
@@ -248,12 +265,55 @@ def dp_mode(a) -> None:
 
 
 def cp_mode(a, dense: dict, device: torch.device) -> dict:
-    """Longest power-of-two sequence (from --seq up) one step trains with --cp 2."""
+    """Longest sequence (doubling from --seq up to 131072) one step trains with --cp = world size:
+    every rank holds two load-balanced chunks of the row; K/V are all-gathered per layer."""
     try:
-        import rlcli.parallel.context  # noqa: F401
+        from rlcli.parallel.context import apply_cp, next_token_targets, shard_batch_for_cp
     except ImportError:
-        return {"cp": "rlcli.parallel.context is not in this build; no --cp figure"}
-    raise SystemExit("cp mode: wire rlcli.parallel.context here")
+        return {"cp": "rlcli.parallel.context is not in this build: no --cp figure"}
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    args = ModelArgs.from_hf(dense)
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("cp",))
+    model = build_model(args, device="meta", dtype=torch.float32, materialize=False)
+    apply_cp(model, mesh)
+    apply_activation_checkpointing(model, a.ac)
+    apply_fsdp(model, mesh, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model.to_empty(device=device)
+    model.init_buffers()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.to_local().fill_(1.0) if name.endswith("norm.weight") else p.to_local().normal_(0.0, 0.02)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+    results, seq = {}, a.seq
+    while seq <= (1024 if a.smoke else 131072):
+        ids = torch.randint(0, args.vocab_size, (1, seq), generator=torch.Generator().manual_seed(seq)).to(device)
+        pos = torch.arange(seq, device=device)[None]
+        t = next_token_targets({"input_ids": ids, "position_ids": pos,
+                                "loss_mask": torch.ones_like(ids, dtype=torch.bool),
+                                "advantages": torch.ones(1, seq, device=device)})
+        try:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            local, attn = shard_batch_for_cp(t, rank, world, host_position_ids=pos.cpu())
+            h = model.hidden_states(local["input_ids"], local["position_ids"], ForwardContext(attn=attn))[0]
+            lp, _ = chunked_logprobs(h, model.lm_head.weight, local["targets"][0], 1.0, 2048)
+            (-(lp.exp() * local["advantages"][0] * local["loss_mask"][0]).sum() / seq).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+            results[seq] = {"ok": True, "step_s": round(time.perf_counter() - t0, 2), "peak_mem_gib": round(peak, 1)}
+        except torch.OutOfMemoryError:
+            results[seq] = {"ok": False, "error": "out of memory"}
+            break
+        seq *= 2
+    ok = [s for s, r in results.items() if r["ok"]]
+    return {"cp": world, "longest_seq_trained": max(ok) if ok else 0, "per_seq": results}
 
 
 if __name__ == "__main__":
