@@ -46,10 +46,11 @@ def prepare(mb: MicroBatch, device: torch.device, empty: bool = False) -> dict[s
 
 
 def forward_backward(model: torch.nn.Module, t: dict, normalizer: torch.Tensor, loss_fn: Callable, lcfg,
-                     chunk: int) -> dict[str, torch.Tensor]:
-    """Loss of one row divided by ``normalizer`` (device scalar), backward; sums for metrics."""
+                     chunk: int, attn=None) -> dict[str, torch.Tensor]:
+    """Loss of one row divided by ``normalizer`` (device scalar), backward; sums for metrics.
+    ``attn``: the attention backend for ``t`` (context parallelism builds its own)."""
     routing = RoutingContext(replay=t["routed_experts"]) if "routed_experts" in t else None
-    ctx = ForwardContext(attn=PackedCausalAttention(t["position_ids"]), routing=routing)
+    ctx = ForwardContext(attn=attn if attn is not None else PackedCausalAttention(t["position_ids"]), routing=routing)
     h_BTD = model.hidden_states(t["input_ids"], t["position_ids"], ctx)
     targets = t["targets"]
     lp, entropy = chunked_logprobs(h_BTD.flatten(0, 1), model.lm_head.weight, targets.flatten(),
@@ -67,6 +68,27 @@ def forward_backward(model: torch.nn.Module, t: dict, normalizer: torch.Tensor, 
     metrics["loss"] = loss.detach()
     metrics["entropy"] = entropy_sum.detach()
     return metrics
+
+
+def accumulate(model: torch.nn.Module, micro_batches: list[MicroBatch], dims, device: torch.device,
+               loss_fn: Callable, lcfg, chunk: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """forward_backward over this rank's rows (padded to the busiest rank's count; cut to this
+    rank's part of each row under context parallelism). Returns this rank's metric sums and
+    the step's loss-token count (all-reduced over the dp ranks)."""
+    dp_group = dims.mesh["dp"].get_group() if dims.enabled else None
+    normalizer = global_loss_tokens(micro_batches, device, dp_group)
+    cp_rank = dims.coords(torch.distributed.get_rank())[1] if dims.enabled else 0
+    totals: dict[str, torch.Tensor] = {}
+    for mb, padding in padded_micro_batches(micro_batches):
+        t, attn = prepare(mb, device, empty=padding), None
+        if dims.cp > 1:
+            from rlcli.parallel.context import shard_batch_for_cp
+
+            host_pos = torch.from_numpy(mb.position_ids.numpy().astype("int64"))[None]
+            t, attn = shard_batch_for_cp(t, cp_rank, dims.cp, host_position_ids=host_pos)
+        for k, v in forward_backward(model, t, normalizer, loss_fn, lcfg, chunk, attn).items():
+            totals[k] = totals.get(k, 0) + v
+    return totals, normalizer
 
 
 def global_loss_tokens(micro_batches: list[MicroBatch], device: torch.device, group=None) -> torch.Tensor:

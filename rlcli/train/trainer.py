@@ -29,6 +29,7 @@ from rlcli.models.hf_io import has_weights, save_model
 from rlcli.models.tokenizer import load_tokenizer
 from rlcli.parallel import parallelize, resolve_dims
 from rlcli.parallel import dist as pdist
+from rlcli.parallel.fsdp import clip_grad_norm_
 from rlcli.parallel.loading import load_sharded
 from rlcli.parallel.publish import publish_hf_sharded
 from rlcli.process import stop_on_signals
@@ -38,7 +39,7 @@ from rlcli.train.checkpoint import load_latest_checkpoint, save_checkpoint
 from rlcli.train.data import wait_for_batch
 from rlcli.train.loss import LOSSES
 from rlcli.train.sft import run_sft
-from rlcli.train.step import forward_backward, global_loss_tokens, padded_micro_batches, prepare
+from rlcli.train.step import accumulate
 from rlcli.transport.atomic import atomic_dir, clean_temporaries, is_stable
 from rlcli.transport.registry import Registration
 from rlcli.transport.rundir import RunDir
@@ -60,7 +61,6 @@ class Trainer:
         self.dims = resolve_dims(tcfg.parallel, self.dist.world_size, self.args.num_experts,
                                  cfg.orchestrate.num_train_ranks, tcfg.micro_batch_tokens).build(self.device.type)
         self.dp_rank, self.cp_rank = self.dims.coords(self.dist.rank)
-        self.dp_group = self.dims.mesh["dp"].get_group() if self.dims.enabled else None
         self.dtype = DTYPES[cfg.model.dtype]
         self.stopping = False
         main = self.dist.is_main
@@ -149,24 +149,18 @@ class Trainer:
     def train_step(self, batch: TrainingBatch) -> dict[str, float]:
         self.model.train()
         tcfg = self.cfg.train
-        normalizer = global_loss_tokens(batch.micro_batches, self.device, self.dp_group)
-        totals: dict[str, torch.Tensor] = {}
-        for mb, padding in padded_micro_batches(batch.micro_batches):
-            t = prepare(mb, self.device, empty=padding)
-            for k, v in forward_backward(self.model, t, normalizer, self.loss_fn, tcfg.loss,
-                                         tcfg.logprob_chunk_tokens).items():
-                totals[k] = totals.get(k, 0) + v
-        max_norm = tcfg.optim.max_grad_norm
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm if max_norm else float("inf"))
+        totals, normalizer = accumulate(self.model, batch.micro_batches, self.dims, self.device, self.loss_fn,
+                                        tcfg.loss, tcfg.logprob_chunk_tokens)
+        grad_norm = clip_grad_norm_(self.model.parameters(), tcfg.optim.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         names = sorted(totals)
-        summed = pdist.all_reduce_sum(torch.stack([totals[k].float() for k in names]), group=self.dp_group)
-        values = (summed / normalizer).tolist()  # the one host sync of the step
-        out = dict(zip(names, values))
+        # Every rank's sums are disjoint (dp: other rows; cp: other tokens of the same rows).
+        summed = pdist.all_reduce_sum(torch.stack([totals[k].float() for k in names]))
+        values = torch.cat([summed / normalizer, grad_norm.reshape(1).to(summed)]).tolist()  # the one host sync
+        out = dict(zip(names + ["grad_norm"], values))
         out["masked_fraction"] = out.pop("masked_tokens")
-        out["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         out["lr"] = self.scheduler.get_last_lr()[0]
         return out
 

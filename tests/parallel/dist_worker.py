@@ -20,15 +20,19 @@ from rlcli.config.train import LossConfig, ParallelConfig, TrainConfig
 from rlcli.models import ModelArgs, build_model
 from rlcli.parallel import parallelize, resolve_dims
 from rlcli.parallel import dist as pdist
+from rlcli.parallel.fsdp import clip_grad_norm_
 from rlcli.parallel.loading import load_sharded
 from rlcli.parallel.publish import publish_hf_sharded
 from rlcli.protocol.batch import decode_batch
 from rlcli.train.checkpoint import load_latest_checkpoint, save_checkpoint
 from rlcli.train.loss import LOSSES
-from rlcli.train.step import forward_backward, global_loss_tokens, padded_micro_batches, prepare
+from rlcli.train.step import accumulate
 from rlcli.transport.rundir import RunDir
 
 OUT = Path(sys.argv[1])
+# "fsdp": 2 ranks, --dp 2 (everything below); "epcp": 4 ranks, --dp 2 --cp 2 on the dense
+# model and --dp 2 --cp 2 --ep 2 on the MoE (loss and gradients only).
+MODE = sys.argv[2] if len(sys.argv) > 2 else "fsdp"
 LCFG = LossConfig(entropy_coef=0.01)
 
 
@@ -47,20 +51,33 @@ def build(name: str, dims, ac: str):
 
 
 def step(model, batch, dims) -> torch.Tensor:
-    group = dims.mesh["dp"].get_group()
-    normalizer = global_loss_tokens(batch.micro_batches, torch.device("cpu"), group)
-    loss = torch.zeros(())
-    for mb, padding in padded_micro_batches(batch.micro_batches):
-        m = forward_backward(model, prepare(mb, torch.device("cpu"), empty=padding), normalizer,
-                             LOSSES["icepop"], LCFG, chunk=7)
-        loss += m["loss"]
-    return pdist.all_reduce_sum(loss, group) / normalizer
+    """The trainer's accumulation over this rank's rows; the step's mean loss."""
+    totals, normalizer = accumulate(model, batch.micro_batches, dims, torch.device("cpu"), LOSSES["icepop"], LCFG,
+                                    chunk=7)
+    return pdist.all_reduce_sum(totals["loss"]) / normalizer
+
+
+def epcp_main(rank: int, world: int) -> None:
+    for name, ep in (("dense", 1), ("moe", 2)):
+        dims = resolve_dims(ParallelConfig(dp=2, cp=2, ep=ep), world, num_experts=6).build("cpu")
+        batch = decode_batch((OUT / "batches" / name / f"{dims.coords(rank)[0]}.msgpack").read_bytes())
+        model = build(name, dims, "none")
+        loss = step(model, batch, dims)
+        grads = {k: full(p.grad) for k, p in model.named_parameters()}
+        norm = clip_grad_norm_(model.parameters(), 0.0)
+        if rank == 0:
+            torch.save({"loss": loss, "grads": grads, "norm": norm}, OUT / f"grads_{name}_epcp.pt")
 
 
 def main() -> None:
     info = pdist.init_distributed()
-    dims = resolve_dims(ParallelConfig(dp=2), info.world_size).build("cpu")
     rank = info.rank
+    if MODE == "epcp":
+        epcp_main(rank, info.world_size)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
+    dims = resolve_dims(ParallelConfig(dp=2), info.world_size).build("cpu")
     for name in sorted(p.name for p in (OUT / "models").iterdir()):
         batch = decode_batch((OUT / "batches" / name / f"{dims.coords(rank)[0]}.msgpack").read_bytes())
         for ac in (["none", "selective", "full"] if name == "dense" else ["none"]):
@@ -70,8 +87,9 @@ def main() -> None:
                     publish_hf_sharded(model, tmp, max_shard_bytes=20_000)
             loss = step(model, batch, dims)
             grads = {k: full(p.grad) for k, p in model.named_parameters()}
+            norm = clip_grad_norm_(model.parameters(), 0.0)  # 0: measure only
             if rank == 0:
-                torch.save({"loss": loss, "grads": grads}, OUT / f"grads_{name}_{ac}.pt")
+                torch.save({"loss": loss, "grads": grads, "norm": norm}, OUT / f"grads_{name}_{ac}.pt")
         if name != "dense":
             continue
         # Resume: step 1, checkpoint, step 2; then a fresh model resumes and redoes step 2.

@@ -72,9 +72,15 @@ def _batches(model, seed: int) -> list[TrainingBatch]:
     return out
 
 
-@pytest.fixture(scope="module")
-def dist_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp")
+def _torchrun(out: Path, nproc: int, mode: str) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(nproc), str(Path(__file__).with_name("dist_worker.py")), str(out), mode],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def _inputs(out: Path) -> dict:
     refs = {}
     for i, (name, hf) in enumerate(CONFIGS.items()):
         model = _write_model(out / "models" / name, hf, seed=i)
@@ -83,11 +89,14 @@ def dist_run(tmp_path_factory):
         for b in batches:
             (out / "batches" / name / f"{b.rank}.msgpack").write_bytes(encode_batch(b))
         refs[name] = batches
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(Path(__file__).with_name("dist_worker.py")), str(out)],
-                          env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    return refs
+
+
+@pytest.fixture(scope="module")
+def dist_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp")
+    refs = _inputs(out)
+    _torchrun(out, 2, "fsdp")
     return out, refs
 
 
@@ -103,16 +112,32 @@ def _reference(model_dir: Path, batches: list[TrainingBatch]):
     return loss / normalizer, {k: p.grad for k, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("name,ac", [("dense", "none"), ("dense", "selective"), ("dense", "full"), ("moe", "none")])
-def test_fsdp_loss_and_every_gradient_match_one_process(dist_run, name, ac):
-    out, refs = dist_run
+def _check_step(out: Path, refs: dict, name: str, tag: str) -> None:
     ref_loss, ref_grads = _reference(out / "models" / name, refs[name])
-    got = torch.load(out / f"grads_{name}_{ac}.pt")
+    got = torch.load(out / f"grads_{name}_{tag}.pt")
     assert torch.allclose(got["loss"], ref_loss, rtol=1e-5, atol=1e-6), (got["loss"], ref_loss)
     assert set(got["grads"]) == set(ref_grads)
+    ref_norm = torch.cat([g.flatten() for g in ref_grads.values()]).norm()
+    assert torch.allclose(got["norm"], ref_norm, rtol=1e-5), (got["norm"], ref_norm)
     for k, g in ref_grads.items():
         assert g.abs().sum() > 0, k  # every parameter is trained by this batch
         assert torch.allclose(got["grads"][k], g, rtol=1e-4, atol=1e-6), (k, (got["grads"][k] - g).abs().max())
+
+
+@pytest.mark.parametrize("name,ac", [("dense", "none"), ("dense", "selective"), ("dense", "full"), ("moe", "none")])
+def test_fsdp_loss_and_every_gradient_match_one_process(dist_run, name, ac):
+    out, refs = dist_run
+    _check_step(out, refs, name, ac)
+
+
+def test_fsdp_with_context_and_expert_parallelism_matches_one_process(tmp_path):
+    """4 ranks: --dp 2 --cp 2 on the dense model, --dp 2 --cp 2 --ep 2 on the MoE, the trainer's code."""
+    pytest.importorskip("rlcli.parallel.context")
+    pytest.importorskip("rlcli.parallel.expert")
+    refs = _inputs(tmp_path)
+    _torchrun(tmp_path, 4, "epcp")
+    for name in CONFIGS:
+        _check_step(tmp_path, refs, name, "epcp")
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
