@@ -107,6 +107,7 @@ def relaunch(nproc: int, nnodes: int | None, node_rank: int | None, rdzv_endpoin
     cmd = torchrun_command(nproc, nnodes, node_rank, rdzv_endpoint, strip_launch_flags(args))
     sys.stdout.flush()
     sys.stderr.flush()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default, without its banner
     os.execv(sys.executable, cmd)
 
 

@@ -1,5 +1,8 @@
 """The process group of one rl-train job, and the few collectives its run-directory I/O needs.
 
+Host-side collectives (barriers around shared directories, objects, row counts) go over a
+gloo group even when the default group is NCCL, so they never wait for the device.
+
 Under torchrun (RANK / WORLD_SIZE / LOCAL_RANK set) every rank joins the default group:
 NCCL when CUDA is available (device ``cuda:LOCAL_RANK``), gloo on CPU. A plain process
 (no torchrun) is rank 0 of 1 and creates no group; every helper here then degrades to
@@ -41,12 +44,18 @@ def init_distributed() -> DistInfo:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    global _cpu_group
     if world > 1 and not dist.is_initialized():
         if device.type == "cuda":
             dist.init_process_group("nccl", device_id=device)
+            # Host-side metadata (row counts) travels over gloo: no device sync for it.
+            _cpu_group = dist.new_group(backend="gloo")
         else:
             dist.init_process_group("gloo")
     return DistInfo(rank, world, local_rank, device)
+
+
+_cpu_group = None
 
 
 def enabled() -> bool:
@@ -55,7 +64,7 @@ def enabled() -> bool:
 
 def barrier() -> None:
     if enabled():
-        dist.barrier()
+        dist.barrier(group=_cpu_group)
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
@@ -63,7 +72,7 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     if not enabled():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=_cpu_group)
     return box[0]
 
 
@@ -71,7 +80,7 @@ def all_gather_objects(obj: Any) -> list[Any]:
     if not enabled():
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=_cpu_group)
     return out
 
 
@@ -83,12 +92,12 @@ def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
 
 
 def all_reduce_max_int(value: int) -> int:
-    """The largest ``value`` of any rank (a host-side int; one small collective)."""
+    """The largest ``value`` of any rank: a host-side int over a gloo group, so it never
+    waits for the device."""
     if not enabled():
         return value
-    t = torch.tensor([value], dtype=torch.int64,
-                     device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_cpu_group)
     return int(t.item())
 
 
