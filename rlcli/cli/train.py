@@ -64,7 +64,6 @@ def run_cmd(
 
     if nproc_per_node is not None and not torchrun.under_torchrun():
         check_parallel(cfg, torchrun.world_size(nproc_per_node, nnodes))  # one line now, not one per rank
-        open_run(cfg, "train")
         torchrun.relaunch(nproc_per_node, nnodes, node_rank, rdzv_endpoint)
     run = open_run(cfg, "train")
     from rlcli.train.trainer import run as train
