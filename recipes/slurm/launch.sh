@@ -32,7 +32,14 @@ RUN_DIR=${RUN_DIR:-runs/${SLURM_JOB_NAME:-rlcli}-${SLURM_JOB_ID:-0}}
 RDZV_PORT=${RDZV_PORT:-29500}
 BIND_HOST=${BIND_HOST:-0.0.0.0}  # servers listen here; the registry advertises this host's address
 read -r -a EXTRA <<< "${RLCLI_ARGS:-}"
-COMMON=(--config "$RECIPE" --run-dir "$RUN_DIR" "${EXTRA[@]}")
+# rl-orchestrate writes one rollout file per trainer data-parallel rank (one per GPU unless
+# RLCLI_ARGS sets --cp, and then --orchestrate.num_train_ranks too: later flags win).
+if [ "$NUM_NODES" -eq 1 ]; then
+  NUM_TRAIN_RANKS=${TRAIN_GPUS:-$(( GPUS_PER_NODE > 1 ? GPUS_PER_NODE / 2 : 1 ))}
+else
+  NUM_TRAIN_RANKS=$(( ${TRAIN_NODES:-1} * GPUS_PER_NODE ))
+fi
+COMMON=(--config "$RECIPE" --run-dir "$RUN_DIR" --orchestrate.num_train_ranks "$NUM_TRAIN_RANKS" "${EXTRA[@]}")
 
 # name|node|command, in start order (servers first).
 PLAN=()
