@@ -103,7 +103,8 @@ while [ "$finite_left" -gt 0 ]; do
     kill -0 "$p" 2>/dev/null && continue
     set +e; wait "$p"; code=$?; set -e
     name=${NAME_OF[$p]}
-    PIDS=($(for q in "${PIDS[@]}"; do [ "$q" != "$p" ] && echo "$q"; done))
+    # (`|| true`: when $p was last, the loop's status is the failed test, and set -e would end the script)
+    PIDS=($(for q in "${PIDS[@]}"; do [ "$q" != "$p" ] && echo "$q"; done || true))
     if [ "$code" -ne 0 ] || ! is_finite "$name"; then
       echo "rlcli-slurm: error: $name on ${NODE_OF[$p]} exited with code $code; see $RUN_DIR/logs/$name.log" >&2
       stop_all
