@@ -1,6 +1,6 @@
 """One rich console on stderr for logs and live tables; stdout stays for data.
 
-Only rank 0 of a torchrun job logs at INFO; other ranks log warnings and errors only.
+Only rank 0 of a torchrun job logs; other ranks print errors only (and no Python warnings).
 """
 
 import logging
@@ -25,7 +25,10 @@ def setup_logging(name: str, level: str | None = None) -> logging.Logger:
     if not _configured:
         level = level or os.environ.get("RLCLI_LOG_LEVEL", "INFO")
         if rank() != 0:
-            level = "WARNING"
+            level = "ERROR"
+            import warnings
+
+            warnings.filterwarnings("ignore")
         if sys.stderr.isatty():
             handler: logging.Handler = RichHandler(console=console, show_path=False, rich_tracebacks=False,
                                                    log_time_format="[%X]")

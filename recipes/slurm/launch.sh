@@ -32,7 +32,14 @@ RUN_DIR=${RUN_DIR:-runs/${SLURM_JOB_NAME:-rlcli}-${SLURM_JOB_ID:-0}}
 RDZV_PORT=${RDZV_PORT:-29500}
 BIND_HOST=${BIND_HOST:-0.0.0.0}  # servers listen here; the registry advertises this host's address
 read -r -a EXTRA <<< "${RLCLI_ARGS:-}"
-COMMON=(--config "$RECIPE" --run-dir "$RUN_DIR" "${EXTRA[@]}")
+# rl-orchestrate writes one rollout file per trainer data-parallel rank (one per GPU unless
+# RLCLI_ARGS sets --cp, and then --orchestrate.num_train_ranks too: later flags win).
+if [ "$NUM_NODES" -eq 1 ]; then
+  NUM_TRAIN_RANKS=${TRAIN_GPUS:-$(( GPUS_PER_NODE > 1 ? GPUS_PER_NODE / 2 : 1 ))}
+else
+  NUM_TRAIN_RANKS=$(( ${TRAIN_NODES:-1} * GPUS_PER_NODE ))
+fi
+COMMON=(--config "$RECIPE" --run-dir "$RUN_DIR" --orchestrate.num_train_ranks "$NUM_TRAIN_RANKS" "${EXTRA[@]}")
 
 # name|node|command, in start order (servers first).
 PLAN=()
@@ -96,7 +103,8 @@ while [ "$finite_left" -gt 0 ]; do
     kill -0 "$p" 2>/dev/null && continue
     set +e; wait "$p"; code=$?; set -e
     name=${NAME_OF[$p]}
-    PIDS=($(for q in "${PIDS[@]}"; do [ "$q" != "$p" ] && echo "$q"; done))
+    # (`|| true`: when $p was last, the loop's status is the failed test, and set -e would end the script)
+    PIDS=($(for q in "${PIDS[@]}"; do [ "$q" != "$p" ] && echo "$q"; done || true))
     if [ "$code" -ne 0 ] || ! is_finite "$name"; then
       echo "rlcli-slurm: error: $name on ${NODE_OF[$p]} exited with code $code; see $RUN_DIR/logs/$name.log" >&2
       stop_all

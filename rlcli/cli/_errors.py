@@ -46,7 +46,9 @@ def handle_errors(command: str) -> Callable:
                 if os.environ.get("RLCLI_DEBUG"):
                     raise
                 message, code = _describe(exc)
-                print(f"{command}: error: {message}", file=sys.stderr, flush=True)
+                # Under torchrun every rank hits the same config error: rank 0 says it once.
+                if code != EXIT_USAGE or os.environ.get("RANK", "0") == "0":
+                    print(f"{command}: error: {message}", file=sys.stderr, flush=True)
                 raise typer.Exit(code) from None
 
         return inner

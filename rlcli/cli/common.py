@@ -64,7 +64,8 @@ def open_run(cfg, command: str):
     model["path"] = os.path.abspath(model["path"]) if model["path"] else ""
     run.claim(cfg.name, {"model": model, "env": to_dict(cfg.env)})
     run.write_config(command, dump_toml(to_dict(cfg)))
-    if command != "up":  # `up`'s children log for themselves
+    # `up`'s children log for themselves; under torchrun only rank 0 writes metrics.
+    if command != "up" and os.environ.get("RANK", "0") == "0":
         from rlcli.transport.sinks import make_sinks
 
         run.sinks = make_sinks(cfg, run.root, command)

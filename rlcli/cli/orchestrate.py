@@ -63,6 +63,8 @@ def up_cmd(
     fp8: Annotated[bool, typer.Option("--fp8", help="FP8 GEMMs in trainer and engines (train/infer.fp8.enabled).")] = False,
     seed: SeedOpt = None,
     r3: R3Opt = None,
+    train_nproc: Annotated[Optional[int], typer.Option(help="rl-train ranks (torchrun --nproc-per-node); also sets "
+                                                       "orchestrate.num_train_ranks.")] = None,
     print_config_: PrintConfigOpt = False,
 ) -> None:
     """Launch every process of a recipe on this machine, show the live dashboard, stop them all at the end."""
@@ -71,7 +73,8 @@ def up_cmd(
                                        "orchestrate.max_async": max_async, "up.num_infer": num_infer,
                                        "up.plot": plot, "infer.engine.name": engine.value if engine else None,
                                        "train.fp8.enabled": on, "infer.fp8.enabled": on, "seed": seed,
-                                       "r3": r3})
+                                       "r3": r3, "up.train_nproc_per_node": train_nproc,
+                                       "orchestrate.num_train_ranks": train_nproc})
     if print_config_:
         return print_config(cfg)
     run = open_run(cfg, "up")

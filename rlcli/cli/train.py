@@ -17,6 +17,18 @@ app = typer.Typer(help="Trainer: consumes rollout batches, writes weights and ch
 StepsOpt = Annotated[Optional[int], typer.Option("--steps", help="RL steps [default: num_steps].")]
 LrOpt = Annotated[Optional[float], typer.Option("--lr", help="Learning rate [default: train.optim.lr].")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="torch intra-op threads.")]
+DpOpt = Annotated[Optional[int], typer.Option("--dp", help="Data-parallel degree [default: WORLD_SIZE / cp].")]
+EpOpt = Annotated[Optional[int], typer.Option("--ep", help="Expert-parallel degree (MoE models).")]
+CpOpt = Annotated[Optional[int], typer.Option("--cp", help="Context-parallel degree.")]
+NprocOpt = Annotated[Optional[int], typer.Option("--nproc-per-node", help="Launch this many ranks per node "
+                                                 "under torchrun.", rich_help_panel="Launching")]
+NnodesOpt = Annotated[Optional[int], typer.Option("--nnodes", help="Nodes [default: Slurm's SLURM_NNODES, else 1].",
+                                                  rich_help_panel="Launching")]
+NodeRankOpt = Annotated[Optional[int], typer.Option("--node-rank", help="This node's rank [default: SLURM_NODEID].",
+                                                    rich_help_panel="Launching")]
+RdzvOpt = Annotated[Optional[str], typer.Option("--rdzv-endpoint", help="HOST:PORT of a c10d rendezvous "
+                                                "[default: first Slurm host, or standalone].",
+                                                rich_help_panel="Launching")]
 
 
 @app.command("run", context_settings=OVERRIDES, epilog=OVERRIDES_HELP)
@@ -32,19 +44,41 @@ def run_cmd(
     fp8: Annotated[bool, typer.Option("--fp8", help="FP8 block-scaled GEMMs (train.fp8.enabled).")] = False,
     seed: SeedOpt = None,
     r3: R3Opt = None,
+    dp: DpOpt = None,
+    ep: EpOpt = None,
+    cp: CpOpt = None,
+    nproc_per_node: NprocOpt = None,
+    nnodes: NnodesOpt = None,
+    node_rank: NodeRankOpt = None,
+    rdzv_endpoint: RdzvOpt = None,
     print_config_: PrintConfigOpt = False,
 ) -> None:
-    """Train on rollout batches as they arrive (the default command); resumes from the newest checkpoint."""
+    """Train on rollout batches as they arrive (the default command); resumes from the newest checkpoint.
+    Runs under torchrun (one rank per device), or launches torchrun itself with --nproc-per-node."""
     cfg = resolve_config(ctx, config, {"run_dir": str(run_dir) if run_dir else None, "num_steps": steps,
                                        "train.optim.lr": lr, "train.micro_batch_tokens": micro_batch_tokens,
                                        "train.num_threads": threads, "train.fp8.enabled": True if fp8 else None,
-                                       "seed": seed, "r3": r3})
+                                       "seed": seed, "r3": r3, "train.parallel.dp": dp,
+                                       "train.parallel.ep": ep, "train.parallel.cp": cp})
     if print_config_:
         return print_config(cfg)
+    from rlcli.cli import torchrun
+
+    if nproc_per_node is not None and not torchrun.under_torchrun():
+        check_parallel(cfg, torchrun.world_size(nproc_per_node, nnodes))  # one line now, not one per rank
+        torchrun.relaunch(nproc_per_node, nnodes, node_rank, rdzv_endpoint)
     run = open_run(cfg, "train")
     from rlcli.train.trainer import run as train
 
     raise typer.Exit(train(cfg, run))
+
+
+def check_parallel(cfg, world_size: int) -> None:
+    from rlcli.models.config import ModelArgs
+    from rlcli.parallel.dims import resolve_dims
+
+    resolve_dims(cfg.train.parallel, world_size, ModelArgs.from_dir(cfg.model.path).num_experts,
+                 cfg.orchestrate.num_train_ranks, cfg.train.micro_batch_tokens)
 
 
 @app.command("sft", context_settings=OVERRIDES, epilog=OVERRIDES_HELP)

@@ -54,9 +54,14 @@ class UpConfig(Config):
     plot: bool = True
     """Write RUN/reward.png at the end."""
 
+    train_nproc_per_node: int = 1
+    """rl-train ranks (rl-train --nproc-per-node); orchestrate.num_train_ranks must match its dp."""
+
     def __post_init__(self) -> None:
         if self.num_infer < 1:
             raise ValueError("up.num_infer must be >= 1")
+        if self.train_nproc_per_node < 1:
+            raise ValueError("up.train_nproc_per_node must be >= 1")
         missing = {"infer", "train", "orchestrate"} - set(self.processes)
         if missing:
             raise ValueError(f"up.processes must include {sorted(missing)}")

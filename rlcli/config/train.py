@@ -116,6 +116,15 @@ class ParallelConfig(Config):
     cp: int = 1
     """Context-parallel degree: each sequence is split over this many ranks."""
 
+    cpu_offload: bool = False
+    """Keep FSDP2-sharded parameters, gradients and optimizer state in CPU memory (GPU runs)."""
+
+    def __post_init__(self) -> None:
+        if self.dp == 0 or self.dp < -1:
+            raise ValueError(f"train.parallel.dp (--dp) must be >= 1 or -1, got {self.dp}")
+        if self.ep < 1 or self.cp < 1:
+            raise ValueError(f"train.parallel.ep (--ep) and .cp (--cp) must be >= 1, got {self.ep}, {self.cp}")
+
 
 class TrainConfig(Config):
     """rl-train."""
@@ -140,6 +149,14 @@ class TrainConfig(Config):
 
     fp8: Fp8Config = msgspec.field(default_factory=Fp8Config)
     """FP8 block-scaled training (rl-train --fp8)."""
+
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    """Recompute activations in backward: none; full (every block); selective (keep matmul and
+    attention outputs, recompute norms and activations)."""
+
+    logprob_chunk_tokens: int = 1024
+    """Tokens per chunk when computing logprobs/entropy from hidden states (the full-vocab
+    logits of one chunk are the largest tensor; backward recomputes them chunk by chunk)."""
 
     num_threads: int = 0
     """torch intra-op threads; 0 keeps torch's default."""

@@ -72,6 +72,8 @@ class Launcher:
                 cmd = [sys.executable, "-m", *MODULES[name], "--config", str(self.recipe_path)]
                 if name == "infer":
                     cmd += ["--id", str(i)]
+                if name == "train" and self.cfg.up.train_nproc_per_node > 1:
+                    cmd += ["--nproc-per-node", str(self.cfg.up.train_nproc_per_node)]
                 log_path = self.run.log_file(name, i)
                 log_path.parent.mkdir(parents=True, exist_ok=True)
                 with open(log_path, "ab") as f:

@@ -5,13 +5,19 @@ max_async), takes one optimizer step, writes RUN/weights/step_N and announces it
 Policy version N is the weights after step N; version 0 is the starting policy (the
 base model, or the SFT warm-up's result), written before step 1.
 
+Under torchrun every rank runs this loop: the model is built on the meta device,
+parallelized (``rlcli.parallel``: FSDP2 over dp x cp, EP, CP, activation checkpointing),
+and each rank loads its own slices of policy 0. Data-parallel rank d reads
+``rollouts/step_N/<d>.msgpack`` (the CP ranks of one dp group read the same file).
+Weights and checkpoints are written by every rank into one directory that rank 0 marks
+STABLE after a barrier; only rank 0 announces, registers and writes metrics.
+
 The step reads top to bottom: ``train_step`` = ``forward_backward`` per packed
-micro-batch, then clip, step, schedule. Token counts come from the batch file (host
-side), so the loss normalizer needs no device sync; ``.item()`` happens only when
-metrics are logged.
+micro-batch (:mod:`rlcli.train.step`), then clip, step, schedule. The loss normalizer
+(loss tokens of the whole step) is all-reduced on device; the metrics' ``.tolist()`` is
+the one host sync of a step.
 """
 
-import os
 import time
 
 import torch
@@ -19,18 +25,22 @@ import torch
 from rlcli.config import RecipeConfig
 from rlcli.errors import ConfigError
 from rlcli.logging import setup_logging
-from rlcli.models import DTYPES, load_model, save_model
-from rlcli.models.hf_io import has_weights
-from rlcli.models.moe import check_routes
+from rlcli.models import DTYPES, ModelArgs, build_model, load_model
+from rlcli.models.hf_io import has_weights, save_model
 from rlcli.models.tokenizer import load_tokenizer
-from rlcli.ops.attention import ForwardContext, PackedCausalAttention, RoutingContext
+from rlcli.parallel import parallelize, resolve_dims
+from rlcli.parallel import dist as pdist
+from rlcli.parallel.fsdp import clip_grad_norm_
+from rlcli.parallel.loading import load_sharded
+from rlcli.parallel.publish import publish_hf_sharded
 from rlcli.process import stop_on_signals
 from rlcli.protocol import WeightsPublished
 from rlcli.protocol.batch import TrainingBatch
 from rlcli.train.checkpoint import load_latest_checkpoint, save_checkpoint
-from rlcli.train.data import to_tensors, wait_for_batch
-from rlcli.train.loss import LOSSES, sequence_ids, token_logprobs
+from rlcli.train.data import wait_for_batch
+from rlcli.train.loss import LOSSES
 from rlcli.train.sft import run_sft
+from rlcli.train.step import accumulate
 from rlcli.transport.atomic import atomic_dir, clean_temporaries, is_stable
 from rlcli.transport.registry import Registration
 from rlcli.transport.rundir import RunDir
@@ -39,7 +49,7 @@ from rlcli.transport.zmq import Publisher
 log = setup_logging("rl-train")
 
 
-def step_metrics(totals: dict[str, float], num_loss_tokens: int) -> dict[str, float]:
+def step_metrics(totals: dict[str, float], num_loss_tokens: float) -> dict[str, float]:
     """Per-step means from the summed loss diagnostics (names as in prime-rl where it has them)."""
     n = max(num_loss_tokens, 1)
     out = {
@@ -61,21 +71,24 @@ class Trainer:
     def __init__(self, cfg: RecipeConfig, run: RunDir):
         self.cfg, self.run = cfg, run
         tcfg = cfg.train
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        if world_size != 1 or cfg.orchestrate.num_train_ranks != 1:
-            # Rollout files are already split per rank; sharded training (FSDP2) is what is missing.
-            raise ConfigError(f"rl-train runs as one process for now (WORLD_SIZE={world_size}, "
-                              f"orchestrate.num_train_ranks={cfg.orchestrate.num_train_ranks}); set both to 1")
         if tcfg.num_threads:
             torch.set_num_threads(tcfg.num_threads)
         torch.manual_seed(cfg.seed)
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.dist = pdist.init_distributed()
+        self.device = self.dist.device
+        self.args = ModelArgs.from_dir(cfg.model.path)
+        self.dims = resolve_dims(tcfg.parallel, self.dist.world_size, self.args.num_experts,
+                                 cfg.orchestrate.num_train_ranks, tcfg.micro_batch_tokens).build(self.device.type)
+        self.dp_rank, self.cp_rank = self.dims.coords(self.dist.rank)
         self.dtype = DTYPES[cfg.model.dtype]
         self.stopping = False
-        self.publisher = Publisher(cfg.infer.host, tcfg.pub_port)
-        self.registration = Registration(run.registry_dir(), "train", 0, {"pub": self.publisher.endpoint})
-        clean_temporaries(run.root / "weights")
-        self.model = self._initial_model()
+        main = self.dist.is_main
+        self.publisher = Publisher(cfg.infer.host, tcfg.pub_port) if main else None
+        self.registration = Registration(run.registry_dir(), "train", 0, {"pub": self.publisher.endpoint}) \
+            if main else None
+        if main:
+            clean_temporaries(run.root / "weights")
+        self.model = self._build_model(self._policy_zero())
         o = tcfg.optim
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                            weight_decay=o.weight_decay)
@@ -85,97 +98,94 @@ class Trainer:
         extra = load_latest_checkpoint(run, self.model, self.optimizer, self.scheduler)
         if extra is not None:
             self.step = int(extra["step"])
+            saved = extra.get("parallel")
+            if saved and saved != self._mesh_record():
+                log.info("checkpoint written with %s; resharded to %s", saved, self._mesh_record())
             log.info("resumed from checkpoint step %d", self.step)
         self.loss_fn = LOSSES[tcfg.loss.kind]
-        if cfg.r3 and not self.model.args.is_moe:
+        if cfg.r3 and not self.args.is_moe:
             raise ConfigError(f"r3 = true needs a mixture-of-experts model; {cfg.model.path} is dense: set r3 = false")
 
+    def _mesh_record(self) -> dict:
+        return {"dp": self.dims.dp, "cp": self.dims.cp, "ep": self.dims.ep}
+
     # ------------------------------------------------------------------ policy version 0
-    def _initial_model(self):
+    def _policy_zero(self):
+        """Directory of policy 0, written by rank 0 if it does not exist yet (SFT warm-up, or
+        random weights for a config-only model); every rank then loads its shards from it."""
         cfg, run = self.cfg, self.run
-        if is_stable(run.weights_dir(0)):
-            # Policy 0 exists (a restart): train from it; a checkpoint, if any, overrides it below.
-            return load_model(run.resolve_weights(0), self.device, self.dtype, cfg.seed, fp8=cfg.train.fp8)
-        # FP8 linears on master weights (train.fp8): swapped in here, before any parallelization.
-        model = load_model(cfg.model.path, self.device, self.dtype, cfg.seed, fp8=cfg.train.fp8)
-        if cfg.train.sft.num_steps:
-            log.info("SFT warm-up: %d steps", cfg.train.sft.num_steps)
-            run_sft(cfg, model, load_tokenizer(cfg.model.path), log,
-                    on_step=lambda s, loss: run.append_metrics("sft", {"step": s, "loss": loss.item()})
-                    if s % 10 == 0 or s == cfg.train.sft.num_steps else None)
-            self.publish(0, model)
-        elif has_weights(cfg.model.path):
-            # The unmodified base model: a marker pointing at it instead of a copy.
-            with atomic_dir(run.weights_dir(0), {"step": 0, "source": str(cfg.model.path)}):
-                pass
+        if not is_stable(run.weights_dir(0)) and self.dist.is_main:
+            if cfg.train.sft.num_steps:
+                model = load_model(cfg.model.path, self.device, self.dtype, cfg.seed, fp8=cfg.train.fp8)
+                log.info("SFT warm-up: %d steps", cfg.train.sft.num_steps)
+                run_sft(cfg, model, load_tokenizer(cfg.model.path), log,
+                        on_step=lambda s, loss: run.append_metrics("sft", {"step": s, "loss": loss.item()})
+                        if s % 10 == 0 or s == cfg.train.sft.num_steps else None)
+                self._write_full(0, model)
+            elif has_weights(cfg.model.path):
+                # The unmodified base model: a marker pointing at it instead of a copy.
+                with atomic_dir(run.weights_dir(0), {"step": 0, "source": str(cfg.model.path)}):
+                    pass
+            else:
+                self._write_full(0, load_model(cfg.model.path, "cpu", self.dtype, cfg.seed))
             self.announce(0)
-        else:
-            self.publish(0, model)
+        pdist.barrier()
+        return run.resolve_weights(0)
+
+    def _write_full(self, step: int, model) -> None:
+        with atomic_dir(self.run.weights_dir(step), {"step": step}) as tmp:
+            save_model(model, tmp, source_dir=self.cfg.model.path)
+
+    def _build_model(self, weights_dir):
+        """Meta device -> parallelize -> materialize -> each rank loads its own slices. Under
+        FSDP2 the parameters are fp32 master weights and compute runs in model.dtype."""
+        master = torch.float32 if self.dims.enabled else self.dtype
+        model = build_model(self.args, device="meta", dtype=master, materialize=False)
+        if self.cfg.train.fp8.enabled:  # FP8 linears on master weights, swapped in before parallelizing
+            from rlcli.ops.fp8.convert import convert_to_fp8
+
+            convert_to_fp8(model, self.cfg.train.fp8, self.device)
+        parallelize(model, self.dims, self.cfg.train, self.dtype)
+        model.to_empty(device=self.device)
+        if not self.dims.enabled:
+            model.tie_weights()
+        model.init_buffers()
+        load_sharded(model, weights_dir)
         return model
 
-    def publish(self, step: int, model=None) -> None:
-        """Write policy ``step`` to RUN/weights/step_<step> (STABLE last) and announce it."""
-        with atomic_dir(self.run.weights_dir(step), {"step": step}) as tmp:
-            save_model(model if model is not None else self.model, tmp, source_dir=self.cfg.model.path,
-                       fp8=self.cfg.train.fp8.enabled and self.cfg.train.fp8.publish)
+    def publish(self, step: int) -> None:
+        """Every rank writes its share of policy ``step`` to RUN/weights/step_<step>; rank 0 marks
+        it STABLE after a barrier and announces it."""
+        with pdist.shared_atomic_dir(self.run.weights_dir(step), {"step": step}) as tmp:
+            publish_hf_sharded(self.model, tmp, source_dir=self.cfg.model.path,
+                               dtype=self.dtype if self.dims.enabled else None,
+                               fp8=self.cfg.train.fp8.enabled and self.cfg.train.fp8.publish)
         self.announce(step)
 
     def announce(self, step: int) -> None:
-        self.publisher.publish(WeightsPublished(step=step, path=str(self.run.weights_dir(step))))
+        if self.publisher is not None:
+            self.publisher.publish(WeightsPublished(step=step, path=str(self.run.weights_dir(step))))
 
     # ------------------------------------------------------------------ one step
-    def _routing(self, t: dict[str, torch.Tensor]) -> RoutingContext | None:
-        """R3: replay the engine's routes; refuse batches that disagree with this trainer's r3."""
-        routes = t.get("routed_experts")
-        if not self.cfg.r3:
-            if routes is not None:
-                raise ConfigError("the rollout batch carries MoE routes (rl-orchestrate runs with r3) but "
-                                  "rl-train does not: set r3 = true for both")
-            return None
-        if routes is None:
-            raise ConfigError("rl-train runs with r3 = true but the rollout batch has no routes: set r3 = true "
-                              "for rl-orchestrate too")
-        check_routes(routes, self.model.args, t["input_ids"].shape[1])
-        pos = t["position_ids"][0]
-        last = torch.cat([pos[1:] == 0, pos.new_ones(1, dtype=torch.bool)])  # a sequence's last token
-        return RoutingContext(replay=routes, counted=~last)
-
-    def forward_backward(self, mb, num_loss_tokens: int) -> dict[str, torch.Tensor]:
-        t = to_tensors(mb, self.device)
-        routing = self._routing(t)
-        ctx = ForwardContext(attn=PackedCausalAttention(t["position_ids"]), routing=routing)
-        logits = self.model(t["input_ids"], t["position_ids"], ctx)
-        lp, entropy = token_logprobs(logits, t["input_ids"], mb.temperature, mb.top_p)
-        lcfg = self.cfg.train.loss
-        loss, kept, metrics = self.loss_fn(lp, t["inference_logprobs"], t["advantages"], t["loss_mask"],
-                                           sequence_ids(t["position_ids"]), lcfg)
-        entropy_sum = (entropy * kept).sum()  # the bonus only on tokens the loss keeps
-        total = loss - lcfg.entropy_coef * entropy_sum if lcfg.entropy_coef else loss
-        (total / num_loss_tokens).backward()
-        metrics["loss"] = loss.detach()
-        metrics["entropy"] = (entropy.detach() * t["loss_mask"]).sum()
-        if routing is not None:
-            metrics["router_disagree"] = torch.as_tensor(routing.num_disagree, dtype=torch.float32)
-            metrics["router_pairs"] = torch.as_tensor(routing.num_pairs, dtype=torch.float32)
-        return metrics
-
     def train_step(self, batch: TrainingBatch) -> dict[str, float]:
         self.model.train()
-        totals: dict[str, torch.Tensor] = {}
-        for mb in batch.micro_batches:
-            for k, v in self.forward_backward(mb, batch.num_loss_tokens).items():
-                if k.endswith("_max"):
-                    totals[k] = torch.maximum(totals[k], v) if k in totals else v
-                else:
-                    totals[k] = totals.get(k, 0) + v
-        max_norm = self.cfg.train.optim.max_grad_norm
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm if max_norm else float("inf"))
+        tcfg = self.cfg.train
+        totals, normalizer = accumulate(self.model, batch.micro_batches, self.dims, self.device, self.loss_fn,
+                                        tcfg.loss, tcfg.logprob_chunk_tokens, self.cfg.r3)
+        grad_norm = clip_grad_norm_(self.model.parameters(), tcfg.optim.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return step_metrics({k: float(v) for k, v in totals.items()},  # the one host sync of the step
-                            batch.num_loss_tokens) | {"grad_norm": float(grad_norm),
-                                                      "lr": self.scheduler.get_last_lr()[0]}
+        # Every rank's sums are disjoint (dp: other rows; cp: other tokens of the same rows); maxima reduce by max.
+        sums = sorted(k for k in totals if not k.endswith("_max"))
+        maxes = sorted(k for k in totals if k.endswith("_max"))
+        summed = pdist.all_reduce_sum(torch.stack([totals[k].float() for k in sums]))
+        peak = pdist.all_reduce_max(torch.stack([totals[k].float() for k in maxes])) if maxes else summed[:0]
+        values = torch.cat([summed, peak, normalizer.reshape(1), grad_norm.reshape(1).to(summed)]).tolist()
+        # ^ the one host sync of the step
+        host = dict(zip(sums + maxes + ["num_loss_tokens", "grad_norm"], values))
+        return step_metrics(host, host["num_loss_tokens"]) | {"grad_norm": host["grad_norm"],
+                                                                "lr": self.scheduler.get_last_lr()[0]}
 
     # ------------------------------------------------------------------ loop
     def train(self) -> int:
@@ -185,8 +195,10 @@ class Trainer:
         while self.step < cfg.num_steps and not self.stopping:
             step = self.step + 1
             t_wait = time.monotonic()
-            self.registration.update(step=self.step, waiting_for=step)
-            batch = wait_for_batch(run, step, 0, cfg.train.wait_timeout_s, should_stop=lambda: self.stopping)
+            if self.registration is not None:
+                self.registration.update(step=self.step, waiting_for=step)
+            batch = wait_for_batch(run, step, self.dp_rank, cfg.train.wait_timeout_s,
+                                   should_stop=lambda: self.stopping)
             if batch is None:
                 if self.stopping:
                     break
@@ -201,15 +213,16 @@ class Trainer:
             t1 = time.monotonic()
             self.publish(step)
             if step % cfg.train.checkpoint.interval == 0 or step == cfg.num_steps:
-                save_checkpoint(run, step, self.model, self.optimizer, self.scheduler, {"step": step},
-                                cfg.train.checkpoint.keep)
+                save_checkpoint(run, step, self.model, self.optimizer, self.scheduler,
+                                {"step": step}, cfg.train.checkpoint.keep, self._mesh_record())
             save_s = time.monotonic() - t1
             record = {"step": step, **metrics, "wait_s": wait_s, "compute_s": compute_s, "save_s": save_s,
                       "num_loss_tokens": batch.num_loss_tokens, "num_samples": batch.num_samples,
                       "min_version": batch.min_version, "max_version": batch.max_version,
                       "off_policy_lag": step - 1 - batch.min_version, "time": time.time()}
-            run.append_metrics("train", record)
-            run.write_progress("train", step=step)
+            if self.dist.is_main:
+                run.append_metrics("train", record)
+                run.write_progress("train", step=step)
             log.info("step %d loss %+.4f kl %.2e (kept %.2e) masked %.3f (low %.3f high %.3f) |dlp| max %.2f%s "
                      "|g| %.3f lag %d (wait %.2fs, train %.2fs, save %.2fs)",
                      step, metrics["loss"], metrics["mismatch_kl"], metrics["mismatch_kl_kept"],
@@ -220,8 +233,9 @@ class Trainer:
         return 0
 
     def close(self) -> None:
-        self.registration.close()
-        self.publisher.close()
+        if self.registration is not None:
+            self.registration.close()
+            self.publisher.close()
 
 
 def run(cfg: RecipeConfig, rundir: RunDir) -> int:

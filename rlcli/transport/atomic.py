@@ -6,19 +6,36 @@ atomic on POSIX filesystems, including NFS and Lustre for same-directory renames
 Directories are built under a temporary name, renamed into place, and only then
 marked complete by a ``STABLE`` marker file written last: readers look for the marker,
 never for the directory.
+
+Temporary names carry host, rank and pid (``.name.tmp-<host>-r<rank>-<pid>``): several
+ranks and hosts write into one shared run directory, and :func:`clean_temporaries` only
+removes what a dead process *of this host* left (it cannot tell whether a process on
+another host is alive). A directory written by several ranks is built with
+:func:`begin_dir` / :func:`commit_dir`: one rank creates and later renames and marks it,
+after a barrier (``rlcli.parallel.dist.shared_atomic_dir``).
 """
 
 import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
 import time
 import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
 STABLE = "STABLE"
+
+_HOST = socket.gethostname().replace("/", "_")
+_TEMP_RE = re.compile(r"\.(?:tmp|old)-(?P<host>.+)-r(?P<rank>\d+)-(?P<pid>\d+)(?:-[0-9a-f]{8})?$")
+
+
+def temp_tag() -> str:
+    """``<host>-r<rank>-<pid>``: who owns a temporary name (rank from torchrun's RANK)."""
+    return f"{_HOST}-r{os.environ.get('RANK', '0')}-{os.getpid()}"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -38,7 +55,7 @@ def atomic_write_bytes(path: str | Path, data: bytes, *, fsync: bool = True) -> 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # Unique per call: two threads of one process may write the same file at once.
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{temp_tag()}-{uuid.uuid4().hex[:8]}")
     with open(tmp, "wb") as f:
         f.write(data)
         if fsync:
@@ -83,6 +100,36 @@ def is_stable(directory: str | Path) -> bool:
     return (Path(directory) / STABLE).is_file()
 
 
+def begin_dir(final: str | Path) -> Path:
+    """Create (empty) the temporary directory that :func:`commit_dir` will move to ``final``."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.tmp-{temp_tag()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
+
+
+def commit_dir(tmp: Path, final: str | Path, marker: dict[str, Any] | None = None) -> None:
+    """fsync ``tmp``'s files, move it to ``final`` (replacing an old one) and mark it STABLE."""
+    final = Path(final)
+    for child in tmp.iterdir():
+        if child.is_file():
+            with open(child, "rb") as f:
+                os.fsync(f.fileno())
+    old = None
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{temp_tag()}")
+        shutil.rmtree(old, ignore_errors=True)
+        (final / STABLE).unlink(missing_ok=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    write_marker(final, marker)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def atomic_dir(final: str | Path, marker: dict[str, Any] | None = None) -> Iterator[Path]:
     """Build a directory under a temporary name; on success rename it to ``final`` and mark it.
@@ -91,28 +138,10 @@ def atomic_dir(final: str | Path, marker: dict[str, Any] | None = None) -> Itera
     and deleted after the new one is in place, so readers see either the old complete
     directory or the new one. On error the temporary directory is removed.
     """
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = begin_dir(final)
     try:
         yield tmp
-        for child in tmp.iterdir():
-            if child.is_file():
-                with open(child, "rb") as f:
-                    os.fsync(f.fileno())
-        old = None
-        if final.exists():
-            old = final.with_name(f".{final.name}.old-{os.getpid()}")
-            shutil.rmtree(old, ignore_errors=True)
-            (final / STABLE).unlink(missing_ok=True)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        _fsync_dir(final.parent)
-        write_marker(final, marker)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        commit_dir(tmp, final, marker)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -135,16 +164,25 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _owner_alive(name: str) -> bool:
+    m = _TEMP_RE.search(name)
+    if m is None:  # an older name, ``.x.tmp-<pid>``: judged on this host
+        pid = name.rsplit("-", 1)[-1]
+        return pid.isdigit() and int(pid) != os.getpid() and _pid_alive(int(pid))
+    if m["host"] != _HOST:
+        return True  # another host's writer: only that host can tell
+    return int(m["pid"]) != os.getpid() and _pid_alive(int(m["pid"]))
+
+
 def clean_temporaries(parent: str | Path) -> None:
-    """Remove temporaries left in ``parent`` by writers that are no longer running."""
+    """Remove temporaries left in ``parent`` by writers of this host that are no longer running."""
     parent = Path(parent)
     if not parent.is_dir():
         return
     for child in parent.iterdir():
         name = child.name
         if name.startswith(".") and (".tmp-" in name or ".old-" in name):
-            pid = name.rsplit("-", 1)[-1]
-            if pid.isdigit() and int(pid) != os.getpid() and _pid_alive(int(pid)):
+            if _owner_alive(name):
                 continue
             if child.is_dir():
                 shutil.rmtree(child, ignore_errors=True)

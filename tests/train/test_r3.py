@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlcli.config import RecipeConfig
+from rlcli.config.train import LossConfig
 from rlcli.errors import ConfigError
 from rlcli.models import load_model
 from rlcli.models.moe import GroupedExperts
@@ -16,7 +16,7 @@ from rlcli.ops.attention import ForwardContext, PackedCausalAttention, RoutingCo
 from rlcli.protocol import WireTensor
 from rlcli.protocol.batch import Sample, build_micro_batch, pack_rows
 from rlcli.train.loss import LOSSES
-from rlcli.train.trainer import Trainer
+from rlcli.train.step import forward_backward, prepare
 
 NUM_EXPERTS, TOP_K, NUM_MOE_LAYERS = 8, 2, 2
 
@@ -35,10 +35,15 @@ def moe(tmp_path):
     return model
 
 
-def trainer_for(model, r3: bool) -> Trainer:
-    t = Trainer.__new__(Trainer)  # the step's code path, without run directory or sockets
-    t.cfg, t.model, t.device, t.loss_fn = RecipeConfig(r3=r3), model, torch.device("cpu"), LOSSES["tis"]
-    return t
+class trainer_for:
+    """rl-train's step code path (rlcli.train.step), without run directory, sockets or process group."""
+
+    def __init__(self, model, r3: bool):
+        self.model, self.r3 = model, r3
+
+    def forward_backward(self, mb, num_loss_tokens: int) -> dict:
+        return forward_backward(self.model, prepare(mb, torch.device("cpu")), torch.tensor(float(num_loss_tokens)),
+                                LOSSES["tis"], LossConfig(), 1024, r3=self.r3)
 
 
 def samples(rng: np.random.Generator, lengths=(7, 12, 5, 9)) -> list[Sample]:

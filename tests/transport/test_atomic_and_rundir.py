@@ -98,3 +98,20 @@ def test_metrics_skip_a_partial_last_line(tmp_path):
     with open(run.metrics_file("train"), "a") as f:
         f.write('{"step": 2, "lo')
     assert run.read_metrics("train") == [{"step": 1}]
+
+
+def test_temporaries_carry_host_and_rank_and_other_hosts_are_left_alone(tmp_path, monkeypatch):
+    from rlcli.transport import atomic
+
+    monkeypatch.setenv("RANK", "3")
+    tag = atomic.temp_tag()
+    assert tag == f"{atomic._HOST}-r3-{os.getpid()}"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    mine_dead = f".step_1.tmp-{atomic._HOST}-r0-{dead}"
+    other_host = f".step_2.tmp-other-node-07-r1-{dead}"  # same pid number, another host: may be alive
+    (tmp_path / mine_dead).mkdir()
+    (tmp_path / other_host).mkdir()
+    (tmp_path / f".x.json.tmp-{atomic._HOST}-r2-{dead}-0123abcd").write_text("{}")
+    clean_temporaries(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == [other_host]

@@ -1,0 +1,103 @@
+"""Token logprobs and entropy from hidden states, chunked over tokens, with recomputation.
+
+The naive path (``log_softmax(lm_head(h).float())``) keeps fp32 ``[N, V]`` logits, their
+log-softmax and, for an entropy bonus, ``exp`` of it alive for backward: at 131k tokens and
+a 150k vocabulary that is ~80 GB per tensor. Here the LM head runs on ``chunk`` tokens at a
+time; forward keeps only per-token scalars (logprob, entropy, logsumexp), and backward
+recomputes each chunk's logits and turns them straight into the gradients of the hidden
+states and of the LM-head weight. The largest temporary is one chunk's fp32 logits.
+
+Gradients (``z`` = logits / T, ``p`` = softmax(z), ``lp`` = z[target] - logsumexp(z),
+``H`` = -sum p log p):  d lp / d z = onehot(target) - p,  d H / d z = -p (log p + H).
+The entropy gets a gradient only when the loss uses it; otherwise it costs no backward work.
+"""
+
+import torch
+
+from rlcli.ops.sampling import top_p_keep
+
+
+def _nucleus(z_CV: torch.Tensor, logp_CV: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keep mask, logsumexp of ``z`` over it) for the top-p nucleus (the engine's ``top_p_keep``)."""
+    keep = top_p_keep(logp_CV.exp(), top_p)
+    return keep, torch.logsumexp(z_CV.masked_fill(~keep, float("-inf")), dim=-1)
+
+
+def _chunk_stats(h_CD, weight_VD, targets_C, inv_temp: float, top_p: float = 1.0):
+    z = (h_CD @ weight_VD.T).float() * inv_temp
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z - lse[:, None]
+    entropy = -(logp.exp() * logp).sum(-1)  # of the full distribution, as the bonus wants
+    lp = z.gather(1, targets_C[:, None])[:, 0] - lse
+    if top_p < 1:
+        keep, lse = _nucleus(z, logp, top_p)
+        lp = (z.gather(1, targets_C[:, None])[:, 0] - lse).masked_fill(~keep.gather(1, targets_C[:, None])[:, 0],
+                                                                        float("-inf"))  # ratio 0: masked
+    return z, lse, lp, entropy
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_ND, weight_VD, targets_N, temperature: float, chunk: int, top_p: float):
+        N = h_ND.shape[0]
+        lp, entropy = h_ND.new_empty(N, dtype=torch.float32), h_ND.new_empty(N, dtype=torch.float32)
+        with torch.no_grad():
+            for s in range(0, N, chunk):
+                _, _, lp[s:s + chunk], entropy[s:s + chunk] = _chunk_stats(
+                    h_ND[s:s + chunk], weight_VD, targets_N[s:s + chunk], 1.0 / temperature, top_p)
+        ctx.save_for_backward(h_ND, weight_VD, targets_N, entropy)
+        ctx.temperature, ctx.chunk, ctx.top_p = temperature, chunk, top_p
+        ctx.set_materialize_grads(False)
+        return lp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_lp_N, grad_entropy_N):
+        h_ND, weight_VD, targets_N, entropy_N = ctx.saved_tensors
+        inv_temp, chunk = 1.0 / ctx.temperature, ctx.chunk
+        grad_h = torch.zeros_like(h_ND) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros(weight_VD.shape, dtype=torch.float32, device=weight_VD.device) \
+            if ctx.needs_input_grad[1] else None
+        if grad_lp_N is None and grad_entropy_N is None:
+            return grad_h, grad_w, None, None, None, None
+        for s in range(0, h_ND.shape[0], chunk):
+            h = h_ND[s:s + chunk]
+            z = (h @ weight_VD.T).float() * inv_temp
+            logp = z - torch.logsumexp(z, dim=-1, keepdim=True)
+            p = logp.exp()
+            g_z = torch.zeros_like(z)
+            if grad_lp_N is not None:
+                g = grad_lp_N[s:s + chunk].float()
+                # d lp / d z = onehot(target) - p over the distribution lp is taken under (the nucleus
+                # when top_p < 1: softmax renormalized over the kept tokens, 0 elsewhere).
+                t = targets_N[s:s + chunk, None]
+                if ctx.top_p >= 1:
+                    g_z -= p * g[:, None]
+                    g_z.scatter_add_(1, t, g[:, None])
+                else:
+                    keep, lse_keep = _nucleus(z, logp, ctx.top_p)
+                    g_z -= (z - lse_keep[:, None]).exp() * keep * g[:, None]
+                    g_z.scatter_add_(1, t, (g * keep.gather(1, t)[:, 0])[:, None])
+            if grad_entropy_N is not None:
+                g = grad_entropy_N[s:s + chunk].float()
+                g_z -= p * (logp + entropy_N[s:s + chunk, None]) * g[:, None]
+            g_z = (g_z * inv_temp).to(weight_VD.dtype)
+            if grad_h is not None:
+                grad_h[s:s + chunk] = g_z @ weight_VD
+            if grad_w is not None:
+                grad_w.addmm_(g_z.T.float(), h.float()) if weight_VD.dtype == torch.float32 \
+                    else grad_w.add_((g_z.T @ h).float())
+        return grad_h, None if grad_w is None else grad_w.to(weight_VD.dtype), None, None, None, None
+
+
+def chunked_logprobs(hidden_ND: torch.Tensor, weight_VD: torch.Tensor, targets_N: torch.Tensor,
+                     temperature: float = 1.0, chunk: int = 1024, top_p: float = 1.0
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``(logprob of targets_N, entropy)``, both ``[N]``, under ``softmax(hidden @ weight.T / T)``.
+
+    With ``top_p < 1`` the logprob is under the nucleus the engine sampled from (the same
+    truncation, renormalized; -inf outside it); the entropy stays that of the full distribution.
+    Differentiable in ``hidden_ND`` and ``weight_VD``; peak extra memory is one
+    ``[chunk, V]`` fp32 block (see module docstring).
+    """
+    return _ChunkedLogprobs.apply(hidden_ND, weight_VD, targets_N.long(), float(temperature), int(chunk),
+                                  float(top_p))

@@ -1,0 +1,129 @@
+"""The process group of one rl-train job, and the few collectives its run-directory I/O needs.
+
+Host-side collectives (barriers around shared directories, objects, row counts) go over a
+gloo group even when the default group is NCCL, so they never wait for the device.
+
+Under torchrun (RANK / WORLD_SIZE / LOCAL_RANK set) every rank joins the default group:
+NCCL when CUDA is available (device ``cuda:LOCAL_RANK``), gloo on CPU. A plain process
+(no torchrun) is rank 0 of 1 and creates no group; every helper here then degrades to
+the single-process behaviour, so the trainer has one code path.
+"""
+
+import contextlib
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from rlcli.transport.atomic import begin_dir, commit_dir
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed() -> DistInfo:
+    """Join torchrun's job (when there is one) and pick this rank's device."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    global _cpu_group
+    if world > 1 and not dist.is_initialized():
+        if device.type == "cuda":
+            dist.init_process_group("nccl", device_id=device)
+            # Host-side metadata (row counts) travels over gloo: no device sync for it.
+            _cpu_group = dist.new_group(backend="gloo")
+        else:
+            dist.init_process_group("gloo")
+    return DistInfo(rank, world, local_rank, device)
+
+
+_cpu_group = None
+
+
+def enabled() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def barrier() -> None:
+    if enabled():
+        dist.barrier(group=_cpu_group)
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """``obj`` of rank ``src`` on every rank."""
+    if not enabled():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=_cpu_group)
+    return box[0]
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    if not enabled():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj, group=_cpu_group)
+    return out
+
+
+def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
+    """In-place sum over ``group`` (default: every rank); on device, no host sync."""
+    if enabled():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t
+
+
+def all_reduce_max(t: torch.Tensor, group=None) -> torch.Tensor:
+    """In-place max over ``group`` (default: every rank); on device, no host sync."""
+    if enabled():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t
+
+
+def all_reduce_max_int(value: int) -> int:
+    """The largest ``value`` of any rank: a host-side int over a gloo group, so it never
+    waits for the device."""
+    if not enabled():
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_cpu_group)
+    return int(t.item())
+
+
+@contextlib.contextmanager
+def shared_atomic_dir(final: str | Path, marker: dict[str, Any] | None = None) -> Iterator[Path]:
+    """:func:`rlcli.transport.atomic.atomic_dir` for a directory every rank writes into.
+
+    Rank 0 creates the temporary directory (its name carries rank 0's host and pid) and
+    tells the others; after a barrier (every rank done writing) rank 0 moves it into place
+    and marks it STABLE; a second barrier keeps any rank from racing ahead of the marker.
+    """
+    tmp = Path(broadcast_object(str(begin_dir(final)) if not enabled() or dist.get_rank() == 0 else None))
+    try:
+        yield tmp
+        barrier()
+        if not enabled() or dist.get_rank() == 0:
+            commit_dir(tmp, final, marker)
+        barrier()
+    except BaseException:
+        if not enabled() or dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,145 @@
+"""One training step over this rank's packed rows, with no host sync inside it.
+
+``prepare`` turns a packed micro-batch into tensors aligned on the *predicting* position:
+position t carries the target token t + 1 and that token's loss mask, advantage and
+inference logprob, so a row can be cut anywhere (context parallelism) without losing a
+pair. ``forward_backward`` runs the model to hidden states and computes logprobs (and
+entropy) chunk by chunk from them (:mod:`rlcli.ops.logprobs`), never as full-vocab fp32
+logits of the batch.
+
+Normalization: the loss of every micro-batch on every rank is divided by the number of
+loss tokens of the whole step, summed over the data-parallel ranks with an all-reduce on
+device; FSDP2 then sums (not averages) gradients, so the update equals a single process
+training on the whole batch. Ranks may hold different numbers of rows; every rank runs as
+many forward/backward passes as the busiest one (FSDP's collectives must pair up), padding
+with rows whose loss mask is empty.
+"""
+
+from typing import Callable
+
+import torch
+
+from rlcli.errors import ConfigError
+from rlcli.models.moe import check_routes
+from rlcli.ops.attention import ForwardContext, PackedCausalAttention, RoutingContext
+from rlcli.ops.logprobs import chunked_logprobs
+from rlcli.parallel import dist as pdist
+from rlcli.protocol.batch import MicroBatch
+from rlcli.train.data import to_tensors
+from rlcli.train.loss import sequence_ids
+
+_SHIFTED = ("loss_mask", "advantages", "inference_logprobs")
+
+
+def prepare(mb: MicroBatch, device: torch.device, empty: bool = False) -> dict[str, torch.Tensor]:
+    """[1, T] tensors of one packed row, aligned on predicting positions (module docstring).
+    ``empty`` zeroes the loss mask (a padding pass)."""
+    t = to_tensors(mb, device)
+
+    def shift(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], dim=1)
+
+    t["targets"] = shift(t["input_ids"])
+    for name in _SHIFTED:
+        t[name] = shift(t[name])
+    if empty:
+        t["loss_mask"] = torch.zeros_like(t["loss_mask"])
+    t["temperature"] = mb.temperature
+    t["top_p"] = mb.top_p
+    return t
+
+
+def routing_for(t: dict, model: torch.nn.Module, r3: bool) -> RoutingContext | None:
+    """R3: replay the engine's routes; refuse batches that disagree with this trainer's ``r3``."""
+    routes = t.get("routed_experts")
+    if not r3:
+        if routes is not None:
+            raise ConfigError("the rollout batch carries MoE routes (rl-orchestrate runs with r3) but "
+                              "rl-train does not: set r3 = true for both")
+        return None
+    if routes is None:
+        raise ConfigError("rl-train runs with r3 = true but the rollout batch has no routes: set r3 = true "
+                          "for rl-orchestrate too")
+    check_routes(routes, model.args, t["input_ids"].shape[1])
+    pos = t["position_ids"][0]
+    last = torch.cat([pos[1:] == 0, pos.new_ones(1, dtype=torch.bool)])  # a sequence's last token: filler route
+    return RoutingContext(replay=routes, counted=~last)
+
+
+def forward_backward(model: torch.nn.Module, t: dict, normalizer: torch.Tensor, loss_fn: Callable, lcfg,
+                     chunk: int, attn=None, r3: bool = False) -> dict[str, torch.Tensor]:
+    """Loss of one row divided by ``normalizer`` (device scalar), backward; sums for metrics.
+    ``attn``: the attention backend for ``t`` (context parallelism builds its own)."""
+    routing = routing_for(t, model, r3)
+    ctx = ForwardContext(attn=attn if attn is not None else PackedCausalAttention(t["position_ids"]), routing=routing)
+    h_BTD = model.hidden_states(t["input_ids"], t["position_ids"], ctx)
+    targets = t["targets"]
+    lp, entropy = chunked_logprobs(h_BTD.flatten(0, 1), model.lm_head.weight, targets.flatten(),
+                                   t["temperature"], chunk, t["top_p"])
+    lp, entropy = lp.view(targets.shape), entropy.view(targets.shape)
+    mask = t["loss_mask"]
+    loss, kept, metrics = loss_fn(lp, t["inference_logprobs"], t["advantages"], mask,
+                                  sequence_ids(t["position_ids"]), lcfg)
+    # The entropy bonus acts only on the tokens the loss keeps; without it no gradient flows into the entropy.
+    total = loss - lcfg.entropy_coef * (entropy * kept).sum() if lcfg.entropy_coef else loss
+    (total / normalizer).backward()
+    metrics["loss"] = loss.detach()
+    metrics["entropy"] = (entropy.detach() * mask).sum()
+    if routing is not None:
+        metrics["router_disagree"] = torch.as_tensor(routing.num_disagree, dtype=torch.float32, device=lp.device)
+        metrics["router_pairs"] = torch.as_tensor(routing.num_pairs, dtype=torch.float32, device=lp.device)
+    return metrics
+
+
+def accumulate(model: torch.nn.Module, micro_batches: list[MicroBatch], dims, device: torch.device,
+               loss_fn: Callable, lcfg, chunk: int, r3: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """forward_backward over this rank's rows (padded to the busiest rank's count; cut to this
+    rank's part of each row under context parallelism). Returns this rank's metric sums and
+    the step's loss-token count (all-reduced over the dp ranks)."""
+    dp_group = dims.mesh["dp"].get_group() if dims.enabled else None
+    normalizer = global_loss_tokens(micro_batches, device, dp_group)
+    cp_rank = dims.coords(torch.distributed.get_rank())[1] if dims.enabled else 0
+    totals: dict[str, torch.Tensor] = {}
+    for mb, padding in padded_micro_batches(micro_batches):
+        t, attn = prepare(mb, device, empty=padding), None
+        if dims.cp > 1:
+            from rlcli.parallel.context import shard_batch_for_cp
+
+            host_pos = torch.from_numpy(mb.position_ids.numpy().astype("int64"))[None]
+            t, attn = shard_batch_for_cp(t, cp_rank, dims.cp, host_position_ids=host_pos)
+        for k, v in forward_backward(model, t, normalizer, loss_fn, lcfg, chunk, attn, r3).items():
+            if k.endswith("_max"):
+                totals[k] = torch.maximum(totals[k], v) if k in totals else v
+            else:
+                totals[k] = totals.get(k, 0) + v
+    return totals, normalizer
+
+
+def global_loss_tokens(micro_batches: list[MicroBatch], device: torch.device, group=None) -> torch.Tensor:
+    """Loss tokens of the whole step: this rank's count (host-side, from the batch file) summed
+    over ``group`` (the data-parallel ranks) on device."""
+    local = sum(int(mb.loss_mask.numpy()[1:].sum()) for mb in micro_batches)
+    n = torch.tensor(float(local), device=device)
+    return pdist.all_reduce_sum(n, group=group).clamp(min=1.0)
+
+
+def padded_micro_batches(micro_batches: list[MicroBatch]) -> list[tuple[MicroBatch, bool]]:
+    """(row, is_padding) pairs: as many as the busiest rank holds (one small collective)."""
+    n = pdist.all_reduce_max_int(len(micro_batches))
+    out = [(mb, False) for mb in micro_batches]
+    if len(out) < n:
+        filler = micro_batches[0] if micro_batches else _tiny_row()
+        out += [(filler, True)] * (n - len(out))
+    return out
+
+
+def _tiny_row() -> MicroBatch:
+    import numpy as np
+
+    from rlcli.protocol.messages import WireTensor
+
+    T = WireTensor.from_numpy
+    z = np.zeros(2, dtype=np.int32)
+    return MicroBatch(input_ids=T(z), position_ids=T(np.arange(2, dtype=np.int32)),
+                      loss_mask=T(np.zeros(2, dtype=np.bool_)), advantages=T(np.zeros(2, dtype=np.float32)),
+                      inference_logprobs=T(np.zeros(2, dtype=np.float32)), versions=T(z))

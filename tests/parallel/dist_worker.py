@@ -1,0 +1,126 @@
+"""Run by tests/parallel/test_fsdp.py under torchrun (gloo, 2 ranks): the trainer's own
+pieces on real process groups. Writes what it computed (gathered on rank 0) under
+``OUT/`` for the test to compare with a single-process run.
+
+For each model in OUT/models/<name> with batches in OUT/batches/<name>/<dp_rank>.msgpack:
+  * meta build -> parallelize (FSDP2 over 2 ranks, optional activation checkpointing) ->
+    each rank loads its own slices -> publish sharded HF weights (OUT/pub_<name>);
+  * one forward/backward over this rank's rows: loss and every gradient -> grads_<name>_<ac>.pt;
+  * dense only: AdamW step, DCP checkpoint (OUT/run), second step -> params after each;
+    then a fresh model + optimizer resumes from the checkpoint and redoes step 2.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from rlcli.config.train import LossConfig, ParallelConfig, TrainConfig
+from rlcli.models import ModelArgs, build_model
+from rlcli.parallel import parallelize, resolve_dims
+from rlcli.parallel import dist as pdist
+from rlcli.parallel.fsdp import clip_grad_norm_
+from rlcli.parallel.loading import load_sharded
+from rlcli.parallel.publish import publish_hf_sharded
+from rlcli.protocol.batch import decode_batch
+from rlcli.train.checkpoint import load_latest_checkpoint, save_checkpoint
+from rlcli.train.loss import LOSSES
+from rlcli.train.step import accumulate
+from rlcli.transport.rundir import RunDir
+
+OUT = Path(sys.argv[1])
+# "fsdp": 2 ranks, --dp 2 (everything below); "epcp": 4 ranks, --dp 2 --cp 2 on the dense
+# model and --dp 2 --cp 2 --ep 2 on the MoE (loss and gradients only).
+MODE = sys.argv[2] if len(sys.argv) > 2 else "fsdp"
+LCFG = LossConfig(entropy_coef=0.01)
+
+
+def full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def build(name: str, dims, ac: str):
+    args = ModelArgs.from_dir(OUT / "models" / name)
+    model = build_model(args, device="meta", dtype=torch.float32, materialize=False)
+    parallelize(model, dims, TrainConfig(activation_checkpointing=ac), torch.float32)
+    model.to_empty(device="cpu")
+    model.init_buffers()
+    load_sharded(model, OUT / "models" / name)
+    return model
+
+
+def step(model, batch, dims) -> torch.Tensor:
+    """The trainer's accumulation over this rank's rows; the step's mean loss."""
+    totals, normalizer = accumulate(model, batch.micro_batches, dims, torch.device("cpu"), LOSSES["icepop"], LCFG,
+                                    chunk=7)
+    return pdist.all_reduce_sum(totals["loss"]) / normalizer
+
+
+def epcp_main(rank: int, world: int) -> None:
+    for name, ep in (("dense", 1), ("moe", 2)):
+        dims = resolve_dims(ParallelConfig(dp=2, cp=2, ep=ep), world, num_experts=6).build("cpu")
+        batch = decode_batch((OUT / "batches" / name / f"{dims.coords(rank)[0]}.msgpack").read_bytes())
+        model = build(name, dims, "none")
+        loss = step(model, batch, dims)
+        grads = {k: full(p.grad) for k, p in model.named_parameters()}
+        norm = clip_grad_norm_(model.parameters(), 0.0)
+        if rank == 0:
+            torch.save({"loss": loss, "grads": grads, "norm": norm}, OUT / f"grads_{name}_epcp.pt")
+
+
+def main() -> None:
+    info = pdist.init_distributed()
+    rank = info.rank
+    if MODE == "epcp":
+        epcp_main(rank, info.world_size)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
+    dims = resolve_dims(ParallelConfig(dp=2), info.world_size).build("cpu")
+    for name in sorted(p.name for p in (OUT / "models").iterdir()):
+        batch = decode_batch((OUT / "batches" / name / f"{dims.coords(rank)[0]}.msgpack").read_bytes())
+        for ac in (["none", "selective", "full"] if name == "dense" else ["none"]):
+            model = build(name, dims, ac)
+            if ac == "none":
+                with pdist.shared_atomic_dir(OUT / f"pub_{name}") as tmp:
+                    publish_hf_sharded(model, tmp, max_shard_bytes=20_000)
+            loss = step(model, batch, dims)
+            grads = {k: full(p.grad) for k, p in model.named_parameters()}
+            norm = clip_grad_norm_(model.parameters(), 0.0)  # 0: measure only
+            if rank == 0:
+                torch.save({"loss": loss, "grads": grads, "norm": norm}, OUT / f"grads_{name}_{ac}.pt")
+        if name != "dense":
+            continue
+        # Resume: step 1, checkpoint, step 2; then a fresh model resumes and redoes step 2.
+        run = RunDir(OUT / "run")
+
+        def fresh():
+            model = build(name, dims, "none")
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+
+        model, opt, sched = fresh()
+        params = []
+        for i in (1, 2):
+            step(model, batch, dims)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            params.append({k: full(p).detach().clone() for k, p in model.named_parameters()})
+            if i == 1:
+                save_checkpoint(run, 1, model, opt, sched, {"step": 1}, keep=2, mesh={"dp": 2, "cp": 1, "ep": 1})
+        model, opt, sched = fresh()
+        extra = load_latest_checkpoint(run, model, opt, sched)
+        step(model, batch, dims)
+        opt.step()
+        resumed = {k: full(p).detach().clone() for k, p in model.named_parameters()}
+        if rank == 0:
+            torch.save({"step1": params[0], "step2": params[1], "resumed": resumed, "extra": extra},
+                       OUT / "resume.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""Launching and mesh checks: the lines a user sees for a bad --dp/--ep/--cp, Slurm rendezvous."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from procs import write_recipe
+from rlcli.cli.torchrun import expand_nodelist, strip_launch_flags, torchrun_command, world_size
+from rlcli.config.train import ParallelConfig
+from rlcli.errors import ConfigError
+from rlcli.parallel.dims import resolve_dims
+
+
+@pytest.mark.parametrize("kw,world,experts,message", [
+    (dict(dp=3, cp=2), 4, 0, "--dp 3 --cp 2 needs 6 ranks, torchrun gave 4"),
+    (dict(cp=3), 4, 0, "--cp 3 does not divide the 4 ranks"),
+    (dict(ep=2), 2, 0, "--ep 2 needs a mixture-of-experts model"),
+    (dict(ep=4, dp=2), 2, 8, "--ep 4 must divide --dp x --cp = 2"),
+    (dict(ep=2, dp=2), 2, 5, "--ep 2 must divide the model's 5 experts"),
+])
+def test_bad_meshes_name_the_flags(kw, world, experts, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        resolve_dims(ParallelConfig(**kw), world, experts)
+
+
+def test_mesh_checks_num_train_ranks_and_cp_against_the_row():
+    with pytest.raises(ConfigError, match=r"orchestrate.num_train_ranks \(1\) must equal train.parallel.dp \(2\)"):
+        resolve_dims(ParallelConfig(), 2, num_train_ranks=1)
+    with pytest.raises(ConfigError, match="--cp 4 cuts each row into 8 chunks, more than train.micro_batch_tokens"):
+        resolve_dims(ParallelConfig(cp=4), 4, micro_batch_tokens=6)
+    d = resolve_dims(ParallelConfig(cp=2, ep=2), 8, num_experts=8, num_train_ranks=4)
+    assert (d.dp, d.cp, d.ep, d.fsdp_size) == (4, 2, 2, 8)
+    assert [d.coords(r) for r in (0, 1, 2, 7)] == [(0, 0), (0, 1), (1, 0), (3, 1)]
+
+
+def test_slurm_nodelists_expand_like_scontrol():
+    assert expand_nodelist("gpu[01-03,07],login1") == ["gpu01", "gpu02", "gpu03", "gpu07", "login1"]
+    assert expand_nodelist("node7") == ["node7"]
+    assert expand_nodelist("a[8-10]") == ["a8", "a9", "a10"]
+
+
+def test_torchrun_command_from_slurm_and_flags():
+    args = strip_launch_flags(["--config", "r.toml", "--nproc-per-node", "8", "--nnodes=2", "--ep", "8"])
+    assert args == ["--config", "r.toml", "--ep", "8"]
+    slurm = {"SLURM_JOB_NODELIST": "gpu[12-13]", "SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_ID": "77"}
+    cmd = torchrun_command(8, None, None, None, args, env=slurm)
+    i = cmd.index("torch.distributed.run")
+    assert cmd[i + 1:i + 11] == ["--nproc-per-node", "8", "--nnodes", "2", "--node-rank", "1", "--master-addr",
+                                 "gpu12", "--master-port", "29500"]
+    assert cmd[-6:] == ["rlcli.cli.train", "run", "--config", "r.toml", "--ep", "8"]
+    assert world_size(8, None, env=slurm) == 16
+    assert "--standalone" in torchrun_command(2, None, None, None, [], env={})
+    cmd = torchrun_command(4, 3, None, "h:1234", [], env={})
+    assert cmd[cmd.index("--rdzv-endpoint") + 1] == "h:1234" and cmd[cmd.index("--nnodes") + 1] == "3"
+
+
+def test_rl_train_refuses_a_bad_mesh_before_launching(tmp_path, tiny_model_dir):
+    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, tmp_path / "run")
+    for flags, needle in [(["--dp", "3", "--cp", "2"], "--dp 3 --cp 2 needs 6 ranks, torchrun gave 4"),
+                          (["--ep", "2"], "--ep 2 needs a mixture-of-experts model")]:
+        out = subprocess.run([sys.executable, "-m", "rlcli.cli.train", "--config", str(recipe), "--nproc-per-node",
+                              "4", *flags], capture_output=True, text=True, timeout=120)
+        lines = [line for line in out.stderr.splitlines() if line.strip()]
+        assert out.returncode == 2 and len(lines) == 1 and needle in lines[0], out.stderr
