@@ -27,7 +27,7 @@ from rlcli.errors import ModelLoadError
 from rlcli.models.hf_io import _ignorable, hf_state_dict
 from rlcli.models.safetensors_io import SafetensorsFile, weight_files
 from rlcli.transport.atomic import read_marker
-from rlcli.transport.collective import Spec, WeightGroup, connect_store, receive
+from rlcli.transport.collective import Spec, WeightGroup, connect_store, parse_dtype, receive
 
 
 def destinations(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -65,6 +65,10 @@ def verified_files(path: str | Path) -> tuple[Path, list[SafetensorsFile]]:
 def load_from_files(model: torch.nn.Module, path: str | Path) -> None:
     """Verify, then copy a published directory into ``model`` tensor by tensor."""
     source, files = verified_files(path)
+    if any(n.endswith("weight_scale_inv") for f in files for n in f.keys()):
+        from rlcli.models.hf_io import load_weights  # FP8 + scales: the FP8-aware loader, after the checks above
+
+        return load_weights(model, source)
     dests = destinations(model)
     plan: list[tuple[SafetensorsFile, str, torch.Tensor]] = []
     seen: set[str] = set()
@@ -129,3 +133,33 @@ class CollectiveReceiver:
         if self.group is not None:
             self.group.close()
             self.group = None
+
+
+class WeightReceiver:
+    """The native engine's receiver: dispatches on the ``WeightsRef`` type."""
+
+    def __init__(self, device: torch.device):
+        self.collective = CollectiveReceiver(device)
+
+    @property
+    def torn(self) -> bool:
+        """A collective load broke midway: parameters hold a mix of two versions."""
+        return self.collective.torn
+
+    def load(self, model: torch.nn.Module, ref, version: int) -> None:
+        from rlcli.protocol import FsWeights, NcclWeights
+
+        if isinstance(ref, FsWeights):
+            if self.torn:
+                raise ModelLoadError("weights are torn by a broken collective load; only a collective load "
+                                     "of the newest version can repair them")
+            load_from_files(model, ref.path)
+        elif isinstance(ref, NcclWeights):
+            specs = [Spec(t.name, parse_dtype(t.dtype), tuple(t.shape)) for t in ref.tensors]
+            self.collective.load(model, ref.store, ref.group, ref.rank, ref.world_size, version, specs,
+                                 ref.bucket_bytes, ref.timeout_s)
+        else:
+            raise ValueError(f"the native engine cannot receive {type(ref).__name__}")
+
+    def close(self) -> None:
+        self.collective.close()

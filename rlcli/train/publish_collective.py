@@ -52,7 +52,7 @@ class CollectivePublisher:
                  transform: Transform | None = None):
         self.run_root, self.announce, self.device, self.transform = Path(run_root), announce, device, transform
         self.bucket_bytes = cfg.sync.backend.bucket_bytes
-        self.timeout_s = cfg.sync.ack_timeout_s
+        self.timeout_s = cfg.sync.ack_timeout_s / 2  # as the servers' (rl-sync's rounds)
         self.rank, _ = world()
         self.fs = FilesystemPublisher(cfg, self.run_root / "weights", announce)
         self.specs: list[Spec] = []

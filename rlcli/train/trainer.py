@@ -12,6 +12,7 @@ metrics are logged.
 """
 
 import os
+import threading
 import time
 
 import torch
@@ -29,6 +30,7 @@ from rlcli.protocol.batch import TrainingBatch
 from rlcli.train.checkpoint import load_latest_checkpoint, save_checkpoint
 from rlcli.train.data import to_tensors, wait_for_batch
 from rlcli.train.loss import LOSSES, token_logprobs
+from rlcli.train.publish import make_publisher
 from rlcli.train.sft import run_sft
 from rlcli.transport.atomic import atomic_dir, clean_temporaries, is_stable
 from rlcli.transport.registry import Registration
@@ -54,8 +56,10 @@ class Trainer:
         self.dtype = DTYPES[cfg.model.dtype]
         self.stopping = False
         self.publisher = Publisher(cfg.infer.host, tcfg.pub_port)
+        self._pub_lock = threading.Lock()  # announcements also come from the weight publisher's thread
         self.registration = Registration(run.registry_dir(), "train", 0, {"pub": self.publisher.endpoint})
         clean_temporaries(run.root / "weights")
+        self.weights = make_publisher(cfg, run.root, self.announce, self.device)
         self.model = self._initial_model()
         o = tcfg.optim
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
@@ -93,14 +97,20 @@ class Trainer:
         return model
 
     def publish(self, step: int, model=None) -> None:
-        """Write policy ``step`` to RUN/weights/step_<step> (STABLE last) and announce it."""
-        with atomic_dir(self.run.weights_dir(step), {"step": step}) as tmp:
-            save_model(model if model is not None else self.model, tmp, source_dir=self.cfg.model.path,
-                       fp8=self.cfg.train.fp8.enabled and self.cfg.train.fp8.publish)
-        self.announce(step)
+        """Hand policy ``step`` to the weight publisher (``sync.backend``); it announces it. FP8
+        publishing (weights + scales) keeps its own filesystem writer for now."""
+        model = model if model is not None else self.model
+        if self.cfg.train.fp8.enabled and self.cfg.train.fp8.publish:
+            with atomic_dir(self.run.weights_dir(step), {"step": step}) as tmp:
+                save_model(model, tmp, source_dir=self.cfg.model.path, fp8=True)
+            return self.announce(step)
+        self.weights.publish(step, model)
 
-    def announce(self, step: int) -> None:
-        self.publisher.publish(WeightsPublished(step=step, path=str(self.run.weights_dir(step))))
+    def announce(self, step: int, path: str | None = None, timing: dict | None = None) -> None:
+        msg = WeightsPublished(step=step, path=str(self.run.weights_dir(step)) if path is None else path,
+                               timing=timing or {})
+        with self._pub_lock:
+            self.publisher.publish(msg)
 
     # ------------------------------------------------------------------ one step
     def forward_backward(self, mb, num_loss_tokens: int) -> dict[str, torch.Tensor]:
@@ -176,8 +186,11 @@ class Trainer:
         return 0
 
     def close(self) -> None:
-        self.registration.close()
-        self.publisher.close()
+        try:
+            self.weights.close()  # an in-flight write finishes (and its error surfaces) before exit
+        finally:
+            self.registration.close()
+            self.publisher.close()
 
 
 def run(cfg: RecipeConfig, rundir: RunDir) -> int:

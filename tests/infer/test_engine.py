@@ -5,6 +5,7 @@ from rlcli.infer.block_manager import BlockManager
 from rlcli.infer.engine import NativeEngine
 from rlcli.models import load_model, save_model
 from rlcli.protocol import FsWeights, GenerateRequest, SamplingParams
+from rlcli.transport.atomic import write_marker
 
 
 @pytest.fixture
@@ -154,6 +155,7 @@ def test_prefix_cache_is_salted(model):
 def test_in_flight_weight_update_keeps_requests_running(model, tiny_model_dir, tmp_path):
     other = load_model(tiny_model_dir, seed=2)
     save_model(other, tmp_path / "v1")
+    write_marker(tmp_path / "v1")  # FsWeights names a complete (STABLE) directory
     engine = NativeEngine(model, eos_token_ids=[], max_model_len=128)
     engine.add_request(GenerateRequest(request_id="r", prompt_ids=[256, 1, 2, 3],
                                        sampling=SamplingParams(temperature=0, max_tokens=12, n=2)))
