@@ -134,6 +134,8 @@ class Rounds:
             self.not_before = time.monotonic() + self.cfg.sync.poll_interval_s
         seen, timing = self.syncer.published_at.get(rnd.version, (None, {}))
         self.syncer.published_at[rnd.version] = (seen or rnd.started, {**timing, **outcome.get("timing", {})})
+        if self.syncer.last_update.get("version") == rnd.version:  # announced before the trainer's report came
+            self.syncer.last_update.update(outcome.get("timing", {}))
         self.current = None
 
     def close(self) -> None:

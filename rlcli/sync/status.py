@@ -47,7 +47,7 @@ def render(status: dict[str, Any]) -> str:
         lines.append(f"  {key:<12} v{s['version']:<6} {s['state']:<9} {s['host']} pid {s['pid']}{err}")
     u = status.get("last_update") or {}
     if u:
-        parts = [f"{k.removesuffix('_s')} {u[k]:.3f}s" for k in ("gather_s", "send_s", "write_s", "load_s", "total_s")
+        parts = [f"{k.removesuffix('_s')} {u[k]:.3f}s" for k in ("gather_s", "group_s", "send_s", "write_s", "load_s", "total_s")
                  if u.get(k) is not None]
         lines.append(f"last update v{u['version']}: " + ", ".join(parts))
     return "\n".join(lines)

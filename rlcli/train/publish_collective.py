@@ -182,13 +182,14 @@ class CollectivePublisher:
                 info = read_store_file(self.run_root)
                 store = connect_store(info["addr"], self.timeout_s)
                 self.group = WeightGroup(store, order["group"], 0, order["world_size"], self.device, self.timeout_s)
+            t1 = time.monotonic()
             send(self.group, order["version"], self.specs, self.buckets,
                  (self.staging[a:b] for a, b in self.ranges))
         except Exception as e:  # a peer died or missed the deadline: the group is unusable
             self._drop_group()
             log.warning("sending v%d to %s failed: %s", order["version"], order["group"], e)
             return f"{type(e).__name__}: {e}", {}
-        return "", {"send_s": time.monotonic() - t0}
+        return "", {"group_s": t1 - t0, "send_s": time.monotonic() - t1}
 
     def _drop_group(self) -> None:
         if self.group is not None:
