@@ -97,6 +97,7 @@ class CollectiveReceiver:
     def __init__(self, device: torch.device):
         self.device = device
         self.group: WeightGroup | None = None
+        self.key: tuple = ()
         self.torn = False
 
     @torch.no_grad()
@@ -110,12 +111,13 @@ class CollectiveReceiver:
             covered = {s.name for s in specs}
             missing = [n for n in dests if n not in covered]
             problem = f"the transfer lacks tensor {missing[0]}" if missing else None
-        key = (group, rank, world_size)
+        key = (store, group, rank, world_size)  # a restarted rl-sync reuses group names with a new store
         try:
-            if self.group is None or self.group.key != key:
+            if self.group is None or self.key != key:
                 self.close()
                 self.group = WeightGroup(connect_store(store, timeout_s), group, rank, world_size, self.device,
                                          timeout_s)
+                self.key = key
             if problem is None:
                 self.torn = True  # until the last byte has landed
                 receive(self.group, version, specs, bucket_bytes, lambda i: dests[specs[i].name])
