@@ -20,6 +20,7 @@ Needs torch, safetensors and rich only (no pyzmq/msgspec), so it runs as-is on a
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -223,8 +224,6 @@ def run_mode(args, mode: str) -> dict:
             publish_s.append(pub_s)
             load_s.append(max(a[4] for a in acks))
         if mode != "collective":
-            import shutil
-
             shutil.rmtree(path, ignore_errors=True)
     t_q.put("close")
     for q in s_qs:
@@ -247,6 +246,7 @@ def run_mode(args, mode: str) -> dict:
         if p.is_alive():
             p.kill()
             p.join()
+    shutil.rmtree(run_root, ignore_errors=True)
     return {"mode": mode, "bytes": nbytes, "update_s": statistics.median(e2e), "update_min_s": min(e2e),
             "publish_blocks_s": statistics.median(publish_s), "load_s": statistics.median(load_s),
             "floor_s": floor, "ratio": statistics.median(e2e) / floor, "bit_identical": identical}
