@@ -252,6 +252,7 @@ def test_prefix_cache_is_keyed_by_the_weights_that_computed_it(model, tiny_model
     of the new version)."""
     new_model = load_model(tiny_model_dir, seed=2)
     save_model(new_model, tmp_path / "v1")
+    write_marker(tmp_path / "v1")
     engine = NativeEngine(model, eos_token_ids=[], max_model_len=128, block_size=4)
     prompt = [256] + list(range(1, 30))
 
@@ -279,6 +280,7 @@ def test_a_block_computed_across_a_swap_is_never_reused(model, tiny_model_dir, t
     """A block whose tokens were computed partly under old and partly under new weights
     belongs to neither version."""
     save_model(load_model(tiny_model_dir, seed=2), tmp_path / "v1")
+    write_marker(tmp_path / "v1")
     engine = NativeEngine(model, eos_token_ids=[], max_model_len=128, block_size=4)
     engine.add_request(GenerateRequest(request_id="a", prompt_ids=[256, 1], cache_salt="s",
                                        sampling=SamplingParams(temperature=0, max_tokens=8)))
