@@ -1,24 +1,59 @@
-from typing import Literal
+from typing import Literal, Union
 
 import msgspec
 
 from rlcli.config.base import Config
 
 
+class WeightTransportBase(Config, tag_field="kind"):
+    """How a new policy travels from the trainer's ranks to the servers (``sync.backend.kind``)."""
+
+
+class FilesystemTransport(WeightTransportBase, tag="filesystem"):
+    """The trainer writes RUN/weights/step_N (each rank its shard files) before its next step;
+    servers read it layer by layer into their parameters."""
+
+
+class AsyncFilesystemTransport(WeightTransportBase, tag="async_filesystem"):
+    """As filesystem, but a background thread writes the snapshot while the next step trains;
+    STABLE is marked only once the bytes are durable, and the next publish waits for it."""
+
+
+class CollectiveTransport(WeightTransportBase, tag="collective"):
+    """Bucketed broadcasts from the trainer's rank 0 to every server over a standalone
+    process group (NCCL on GPU, gloo on CPU); only policy 0 is written to disk."""
+
+    bucket_bytes: int = 4 << 20
+    """Tensors smaller than this are packed into buckets of at most this many bytes; larger
+    ones are broadcast alone, straight into the server's parameter."""
+
+    def __post_init__(self) -> None:
+        if self.bucket_bytes < 1024:
+            raise ValueError(f"sync.backend.bucket_bytes must be >= 1024, got {self.bucket_bytes}")
+
+
+WeightTransport = Union[FilesystemTransport, AsyncFilesystemTransport, CollectiveTransport]
+
+
 class SyncConfig(Config):
     """rl-sync: moves each new policy to every inference server."""
 
-    backend: Literal["filesystem"] = "filesystem"
-    """Weight transport: filesystem (servers read RUN/weights/step_N)."""
+    backend: WeightTransport = msgspec.field(default_factory=FilesystemTransport)
+    """Weight transport, chosen by ``kind``: filesystem, async_filesystem or collective."""
 
     keep_weights: int = 3
     """Keep this many newest weight versions on disk (never one a server still loads)."""
 
     ack_timeout_s: float = 120.0
-    """A server that has not acknowledged a load in this long is reported and skipped."""
+    """A server that has not acknowledged a load in this long is skipped (logged, not waited
+    for by PolicyUpdated) until it answers again; also the deadline of every collective op."""
 
     poll_interval_s: float = 0.5
     """How often the run directory is scanned when no announcement arrives."""
+
+    def __post_init__(self) -> None:
+        if self.ack_timeout_s <= 0:
+            raise ValueError(f"sync.ack_timeout_s must be > 0, got {self.ack_timeout_s}")
 
 
 class CacheConfig(Config):

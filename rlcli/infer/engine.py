@@ -30,12 +30,13 @@ from rlcli.config import RecipeConfig
 from rlcli.errors import ConfigError
 from rlcli.infer.base import Delta
 from rlcli.infer.block_manager import BlockManager, chain_hash
-from rlcli.models import DTYPES, CausalLM, load_model, load_weights
+from rlcli.infer.receiver import WeightReceiver
+from rlcli.models import DTYPES, CausalLM, load_model
 from rlcli.models.tokenizer import load_tokenizer
 from rlcli.ops.attention import ForwardContext, PagedAttention, PagedAttentionMetadata, RoutingContext
 from rlcli.ops.sampling import sample
 from rlcli.protocol import (
-    Completion, FsWeights, GenerateRequest, GenerateResponse, SamplingParams, WeightsRef, WireTensor,
+    Completion, GenerateRequest, GenerateResponse, SamplingParams, WeightsRef, WireTensor,
 )
 
 
@@ -102,6 +103,7 @@ class NativeEngine:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max(max_num_batched_tokens, block_size)
         self.version = version
+        self.receiver = WeightReceiver(self.device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         spec = model.kv_cache_spec()  # per layer: (heads, dim) of each cache tensor (K, V or MLA latent, ...)
         bytes_per_block = block_size * sum(h * d for layer in spec for h, d in layer) * self.dtype.itemsize
@@ -174,15 +176,14 @@ class NativeEngine:
         return True
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        # Torn weights (a collective load broke midway): hold every request until a full load.
+        return bool(self.waiting or self.running) and not self.receiver.torn
 
     @torch.no_grad()
     def load_weights(self, ref: WeightsRef, version: int) -> None:
-        """Swap in new weights between two steps; running sequences keep going."""
-        if not isinstance(ref, FsWeights):
-            raise ValueError(f"the native engine cannot receive {type(ref).__name__} yet (no NCCL weight "
-                             "receiver); publish weights to the filesystem")
-        load_weights(self.model, ref.path)
+        """Swap in new weights between two steps; running sequences keep going. A failed
+        load leaves the previous version serving (see ``rlcli.infer.receiver``)."""
+        self.receiver.load(self.model, ref, version)
         self.version = version
 
     def reset_prefix_cache(self) -> None:
@@ -196,6 +197,7 @@ class NativeEngine:
                 "kv_blocks_free": float(bm.num_available), "kv_blocks_total": float(bm.num_blocks)}
 
     def close(self) -> None:
+        self.receiver.close()
         for seq in [*self.running, *self.waiting]:
             self.blocks.release(seq.blocks)
         self.running, self.requests, self.kv_caches = [], {}, []
@@ -206,6 +208,8 @@ class NativeEngine:
     @torch.no_grad()
     def step(self) -> list[GenerateResponse | Delta]:
         """Run one forward pass; return streamed deltas and the requests that finished in it."""
+        if self.receiver.torn:
+            return []
         batch = self._schedule()
         if not batch:
             return []

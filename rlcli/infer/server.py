@@ -78,7 +78,8 @@ class InferServer:
             t0 = time.monotonic()
             try:
                 self.engine.load_weights(msg.weights, msg.version)
-            except (RLCLIError, OSError, ValueError) as e:
+            except (RLCLIError, OSError, ValueError, RuntimeError) as e:  # RuntimeError: a collective op failed
+                log.warning("could not load policy v%d (still serving v%d): %s", msg.version, self.engine.version, e)
                 self.server.reply(identity, ErrorReply(request_id=msg.request_id, message=str(e)))
                 return
             dt = time.monotonic() - t0

@@ -60,19 +60,31 @@ def has_weights(model_dir: str | Path) -> bool:
     return bool(weight_files(model_dir))
 
 
-def hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
-    """The model's tensors under HF names (stacked experts split into per-expert views)."""
-    out: dict[str, torch.Tensor] = {}
+def hf_entries(model: CausalLM, state: dict[str, torch.Tensor] | None = None
+               ) -> list[tuple[str, torch.Tensor, list[str]]]:
+    """(state-dict name, tensor, its HF names) per tensor the checkpoint holds, in order: a
+    stacked expert weight ``[E, ...]`` stands for E per-expert HF tensors."""
+    out = []
     tied = model.args.tie_word_embeddings
-    for name, t in model.state_dict().items():
+    for name, t in (model.state_dict() if state is None else state).items():
         if tied and name == "lm_head.weight":
             continue
         prefix, _, leaf = name.rpartition(".")
         if leaf in _UNSTACKED and prefix.endswith("mlp.experts"):
-            for e in range(t.shape[0]):
-                out[f"{prefix}.{e}.{_UNSTACKED[leaf]}.weight"] = t[e]
+            out.append((name, t, [f"{prefix}.{e}.{_UNSTACKED[leaf]}.weight" for e in range(t.shape[0])]))
         else:
-            out[name] = t
+            out.append((name, t, [name]))
+    return out
+
+
+def hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
+    """The model's tensors under HF names (stacked experts split into per-expert views)."""
+    out: dict[str, torch.Tensor] = {}
+    for _, t, names in hf_entries(model):
+        if len(names) == 1:
+            out[names[0]] = t
+        else:
+            out.update({n: t[e] for e, n in enumerate(names)})
     return out
 
 

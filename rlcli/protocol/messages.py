@@ -173,6 +173,14 @@ class NcclWeights(msgspec.Struct, tag="nccl", kw_only=True):
     """Every tensor of the update, in broadcast order."""
     bucket_bytes: int = 0
     """Largest bucket the sender broadcasts at once; 0 sends tensor by tensor."""
+    store: str = ""
+    """host:port of rl-sync's rendezvous store the group is built from."""
+    rank: int = 0
+    """The receiver's rank in the group (the trainer's sending rank is 0)."""
+    world_size: int = 0
+    """Members of the group: the trainer plus every server of this generation."""
+    timeout_s: float = 120.0
+    """Deadline of each collective op; a missed one fails the load instead of hanging it."""
 
 
 WeightsRef = Union[FsWeights, NcclWeights]
@@ -240,7 +248,9 @@ class WeightsPublished(Message, tag="weights_published", kw_only=True):
     step: int
     """Trainer step whose weights are now STABLE in RUN/weights/step_<step>."""
     path: str
-    """That directory."""
+    """That directory ("" for a collective update: the weights stay staged in the trainer)."""
+    timing: dict[str, float] = {}
+    """Seconds the trainer spent: gather_s (collecting the tensors), write_s (files written)."""
 
 
 class PolicyUpdated(Message, tag="policy_updated", kw_only=True):

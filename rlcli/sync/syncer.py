@@ -1,17 +1,23 @@
 """rl-sync's loop: learn of new weights, have every rl-infer load them, announce the policy.
 
-Sources of truth, fastest first: the trainer's ``WeightsPublished`` (PUB/SUB), then a
-scan of RUN/weights for STABLE markers every ``poll_interval_s`` (covers a missed
-announcement or a restart of either side). Servers come from RUN/registry; a server
-that restarted (new incarnation) reports the version it loaded at start.
+rl-sync holds no weights: the trainer's ranks publish them (``rlcli.train.publish``) and
+the servers load them; rl-sync orders the loads, collects acknowledgements and
+announces. Sources of truth, fastest first: the trainer's ``WeightsPublished`` (PUB/SUB),
+then a scan of RUN/weights for STABLE markers every ``poll_interval_s`` (covers a missed
+announcement or a restart of either side); in collective mode, the trainer's
+``ctl/published`` key in rl-sync's store. Servers come from RUN/registry; a server that
+restarted (new incarnation) reports the version it loaded at start.
 
-Once every live server acknowledged version v, rl-sync records it in
-RUN/progress/sync.json and publishes ``PolicyUpdated(v)``: from then on the orchestrator
-salts new requests with v. Weight directories older than the newest ``keep_weights``
-are deleted, never one a server still serves or loads.
+Bounded waits: a server that has not acknowledged a load within ``sync.ack_timeout_s`` is
+skipped (one log line naming it): PolicyUpdated no longer waits for it, and nothing is
+re-sent to it (no retry storm). Its first answer afterwards re-admits it; if it is still
+behind it gets the next load. Once every admitted server acknowledged version v, rl-sync
+records it in RUN/progress/sync.json and publishes ``PolicyUpdated(v)``. Weight
+directories older than the newest ``keep_weights`` are deleted, never one a server still
+serves or loads.
 
-The transport is a backend: ``filesystem`` tells servers to read RUN/weights/step_N.
-An NCCL broadcast backend plugs in at :meth:`Syncer.push`.
+Transports (``sync.backend.kind``): ``filesystem`` and ``async_filesystem`` tell servers to
+read RUN/weights/step_N; ``collective`` runs rounds over a transfer group (``rounds.py``).
 """
 
 import time
@@ -22,6 +28,7 @@ from rlcli.config import RecipeConfig
 from rlcli.logging import setup_logging
 from rlcli.process import stop_on_signals
 from rlcli.protocol import ErrorReply, FsWeights, LoadWeights, PolicyUpdated, WeightsLoaded, WeightsPublished
+from rlcli.sync.status import write_status
 from rlcli.transport.atomic import remove_dir
 from rlcli.transport.registry import Entry, Registration, list_entries
 from rlcli.transport.rundir import RunDir
@@ -38,6 +45,9 @@ class Server:
         self.client = RpcClient(entry.endpoints["rpc"])
         self.version = int(entry.info.get("version", -1))
         self.pending: tuple[str, int, float] | None = None  # (request_id, version, sent at)
+        self.skipped = False
+        self.last_error = ""
+        self.load_s = 0.0
 
     def close(self) -> None:
         self.client.close()
@@ -46,15 +56,26 @@ class Server:
 class Syncer:
     def __init__(self, cfg: RecipeConfig, run: RunDir):
         self.cfg, self.run = cfg, run
+        self.kind = type(cfg.sync.backend).__struct_config__.tag
         self.sub = Subscriber()
         self.pub = Publisher(cfg.infer.host, 0)
-        self.registration = Registration(run.registry_dir(), "sync", 0, {"pub": self.pub.endpoint})
         self.servers: dict[str, Server] = {}
         self.target = -1
         self.policy_version = int(run.read_progress("sync").get("version", -1))
         self.stopping = False
         self._next_scan = 0.0
+        self.published_at: dict[int, tuple[float, dict]] = {}  # version -> (time seen, trainer timing)
+        self.last_update: dict = {}
+        self.rounds = None
+        endpoints = {"pub": self.pub.endpoint}
+        if self.kind == "collective":
+            from rlcli.sync.rounds import Rounds
 
+            self.rounds = Rounds(self)
+            endpoints["store"] = self.rounds.addr
+        self.registration = Registration(run.registry_dir(), "sync", 0, endpoints)
+
+    # ------------------------------------------------------------------ membership
     def scan(self) -> None:
         """Refresh the trainer endpoint, the server set and the newest STABLE weights."""
         for entry in list_entries(self.run.registry_dir(), "train"):
@@ -64,27 +85,54 @@ class Syncer:
             if key not in live or live[key].incarnation != self.servers[key].entry.incarnation:
                 log.info("%s %s", key, "left" if key not in live else "restarted")
                 self.servers.pop(key).close()
+                self.membership_changed()
         for key, entry in live.items():
             if key not in self.servers:
                 self.servers[key] = Server(entry)
                 log.info("%s joined at %s serving v%d", key, entry.endpoints["rpc"], self.servers[key].version)
-        latest = self.run.latest_stable("weights")
-        if latest is not None:
-            self.target = max(self.target, latest)
+                self.membership_changed()
+        if self.kind != "collective":
+            latest = self.run.latest_stable("weights")
+            if latest is not None:
+                self.see_published(latest, {})
 
+    def membership_changed(self) -> None:
+        if self.rounds is not None:
+            self.rounds.new_generation()
+
+    def admitted(self) -> list[Server]:
+        return [s for s in self.servers.values() if not s.skipped]
+
+    def see_published(self, version: int, timing: dict) -> None:
+        self.target = max(self.target, version)
+        if version > self.policy_version:
+            seen, known = self.published_at.get(version, (time.monotonic(), {}))
+            self.published_at[version] = (seen, timing or known)
+
+    # ------------------------------------------------------------------ filesystem loads
     def push(self) -> None:
-        """Ask every server behind the target to load it (filesystem transport)."""
+        """Ask every admitted server behind the target to load it; skip the ones that
+        sit on a load past the deadline."""
         now = time.monotonic()
-        path = str(self.run.resolve_weights(self.target)) if self.target >= 0 else ""
         for key, s in self.servers.items():
-            if s.pending and now - s.pending[2] > self.cfg.sync.ack_timeout_s:
-                log.warning("%s did not acknowledge v%d within %.0fs; retrying", key, s.pending[1],
-                            self.cfg.sync.ack_timeout_s)
-                s.pending = None
+            if s.pending and not s.skipped and now - s.pending[2] > self.cfg.sync.ack_timeout_s:
+                self.skip(key, s)
+        if self.rounds is not None:
+            return self.rounds.step()
+        if self.target < 0:
+            return
+        path = str(self.run.weights_dir(self.target))
+        for s in self.admitted():
             if s.pending is None and s.version < self.target:
                 rid = new_request_id()
                 if s.client.send(LoadWeights(request_id=rid, version=self.target, weights=FsWeights(path=path))):
                     s.pending = (rid, self.target, now)
+
+    def skip(self, key: str, s: Server) -> None:
+        log.warning("%s did not acknowledge v%d within %.0fs; skipped until it answers", key, s.pending[1],
+                    self.cfg.sync.ack_timeout_s)
+        s.skipped = True
+        self.membership_changed()
 
     def collect(self, timeout_ms: int) -> None:
         """Wait up to ``timeout_ms`` for acknowledgements or announcements, then handle all of them."""
@@ -100,25 +148,44 @@ class Syncer:
                     continue
                 if isinstance(reply, WeightsLoaded):
                     s.version = max(s.version, reply.version)
+                    s.load_s, s.last_error = reply.load_time_s, ""
                     log.info("%s loaded v%d in %.2fs", key, reply.version, reply.load_time_s)
                 elif isinstance(reply, ErrorReply):
+                    s.last_error = reply.message
                     log.error("%s failed to load v%d: %s", key, s.pending[1], reply.message)
+                if self.rounds is not None:
+                    self.rounds.acked(key, reply)
                 s.pending = None
+                if s.skipped:
+                    s.skipped = False
+                    log.info("%s answers again (serving v%d); re-admitted", key, s.version)
+                    self.membership_changed()
         while (msg := self.sub.recv(0)) is not None:
-            if isinstance(msg, WeightsPublished):
-                self.target = max(self.target, msg.step)
+            if isinstance(msg, WeightsPublished) and (msg.path or self.kind != "collective"):
+                self.see_published(msg.step, msg.timing)
 
+    # ------------------------------------------------------------------ announce, prune
     def announce(self) -> None:
-        if not self.servers:
+        admitted = self.admitted()
+        if not admitted:
             return
-        version = min(s.version for s in self.servers.values())
+        version = min(s.version for s in admitted)
         if version > self.policy_version:
             self.policy_version = version
             self.run.write_progress("sync", version=version)
             self.pub.publish(PolicyUpdated(version=version))
             self.registration.update(version=version)
-            log.info("policy v%d live on %d server(s)", version, len(self.servers))
+            seen, timing = self.published_at.get(version, (None, {}))
+            self.last_update = {"version": version, **timing,
+                                "load_s": max((s.load_s for s in admitted), default=0.0),
+                                "total_s": time.monotonic() - seen if seen is not None else None}
+            log.info("policy v%d live on %d server(s)", version, len(admitted))
+            self.published_at = {v: t for v, t in self.published_at.items() if v > version}
             self.retain()
+        self.write_status()
+
+    def write_status(self) -> None:
+        write_status(self.run, self.kind, self.policy_version, self.target, self.servers, self.last_update)
 
     def retain(self) -> None:
         keep = self.cfg.sync.keep_weights
@@ -135,7 +202,7 @@ class Syncer:
                 self.scan()
                 self._next_scan = time.monotonic() + self.cfg.sync.poll_interval_s
             self.push()
-            self.collect(50)
+            self.collect(5 if self.rounds is not None and self.rounds.busy() else 50)
             self.announce()
 
     def close(self) -> None:
@@ -144,6 +211,8 @@ class Syncer:
         self.sub.close()
         self.pub.close()
         self.registration.close()
+        if self.rounds is not None:
+            self.rounds.close()
 
 
 def run(cfg: RecipeConfig, rundir: RunDir) -> int:

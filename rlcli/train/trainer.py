@@ -18,6 +18,7 @@ micro-batch (:mod:`rlcli.train.step`), then clip, step, schedule. The loss norma
 the one host sync of a step.
 """
 
+import threading
 import time
 
 import torch
@@ -39,6 +40,7 @@ from rlcli.protocol.batch import TrainingBatch
 from rlcli.train.checkpoint import load_latest_checkpoint, save_checkpoint
 from rlcli.train.data import wait_for_batch
 from rlcli.train.loss import LOSSES
+from rlcli.train.publish import make_publisher
 from rlcli.train.sft import run_sft
 from rlcli.train.step import accumulate
 from rlcli.transport.atomic import atomic_dir, clean_temporaries, is_stable
@@ -84,10 +86,12 @@ class Trainer:
         self.stopping = False
         main = self.dist.is_main
         self.publisher = Publisher(cfg.infer.host, tcfg.pub_port) if main else None
+        self._pub_lock = threading.Lock()  # announcements also come from the weight publisher's thread
         self.registration = Registration(run.registry_dir(), "train", 0, {"pub": self.publisher.endpoint}) \
             if main else None
         if main:
             clean_temporaries(run.root / "weights")
+        self.weights = make_publisher(cfg, run.root, self.announce, self.device)  # every rank: sync.backend
         self.model = self._build_model(self._policy_zero())
         o = tcfg.optim
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
@@ -154,17 +158,23 @@ class Trainer:
         return model
 
     def publish(self, step: int) -> None:
-        """Every rank writes its share of policy ``step`` to RUN/weights/step_<step>; rank 0 marks
-        it STABLE after a barrier and announces it."""
-        with pdist.shared_atomic_dir(self.run.weights_dir(step), {"step": step}) as tmp:
-            publish_hf_sharded(self.model, tmp, source_dir=self.cfg.model.path,
-                               dtype=self.dtype if self.dims.enabled else None,
-                               fp8=self.cfg.train.fp8.enabled and self.cfg.train.fp8.publish)
-        self.announce(step)
+        """Hand policy ``step`` to the weight publisher (``sync.backend``: filesystem, async
+        filesystem or collective; rlcli.train.publish), which announces it. FP8 publishing
+        (weights + scales) keeps the sharded filesystem writer for now."""
+        if self.cfg.train.fp8.enabled and self.cfg.train.fp8.publish:
+            with pdist.shared_atomic_dir(self.run.weights_dir(step), {"step": step}) as tmp:
+                publish_hf_sharded(self.model, tmp, source_dir=self.cfg.model.path,
+                                   dtype=self.dtype if self.dims.enabled else None, fp8=True)
+            return self.announce(step)
+        self.weights.publish(step, self.model)
 
-    def announce(self, step: int) -> None:
-        if self.publisher is not None:
-            self.publisher.publish(WeightsPublished(step=step, path=str(self.run.weights_dir(step))))
+    def announce(self, step: int, path: str | None = None, timing: dict | None = None) -> None:
+        if self.publisher is None:
+            return
+        msg = WeightsPublished(step=step, path=str(self.run.weights_dir(step)) if path is None else path,
+                               timing=timing or {})
+        with self._pub_lock:
+            self.publisher.publish(msg)
 
     # ------------------------------------------------------------------ one step
     def train_step(self, batch: TrainingBatch) -> dict[str, float]:
@@ -233,9 +243,12 @@ class Trainer:
         return 0
 
     def close(self) -> None:
-        if self.registration is not None:
-            self.registration.close()
-            self.publisher.close()
+        try:
+            self.weights.close()  # an in-flight write finishes (and its error surfaces) before exit
+        finally:
+            if self.registration is not None:
+                self.registration.close()
+                self.publisher.close()
 
 
 def run(cfg: RecipeConfig, rundir: RunDir) -> int:

@@ -10,6 +10,7 @@
       weights/step_<N>/             HF-layout safetensors + config.json, STABLE
       checkpoints/step_<N>/         trainer state for resume, STABLE
       progress/<command>.json       last completed step / policy version
+      sync/store.json, status.json  rl-sync's rendezvous store; servers' versions, last update timing
       metrics/<command>.jsonl       one JSON object per step
       logs/<command>-<id>.log
 

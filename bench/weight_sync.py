@@ -1,0 +1,309 @@
+"""Weight-update latency per transport against the bandwidth floor of the same bytes.
+
+For each transport (collective, filesystem, async_filesystem) the script runs a trainer
+process and N server processes holding the same model architecture:
+
+- update latency: from the trainer's weights being ready (after its step) to the last
+  server having them in its parameters; the trainer publishes with the real
+  ``WeightPublisher``, servers load with the real receiver (``rlcli.infer.receiver``), and
+  this script plays rl-sync's part (orders each round through the store, collects acks);
+- floor: the same bytes moved by a raw ``torch.distributed`` broadcast of one flat tensor
+  in a group of the same members (collective), or a raw write + fsync of one file and its
+  read by every server (filesystem);
+- the ratio of the two. Medians over ``--updates`` updates; every server's weights are
+  checked bit-identical to the trainer's at the end.
+
+Needs torch, safetensors and rich only (no pyzmq/msgspec), so it runs as-is on a GPU box:
+``--gpu`` puts the trainer on cuda:0 and one server on cuda:1 and uses NCCL.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+MODELS = {  # Llama-3-style configs (bf16 on GPU): ~2.5 GB and ~6.4 GB
+    "smoke": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=259),
+    "cpu": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                num_key_value_heads=2, head_dim=64, vocab_size=32000),
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=64, vocab_size=128256),
+    "3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+               num_key_value_heads=8, head_dim=128, vocab_size=128256),
+}
+
+
+def hf_config(size: str) -> dict:
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": True, "hidden_act": "silu",
+            "bos_token_id": 0, "eos_token_id": 1, **MODELS[size]}
+
+
+def build(args, device: torch.device, seed: int):
+    from rlcli.models.config import ModelArgs
+    from rlcli.models.hf_io import build_model
+
+    model = build_model(ModelArgs.from_hf(hf_config(args.model)), device=device, dtype=getattr(torch, args.dtype))
+    model.init_weights(seed)
+    return model
+
+
+def fake_cfg(args, model_dir: Path):
+    backend = SimpleNamespace(bucket_bytes=args.bucket_mb << 20)
+    return SimpleNamespace(sync=SimpleNamespace(backend=backend, ack_timeout_s=120.0),
+                           model=SimpleNamespace(path=str(model_dir)))
+
+
+def checksum(model) -> str:
+    """sha256 of every HF tensor's bytes: equal digests mean bit-identical weights."""
+    import hashlib
+
+    from rlcli.models.hf_io import hf_state_dict
+    from rlcli.transport.collective import as_bytes
+
+    h = hashlib.sha256()
+    for name, t in hf_state_dict(model).items():
+        h.update(name.encode())
+        h.update(as_bytes(t.contiguous()).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def device_of(args, role: int) -> torch.device:
+    return torch.device(f"cuda:{role}") if args.gpu else torch.device("cpu")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ------------------------------------------------------------------ processes
+
+
+def trainer(args, mode: str, run_root: str, to_parent, from_parent) -> None:
+    from rlcli.train.publish import AsyncFilesystemPublisher, FilesystemPublisher
+    from rlcli.train.publish_collective import CollectivePublisher
+    from rlcli.transport.collective import WeightGroup, connect_store
+
+    device = device_of(args, 0)
+    model = build(args, device, seed=1)
+    cfg = fake_cfg(args, Path(run_root))
+    announce = lambda step, path, timing: to_parent.put(("published", step, path, timing))  # noqa: E731
+    pub = {"collective": CollectivePublisher, "filesystem": FilesystemPublisher,
+           "async_filesystem": AsyncFilesystemPublisher}[mode]
+    pub = (pub(cfg, Path(run_root), announce, device) if mode == "collective"
+           else pub(cfg, Path(run_root) / "weights", announce))
+    for v in range(1, args.updates + 2):
+        assert from_parent.get() == "go"
+        with torch.no_grad():  # the "optimizer step"
+            for p in model.parameters():
+                p.mul_(1.0 + 1e-3 * v)
+        sync(device)
+        t_ready = time.monotonic()
+        pub.publish(v, model)
+        to_parent.put(("ready", v, t_ready, time.monotonic() - t_ready))
+    pub.wait()
+    assert from_parent.get() == "close"
+    to_parent.put(("checksum", checksum(model), sum(p.numel() * p.element_size() for p in model.parameters())))
+    pub.close()
+    if mode == "collective":  # the floor: one flat tensor of the same bytes, same members
+        total = sum(t.numel() * t.element_size() for t in model.parameters())
+        flat = torch.empty(total, dtype=torch.uint8, device=device)
+        addr = json.loads((Path(run_root) / "sync" / "store.json").read_text())["addr"]
+        group = WeightGroup(connect_store(addr, 60), "floor", 0, args.servers + 1, device, 300)
+        for _ in range(args.updates + 1):
+            group.broadcast(flat[:8])  # line up with the receivers
+            sync(device)
+            t0 = time.monotonic()
+            group.broadcast(flat)
+            group.synchronize()
+            to_parent.put(("floor_start", t0, total))
+        group.close()
+    to_parent.put(("done",))
+
+
+def server(args, mode: str, rank: int, run_root: str, to_parent, from_parent) -> None:
+    from rlcli.infer.receiver import CollectiveReceiver, load_from_files
+    from rlcli.transport.collective import Spec, WeightGroup, connect_store, parse_dtype
+
+    device = device_of(args, 1 if args.gpu else 0)
+    model = build(args, device, seed=100 + rank)
+    receiver = CollectiveReceiver(device)
+    while (msg := from_parent.get()) != "close":
+        t0 = time.monotonic()
+        if mode == "collective":
+            v, store, group, world, tensors, bucket_bytes = msg
+            specs = [Spec(n, parse_dtype(d), tuple(s)) for n, d, s in tensors]
+            receiver.load(model, store, group, rank, world, v, specs, bucket_bytes, 120.0)
+        else:
+            v, path = msg
+            load_from_files(model, path)
+        sync(device)
+        to_parent.put(("loaded", rank, v, time.monotonic(), time.monotonic() - t0))
+    to_parent.put(("checksum", checksum(model)))
+    receiver.close()
+    if mode == "collective":
+        total = sum(t.numel() * t.element_size() for t in model.parameters())
+        flat = torch.empty(total, dtype=torch.uint8, device=device)
+        addr = json.loads((Path(run_root) / "sync" / "store.json").read_text())["addr"]
+        group = WeightGroup(connect_store(addr, 60), "floor", rank, args.servers + 1, device, 300)
+        for _ in range(args.updates + 1):
+            group.broadcast(flat[:8])
+            group.broadcast(flat)
+            group.synchronize()
+            to_parent.put(("floor_end", time.monotonic()))
+        group.close()
+    to_parent.put(("done",))
+
+
+# ------------------------------------------------------------------ rl-sync's part
+
+
+def run_mode(args, mode: str) -> dict:
+    from rlcli.transport.collective import host_store
+    from rlcli.transport.rendezvous import Control, write_store_file
+
+    ctx = mp.get_context("spawn")
+    run_root = Path(tempfile.mkdtemp(prefix=f"ws-{mode}-", dir=args.tmp))
+    (run_root / "weights").mkdir()
+    store = host_store("127.0.0.1")
+    addr = f"127.0.0.1:{store.port}"
+    write_store_file(run_root, addr)
+    ctl = Control(store)
+    up = ctx.Queue()
+    t_q, s_qs = ctx.Queue(), [ctx.Queue() for _ in range(args.servers)]
+    procs = [ctx.Process(target=trainer, args=(args, mode, str(run_root), up, t_q))]
+    procs += [ctx.Process(target=server, args=(args, mode, r + 1, str(run_root), up, q)) for r, q in enumerate(s_qs)]
+    for p in procs:
+        p.start()
+    pending: list = []
+
+    def wait_for(kind: str):
+        for i, m in enumerate(pending):
+            if m[0] == kind:
+                return pending.pop(i)
+        while True:
+            m = up.get(timeout=600)
+            if m[0] == kind:
+                return m
+            pending.append(m)
+
+    e2e, publish_s, load_s = [], [], []
+    for v in range(1, args.updates + 2):  # update 1 warms up (builds the group), not counted
+        t_q.put("go")
+        _, _, t_ready, pub_s = wait_for("ready")
+        _, step, path, timing = wait_for("published")
+        if mode == "collective":
+            while (p := ctl.published()) is None or p["version"] != v:
+                time.sleep(0.001)
+            r = v - 1
+            ctl.order(r, v, "g0", args.servers + 1)
+            while (a := ctl.accepted(r)) is None:
+                time.sleep(0.0005)
+            assert a == "ok", a
+            for rank, q in enumerate(s_qs, 1):
+                q.put((v, addr, "g0", args.servers + 1, p["tensors"], p["bucket_bytes"]))
+        else:
+            for q in s_qs:
+                q.put((v, path))
+        acks = [wait_for("loaded") for _ in s_qs]
+        if v > 1:
+            e2e.append(max(a[3] for a in acks) - t_ready)
+            publish_s.append(pub_s)
+            load_s.append(max(a[4] for a in acks))
+        if mode != "collective":
+            shutil.rmtree(path, ignore_errors=True)
+    t_q.put("close")
+    for q in s_qs:
+        q.put("close")
+    sums = [wait_for("checksum") for _ in procs]
+    identical = all(s[1] == sums[0][1] for s in sums)
+    nbytes = max(s[2] for s in sums if len(s) > 2)
+    if mode == "collective":
+        floors = []
+        for _ in range(args.updates + 1):
+            start = wait_for("floor_start")[1]
+            floors.append(max(wait_for("floor_end")[1] for _ in s_qs) - start)
+        floor = statistics.median(floors[1:])  # the first one builds the communicator
+    else:
+        floor = file_floor(run_root, nbytes, args.servers)
+    for _ in procs:
+        wait_for("done")
+    for p in procs:  # everything is reported; a process stuck in a group's teardown is ended
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    shutil.rmtree(run_root, ignore_errors=True)
+    return {"mode": mode, "bytes": nbytes, "update_s": statistics.median(e2e), "update_min_s": min(e2e),
+            "publish_blocks_s": statistics.median(publish_s), "load_s": statistics.median(load_s),
+            "floor_s": floor, "ratio": statistics.median(e2e) / floor, "bit_identical": identical}
+
+
+def file_floor(run_root: Path, nbytes: int, readers: int) -> float:
+    """Raw write + fsync of one file of ``nbytes``, then ``readers`` reads of it, in this process."""
+    data = torch.empty(nbytes, dtype=torch.uint8).numpy()
+    out = torch.empty(nbytes, dtype=torch.uint8).numpy()
+    best = float("inf")
+    for _ in range(3):
+        path = run_root / "floor.bin"
+        t0 = time.monotonic()
+        with open(path, "wb") as f:
+            f.write(memoryview(data))
+            f.flush()
+            os.fsync(f.fileno())
+        for _ in range(readers):
+            with open(path, "rb") as f:
+                f.readinto(memoryview(out))
+        best = min(best, time.monotonic() - t0)
+        path.unlink()
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gpu", action="store_true", help="trainer on cuda:0, one server on cuda:1, NCCL")
+    ap.add_argument("--smoke", action="store_true", help="tiny model, 2 updates: checks the script runs")
+    ap.add_argument("--model", choices=list(MODELS), default=None)
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--servers", type=int, default=None)
+    ap.add_argument("--updates", type=int, default=None)
+    ap.add_argument("--bucket-mb", type=int, default=4)
+    ap.add_argument("--modes", default="collective,filesystem,async_filesystem")
+    ap.add_argument("--tmp", default=None, help="directory for the filesystem modes (default: the system temp)")
+    args = ap.parse_args()
+    args.model = args.model or ("smoke" if args.smoke else "1b" if args.gpu else "cpu")
+    args.dtype = args.dtype or ("bfloat16" if args.gpu else "float32")
+    args.servers = args.servers or (1 if args.gpu else 2)
+    args.updates = args.updates or (2 if args.smoke else 5)
+    if args.gpu:
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        assert torch.cuda.device_count() >= 2, "--gpu needs 2 GPUs"
+        assert args.servers == 1, "--gpu runs one server (cuda:1)"
+    rows = [run_mode(args, m) for m in args.modes.split(",")]
+    where = "2x GPU, NCCL" if args.gpu else f"CPU, gloo, {args.servers} servers"
+    print(f"\nweight sync, model {args.model} ({rows[0]['bytes'] / 2**30:.2f} GiB), {where}, "
+          f"median of {args.updates} updates")
+    print(f"{'mode':<18}{'update s':>10}{'floor s':>10}{'ratio':>8}{'trainer blocked s':>19}{'load s':>9}"
+          f"{'GB/s':>8}  bit-identical")
+    for r in rows:
+        print(f"{r['mode']:<18}{r['update_s']:>10.4f}{r['floor_s']:>10.4f}{r['ratio']:>8.2f}"
+              f"{r['publish_blocks_s']:>19.4f}{r['load_s']:>9.4f}{r['bytes'] / r['update_s'] / 1e9:>8.2f}  "
+              f"{r['bit_identical']}")
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Collective updates as rounds: rl-sync's side of ``rlcli.transport.rendezvous``.
+
+rl-sync hosts the store and writes its address to RUN/sync/store.json. A round moves
+the trainer's staged version to every admitted server at once:
+
+1. order: ``round/<r>`` = (version, group ``gen<g>``, world size = servers + 1);
+2. the trainer accepts (or declines: it staged a newer version, ordered next);
+3. every member gets ``LoadWeights(NcclWeights)`` with its rank, joins the group of
+   generation g (kept across rounds while membership holds) and receives;
+4. the round ends when every member answered and the trainer reported, or at
+   ``ack_timeout_s``: members that did not answer are skipped.
+
+The generation is bumped whenever membership changes (join, restart, leave, skip,
+re-admit) or a round failed, because a group with a dead, stuck or errored member is
+unusable; every member of the next round builds the new group. Collective op deadlines
+are half of ``ack_timeout_s``, so live members fail and answer before rl-sync gives up
+on the silent ones.
+"""
+
+import time
+
+from rlcli.logging import setup_logging
+from rlcli.protocol import ErrorReply, LoadWeights, NcclWeights, TensorSpec
+from rlcli.transport.collective import host_store
+from rlcli.transport.rendezvous import Control, write_store_file
+from rlcli.transport.zmq import new_request_id
+
+log = setup_logging("rl-sync")
+
+
+class Round:
+    def __init__(self, r: int, version: int, group: str, members: dict[str, int]):
+        self.r, self.version, self.group, self.members = r, version, group, members
+        self.phase = "accept"
+        self.started = self.sent_at = time.monotonic()
+        self.acks: dict[str, str] = {}  # key -> "" (ok) or the error
+        self.outcome: dict | None = None
+
+
+class Rounds:
+    def __init__(self, syncer):
+        self.syncer, self.cfg = syncer, syncer.cfg
+        self.store = host_store(self.cfg.infer.host, 0)
+        self.addr = f"{self.cfg.infer.host}:{self.store.port}"
+        write_store_file(syncer.run.root, self.addr)
+        self.ctl = Control(self.store)
+        self.generation = 0
+        self.next_r = 0
+        self.current: Round | None = None
+        self.published: dict | None = None
+        self.not_before = 0.0  # after a failed round, wait a poll interval (no retry storm)
+
+    def new_generation(self) -> None:
+        self.generation += 1
+
+    def busy(self) -> bool:
+        return self.current is not None
+
+    def step(self) -> None:
+        """Advance the round in flight, or order one when an admitted server is behind."""
+        pub = self.ctl.published()
+        if pub is not None and (self.published is None or pub["version"] != self.published["version"]):
+            self.published = pub
+            self.syncer.see_published(pub["version"], pub.get("timing") or {})
+        if self.current is None:
+            return self._maybe_order()
+        rnd, now = self.current, time.monotonic()
+        if rnd.phase == "accept":
+            answer = self.ctl.accepted(rnd.r)
+            if answer == "ok":
+                self._send_loads(rnd)
+            elif answer == "stale" or now - rnd.started > self.cfg.sync.ack_timeout_s:
+                if answer != "stale":
+                    log.warning("the trainer did not take round %d (v%d) within %.0fs", rnd.r, rnd.version,
+                                self.cfg.sync.ack_timeout_s)
+                    self.new_generation()
+                self.current = None
+            return
+        if rnd.outcome is None:
+            rnd.outcome = self.ctl.outcome(rnd.r)
+        waiting = [k for k in rnd.members if k not in rnd.acks]
+        if not waiting and rnd.outcome is not None:
+            return self._finish(rnd)
+        if now - rnd.sent_at > self.cfg.sync.ack_timeout_s:
+            for key in waiting:
+                s = self.syncer.servers.get(key)
+                if s is not None and not s.skipped:
+                    self.syncer.skip(key, s)
+            self._finish(rnd)
+
+    def _maybe_order(self) -> None:
+        pub = self.published
+        admitted = sorted(self.syncer.admitted(), key=lambda s: s.entry.key)
+        if pub is None or not any(s.version < pub["version"] for s in admitted):
+            return
+        if any(s.pending for s in admitted) or time.monotonic() < self.not_before:
+            return
+        members = {s.entry.key: rank for rank, s in enumerate(admitted, 1)}
+        rnd = Round(self.next_r, pub["version"], f"gen{self.generation}", members)
+        self.next_r += 1
+        self.ctl.order(rnd.r, rnd.version, rnd.group, len(members) + 1)
+        self.current = rnd
+
+    def _send_loads(self, rnd: Round) -> None:
+        pub = self.published
+        tensors = [TensorSpec(name=n, dtype=d, shape=list(shape)) for n, d, shape in pub["tensors"]]
+        rnd.phase, rnd.sent_at = "load", time.monotonic()
+        for key, rank in rnd.members.items():
+            s = self.syncer.servers.get(key)
+            if s is None:
+                rnd.acks[key] = "left"
+                continue
+            rid = new_request_id()
+            ref = NcclWeights(group=rnd.group, tensors=tensors, bucket_bytes=pub["bucket_bytes"], store=self.addr,
+                              rank=rank, world_size=len(rnd.members) + 1,
+                              timeout_s=self.cfg.sync.ack_timeout_s / 2)
+            if s.client.send(LoadWeights(request_id=rid, version=rnd.version, weights=ref)):
+                s.pending = (rid, rnd.version, rnd.sent_at)
+            else:
+                rnd.acks[key] = "unreachable"
+
+    def acked(self, key: str, reply) -> None:
+        rnd = self.current
+        if rnd is not None and rnd.phase == "load" and key in rnd.members:
+            rnd.acks[key] = reply.message if isinstance(reply, ErrorReply) else ""
+
+    def _finish(self, rnd: Round) -> None:
+        outcome = rnd.outcome or {"error": "no report from the trainer", "timing": {}}
+        failed = bool(outcome["error"]) or any(rnd.acks.get(k, "timeout") for k in rnd.members)
+        if failed:
+            log.warning("round %d (v%d, %s) failed: trainer %s; servers %s", rnd.r, rnd.version, rnd.group,
+                        outcome["error"] or "ok", {k: rnd.acks.get(k, "timeout") or "ok" for k in rnd.members})
+            self.new_generation()
+            self.not_before = time.monotonic() + self.cfg.sync.poll_interval_s
+        seen, timing = self.syncer.published_at.get(rnd.version, (None, {}))
+        self.syncer.published_at[rnd.version] = (seen or rnd.started, {**timing, **outcome.get("timing", {})})
+        if self.syncer.last_update.get("version") == rnd.version:  # announced before the trainer's report came
+            self.syncer.last_update.update(outcome.get("timing", {}))
+        self.current = None
+
+    def close(self) -> None:
+        self.store = None

@@ -1,0 +1,225 @@
+"""The trainer's side of a weight update: ``WeightPublisher`` and its three backends.
+
+The trainer's ranks hold the weights, so they publish them; rl-sync only coordinates.
+``publish(step, model)`` returns as soon as the trainer may modify the model again:
+
+- ``filesystem``: every rank writes the HF tensors it owns (a contiguous, byte-balanced
+  slice of the HF tensor list; DTensors are gathered with ``full_tensor()`` by all ranks
+  and kept only by the owner) to its own shard file in a shared temporary directory,
+  then drops a per-rank done file. Rank 0 waits for all of them (a filesystem barrier,
+  so the same code runs in a background thread), writes the index, config and tokenizer
+  files, renames the directory into place and marks it STABLE with every file's size;
+  servers check those sizes before touching a parameter.
+- ``async_filesystem``: the same files, written by a background thread from a host
+  snapshot taken during ``publish``. STABLE is written only after every byte is fsynced;
+  the next ``publish`` first waits for the previous one, and a failed write raises there
+  (or in ``wait``/``close``).
+- ``collective``: rank 0 copies the HF tensors (gathered per tensor, in broadcast order)
+  into one flat staging buffer laid out bucket by bucket, posts the tensor list to rl-sync's
+  store and returns; a sender thread then serves the rounds rl-sync orders, broadcasting
+  the staged buckets to the servers while the next step trains. It keeps the snapshot,
+  so a server that (re)joins later is brought up to date from it. The next ``publish``
+  waits only for a round in progress, never for a version nobody asked for.
+
+FP8 hook: the collective backend takes ``transform(name, tensor) -> [(name, tensor), ...]``
+applied to every HF tensor before it is staged (e.g. a weight into FP8 data + its
+``weight_scale_inv``); the tensor list sent to the servers is derived from its output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from rlcli.logging import setup_logging
+from rlcli.models.hf_io import copy_tokenizer_files, hf_entries
+from rlcli.models.safetensors_io import INDEX_NAME
+from rlcli.transport.atomic import _fsync_dir, write_marker
+
+if TYPE_CHECKING:
+    from rlcli.config import RecipeConfig
+
+log = setup_logging("rl-train")
+
+Announce = Callable[[int, str, dict], None]
+"""announce(step, path, timing): tell rl-sync that policy ``step`` is published."""
+Transform = Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]]
+
+
+class WeightPublisher(Protocol):
+    def publish(self, step: int, model: torch.nn.Module) -> None:
+        """Hand policy ``step`` over; returns once the trainer may change the model again."""
+        ...
+
+    def wait(self) -> None:
+        """Block until nothing is in flight; raise the error of a failed publish."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def iter_hf_tensors(model: torch.nn.Module, keep: Callable[[int], bool] = lambda i: True
+                    ) -> Iterator[tuple[int, str, torch.Tensor | None]]:
+    """(index, HF name, full tensor) of every HF tensor, in order. DTensors are gathered
+    (every rank must run this loop); a tensor ``keep`` rejects is yielded as None and, if
+    it was gathered, dropped at once."""
+    i = 0
+    for _, t, names in hf_entries(model):
+        if isinstance(t, DTensor):
+            t = t.full_tensor()  # a collective: every rank gathers, the owners keep it
+        t = t.detach()
+        for e, name in enumerate(names):
+            yield i, name, ((t if len(names) == 1 else t[e]) if keep(i) else None)
+            i += 1
+
+
+def hf_sizes(model: torch.nn.Module) -> list[int]:
+    """Bytes of every HF tensor, in order."""
+    out = []
+    for _, t, names in hf_entries(model):
+        out += [t.numel() * t.element_size() // len(names)] * len(names)
+    return out
+
+
+def owners(sizes: list[int], num_ranks: int) -> list[int]:
+    """Rank owning each tensor: contiguous slices of about equal bytes."""
+    total = max(sum(sizes), 1)
+    out, acc = [], 0
+    for s in sizes:
+        out.append(min(acc * num_ranks // total, num_ranks - 1))
+        acc += s
+    return out
+
+
+# ------------------------------------------------------------------ filesystem
+
+
+class FilesystemPublisher:
+    """Write RUN/weights/step_N from every rank; rank 0 marks it STABLE (see module docstring)."""
+
+    background = False
+
+    def __init__(self, cfg: RecipeConfig, weights_root: Path, announce: Announce, barrier_timeout_s: float = 600.0):
+        from rlcli.models import DTYPES
+
+        self.cfg, self.root, self.announce = cfg, Path(weights_root), announce
+        self.dtype = DTYPES[cfg.model.dtype]
+        self.rank, self.world_size = world()
+        self.barrier_timeout_s = barrier_timeout_s
+        token = [f"{socket.gethostname()}-{os.getpid()}"]
+        if self.world_size > 1:
+            dist.broadcast_object_list(token, src=0)  # one temporary name for all ranks
+        self.token = token[0]
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def publish(self, step: int, model: torch.nn.Module) -> None:
+        self.wait()
+        t0 = time.monotonic()
+        own = owners(hf_sizes(model), self.world_size)
+        names, mine = [], {}
+        for i, name, t in iter_hf_tensors(model, keep=lambda i: own[i] == self.rank):
+            names.append(name)
+            if t is not None:  # in the model's dtype: FSDP2 holds fp32 master weights
+                t = t.to(self.dtype)
+                mine[name] = t.to("cpu", copy=True) if self.background else t.contiguous()
+        gather_s = time.monotonic() - t0
+        job = lambda: self._write(step, model, names, own, mine, gather_s)  # noqa: E731
+        if not self.background:
+            return job()
+        self._thread = threading.Thread(target=self._run, args=(job,), name=f"publish-{step}", daemon=True)
+        self._thread.start()
+
+    def _run(self, job: Callable[[], None]) -> None:
+        try:
+            job()
+        except BaseException as e:  # surfaces on the next publish / wait / close
+            self._error = e
+
+    def _write(self, step: int, model, names: list[str], own: list[int], mine: dict, gather_s: float) -> None:
+        from safetensors.torch import save_file
+
+        t0 = time.monotonic()
+        final = self.root / f"step_{step}"
+        tmp = self.root / f".step_{step}.tmp-{self.token}"
+        tmp.mkdir(parents=True, exist_ok=True)
+        files = {r: f"model-{r + 1:05d}-of-{self.world_size:05d}.safetensors" for r in sorted(set(own))}
+        if mine:
+            path = tmp / files[self.rank]
+            save_file(mine, str(path), metadata={"format": "pt"})
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+        (tmp / f".done-{self.rank}").touch()
+        if self.rank != 0:
+            return
+        deadline = time.monotonic() + self.barrier_timeout_s
+        while not all((tmp / f".done-{r}").exists() for r in range(self.world_size)):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"trainer ranks did not all write {tmp} within {self.barrier_timeout_s:.0f}s")
+            time.sleep(0.01)
+        for r in range(self.world_size):
+            (tmp / f".done-{r}").unlink()
+        (tmp / INDEX_NAME).write_text(json.dumps(
+            {"metadata": {"total_size": sum((tmp / f).stat().st_size for f in files.values())},
+             "weight_map": {n: files[own[i]] for i, n in enumerate(names)}}, indent=1))
+        (tmp / "config.json").write_text(json.dumps(model.args.hf, indent=2, sort_keys=True) + "\n")
+        copy_tokenizer_files(self.cfg.model.path, tmp)
+        for child in tmp.iterdir():
+            with open(child, "rb") as f:
+                os.fsync(f.fileno())
+        if final.exists():  # a re-published step (trainer restart): the new copy wins
+            from rlcli.transport.atomic import remove_dir
+
+            remove_dir(final)
+        os.replace(tmp, final)
+        _fsync_dir(final.parent)
+        sizes = {f: (final / f).stat().st_size for f in files.values()}
+        write_s = time.monotonic() - t0
+        write_marker(final, {"step": step, "files": sizes})
+        self.announce(step, str(final), {"gather_s": gather_s, "write_s": write_s})
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"publishing weights failed: {err}") from err
+
+    def close(self) -> None:
+        self.wait()
+
+
+class AsyncFilesystemPublisher(FilesystemPublisher):
+    """Filesystem publishing off the critical path (see module docstring)."""
+
+    background = True
+
+
+def make_publisher(cfg: RecipeConfig, run_root: Path, announce: Announce, device: torch.device) -> WeightPublisher:
+    """The publisher ``sync.backend.kind`` names."""
+    kind = type(cfg.sync.backend).__struct_config__.tag
+    if kind == "filesystem":
+        return FilesystemPublisher(cfg, Path(run_root) / "weights", announce)
+    if kind == "async_filesystem":
+        return AsyncFilesystemPublisher(cfg, Path(run_root) / "weights", announce)
+    if kind == "collective":
+        from rlcli.train.publish_collective import CollectivePublisher
+
+        return CollectivePublisher(cfg, Path(run_root), announce, device)
+    raise ValueError(f"unknown sync.backend.kind {kind!r}")

@@ -1,0 +1,197 @@
+"""The collective ``WeightPublisher``: stage on rank 0, send in a thread (see ``publish``).
+
+Timeline of one update, trainer side:
+1. ``publish(v)`` (every rank, main thread): gather each HF tensor (``full_tensor()`` for
+   DTensors) and rank 0 copies its bytes into the staging buffer, laid out bucket by
+   bucket; device sync; post the tensor list to rl-sync's store; return.
+2. The sender thread (rank 0) waits for rl-sync's ``round/<r>``; accepts it if it holds
+   that version, joins (or reuses) the round's group as rank 0 and broadcasts the staged
+   buckets; reports the outcome. It serves any number of rounds for the staged version
+   (servers that join late), on its own CUDA stream so the next step's kernels run beside it.
+3. The next ``publish`` waits only while a round is sending, then restages.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from rlcli.logging import setup_logging
+from rlcli.train.publish import Announce, FilesystemPublisher, Transform, iter_hf_tensors, world
+from rlcli.transport.collective import Spec, WeightGroup, as_bytes, connect_store, dtype_name, plan_buckets, send
+from rlcli.transport.rendezvous import Control, read_store_file
+
+if TYPE_CHECKING:
+    from rlcli.config import RecipeConfig
+
+log = setup_logging("rl-train")
+
+
+def staged_specs(model: torch.nn.Module, transform: Transform | None) -> list[Spec]:
+    """The tensor list of a transfer, without touching data (``transform`` runs on meta tensors)."""
+    from rlcli.models.hf_io import hf_entries
+
+    specs = []
+    for _, t, names in hf_entries(model):
+        shape = tuple(t.shape[1:]) if len(names) > 1 else tuple(t.shape)
+        for name in names:
+            if transform is None:
+                specs.append(Spec(name, t.dtype, shape))
+            else:
+                specs += [Spec(n, o.dtype, tuple(o.shape))
+                          for n, o in transform(name, torch.empty(shape, dtype=t.dtype, device="meta"))]
+    return specs
+
+
+class CollectivePublisher:
+    def __init__(self, cfg: RecipeConfig, run_root: Path, announce: Announce, device: torch.device,
+                 transform: Transform | None = None):
+        self.run_root, self.announce, self.device, self.transform = Path(run_root), announce, device, transform
+        self.bucket_bytes = cfg.sync.backend.bucket_bytes
+        self.timeout_s = cfg.sync.ack_timeout_s / 2  # as the servers' (rl-sync's rounds)
+        self.rank, _ = world()
+        self.fs = FilesystemPublisher(cfg, self.run_root / "weights", announce)
+        self.specs: list[Spec] = []
+        self.buckets: list[list[int]] = []
+        self.ranges: list[tuple[int, int]] = []
+        self.staging: torch.Tensor | None = None
+        self.version = -1
+        self.timing: dict[str, float] = {}
+        self.cond = threading.Condition()
+        self.busy = self.filling = False
+        self.stopping = threading.Event()
+        self.group: WeightGroup | None = None
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.thread = None
+        if self.rank == 0:
+            self.thread = threading.Thread(target=self._serve, name="weight-sender", daemon=True)
+            self.thread.start()
+
+    # ------------------------------------------------------------------ main thread
+    def publish(self, step: int, model: torch.nn.Module) -> None:
+        if step == 0:
+            self.fs.publish(0, model)  # servers boot from disk
+        t0 = time.monotonic()
+        with self.cond:
+            self.cond.wait_for(lambda: not self.busy)
+            self.filling = True
+        try:
+            self._stage(model)
+        finally:
+            with self.cond:
+                self.filling = False
+        if self.rank != 0:
+            return
+        with self.cond:
+            self.version, self.timing = step, {"gather_s": time.monotonic() - t0}
+            self.cond.notify_all()
+        if step != 0:
+            self.announce(step, "", self.timing)
+
+    def _stage(self, model: torch.nn.Module) -> None:
+        if self.rank == 0:
+            specs = staged_specs(model, self.transform)
+            if specs != self.specs:
+                self.specs, self.buckets = specs, plan_buckets(specs, self.bucket_bytes)
+                total = sum(s.nbytes for s in specs)
+                self.staging = torch.empty(total, dtype=torch.uint8, device=self.device)
+                starts = [0]
+                for s in specs:
+                    starts.append(starts[-1] + s.nbytes)
+                self.ranges = [(starts[b[0]], starts[b[-1] + 1]) for b in self.buckets]
+        offset = 0
+        for _, name, t in iter_hf_tensors(model, keep=lambda i: self.rank == 0):
+            if t is None:
+                continue
+            for _, out in (self.transform(name, t) if self.transform else [(name, t)]):
+                n = out.numel() * out.element_size()
+                self.staging[offset:offset + n].copy_(as_bytes(out.contiguous()))
+                offset += n
+        if self.rank == 0 and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def wait(self) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: not self.busy)
+
+    def close(self) -> None:
+        self.stopping.set()
+        if self.thread is not None:
+            self.thread.join(timeout=self.timeout_s + 5)
+        if self.group is not None:
+            self.group.close()
+        self.fs.close()
+
+    # ------------------------------------------------------------------ sender thread
+    def _serve(self) -> None:
+        if self.stream is not None:
+            torch.cuda.set_device(self.device)
+            with torch.cuda.stream(self.stream):
+                return self._serve_rounds()
+        return self._serve_rounds()
+
+    def _serve_rounds(self) -> None:
+        ctl, store_id, r, posted = None, None, 0, -1
+        while not self.stopping.is_set():
+            info = read_store_file(self.run_root)
+            try:
+                if info and info.get("id") != store_id:  # rl-sync (re)started: a new store
+                    ctl = Control(connect_store(info["addr"], 5.0))
+                    store_id, r, posted = info["id"], ctl.num_rounds(), -1
+                    self._drop_group()
+                if ctl is None:
+                    time.sleep(0.2)
+                    continue
+                with self.cond:
+                    version, timing = self.version, dict(self.timing)
+                if version >= 0 and version != posted:
+                    ctl.post_published(version, [[s.name, dtype_name(s.dtype), list(s.shape)] for s in self.specs],
+                                       self.bucket_bytes, timing)
+                    posted = version
+                order = ctl.wait(f"round/{r}", 0.2)
+                if order is None:
+                    continue
+                with self.cond:
+                    ok = not self.filling and order["version"] == self.version
+                    self.busy = ok
+                ctl.accept(r, ok)
+                if ok:
+                    try:
+                        error, timing = self._send(order)
+                    finally:
+                        with self.cond:
+                            self.busy = False
+                            self.cond.notify_all()
+                    ctl.sent(r, error, timing)
+                r += 1
+            except (RuntimeError, ValueError, OSError) as e:  # the store went away: rl-sync restarts
+                log.warning("weight sender lost rl-sync's store (%s); waiting for it", e)
+                ctl, store_id = None, None
+                time.sleep(0.5)
+
+    def _send(self, order: dict) -> tuple[str, dict[str, float]]:
+        t0 = time.monotonic()
+        try:
+            key = (order["group"], 0, order["world_size"])
+            if self.group is None or self.group.key != key:
+                self._drop_group()
+                info = read_store_file(self.run_root)
+                store = connect_store(info["addr"], self.timeout_s)
+                self.group = WeightGroup(store, order["group"], 0, order["world_size"], self.device, self.timeout_s)
+            t1 = time.monotonic()
+            send(self.group, order["version"], self.specs, self.buckets,
+                 (self.staging[a:b] for a, b in self.ranges))
+        except Exception as e:  # a peer died or missed the deadline: the group is unusable
+            self._drop_group()
+            log.warning("sending v%d to %s failed: %s", order["version"], order["group"], e)
+            return f"{type(e).__name__}: {e}", {}
+        return "", {"group_s": t1 - t0, "send_s": time.monotonic() - t1}
+
+    def _drop_group(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None

@@ -1,0 +1,213 @@
+"""Weight-transfer groups and the bucketed broadcast both ends of a collective update run.
+
+Group. A standalone torch.distributed process group (NCCL on GPU, gloo on CPU), never the
+trainer's default world: rank 0 is the trainer's sending rank, ranks 1.. are inference
+servers. It is built from the TCPStore that rl-sync hosts (address in RUN/sync/store.json)
+with a ``PrefixStore`` per generation: rl-sync bumps the generation whenever membership
+changes (a server joins, restarts, is skipped or re-admitted, or a transfer failed), so
+the keys of a dead group never meet a new one. Every op has a deadline (``timeout_s``): a
+stuck peer makes the op raise instead of hanging its group forever.
+
+Plan. Both ends derive the same bucket plan from the tensor list (name, dtype, shape) and
+``bucket_bytes``, so nothing but that list travels beside the data: a tensor of at least
+``bucket_bytes`` is a bucket alone (broadcast from the sender's storage straight into the
+receiver's parameter, no copy on either side); smaller consecutive tensors are packed
+into flat buckets of at most ``bucket_bytes``. Everything travels as uint8 (gloo cannot
+broadcast float8; the bytes are the same). A 3-int64 header (version, number of buckets,
+total bytes) goes first, so a receiver in the wrong round fails before touching a
+parameter.
+"""
+
+import datetime
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+STORE_PREFIX = "rlcli/weights"
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One tensor of a transfer, in broadcast order."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown tensor dtype {name!r} in a weight transfer")
+    return dtype
+
+
+def plan_buckets(specs: Sequence[Spec], bucket_bytes: int) -> list[list[int]]:
+    """Indices of ``specs`` per bucket, in order (see the module docstring)."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    for i, s in enumerate(specs):
+        if bucket_bytes <= 0 or s.nbytes >= bucket_bytes:
+            if current:
+                buckets.append(current)
+                current, size = [], 0
+            buckets.append([i])
+            continue
+        if current and size + s.nbytes > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += s.nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor (no copy)."""
+    assert t.is_contiguous(), "as_bytes needs a contiguous tensor"
+    return t.reshape(-1).view(torch.uint8) if t.dtype != torch.uint8 else t.reshape(-1)
+
+
+# ------------------------------------------------------------------ stores
+
+
+def host_store(host: str, port: int = 0) -> dist.TCPStore:
+    """The rendezvous store rl-sync owns for the life of its process."""
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, use_libuv=True)
+
+
+def connect_store(addr: str, timeout_s: float) -> dist.TCPStore:
+    """A client of the store at ``host:port``; raises ``RuntimeError`` if it cannot be reached."""
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"store address {addr!r} is not host:port")
+    return dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
+                         use_libuv=True)
+
+
+# ------------------------------------------------------------------ group
+
+
+class WeightGroup:
+    """One generation of the weight-transfer group, seen from one member."""
+
+    def __init__(self, store: dist.Store, group: str, rank: int, world_size: int, device: torch.device,
+                 timeout_s: float):
+        self.group, self.rank, self.world_size, self.device = group, rank, world_size, torch.device(device)
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        prefixed = dist.PrefixStore(f"{STORE_PREFIX}/{group}/", store)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = self.timeout
+            self.pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+        else:
+            self.pg = dist.ProcessGroupGloo(prefixed, rank, world_size, self.timeout)
+        self.key = (group, rank, world_size)
+
+    def broadcast(self, t: torch.Tensor) -> None:
+        """Broadcast ``t`` in place from rank 0; raises when a peer misses the deadline."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        opts.timeout = self.timeout
+        work = self.pg.broadcast([t], opts)
+        if self.device.type == "cuda":
+            work.wait(self.timeout)
+        else:
+            work.wait()
+
+    def synchronize(self) -> None:
+        """Wait (host side) until every op issued from this thread's stream has finished."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def close(self) -> None:
+        abort = getattr(self.pg, "abort", None)
+        if self.device.type == "cuda" and abort is not None:
+            try:
+                abort()
+            except RuntimeError:
+                pass
+        self.pg = None
+
+
+def _header(version: int, num_buckets: int, total_bytes: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor([version, num_buckets, total_bytes], dtype=torch.int64, device=device)
+
+
+def send(group: WeightGroup, version: int, specs: Sequence[Spec], buckets: Sequence[list[int]],
+         bucket_data: Iterable[torch.Tensor]) -> None:
+    """Rank 0: broadcast the header, then each bucket's bytes as yielded by ``bucket_data``
+    (one flat uint8 tensor per bucket, on the group's device)."""
+    total = sum(s.nbytes for s in specs)
+    group.broadcast(_header(version, len(buckets), total, group.device))
+    n = 0
+    for i, data in enumerate(bucket_data):
+        expected = sum(specs[j].nbytes for j in buckets[i])
+        assert data.dtype == torch.uint8 and data.numel() == expected, f"bucket {i}: {data.numel()} != {expected} bytes"
+        group.broadcast(data)
+        n += 1
+    assert n == len(buckets), f"sent {n} of {len(buckets)} buckets"
+    group.synchronize()
+
+
+def pack(tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """The bytes of ``tensors`` back to back (a view of the only tensor when there is one)."""
+    if len(tensors) == 1 and tensors[0].is_contiguous() and out is None:
+        return as_bytes(tensors[0])
+    flats = [as_bytes(t.contiguous()) for t in tensors]
+    if out is None:
+        return torch.cat(flats)
+    torch.cat(flats, out=out)
+    return out
+
+
+def receive(group: WeightGroup, version: int, specs: Sequence[Spec], bucket_bytes: int,
+            destination: Callable[[int], torch.Tensor]) -> None:
+    """Rank > 0: receive a transfer into ``destination(i)``, the tensor spec ``i`` lands in
+    (a parameter or a view of one, already checked for shape). A bucket of one tensor
+    whose destination is contiguous and of the sent dtype is received in place; others go
+    through one scratch buffer and are copied (with dtype conversion) into place."""
+    buckets = plan_buckets(specs, bucket_bytes)
+    header = _header(-1, 0, 0, group.device)
+    group.broadcast(header)
+    got = header.tolist()
+    expected = [version, len(buckets), sum(s.nbytes for s in specs)]
+    if got != expected:
+        raise ValueError(f"weight transfer header {got} does not match the order {expected} "
+                         "(version, buckets, bytes): the trainer sends another version or layout")
+    scratch: torch.Tensor | None = None
+    for bucket in buckets:
+        if len(bucket) == 1:
+            dest = destination(bucket[0])
+            if dest.is_contiguous() and dest.dtype == specs[bucket[0]].dtype:
+                group.broadcast(as_bytes(dest))
+                continue
+        nbytes = sum(specs[j].nbytes for j in bucket)
+        if scratch is None or scratch.numel() < nbytes:
+            scratch = torch.empty(max(nbytes, bucket_bytes), dtype=torch.uint8, device=group.device)
+        buf = scratch[:nbytes]
+        group.broadcast(buf)
+        offset = 0
+        for j in bucket:
+            s, dest = specs[j], destination(j)
+            src = buf[offset:offset + s.nbytes]
+            if dest.is_contiguous() and dest.dtype == s.dtype:
+                as_bytes(dest).copy_(src)
+            else:  # clone: a view as another dtype needs an aligned offset
+                dest.copy_(src.clone().view(s.dtype).view(s.shape))
+            offset += s.nbytes
+    group.synchronize()

@@ -1,0 +1,97 @@
+"""How the trainer, rl-sync and the servers meet for a collective weight update.
+
+rl-sync hosts one TCPStore for its lifetime and writes its address to
+RUN/sync/store.json (atomically, with an id per start): the run directory is the
+rendezvous, as for every other peer. The store carries the weight-transfer groups (one
+``PrefixStore`` per generation, see :mod:`rlcli.transport.collective`) and a small control
+protocol between the trainer's sending rank and rl-sync, all JSON values:
+
+- ``ctl/published``: the newest version the trainer holds staged, its tensor list and
+  ``bucket_bytes`` (the trainer rewrites it on every publish and after rl-sync restarts);
+- ``ctl/round/<r>``: rl-sync orders round ``r`` (version, group, world size); ``ctl/rounds``
+  counts the rounds ordered so far;
+- ``ctl/accept/<r>``: the trainer takes the round ("ok") or declines it ("stale": it no longer
+  holds that version); servers are told to receive only after "ok";
+- ``ctl/sent/<r>``: the trainer's outcome (ok or the error) and its send time.
+
+A round is the whole membership of one generation: every member receives, so a server
+that joins brings the others into its new group.
+"""
+
+import json
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from rlcli.transport.atomic import atomic_write_json, read_json
+
+STORE_FILE = Path("sync") / "store.json"
+
+
+def write_store_file(run_root: str | Path, addr: str) -> str:
+    """Record rl-sync's store address; returns the id of this start."""
+    start_id = uuid.uuid4().hex[:12]
+    atomic_write_json(Path(run_root) / STORE_FILE, {"addr": addr, "id": start_id})
+    return start_id
+
+
+def read_store_file(run_root: str | Path) -> dict[str, str] | None:
+    try:
+        return read_json(Path(run_root) / STORE_FILE)
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+class Control:
+    """The control keys of one store (see the module docstring)."""
+
+    def __init__(self, store: dist.Store):
+        self.store = store
+
+    def _set(self, key: str, value: Any) -> None:
+        self.store.set(f"ctl/{key}", json.dumps(value))
+
+    def _get(self, key: str) -> Any | None:
+        """The value of ``key``, or None if it is not set (never blocks)."""
+        if not self.store.check([f"ctl/{key}"]):
+            return None
+        return json.loads(self.store.get(f"ctl/{key}"))
+
+    def wait(self, key: str, timeout_s: float, poll_s: float = 0.002) -> Any | None:
+        """The value of ``key`` once set, or None after ``timeout_s``. Polls: the store's own
+        blocking wait logs a warning at every timeout."""
+        deadline = time.monotonic() + timeout_s
+        while (value := self._get(key)) is None and time.monotonic() < deadline:
+            time.sleep(poll_s)
+        return value
+
+    # trainer side
+    def post_published(self, version: int, tensors: list[list], bucket_bytes: int, timing: dict[str, float]) -> None:
+        self._set("published", {"version": version, "tensors": tensors, "bucket_bytes": bucket_bytes,
+                                "timing": timing})
+
+    def num_rounds(self) -> int:
+        return int(self._get("rounds") or 0)
+
+    def accept(self, r: int, ok: bool) -> None:
+        self._set(f"accept/{r}", "ok" if ok else "stale")
+
+    def sent(self, r: int, error: str, timing: dict[str, float]) -> None:
+        self._set(f"sent/{r}", {"error": error, "timing": timing})
+
+    # rl-sync side
+    def published(self) -> dict[str, Any] | None:
+        return self._get("published")
+
+    def order(self, r: int, version: int, group: str, world_size: int) -> None:
+        self._set(f"round/{r}", {"version": version, "group": group, "world_size": world_size})
+        self._set("rounds", r + 1)
+
+    def accepted(self, r: int) -> str | None:
+        return self._get(f"accept/{r}")
+
+    def outcome(self, r: int) -> dict[str, Any] | None:
+        return self._get(f"sent/{r}")

@@ -1,0 +1,148 @@
+"""The weight-transfer pieces in one process: the real collective publisher and receivers
+over a real gloo group (ranks as threads), the filesystem publisher and the verified
+loader, torn shards, and the status view."""
+
+import json
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rlcli.errors import ModelLoadError
+from rlcli.infer.receiver import CollectiveReceiver, load_from_files
+from rlcli.models.config import ModelArgs
+from rlcli.models.hf_io import build_model, hf_state_dict
+from rlcli.sync.status import render
+from rlcli.train.publish import AsyncFilesystemPublisher, FilesystemPublisher
+from rlcli.train.publish_collective import CollectivePublisher
+from rlcli.transport.collective import Spec, host_store, parse_dtype, plan_buckets
+from rlcli.transport.rendezvous import Control, write_store_file
+
+pytestmark = pytest.mark.timeout(120)
+
+MOE = {"model_type": "qwen3_moe", "vocab_size": 97, "hidden_size": 64, "intermediate_size": 96,
+       "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+       "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True,
+       "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False}
+
+
+def model(seed: int, dtype=torch.float32, **overrides):
+    m = build_model(ModelArgs.from_hf({**MOE, **overrides}), dtype=dtype)
+    m.init_weights(seed)
+    return m
+
+
+def same(a, b, dtype=None) -> bool:
+    sa, sb = hf_state_dict(a), hf_state_dict(b)
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k].to(dtype or sa[k].dtype), sb[k]) for k in sa)
+
+
+def cfg(tmp_path, bucket_bytes=4096):
+    return SimpleNamespace(sync=SimpleNamespace(backend=SimpleNamespace(bucket_bytes=bucket_bytes), ack_timeout_s=60.0),
+                           model=SimpleNamespace(path=str(tmp_path)))
+
+
+def test_plan_buckets_packs_small_tensors_and_sends_large_ones_alone():
+    f32 = torch.float32
+    specs = [Spec("a", f32, (10,)), Spec("b", f32, (10,)), Spec("big", f32, (100,)), Spec("c", f32, (20,)),
+             Spec("d", f32, (5,))]
+    assert plan_buckets(specs, 100) == [[0, 1], [2], [3, 4]]
+    assert plan_buckets(specs, 99) == [[0, 1], [2], [3], [4]]
+    assert plan_buckets(specs, 1000) == [[0, 1, 2, 3, 4]]
+    assert plan_buckets(specs, 0) == [[0], [1], [2], [3], [4]]
+
+
+def test_collective_publisher_to_two_receivers_over_gloo(tmp_path):
+    store = host_store("127.0.0.1")
+    addr = f"127.0.0.1:{store.port}"
+    write_store_file(tmp_path, addr)
+    ctl = Control(store)
+    trainer = model(1)
+    pub = CollectivePublisher(cfg(tmp_path), tmp_path, lambda *a: None, torch.device("cpu"))
+    servers = [model(2), model(3, dtype=torch.bfloat16), model(4, num_experts=8)]  # the last one does not fit
+    before = [hf_state_dict(s)["model.layers.0.mlp.experts.3.up_proj.weight"].clone() for s in servers]
+    receivers = [CollectiveReceiver(torch.device("cpu")) for _ in servers]
+    try:
+        for r, version in enumerate((1, 2)):
+            with torch.no_grad():
+                for p in trainer.parameters():
+                    p.add_(0.5)
+            pub.publish(version, trainer)
+            assert ctl.wait("published", 30) is not None
+            while ctl.published()["version"] != version:
+                pass
+            ctl.order(r, version, "gen0", 4)
+            assert ctl.wait(f"accept/{r}", 30) == "ok"
+            published = ctl.published()
+            specs = [Spec(n, parse_dtype(d), tuple(s)) for n, d, s in published["tensors"]]
+            errors: dict[int, Exception] = {}
+
+            def load(i):
+                try:
+                    receivers[i].load(servers[i], addr, "gen0", i + 1, 4, version, specs, published["bucket_bytes"],
+                                      30)
+                except Exception as e:  # noqa: BLE001 - recorded and checked below
+                    errors[i] = e
+
+            threads = [threading.Thread(target=load, args=(i,)) for i in range(3)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert ctl.wait(f"sent/{r}", 30)["error"] == ""
+            assert same(trainer, servers[0]), "fp32 server is not bit-identical to the trainer"
+            assert same(trainer, servers[1], torch.bfloat16), "bf16 server is not the trainer's weights in bf16"
+            assert set(errors) == {2} and isinstance(errors[2], ModelLoadError), errors
+            assert receivers[0].group is not None  # the group of the generation is reused by the next round
+        mine = hf_state_dict(servers[2])["model.layers.0.mlp.experts.3.up_proj.weight"]
+        assert torch.equal(mine, before[2]), "a receiver that refused the transfer changed its parameters"
+        assert not any(r.torn for r in receivers)
+    finally:
+        pub.close()
+        for r in receivers:
+            r.close()
+
+
+@pytest.mark.parametrize("publisher", [FilesystemPublisher, AsyncFilesystemPublisher])
+def test_filesystem_publish_then_verified_load(tmp_path, publisher):
+    announced = []
+    trainer, server = model(1), model(2)
+    pub = publisher(cfg(tmp_path), tmp_path / "weights", lambda *a: announced.append(a))
+    pub.publish(5, trainer)
+    pub.wait()
+    step_dir = tmp_path / "weights" / "step_5"
+    marker = json.loads((step_dir / "STABLE").read_text())
+    assert announced[0][:2] == (5, str(step_dir)) and {"gather_s", "write_s"} <= set(announced[0][2])
+    assert marker["files"] and all((step_dir / f).stat().st_size == n for f, n in marker["files"].items())
+    load_from_files(server, step_dir)
+    assert same(trainer, server)
+    pub.close()
+
+
+def test_torn_or_unmarked_shard_is_never_loaded(tmp_path):
+    trainer, server = model(1), model(2)
+    pub = FilesystemPublisher(cfg(tmp_path), tmp_path / "weights", lambda *a: None)
+    pub.publish(1, trainer)
+    step_dir = tmp_path / "weights" / "step_1"
+    before = {k: v.clone() for k, v in hf_state_dict(server).items()}
+    shard = next(step_dir.glob("*.safetensors"))
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])  # torn: STABLE still claims the full size
+    with pytest.raises(ModelLoadError, match="torn shard"):
+        load_from_files(server, step_dir)
+    (step_dir / "STABLE").unlink()
+    shard.write_bytes(data)
+    with pytest.raises(ModelLoadError, match="no STABLE marker"):
+        load_from_files(server, step_dir)
+    assert all(torch.equal(v, before[k]) for k, v in hf_state_dict(server).items())
+
+
+def test_status_names_each_server_and_the_update_breakdown():
+    text = render({"backend": "collective", "policy_version": 4, "latest_published": 5,
+                   "servers": {"infer-0": {"version": 4, "state": "admitted", "host": "h", "pid": 1, "last_error": ""},
+                               "infer-1": {"version": 3, "state": "skipped", "host": "h", "pid": 2,
+                                           "last_error": ""}},
+                   "last_update": {"version": 4, "gather_s": 0.01, "send_s": 0.2, "load_s": 0.25, "total_s": 0.3}})
+    assert "infer-1      v3      skipped" in text
+    assert "last update v4: gather 0.010s, send 0.200s, load 0.250s, total 0.300s" in text
