@@ -42,7 +42,7 @@ def rank_main(rank: int, port: int, root: str) -> None:
     fully_shard(model)
     assert any(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
     cfg = SimpleNamespace(sync=SimpleNamespace(backend=SimpleNamespace(bucket_bytes=4096), ack_timeout_s=30.0),
-                          model=SimpleNamespace(path=root))
+                          model=SimpleNamespace(path=root, dtype="float32"))
     FilesystemPublisher(cfg, os.path.join(root, "weights"), lambda *a: None).publish(3, model)
     pub = CollectivePublisher(cfg, root, lambda *a: None, torch.device("cpu"))
     pub.stopping.set()  # no store here: stage only
