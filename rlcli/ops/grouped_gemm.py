@@ -9,6 +9,8 @@ It runs ``torch.nn.functional.grouped_mm`` (``torch._grouped_mm`` on torch versi
 have no public name) where the kernel exists: CUDA bf16 (CUTLASS on sm90) and, from torch
 2.13, CPU. Elsewhere (CUDA fp32, older CPU builds) it falls back to a loop over experts,
 which reads ``offs`` on the host: that fallback syncs and is meant for CPU tests only.
+The kernels need 16-byte aligned rows (in forward and backward), so matrices whose
+width is not a multiple of 16 bytes take the loop too.
 Which path a (device, dtype) takes is decided by trying the kernel once and cached.
 """
 
@@ -49,7 +51,8 @@ def grouped_mm_loop(x_RK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tenso
 
 def grouped_mm(x_RK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     """``x[offs[e-1]:offs[e]] @ w[e].T`` for every expert ``e``, as ``[R, N]``."""
-    if _kernel_available(x_RK.device, x_RK.dtype):
+    aligned = all(n * x_RK.element_size() % 16 == 0 for n in w_ENK.shape[1:])
+    if aligned and _kernel_available(x_RK.device, x_RK.dtype):
         # The kernels want a contiguous row-major A; B = w^T is the column-major view they expect.
         return _grouped_mm_op(x_RK.contiguous(), w_ENK.transpose(-2, -1), offs=offs_E)
     return grouped_mm_loop(x_RK, w_ENK, offs_E)
