@@ -24,6 +24,7 @@ on the host, from the full row's position ids; all layers share it.
 
 import functools
 import inspect
+import warnings
 from typing import Literal
 
 import torch
@@ -70,15 +71,16 @@ class PackedCausalAttention(nn.Module):
 
     ``position_ids_BT`` are the positions of the full rows (the keys). ``query_index_T``
     lists which of the row's tokens this rank holds as queries (context parallelism;
-    default: all, in order); it is the same for every row.
+    default: all, in order); it is the same for every row. ``device`` is where q/k/v
+    live (default: where the positions are): pass host positions and the GPU so that
+    reading the document boundaries costs no device sync.
     """
 
     def __init__(self, position_ids_BT: torch.Tensor, backend: AttentionBackend = "auto",
-                 query_index_T: torch.Tensor | None = None):
+                 query_index_T: torch.Tensor | None = None, device: torch.device | str | None = None):
         super().__init__()
-        device = position_ids_BT.device
-        # One host copy of the positions: document boundaries are host-side metadata (on a GPU the
-        # trainer passes host position ids, so this costs no device sync).
+        device = torch.device(device) if device is not None else position_ids_BT.device
+        # Document boundaries are host-side metadata, read once per forward for all layers.
         pos_host = position_ids_BT.detach().cpu()
         B, T = pos_host.shape
         self.num_keys = T
@@ -160,7 +162,9 @@ class PackedCausalAttention(nn.Module):
                 g = q_index[qi]
                 return (doc[b, g] == doc[b, ki]) & (g >= ki)
 
-            self._block_mask = create_block_mask(document_causal, B, None, q_index.numel(), S, device=self.device)
+            # Compiled on CUDA: the eager version evaluates the mask over all T x S pairs at once.
+            self._block_mask = create_block_mask(document_causal, B, None, q_index.numel(), S, device=self.device,
+                                                 _compile=self.device.type == "cuda")
         return self._block_mask
 
     def _flex(self, q_BTHD, k_BSHD, v_BSHD, scale) -> torch.Tensor:
@@ -168,9 +172,11 @@ class PackedCausalAttention(nn.Module):
         gqa = q.shape[1] != k.shape[1]
         if q.device.type == "cuda":
             out = _compiled_flex()(q, k, v, block_mask=self.block_mask(), scale=scale, enable_gqa=gqa)
-        else:
+        else:  # unfused (materializes scores): CPU tests only
             from torch.nn.attention.flex_attention import flex_attention
-            out = flex_attention(q, k, v, block_mask=self.block_mask(), scale=scale, enable_gqa=gqa)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                out = flex_attention(q, k, v, block_mask=self.block_mask(), scale=scale, enable_gqa=gqa)
         return out.transpose(1, 2)
 
     # ------------------------------------------------------------------ varlen (flash)
