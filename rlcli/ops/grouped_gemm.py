@@ -49,8 +49,16 @@ def grouped_mm_loop(x_RK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tenso
     return out
 
 
+def local_weight(w: torch.Tensor) -> torch.Tensor:
+    """The local shard of an expert-parallel (DTensor) weight, with autograd; plain tensors pass."""
+    to_local = getattr(w, "to_local", None)
+    return to_local() if to_local is not None else w
+
+
 def grouped_mm(x_RK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-    """``x[offs[e-1]:offs[e]] @ w[e].T`` for every expert ``e``, as ``[R, N]``."""
+    """``x[offs[e-1]:offs[e]] @ w[e].T`` for every expert ``e``, as ``[R, N]``. A DTensor
+    ``w`` (experts sharded by expert parallelism) contributes its local experts."""
+    w_ENK = local_weight(w_ENK)
     aligned = all(n * x_RK.element_size() % 16 == 0 for n in w_ENK.shape[1:])
     if aligned and _kernel_available(x_RK.device, x_RK.dtype):
         # The kernels want a contiguous row-major A; B = w^T is the column-major view they expect.

@@ -4,7 +4,7 @@ API (called from the trainer / ``rlcli.parallel.parallelize``)::
 
     apply_cp(model, cp_group)                       # hook every layer's InnerAttention
     t = next_token_targets(t)                       # before sharding: targets + loss inputs aligned
-    t_local, attn = shard_batch_for_cp(t, cp_rank, cp_size)
+    t_local, attn = shard_batch_for_cp(t, cp_rank, cp_size)   # other values (floats) pass through
     ctx = ForwardContext(attn=attn, routing=...)    # attn: PackedCausalAttention of the full rows
     sums = all_reduce_sums({"loss": ..., "num_tokens": ...}, group)   # one collective
 
@@ -51,12 +51,12 @@ def _group(group_or_mesh):
 
 
 def next_token_targets(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Realign a packed batch for a loss that needs no neighbouring tokens: adds ``target_ids``
+    """Realign a packed batch for a loss that needs no neighbouring tokens: adds ``targets``
     (``input_ids[t+1]``) and shifts the :data:`TARGET_KEYS` left by one, so position t
     carries everything about the token its logits predict. The last position of a row
     predicts nothing (mask False)."""
     out = dict(t)
-    out["target_ids"] = torch.nn.functional.pad(t["input_ids"][:, 1:], (0, 1))
+    out["targets"] = torch.nn.functional.pad(t["input_ids"][:, 1:], (0, 1))
     for key in TARGET_KEYS:
         if key in t:
             x = t[key]
@@ -78,25 +78,32 @@ def check_cp(cp_size: int, num_tokens: int) -> None:
                           f"{num_tokens} tokens; lower --cp (at most {max(num_tokens // 2, 1)}) or pack longer rows")
 
 
-def shard_batch_for_cp(t: dict[str, torch.Tensor], cp_rank: int, cp_size: int,
-                       backend: AttentionBackend = "auto") -> tuple[dict[str, torch.Tensor], PackedCausalAttention]:
+def shard_batch_for_cp(t: dict, cp_rank: int, cp_size: int, backend: AttentionBackend = "auto",
+                       host_position_ids: torch.Tensor | None = None) -> tuple[dict, PackedCausalAttention]:
     """This rank's part of a packed batch and the attention backend for it.
 
     Every ``[B, T, ...]`` tensor of ``t`` is padded to a multiple of 2*cp (padding is a
     document of its own, with no loss) and cut to this rank's two chunks;
     ``routed_experts`` (``[B*T, layers, k]``) likewise. The returned attention holds the
-    full rows' document structure and this rank's query indices."""
+    full rows' document structure and this rank's query indices. Pass the positions' host
+    copy as ``host_position_ids`` (e.g. from the batch file) to spare a device sync."""
     ids = t["input_ids"]
     B, T = ids.shape
     check_cp(cp_size, T)
     pad = -T % (2 * cp_size)
-    position_ids = t["position_ids"]
-    if pad:
+
+    def padded(position_ids):
         pad_pos = torch.arange(pad, device=position_ids.device, dtype=position_ids.dtype).expand(B, pad)
-        position_ids = torch.cat([position_ids, pad_pos], dim=1)
+        return torch.cat([position_ids, pad_pos], dim=1) if pad else position_ids
+
+    position_ids = padded(t["position_ids"])
+    host_positions = padded(host_position_ids.view(B, T)) if host_position_ids is not None else position_ids
     index = cp_query_index(T + pad, cp_rank, cp_size)
     out = {}
     for key, x in t.items():
+        if not isinstance(x, torch.Tensor):  # e.g. the sampling temperature
+            out[key] = x
+            continue
         flat_tokens = key == "routed_experts"
         if flat_tokens:
             x = x.view(B, T, *x.shape[1:])
@@ -110,7 +117,7 @@ def shard_batch_for_cp(t: dict[str, torch.Tensor], cp_rank: int, cp_size: int,
                                          device=x.device)], dim=1)
         x = x[:, index.to(x.device)]
         out[key] = x.reshape(-1, *x.shape[2:]) if flat_tokens else x
-    return out, PackedCausalAttention(position_ids, backend=backend, query_index_T=index)
+    return out, PackedCausalAttention(host_positions, backend=backend, query_index_T=index, device=ids.device)
 
 
 class _GatherRows(torch.autograd.Function):

@@ -5,11 +5,12 @@ API (called from ``rlcli.parallel.parallelize``)::
     apply_ep(model, ep_group)          # ProcessGroup or 1-D DeviceMesh of ep ranks
     expert_load_metrics(model, group)  # load-balance metrics of the forwards since the last call
 
-``apply_ep`` replaces each ``GroupedExperts``' stacked weights ``[E, I, D]`` by this rank's
-slice ``[E/ep, I, D]`` (experts ``ep_rank*E/ep ...``; the module records ``ep_rank``,
-``ep_size``, ``num_global_experts`` and ``expert_offset`` so loaders and savers can map
-the slice to the checkpoint's per-expert tensors), and wraps the module's forward with
-two hooks; the model file is untouched:
+``apply_ep`` turns each ``GroupedExperts``' stacked weights ``[E, I, D]`` into DTensors
+sharded ``Shard(0)`` over the EP mesh: the rank holds ``[E/ep, I, D]`` (experts
+``ep_rank*E/ep ...``) while shape and offsets stay global, so sharded loading,
+publishing and DCP checkpoints see the experts by their global index. The grouped GEMM
+unwraps the local shard (``rlcli.ops.grouped_gemm``). The module's forward is wrapped
+with two hooks; the model file is untouched:
 
 * dispatch (pre-hook): the input is this rank's (token, expert) rows sorted by global
   expert, so they are already grouped by destination rank. Counts ``[ep, E/ep]`` are
@@ -22,17 +23,21 @@ sync** of an EP layer is reading the split sizes: ``all_to_all_single`` with une
 takes them as Python ints. Everything else (counts, permutation) stays on the device.
 
 Composition with FSDP2: expert weights are sharded over EP and then ``fully_shard`` over
-the ranks holding the same expert slice (``expert_replica_ranks``); dense weights over all
-ranks. Expert gradients already sum over every token of the EP group (the all-to-all
-backward brings them home), so ``fully_shard`` on the experts must use the same gradient
-divide factor as on the dense modules (``set_gradient_divide_factor``), not its own mesh size.
+the ranks holding the same expert slice (the "edp" axis of the 2-D ("edp", "ep") mesh the
+EP mesh comes from; ``expert_replica_ranks``); dense weights over all ranks. Expert
+gradients already sum over every token of the EP group (the all-to-all backward brings
+them home), so ``fully_shard`` on the experts must use the same gradient divide factor
+as on the dense modules (``set_gradient_divide_factor``), not its own mesh size. Expert
+gradients live on another mesh than dense ones: a global gradient norm sums the squared
+norms of the two groups (each reduced over its own mesh) before the square root.
 """
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from rlcli.models.moe import MoE, GroupedExperts
+from rlcli.errors import ConfigError
+from rlcli.models.moe import GroupedExperts, MoE
 
 
 def _group(group_or_mesh):
@@ -112,22 +117,34 @@ class ExpertParallel:
         return all_to_all(y_RD[inverse], input_splits, output_splits, self.group)
 
 
-def apply_ep(model: nn.Module, ep_group) -> None:
-    """Shard every ``GroupedExperts`` of ``model`` over ``ep_group`` and hook dispatch/combine.
-    Works on a meta-device model (before loading) as well as on a materialized one."""
-    group = _group(ep_group)
+def apply_ep(model: nn.Module, ep_mesh) -> None:
+    """Shard every ``GroupedExperts`` of ``model`` over ``ep_mesh`` (a 1-D DeviceMesh, or a
+    ProcessGroup) and hook dispatch/combine. Works on a meta-device model (before loading)
+    as well as on a materialized one."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(ep_mesh, DeviceMesh):
+        p = next(model.parameters())
+        ep_mesh = DeviceMesh.from_group(ep_mesh, "cpu" if p.device.type == "meta" else p.device.type)
+    group = ep_mesh.get_group()
     ep_size, ep_rank = dist.get_world_size(group), dist.get_rank(group)
+    if not has_experts(model):
+        raise ConfigError(f"--ep {ep_size} needs a mixture-of-experts model, and this one has no experts; drop --ep")
     for name, module in model.named_modules():
         if not isinstance(module, GroupedExperts):
             continue
         E = module.num_experts
         if E % ep_size:
-            raise ValueError(f"--ep {ep_size} must divide the number of experts ({E} in {name})")
+            raise ConfigError(f"--ep {ep_size} must divide the number of experts ({E} in {name}); "
+                              f"pick an --ep that divides {E}")
         e = E // ep_size
         lo = ep_rank * e
         for pname in ("w_gate", "w_up", "w_down"):
             p = getattr(module, pname)
-            setattr(module, pname, nn.Parameter(p.detach()[lo:lo + e].clone(), requires_grad=p.requires_grad))
+            local = p.detach()[lo:lo + e].clone()
+            shard = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride())
+            setattr(module, pname, nn.Parameter(shard, requires_grad=p.requires_grad))
         module.num_experts, module.num_global_experts, module.expert_offset = e, E, lo
         module.ep_rank, module.ep_size = ep_rank, ep_size
         hooks = ExpertParallel(group, ep_rank, ep_size)

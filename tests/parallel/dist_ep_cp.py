@@ -22,7 +22,7 @@ from rlcli.config.train import LossConfig
 from rlcli.models import ModelArgs, build_model
 from rlcli.ops.attention import ForwardContext, PackedCausalAttention, RoutingContext
 from rlcli.parallel.context import all_reduce_sums, apply_cp, next_token_targets, shard_batch_for_cp
-from rlcli.parallel.expert import apply_ep, ep_groups_ranks, expert_load_metrics, expert_replica_ranks
+from rlcli.parallel.expert import apply_ep, expert_load_metrics
 from rlcli.train.loss import icepop_loss
 
 _BASE = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -36,12 +36,12 @@ MODELS = {
                         n_shared_experts=1, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
                         qk_rope_head_dim=8, v_head_dim=8, routed_scaling_factor=2.0),
 }
-# (model, ep, cp, replay recorded routes, row length) per world size
+# (model, ep, cp, replay recorded routes, row length, under FSDP2) per world size
 CASES = {
     2: [("llama", 1, 2, False, 37), ("qwen3_moe", 2, 1, False, 40), ("qwen3_moe", 2, 2, True, 40),
         ("deepseek_v3", 2, 2, False, 43)],
-    4: [("llama", 1, 4, False, 40), ("llama", 1, 2, False, 29), ("qwen3_moe", 4, 1, False, 40),
-        ("qwen3_moe", 2, 2, True, 48), ("deepseek_v3", 4, 2, False, 40)],
+    4: [("llama", 1, 4, False, 40), ("llama", 1, 2, False, 29, True), ("qwen3_moe", 4, 1, False, 40),
+        ("qwen3_moe", 2, 2, True, 48), ("deepseek_v3", 4, 2, False, 40), ("qwen3_moe", 2, 2, False, 40, True)],
 }
 ATOL, RTOL = 2e-5, 1e-4
 
@@ -76,12 +76,28 @@ def loss_sums(model, t, attn, routes=None):
     """Loss sum (icepop), loss-token count and logprob sum of one batch in next-token alignment."""
     routing = RoutingContext(replay=routes) if routes is not None else None
     logits = model(t["input_ids"], t["position_ids"], ForwardContext(attn=attn, routing=routing))
-    lp = torch.log_softmax(logits.float(), -1).gather(-1, t["target_ids"][..., None])[..., 0]
+    lp = torch.log_softmax(logits.float(), -1).gather(-1, t["targets"][..., None])[..., 0]
     loss, _ = icepop_loss(lp, t["inference_logprobs"], t["advantages"], t["loss_mask"], LossConfig())
     return loss, t["loss_mask"].sum(), (lp.detach() * t["loss_mask"]).sum()
 
 
-def run_case(name: str, ep: int, cp: int, replay: bool, T: int) -> list[str]:
+def shard_like_the_trainer(model, mesh, ep_mesh) -> None:
+    """FSDP2 as rl-train applies it: experts over "edp" of the EP mesh, blocks and root over
+    all ranks, gradients summed (divide factor 1)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    for block in model.model.layers:
+        if ep_mesh is not None and hasattr(block.mlp, "experts"):
+            fully_shard(block.mlp.experts, mesh=ep_mesh["edp"])
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+
+
+def run_case(name: str, ep: int, cp: int, replay: bool, T: int, fsdp: bool = False) -> list[str]:
     rank, world = dist.get_rank(), dist.get_world_size()
     dp = world // cp
     ref = make_model(name)
@@ -98,7 +114,7 @@ def run_case(name: str, ep: int, cp: int, replay: bool, T: int) -> list[str]:
         with torch.no_grad():
             logits = ref(row["input_ids"], row["position_ids"],
                          ForwardContext(PackedCausalAttention(row["position_ids"]), RoutingContext(replay=rt)))
-            lp = torch.log_softmax(logits, -1).gather(-1, row["target_ids"][..., None])[..., 0]
+            lp = torch.log_softmax(logits, -1).gather(-1, row["targets"][..., None])[..., 0]
         noise = torch.randn(lp.shape, generator=torch.Generator().manual_seed(7)) * 0.3
         row["inference_logprobs"] = (lp + noise) * row["loss_mask"]
     num_tokens = sum(int(r["loss_mask"].sum()) for r in rows)
@@ -109,17 +125,16 @@ def run_case(name: str, ep: int, cp: int, replay: bool, T: int) -> list[str]:
     (ref_loss / num_tokens).backward()
     ref_load = expert_load_metrics(ref)
 
-    groups = {}
-    for kind, ranks_list in (("ep", ep_groups_ranks(world, ep)), ("replica", expert_replica_ranks(world, ep)),
-                             ("cp", ep_groups_ranks(world, cp))):
-        for ranks in ranks_list:  # every rank creates every group, in the same order
-            g = dist.new_group(ranks)
-            if rank in ranks:
-                groups[kind] = g
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world_mesh = init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp"))
+    ep_mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("edp", "ep"))
     if ep > 1:
-        apply_ep(model, groups["ep"])
+        apply_ep(model, ep_mesh["ep"])
     if cp > 1:
-        apply_cp(model, groups["cp"])
+        apply_cp(model, world_mesh["cp"])
+    if fsdp:
+        shard_like_the_trainer(model, world_mesh["dp", "cp"]._flatten("dp_cp"), ep_mesh if ep > 1 else None)
     row = rows[rank // cp]
     if cp > 1:
         local, attn = shard_batch_for_cp(row, rank % cp, cp)
@@ -144,14 +159,18 @@ def run_case(name: str, ep: int, cp: int, replay: bool, T: int) -> list[str]:
     worst = 0.0
     for pname, p in model.named_parameters():
         expert = pname.endswith(("w_gate", "w_up", "w_down")) and ep > 1
-        grad = p.grad if p.grad is not None else torch.zeros_like(p)
-        dist.all_reduce(grad, group=groups["replica"] if expert else None)
         want = ref_params[pname].grad
         if want is None:
             want = torch.zeros_like(ref_params[pname])
-        if expert:
-            owner = model.get_submodule(pname.rsplit(".", 1)[0])
-            want = want[owner.expert_offset:owner.expert_offset + owner.num_experts]
+        if fsdp:  # FSDP already summed the gradients over the ranks that share each parameter
+            grad = p.grad.full_tensor()
+        else:  # sum them as FSDP would: dense over all ranks, experts over the ranks with the same slice
+            grad = p.grad.to_local() if expert else p.grad
+            grad = grad.clone() if grad is not None else torch.zeros_like(want)
+            dist.all_reduce(grad, group=ep_mesh["edp"].get_group() if expert else None)
+            if expert:
+                owner = model.get_submodule(pname.rsplit(".", 1)[0])
+                want = want[owner.expert_offset:owner.expert_offset + owner.num_experts]
         if grad.shape != want.shape or not torch.allclose(grad, want, atol=ATOL, rtol=RTOL):
             failures.append(f"grad {pname}: max diff {(grad - want).abs().max().item() if grad.shape == want.shape else 'shape'}")
         worst = max(worst, (grad - want).abs().max().item() if grad.shape == want.shape else float("inf"))
@@ -159,7 +178,7 @@ def run_case(name: str, ep: int, cp: int, replay: bool, T: int) -> list[str]:
         for key, value in ref_load.items():
             if abs(float(load[key]) - float(value)) > 1e-5:
                 failures.append(f"{key} {float(load[key])} != {float(value)}")
-    tag = f"{name} ep={ep} cp={cp} dp={dp} replay={replay} T={T}"
+    tag = f"{name} ep={ep} cp={cp} dp={dp} replay={replay} T={T}{' fsdp' if fsdp else ''}"
     return [f"FAIL {tag}: {f}" for f in failures] or [f"ok {tag}: loss {float(ref_loss):+.5f} logprob {float(ref_lp):+.4f} max grad diff {worst:.1e}"]
 
 

@@ -81,10 +81,10 @@ def test_expert_load_metrics_and_reset():
 def test_cp_shards_cover_the_padded_row_with_causal_load_balance():
     T, cp = 13, 2
     pos = torch.cat([torch.arange(6), torch.arange(7)])[None]
-    t = next_token_targets({"input_ids": torch.arange(100, 100 + T)[None], "position_ids": pos,
+    t = next_token_targets({"input_ids": torch.arange(100, 100 + T)[None], "position_ids": pos, "temperature": 0.7,
                             "loss_mask": (pos > 1), "advantages": torch.ones(1, T),
                             "routed_experts": torch.arange(T * 2).view(T, 1, 2)})
-    assert t["target_ids"][0, :-1].tolist() == list(range(101, 100 + T)) and t["loss_mask"][0, -1].item() is False
+    assert t["targets"][0, :-1].tolist() == list(range(101, 100 + T)) and t["loss_mask"][0, -1].item() is False
     assert cp_query_index(16, 0, 2).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
     shards = [shard_batch_for_cp(t, r, cp) for r in range(cp)]
     seen = torch.cat([cp_query_index(16, r, cp) for r in range(cp)])
@@ -95,7 +95,7 @@ def test_cp_shards_cover_the_padded_row_with_causal_load_balance():
         assert local["input_ids"][0, real].tolist() == (100 + idx[real]).tolist()
         assert local["position_ids"].shape == (1, 8) and attn.num_keys == 16
         assert not local["loss_mask"][0, ~real].any()
-        assert local["routed_experts"].shape == (8, 1, 2)
+        assert local["routed_experts"].shape == (8, 1, 2) and local["temperature"] == 0.7
         assert local["routed_experts"][real].flatten().tolist() == t["routed_experts"][idx[real]].flatten().tolist()
 
 
@@ -105,3 +105,26 @@ def test_cp_larger_than_the_row_names_the_flag():
     with pytest.raises(ConfigError, match="--cp"):
         shard_batch_for_cp({"input_ids": torch.zeros(1, 5, dtype=torch.long),
                             "position_ids": torch.arange(5)[None]}, 0, 4)
+
+
+def test_apply_ep_refuses_a_dense_model_and_keeps_a_one_rank_moe_exact():
+    import torch.distributed as dist
+
+    from rlcli.parallel.expert import apply_ep
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        dense = build_model(ModelArgs.from_hf(dict(model_type="llama", vocab_size=50, hidden_size=32,
+                                                   intermediate_size=48, num_hidden_layers=1,
+                                                   num_attention_heads=4, num_key_value_heads=2)))
+        with pytest.raises(ConfigError, match="--ep 1 needs a mixture-of-experts model"):
+            apply_ep(dense, dist.group.WORLD)
+        model = _moe_model()
+        ids = torch.randint(0, 50, (1, 12), generator=torch.Generator().manual_seed(4))
+        expected = model(ids)
+        apply_ep(model, dist.group.WORLD)
+        experts = model.model.layers[0].mlp.experts
+        assert type(experts.w_gate).__name__ == "DTensor" and experts.w_gate.shape == (6, 16, 32)
+        torch.testing.assert_close(model(ids), expected)
+    finally:
+        dist.destroy_process_group()
