@@ -55,7 +55,7 @@ def document_spans(position_ids_T: list[int]) -> list[tuple[int, int]]:
 @functools.cache
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention)  # row lengths vary: let dynamo go dynamic after the first shape
 
 
 def _varlen_attn():
