@@ -66,6 +66,12 @@ def _varlen_attn():
     return varlen_attn
 
 
+@functools.cache
+def _varlen_params() -> frozenset[str]:
+    """Keyword names of this torch's varlen_attn (2.11 takes is_causal, 2.13 window_size)."""
+    return frozenset(inspect.signature(_varlen_attn()).parameters)
+
+
 class PackedCausalAttention(nn.Module):
     """Causal attention within the documents of packed rows (see module docstring).
 
@@ -88,7 +94,9 @@ class PackedCausalAttention(nn.Module):
         self.spans = [document_spans(row.tolist()) for row in pos_host]
         self.backend = self._resolve(backend, device)
         self.device = device
+        self.query_runs = self._query_runs()
         self._block_mask = None
+        self._cu_seqlens = None
         if self.backend == "flex":
             self.doc_ids_BT = doc_ids_from_positions(pos_host).to(device)
 
@@ -127,7 +135,7 @@ class PackedCausalAttention(nn.Module):
     # ------------------------------------------------------------------ sdpa, one call per document
     def _sdpa_per_document(self, q_BTHD, k_BSHD, v_BSHD, scale) -> torch.Tensor:
         q, k, v = (t.transpose(1, 2) for t in (q_BTHD, k_BSHD, v_BSHD))
-        runs = self._query_runs()
+        runs = self.query_runs
         rows = []
         for b, spans in enumerate(self.spans):
             pieces = []
@@ -183,16 +191,18 @@ class PackedCausalAttention(nn.Module):
     def _varlen(self, q_BTHD, k_BSHD, v_BSHD, scale) -> torch.Tensor:
         varlen_attn = _varlen_attn()
         B, T = q_BTHD.shape[:2]
-        bounds = [0]
-        for b, spans in enumerate(self.spans):
-            bounds += [b * T + e for _, e in spans]
-        cu = torch.tensor(bounds, dtype=torch.int32, device=q_BTHD.device)
+        if self._cu_seqlens is None:  # once per forward, shared by every layer
+            bounds = [0]
+            for b, spans in enumerate(self.spans):
+                bounds += [b * T + e for _, e in spans]
+            self._cu_seqlens = torch.tensor(bounds, dtype=torch.int32).to(q_BTHD.device, non_blocking=True)
+        cu = self._cu_seqlens
         max_len = max(e - s for spans in self.spans for s, e in spans)
-        causal = ({"window_size": (-1, 0)} if "window_size" in inspect.signature(varlen_attn).parameters
-                  else {"is_causal": True})
+        params = _varlen_params()
+        causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
         gqa = {}
         if q_BTHD.shape[2] != k_BSHD.shape[2]:
-            if "enable_gqa" in inspect.signature(varlen_attn).parameters:
+            if "enable_gqa" in params:
                 gqa = {"enable_gqa": True}
             else:
                 rep = q_BTHD.shape[2] // k_BSHD.shape[2]

@@ -89,11 +89,13 @@ def source_major_to_expert_major(counts_SE: torch.Tensor, total: int) -> torch.T
 
 
 class ExpertParallel:
-    """The dispatch/combine hooks of one ``GroupedExperts`` module (state of the current forward)."""
+    """The dispatch/combine hooks of one ``GroupedExperts`` module. The permutation and splits
+    of a dispatch wait in one slot for the combine that follows it (a slot, not a stack: an
+    activation-checkpoint recompute that stops early may leave a dispatch without its combine)."""
 
     def __init__(self, group, ep_rank: int, ep_size: int):
         self.group, self.ep_rank, self.ep_size = group, ep_rank, ep_size
-        self._pending: list[tuple[torch.Tensor, list[int], list[int]]] = []
+        self._pending: tuple[torch.Tensor, list[int], list[int]] | None = None
 
     def dispatch(self, module: GroupedExperts, args):
         x_RD, counts_E = args
@@ -107,11 +109,12 @@ class ExpertParallel:
         input_splits, output_splits = splits
         x_recv = all_to_all(x_RD, output_splits, input_splits, self.group)
         order = source_major_to_expert_major(recv_counts, x_recv.shape[0])
-        self._pending.append((order, input_splits, output_splits))
+        self._pending = (order, input_splits, output_splits)
         return x_recv[order], recv_counts.sum(0)
 
     def combine(self, module: GroupedExperts, args, y_RD: torch.Tensor) -> torch.Tensor:
-        order, input_splits, output_splits = self._pending.pop()
+        order, input_splits, output_splits = self._pending
+        self._pending = None
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         return all_to_all(y_RD[inverse], input_splits, output_splits, self.group)
