@@ -36,9 +36,9 @@ MODELS = {
                         n_shared_experts=1, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
                         qk_rope_head_dim=8, v_head_dim=8, routed_scaling_factor=2.0),
 }
-# (model, ep, cp, replay recorded routes, row length, under FSDP2) per world size
+# (model, ep, cp, replay recorded routes, row length, under FSDP2, activation checkpointing) per world size
 CASES = {
-    2: [("llama", 1, 2, False, 37), ("qwen3_moe", 2, 1, False, 40), ("qwen3_moe", 2, 2, True, 40),
+    2: [("llama", 1, 2, False, 37), ("qwen3_moe", 2, 1, False, 40), ("qwen3_moe", 2, 2, True, 40, False, True),
         ("deepseek_v3", 2, 2, False, 43)],
     4: [("llama", 1, 4, False, 40), ("llama", 1, 2, False, 29, True), ("qwen3_moe", 4, 1, False, 40),
         ("qwen3_moe", 2, 2, True, 48), ("deepseek_v3", 4, 2, False, 40), ("qwen3_moe", 2, 2, False, 40, True)],
@@ -97,7 +97,16 @@ def shard_like_the_trainer(model, mesh, ep_mesh) -> None:
             m.set_force_sum_reduction_for_comms(True)
 
 
-def run_case(name: str, ep: int, cp: int, replay: bool, T: int, fsdp: bool = False) -> list[str]:
+def checkpoint_blocks(model) -> None:
+    """Full activation checkpointing (non-reentrant): backward recomputes each block, hooks included."""
+    from torch.utils.checkpoint import checkpoint
+
+    for block in model.model.layers:
+        forward = block.forward
+        block.forward = lambda *a, _f=forward, **k: checkpoint(_f, *a, use_reentrant=False, **k)
+
+
+def run_case(name: str, ep: int, cp: int, replay: bool, T: int, fsdp: bool = False, ac: bool = False) -> list[str]:
     rank, world = dist.get_rank(), dist.get_world_size()
     dp = world // cp
     ref = make_model(name)
@@ -133,6 +142,8 @@ def run_case(name: str, ep: int, cp: int, replay: bool, T: int, fsdp: bool = Fal
         apply_ep(model, ep_mesh["ep"])
     if cp > 1:
         apply_cp(model, world_mesh["cp"])
+    if ac:
+        checkpoint_blocks(model)
     if fsdp:
         shard_like_the_trainer(model, world_mesh["dp", "cp"]._flatten("dp_cp"), ep_mesh if ep > 1 else None)
     row = rows[rank // cp]
@@ -178,7 +189,7 @@ def run_case(name: str, ep: int, cp: int, replay: bool, T: int, fsdp: bool = Fal
         for key, value in ref_load.items():
             if abs(float(load[key]) - float(value)) > 1e-5:
                 failures.append(f"{key} {float(load[key])} != {float(value)}")
-    tag = f"{name} ep={ep} cp={cp} dp={dp} replay={replay} T={T}{' fsdp' if fsdp else ''}"
+    tag = f"{name} ep={ep} cp={cp} dp={dp} replay={replay} T={T}{' fsdp' if fsdp else ''}{' ac' if ac else ''}"
     return [f"FAIL {tag}: {f}" for f in failures] or [f"ok {tag}: loss {float(ref_loss):+.5f} logprob {float(ref_lp):+.4f} max grad diff {worst:.1e}"]
 
 
