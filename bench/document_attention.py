@@ -83,7 +83,12 @@ def bench_length(T, args, device, dtype):
         except Exception as e:  # a backend missing on this torch build is reported, not fatal
             print(f"  {name}: unavailable ({type(e).__name__}: {str(e)[:120]})")
     if T <= args.dense_max:
-        results["dense mask"] = run(lambda q, k, v: dense(q, k, v, pos, scale), q, k, v, dy, args.iters, device)
+        try:
+            results["dense mask"] = run(lambda q, k, v: dense(q, k, v, pos, scale), q, k, v, dy, args.iters, device)
+        except torch.OutOfMemoryError:
+            print(f"  dense mask: out of memory at T = {T}")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     ref = results["sdpa"]
     print(f"T = {T} tokens, {len(lengths)} documents, {Hq}/{Hkv} heads x {D}, {dtype}")
     print(f"  {'path':<11} {'ms/step':>9} {'peak GiB':>9} {'vs dense':>9} {'out diff':>9} {'grad diff':>9}")

@@ -68,7 +68,8 @@ def _varlen_attn():
 
 @functools.cache
 def _varlen_params() -> frozenset[str]:
-    """Keyword names of this torch's varlen_attn (2.11 takes is_causal, 2.13 window_size)."""
+    """Keyword names of this torch's varlen_attn (2.10: is_causal, no scale; 2.12+: scale,
+    window_size, enable_gqa)."""
     return frozenset(inspect.signature(_varlen_attn()).parameters)
 
 
@@ -207,6 +208,10 @@ class PackedCausalAttention(nn.Module):
             else:
                 rep = q_BTHD.shape[2] // k_BSHD.shape[2]
                 k_BSHD, v_BSHD = k_BSHD.repeat_interleave(rep, dim=2), v_BSHD.repeat_interleave(rep, dim=2)
+        if "scale" in params:
+            extra = {"scale": scale}
+        else:  # torch 2.10 has no scale argument: fold ours into q over the default 1/sqrt(D)
+            extra, q_BTHD = {}, q_BTHD * (scale * q_BTHD.shape[-1] ** 0.5)
         out = varlen_attn(q_BTHD.flatten(0, 1), k_BSHD.flatten(0, 1), v_BSHD.flatten(0, 1), cu, cu, max_len, max_len,
-                          scale=scale, **causal, **gqa)
+                          **extra, **causal, **gqa)
         return out.view(B, T, *out.shape[1:])
