@@ -127,6 +127,7 @@ def run_case(name: str, ep: int, cp: int, replay: bool, T: int, fsdp: bool = Fal
         noise = torch.randn(lp.shape, generator=torch.Generator().manual_seed(7)) * 0.3
         row["inference_logprobs"] = (lp + noise) * row["loss_mask"]
     num_tokens = sum(int(r["loss_mask"].sum()) for r in rows)
+    expert_load_metrics(ref)  # reset the expert counters: only the measured passes below count
 
     model = copy.deepcopy(ref)
     ref_sums = [loss_sums(ref, r, PackedCausalAttention(r["position_ids"]), rt) for r, rt in zip(rows, routes)]
