@@ -4,9 +4,10 @@ Runs one Qwen3-MoE-like MoE layer (default: Qwen3-30B-A3B's shape: hidden 2048, 
 experts of width 768, top-8) forward + backward on a batch of tokens, twice, side by
 side: rlcli's path (tokens sorted by expert, ``grouped_mm`` per projection, counts on the
 device) and the baseline it replaced (``counts.tolist()`` then one matmul per expert and
-projection). Routing is the layer's own router, so the per-expert counts are uneven the
-way real ones are. Prints per path the time per step, tokens/s, peak memory, the ratio,
-and the largest difference between the two paths' outputs and gradients.
+projection). Routing is the layer's own router (chosen once, then fixed for every path), so the
+per-expert counts are uneven the way real ones are. Prints per path the time per step,
+tokens/s, peak memory and the ratio, and per path the error of the output and of the
+worst parameter gradient against the same loop computed in fp32.
 
 Torch only (plus rlcli.models.moe from this checkout), so it runs where msgspec/zmq are
 not installed:
@@ -57,6 +58,11 @@ def use_loop_experts(model: torch.nn.Module) -> int:
     return n
 
 
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b|, with NaN counted as infinitely far."""
+    return ((a - b).abs().nan_to_num(nan=float("inf")).max() / b.abs().max().clamp(min=1e-30)).item()
+
+
 def make_layer(args: ModelArgs, device, dtype, seed: int = 0) -> MoE:
     layer = MoE(args, 0)
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -66,17 +72,18 @@ def make_layer(args: ModelArgs, device, dtype, seed: int = 0) -> MoE:
     return layer.to(device=device, dtype=dtype)
 
 
-def step(layer: MoE, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+def step(layer: MoE, x: torch.Tensor, dy: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Forward + backward with the experts chosen once (``idx``), so every path sends the same
+    tokens to the same experts and differences come from the GEMMs alone."""
     scores = layer.gate.scores(x)
-    idx = layer.gate.select(scores)
     y = layer.routed(x, idx, layer.gate.gates(scores, idx, x.dtype))
     y.backward(dy)
     return y
 
 
-def time_path(layer, x, dy, iters: int, warmup: int, device) -> tuple[float, float, torch.Tensor]:
+def time_path(layer, x, dy, idx, iters: int, warmup: int, device) -> tuple[float, float, torch.Tensor]:
     for _ in range(warmup):
-        step(layer, x, dy)
+        step(layer, x, dy, idx)
     layer.zero_grad(set_to_none=True)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if device.type == "cuda":
@@ -84,7 +91,7 @@ def time_path(layer, x, dy, iters: int, warmup: int, device) -> tuple[float, flo
     sync()
     t0 = time.perf_counter()
     for _ in range(iters):
-        y = step(layer, x, dy)
+        y = step(layer, x, dy, idx)
     sync()
     dt = (time.perf_counter() - t0) / iters
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
@@ -115,25 +122,38 @@ def main() -> None:
     x = torch.randn(args.tokens, args.hidden, generator=gen).to(device, dtype)
     dy = torch.randn(args.tokens, args.hidden, generator=gen).to(device, dtype)
 
-    results, outs, grads = {}, {}, {}
+    with torch.no_grad():
+        idx = make_layer(margs, device, dtype).gate.select(make_layer(margs, device, dtype).gate.scores(x))
+
+    def outputs(layer, x, dy):
+        layer.zero_grad(set_to_none=True)
+        y = step(layer, x, dy, idx).detach().float()
+        return y, {n: p.grad.detach().float() for n, p in layer.named_parameters()}
+
+    # The truth: the loop in fp32 on the same device, same routing.
+    ref_layer = make_layer(margs, device, torch.float32)
+    use_loop_experts(ref_layer)
+    ref_y, ref_grads = outputs(ref_layer, x.float(), dy.float())
+    del ref_layer
+
+    results, errors = {}, {}
     for name in ("grouped", "loop"):
         layer = make_layer(margs, device, dtype)
         if name == "loop":
             use_loop_experts(layer)
-        dt, peak, y = time_path(layer, x, dy, args.iters, warmup=2 if not args.smoke else 1, device=device)
-        layer.zero_grad(set_to_none=True)
-        step(layer, x, dy)
-        results[name], outs[name] = (dt, peak), y.float()
-        grads[name] = {n: p.grad.float() for n, p in layer.named_parameters()}
-    scale = outs["loop"].abs().max().item()
-    out_diff = (outs["grouped"] - outs["loop"]).abs().max().item() / max(scale, 1e-30)
-    grad_diff = max((grads["grouped"][n] - g).abs().max().item() / max(g.abs().max().item(), 1e-30)
-                    for n, g in grads["loop"].items())
+        dt, peak, _ = time_path(layer, x, dy, idx, args.iters, warmup=2 if not args.smoke else 1, device=device)
+        y, grads = outputs(layer, x, dy)
+        worst = max(grads, key=lambda n: relative(grads[n], ref_grads[n]))
+        finite = all(bool(torch.isfinite(g).all()) for g in grads.values()) and bool(torch.isfinite(y).all())
+        results[name] = (dt, peak)
+        errors[name] = (relative(y, ref_y), relative(grads[worst], ref_grads[worst]), worst, finite)
+        del layer
     print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, {dtype}, torch {torch.__version__}; "
           f"{args.tokens} tokens, hidden {args.hidden}, {args.experts} experts x {args.expert_width}, top-{args.top_k}")
     kernel = "grouped_mm kernel" if grouped_gemm._works.get((device.type, dtype)) else "loop fallback (no kernel here)"
-    print(f"grouped path ran the {kernel}")
-    print(f"max relative difference grouped vs loop: output {out_diff:.2e}, gradients {grad_diff:.2e}")
+    print(f"grouped path ran the {kernel}; routing fixed once, errors relative to the loop in fp32:")
+    for name, (out_err, grad_err, worst, finite) in errors.items():
+        print(f"  {name:<8} output {out_err:.2e}, worst gradient {grad_err:.2e} ({worst}), all finite: {finite}")
     print(f"{'path':<8} {'ms/step':>9} {'tokens/s':>12} {'peak GiB':>9}")
     for name, (dt, peak) in results.items():
         print(f"{name:<8} {dt * 1e3:>9.2f} {args.tokens / dt:>12.0f} {peak:>9.2f}")
