@@ -11,8 +11,8 @@ or per-block state:
 * ``flex`` (CUDA): FlexAttention (compiled) with a block mask built from document ids.
   Fully masked blocks are skipped. On CPU FlexAttention has no backward (torch 2.13), so
   there it is used only without grad (tests check it against the dense mask).
-* ``varlen`` (CUDA, bf16/fp16, no CP): ``torch.nn.attention.varlen.varlen_attn`` over
-  ``cu_seqlens`` of all documents of the batch flattened.
+* ``varlen`` (CUDA, no CP): ``torch.nn.attention.varlen.varlen_attn`` (flash) over
+  ``cu_seqlens`` of all documents of the batch flattened; fp32 inputs take ``sdpa``.
 
 ``auto`` picks ``varlen`` (or ``flex`` under CP) on CUDA and ``sdpa`` elsewhere.
 
@@ -129,7 +129,7 @@ class PackedCausalAttention(nn.Module):
         assert k_BSHD.shape[1] == self.num_keys, (k_BSHD.shape, self.num_keys)
         if self.backend == "flex":
             return self._flex(q_BTHD, k_BSHD, v_BSHD, scale)
-        if self.backend == "varlen":
+        if self.backend == "varlen" and q_BTHD.dtype in (torch.float16, torch.bfloat16):  # flash: half only
             return self._varlen(q_BTHD, k_BSHD, v_BSHD, scale)
         return self._sdpa_per_document(q_BTHD, k_BSHD, v_BSHD, scale)
 
