@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from rlcli.config.train import LossConfig
 from rlcli.models import ModelArgs, build_model
-from rlcli.ops.attention import ForwardContext, PackedCausalAttention, RoutingContext
+from rlcli.ops.attention import ForwardContext, PackedCausalAttention, RoutingContext, doc_ids_from_positions
 from rlcli.parallel.context import all_reduce_sums, apply_cp, next_token_targets, shard_batch_for_cp
 from rlcli.parallel.expert import apply_ep, expert_load_metrics
 from rlcli.train.loss import icepop_loss
@@ -69,7 +69,7 @@ def make_row(seed: int, T: int, vocab: int) -> dict[str, torch.Tensor]:
     return {"input_ids": torch.randint(0, vocab, (1, T), generator=g), "position_ids": pos[None],
             "loss_mask": mask[None], "advantages": (torch.randn(T, generator=g) * mask)[None],
             "inference_logprobs": (-torch.rand(T, generator=g) * 3 * mask)[None],
-            "versions": torch.zeros(1, T, dtype=torch.int32)}
+            "versions": torch.zeros(1, T, dtype=torch.int32), "seq_ids": doc_ids_from_positions(pos[None])}
 
 
 def loss_sums(model, t, attn, routes=None):
@@ -77,7 +77,7 @@ def loss_sums(model, t, attn, routes=None):
     routing = RoutingContext(replay=routes) if routes is not None else None
     logits = model(t["input_ids"], t["position_ids"], ForwardContext(attn=attn, routing=routing))
     lp = torch.log_softmax(logits.float(), -1).gather(-1, t["targets"][..., None])[..., 0]
-    loss, _ = icepop_loss(lp, t["inference_logprobs"], t["advantages"], t["loss_mask"], LossConfig())
+    loss, _, _ = icepop_loss(lp, t["inference_logprobs"], t["advantages"], t["loss_mask"], t["seq_ids"], LossConfig())
     return loss, t["loss_mask"].sum(), (lp.detach() * t["loss_mask"]).sum()
 
 
