@@ -5,8 +5,8 @@
 
 Each model is built twice from the same seed (bf16 parameters on GPU, fp32 on CPU; AdamW), once left as is and
 once passed through ``convert_to_fp8`` (every Linear except lm_head, plus the stacked
-experts; router and embeddings stay bf16). The bf16 MoE baseline is the model's own expert
-loop (GroupedExperts: one GEMM per expert), so the MoE ratio also measures grouping. Both train on the same sequence of batches
+experts; router and embeddings stay bf16). The bf16 MoE baseline is the model's own grouped
+experts (one bf16 grouped GEMM per projection). Both train on the same sequence of batches
 (a fixed pool of token sequences made of repeated random motifs, so the loss falls within
 50 steps). It prints the median step time of each (after warm-up: DeepGEMM JIT-compiles
 every new shape, 5-9 s each, in the first steps), the speed-up, and both loss curves

@@ -21,7 +21,7 @@ from rlcli.models.config import ModelArgs
 from rlcli.models.indexer import Indexer
 from rlcli.models.layers import RMSNorm, RotaryEmbedding, yarn_mscale
 from rlcli.models.transformer import CausalLM
-from rlcli.ops.attention import ForwardContext, PagedAttention
+from rlcli.ops.attention import ForwardContext, InnerAttention, PagedAttention
 from rlcli.ops.mla import LatentQuery, SparseLatentAttention, paged_latent_attention
 
 
@@ -49,6 +49,7 @@ class MLAttention(nn.Module):
         if scaling.get("mscale_all_dim"):
             m = yarn_mscale(scaling["factor"], scaling["mscale_all_dim"])
             self.scale = self.scale * m * m
+        self.inner_attention = InnerAttention(layer_idx)
 
         # DSA: a layer runs its own indexer, or reuses the last indexer layer's choice (GLM-5 "shared").
         self.sparse = args.is_dsa
@@ -81,7 +82,7 @@ class MLAttention(nn.Module):
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         q = torch.cat([q_nope, q_rot], dim=-1)
         k = torch.cat([k_nope, k_rot.expand(B, T, H, self.rope_dim)], dim=-1)
-        out = ctx.attn(self.layer_idx, q, k, v, self.scale)
+        out = self.inner_attention(q, k, v, self.scale, ctx)
         return self.o_proj(out.reshape(B, T, H * self.v_dim))
 
     def _kv_b_weight(self, dtype: torch.dtype) -> torch.Tensor:

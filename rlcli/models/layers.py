@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from rlcli.models.config import ModelArgs
-from rlcli.ops.attention import ForwardContext
+from rlcli.ops.attention import ForwardContext, InnerAttention
 
 
 class RMSNorm(nn.Module):
@@ -144,6 +144,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.scale = self.head_dim ** -0.5
+        self.inner_attention = InnerAttention(layer_idx)
 
     def kv_spec(self) -> tuple[tuple[int, int], ...]:
         """(heads, dim) of this layer's paged K and V caches."""
@@ -157,7 +158,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope.apply(q, *cos_sin), rope.apply(k, *cos_sin)
-        out = ctx.attn(self.layer_idx, q, k, v, self.scale)
+        out = self.inner_attention(q, k, v, self.scale, ctx)
         return self.o_proj(out.reshape(B, T, -1))
 
 

@@ -9,7 +9,10 @@ so gradients reach the router through the gate values.
 
 Experts are stored stacked, ``w_gate/w_up [E, I, D]`` and ``w_down [E, D, I]``, the
 layout grouped GEMMs and expert parallelism shard along E; the checkpoint adapter maps
-them to the per-expert tensors of the HF layout.
+them to the per-expert tensors of the HF layout. The (token, expert) pairs are sorted by
+expert and all experts run as one grouped GEMM per projection; per-expert counts stay on
+the device, so a layer has no host sync (expert parallelism adds one, see
+``rlcli.parallel.expert``).
 """
 
 import torch
@@ -19,6 +22,7 @@ import torch.nn.functional as F
 from rlcli.models.config import ModelArgs
 from rlcli.models.layers import MLP
 from rlcli.ops.attention import ForwardContext
+from rlcli.ops.grouped_gemm import grouped_mm
 
 
 def check_routes(routes_TLk, args: ModelArgs, num_tokens: int) -> None:
@@ -81,6 +85,15 @@ class Router(nn.Module):
 
 
 class GroupedExperts(nn.Module):
+    """Stacked SwiGLU experts over tokens already sorted by expert.
+
+    ``forward(x_RD, num_tokens_per_expert_E)``: rows of ``x`` grouped by expert (expert 0's
+    tokens first), with the per-expert counts as a device tensor; returns ``[R, D]`` in the
+    same order. Each of the three projections is one grouped GEMM (``expert_mm``, the seam
+    a quantized variant overrides). Expert parallelism shards ``E`` and wraps ``forward``
+    from outside (``rlcli.parallel.expert``), so ``E`` here is the number of local experts.
+    """
+
     def __init__(self, num_experts: int, dim: int, hidden: int):
         super().__init__()
         self.num_experts = num_experts
@@ -88,24 +101,13 @@ class GroupedExperts(nn.Module):
         self.w_up = nn.Parameter(torch.empty(num_experts, hidden, dim))
         self.w_down = nn.Parameter(torch.empty(num_experts, dim, hidden))
 
-    def forward(self, x_ND: torch.Tensor, idx_Nk: torch.Tensor, gates_Nk: torch.Tensor) -> torch.Tensor:
-        N, k = idx_Nk.shape
-        flat = idx_Nk.reshape(-1)
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        token = order // k
-        x_sorted = x_ND[token]
-        outs, start = [], 0
-        for e, n in enumerate(counts):
-            if n:
-                xe = x_sorted[start:start + n]
-                h = F.silu(xe @ self.w_gate[e].T) * (xe @ self.w_up[e].T)
-                outs.append(h @ self.w_down[e].T)
-            start += n
-        y_sorted = torch.cat(outs) if outs else x_sorted.new_zeros(0, x_ND.shape[1])
-        y_sorted = y_sorted * gates_Nk.reshape(-1)[order, None]
-        out = torch.zeros_like(x_ND)
-        return out.index_add_(0, token, y_sorted.to(out.dtype))
+    def expert_mm(self, x_RK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+        return grouped_mm(x_RK, w_ENK, offs_E)
+
+    def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        offs = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+        h_RI = F.silu(self.expert_mm(x_RD, self.w_gate, offs)) * self.expert_mm(x_RD, self.w_up, offs)
+        return self.expert_mm(h_RI, self.w_down, offs)
 
 
 class MoE(nn.Module):
@@ -114,8 +116,29 @@ class MoE(nn.Module):
         self.moe_idx = moe_idx
         self.gate = Router(args)
         self.experts = GroupedExperts(args.num_experts, args.hidden_size, args.moe_intermediate_size)
+        self.num_experts = args.num_experts
+        # Tokens routed to each expert since the last read (load-balance metrics); an
+        # activation-checkpoint recompute counts again, which leaves the fractions unchanged.
+        self.num_tokens_per_expert: torch.Tensor | None = None
         self.shared_experts = (MLP(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts)
                                if args.n_shared_experts else None)
+
+    def routed(self, x_ND: torch.Tensor, idx_Nk: torch.Tensor, gates_Nk: torch.Tensor) -> torch.Tensor:
+        """Sort the N*k (token, expert) pairs by expert, run the experts, weight by the gates and
+        sum back per token. Counts stay on the device (no bincount: on CUDA it syncs)."""
+        N, k = idx_Nk.shape
+        flat = idx_Nk.reshape(-1)
+        order = flat.argsort(stable=True)
+        counts_E = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device)
+        counts_E.scatter_add_(0, flat, torch.ones_like(flat))
+        with torch.no_grad():
+            seen = self.num_tokens_per_expert
+            self.num_tokens_per_expert = counts_E.detach().clone() if seen is None else seen + counts_E
+        token = order // k
+        y_sorted = self.experts(x_ND[token], counts_E)
+        y_sorted = y_sorted * gates_Nk.reshape(-1)[order, None]
+        out = torch.zeros_like(x_ND)
+        return out.index_add_(0, token, y_sorted.to(out.dtype))
 
     def forward(self, x_BTD: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         B, T, D = x_BTD.shape
@@ -134,7 +157,7 @@ class MoE(nn.Module):
             idx = self.gate.select(scores)
         if routing is not None and routing.record:
             routing.recorded.append(idx)
-        out = self.experts(x, idx, self.gate.gates(scores, idx, x.dtype)).view(B, T, D)
+        out = self.routed(x, idx, self.gate.gates(scores, idx, x.dtype)).view(B, T, D)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x_BTD)
         return out

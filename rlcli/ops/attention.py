@@ -1,13 +1,17 @@
 """Attention backends: one model code path, two ways of seeing the sequence.
 
-Model files call ``ctx.attn(layer_idx, q, k, v, scale)`` with ``q [B, T, Hq, Dqk]``,
-``k [B, T, Hkv, Dqk]``, ``v [B, T, Hkv, Dv]`` and get ``[B, T, Hq, Dv]`` back. What the
-tokens are is the backend's business:
+Every attention layer of a model owns an :class:`InnerAttention` module and calls it
+with ``q [B, T, Hq, Dqk]``, ``k [B, S, Hkv, Dqk]``, ``v [B, S, Hkv, Dv]``; it runs the
+backend of the forward pass, ``ctx.attn`` (an ``nn.Module`` called as
+``attn(layer_idx, q, k, v, scale)``), and returns ``[B, T, Hq, Dv]``. What the tokens
+are is the backend's business:
 
-* :class:`PackedCausalAttention` (training, parity tests): each row holds one or more
-  packed sequences; a sequence starts where ``position_ids == 0``. Attention is causal
-  and block-diagonal over sequences. A row that is a single sequence takes SDPA's
-  ``is_causal`` fast path.
+* :class:`PackedCausalAttention` (training, parity tests; in
+  :mod:`rlcli.ops.document_attention`): each row holds one or more packed sequences; a
+  sequence starts where ``position_ids == 0``. Attention is causal within each sequence,
+  computed per document (SDPA), with a FlexAttention block mask or with varlen flash
+  attention; no dense ``[T, T]`` mask is built. Under context parallelism ``S`` (the
+  gathered keys) is longer than ``T`` (this rank's queries).
 * :class:`PagedAttention` (inference): tokens of many sequences are flattened into one
   row; new keys/values are written into a block-paged KV cache at ``slot_mapping`` and
   each sequence attends over its own blocks (``block_tables``) up to its context length.
@@ -19,43 +23,27 @@ The KV cache layout is per layer ``(k_cache, v_cache)`` of shape
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
+import torch.nn as nn
+
+from rlcli.ops.document_attention import PackedCausalAttention, _sdpa, doc_ids_from_positions
+
+__all__ = ["ForwardContext", "InnerAttention", "PackedCausalAttention", "PagedAttention", "PagedAttentionMetadata",
+           "RoutingContext", "doc_ids_from_positions"]
 
 
-def _sdpa(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, scale: float,
-          mask=None, is_causal: bool = False) -> torch.Tensor:
-    gqa = q_BHTD.shape[1] != k_BHSD.shape[1]
-    return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, attn_mask=mask, is_causal=is_causal,
-                                          scale=scale, enable_gqa=gqa)
+class InnerAttention(nn.Module):
+    """The attention call of one layer, as a module of the model: ``forward(q, k, v, scale,
+    ctx)`` runs the forward pass's backend, ``ctx.attn``. It holds no weights; it exists so
+    that parallelism applied from outside can hook every layer's attention (context
+    parallelism all-gathers ``k`` and ``v`` in a forward pre-hook)."""
 
+    def __init__(self, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
 
-def doc_ids_from_positions(position_ids_BT: torch.Tensor) -> torch.Tensor:
-    """Sequence index of every token in a packed row: a new sequence starts at position 0."""
-    return torch.cumsum((position_ids_BT == 0).to(torch.int32), dim=-1)
-
-
-class PackedCausalAttention:
-    """Causal attention over rows of packed sequences (see module docstring)."""
-
-    def __init__(self, position_ids_BT: torch.Tensor):
-        starts = (position_ids_BT == 0).sum(dim=-1)
-        self.single_sequence = bool((starts <= 1).all()) and bool((position_ids_BT[:, :1] == 0).all()) \
-            if position_ids_BT.numel() else True
-        self.mask_BTT = None
-        if not self.single_sequence:
-            doc = doc_ids_from_positions(position_ids_BT)
-            T = position_ids_BT.shape[1]
-            causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
-            self.mask_BTT = (doc[:, :, None] == doc[:, None, :]) & causal
-
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 scale: float) -> torch.Tensor:
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        if self.single_sequence:
-            out = _sdpa(q, k, v, scale, is_causal=True)
-        else:
-            out = _sdpa(q, k, v, scale, mask=self.mask_BTT[:, None])
-        return out.transpose(1, 2)
+    def forward(self, q_BTHD: torch.Tensor, k_BSHD: torch.Tensor, v_BSHD: torch.Tensor, scale: float,
+                ctx: "ForwardContext") -> torch.Tensor:
+        return ctx.attn(self.layer_idx, q_BTHD, k_BSHD, v_BSHD, scale)
 
 
 @dataclass
@@ -79,15 +67,16 @@ class PagedAttentionMetadata:
     _decode_gather: tuple | None = field(default=None, repr=False)
 
 
-class PagedAttention:
+class PagedAttention(nn.Module):
     """Reads and writes a block-paged KV cache; see :class:`PagedAttentionMetadata`."""
 
     def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: PagedAttentionMetadata):
+        super().__init__()
         self.kv_caches = kv_caches
         self.meta = meta
 
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 scale: float) -> torch.Tensor:
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                scale: float) -> torch.Tensor:
         meta = self.meta
         k_cache, v_cache = self.kv_caches[layer_idx]
         q_NHD = q[0]
@@ -184,7 +173,7 @@ class RoutingContext:
 class ForwardContext:
     """Everything a forward pass needs besides tokens and positions."""
 
-    attn: object  # PackedCausalAttention | PagedAttention | any callable with that signature
+    attn: nn.Module  # PackedCausalAttention | PagedAttention: forward(layer_idx, q, k, v, scale)
     routing: RoutingContext | None = None
     position_ids: torch.Tensor | None = None  # [B, T] of the tokens; CausalLM.hidden_states fills it in
     # DSA: each indexer layer's top-k choice, by layer, for the "shared" layers after it. Keyed by

@@ -13,11 +13,11 @@ import logging
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from rlcli.models.moe import GroupedExperts
 from rlcli.ops.fp8.backends import GemmBackend, make_backend
 from rlcli.ops.fp8.linear import FP8Linear, WeightCache, fp8_grouped_mm
+from rlcli.ops.grouped_gemm import local_weight
 
 log = logging.getLogger("rlcli.fp8")
 
@@ -28,18 +28,10 @@ class FP8GroupedExperts(GroupedExperts):
     backend: GemmBackend
     ue8m0: bool
 
-    def forward(self, x_ND: torch.Tensor, idx_Nk: torch.Tensor, gates_Nk: torch.Tensor) -> torch.Tensor:
-        k = idx_Nk.shape[1]
-        flat = idx_Nk.reshape(-1)
-        order = flat.argsort(stable=True)
-        offs = torch.cumsum(torch.bincount(flat, minlength=self.num_experts), 0).to(torch.int32)
-        token = order // k
-        x_sorted = x_ND[token]
-        gmm = lambda x, w, c: fp8_grouped_mm(x, w, offs, self.backend, c, self.ue8m0)  # noqa: E731
-        h = F.silu(gmm(x_sorted, self.w_gate, self._caches[0])) * gmm(x_sorted, self.w_up, self._caches[1])
-        y_sorted = gmm(h, self.w_down, self._caches[2]) * gates_Nk.reshape(-1)[order, None]
-        out = torch.zeros_like(x_ND)
-        return out.index_add_(0, token, y_sorted.to(out.dtype))
+    def expert_mm(self, x_RK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+        # One weight cache per projection; under expert parallelism the local shard is quantized.
+        cache = self._caches[0 if w_ENK is self.w_gate else 1 if w_ENK is self.w_up else 2]
+        return fp8_grouped_mm(x_RK, local_weight(w_ENK), offs_E, self.backend, cache, self.ue8m0)
 
 
 def _matches(name: str, include: list[str], exclude: list[str]) -> bool:

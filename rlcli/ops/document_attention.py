@@ -1,0 +1,217 @@
+"""Causal attention over packed rows with document masks, never building a [T, T] mask.
+
+A training row packs several sequences (documents); a document starts where
+``position_ids == 0``. Query ``i`` sees key ``j`` iff both are in the same document and
+``j <= i``. The dense ``[B, T, T]`` boolean mask this replaces costs 16 GiB per row at
+131k tokens and rules out flash kernels; the backends here only ever hold per-document
+or per-block state:
+
+* ``sdpa`` (CPU, and the reference): one causal SDPA call per document, so memory is
+  O(doc²) per document, not O(T²). Works everywhere, with autograd.
+* ``flex`` (CUDA): FlexAttention (compiled) with a block mask built from document ids.
+  Fully masked blocks are skipped. On CPU FlexAttention has no backward (torch 2.13), so
+  there it is used only without grad (tests check it against the dense mask).
+* ``varlen`` (CUDA, no CP): ``torch.nn.attention.varlen.varlen_attn`` (flash) over
+  ``cu_seqlens`` of all documents of the batch flattened; fp32 inputs take ``sdpa``.
+
+``auto`` picks ``varlen`` (or ``flex`` under CP) on CUDA and ``sdpa`` elsewhere.
+
+Context parallelism (``rlcli.parallel.context``) gives each rank a subset of the row's
+queries, ``query_index_T`` (global indices into the row), while keys and values are the
+whole row (all-gathered per layer). The document structure is computed once per forward,
+on the host, from the full row's position ids; all layers share it.
+"""
+
+import functools
+import inspect
+import warnings
+from typing import Literal
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+AttentionBackend = Literal["auto", "sdpa", "flex", "varlen"]
+
+
+def _sdpa(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, scale: float,
+          mask=None, is_causal: bool = False) -> torch.Tensor:
+    gqa = q_BHTD.shape[1] != k_BHSD.shape[1]
+    return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, attn_mask=mask, is_causal=is_causal,
+                                          scale=scale, enable_gqa=gqa)
+
+
+def doc_ids_from_positions(position_ids_BT: torch.Tensor) -> torch.Tensor:
+    """Sequence index of every token in a packed row: a new sequence starts at position 0."""
+    return torch.cumsum((position_ids_BT == 0).to(torch.int32), dim=-1)
+
+
+def document_spans(position_ids_T: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each document of one row (a row's first token always starts one)."""
+    starts = [i for i, p in enumerate(position_ids_T) if p == 0 or i == 0]
+    return list(zip(starts, starts[1:] + [len(position_ids_T)]))
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+    return torch.compile(flex_attention)  # row lengths vary: let dynamo go dynamic after the first shape
+
+
+def _varlen_attn():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+@functools.cache
+def _varlen_params() -> frozenset[str]:
+    """Keyword names of this torch's varlen_attn (2.10: is_causal, no scale; 2.12+: scale,
+    window_size, enable_gqa)."""
+    return frozenset(inspect.signature(_varlen_attn()).parameters)
+
+
+class PackedCausalAttention(nn.Module):
+    """Causal attention within the documents of packed rows (see module docstring).
+
+    ``position_ids_BT`` are the positions of the full rows (the keys). ``query_index_T``
+    lists which of the row's tokens this rank holds as queries (context parallelism;
+    default: all, in order); it is the same for every row. ``device`` is where q/k/v
+    live (default: where the positions are): pass host positions and the GPU so that
+    reading the document boundaries costs no device sync.
+    """
+
+    def __init__(self, position_ids_BT: torch.Tensor, backend: AttentionBackend = "auto",
+                 query_index_T: torch.Tensor | None = None, device: torch.device | str | None = None):
+        super().__init__()
+        device = torch.device(device) if device is not None else position_ids_BT.device
+        # Document boundaries are host-side metadata, read once per forward for all layers.
+        pos_host = position_ids_BT.detach().cpu()
+        B, T = pos_host.shape
+        self.num_keys = T
+        self.query_index = None if query_index_T is None else query_index_T.detach().cpu().long()
+        self.spans = [document_spans(row.tolist()) for row in pos_host]
+        self.backend = self._resolve(backend, device)
+        self.device = device
+        self.query_runs = self._query_runs()
+        self._block_mask = None
+        self._cu_seqlens = None
+        if self.backend == "flex":
+            self.doc_ids_BT = doc_ids_from_positions(pos_host).to(device)
+
+    def _resolve(self, backend: AttentionBackend, device: torch.device) -> str:
+        if backend == "auto":
+            if device.type != "cuda":
+                return "sdpa"
+            return "varlen" if self.query_index is None and _varlen_attn() is not None else "flex"
+        if backend == "varlen" and (self.query_index is not None or _varlen_attn() is None):
+            raise ValueError("the varlen attention backend needs torch.nn.attention.varlen and no context "
+                             "parallelism; use backend 'flex' or 'sdpa'")
+        return backend
+
+    def _query_runs(self) -> list[tuple[int, int, int]]:
+        """Contiguous runs of this rank's queries: (global start, global end, local start)."""
+        if self.query_index is None:
+            return [(0, self.num_keys, 0)]
+        idx = self.query_index.tolist()
+        runs = []
+        for i, g in enumerate(idx):
+            if i == 0 or g != idx[i - 1] + 1:
+                runs.append([g, g + 1, i])
+            else:
+                runs[-1][1] = g + 1
+        return [tuple(r) for r in runs]
+
+    def forward(self, layer_idx: int, q_BTHD: torch.Tensor, k_BSHD: torch.Tensor, v_BSHD: torch.Tensor,
+                scale: float) -> torch.Tensor:
+        assert k_BSHD.shape[1] == self.num_keys, (k_BSHD.shape, self.num_keys)
+        if self.backend == "flex":
+            return self._flex(q_BTHD, k_BSHD, v_BSHD, scale)
+        if self.backend == "varlen" and q_BTHD.dtype in (torch.float16, torch.bfloat16):  # flash: half only
+            return self._varlen(q_BTHD, k_BSHD, v_BSHD, scale)
+        return self._sdpa_per_document(q_BTHD, k_BSHD, v_BSHD, scale)
+
+    # ------------------------------------------------------------------ sdpa, one call per document
+    def _sdpa_per_document(self, q_BTHD, k_BSHD, v_BSHD, scale) -> torch.Tensor:
+        q, k, v = (t.transpose(1, 2) for t in (q_BTHD, k_BSHD, v_BSHD))
+        runs = self.query_runs
+        rows = []
+        for b, spans in enumerate(self.spans):
+            pieces = []
+            for qs, qe, local in runs:
+                for ds, de in spans:
+                    s, e = max(ds, qs), min(de, qe)
+                    if s >= e:
+                        continue
+                    # Queries s..e-1 see keys ds..(their own index): bottom-right aligned causal.
+                    q_i = q[b:b + 1, :, local + s - qs:local + e - qs]
+                    k_i, v_i = k[b:b + 1, :, ds:e], v[b:b + 1, :, ds:e]
+                    t, n = e - s, e - ds
+                    if t == n:
+                        pieces.append(_sdpa(q_i, k_i, v_i, scale, is_causal=True))
+                    else:
+                        mask = torch.ones(t, n, dtype=torch.bool, device=q.device).tril(diagonal=n - t)
+                        pieces.append(_sdpa(q_i, k_i, v_i, scale, mask=mask))
+            rows.append(torch.cat(pieces, dim=2))
+        return torch.cat(rows, dim=0).transpose(1, 2)
+
+    # ------------------------------------------------------------------ FlexAttention
+    def block_mask(self):
+        """The FlexAttention block mask of this batch, built once and shared by all layers."""
+        if self._block_mask is None:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            doc = self.doc_ids_BT
+            B, S = doc.shape
+            q_index = (torch.arange(S) if self.query_index is None else self.query_index).to(self.device)
+
+            def document_causal(b, h, qi, ki):
+                g = q_index[qi]
+                return (doc[b, g] == doc[b, ki]) & (g >= ki)
+
+            # Compiled on CUDA: the eager version evaluates the mask over all T x S pairs at once.
+            self._block_mask = create_block_mask(document_causal, B, None, q_index.numel(), S, device=self.device,
+                                                 _compile=self.device.type == "cuda")
+        return self._block_mask
+
+    def _flex(self, q_BTHD, k_BSHD, v_BSHD, scale) -> torch.Tensor:
+        q, k, v = (t.transpose(1, 2) for t in (q_BTHD, k_BSHD, v_BSHD))
+        gqa = q.shape[1] != k.shape[1]
+        if q.device.type == "cuda":
+            out = _compiled_flex()(q, k, v, block_mask=self.block_mask(), scale=scale, enable_gqa=gqa)
+        else:  # unfused (materializes scores): CPU tests only
+            from torch.nn.attention.flex_attention import flex_attention
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                out = flex_attention(q, k, v, block_mask=self.block_mask(), scale=scale, enable_gqa=gqa)
+        return out.transpose(1, 2)
+
+    # ------------------------------------------------------------------ varlen (flash)
+    def _varlen(self, q_BTHD, k_BSHD, v_BSHD, scale) -> torch.Tensor:
+        varlen_attn = _varlen_attn()
+        B, T = q_BTHD.shape[:2]
+        if self._cu_seqlens is None:  # once per forward, shared by every layer
+            bounds = [0]
+            for b, spans in enumerate(self.spans):
+                bounds += [b * T + e for _, e in spans]
+            self._cu_seqlens = torch.tensor(bounds, dtype=torch.int32).to(q_BTHD.device, non_blocking=True)
+        cu = self._cu_seqlens
+        max_len = max(e - s for spans in self.spans for s, e in spans)
+        params = _varlen_params()
+        causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+        gqa = {}
+        if q_BTHD.shape[2] != k_BSHD.shape[2]:
+            if "enable_gqa" in params:
+                gqa = {"enable_gqa": True}
+            else:
+                rep = q_BTHD.shape[2] // k_BSHD.shape[2]
+                k_BSHD, v_BSHD = k_BSHD.repeat_interleave(rep, dim=2), v_BSHD.repeat_interleave(rep, dim=2)
+        if "scale" in params:
+            extra = {"scale": scale}
+        else:  # torch 2.10 has no scale argument: fold ours into q over the default 1/sqrt(D)
+            extra, q_BTHD = {}, q_BTHD * (scale * q_BTHD.shape[-1] ** 0.5)
+        out = varlen_attn(q_BTHD.flatten(0, 1), k_BSHD.flatten(0, 1), v_BSHD.flatten(0, 1), cu, cu, max_len, max_len,
+                          **extra, **causal, **gqa)
+        return out.view(B, T, *out.shape[1:])
