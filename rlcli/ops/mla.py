@@ -15,6 +15,9 @@ are at most ``topk`` of them, and exact ties broken towards the earlier token (t
 an integer key of score bits then position), so the choice never depends on how the
 scores were chunked or padded. ``torch.topk`` alone breaks ties by memory layout.
 
+Under context parallelism queries stay on their rank; :class:`SparseLatentAttention`
+receives the whole row's latent KV and indexer keys from one all-gather per layer.
+
 Long sequences never hold a ``[T, S]`` tensor of more than ``chunk`` query rows; under
 autograd each chunk of sparse attention is checkpointed, so backward keeps only inputs.
 """
@@ -22,11 +25,10 @@ autograd each chunk of sparse attention is checkpointed, so backward keeps only 
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from rlcli.ops.attention import PagedAttention
+from rlcli.ops.attention import InnerAttention, PagedAttention
 
 # Query rows per chunk are sized so that the chunk's largest intermediate (indexer scores
 # [rows, Hi, S], gathered latents [rows, k, L]) stays near this many elements.
@@ -175,9 +177,9 @@ class LatentQuery:
     index_scale: float = 1.0
 
 
-class SparseLatentAttention(nn.Module):
-    """DSA over packed training rows: ``forward(query: LatentQuery, kv [B, S, 1, L],
-    index_keys [B, S, 1, Di], scale, ctx) -> [B, T, H, V]`` (per-head values).
+class SparseLatentAttention(InnerAttention):
+    """DSA over packed training rows, in latent form: ``forward(query: LatentQuery,
+    kv [B, S, 1, L], index_keys [B, S, 1, Di], scale, ctx) -> [B, T, H, value_dim]``.
 
     Two kernels for the same function: gathering each query's selected latents (CPU; the
     reference), or, on CUDA (``MASKED_DENSE``), SDPA over expanded K/V with the top-k as a
@@ -185,13 +187,12 @@ class SparseLatentAttention(nn.Module):
     gathered-index kernel replaces it.
 
     Query ``t`` (row index ``r_t``, position ``p_t``) chooses among tokens ``r_t - p_t ..
-    r_t`` of its own document. Keys are passed separately from queries so that context
-    parallelism can hook this module: gather ``kv`` and ``index_keys`` of the whole row
-    (S > T) while queries stay local, their row indices in ``ctx.attn.query_index``."""
-
-    def __init__(self, layer_idx: int):
-        super().__init__()
-        self.layer_idx = layer_idx
+    r_t`` of its own document. As an :class:`InnerAttention`, context parallelism's
+    pre-hook (:func:`rlcli.parallel.context.apply_cp`) all-gathers ``kv`` and
+    ``index_keys`` in one collective per layer (S is then the whole row, in row order,
+    causally load-balanced chunks put back in place) while queries stay local, their row
+    indices in ``ctx.attn.query_index``; top-k runs over the whole row, and the gather's
+    backward (a reduce-scatter) returns each rank its keys' gradients."""
 
     def forward(self, query: LatentQuery, kv_BS1L: torch.Tensor, index_keys_BS1D: torch.Tensor, scale: float,
                 ctx) -> torch.Tensor:
