@@ -17,6 +17,7 @@ their ratio.
 
     torchrun --standalone --nproc-per-node 2 bench/cp_longest_sequence.py            # 2 GPUs
     torchrun --standalone --nproc-per-node 2 bench/cp_longest_sequence.py --smoke    # CPU, gloo, tiny
+    torchrun --standalone --nproc-per-node 2 bench/cp_longest_sequence.py --model dsa   # DSA (2 GPUs)
 """
 
 import argparse
@@ -118,6 +119,8 @@ def main() -> None:
     ap.add_argument("--max", type=int, default=262144)
     ap.add_argument("--chunk", type=int, default=4096, help="tokens per logprob chunk")
     ap.add_argument("--attn", default="auto", choices=["auto", "sdpa", "flex", "varlen"])
+    ap.add_argument("--model", default="llama-1b", choices=["llama-1b", "dsa"],
+                    help="dsa: the small DeepSeek-V3.2-shaped model of bench/dsa_attention.py (sparse attention)")
     a = ap.parse_args()
     cuda = torch.cuda.is_available() and not a.smoke
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -131,6 +134,12 @@ def main() -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     cfg, compute_dtype = (SMOKE, torch.float32) if a.smoke else (LLAMA_1B, torch.bfloat16)
+    if a.model == "dsa":
+        from bench.dsa_attention import SMALL, SMOKE as DSA_SMOKE
+        from rlcli.ops import mla
+        cfg = DSA_SMOKE if a.smoke else SMALL
+        if cuda:
+            mla.CHUNK_ELEMENTS = 1 << 30
     if a.smoke:
         torch.set_num_threads(1)
         a.start, a.max, a.chunk = 64, 256, 32
@@ -161,7 +170,8 @@ def main() -> None:
         del model, opt
     if rank == 0:
         name = torch.cuda.get_device_name() if cuda else "cpu"
-        print(f"device {name} x{world}, torch {torch.__version__}, {'smoke' if a.smoke else 'Llama-3.2-1B shape'}, "
+        shape = "smoke" if a.smoke else ("small DSA model" if a.model == "dsa" else "Llama-3.2-1B shape")
+        print(f"device {name} x{world}, torch {torch.__version__}, {shape}, "
               f"full activation checkpointing, attention backend {a.attn}")
         print(f"{'mode':<6} {'seq':>8} {'step s':>8} {'tokens/s':>10} {'peak GiB':>9}")
         for cp, T, dt, peak, fit in rows:
