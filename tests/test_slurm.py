@@ -68,7 +68,11 @@ def test_dry_run_places_each_command(tmp_path, tiny_model_dir):
 def test_a_run_starts_coordinates_and_ends(script, hosts, tmp_path, tiny_model_dir):
     recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, tmp_path / "run", top={"num_steps": 2})
     job = sbatch(script, recipe, slurm_env(tmp_path, hosts))
-    out, err = job.communicate(timeout=400)
+    try:
+        out, err = job.communicate(timeout=400)
+    finally:
+        if job.poll() is None:  # a timed-out job takes every process it started with it
+            os.killpg(job.pid, signal.SIGKILL)
     assert job.returncode == 0, err[-4000:]
     assert "run complete" in err and progress(tmp_path / "run", "train") == 2
     logs = sorted(p.name for p in (tmp_path / "run" / "logs").iterdir())

@@ -11,7 +11,7 @@ import torch
 from rlcli.config.train import LossConfig
 from rlcli.errors import ConfigError
 from rlcli.models import load_model
-from rlcli.models.moe import GroupedExperts
+from rlcli.models.moe import MoE
 from rlcli.ops.attention import ForwardContext, PackedCausalAttention, RoutingContext
 from rlcli.protocol import WireTensor
 from rlcli.protocol.batch import Sample, build_micro_batch, pack_rows
@@ -58,10 +58,14 @@ def samples(rng: np.random.Generator, lengths=(7, 12, 5, 9)) -> list[Sample]:
 
 
 def capture_experts(model) -> list[torch.Tensor]:
+    """The expert ids each MoE layer sends its tokens to ([N, top_k] per layer, in forward order)."""
     seen: list[torch.Tensor] = []
     for m in model.modules():
-        if isinstance(m, GroupedExperts):
-            m.register_forward_hook(lambda mod, args, out: seen.append(args[1].clone()))
+        if isinstance(m, MoE):
+            def routed(x_ND, idx_Nk, gates_Nk, _inner=m.routed):
+                seen.append(idx_Nk.clone())
+                return _inner(x_ND, idx_Nk, gates_Nk)
+            m.routed = routed
     return seen
 
 
