@@ -34,7 +34,7 @@ from rlcli.infer.engine import NativeEngine  # noqa: E402
 from rlcli.models import load_model  # noqa: E402
 from rlcli.models.moe import check_routes  # noqa: E402
 from rlcli.ops.attention import ForwardContext, PackedCausalAttention, RoutingContext  # noqa: E402
-from rlcli.protocol import GenerateRequest, SamplingParams, WireTensor  # noqa: E402
+from rlcli.protocol import GenerateRequest, SamplingParams  # noqa: E402
 from rlcli.protocol.batch import Sample, build_micro_batch  # noqa: E402
 from rlcli.train.loss import token_logprobs  # noqa: E402
 

@@ -1,6 +1,5 @@
 """Launching and mesh checks: the lines a user sees for a bad --dp/--ep/--cp, Slurm rendezvous."""
 
-import json
 import subprocess
 import sys
 
