@@ -51,11 +51,12 @@ def hf_config(size: str) -> dict:
             "bos_token_id": 0, "eos_token_id": 1, **MODELS[size]}
 
 
-def build(args, device: torch.device, seed: int):
+def build(args, device: torch.device, seed: int, dtype: str | None = None):
     from rlcli.models.config import ModelArgs
     from rlcli.models.hf_io import build_model
 
-    model = build_model(ModelArgs.from_hf(hf_config(args.model)), device=device, dtype=getattr(torch, args.dtype))
+    dtype = getattr(torch, dtype or args.dtype)
+    model = build_model(ModelArgs.from_hf(hf_config(args.model)), device=device, dtype=dtype)
     model.init_weights(seed)
     return model
 
@@ -63,11 +64,12 @@ def build(args, device: torch.device, seed: int):
 def fake_cfg(args, model_dir: Path):
     backend = SimpleNamespace(bucket_bytes=args.bucket_mb << 20)
     return SimpleNamespace(sync=SimpleNamespace(backend=backend, ack_timeout_s=120.0),
-                           model=SimpleNamespace(path=str(model_dir)))
+                           model=SimpleNamespace(path=str(model_dir), dtype=args.dtype))
 
 
-def checksum(model) -> str:
-    """sha256 of every HF tensor's bytes: equal digests mean bit-identical weights."""
+def checksum(model, dtype: str) -> str:
+    """sha256 of every HF tensor's bytes in ``dtype`` (what servers hold): equal digests
+    mean bit-identical weights."""
     import hashlib
 
     from rlcli.models.hf_io import hf_state_dict
@@ -76,7 +78,7 @@ def checksum(model) -> str:
     h = hashlib.sha256()
     for name, t in hf_state_dict(model).items():
         h.update(name.encode())
-        h.update(as_bytes(t.contiguous()).cpu().numpy().tobytes())
+        h.update(as_bytes(t.to(getattr(torch, dtype)).contiguous()).cpu().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -98,7 +100,7 @@ def trainer(args, mode: str, run_root: str, to_parent, from_parent) -> None:
     from rlcli.transport.collective import WeightGroup, connect_store
 
     device = device_of(args, 0)
-    model = build(args, device, seed=1)
+    model = build(args, device, seed=1, dtype=args.trainer_dtype)
     cfg = fake_cfg(args, Path(run_root))
     announce = lambda step, path, timing: to_parent.put(("published", step, path, timing))  # noqa: E731
     pub = {"collective": CollectivePublisher, "filesystem": FilesystemPublisher,
@@ -116,10 +118,11 @@ def trainer(args, mode: str, run_root: str, to_parent, from_parent) -> None:
         to_parent.put(("ready", v, t_ready, time.monotonic() - t_ready))
     pub.wait()
     assert from_parent.get() == "close"
-    to_parent.put(("checksum", checksum(model), sum(p.numel() * p.element_size() for p in model.parameters())))
+    wire = getattr(torch, args.dtype).itemsize
+    to_parent.put(("checksum", checksum(model, args.dtype), sum(p.numel() * wire for p in model.parameters())))
     pub.close()
     if mode == "collective":  # the floor: one flat tensor of the same bytes, same members
-        total = sum(t.numel() * t.element_size() for t in model.parameters())
+        total = sum(t.numel() * wire for t in model.parameters())
         flat = torch.empty(total, dtype=torch.uint8, device=device)
         addr = json.loads((Path(run_root) / "sync" / "store.json").read_text())["addr"]
         group = WeightGroup(connect_store(addr, 60), "floor", 0, args.servers + 1, device, 300)
@@ -152,7 +155,7 @@ def server(args, mode: str, rank: int, run_root: str, to_parent, from_parent) ->
             load_from_files(model, path)
         sync(device)
         to_parent.put(("loaded", rank, v, time.monotonic(), time.monotonic() - t0))
-    to_parent.put(("checksum", checksum(model)))
+    to_parent.put(("checksum", checksum(model, args.dtype)))
     receiver.close()
     if mode == "collective":
         total = sum(t.numel() * t.element_size() for t in model.parameters())
@@ -278,6 +281,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny model, 2 updates: checks the script runs")
     ap.add_argument("--model", choices=list(MODELS), default=None)
     ap.add_argument("--dtype", default=None)
+    ap.add_argument("--trainer-dtype", default=None,
+                    help="the trainer's parameter dtype (float32: FSDP2-style masters, cast to --dtype when published)")
     ap.add_argument("--servers", type=int, default=None)
     ap.add_argument("--updates", type=int, default=None)
     ap.add_argument("--bucket-mb", type=int, default=4)
@@ -286,6 +291,7 @@ def main() -> None:
     args = ap.parse_args()
     args.model = args.model or ("smoke" if args.smoke else "1b" if args.gpu else "cpu")
     args.dtype = args.dtype or ("bfloat16" if args.gpu else "float32")
+    args.trainer_dtype = args.trainer_dtype or args.dtype
     args.servers = args.servers or (1 if args.gpu else 2)
     args.updates = args.updates or (2 if args.smoke else 5)
     if args.gpu:

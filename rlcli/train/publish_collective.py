@@ -2,8 +2,10 @@
 
 Timeline of one update, trainer side:
 1. ``publish(v)`` (every rank, main thread): gather each HF tensor (``full_tensor()`` for
-   DTensors) and rank 0 copies its bytes into the staging buffer, laid out bucket by
-   bucket; device sync; post the tensor list to rl-sync's store; return.
+   DTensors) and rank 0 casts it to the model's dtype (``model.dtype``: FSDP2 holds fp32
+   masters, servers run in the model dtype) straight into the staging buffer, laid out
+   bucket by bucket; device sync; return. The sender thread posts the tensor list to
+   rl-sync's store at once (it stops polling for a round when a new version is staged).
 2. The sender thread (rank 0) waits for rl-sync's ``round/<r>``; accepts it if it holds
    that version, joins (or reuses) the round's group as rank 0 and broadcasts the staged
    buckets; reports the outcome. It serves any number of rounds for the staged version
@@ -31,19 +33,25 @@ if TYPE_CHECKING:
 log = setup_logging("rl-train")
 
 
-def staged_specs(model: torch.nn.Module, transform: Transform | None) -> list[Spec]:
+def wire_dtype(t_dtype: torch.dtype, dtype: torch.dtype) -> torch.dtype:
+    """What a model tensor travels as: floating masters in the model's dtype, others as they are."""
+    return dtype if t_dtype.is_floating_point and t_dtype.itemsize > 1 else t_dtype
+
+
+def staged_specs(model: torch.nn.Module, transform: Transform | None, dtype: torch.dtype) -> list[Spec]:
     """The tensor list of a transfer, without touching data (``transform`` runs on meta tensors)."""
     from rlcli.models.hf_io import hf_entries
 
     specs = []
     for _, t, names in hf_entries(model):
         shape = tuple(t.shape[1:]) if len(names) > 1 else tuple(t.shape)
+        t_dtype = wire_dtype(t.dtype, dtype)
         for name in names:
             if transform is None:
-                specs.append(Spec(name, t.dtype, shape))
+                specs.append(Spec(name, t_dtype, shape))
             else:
                 specs += [Spec(n, o.dtype, tuple(o.shape))
-                          for n, o in transform(name, torch.empty(shape, dtype=t.dtype, device="meta"))]
+                          for n, o in transform(name, torch.empty(shape, dtype=t_dtype, device="meta"))]
     return specs
 
 
@@ -51,7 +59,10 @@ class CollectivePublisher:
     def __init__(self, cfg: RecipeConfig, run_root: Path, announce: Announce, device: torch.device,
                  transform: Transform | None = None):
         self.run_root, self.announce, self.device, self.transform = Path(run_root), announce, device, transform
+        from rlcli.models import DTYPES
+
         self.bucket_bytes = cfg.sync.backend.bucket_bytes
+        self.dtype = DTYPES[cfg.model.dtype]
         self.timeout_s = cfg.sync.ack_timeout_s / 2  # as the servers' (rl-sync's rounds)
         self.rank, _ = world()
         self.fs = FilesystemPublisher(cfg, self.run_root / "weights", announce)
@@ -94,7 +105,7 @@ class CollectivePublisher:
 
     def _stage(self, model: torch.nn.Module) -> None:
         if self.rank == 0:
-            specs = staged_specs(model, self.transform)
+            specs = staged_specs(model, self.transform, self.dtype)
             if specs != self.specs:
                 self.specs, self.buckets = specs, plan_buckets(specs, self.bucket_bytes)
                 total = sum(s.nbytes for s in specs)
@@ -107,9 +118,15 @@ class CollectivePublisher:
         for _, name, t in iter_hf_tensors(model, keep=lambda i: self.rank == 0):
             if t is None:
                 continue
+            t = t.to(wire_dtype(t.dtype, self.dtype)) if self.transform else t
             for _, out in (self.transform(name, t) if self.transform else [(name, t)]):
-                n = out.numel() * out.element_size()
-                self.staging[offset:offset + n].copy_(as_bytes(out.contiguous()))
+                dtype = wire_dtype(out.dtype, self.dtype) if self.transform is None else out.dtype
+                n = out.numel() * dtype.itemsize
+                dst = self.staging[offset:offset + n]
+                if offset % dtype.itemsize == 0:  # cast and copy in one kernel
+                    dst.view(dtype).view(out.shape).copy_(out)
+                else:
+                    dst.copy_(as_bytes(out.to(dtype).contiguous()))
                 offset += n
         if self.rank == 0 and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -152,7 +169,7 @@ class CollectivePublisher:
                     ctl.post_published(version, [[s.name, dtype_name(s.dtype), list(s.shape)] for s in self.specs],
                                        self.bucket_bytes, timing)
                     posted = version
-                order = ctl.wait(f"round/{r}", 0.2)
+                order = ctl.wait(f"round/{r}", 0.2, poll_s=0.0005, stop=lambda: self.version != posted)
                 if order is None:
                     continue
                 with self.cond:

@@ -16,10 +16,19 @@ into flat buckets of at most ``bucket_bytes``. Everything travels as uint8 (gloo
 broadcast float8; the bytes are the same). A 3-int64 header (version, number of buckets,
 total bytes) goes first, so a receiver in the wrong round fails before touching a
 parameter.
+
+Pipelining. The header is a blocking broadcast with the deadline (it proves every peer is
+there). The buckets are then all issued without a host wait: on NCCL they queue on the
+communicator's stream back to back, and one wait at the end (bounded by the same
+deadline) covers them all, so a transfer costs one host round trip, not one per bucket.
+A receiver unpacks packed buckets through one scratch buffer: NCCL orders each
+broadcast after the work already queued on the stream, so a reuse never overwrites bytes
+not yet copied out.
 """
 
 import datetime
 import math
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
@@ -118,21 +127,35 @@ class WeightGroup:
             self.pg = dist.ProcessGroupGloo(prefixed, rank, world_size, self.timeout)
         self.key = (group, rank, world_size)
 
-    def broadcast(self, t: torch.Tensor) -> None:
-        """Broadcast ``t`` in place from rank 0; raises when a peer misses the deadline."""
+    def broadcast(self, t: torch.Tensor, block: bool = True) -> None:
+        """Broadcast ``t`` in place from rank 0. ``block``: the host waits for it and raises
+        when a peer misses the deadline; otherwise this thread's stream is ordered after it
+        and :meth:`synchronize` bounds the wait."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         opts.timeout = self.timeout
         work = self.pg.broadcast([t], opts)
         if self.device.type == "cuda":
-            work.wait(self.timeout)
+            if block:
+                work.wait(self.timeout)
+            else:
+                work.wait()  # stream-ordered: no host wait
         else:
-            work.wait()
+            work.wait()  # gloo: the op's own timeout bounds it
 
     def synchronize(self) -> None:
-        """Wait (host side) until every op issued from this thread's stream has finished."""
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        """Wait (host side) until every op issued from this thread's stream has finished;
+        raises ``TimeoutError`` at the deadline (the caller then drops the group)."""
+        if self.device.type != "cuda":
+            return
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while not done.query():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"weight transfer in group {self.group} missed its "
+                                   f"{self.timeout.total_seconds():.0f} s deadline")
+            time.sleep(0.0001)
 
     def close(self) -> None:
         abort = getattr(self.pg, "abort", None)
@@ -158,7 +181,7 @@ def send(group: WeightGroup, version: int, specs: Sequence[Spec], buckets: Seque
     for i, data in enumerate(bucket_data):
         expected = sum(specs[j].nbytes for j in buckets[i])
         assert data.dtype == torch.uint8 and data.numel() == expected, f"bucket {i}: {data.numel()} != {expected} bytes"
-        group.broadcast(data)
+        group.broadcast(data, block=False)
         n += 1
     assert n == len(buckets), f"sent {n} of {len(buckets)} buckets"
     group.synchronize()
@@ -194,13 +217,13 @@ def receive(group: WeightGroup, version: int, specs: Sequence[Spec], bucket_byte
         if len(bucket) == 1:
             dest = destination(bucket[0])
             if dest.is_contiguous() and dest.dtype == specs[bucket[0]].dtype:
-                group.broadcast(as_bytes(dest))
+                group.broadcast(as_bytes(dest), block=False)
                 continue
         nbytes = sum(specs[j].nbytes for j in bucket)
         if scratch is None or scratch.numel() < nbytes:
             scratch = torch.empty(max(nbytes, bucket_bytes), dtype=torch.uint8, device=group.device)
         buf = scratch[:nbytes]
-        group.broadcast(buf)
+        group.broadcast(buf, block=False)
         offset = 0
         for j in bucket:
             s, dest = specs[j], destination(j)

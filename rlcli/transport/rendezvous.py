@@ -22,7 +22,7 @@ import json
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -60,11 +60,12 @@ class Control:
             return None
         return json.loads(self.store.get(f"ctl/{key}"))
 
-    def wait(self, key: str, timeout_s: float, poll_s: float = 0.002) -> Any | None:
-        """The value of ``key`` once set, or None after ``timeout_s``. Polls: the store's own
-        blocking wait logs a warning at every timeout."""
+    def wait(self, key: str, timeout_s: float, poll_s: float = 0.002,
+             stop: Callable[[], bool] = lambda: False) -> Any | None:
+        """The value of ``key`` once set, or None after ``timeout_s`` or as soon as ``stop()``
+        is true. Polls: the store's own blocking wait logs a warning at every timeout."""
         deadline = time.monotonic() + timeout_s
-        while (value := self._get(key)) is None and time.monotonic() < deadline:
+        while (value := self._get(key)) is None and time.monotonic() < deadline and not stop():
             time.sleep(poll_s)
         return value
 
