@@ -39,7 +39,7 @@ from rlcli.models.config import ModelArgs  # noqa: E402
 from rlcli.models.hf_io import build_model  # noqa: E402
 from rlcli.ops.attention import ForwardContext, PackedCausalAttention  # noqa: E402
 from rlcli.ops.logprobs import chunked_logprobs  # noqa: E402
-from rlcli.parallel.fsdp import apply_activation_checkpointing, apply_fsdp  # noqa: E402
+from rlcli.parallel.fsdp import apply_activation_checkpointing, apply_compile, apply_fsdp  # noqa: E402
 
 LLAMA_1B = dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
                 num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
@@ -125,7 +125,7 @@ def flops_per_token(args: ModelArgs, model: torch.nn.Module, seq: int) -> float:
 
 
 def run_config(hf: dict, seq: int, rows: int, steps: int, warmup: int, device: torch.device, ac: str,
-               experts: str = "loop", cp: int = 1) -> dict:
+               experts: str = "loop", cp: int = 1, compile_blocks: bool = False, profile: bool = False) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     args = ModelArgs.from_hf(hf)
@@ -134,6 +134,8 @@ def run_config(hf: dict, seq: int, rows: int, steps: int, warmup: int, device: t
     world = dist.get_world_size()
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_cp",))
     apply_activation_checkpointing(model, ac)
+    if compile_blocks:
+        apply_compile(model)
     apply_fsdp(model, mesh, torch.bfloat16 if device.type == "cuda" else torch.float32)
     model.to_empty(device=device)
     model.init_buffers()
@@ -168,6 +170,20 @@ def run_config(hf: dict, seq: int, rows: int, steps: int, warmup: int, device: t
         step()
     sync()
     dt = (time.perf_counter() - t0) / steps
+    if profile and dist.get_rank() == 0:
+        from torch.profiler import ProfilerActivity, profile as prof
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with prof(activities=acts) as p:
+            step()
+            sync()
+        keys = ["self_device_time_total", "self_cuda_time_total"] if device.type == "cuda" else ["self_cpu_time_total"]
+        for key in keys:
+            try:
+                print(p.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60), file=sys.stderr)
+                break
+            except (AttributeError, KeyError, ValueError, RuntimeError):
+                continue
     tokens = rows * seq * world
     out = {"tokens_per_s": tokens / dt, "step_s": dt, "flops_per_token": flops_per_token(args, model, seq),
            "params": sum(p.numel() for p in model.parameters()), "world": world}
@@ -203,6 +219,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--ac", default="none", choices=["none", "full", "selective"])
+    ap.add_argument("--compile", action="store_true",
+                    help="dense: also run with each block torch.compile'd (train.compile), side by side")
+    ap.add_argument("--profile", action="store_true", help="print the top kernels of one profiled step")
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--json-out", default="", help="write the results as JSON here (used by dp mode)")
     a = ap.parse_args()
@@ -220,8 +239,10 @@ def main() -> None:
         return dp_mode(a)
     rank, world = setup_dist(device.type)
     if a.mode in ("dense", "all"):
-        r = run_config(dense, a.seq, a.rows, a.steps, a.warmup, device, a.ac)
-        results["dense"] = r
+        results["dense"] = run_config(dense, a.seq, a.rows, a.steps, a.warmup, device, a.ac, profile=a.profile)
+        if a.compile:
+            results["dense_compiled"] = run_config(dense, a.seq, a.rows, a.steps, a.warmup, device, a.ac,
+                                                   compile_blocks=True, profile=a.profile)
     if a.mode in ("moe", "all"):
         for experts in ("loop", "grouped"):
             results[f"moe_{experts}"] = run_config(moe, a.seq, a.rows, a.steps, a.warmup, device, a.ac, experts)
@@ -240,6 +261,9 @@ def main() -> None:
             print(f"# device={torch.cuda.get_device_name() if cuda else 'cpu'} ac={a.ac} rows={a.rows} "
                   f"flops/token=6N+6*L*d*seq")
             table(rows, ["config", "params", "gpus", "seq", "tokens/s", "MFU", "peak GiB"])
+        if "dense_compiled" in results:
+            print(f"compiled / eager tokens/s: "
+                  f"{results['dense_compiled']['tokens_per_s'] / results['dense']['tokens_per_s']:.2f}x")
         if "moe_loop" in results:
             print(f"grouped GEMM / expert loop tokens/s: "
                   f"{results['moe_grouped']['tokens_per_s'] / results['moe_loop']['tokens_per_s']:.2f}x")

@@ -42,6 +42,7 @@ def run_cmd(
     micro_batch_tokens: Annotated[Optional[int], typer.Option(help="Tokens per packed micro-batch row.")] = None,
     threads: ThreadsOpt = None,
     fp8: Annotated[bool, typer.Option("--fp8", help="FP8 block-scaled GEMMs (train.fp8.enabled).")] = False,
+    compile_: Annotated[bool, typer.Option("--compile", help="torch.compile each decoder block (train.compile).")] = False,
     seed: SeedOpt = None,
     r3: R3Opt = None,
     dp: DpOpt = None,
@@ -58,7 +59,7 @@ def run_cmd(
     cfg = resolve_config(ctx, config, {"run_dir": str(run_dir) if run_dir else None, "num_steps": steps,
                                        "train.optim.lr": lr, "train.micro_batch_tokens": micro_batch_tokens,
                                        "train.num_threads": threads, "train.fp8.enabled": True if fp8 else None,
-                                       "seed": seed, "r3": r3, "train.parallel.dp": dp,
+                                       "train.compile": True if compile_ else None, "seed": seed, "r3": r3, "train.parallel.dp": dp,
                                        "train.parallel.ep": ep, "train.parallel.cp": cp})
     if print_config_:
         return print_config(cfg)

@@ -154,6 +154,10 @@ class TrainConfig(Config):
     """Recompute activations in backward: none; full (every block); selective (keep matmul and
     attention outputs, recompute norms and activations)."""
 
+    compile: bool = False
+    """torch.compile each decoder block (rl-train --compile): fused norms, rotary and
+    activations; the first steps of each new shape pay the compile time."""
+
     logprob_chunk_tokens: int = 1024
     """Tokens per chunk when computing logprobs/entropy from hidden states (the full-vocab
     logits of one chunk are the largest tensor; backward recomputes them chunk by chunk)."""

@@ -9,7 +9,7 @@ import torch
 
 from rlcli.errors import ConfigError
 from rlcli.parallel.dims import ParallelDims, resolve_dims
-from rlcli.parallel.fsdp import apply_activation_checkpointing, apply_fsdp
+from rlcli.parallel.fsdp import apply_activation_checkpointing, apply_compile, apply_fsdp
 
 __all__ = ["ParallelDims", "parallelize", "resolve_dims"]
 
@@ -37,6 +37,8 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, cfg, param_dtype: to
     if dims.cp > 1:
         _import_optional("rlcli.parallel.context", "apply_cp", "--cp")(model, dims.mesh["cp"])
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
+    if cfg.compile:
+        apply_compile(model)
     if dims.enabled:
         apply_fsdp(model, dims.fsdp_mesh, param_dtype, cfg.parallel.cpu_offload, dims.ep_mesh)
     return model

@@ -10,6 +10,11 @@ is what lets the trainer compute chunked logprobs from ``lm_head.weight`` after 
 forward call returns. Gradients are *summed* across ranks (divide factor 1): the trainer
 divides the loss by the global token count itself.
 
+Compilation (``train.compile``) compiles each decoder block in place (``Module.compile``:
+module names and state-dict keys do not change), after activation checkpointing and
+before FSDP2, the order torchtitan uses: the block graph fuses norms, rotary, SiLU and
+the elementwise products around the matmuls; FSDP2's collectives stay outside it.
+
 Activation checkpointing wraps each block's ``forward`` (module names, and so state-dict
 keys, do not change): "full" recomputes the whole block in backward; "selective" keeps
 the outputs of matmuls and attention kernels and recomputes the cheap, memory-heavy
@@ -48,6 +53,12 @@ def _checkpointed(forward, selective: bool):
         return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, **extra, **kwargs)
 
     return run
+
+
+def apply_compile(model: torch.nn.Module) -> None:
+    """Compile every decoder block in place (see module docstring)."""
+    for block in model.model.layers:
+        block.compile()
 
 
 def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> None:
