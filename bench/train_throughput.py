@@ -189,6 +189,10 @@ def run_config(hf: dict, seq: int, rows: int, steps: int, warmup: int, device: t
            "params": sum(p.numel() for p in model.parameters()), "world": world}
     out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     del model, opt
+    if compile_blocks:
+        from rlcli.ops.logprobs import use_compiled
+
+        use_compiled(False)  # the next configuration runs eager
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return out

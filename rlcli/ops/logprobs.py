@@ -10,6 +10,12 @@ states and of the LM-head weight. The largest temporary is one chunk's fp32 logi
 Gradients (``z`` = logits / T, ``p`` = softmax(z), ``lp`` = z[target] - logsumexp(z),
 ``H`` = -sum p log p):  d lp / d z = onehot(target) - p,  d H / d z = -p (log p + H).
 The entropy gets a gradient only when the loss uses it; otherwise it costs no backward work.
+
+Per chunk, everything after the LM-head matmul is elementwise work and reductions over a
+``[chunk, V]`` block (cast, scale, logsumexp, exp, the gradient). Eager torch runs each as
+its own pass over that block; after ``use_compiled(True)`` (``train.compile``) it runs as
+one compiled function per direction (forward statistics, backward logit gradient), which
+fuses those passes.
 """
 
 import torch
@@ -23,8 +29,9 @@ def _nucleus(z_CV: torch.Tensor, logp_CV: torch.Tensor, top_p: float) -> tuple[t
     return keep, torch.logsumexp(z_CV.masked_fill(~keep, float("-inf")), dim=-1)
 
 
-def _chunk_stats(h_CD, weight_VD, targets_C, inv_temp: float, top_p: float = 1.0):
-    z = (h_CD @ weight_VD.T).float() * inv_temp
+def _chunk_stats(zraw_CV, targets_C, inv_temp: float, top_p: float = 1.0):
+    """(logprob of the targets, entropy) of one chunk from its raw logits."""
+    z = zraw_CV.float() * inv_temp
     lse = torch.logsumexp(z, dim=-1)
     logp = z - lse[:, None]
     entropy = -(logp.exp() * logp).sum(-1)  # of the full distribution, as the bonus wants
@@ -33,7 +40,44 @@ def _chunk_stats(h_CD, weight_VD, targets_C, inv_temp: float, top_p: float = 1.0
         keep, lse = _nucleus(z, logp, top_p)
         lp = (z.gather(1, targets_C[:, None])[:, 0] - lse).masked_fill(~keep.gather(1, targets_C[:, None])[:, 0],
                                                                         float("-inf"))  # ratio 0: masked
-    return z, lse, lp, entropy
+    return lp, entropy
+
+
+def _chunk_grad(zraw_CV, targets_C, grad_lp_N, grad_entropy_N, entropy_N, s: int, chunk: int, inv_temp: float,
+                top_p: float) -> torch.Tensor:
+    """d loss / d logits of one chunk (fp32)."""
+    z = zraw_CV.float() * inv_temp
+    logp = z - torch.logsumexp(z, dim=-1, keepdim=True)
+    p = logp.exp()
+    g_z = torch.zeros_like(z)
+    if grad_lp_N is not None:
+        g = grad_lp_N[s:s + chunk].float()
+        # d lp / d z = onehot(target) - p over the distribution lp is taken under (the nucleus
+        # when top_p < 1: softmax renormalized over the kept tokens, 0 elsewhere).
+        t = targets_C[:, None]
+        if top_p >= 1:
+            g_z -= p * g[:, None]
+            g_z.scatter_add_(1, t, g[:, None])
+        else:
+            keep, lse_keep = _nucleus(z, logp, top_p)
+            g_z -= (z - lse_keep[:, None]).exp() * keep * g[:, None]
+            g_z.scatter_add_(1, t, (g * keep.gather(1, t)[:, 0])[:, None])
+    if grad_entropy_N is not None:
+        g = grad_entropy_N[s:s + chunk].float()
+        g_z -= p * (logp + entropy_N[s:s + chunk, None]) * g[:, None]
+    return g_z * inv_temp
+
+
+_compiled: dict[str, object] = {}
+
+
+def use_compiled(enabled: bool = True) -> None:
+    """Run the per-chunk math compiled, or eager again (see module docstring)."""
+    if enabled and not _compiled:
+        _compiled["stats"] = torch.compile(_chunk_stats, dynamic=True)
+        _compiled["grad"] = torch.compile(_chunk_grad, dynamic=True)
+    elif not enabled:
+        _compiled.clear()
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
@@ -42,9 +86,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
         N = h_ND.shape[0]
         lp, entropy = h_ND.new_empty(N, dtype=torch.float32), h_ND.new_empty(N, dtype=torch.float32)
         with torch.no_grad():
+            stats = _compiled.get("stats", _chunk_stats)
             for s in range(0, N, chunk):
-                _, _, lp[s:s + chunk], entropy[s:s + chunk] = _chunk_stats(
-                    h_ND[s:s + chunk], weight_VD, targets_N[s:s + chunk], 1.0 / temperature, top_p)
+                lp[s:s + chunk], entropy[s:s + chunk] = stats(
+                    h_ND[s:s + chunk] @ weight_VD.T, targets_N[s:s + chunk], 1.0 / temperature, top_p)
         ctx.save_for_backward(h_ND, weight_VD, targets_N, entropy)
         ctx.temperature, ctx.chunk, ctx.top_p = temperature, chunk, top_p
         ctx.set_materialize_grads(False)
@@ -59,28 +104,12 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if ctx.needs_input_grad[1] else None
         if grad_lp_N is None and grad_entropy_N is None:
             return grad_h, grad_w, None, None, None, None
+        grad = _compiled.get("grad", _chunk_grad)
         for s in range(0, h_ND.shape[0], chunk):
             h = h_ND[s:s + chunk]
-            z = (h @ weight_VD.T).float() * inv_temp
-            logp = z - torch.logsumexp(z, dim=-1, keepdim=True)
-            p = logp.exp()
-            g_z = torch.zeros_like(z)
-            if grad_lp_N is not None:
-                g = grad_lp_N[s:s + chunk].float()
-                # d lp / d z = onehot(target) - p over the distribution lp is taken under (the nucleus
-                # when top_p < 1: softmax renormalized over the kept tokens, 0 elsewhere).
-                t = targets_N[s:s + chunk, None]
-                if ctx.top_p >= 1:
-                    g_z -= p * g[:, None]
-                    g_z.scatter_add_(1, t, g[:, None])
-                else:
-                    keep, lse_keep = _nucleus(z, logp, ctx.top_p)
-                    g_z -= (z - lse_keep[:, None]).exp() * keep * g[:, None]
-                    g_z.scatter_add_(1, t, (g * keep.gather(1, t)[:, 0])[:, None])
-            if grad_entropy_N is not None:
-                g = grad_entropy_N[s:s + chunk].float()
-                g_z -= p * (logp + entropy_N[s:s + chunk, None]) * g[:, None]
-            g_z = (g_z * inv_temp).to(weight_VD.dtype)
+            g_z = grad(h @ weight_VD.T, targets_N[s:s + chunk], grad_lp_N, grad_entropy_N, entropy_N, s, chunk,
+                       inv_temp, ctx.top_p)
+            g_z = g_z.to(weight_VD.dtype)
             if grad_h is not None:
                 grad_h[s:s + chunk] = g_z @ weight_VD
             if grad_w is not None:

@@ -13,7 +13,8 @@ divides the loss by the global token count itself.
 Compilation (``train.compile``) compiles each decoder block in place (``Module.compile``:
 module names and state-dict keys do not change), after activation checkpointing and
 before FSDP2, the order torchtitan uses: the block graph fuses norms, rotary, SiLU and
-the elementwise products around the matmuls; FSDP2's collectives stay outside it.
+the elementwise products around the matmuls; FSDP2's collectives stay outside it. The
+logprob chunk math (cast, logsumexp, softmax gradient over ``[chunk, V]``) is compiled too.
 
 Activation checkpointing wraps each block's ``forward`` (module names, and so state-dict
 keys, do not change): "full" recomputes the whole block in backward; "selective" keeps
@@ -56,9 +57,13 @@ def _checkpointed(forward, selective: bool):
 
 
 def apply_compile(model: torch.nn.Module) -> None:
-    """Compile every decoder block in place (see module docstring)."""
+    """Compile every decoder block in place, and the trainer's per-chunk logprob math
+    (:func:`rlcli.ops.logprobs.use_compiled`); see module docstring."""
+    from rlcli.ops.logprobs import use_compiled
+
     for block in model.model.layers:
         block.compile()
+    use_compiled(True)
 
 
 def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> None:
