@@ -56,11 +56,12 @@ def batches(vocab: int, batch: int, seq: int, pool: int, seed: int) -> list[torc
     return out
 
 
-def train(hf: dict, fp8: bool, backend: str, data: list[torch.Tensor], steps: int, device, lr: float):
-    torch.manual_seed(0)
+def train(hf: dict, fp8: bool, backend: str, data: list[torch.Tensor], steps: int, device, lr: float,
+          seed: int = 0, profile: bool = False):
+    torch.manual_seed(seed)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # CPU bf16 matmuls are slow
     model = build_model(ModelArgs.from_hf(hf), device=device, dtype=dtype)
-    model.init_weights(seed=0)
+    model.init_weights(seed=seed)
     if fp8:
         cfg = SimpleNamespace(backend=backend, include=["*"], exclude=["*embed_tokens", "lm_head", "*.mlp.gate"],
                               ue8m0=False)
@@ -80,6 +81,16 @@ def train(hf: dict, fp8: bool, backend: str, data: list[torch.Tensor], steps: in
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
+    if profile and device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile as prof
+
+        with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+            ids = data[0].to(device)
+            F.cross_entropy(model(ids[:, :-1]).float().flatten(0, 1), ids[:, 1:].flatten()).backward()
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+        print(p.key_averages().table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=70),
+              file=sys.stderr)
     n_params = sum(p.numel() for p in model.parameters())
     del model, opt
     if device.type == "cuda":
@@ -97,6 +108,10 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true", help="eager quantizers (default: torch.compile on GPU)")
     ap.add_argument("--models", default="dense,moe")
     ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--profile", action="store_true", help="print the top kernels of one FP8 step (GPU)")
+    ap.add_argument("--noise", action="store_true",
+                    help="also train bf16 from another init seed: max|dL| between two bf16 runs, the scale of "
+                         "run-to-run noise the FP8 difference is read against")
     args = ap.parse_args()
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     if args.smoke:
@@ -112,22 +127,30 @@ def main() -> None:
         data = batches(hf["vocab_size"], args.batch, args.seq + 1, 8, seed=1)
         runs = {}
         for fp8 in (False, True):
-            losses, times, n = train(hf, fp8, args.backend, data, args.steps, device, args.lr)
+            losses, times, n = train(hf, fp8, args.backend, data, args.steps, device, args.lr,
+                                     profile=args.profile and fp8)
             runs[fp8] = (losses, times)
             tag = "fp8 " if fp8 else "bf16"
             print(f"{key} {tag} loss every 10 steps: " + " ".join(f"{x:.3f}" for x in losses[::10])
                   + f" ... last {losses[-1]:.4f}", file=sys.stderr, flush=True)
         med = {k: sorted(t[warm:])[len(t[warm:]) // 2] for k, (_, t) in runs.items()}
         diff = max(abs(a - b) for a, b in zip(runs[True][0], runs[False][0]))
-        results.append((key, n, args.batch * args.seq, med[False], med[True], runs[False][0], runs[True][0], diff))
+        noise = float("nan")
+        if args.noise:
+            other, _, _ = train(hf, False, args.backend, data, args.steps, device, args.lr, seed=1)
+            print(f"{key} bf16 (init seed 1) loss every 10 steps: " + " ".join(f"{x:.3f}" for x in other[::10])
+                  + f" ... last {other[-1]:.4f}", file=sys.stderr, flush=True)
+            noise = max(abs(a - b) for a, b in zip(other, runs[False][0]))
+        results.append((key, n, args.batch * args.seq, med[False], med[True], runs[False][0], runs[True][0], diff,
+                        noise))
 
     print(f"\nTraining step, FP8 (backend {args.backend}) vs bf16, {args.steps} steps, "
           f"{'CPU' if device.type == 'cpu' else torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"{'model':6s} {'params':>8s} {'tok/step':>9s} {'bf16 ms':>9s} {'fp8 ms':>9s} {'speedup':>8s} "
-          f"{'loss0':>7s} {'bf16 last':>10s} {'fp8 last':>9s} {'max|dL|':>8s}")
-    for key, n, tok, tb, tf, lb, lf, diff in results:
+          f"{'loss0':>7s} {'bf16 last':>10s} {'fp8 last':>9s} {'max|dL|':>8s} {'bf16 seeds max|dL|':>19s}")
+    for key, n, tok, tb, tf, lb, lf, diff, noise in results:
         print(f"{key:6s} {n / 1e9:7.2f}B {tok:9d} {tb * 1e3:9.1f} {tf * 1e3:9.1f} {tb / tf:8.2f} "
-              f"{lb[0]:7.3f} {lb[-1]:10.4f} {lf[-1]:9.4f} {diff:8.4f}")
+              f"{lb[0]:7.3f} {lb[-1]:10.4f} {lf[-1]:9.4f} {diff:8.4f} {noise:19.4f}")
 
 
 if __name__ == "__main__":

@@ -208,10 +208,14 @@ class PackedCausalAttention(nn.Module):
             else:
                 rep = q_BTHD.shape[2] // k_BSHD.shape[2]
                 k_BSHD, v_BSHD = k_BSHD.repeat_interleave(rep, dim=2), v_BSHD.repeat_interleave(rep, dim=2)
+        pad = q_BTHD.shape[-1] - v_BSHD.shape[-1]
+        if pad > 0:  # flash needs one head size for q, k and v (MLA: 192 vs 128): pad v, cut the output
+            v_BSHD = torch.nn.functional.pad(v_BSHD, (0, pad))
         if "scale" in params:
             extra = {"scale": scale}
         else:  # torch 2.10 has no scale argument: fold ours into q over the default 1/sqrt(D)
             extra, q_BTHD = {}, q_BTHD * (scale * q_BTHD.shape[-1] ** 0.5)
         out = varlen_attn(q_BTHD.flatten(0, 1), k_BSHD.flatten(0, 1), v_BSHD.flatten(0, 1), cu, cu, max_len, max_len,
                           **extra, **causal, **gqa)
-        return out.view(B, T, *out.shape[1:])
+        out = out.view(B, T, *out.shape[1:])
+        return out[..., :out.shape[-1] - pad] if pad > 0 else out
