@@ -1,15 +1,18 @@
 """The collective ``WeightPublisher``: stage on rank 0, send in a thread (see ``publish``).
 
 Timeline of one update, trainer side:
-1. ``publish(v)`` (every rank, main thread): gather each HF tensor (``full_tensor()`` for
-   DTensors) and rank 0 casts it to the model's dtype (``model.dtype``: FSDP2 holds fp32
-   masters, servers run in the model dtype) straight into the staging buffer, laid out
-   bucket by bucket; device sync; return. The sender thread posts the tensor list to
-   rl-sync's store at once (it stops polling for a round when a new version is staged).
-2. The sender thread (rank 0) waits for rl-sync's ``round/<r>``; accepts it if it holds
-   that version, joins (or reuses) the round's group as rank 0 and broadcasts the staged
-   buckets; reports the outcome. It serves any number of rounds for the staged version
-   (servers that join late), on its own CUDA stream so the next step's kernels run beside it.
+1. ``publish(v)`` (every rank, main thread): rank 0 makes ``v`` the version it offers,
+   so the sender thread posts the tensor list to rl-sync's store at once; then every rank
+   gathers each HF tensor (``full_tensor()`` for DTensors) and rank 0 casts it to the
+   model's dtype (``model.dtype``: FSDP2 holds fp32 masters, servers run in the model
+   dtype) straight into the staging buffer, laid out bucket by bucket, marking each
+   bucket ready as its last byte is queued (a CUDA event on GPU); device sync; return.
+2. The sender thread (rank 0) waits for rl-sync's ``round/<r>``; accepts it if it offers
+   that version, joins (or reuses) the round's group as rank 0 and broadcasts the buckets,
+   each once it is ready: a round ordered while the trainer is still staging sends behind
+   the staging copy instead of after it. It reports the outcome and serves any number of
+   rounds for the offered version (servers that join late), on its own CUDA stream so the
+   next step's kernels run beside it.
 3. The next ``publish`` waits only while a round is sending, then restages.
 """
 
@@ -73,7 +76,9 @@ class CollectivePublisher:
         self.version = -1
         self.timing: dict[str, float] = {}
         self.cond = threading.Condition()
-        self.busy = self.filling = False
+        self.busy = False
+        self.staged = 0  # buckets of the offered version that are ready to send
+        self.events: list[torch.cuda.Event] = []
         self.stopping = threading.Event()
         self.group: WeightGroup | None = None
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -87,33 +92,51 @@ class CollectivePublisher:
         if step == 0:
             self.fs.publish(0, model)  # servers boot from disk
         t0 = time.monotonic()
-        with self.cond:
-            self.cond.wait_for(lambda: not self.busy)
-            self.filling = True
+        if self.rank == 0:
+            with self.cond:
+                self.cond.wait_for(lambda: not self.busy)
+                self._plan(model)
+                self.staged, self.version, self.timing = 0, step, {}
+                self.cond.notify_all()
         try:
             self._stage(model)
-        finally:
-            with self.cond:
-                self.filling = False
+        except BaseException:
+            with self.cond:  # nothing half-staged is ever offered
+                self.version = -1
+            raise
         if self.rank != 0:
             return
         with self.cond:
-            self.version, self.timing = step, {"gather_s": time.monotonic() - t0}
-            self.cond.notify_all()
+            self.timing = {"gather_s": time.monotonic() - t0}
         if step != 0:
             self.announce(step, "", self.timing)
 
+    def _plan(self, model: torch.nn.Module) -> None:
+        """Rank 0: the tensor list, its buckets and the staging buffer (kept while the list is the same)."""
+        specs = staged_specs(model, self.transform, self.dtype)
+        if specs != self.specs:
+            self.specs, self.buckets = specs, plan_buckets(specs, self.bucket_bytes)
+            total = sum(s.nbytes for s in specs)
+            self.staging = torch.empty(total, dtype=torch.uint8, device=self.device)
+            starts = [0]
+            for s in specs:
+                starts.append(starts[-1] + s.nbytes)
+            self.ranges = [(starts[b[0]], starts[b[-1] + 1]) for b in self.buckets]
+            self.events = [torch.cuda.Event() for _ in self.buckets] if self.device.type == "cuda" else []
+
+    def _mark_staged(self, offset: int) -> None:
+        """Every bucket that ends at or before ``offset`` is ready to send."""
+        k = self.staged
+        while k < len(self.ranges) and self.ranges[k][1] <= offset:
+            if self.events:
+                self.events[k].record()
+            k += 1
+        if k != self.staged:
+            with self.cond:
+                self.staged = k
+                self.cond.notify_all()
+
     def _stage(self, model: torch.nn.Module) -> None:
-        if self.rank == 0:
-            specs = staged_specs(model, self.transform, self.dtype)
-            if specs != self.specs:
-                self.specs, self.buckets = specs, plan_buckets(specs, self.bucket_bytes)
-                total = sum(s.nbytes for s in specs)
-                self.staging = torch.empty(total, dtype=torch.uint8, device=self.device)
-                starts = [0]
-                for s in specs:
-                    starts.append(starts[-1] + s.nbytes)
-                self.ranges = [(starts[b[0]], starts[b[-1] + 1]) for b in self.buckets]
         offset = 0
         for _, name, t in iter_hf_tensors(model, keep=lambda i: self.rank == 0):
             if t is None:
@@ -128,6 +151,7 @@ class CollectivePublisher:
                 else:
                     dst.copy_(as_bytes(out.to(dtype).contiguous()))
                 offset += n
+            self._mark_staged(offset)
         if self.rank == 0 and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -173,7 +197,7 @@ class CollectivePublisher:
                 if order is None:
                     continue
                 with self.cond:
-                    ok = not self.filling and order["version"] == self.version
+                    ok = order["version"] == self.version
                     self.busy = ok
                 ctl.accept(r, ok)
                 if ok:
@@ -200,13 +224,24 @@ class CollectivePublisher:
                 store = connect_store(info["addr"], self.timeout_s)
                 self.group = WeightGroup(store, order["group"], 0, order["world_size"], self.device, self.timeout_s)
             t1 = time.monotonic()
-            send(self.group, order["version"], self.specs, self.buckets,
-                 (self.staging[a:b] for a, b in self.ranges))
+            send(self.group, order["version"], self.specs, self.buckets, self._ready_buckets())
         except Exception as e:  # a peer died or missed the deadline: the group is unusable
             self._drop_group()
             log.warning("sending v%d to %s failed: %s", order["version"], order["group"], e)
             return f"{type(e).__name__}: {e}", {}
         return "", {"group_s": t1 - t0, "send_s": time.monotonic() - t1}
+
+    def _ready_buckets(self):
+        """Each bucket's bytes once staged (sender thread; on GPU its stream waits for the copy)."""
+        for k, (a, b) in enumerate(self.ranges):
+            with self.cond:
+                if not self.cond.wait_for(lambda: self.staged > k or self.stopping.is_set(), self.timeout_s):
+                    raise TimeoutError(f"bucket {k} of v{self.version} was not staged within {self.timeout_s:.0f} s")
+            if self.stopping.is_set():
+                raise RuntimeError("the publisher is closing")
+            if self.events:
+                torch.cuda.current_stream(self.device).wait_event(self.events[k])
+            yield self.staging[a:b]
 
     def _drop_group(self) -> None:
         if self.group is not None:

@@ -46,8 +46,11 @@ def rank_main(rank: int, port: int, root: str) -> None:
     FilesystemPublisher(cfg, os.path.join(root, "weights"), lambda *a: None).publish(3, model)
     pub = CollectivePublisher(cfg, root, lambda *a: None, torch.device("cpu"))
     pub.stopping.set()  # no store here: stage only
+    if rank == 0:
+        pub._plan(model)
     pub._stage(model)
     if rank == 0:
+        assert pub.staged == len(pub.buckets)  # every bucket marked ready
         torch.save(pub.staging.clone(), os.path.join(root, "staging.pt"))
     dist.barrier()
     dist.destroy_process_group()

@@ -146,3 +146,26 @@ def test_status_names_each_server_and_the_update_breakdown():
                    "last_update": {"version": 4, "gather_s": 0.01, "send_s": 0.2, "load_s": 0.25, "total_s": 0.3}})
     assert "infer-1      v3      skipped" in text
     assert "last update v4: gather 0.010s, send 0.200s, load 0.250s, total 0.300s" in text
+
+
+def test_a_round_sends_each_bucket_only_once_it_is_staged(tmp_path):
+    """The sender may start a round while the trainer is still staging: bucket k is handed to
+    the broadcast only after the staging copy has passed its last byte."""
+    pub = CollectivePublisher(cfg(tmp_path, bucket_bytes=2048), tmp_path, lambda *a: None, torch.device("cpu"))
+    try:
+        src = model(3)
+        pub._plan(src)
+        assert len(pub.ranges) > 3
+        got: list[int] = []
+        consumer = threading.Thread(target=lambda: got.extend(int(b.numel()) for b in pub._ready_buckets()))
+        consumer.start()
+        consumer.join(0.3)
+        assert consumer.is_alive() and got == []  # nothing staged yet: the round waits
+        pub._mark_staged(pub.ranges[1][1])  # the first two buckets are complete
+        consumer.join(0.3)
+        assert [g for g in got] == [b - a for a, b in pub.ranges[:2]] and consumer.is_alive()
+        pub._stage(src)  # the rest
+        consumer.join(10)
+        assert not consumer.is_alive() and got == [b - a for a, b in pub.ranges]
+    finally:
+        pub.close()
