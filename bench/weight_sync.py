@@ -206,9 +206,7 @@ def run_mode(args, mode: str) -> dict:
     e2e, publish_s, load_s = [], [], []
     for v in range(1, args.updates + 2):  # update 1 warms up (builds the group), not counted
         t_q.put("go")
-        _, _, t_ready, pub_s = wait_for("ready")
-        _, step, path, timing = wait_for("published")
-        if mode == "collective":
+        if mode == "collective":  # as rl-sync: order a round as soon as the store shows the version (staging may still run)
             while (p := ctl.published()) is None or p["version"] != v:
                 time.sleep(0.001)
             r = v - 1
@@ -219,9 +217,14 @@ def run_mode(args, mode: str) -> dict:
             for rank, q in enumerate(s_qs, 1):
                 q.put((v, addr, "g0", args.servers + 1, p["tensors"], p["bucket_bytes"]))
         else:
+            _, _, t_ready, pub_s = wait_for("ready")
+            _, step, path, timing = wait_for("published")
             for q in s_qs:
                 q.put((v, path))
         acks = [wait_for("loaded") for _ in s_qs]
+        if mode == "collective":
+            _, _, t_ready, pub_s = wait_for("ready")
+            wait_for("published")
         if v > 1:
             e2e.append(max(a[3] for a in acks) - t_ready)
             publish_s.append(pub_s)
