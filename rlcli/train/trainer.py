@@ -191,11 +191,21 @@ class Trainer:
         maxes = sorted(k for k in totals if k.endswith("_max"))
         summed = pdist.all_reduce_sum(torch.stack([totals[k].float() for k in sums]))
         peak = pdist.all_reduce_max(torch.stack([totals[k].float() for k in maxes])) if maxes else summed[:0]
-        values = torch.cat([summed, peak, normalizer.reshape(1), grad_norm.reshape(1).to(summed)]).tolist()
+        load = self._expert_load()  # MoE: every rank's routed-token counts, summed over the world
+        values = torch.cat([summed, peak, torch.stack(list(load.values())).to(summed) if load else summed[:0],
+                            normalizer.reshape(1), grad_norm.reshape(1).to(summed)]).tolist()
         # ^ the one host sync of the step
-        host = dict(zip(sums + maxes + ["num_loss_tokens", "grad_norm"], values))
-        return step_metrics(host, host["num_loss_tokens"]) | {"grad_norm": host["grad_norm"],
-                                                                "lr": self.scheduler.get_last_lr()[0]}
+        host = dict(zip(sums + maxes + list(load) + ["num_loss_tokens", "grad_norm"], values))
+        return step_metrics(host, host["num_loss_tokens"]) | {k: host[k] for k in load} | {
+            "grad_norm": host["grad_norm"], "lr": self.scheduler.get_last_lr()[0]}
+
+    def _expert_load(self) -> dict[str, torch.Tensor]:
+        """Load-balance metrics of this step's MoE routing (empty for a dense model)."""
+        if not self.model.args.is_moe:
+            return {}
+        from rlcli.parallel.expert import expert_load_metrics
+
+        return expert_load_metrics(self.model, torch.distributed.group.WORLD if self.dims.enabled else None)
 
     # ------------------------------------------------------------------ loop
     def train(self) -> int:
@@ -238,8 +248,9 @@ class Trainer:
                      step, metrics["loss"], metrics["mismatch_kl"], metrics["mismatch_kl_kept"],
                      metrics["masked_fraction"], metrics["masked_low_fraction"], metrics["masked_high_fraction"],
                      metrics["logprob_diff_abs_max"],
-                     f" router disagree {metrics['router_disagreement']:.3f}" if "router_disagreement" in metrics
-                     else "", metrics["grad_norm"], record["off_policy_lag"], wait_s, compute_s, save_s)
+                     (f" router disagree {metrics['router_disagreement']:.3f}" if "router_disagreement" in metrics
+                      else "") + (f" experts max/mean {metrics['moe_max_over_mean']:.2f}"
+                                  if "moe_max_over_mean" in metrics else ""), metrics["grad_norm"], record["off_policy_lag"], wait_s, compute_s, save_s)
         return 0
 
     def close(self) -> None:

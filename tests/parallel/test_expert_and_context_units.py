@@ -78,6 +78,22 @@ def test_expert_load_metrics_and_reset():
     assert moe.num_tokens_per_expert is None and expert_load_metrics(model) == {}
 
 
+def test_trainer_reports_expert_load_of_its_step_and_nothing_for_a_dense_model():
+    from types import SimpleNamespace
+
+    from rlcli.train.trainer import Trainer
+
+    model = _moe_model()
+    model.model.layers[0].mlp.num_tokens_per_expert = torch.tensor([4, 0, 2, 2, 2, 2])
+    load = Trainer._expert_load(SimpleNamespace(model=model, dims=SimpleNamespace(enabled=False)))
+    assert set(load) == {"moe_max_over_mean", "moe_max_over_mean_worst", "moe_cv", "moe_cv_worst"}
+    assert float(load["moe_max_over_mean"]) == pytest.approx(2.0)
+    dense = build_model(ModelArgs.from_hf(dict(model_type="llama", vocab_size=50, hidden_size=32, intermediate_size=48,
+                                                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                                head_dim=8)))
+    assert Trainer._expert_load(SimpleNamespace(model=dense, dims=None)) == {}
+
+
 def test_cp_shards_cover_the_padded_row_with_causal_load_balance():
     T, cp = 13, 2
     pos = torch.cat([torch.arange(6), torch.arange(7)])[None]
