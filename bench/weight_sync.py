@@ -64,7 +64,8 @@ def build(args, device: torch.device, seed: int, dtype: str | None = None):
 def fake_cfg(args, model_dir: Path):
     backend = SimpleNamespace(bucket_bytes=args.bucket_mb << 20)
     return SimpleNamespace(sync=SimpleNamespace(backend=backend, ack_timeout_s=120.0),
-                           model=SimpleNamespace(path=str(model_dir), dtype=args.dtype))
+                           model=SimpleNamespace(path=str(model_dir), dtype=args.dtype),
+                           train=SimpleNamespace(fp8=SimpleNamespace(enabled=False, publish=False)))
 
 
 def checksum(model, dtype: str) -> str:

@@ -104,8 +104,10 @@ def test_debug_env_shows_traceback(tmp_path, tiny_model_dir):
 
 def test_sft_command_writes_a_loadable_model(tmp_path, tiny_model_dir):
     recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, tmp_path / "run", train={"sft": {"batch_size": 8}})
-    out = cli("rlcli.cli.train", "sft", "--config", str(recipe), "--steps", "3", "--out", str(tmp_path / "sft"))
+    out = cli("rlcli.cli.train", "sft", "--config", str(recipe), "--steps", "3", "--out", str(tmp_path / "sft"),
+              "--json")
     assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"out": str(tmp_path / "sft"), "sft_steps": 3}
     from rlcli.models import load_model
 
     model = load_model(tmp_path / "sft")

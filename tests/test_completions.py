@@ -75,7 +75,9 @@ class Tmux:
         self.name = f"rlcli-{shell}-{uuid.uuid4().hex[:8]}"
         env = _env(HOME=str(home), PS1="$ ", TERM="xterm", XDG_CONFIG_HOME=str(home / ".config"),
                    XDG_DATA_HOME=str(home / ".local"))
-        subprocess.run(["tmux", "new-session", "-d", "-s", self.name, "-x", "200", "-y", "50", "-c", str(cwd),
+        # A private server (-L): a tmux server someone else started would give our shells its environment.
+        self.tmux = ["tmux", "-L", self.name]
+        subprocess.run([*self.tmux, "new-session", "-d", "-s", self.name, "-x", "200", "-y", "50", "-c", str(cwd),
                         *argv], env=env, check=True, timeout=30)
         script = SCRIPTS / completions.FILES[shell]
         for line in setup:
@@ -84,10 +86,10 @@ class Tmux:
         time.sleep(0.5)
 
     def type(self, *keys: str) -> None:
-        subprocess.run(["tmux", "send-keys", "-t", self.name, *keys], check=True, timeout=30)
+        subprocess.run([*self.tmux, "send-keys", "-t", self.name, *keys], check=True, timeout=30)
 
     def screen(self) -> str:
-        return subprocess.run(["tmux", "capture-pane", "-p", "-t", self.name], capture_output=True, text=True,
+        return subprocess.run([*self.tmux, "capture-pane", "-p", "-t", self.name], capture_output=True, text=True,
                               timeout=30).stdout
 
     def complete(self, prefix: str, expected: str, timeout_s: float = 30.0) -> str:
@@ -106,7 +108,7 @@ class Tmux:
         return screen
 
     def close(self) -> None:
-        subprocess.run(["tmux", "kill-session", "-t", self.name], capture_output=True, timeout=30)
+        subprocess.run([*self.tmux, "kill-server"], capture_output=True, timeout=30)
 
 
 @pytest.mark.parametrize("shell", sorted(SHELLS))

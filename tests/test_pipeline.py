@@ -1,6 +1,7 @@
 """The README's pipeline (tasks | generate | score | jq, and eval) runs against a live rl-infer."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -39,7 +40,8 @@ def test_readme_pipeline_runs(tmp_path, tiny_model_dir):
         wait_until(lambda: list_entries(run_dir / "registry", "infer"), 120, "rl-infer registered", procs)
         script = readme_pipeline().replace("runs/reverse", str(run_dir))
         out = subprocess.run(["bash", "-o", "pipefail", "-c", script], capture_output=True, text=True, timeout=300,
-                             env={"PATH": f"{BIN}:/usr/bin:/bin", "HOME": str(tmp_path)})
+                             env={"PATH": f"{BIN}:/usr/bin:/bin", "HOME": str(tmp_path),
+                                  **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"}})
         assert out.returncode == 0, out.stderr
         mean_reward, pass4 = (float(x) for x in out.stdout.split())
         assert 0.0 <= mean_reward <= 1.0 and 0.0 <= pass4 <= 1.0

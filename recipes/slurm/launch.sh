@@ -32,13 +32,17 @@ RUN_DIR=${RUN_DIR:-runs/${SLURM_JOB_NAME:-rlcli}-${SLURM_JOB_ID:-0}}
 RDZV_PORT=${RDZV_PORT:-29500}
 BIND_HOST=${BIND_HOST:-0.0.0.0}  # servers listen here; the registry advertises this host's address
 read -r -a EXTRA <<< "${RLCLI_ARGS:-}"
-# rl-orchestrate writes one rollout file per trainer data-parallel rank (one per GPU unless
-# RLCLI_ARGS sets --cp, and then --orchestrate.num_train_ranks too: later flags win).
 if [ "$NUM_NODES" -eq 1 ]; then
-  NUM_TRAIN_RANKS=${TRAIN_GPUS:-$(( GPUS_PER_NODE > 1 ? GPUS_PER_NODE / 2 : 1 ))}
+  TRAIN_WORLD=${TRAIN_GPUS:-$(( GPUS_PER_NODE > 1 ? GPUS_PER_NODE / 2 : 1 ))}
 else
-  NUM_TRAIN_RANKS=$(( ${TRAIN_NODES:-1} * GPUS_PER_NODE ))
+  TRAIN_WORLD=$(( ${TRAIN_NODES:-1} * GPUS_PER_NODE ))
 fi
+# rl-orchestrate writes one rollout file per trainer data-parallel rank: the recipe's train.parallel.dp,
+# or the trainer's ranks divided by its cp (the resolved recipe, RLCLI_ARGS included).
+NUM_TRAIN_RANKS=$(rl-train --config "$RECIPE" "${EXTRA[@]}" --print-config --json | python3 -c '
+import json, sys
+p = json.load(sys.stdin)["train"]["parallel"]
+print(p["dp"] if p["dp"] > 0 else int(sys.argv[1]) // p["cp"])' "$TRAIN_WORLD")
 COMMON=(--config "$RECIPE" --run-dir "$RUN_DIR" --orchestrate.num_train_ranks "$NUM_TRAIN_RANKS" "${EXTRA[@]}")
 
 # name|node|command, in start order (servers first).

@@ -6,7 +6,7 @@ import typer
 
 from rlcli.cli._errors import handle_errors
 from rlcli.cli.common import (
-    OVERRIDES, OVERRIDES_HELP, ConfigOpt, JsonOpt, PrintConfigOpt, RunDirOpt, emit_json, open_run, print_config,
+    OVERRIDES, OVERRIDES_HELP, ConfigOpt, JsonConfigOpt, JsonOpt, PrintConfigOpt, RunDirOpt, emit_json, open_run, print_config,
     resolve_config, run_app,
 )
 
@@ -24,12 +24,13 @@ def serve(
     port: Annotated[Optional[int], typer.Option(help="TCP port; 0 picks a free one.")] = None,
     capacity_mb: Annotated[Optional[int], typer.Option(help="Byte capacity in MiB.")] = None,
     print_config_: PrintConfigOpt = False,
+    json_: JsonConfigOpt = False,
 ) -> None:
     """Run the block store (registers in the run directory when a recipe or --run-dir is given)."""
     cfg = resolve_config(ctx, config, {"run_dir": str(run_dir) if run_dir else None, "cache.host": host,
                                        "cache.port": port, "cache.capacity_mb": capacity_mb})
     if print_config_:
-        return print_config(cfg)
+        return print_config(cfg, json_)
     run = open_run(cfg, "cache") if (config or run_dir) else None
     from rlcli.cache.server import serve as serve_forever
 

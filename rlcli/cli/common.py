@@ -23,6 +23,10 @@ R3Opt = Annotated[Optional[bool], typer.Option("--r3/--no-r3", help="Routing rep
                                                show_default=False)]
 PrintConfigOpt = Annotated[bool, typer.Option("--print-config", help="Print the resolved recipe as TOML and exit.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Write JSON lines to stdout.")]
+JsonRunOpt = Annotated[bool, typer.Option("--json", help="JSON on stdout: --print-config as JSON, and one line "
+                                          "(exit code, progress) when the process ends.")]
+JsonConfigOpt = Annotated[bool, typer.Option("--json", help="With --print-config: the resolved recipe as JSON.")]
+JsonAlwaysOpt = Annotated[bool, typer.Option("--json", help="Accepted for uniformity: the output is always JSON.")]
 
 
 class EngineName(str, Enum):
@@ -44,10 +48,21 @@ def resolve_config(ctx: typer.Context, config: Optional[Path], flags: dict[str, 
     return load_recipe(config, flags, parse_overrides(ctx.args))
 
 
-def print_config(cfg) -> None:
+def print_config(cfg, as_json: bool = False) -> None:
     from rlcli.config import dump_toml, to_dict
 
+    if as_json:
+        return emit_json(to_dict(cfg))
     sys.stdout.write(dump_toml(to_dict(cfg)))
+
+
+def finish(run, command: str, code: int, as_json: bool):
+    """End a long-running command with ``code``; with --json, rank 0 first writes one line: the run
+    directory, the exit code and the command's RUN/progress/<command>.json."""
+    if as_json and os.environ.get("RANK", "0") == "0":
+        emit_json({"command": command, "run_dir": str(run.root), "exit_code": code,
+                   "progress": run.read_progress(command)})
+    raise typer.Exit(code)
 
 
 def open_run(cfg, command: str):

@@ -9,7 +9,7 @@ import typer
 
 from rlcli.cli._errors import handle_errors
 from rlcli.cli.common import (
-    OVERRIDES, OVERRIDES_HELP, ConfigOpt, EngineOpt, JsonOpt, PrintConfigOpt, RunDirOpt, emit_json, open_run,
+    OVERRIDES, OVERRIDES_HELP, ConfigOpt, EngineOpt, JsonConfigOpt, JsonOpt, PrintConfigOpt, RunDirOpt, emit_json, open_run,
     print_config, resolve_config, run_app,
 )
 
@@ -43,6 +43,7 @@ def serve(
                                                    "[default: infer.engine.num_threads].")] = None,
     fp8: Annotated[bool, typer.Option("--fp8", help="FP8 block-scaled GEMMs (infer.fp8.enabled).")] = False,
     print_config_: PrintConfigOpt = False,
+    json_: JsonConfigOpt = False,
 ) -> None:
     """Serve GenerateRequests over ZeroMQ (and the OpenAI API over HTTP) (the default command)."""
     cfg = resolve_config(ctx, config, {"run_dir": str(run_dir) if run_dir else None, "infer.host": host,
@@ -52,7 +53,7 @@ def serve(
                                        "infer.engine.num_threads": threads,
                                        "infer.fp8.enabled": True if fp8 else None})
     if print_config_:
-        return print_config(cfg)
+        return print_config(cfg, json_)
     run = open_run(cfg, f"infer-{instance}")
     from rlcli.infer.server import run as serve_forever
 

@@ -8,8 +8,8 @@ import typer
 from rlcli.cli._errors import handle_errors
 from rlcli.errors import RunDirError
 from rlcli.cli.common import (
-    OVERRIDES, OVERRIDES_HELP, ConfigOpt, EngineOpt, PrintConfigOpt, R3Opt, RunDirOpt, SeedOpt, emit_json,
-    open_run, print_config, resolve_config, run_app,
+    OVERRIDES, OVERRIDES_HELP, ConfigOpt, EngineOpt, JsonAlwaysOpt, JsonRunOpt, PrintConfigOpt, R3Opt, RunDirOpt,
+    SeedOpt, emit_json, finish, open_run, print_config, resolve_config, run_app,
 )
 
 app = typer.Typer(help="The RL loop: tasks, rewards, advantages, bounded off-policy batching.",
@@ -35,6 +35,7 @@ def run_cmd(
     seed: SeedOpt = None,
     r3: R3Opt = None,
     print_config_: PrintConfigOpt = False,
+    json_: JsonRunOpt = False,
 ) -> None:
     """Run the RL loop against the inference servers of a run directory."""
     cfg = resolve_config(ctx, config, {"run_dir": str(run_dir) if run_dir else None, "num_steps": steps,
@@ -42,11 +43,11 @@ def run_cmd(
                                        "orchestrate.group_size": group_size, "orchestrate.connect": connect,
                                        "seed": seed, "r3": r3})
     if print_config_:
-        return print_config(cfg)
+        return print_config(cfg, json_)
     run = open_run(cfg, "orchestrate")
     from rlcli.orchestrate.entrypoints import orchestrate
 
-    raise typer.Exit(orchestrate(cfg, run))
+    finish(run, "orchestrate", orchestrate(cfg, run), json_)
 
 
 @app.command("up", context_settings=OVERRIDES, epilog=OVERRIDES_HELP)
@@ -66,6 +67,8 @@ def up_cmd(
     train_nproc: Annotated[Optional[int], typer.Option(help="rl-train ranks (torchrun --nproc-per-node); also sets "
                                                        "orchestrate.num_train_ranks.")] = None,
     print_config_: PrintConfigOpt = False,
+    json_: Annotated[bool, typer.Option("--json", help="The summary is always JSON; with --print-config, the "
+                                        "recipe as JSON too.")] = False,
 ) -> None:
     """Launch every process of a recipe on this machine, show the live dashboard, stop them all at the end."""
     on = True if fp8 else None
@@ -76,7 +79,7 @@ def up_cmd(
                                        "r3": r3, "up.train_nproc_per_node": train_nproc,
                                        "orchestrate.num_train_ranks": train_nproc})
     if print_config_:
-        return print_config(cfg)
+        return print_config(cfg, json_)
     run = open_run(cfg, "up")
     from rlcli.orchestrate.launcher import up
 
@@ -102,6 +105,7 @@ def plot_cmd(
     run_dir: Annotated[Path, typer.Argument(help="Run directory.")],
     out: Annotated[Optional[Path], typer.Option(help="PNG to write [default: RUN/reward.png].",
                                                 show_default=False)] = None,
+    json_: JsonAlwaysOpt = False,
 ) -> None:
     """Draw reward, mismatch KL, throughput and off-policy lag of a run as a PNG (needs matplotlib)."""
     from rlcli.orchestrate.plot import plot_run
@@ -128,6 +132,7 @@ def tasks_cmd(
     env: EnvOpt = None,
     num: Annotated[int, typer.Option("-n", "--num", help="Tasks to sample.")] = 16,
     seed: Annotated[int, typer.Option(help="Task-sampling seed.")] = 0,
+    json_: JsonAlwaysOpt = False,
 ) -> None:
     """Sample tasks from an environment as JSON lines (prompt, answer, info) for a pipeline."""
     from rlcli.orchestrate.pipeline import sample_tasks, write_records
@@ -141,6 +146,7 @@ def score_cmd(
     ctx: typer.Context,
     config: ConfigOpt = None,
     env: EnvOpt = None,
+    json_: JsonAlwaysOpt = False,
 ) -> None:
     """Score completions: JSON lines in (prompt, answer, completions), the same with rewards out."""
     import sys
@@ -165,6 +171,7 @@ def eval_cmd(
     threshold: Annotated[float, typer.Option(help="A completion passes when its reward is >= this.")] = 1.0,
     seed: Annotated[int, typer.Option(help="Task-sampling seed (the same tasks for every version).")] = 1234,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for each answer.")] = 300.0,
+    json_: JsonAlwaysOpt = False,
 ) -> None:
     """Evaluate the policy a live rl-infer serves on an environment: pass@k and mean reward as JSON."""
     from rlcli.infer.client import generate_texts

@@ -7,8 +7,8 @@ import typer
 
 from rlcli.cli._errors import handle_errors
 from rlcli.cli.common import (
-    OVERRIDES, OVERRIDES_HELP, ConfigOpt, JsonOpt, PrintConfigOpt, RunDirOpt, emit_json, open_run, print_config,
-    resolve_config, run_app,
+    OVERRIDES, OVERRIDES_HELP, ConfigOpt, JsonOpt, JsonRunOpt, PrintConfigOpt, RunDirOpt, emit_json, finish, open_run,
+    print_config, resolve_config, run_app,
 )
 
 app = typer.Typer(help="Coordinates weight updates: orders loads, collects acks, announces the policy.",
@@ -23,16 +23,17 @@ def run_cmd(
     run_dir: RunDirOpt = None,
     keep_weights: Annotated[Optional[int], typer.Option(help="Weight versions kept on disk.")] = None,
     print_config_: PrintConfigOpt = False,
+    json_: JsonRunOpt = False,
 ) -> None:
     """Have every registered rl-infer server load each new policy and announce it."""
     cfg = resolve_config(ctx, config, {"run_dir": str(run_dir) if run_dir else None,
                                        "sync.keep_weights": keep_weights})
     if print_config_:
-        return print_config(cfg)
+        return print_config(cfg, json_)
     run = open_run(cfg, "sync")
     from rlcli.sync.syncer import run as sync
 
-    raise typer.Exit(sync(cfg, run))
+    finish(run, "sync", sync(cfg, run), json_)
 
 
 @app.command("status")

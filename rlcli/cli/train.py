@@ -7,8 +7,8 @@ import typer
 
 from rlcli.cli._errors import handle_errors
 from rlcli.cli.common import (
-    OVERRIDES, OVERRIDES_HELP, ConfigOpt, PrintConfigOpt, R3Opt, RunDirOpt, SeedOpt, open_run, print_config,
-    resolve_config, run_app,
+    OVERRIDES, OVERRIDES_HELP, ConfigOpt, JsonConfigOpt, JsonRunOpt, PrintConfigOpt, R3Opt, RunDirOpt, SeedOpt,
+    emit_json, finish, open_run, print_config, resolve_config, run_app,
 )
 
 app = typer.Typer(help="Trainer: consumes rollout batches, writes weights and checkpoints.",
@@ -53,6 +53,7 @@ def run_cmd(
     node_rank: NodeRankOpt = None,
     rdzv_endpoint: RdzvOpt = None,
     print_config_: PrintConfigOpt = False,
+    json_: JsonRunOpt = False,
 ) -> None:
     """Train on rollout batches as they arrive (the default command); resumes from the newest checkpoint.
     Runs under torchrun (one rank per device), or launches torchrun itself with --nproc-per-node."""
@@ -62,7 +63,7 @@ def run_cmd(
                                        "train.compile": True if compile_ else None, "seed": seed, "r3": r3, "train.parallel.dp": dp,
                                        "train.parallel.ep": ep, "train.parallel.cp": cp})
     if print_config_:
-        return print_config(cfg)
+        return print_config(cfg, json_)
     from rlcli.cli import torchrun
 
     if nproc_per_node is not None and not torchrun.under_torchrun():
@@ -71,7 +72,7 @@ def run_cmd(
     run = open_run(cfg, "train")
     from rlcli.train.trainer import run as train
 
-    raise typer.Exit(train(cfg, run))
+    finish(run, "train", train(cfg, run), json_)
 
 
 def check_parallel(cfg, world_size: int) -> None:
@@ -92,15 +93,19 @@ def sft_cmd(
     lr: Annotated[Optional[float], typer.Option("--lr", help="SFT learning rate.")] = None,
     threads: ThreadsOpt = None,
     print_config_: PrintConfigOpt = False,
+    json_: Annotated[bool, typer.Option("--json", help="JSON on stdout: --print-config as JSON, and one line "
+                                        "(output directory, steps) at the end.")] = False,
 ) -> None:
     """Supervised fine-tuning of model.path on demonstrations; writes an HF-layout model."""
     cfg = resolve_config(ctx, config, {"train.sft.num_steps": steps, "train.sft.lr": lr,
                                        "train.num_threads": threads})
     if print_config_:
-        return print_config(cfg)
+        return print_config(cfg, json_)
     from rlcli.train.entrypoints import sft
 
     sft(cfg, out)
+    if json_:
+        emit_json({"out": str(out), "sft_steps": cfg.train.sft.num_steps})
 
 
 @app.command("convert")
@@ -111,11 +116,15 @@ def convert_cmd(
     out: Annotated[Path, typer.Argument(help="Output directory (HF layout: safetensors + config + tokenizer).")],
     dtype: Annotated[str, typer.Option(help="Weight dtype: float32, bfloat16 or float16.")] = "float32",
     overwrite: Annotated[bool, typer.Option(help="Replace an existing, non-empty output directory.")] = False,
+    json_: Annotated[bool, typer.Option("--json", help="One JSON line at the end: the .gguf read, the output "
+                                        "directory, the dtype.")] = False,
 ) -> None:
     """Convert a GGUF checkpoint to an HF-layout model directory rlcli, transformers and vLLM load."""
     from rlcli.train.entrypoints import convert
 
-    convert(source, out, dtype, overwrite)
+    gguf = convert(source, out, dtype, overwrite)
+    if json_:
+        emit_json({"gguf": str(gguf), "out": str(out), "dtype": dtype})
 
 
 def main() -> None:

@@ -13,12 +13,21 @@ computes what llama.cpp computes, up to float arithmetic. Only the ``llama`` arc
 (Llama 2/3, SmolLM, Mistral-style dense models) with a GPT-2 style byte-level BPE
 vocabulary is supported; anything else is refused with a ModelLoadError before writing.
 
-Why not a thin wrapper over transformers' ``from_pretrained(..., gguf_file=...)``: checked with
-transformers 5.24 on the SmolLM2 GGUF (2026-11-30), it loads the model but then refuses
-``save_pretrained`` ("The model is quantized with gguf and is not serializable"), so it cannot
-write the directory rlcli and vLLM load; it would also make transformers (and accelerate) a run-time
-dependency of ``rl-train convert``. The tests hold this converter to transformers' reading of the
-same files: every tensor, the logits, greedy decoding and the tokenizer.
+Why not a thin wrapper over transformers' ``from_pretrained(..., gguf_file=...)`` (checked with
+transformers 5.24 on 2026-11-30, offline):
+
+- Weights: it would do. On SmolLM2-135M-Instruct (Q4_1) all 272 tensors it reads equal ours bit for
+  bit; its ``save_pretrained`` refuses a GGUF-loaded model ("not serializable"), but writing its
+  ``state_dict`` with our writer works. That half alone is not worth making transformers (only in
+  the ``test`` extra) a run-time dependency of ``rl-train convert``.
+- Tokenizer: it would not. transformers ignores ``tokenizer.ggml.pre`` and splits GPT-2 style, so
+  for llama.cpp's ``smollm``/``starcoder`` pre-tokenizers (every digit alone) it applies digit
+  merges llama.cpp never does: ``"x12345"`` becomes ``x 12 3 4 5`` instead of ``x 1 2 3 4 5``
+  (``tests/models/test_gguf_convert.py`` builds such a file). The pre-tokenizer table below is
+  what keeps the converted tokenizer equal to llama.cpp's.
+
+The tests hold this converter to transformers' reading of the same files where the two agree:
+every tensor, the logits, greedy decoding and the tokenizer (except the digit split above).
 """
 
 import importlib.util

@@ -2,8 +2,16 @@
 
 Reading maps each file privately (copy-on-write) and views tensors straight out of the
 mapping: nothing is read until touched, and a parameter assigned from such a view costs
-no second copy. Writing splits tensors into shards of at most ``max_shard_bytes`` with a
-``model.safetensors.index.json`` (one file is written as plain ``model.safetensors``).
+no second copy (``safetensors.safe_open`` copies each tensor out instead).
+
+Writing: which tensor goes to which file is huggingface_hub's plan
+(``split_state_dict_into_shards_factory``: in order, files of at most ``max_shard_bytes``,
+named ``model-00001-of-0000N.safetensors``, or ``model.safetensors`` when one file is
+enough), computed from byte counts alone. That is what lets every trainer rank write its
+own files of one plan (``rlcli.train.publish``) with no rank holding the whole model;
+``save_torch_state_dict`` would need every tensor in one process. Stacked MoE experts are
+written as per-expert views of one tensor, which huggingface_hub's storage-id check would
+take for shared tensors, so the plan is made from sizes, never from the tensors.
 """
 
 import json
@@ -106,28 +114,38 @@ def iter_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.tensor(name)
 
 
-def save_sharded(tensors: dict[str, torch.Tensor], out_dir: str | Path, max_shard_bytes: int = 5 << 30) -> list[str]:
-    """Write ``tensors`` (names in HF layout) as one or more safetensors shards + index."""
+def plan_shards(sizes: dict[str, int], max_shard_bytes: int = 5 << 30) -> dict[str, str]:
+    """HF tensor name -> file name, from each tensor's size in bytes (huggingface_hub's split)."""
+    from huggingface_hub import split_state_dict_into_shards_factory
+
+    split = split_state_dict_into_shards_factory(sizes, get_storage_size=int, max_shard_size=max_shard_bytes,
+                                                 filename_pattern=SINGLE_NAME.replace(".", "{suffix}.", 1))
+    return dict(split.tensor_to_filename)
+
+
+def write_index(out_dir: str | Path, weight_map: dict[str, str]) -> None:
+    """``model.safetensors.index.json`` for files already written in ``out_dir``; total_size is
+    the tensor bytes (the files' sizes less their headers), as transformers writes it."""
     out_dir = Path(out_dir)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t.detach().contiguous().cpu()
-        size += nbytes
-    if len(shards) == 1:
-        names = [SINGLE_NAME]
-    else:
-        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    weight_map = {}
-    for fname, shard in zip(names, shards):
+    total = 0
+    for fname in set(weight_map.values()):
+        with open(out_dir / fname, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+        total += (out_dir / fname).stat().st_size - 8 - header_len
+    (out_dir / INDEX_NAME).write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+
+
+def save_sharded(tensors: dict[str, torch.Tensor], out_dir: str | Path, max_shard_bytes: int = 5 << 30) -> list[str]:
+    """Write ``tensors`` (names in HF layout) as one or more safetensors shards (+ index when
+    there are several); returns the file names."""
+    out_dir = Path(out_dir)
+    plan = plan_shards({k: t.numel() * t.element_size() for k, t in tensors.items()}, max_shard_bytes)
+    files: dict[str, dict[str, torch.Tensor]] = {}
+    for name, fname in plan.items():
+        files.setdefault(fname, {})[name] = tensors[name].detach().contiguous().cpu()
+    for fname, shard in files.items():
         save_file(shard, str(out_dir / fname), metadata={"format": "pt"})
-        weight_map.update({k: fname for k in shard})
-    if len(shards) > 1:
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        (out_dir / INDEX_NAME).write_text(json.dumps(
-            {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
-    return names
+    if len(files) > 1:
+        write_index(out_dir, plan)
+    return list(files)

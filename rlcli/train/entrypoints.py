@@ -26,7 +26,8 @@ def sft(cfg: RecipeConfig, out: Path) -> None:
     log.info("wrote %s", out)
 
 
-def convert(source: str, out: Path, dtype: str = "float32", overwrite: bool = False) -> None:
+def convert(source: str, out: Path, dtype: str = "float32", overwrite: bool = False) -> Path:
+    """Convert ``source`` (a .gguf path or a package that ships one) into ``out``; returns the .gguf read."""
     from rlcli.models.gguf import convert_gguf, find_packaged_gguf
 
     path = Path(source)
@@ -35,3 +36,4 @@ def convert(source: str, out: Path, dtype: str = "float32", overwrite: bool = Fa
     t0 = time.monotonic()
     convert_gguf(path, out, dtype=dtype, overwrite=overwrite)
     log.info("converted %s -> %s in %.1fs", path, out, time.monotonic() - t0)
+    return path

@@ -3,13 +3,17 @@
 The trainer's ranks hold the weights, so they publish them; rl-sync only coordinates.
 ``publish(step, model)`` returns as soon as the trainer may modify the model again:
 
-- ``filesystem``: every rank writes the HF tensors it owns (a contiguous, byte-balanced
-  slice of the HF tensor list; DTensors are gathered with ``full_tensor()`` by all ranks
-  and kept only by the owner) to its own shard file in a shared temporary directory,
-  then drops a per-rank done file. Rank 0 waits for all of them (a filesystem barrier,
+- ``filesystem``: the HF tensors are split into files by huggingface_hub's plan
+  (``rlcli.models.safetensors_io.plan_shards``, files of at most ``min(5 GiB, model bytes /
+  ranks)``), and the files are dealt to the ranks, byte-balanced. DTensors are gathered
+  with ``full_tensor()`` by all ranks and kept only by the rank writing their file. Each
+  rank writes its files into a shared temporary directory, then a per-rank done file
+  holding its part of the weight map. Rank 0 waits for all of them (a filesystem barrier,
   so the same code runs in a background thread), writes the index, config and tokenizer
   files, renames the directory into place and marks it STABLE with every file's size;
-  servers check those sizes before touching a parameter.
+  servers check those sizes before touching a parameter. With ``train.fp8.publish`` the
+  FP8 linears' weights are written as FP8 + ``weight_scale_inv`` (DeepSeek-V3 layout), on
+  any backend, and config.json declares the ``quantization_config``.
 - ``async_filesystem``: the same files, written by a background thread from a host
   snapshot taken during ``publish``. STABLE is written only after every byte is fsynced;
   the next ``publish`` first waits for the previous one, and a failed write raises there
@@ -42,7 +46,7 @@ from torch.distributed.tensor import DTensor
 
 from rlcli.logging import setup_logging
 from rlcli.models.hf_io import copy_tokenizer_files, hf_entries
-from rlcli.models.safetensors_io import INDEX_NAME
+from rlcli.models.safetensors_io import plan_shards, write_index
 from rlcli.transport.atomic import _fsync_dir, write_marker
 
 if TYPE_CHECKING:
@@ -96,14 +100,18 @@ def hf_sizes(model: torch.nn.Module) -> list[int]:
     return out
 
 
-def owners(sizes: list[int], num_ranks: int) -> list[int]:
-    """Rank owning each tensor: contiguous slices of about equal bytes."""
-    total = max(sum(sizes), 1)
-    out, acc = [], 0
-    for s in sizes:
-        out.append(min(acc * num_ranks // total, num_ranks - 1))
-        acc += s
-    return out
+def plan_files(names: list[str], sizes: list[int], num_ranks: int) -> tuple[dict[str, str], dict[str, int]]:
+    """(HF name -> file, file -> writing rank): huggingface_hub's split into files of at most
+    min(5 GiB, total / num_ranks) bytes, each file dealt to the rank with the fewest bytes so far."""
+    plan = plan_shards(dict(zip(names, sizes)), min(5 << 30, max(sum(sizes) // num_ranks, 1)))
+    file_bytes: dict[str, int] = {}
+    for name, size in zip(names, sizes):
+        file_bytes[plan[name]] = file_bytes.get(plan[name], 0) + size
+    load, writer = [0] * num_ranks, {}
+    for fname in sorted(file_bytes):
+        writer[fname] = load.index(min(load))
+        load[writer[fname]] += file_bytes[fname]
+    return plan, writer
 
 
 # ------------------------------------------------------------------ filesystem
@@ -119,6 +127,7 @@ class FilesystemPublisher:
 
         self.cfg, self.root, self.announce = cfg, Path(weights_root), announce
         self.dtype = DTYPES[cfg.model.dtype]
+        self.fp8 = cfg.train.fp8.enabled and cfg.train.fp8.publish
         self.rank, self.world_size = world()
         self.barrier_timeout_s = barrier_timeout_s
         token = [f"{socket.gethostname()}-{os.getpid()}"]
@@ -129,17 +138,27 @@ class FilesystemPublisher:
         self._error: BaseException | None = None
 
     def publish(self, step: int, model: torch.nn.Module) -> None:
+        from rlcli.models.fp8_io import SCALE_SUFFIX
+        from rlcli.ops.fp8.quant import quantize_128x128
+
         self.wait()
         t0 = time.monotonic()
-        own = owners(hf_sizes(model), self.world_size)
-        names, mine = [], {}
-        for i, name, t in iter_hf_tensors(model, keep=lambda i: own[i] == self.rank):
-            names.append(name)
-            if t is not None:  # in the model's dtype: FSDP2 holds fp32 master weights
-                t = t.to(self.dtype)
-                mine[name] = t.to("cpu", copy=True) if self.background else t.contiguous()
+        names = [n for _, _, hf_names in hf_entries(model) for n in hf_names]
+        plan, writer = plan_files(names, hf_sizes(model), self.world_size)
+        fp8_names = {f"{n}.weight" for n, m in model.named_modules() if hasattr(m, "to_fp8_storage")} \
+            if self.fp8 else set()
+        mine: dict[str, dict[str, torch.Tensor]] = {}  # file -> its tensors, on the rank writing it
+        for i, name, t in iter_hf_tensors(model, keep=lambda i: writer[plan[names[i]]] == self.rank):
+            if t is None:
+                continue
+            if name in fp8_names:
+                out = dict(zip((name, name + SCALE_SUFFIX), quantize_128x128(t.to(self.dtype))))
+            else:  # in the model's dtype (FSDP2 holds fp32 master weights); the routing bias stays fp32
+                out = {name: t if name.endswith("e_score_correction_bias") else t.to(self.dtype)}
+            for k, v in out.items():
+                mine.setdefault(plan[name], {})[k] = v.to("cpu", copy=True) if self.background else v.contiguous()
         gather_s = time.monotonic() - t0
-        job = lambda: self._write(step, model, names, own, mine, gather_s)  # noqa: E731
+        job = lambda: self._write(step, model, sorted(writer), mine, gather_s)  # noqa: E731
         if not self.background:
             return job()
         self._thread = threading.Thread(target=self._run, args=(job,), name=f"publish-{step}", daemon=True)
@@ -151,20 +170,22 @@ class FilesystemPublisher:
         except BaseException as e:  # surfaces on the next publish / wait / close
             self._error = e
 
-    def _write(self, step: int, model, names: list[str], own: list[int], mine: dict, gather_s: float) -> None:
+    def _write(self, step: int, model, files: list[str], mine: dict, gather_s: float) -> None:
         from safetensors.torch import save_file
+
+        from rlcli.models.fp8_io import QUANTIZATION_CONFIG
 
         t0 = time.monotonic()
         final = self.root / f"step_{step}"
         tmp = self.root / f".step_{step}.tmp-{self.token}"
         tmp.mkdir(parents=True, exist_ok=True)
-        files = {r: f"model-{r + 1:05d}-of-{self.world_size:05d}.safetensors" for r in sorted(set(own))}
-        if mine:
-            path = tmp / files[self.rank]
-            save_file(mine, str(path), metadata={"format": "pt"})
-            with open(path, "rb") as f:
+        for fname, tensors in mine.items():
+            save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+            with open(tmp / fname, "rb") as f:
                 os.fsync(f.fileno())
-        (tmp / f".done-{self.rank}").touch()
+        done = tmp / f".done-{self.rank}"  # this rank's part of the weight map (FP8 adds scale tensors)
+        done.with_suffix(".tmp").write_text(json.dumps({k: f for f, ts in mine.items() for k in ts}))
+        os.replace(done.with_suffix(".tmp"), done)
         if self.rank != 0:
             return
         deadline = time.monotonic() + self.barrier_timeout_s
@@ -172,12 +193,15 @@ class FilesystemPublisher:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"trainer ranks did not all write {tmp} within {self.barrier_timeout_s:.0f}s")
             time.sleep(0.01)
+        weight_map: dict[str, str] = {}
         for r in range(self.world_size):
+            weight_map.update(json.loads((tmp / f".done-{r}").read_text()))
             (tmp / f".done-{r}").unlink()
-        (tmp / INDEX_NAME).write_text(json.dumps(
-            {"metadata": {"total_size": sum((tmp / f).stat().st_size for f in files.values())},
-             "weight_map": {n: files[own[i]] for i, n in enumerate(names)}}, indent=1))
-        (tmp / "config.json").write_text(json.dumps(model.args.hf, indent=2, sort_keys=True) + "\n")
+        write_index(tmp, weight_map)
+        hf = {k: v for k, v in model.args.hf.items() if k != "quantization_config"}
+        if self.fp8:
+            hf["quantization_config"] = dict(QUANTIZATION_CONFIG)
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
         copy_tokenizer_files(self.cfg.model.path, tmp)
         for child in tmp.iterdir():
             with open(child, "rb") as f:
@@ -188,7 +212,7 @@ class FilesystemPublisher:
             remove_dir(final)
         os.replace(tmp, final)
         _fsync_dir(final.parent)
-        sizes = {f: (final / f).stat().st_size for f in files.values()}
+        sizes = {f: (final / f).stat().st_size for f in files}
         write_s = time.monotonic() - t0
         write_marker(final, {"step": step, "files": sizes})
         self.announce(step, str(final), {"gather_s": gather_s, "write_s": write_s})
@@ -212,12 +236,13 @@ class AsyncFilesystemPublisher(FilesystemPublisher):
 
 
 def make_publisher(cfg: RecipeConfig, run_root: Path, announce: Announce, device: torch.device) -> WeightPublisher:
-    """The publisher ``sync.backend.kind`` names."""
+    """The publisher ``sync.backend.kind`` names; FP8 weights + scales (``train.fp8.publish``)
+    travel as files whatever the backend."""
     kind = type(cfg.sync.backend).__struct_config__.tag
-    if kind == "filesystem":
-        return FilesystemPublisher(cfg, Path(run_root) / "weights", announce)
     if kind == "async_filesystem":
         return AsyncFilesystemPublisher(cfg, Path(run_root) / "weights", announce)
+    if kind == "filesystem" or (cfg.train.fp8.enabled and cfg.train.fp8.publish):
+        return FilesystemPublisher(cfg, Path(run_root) / "weights", announce)
     if kind == "collective":
         from rlcli.train.publish_collective import CollectivePublisher
 

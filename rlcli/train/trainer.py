@@ -33,7 +33,6 @@ from rlcli.parallel import parallelize, resolve_dims
 from rlcli.parallel import dist as pdist
 from rlcli.parallel.fsdp import clip_grad_norm_
 from rlcli.parallel.loading import load_sharded
-from rlcli.parallel.publish import publish_hf_sharded
 from rlcli.process import stop_on_signals
 from rlcli.protocol import WeightsPublished
 from rlcli.protocol.batch import TrainingBatch
@@ -159,13 +158,8 @@ class Trainer:
 
     def publish(self, step: int) -> None:
         """Hand policy ``step`` to the weight publisher (``sync.backend``: filesystem, async
-        filesystem or collective; rlcli.train.publish), which announces it. FP8 publishing
-        (weights + scales) keeps the sharded filesystem writer for now."""
-        if self.cfg.train.fp8.enabled and self.cfg.train.fp8.publish:
-            with pdist.shared_atomic_dir(self.run.weights_dir(step), {"step": step}) as tmp:
-                publish_hf_sharded(self.model, tmp, source_dir=self.cfg.model.path,
-                                   dtype=self.dtype if self.dims.enabled else None, fp8=True)
-            return self.announce(step)
+        filesystem or collective; FP8 weights + scales as files; rlcli.train.publish), which
+        announces it."""
         self.weights.publish(step, self.model)
 
     def announce(self, step: int, path: str | None = None, timing: dict | None = None) -> None:

@@ -7,7 +7,9 @@ the converted model must equal what transformers reads from the same GGUF file.
 """
 
 import json
+import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -266,6 +268,16 @@ def test_existing_output_needs_overwrite(converted, tmp_path):
         convert_gguf(path, out)
     convert_gguf(path, out, overwrite=True)
     assert (out / "model.safetensors").is_file() and not (out / "keep.txt").exists()
+
+
+def test_convert_command_reports_json(converted, tmp_path):
+    path, _, _ = converted
+    out = subprocess.run([Path(sys.executable).parent / "rl-train", "convert", str(path), str(tmp_path / "m"),
+                          "--dtype", "bfloat16", "--json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"gguf": str(path), "out": str(tmp_path / "m"), "dtype": "bfloat16"}
+    assert load_model(tmp_path / "m", dtype=torch.bfloat16).args.vocab_size == load_model(path.parent / "converted"
+                                                                                          ).args.vocab_size
 
 
 def test_missing_gguf_package(monkeypatch, tmp_path):

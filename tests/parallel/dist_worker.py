@@ -4,7 +4,7 @@ pieces on real process groups. Writes what it computed (gathered on rank 0) unde
 
 For each model in OUT/models/<name> with batches in OUT/batches/<name>/<dp_rank>.msgpack:
   * meta build -> parallelize (FSDP2 over 2 ranks, optional activation checkpointing) ->
-    each rank loads its own slices -> publish sharded HF weights (OUT/pub_<name>);
+    each rank loads its own slices -> publish sharded HF weights (OUT/pub_<name>/step_0);
   * one forward/backward over this rank's rows: loss and every gradient -> grads_<name>_<ac>.pt;
   * dense only: AdamW step, DCP checkpoint (OUT/run), second step -> params after each;
     then a fresh model + optimizer resumes from the checkpoint and redoes step 2.
@@ -12,6 +12,7 @@ For each model in OUT/models/<name> with batches in OUT/batches/<name>/<dp_rank>
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -22,10 +23,10 @@ from rlcli.parallel import parallelize, resolve_dims
 from rlcli.parallel import dist as pdist
 from rlcli.parallel.fsdp import clip_grad_norm_
 from rlcli.parallel.loading import load_sharded
-from rlcli.parallel.publish import publish_hf_sharded
 from rlcli.protocol.batch import decode_batch
 from rlcli.train.checkpoint import load_latest_checkpoint, save_checkpoint
 from rlcli.train.loss import LOSSES
+from rlcli.train.publish import FilesystemPublisher
 from rlcli.train.step import accumulate
 from rlcli.transport.rundir import RunDir
 
@@ -83,8 +84,9 @@ def main() -> None:
         for ac in (["none", "selective", "full"] if name == "dense" else ["none"]):
             model = build(name, dims, ac)
             if ac == "none":
-                with pdist.shared_atomic_dir(OUT / f"pub_{name}") as tmp:
-                    publish_hf_sharded(model, tmp, max_shard_bytes=20_000)
+                cfg = SimpleNamespace(model=SimpleNamespace(path=str(OUT / "models" / name), dtype="float32"),
+                                      train=SimpleNamespace(fp8=SimpleNamespace(enabled=False, publish=False)))
+                FilesystemPublisher(cfg, OUT / f"pub_{name}", lambda *a: None).publish(0, model)
             loss = step(model, batch, dims)
             grads = {k: full(p.grad) for k, p in model.named_parameters()}
             norm = clip_grad_norm_(model.parameters(), 0.0)  # 0: measure only

@@ -40,7 +40,8 @@ def same(a, b, dtype=None) -> bool:
 
 def cfg(tmp_path, bucket_bytes=4096):
     return SimpleNamespace(sync=SimpleNamespace(backend=SimpleNamespace(bucket_bytes=bucket_bytes), ack_timeout_s=60.0),
-                           model=SimpleNamespace(path=str(tmp_path), dtype="float32"))
+                           model=SimpleNamespace(path=str(tmp_path), dtype="float32"),
+                           train=SimpleNamespace(fp8=SimpleNamespace(enabled=False, publish=False)))
 
 
 def test_plan_buckets_packs_small_tensors_and_sends_large_ones_alone():
