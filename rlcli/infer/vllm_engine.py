@@ -110,6 +110,7 @@ class VllmEngine:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.version = version
+        self.torn = False  # a collective load broke midway: parameters mix two versions
         self.record_routes = record_routes
         self.requests: dict[str, _Request] = {}
         self.seqs: dict[str, _Seq] = {}  # vLLM request id -> completion
@@ -209,12 +210,12 @@ class VllmEngine:
         return True
 
     def has_work(self) -> bool:
-        return bool(self.seqs)
+        return bool(self.seqs) and not self.torn
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[GenerateResponse | Delta]:
         """One vLLM step: deltas of streamed requests, then the requests that finished."""
-        if not self.seqs:
+        if not self.seqs or self.torn:
             return []
         outputs = self.llm.step()
         self.counters["num_steps"] += 1
@@ -269,14 +270,23 @@ class VllmEngine:
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, ref: WeightsRef, version: int) -> None:
-        """Swap weights between two steps; resubmit completions that have not started under the new salt."""
+        """Swap weights between two steps; resubmit completions that have not started under the new salt.
+
+        ``NcclWeights``: received straight into vLLM's parameters as the buckets arrive. A
+        transfer that breaks midway leaves the weights torn: the engine then runs no step
+        (requests wait, none is dropped) until a complete load of either kind arrives."""
         if isinstance(ref, NcclWeights):
-            raise ValueError("the vLLM engine cannot receive NcclWeights yet (the receiver plugs into "
-                             "WeightsExtension.rlcli_load_weights); publish with the filesystem")
-        assert isinstance(ref, FsWeights)
-        if not Path(ref.path).is_dir():
-            raise ValueError(f"weights directory {ref.path} does not exist")
-        self.llm.collective_rpc("rlcli_load_safetensors", kwargs={"path": str(ref.path)})
+            tensors = [(t.name, t.dtype, list(t.shape)) for t in ref.tensors]
+            self.torn = True  # until the last byte has landed
+            self.llm.collective_rpc("rlcli_receive_collective", kwargs={
+                "store": ref.store, "group": ref.group, "rank": ref.rank, "world_size": ref.world_size,
+                "version": version, "tensors": tensors, "bucket_bytes": ref.bucket_bytes, "timeout_s": ref.timeout_s})
+        else:
+            assert isinstance(ref, FsWeights)
+            if not Path(ref.path).is_dir():
+                raise ValueError(f"weights directory {ref.path} does not exist")
+            self.llm.collective_rpc("rlcli_load_safetensors", kwargs={"path": str(ref.path)})
+        self.torn = False
         self.version = version
         pending = [seq for seq in self.seqs.values() if not seq.token_ids]
         if pending:

@@ -9,11 +9,12 @@ repacked for oneDNN), and it exists with that signature in vLLM 0.26 and 0.32.
 
 - ``rlcli_load_safetensors(path)`` streams an HF-layout safetensors directory one
   tensor at a time: the engine never holds a second full copy of the model.
-- ``rlcli_load_weights(weights)`` takes any iterable of ``(hf_name, tensor)``. This is the
-  hook for weights that do not come from disk: a receiver that yields tensors as they
-  arrive (NCCL broadcast buckets, ``NcclWeights``) calls it in the worker process.
-  Under ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` with one worker (rl-infer's setting),
-  ``collective_rpc`` runs in the calling process and a generator can be passed as is.
+- ``rlcli_load_weights(weights)`` takes any iterable of ``(hf_name, tensor)``.
+- ``rlcli_receive_collective(...)`` (``NcclWeights``) joins the round's weight-transfer
+  group as its rank (NCCL on GPU, gloo on CPU; the group is kept across updates while the
+  round's key is the same) and feeds ``rlcli_load_weights`` the tensors as each broadcast
+  bucket arrives (:func:`rlcli.transport.collective.receive_tensors`). A transfer that
+  breaks midway closes the group and raises: the engine then holds torn weights.
 
 This module imports no vLLM at import time; vLLM imports it by name in its workers.
 """
@@ -68,6 +69,31 @@ class WeightsExtension:
             self.model_runner.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
             _refresh_tied_lm_head(self.model_runner.get_model())
         return count
+
+    def rlcli_receive_collective(self, store: str, group: str, rank: int, world_size: int, version: int,
+                                 tensors: list[tuple[str, str, list[int]]], bucket_bytes: int,
+                                 timeout_s: float) -> int:
+        """Receive one collective weight update into the model (see module docstring)."""
+        from rlcli.transport.collective import Spec, WeightGroup, connect_store, parse_dtype, receive_tensors
+
+        specs = [Spec(name, parse_dtype(dtype), tuple(shape)) for name, dtype, shape in tensors]
+        key = (store, group, rank, world_size)
+        current = getattr(self, "_rlcli_group", None)
+        try:
+            if current is None or getattr(self, "_rlcli_group_key", None) != key:
+                if current is not None:
+                    current.close()
+                device = next(self.model_runner.get_model().parameters()).device
+                self._rlcli_group = current = WeightGroup(connect_store(store, timeout_s), group, rank, world_size,
+                                                          device, timeout_s)
+                self._rlcli_group_key = key  # a restarted rl-sync reuses group names with a new store
+            return self.rlcli_load_weights(
+                (specs[i].name, t) for i, t in receive_tensors(current, version, specs, bucket_bytes))
+        except Exception:
+            if current is not None:
+                current.close()
+            self._rlcli_group = None  # a broken group is never reused
+            raise
 
     def rlcli_load_safetensors(self, path: str) -> int:
         """Load an HF-layout safetensors directory in place, tensor by tensor."""

@@ -30,7 +30,7 @@ import datetime
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -198,12 +198,8 @@ def pack(tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> to
     return out
 
 
-def receive(group: WeightGroup, version: int, specs: Sequence[Spec], bucket_bytes: int,
-            destination: Callable[[int], torch.Tensor]) -> None:
-    """Rank > 0: receive a transfer into ``destination(i)``, the tensor spec ``i`` lands in
-    (a parameter or a view of one, already checked for shape). A bucket of one tensor
-    whose destination is contiguous and of the sent dtype is received in place; others go
-    through one scratch buffer and are copied (with dtype conversion) into place."""
+def _receive_header(group: WeightGroup, version: int, specs: Sequence[Spec], bucket_bytes: int) -> list[list[int]]:
+    """Receive the header and check it against this end's plan; returns the plan."""
     buckets = plan_buckets(specs, bucket_bytes)
     header = _header(-1, 0, 0, group.device)
     group.broadcast(header)
@@ -212,6 +208,36 @@ def receive(group: WeightGroup, version: int, specs: Sequence[Spec], bucket_byte
     if got != expected:
         raise ValueError(f"weight transfer header {got} does not match the order {expected} "
                          "(version, buckets, bytes): the trainer sends another version or layout")
+    return buckets
+
+
+def receive_tensors(group: WeightGroup, version: int, specs: Sequence[Spec], bucket_bytes: int
+                    ) -> Iterator[tuple[int, torch.Tensor]]:
+    """Rank > 0, for a loader that takes tensors rather than destinations (vLLM's
+    ``reload_weights``): yields ``(i, tensor of spec i)`` as each bucket arrives. Every bucket
+    lands in a buffer of its own, so a tensor stays valid for as long as the loader keeps
+    it; the allocator reuses the memory once it is dropped."""
+    buckets = _receive_header(group, version, specs, bucket_bytes)
+    for bucket in buckets:
+        buf = torch.empty(sum(specs[j].nbytes for j in bucket), dtype=torch.uint8, device=group.device)
+        group.broadcast(buf, block=False)
+        offset = 0
+        for j in bucket:
+            s = specs[j]
+            raw = buf[offset:offset + s.nbytes]
+            raw = raw if offset % s.dtype.itemsize == 0 else raw.clone()  # a dtype view needs alignment
+            yield j, raw.view(s.dtype).view(s.shape)
+            offset += s.nbytes
+    group.synchronize()
+
+
+def receive(group: WeightGroup, version: int, specs: Sequence[Spec], bucket_bytes: int,
+            destination: Callable[[int], torch.Tensor]) -> None:
+    """Rank > 0: receive a transfer into ``destination(i)``, the tensor spec ``i`` lands in
+    (a parameter or a view of one, already checked for shape). A bucket of one tensor
+    whose destination is contiguous and of the sent dtype is received in place; others go
+    through one scratch buffer and are copied (with dtype conversion) into place."""
+    buckets = _receive_header(group, version, specs, bucket_bytes)
     scratch: torch.Tensor | None = None
     for bucket in buckets:
         if len(bucket) == 1:

