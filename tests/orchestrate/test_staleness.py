@@ -105,9 +105,12 @@ def test_zero_variance_drops_are_capped_then_groups_join_anyway():
     from rlcli.envs import make_env
     from rlcli.models.tokenizer import load_tokenizer
 
+    from rlcli.orchestrate.episodes import Episodes
+
     o = bare_orchestrator(max_async=0, batch_size=2, num_steps=5, skip_zero_variance=True,
                           max_zero_variance_drops=3)
-    o.env, o.tokenizer = make_env(o.cfg.env), load_tokenizer(TINY_MODEL)
+    o.env, o.tokenizer, o.turns = make_env(o.cfg.env), load_tokenizer(TINY_MODEL), {}
+    o.episodes = Episodes(o.cfg, o.env, o.tokenizer)
     from rlcli.protocol import GenerateRequest, GenerateResponse
 
     for i in range(5):
@@ -116,4 +119,6 @@ def test_zero_variance_drops_are_capped_then_groups_join_anyway():
         c = Completion(token_ids=[5], logprobs=[0.0], versions=[0], finish_reason="length")
         o.on_reply(GenerateRequest(request_id=str(i), prompt_ids=[0]),
                    GenerateResponse(request_id=str(i), completions=[c, c], num_prompt_tokens=1))
+    o.episodes.runner.wait(30)  # rewards run on worker threads
+    o.collect()
     assert o.num_filtered == 3 and o.num_zero_variance_kept == 2 and len(o.buffer) == 2
