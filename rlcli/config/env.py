@@ -199,6 +199,10 @@ class ToolUseEnvConfig(Config):
     max_output_chars: int = 256
     """A tool's reply is cut to this many characters."""
 
+    nudge: bool = True
+    """When the model neither calls a tool nor answers, remind it of the format (another turn)
+    instead of ending the episode."""
+
     def __post_init__(self) -> None:
         if not 1 <= self.min_digits <= self.max_digits:
             raise ValueError("env.args.min_digits must be >= 1 and <= env.args.max_digits")
