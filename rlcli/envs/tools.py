@@ -27,6 +27,8 @@ INSTRUCTIONS = ("Tools: <calc>expression</calc> evaluates arithmetic; <python>co
                 "returns what it prints. Each result comes back as <result>...</result>. "
                 "Finish with <answer>number</answer>.")
 
+NUDGE = "No tool call or answer found: use <calc>...</calc>, <python>...</python> or <answer>...</answer>."
+
 
 def calculate(expression: str) -> int | float:
     """Value of an arithmetic expression: numbers, + - * / // % **, parentheses."""
@@ -76,7 +78,7 @@ class ToolUseEnv:
         if not calls:
             if _ANSWER.search(text) or not self.cfg.nudge:
                 return None
-            return "No tool call or answer found. " + INSTRUCTIONS
+            return NUDGE
         kind, body = calls[0]
         return f"<result>{self.run_tool(kind, body)[:self.cfg.max_output_chars]}</result>"
 

@@ -91,6 +91,7 @@ class Episodes:
         self.num_turns = 0  # model turns after the first
         self.cont_prompt_tokens = 0
         self.cont_cached_tokens = 0
+        self.cont_earlier_kv_tokens = 0  # KV the previous turns computed: their prompt + completion - 1
         self.num_env_errors = 0
         self.num_truncated = 0
         self.runner.num_timeouts, self.runner.busy_s = 0, 0.0
@@ -110,6 +111,8 @@ class Episodes:
             self._model_turn(group, i, c, reply.num_prompt_tokens, reply.num_cached_tokens)
 
     def next_turn(self, group: Group, index: int, reply: GenerateResponse) -> None:
+        prev = group.episodes[index].turns[-2]  # the model turn before the environment's
+        self.cont_earlier_kv_tokens += prev.num_prompt_tokens + prev.end - prev.start - 1
         self.num_turns += 1
         self.cont_prompt_tokens += reply.num_prompt_tokens
         self.cont_cached_tokens += reply.num_cached_tokens
@@ -231,5 +234,10 @@ class Episodes:
         r = self.runner
         return {"env_errors": self.num_env_errors, "env_timeouts": r.num_timeouts, "env_truncated": self.num_truncated,
                 "env_busy_s": r.busy_s, "env_turns": self.num_turns,
+                # Of later turns' prompts, the share served from the prefix cache (environment tokens
+                # are new, so below 1), and the share of the earlier turns' KV reused (1 up to the
+                # last partial KV block of each turn, which a block-granular cache cannot hold).
                 "turn_cached_fraction": self.cont_cached_tokens / self.cont_prompt_tokens
-                if self.cont_prompt_tokens else 0.0}
+                if self.cont_prompt_tokens else 0.0,
+                "turn_kv_reuse": self.cont_cached_tokens / self.cont_earlier_kv_tokens
+                if self.cont_earlier_kv_tokens else 0.0}
