@@ -66,6 +66,9 @@ class RecipeConfig(Config):
                 f"orchestrate.sampling.max_tokens ({self.orchestrate.sampling.max_tokens}) must be "
                 f"< model.max_seq_len ({self.model.max_seq_len})"
             )
+        if self.env.max_episode_tokens > self.model.max_seq_len:
+            raise ValueError(f"env.max_episode_tokens ({self.env.max_episode_tokens}) must be <= model.max_seq_len "
+                             f"({self.model.max_seq_len})")
         if self.train.micro_batch_tokens < self.model.max_seq_len:
             raise ValueError(
                 f"train.micro_batch_tokens ({self.train.micro_batch_tokens}) must be >= model.max_seq_len "
