@@ -24,6 +24,7 @@ BUILTINS = {
     "math": "rlcli.envs.math:MathEnv",
     "tool-use": "rlcli.envs.tools:ToolUseEnv",
     "reasoning-gym": "rlcli.envs.reasoning_gym:ReasoningGymEnv",
+    "verifiers": "rlcli.envs.verifiers_adapter:VerifiersEnv",
 }
 """Built-in environments: name -> module:factory, resolved like a user's package.module:factory."""
 
