@@ -25,10 +25,10 @@ then the reward) on worker threads and hands back the next turns' requests and t
 whose episodes are all scored. A group counts as in flight until then.
 
 Every request carries the policy version at dispatch as its cache salt (every later turn
-of its episodes keeps it). The salt only
-names a prefix-cache namespace: rl-infer also keys each cached block by the weights
-version that computed it, so a request that reaches a server after its swap (before
-``PolicyUpdated`` arrives here) does not reuse KV of the older weights.
+of its episodes keeps it). The salt only names a prefix-cache namespace: rl-infer also keys
+each cached block by the weights version that computed it, so a request that reaches a
+server after its swap (before ``PolicyUpdated`` arrives here) does not reuse KV of the
+older weights.
 """
 
 import random
@@ -92,8 +92,7 @@ class Orchestrator:
         self.wait_s = 0.0
         self.straggler_since: float | None = None
         self.straggler_wait_s = 0.0
-        if getattr(self, "episodes", None) is not None:
-            self.episodes.reset_stats()
+        self.episodes.reset_stats()
 
     # ------------------------------------------------------------------ policy version
     def refresh(self) -> None:
@@ -127,7 +126,7 @@ class Orchestrator:
     def _pending_groups(self) -> list[Group]:
         """Groups dispatched and not yet buffered: requests in flight (or unsent), episodes running."""
         pending = {id(g): g for g in self.inflight.values()}
-        pending.update(self.episodes.groups if getattr(self, "episodes", None) is not None else {})
+        pending.update(self.episodes.groups)
         return list(pending.values())
 
     def dispatch(self) -> None:

@@ -4,9 +4,13 @@ against a simulated inference pool (random completion times, weights updated per
 
 import random
 
+from tiny import TINY_MODEL
+
 from rlcli.config import RecipeConfig
 from rlcli.config.orchestrate import AdvantageConfig, OrchestrateConfig
-from rlcli.envs import Task
+from rlcli.envs import Task, make_env
+from rlcli.models.tokenizer import load_tokenizer
+from rlcli.orchestrate.episodes import Episodes
 from rlcli.orchestrate.loop import Orchestrator
 from rlcli.orchestrate.rollouts import Group
 from rlcli.protocol import Completion
@@ -15,8 +19,10 @@ from rlcli.protocol import Completion
 def bare_orchestrator(max_async: int, batch_size: int, num_steps: int, **advantage) -> Orchestrator:
     cfg = RecipeConfig(num_steps=num_steps, orchestrate=OrchestrateConfig(
         batch_size=batch_size, group_size=2, max_async=max_async, advantage=AdvantageConfig(**advantage)))
-    o = Orchestrator.__new__(Orchestrator)  # no run directory, servers or tokenizer: the logic alone
+    o = Orchestrator.__new__(Orchestrator)  # no run directory or servers: the logic alone
     o.cfg, o.ocfg = cfg, cfg.orchestrate
+    o.env, o.tokenizer, o.turns = make_env(cfg.env), load_tokenizer(TINY_MODEL), {}
+    o.episodes = Episodes(cfg, o.env, o.tokenizer)
     o.next_step, o.policy_version = 1, 0
     o.buffer, o.inflight = [], {}
     a = cfg.orchestrate.advantage
@@ -100,17 +106,8 @@ def test_deadline_uses_the_oldest_token_not_the_dispatch_version():
 
 
 def test_zero_variance_drops_are_capped_then_groups_join_anyway():
-    from tiny import TINY_MODEL
-
-    from rlcli.envs import make_env
-    from rlcli.models.tokenizer import load_tokenizer
-
-    from rlcli.orchestrate.episodes import Episodes
-
     o = bare_orchestrator(max_async=0, batch_size=2, num_steps=5, skip_zero_variance=True,
                           max_zero_variance_drops=3)
-    o.env, o.tokenizer, o.turns = make_env(o.cfg.env), load_tokenizer(TINY_MODEL), {}
-    o.episodes = Episodes(o.cfg, o.env, o.tokenizer)
     from rlcli.protocol import GenerateRequest, GenerateResponse
 
     for i in range(5):
