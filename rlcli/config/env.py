@@ -74,8 +74,8 @@ class EnvConfig(Config):
     for fewer); 0 means model.max_seq_len."""
 
     episode_timeout_s: float = 0.0
-    """Wall-clock budget of a multi-turn episode from its dispatch; past it the episode ends and
-    is scored env.on_error. 0: no limit."""
+    """Wall-clock budget of a multi-turn episode, from its first model turn's reply; an
+    environment turn that comes later ends the episode, scored env.on_error. 0: no limit."""
 
     truncation: Literal["reward", "on_error", "mask"] = "reward"
     """An episode cut by its token budget is scored by the environment as it stands (reward),

@@ -131,13 +131,19 @@ class Orchestrator:
 
     def dispatch(self) -> None:
         for _ in range(self.num_to_dispatch()):
-            task = self.env.sample_task(self.rng)
-            prompt = render_prompt(task, self.tokenizer, self.cfg.env)
-            room = self.cfg.model.max_seq_len - len(prompt)
-            if room < 1:
-                log.warning("skipping a task whose prompt (%d tokens) fills model.max_seq_len", len(prompt))
+            try:
+                task = self.env.sample_task(self.rng)
+                prompt = render_prompt(task, self.tokenizer, self.cfg.env)
+            except Exception as e:  # the environment's failure: reported by name, the run goes on
+                log.warning("env %s: sample_task failed (%s: %s); skipping this task", self.cfg.env.name,
+                            type(e).__name__, e)
+                self.episodes.num_env_errors += 1
                 continue
             group = Group(task, prompt, self.policy_version)
+            if self.episodes.budget(group) - len(prompt) < 1:
+                log.warning("skipping a task whose prompt (%d tokens) fills its episode's token budget "
+                            "(env.max_episode_tokens, model.max_seq_len)", len(prompt))
+                continue
             self._send(group)
             self.num_dispatched += 1
         while self.unsent and self.pool.submit(self.unsent[0]):
@@ -145,7 +151,7 @@ class Orchestrator:
 
     def _send(self, group: Group) -> None:
         s = self.ocfg.sampling
-        max_tokens = min(group.task.max_tokens or s.max_tokens, self.cfg.model.max_seq_len - len(group.prompt_ids))
+        max_tokens = min(group.task.max_tokens or s.max_tokens, self.episodes.budget(group) - len(group.prompt_ids))
         group.cache_salt = f"v{self.policy_version}"
         request = GenerateRequest(
             request_id=new_request_id(), prompt_ids=group.prompt_ids, cache_salt=group.cache_salt,
