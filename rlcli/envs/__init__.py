@@ -65,11 +65,6 @@ def is_multi_turn(env: Any) -> bool:
     return callable(getattr(env, "respond", None))
 
 
-def env_label(cfg: EnvConfig) -> str:
-    """The name logs and errors give an environment."""
-    return cfg.name
-
-
 def make_env(cfg: EnvConfig) -> Environment:
     from rlcli.envs.registry import load_env
 
