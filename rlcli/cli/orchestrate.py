@@ -116,7 +116,8 @@ def plot_cmd(
     emit_json({"plot": str(plot_run(RunDir(run_dir), out))})
 
 
-EnvOpt = Annotated[Optional[str], typer.Option("--env", help="Environment name (e.g. reverse) [default: the "
+EnvOpt = Annotated[Optional[str], typer.Option("--env", help="Environment: a built-in (reverse, math, tool-use, "
+                                                "...), an entry point or package.module:factory [default: the "
                                                 "recipe's env].", show_default=False)]
 
 

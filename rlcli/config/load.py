@@ -17,6 +17,7 @@ from typing import Any, Iterable, Mapping
 
 import msgspec
 
+from rlcli.config.env import migrate_env_table
 from rlcli.config.recipe import RecipeConfig
 from rlcli.errors import ConfigError
 
@@ -106,6 +107,7 @@ def load_recipe(
                 table.clear()  # another variant of a tagged union: the recipe's keys are not its keys
         set_dotted(tree, key, value)
     source = str(path) if path else "command line"
+    migrate_env_table(tree.get("env"))
     try:
         return msgspec.convert(tree, RecipeConfig, strict=False)
     except msgspec.ValidationError as e:

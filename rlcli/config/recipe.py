@@ -1,7 +1,7 @@
 import msgspec
 
 from rlcli.config.base import Config
-from rlcli.config.env import EnvConfig, ReverseEnvConfig
+from rlcli.config.env import EnvConfig
 from rlcli.config.infer import InferConfig
 from rlcli.config.model import ModelConfig
 from rlcli.config.monitor import MonitorConfig
@@ -32,8 +32,8 @@ class RecipeConfig(Config):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     """Policy model."""
 
-    env: EnvConfig = msgspec.field(default_factory=ReverseEnvConfig)
-    """Environment: tasks and rewards."""
+    env: EnvConfig = msgspec.field(default_factory=EnvConfig)
+    """Environment: tasks, rewards and tool turns (env.name, env.args), and their budgets."""
 
     infer: InferConfig = msgspec.field(default_factory=InferConfig)
     """rl-infer."""
@@ -66,6 +66,9 @@ class RecipeConfig(Config):
                 f"orchestrate.sampling.max_tokens ({self.orchestrate.sampling.max_tokens}) must be "
                 f"< model.max_seq_len ({self.model.max_seq_len})"
             )
+        if self.env.max_episode_tokens > self.model.max_seq_len:
+            raise ValueError(f"env.max_episode_tokens ({self.env.max_episode_tokens}) must be <= model.max_seq_len "
+                             f"({self.model.max_seq_len})")
         if self.train.micro_batch_tokens < self.model.max_seq_len:
             raise ValueError(
                 f"train.micro_batch_tokens ({self.train.micro_batch_tokens}) must be >= model.max_seq_len "

@@ -1,16 +1,36 @@
-"""Environments: tasks, rewards and (for SFT warm-up) demonstrations.
+"""Environments: tasks, rewards, tool turns and (for SFT warm-up) demonstrations.
 
-Shared by rl-orchestrate (sampling tasks, scoring completions) and rl-train (supervised
-warm-up on demonstrations), so it lives beside ``models`` rather than inside either
-process package. An environment is a small class; :func:`make_env` picks one by the
-recipe's ``env.name``.
+Shared by rl-orchestrate (sampling tasks, running episodes, scoring them) and rl-train
+(supervised warm-up on demonstrations), so it lives beside ``models`` rather than inside
+either process package.
+
+The interface is duck-typed; an environment is any object with
+
+- ``sample_task(rng) -> Task``, and
+- ``reward(task, completion) -> float``: for a *single-turn* environment ``completion`` is the
+  model's text (prompt -> completion -> reward);
+- optionally ``respond(task, messages) -> str | dict | None``, which makes it *multi-turn*:
+  after every model turn the loop calls it with the episode's messages so far (after the
+  prompt: ``{"role": "assistant", "content": ...}`` for the model's turns, the environment's
+  own turns as it returned them). A string (or a ``{"role", "content"}`` dict; role defaults
+  to ``user``) is the environment's turn, appended to the sequence as context only: the loss
+  never trains on it. ``None`` ends the episode, which is then scored with
+  ``reward(task, messages)``.
+- optionally ``demonstration(task) -> str`` for ``rl-train sft``.
+
+``reward`` and ``respond`` may be ``async def``. They run on worker threads off the dispatch
+loop (:mod:`rlcli.envs.runner`), with a timeout; one that raises, returns a non-number or
+runs too long is logged with the environment's name and scored ``env.on_error``.
+
+:func:`make_env` resolves ``env.name`` (:mod:`rlcli.envs.registry`): a built-in, an entry
+point in the group ``rlcli.envs``, or ``package.module:factory``, called with ``env.args``.
 """
 
 import random
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from rlcli.config.env import EnvConfig, LongTailEnvConfig, ReverseEnvConfig
+from rlcli.config.env import EnvConfig
 
 
 @dataclass
@@ -20,30 +40,38 @@ class Task:
     answer: Any = None
     """What the reward compares against."""
     max_tokens: int | None = None
-    """Completion budget for this task (None: the recipe's sampling.max_tokens)."""
+    """Completion budget of each model turn (None: the recipe's sampling.max_tokens)."""
     ignore_eos: bool = False
     """Generate exactly max_tokens tokens."""
     info: dict[str, Any] = field(default_factory=dict)
     """Anything else worth logging."""
+    max_episode_tokens: int | None = None
+    """Token budget of the whole episode, prompt included (None: env.max_episode_tokens)."""
+    timeout_s: float | None = None
+    """Wall-clock budget of a multi-turn episode (None: env.episode_timeout_s)."""
 
 
 class Environment(Protocol):
     def sample_task(self, rng: random.Random) -> Task: ...
 
-    def reward(self, task: Task, completion: str) -> float: ...
+    def reward(self, task: Task, completion: Any) -> float: ...
 
-    def demonstration(self, task: Task) -> str: ...
+
+class MultiTurnEnvironment(Environment, Protocol):
+    def respond(self, task: Task, messages: list[dict[str, str]]) -> str | dict | None: ...
+
+
+def is_multi_turn(env: Any) -> bool:
+    return callable(getattr(env, "respond", None))
 
 
 def make_env(cfg: EnvConfig) -> Environment:
-    from rlcli.envs.longtail import LongTailEnv
-    from rlcli.envs.reverse import ReverseEnv
+    from rlcli.envs.registry import load_env
 
-    if isinstance(cfg, ReverseEnvConfig):
-        return ReverseEnv(cfg)
-    if isinstance(cfg, LongTailEnvConfig):
-        return LongTailEnv(cfg)
-    raise ValueError(f"no environment for env.name {type(cfg).__name__}")
+    args = dict(cfg.args)
+    if cfg.name == "reverse":  # its prompt phrasing follows the chat template unless set
+        args.setdefault("instruction", cfg.use_chat_template)
+    return load_env(cfg.name, args)
 
 
 def render_prompt(task: Task, tokenizer, cfg: EnvConfig) -> list[int]:

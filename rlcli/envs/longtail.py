@@ -8,13 +8,13 @@ text so the loop runs end to end; what matters here is timing (bench/async_vs_sy
 import math
 import random
 
-from rlcli.config.env import LongTailEnvConfig
+from rlcli.config.env import builtin_args
 from rlcli.envs import Task
 
 
 class LongTailEnv:
-    def __init__(self, cfg: LongTailEnvConfig):
-        self.cfg = cfg
+    def __init__(self, **args):
+        self.cfg = builtin_args("longtail", args)
 
     def sample_task(self, rng: random.Random) -> Task:
         c = self.cfg

@@ -3,7 +3,7 @@ reversal (1 - normalized edit distance), so partial credit guides RL."""
 
 import random
 
-from rlcli.config.env import ReverseEnvConfig
+from rlcli.config.env import builtin_args
 from rlcli.envs import Task
 
 
@@ -24,13 +24,13 @@ def similarity(a: str, b: str) -> float:
 
 
 class ReverseEnv:
-    def __init__(self, cfg: ReverseEnvConfig):
-        self.cfg = cfg
+    def __init__(self, **args):
+        self.cfg = builtin_args("reverse", args)
 
     def sample_task(self, rng: random.Random) -> Task:
         n = rng.randint(self.cfg.min_len, self.cfg.max_len)
         s = "".join(rng.choice(self.cfg.alphabet) for _ in range(n))
-        if self.cfg.use_chat_template:
+        if self.cfg.instruction:
             prompt = f"Reverse the string '{s}'. Reply with the reversed string only."
         else:
             prompt = f"{s}="

@@ -19,10 +19,16 @@ short completions still never wait for the long tail of their own cohort. Nothin
 aborted: a group in flight cannot be proven too old, because its dispatch version is a
 lower bound on its oldest token, not an upper one.
 
-Every request carries the policy version at dispatch as its cache salt. The salt only
-names a prefix-cache namespace: rl-infer also keys each cached block by the weights
-version that computed it, so a request that reaches a server after its swap (before
-``PolicyUpdated`` arrives here) does not reuse KV of the older weights.
+Rewards and environment turns never run in this loop: replies go to
+:class:`~rlcli.orchestrate.episodes.Episodes`, which runs each completion's episode (tool turns,
+then the reward) on worker threads and hands back the next turns' requests and the groups
+whose episodes are all scored. A group counts as in flight until then.
+
+Every request carries the policy version at dispatch as its cache salt (every later turn
+of its episodes keeps it). The salt only names a prefix-cache namespace: rl-infer also keys
+each cached block by the weights version that computed it, so a request that reaches a
+server after its swap (before ``PolicyUpdated`` arrives here) does not reuse KV of the
+older weights.
 """
 
 import random
@@ -33,6 +39,7 @@ from rlcli.envs import make_env, render_prompt
 from rlcli.logging import setup_logging
 from rlcli.models.tokenizer import load_tokenizer
 from rlcli.orchestrate.advantages import group_advantages
+from rlcli.orchestrate.episodes import Episodes
 from rlcli.orchestrate.pool import InferPool
 from rlcli.orchestrate.rollouts import Group, write_batch
 from rlcli.protocol import ErrorReply, GenerateRequest, PolicyUpdated, SamplingParams
@@ -51,6 +58,8 @@ class Orchestrator:
         self.cfg, self.run, self.ocfg = cfg, run, cfg.orchestrate
         self.env = make_env(cfg.env)
         self.tokenizer = load_tokenizer(cfg.model.path)
+        self.episodes = Episodes(cfg, self.env, self.tokenizer)
+        self.turns: dict[str, int] = {}  # request id of a later turn -> its episode's index in the group
         self.pool = InferPool(run, self.ocfg.connect, self.ocfg.request_timeout_s)
         if self.ocfg.connect:
             self.pool.check_reachable()
@@ -83,6 +92,7 @@ class Orchestrator:
         self.wait_s = 0.0
         self.straggler_since: float | None = None
         self.straggler_wait_s = 0.0
+        self.episodes.reset_stats()
 
     # ------------------------------------------------------------------ policy version
     def refresh(self) -> None:
@@ -91,7 +101,10 @@ class Orchestrator:
             if group is not None:
                 log.warning("request %s lost (server gone, restarted or timed out); re-dispatching",
                             request.request_id)
-                self._send(group)
+                if request.request_id in self.turns:  # a later turn of one episode: send that turn again
+                    self._send_turn(group, self.turns.pop(request.request_id), self.episodes.resend(request))
+                else:
+                    self._send(group)
         for entry in list_entries(self.run.registry_dir(), "sync"):
             self.sub.connect(entry.endpoints["pub"])
         version = self.run.read_progress("sync").get("version")
@@ -108,17 +121,29 @@ class Orchestrator:
             return 0
         last = min(self.policy_version + 1 + self.ocfg.max_async, self.cfg.num_steps)
         want = self.ocfg.batch_size * (last - self.next_step + 1)
-        return max(0, want - len(self.buffer) - len(self.inflight))  # inflight includes unsent
+        return max(0, want - len(self.buffer) - len(self._pending_groups()))
+
+    def _pending_groups(self) -> list[Group]:
+        """Groups dispatched and not yet buffered: requests in flight (or unsent), episodes running."""
+        pending = {id(g): g for g in self.inflight.values()}
+        pending.update(self.episodes.groups)
+        return list(pending.values())
 
     def dispatch(self) -> None:
         for _ in range(self.num_to_dispatch()):
-            task = self.env.sample_task(self.rng)
-            prompt = render_prompt(task, self.tokenizer, self.cfg.env)
-            room = self.cfg.model.max_seq_len - len(prompt)
-            if room < 1:
-                log.warning("skipping a task whose prompt (%d tokens) fills model.max_seq_len", len(prompt))
+            try:
+                task = self.env.sample_task(self.rng)
+                prompt = render_prompt(task, self.tokenizer, self.cfg.env)
+            except Exception as e:  # the environment's failure: reported by name, the run goes on
+                log.warning("env %s: sample_task failed (%s: %s); skipping this task", self.cfg.env.name,
+                            type(e).__name__, e)
+                self.episodes.num_env_errors += 1
                 continue
             group = Group(task, prompt, self.policy_version)
+            if self.episodes.budget(group) - len(prompt) < 1:
+                log.warning("skipping a task whose prompt (%d tokens) fills its episode's token budget "
+                            "(env.max_episode_tokens, model.max_seq_len)", len(prompt))
+                continue
             self._send(group)
             self.num_dispatched += 1
         while self.unsent and self.pool.submit(self.unsent[0]):
@@ -126,9 +151,10 @@ class Orchestrator:
 
     def _send(self, group: Group) -> None:
         s = self.ocfg.sampling
-        max_tokens = min(group.task.max_tokens or s.max_tokens, self.cfg.model.max_seq_len - len(group.prompt_ids))
+        max_tokens = min(group.task.max_tokens or s.max_tokens, self.episodes.budget(group) - len(group.prompt_ids))
+        group.cache_salt = f"v{self.policy_version}"
         request = GenerateRequest(
-            request_id=new_request_id(), prompt_ids=group.prompt_ids, cache_salt=f"v{self.policy_version}",
+            request_id=new_request_id(), prompt_ids=group.prompt_ids, cache_salt=group.cache_salt,
             sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p, max_tokens=max_tokens,
                                     n=self.ocfg.group_size, ignore_eos=group.task.ignore_eos,
                                     return_routing=self.cfg.r3))
@@ -136,19 +162,40 @@ class Orchestrator:
         self.inflight[request.request_id] = group
         self.unsent.append(request)
 
+    def _send_turn(self, group: Group, index: int, request: GenerateRequest) -> None:
+        self.inflight[request.request_id] = group
+        self.turns[request.request_id] = index
+        self.unsent.append(request)
+
     # ------------------------------------------------------------------ completions
     def on_reply(self, request: GenerateRequest, reply) -> None:
         group = self.inflight.pop(request.request_id, None)
+        index = self.turns.pop(request.request_id, None)
         if group is None:
             return
         if isinstance(reply, ErrorReply):
             self.num_errors += 1
             log.error("rl-infer rejected a request: %s", reply.message)
+            if index is not None:
+                self.episodes.failed(group, index, f"rl-infer rejected its turn ({reply.message})")
             return
-        group.completions = reply.completions
-        group.rewards = [self.env.reward(group.task, self.tokenizer.decode(c.token_ids)) for c in reply.completions]
         self.gen_tokens += sum(len(c.token_ids) for c in reply.completions)
-        self.gen_completions += len(reply.completions)
+        if index is None:
+            self.gen_completions += len(reply.completions)
+            self.episodes.first_turn(group, reply)
+        else:
+            self.episodes.next_turn(group, index, reply)
+        self.collect()
+
+    def collect(self) -> None:
+        """Take what the environment finished: next turns to send, groups scored."""
+        requests, ready = self.episodes.poll()
+        for group, index, request in requests:
+            self._send_turn(group, index, request)
+        for group in ready:
+            self.on_scored(group)
+
+    def on_scored(self, group: Group) -> None:
         if self.ocfg.advantage.skip_zero_variance and max(group.rewards) == min(group.rewards):
             if self.num_filtered < self.zero_variance_cap:
                 self.num_filtered += 1
@@ -178,7 +225,7 @@ class Orchestrator:
         order = sorted(range(len(self.buffer)), key=lambda i: self.deadline(self.buffer[i]))
         chosen = set(order[:size])
         rest = [self.deadline(g) for i, g in enumerate(self.buffer) if i not in chosen]
-        rest += [self.deadline(g) for g in {id(g): g for g in self.inflight.values()}.values()]
+        rest += [self.deadline(g) for g in self._pending_groups()]
         rest.sort()
         # Feasible iff for every later batch M, groups due by M fit in batches step+1..M.
         if any(d < step + 1 + j // size for j, d in enumerate(rest)):
@@ -222,7 +269,7 @@ class Orchestrator:
             "num_filtered": self.num_filtered, "num_zero_variance_kept": self.num_zero_variance_kept,
             "num_errors": self.num_errors, "straggler_wait_s": self.straggler_wait_s, "step_s": elapsed,
             "tokens_per_s": self.gen_tokens / elapsed if elapsed > 0 else 0.0, "wait_s": self.wait_s,
-            "time": time.time(), **info,
+            "time": time.time(), **self.episodes.metrics(), **info,
         }
         log.info("step %d reward %.3f len %.1f (generated %.1f) lag %.1f (max %d) dropped %.1f%% tok/s %.0f "
                  "wait %.2fs straggler wait %.2fs", step, m["reward_mean"], m["completion_len_mean"],
@@ -255,6 +302,7 @@ class Orchestrator:
             t0 = time.monotonic()
             for request, reply in self.pool.poll(20):
                 self.on_reply(request, reply)
+            self.collect()
             if idle:
                 self.wait_s += time.monotonic() - t0  # blocked on the policy gate: nothing to generate
             while self.next_step <= self.cfg.num_steps and self.try_write_batch():

@@ -14,7 +14,8 @@ import random
 import sys
 from typing import Any, Iterable, Iterator, TextIO
 
-from rlcli.envs import Task, make_env
+from rlcli.envs import Task, is_multi_turn, make_env
+from rlcli.envs.runner import call, check_reward, describe, log
 from rlcli.errors import ConfigError
 
 
@@ -44,8 +45,20 @@ def read_records(stream: TextIO) -> Iterator[dict[str, Any]]:
 
 
 def score_records(env_cfg, records: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-    """Each record with ``rewards`` for its ``completions`` under the environment's reward."""
+    """Each record with ``rewards`` for its ``completions`` under the environment's reward (a
+    multi-turn environment scores each completion as a one-turn episode). A reward that fails
+    is logged with the environment's name and scored ``env.on_error``."""
     env = make_env(env_cfg)
+    multi_turn = is_multi_turn(env)
+
+    def score(task: Task, text: str) -> float:
+        try:
+            return call(env.reward, (task, [{"role": "assistant", "content": text}] if multi_turn else text),
+                        check_reward)
+        except Exception as e:  # the environment's failure: scored, the stream goes on
+            log.warning("env %s: reward failed (%s); scored %r", env_cfg.name, describe(e), env_cfg.on_error)
+            return env_cfg.on_error
+
     for number, rec in enumerate(records, 1):
         completions = rec.get("completions")
         if isinstance(completions, str):
@@ -54,7 +67,7 @@ def score_records(env_cfg, records: Iterable[dict[str, Any]]) -> Iterator[dict[s
             raise ConfigError(f"record {number} needs 'prompt' and 'completions' (as `rl-infer generate --json` "
                               "writes them)")
         task = Task(prompt=rec["prompt"], answer=rec.get("answer"), info=rec.get("info") or {})
-        rewards = [float(env.reward(task, text)) for text in completions]
+        rewards = [score(task, text) for text in completions]
         yield {**rec, "rewards": rewards, "reward_mean": sum(rewards) / len(rewards) if rewards else None}
 
 

@@ -1,4 +1,4 @@
-"""Groups of completions and the packed batch files written for the trainer."""
+"""Groups of completions (episodes) and the packed batch files written for the trainer."""
 
 import hashlib
 from dataclasses import dataclass, field
@@ -22,6 +22,13 @@ class Group:
     completions: list[Completion] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
     advantages: list[float] = field(default_factory=list)
+    loss_masks: list[list[bool]] = field(default_factory=list)
+    """Per completion and completion token: trained (model) or context (environment turn);
+    empty when every completion token is the model's."""
+    episodes: list = field(default_factory=list)
+    """Per completion, its :class:`rlcli.orchestrate.episodes.Episode` while it runs."""
+    cache_salt: str = ""
+    """Prefix-cache namespace of every turn of the group's episodes."""
 
     @property
     def min_version(self) -> int:
@@ -33,9 +40,11 @@ class Group:
         return max(max(c.versions, default=self.dispatch_version) for c in self.completions)
 
     def samples(self) -> list[Sample]:
+        masks = self.loss_masks or [[]] * len(self.completions)
         return [Sample(token_ids=self.prompt_ids + c.token_ids, num_prompt_tokens=len(self.prompt_ids),
-                       advantage=a, logprobs=c.logprobs, versions=c.versions, routed_experts=c.routed_experts)
-                for c, a in zip(self.completions, self.advantages)]
+                       advantage=a, logprobs=c.logprobs, versions=c.versions, routed_experts=c.routed_experts,
+                       loss_mask=m)
+                for c, a, m in zip(self.completions, self.advantages, masks)]
 
 
 def write_batch(run: RunDir, step: int, groups: list[Group], num_ranks: int, capacity: int,
@@ -44,7 +53,7 @@ def write_batch(run: RunDir, step: int, groups: list[Group], num_ranks: int, cap
     samples = [s for g in groups for s in g.samples()]
     lengths = [len(s.token_ids) for s in samples]
     per_rank = split_rows(pack_rows(lengths, capacity), lengths, num_ranks)
-    num_loss_tokens = sum(len(s.token_ids) - s.num_prompt_tokens for s in samples)
+    num_loss_tokens = sum(s.num_loss_tokens for s in samples)
     min_v = min(g.min_version for g in groups)
     max_v = max(g.max_version for g in groups)
     with atomic_dir(run.rollouts_dir(step), {"step": step, "num_samples": len(samples)}) as tmp:

@@ -85,6 +85,13 @@ class Sample(msgspec.Struct, kw_only=True):
     """Policy version per completion token."""
     routed_experts: Optional[WireTensor] = None
     """[len(token_ids) - 1, layers, top_k] experts, when recorded."""
+    loss_mask: list[bool] = []
+    """Per completion token: True where the model generated it (trained), False for context the
+    environment added between turns; empty means every completion token is trained."""
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return sum(self.loss_mask) if self.loss_mask else len(self.token_ids) - self.num_prompt_tokens
 
 
 def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -127,10 +134,17 @@ def build_micro_batch(samples: list[Sample], temperature: float, top_p: float = 
         c = n - p
         ids.extend(s.token_ids)
         pos.extend(range(n))
-        mask.extend([False] * p + [True] * c)
         adv.extend([0.0] * p + [s.advantage] * c)
-        lps.extend([0.0] * p + list(s.logprobs))
-        vers.extend([-1] * p + list(s.versions))
+        if s.loss_mask:  # a multi-turn episode: environment turns are context, not trained
+            assert len(s.loss_mask) == c == len(s.logprobs) == len(s.versions), "per-token lists must cover it"
+            mask.extend([False] * p + list(s.loss_mask))
+            # Tokens the model did not sample carry no logprob or version, like the prompt's.
+            lps.extend([0.0] * p + [lp if t else 0.0 for lp, t in zip(s.logprobs, s.loss_mask)])
+            vers.extend([-1] * p + [v if t else -1 for v, t in zip(s.versions, s.loss_mask)])
+        else:
+            mask.extend([False] * p + [True] * c)
+            lps.extend([0.0] * p + list(s.logprobs))
+            vers.extend([-1] * p + list(s.versions))
         if s.routed_experts is not None:
             r = s.routed_experts.numpy()
             # Routes exist for every token but the last; the last token's are never used

@@ -27,6 +27,9 @@ def demonstrations(cfg: RecipeConfig, tokenizer, seed: int) -> Iterator[tuple[li
     rng = random.Random(seed)
     if cfg.train.sft.dataset == "env":
         env = make_env(cfg.env)
+        if not callable(getattr(env, "demonstration", None)):
+            raise ConfigError(f"env {cfg.env.name} has no demonstration(task) to warm up on; set train.sft.dataset to "
+                              "a JSONL file or train.sft.num_steps = 0")
         while True:
             task = env.sample_task(rng)
             yield render_prompt(task, tokenizer, cfg.env), tokenizer.encode(env.demonstration(task),

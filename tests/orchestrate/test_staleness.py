@@ -4,9 +4,13 @@ against a simulated inference pool (random completion times, weights updated per
 
 import random
 
+from tiny import TINY_MODEL
+
 from rlcli.config import RecipeConfig
 from rlcli.config.orchestrate import AdvantageConfig, OrchestrateConfig
-from rlcli.envs import Task
+from rlcli.envs import Task, make_env
+from rlcli.models.tokenizer import load_tokenizer
+from rlcli.orchestrate.episodes import Episodes
 from rlcli.orchestrate.loop import Orchestrator
 from rlcli.orchestrate.rollouts import Group
 from rlcli.protocol import Completion
@@ -15,8 +19,10 @@ from rlcli.protocol import Completion
 def bare_orchestrator(max_async: int, batch_size: int, num_steps: int, **advantage) -> Orchestrator:
     cfg = RecipeConfig(num_steps=num_steps, orchestrate=OrchestrateConfig(
         batch_size=batch_size, group_size=2, max_async=max_async, advantage=AdvantageConfig(**advantage)))
-    o = Orchestrator.__new__(Orchestrator)  # no run directory, servers or tokenizer: the logic alone
+    o = Orchestrator.__new__(Orchestrator)  # no run directory or servers: the logic alone
     o.cfg, o.ocfg = cfg, cfg.orchestrate
+    o.env, o.tokenizer, o.turns = make_env(cfg.env), load_tokenizer(TINY_MODEL), {}
+    o.episodes = Episodes(cfg, o.env, o.tokenizer)
     o.next_step, o.policy_version = 1, 0
     o.buffer, o.inflight = [], {}
     a = cfg.orchestrate.advantage
@@ -100,14 +106,8 @@ def test_deadline_uses_the_oldest_token_not_the_dispatch_version():
 
 
 def test_zero_variance_drops_are_capped_then_groups_join_anyway():
-    from tiny import TINY_MODEL
-
-    from rlcli.envs import make_env
-    from rlcli.models.tokenizer import load_tokenizer
-
     o = bare_orchestrator(max_async=0, batch_size=2, num_steps=5, skip_zero_variance=True,
                           max_zero_variance_drops=3)
-    o.env, o.tokenizer = make_env(o.cfg.env), load_tokenizer(TINY_MODEL)
     from rlcli.protocol import GenerateRequest, GenerateResponse
 
     for i in range(5):
@@ -116,4 +116,6 @@ def test_zero_variance_drops_are_capped_then_groups_join_anyway():
         c = Completion(token_ids=[5], logprobs=[0.0], versions=[0], finish_reason="length")
         o.on_reply(GenerateRequest(request_id=str(i), prompt_ids=[0]),
                    GenerateResponse(request_id=str(i), completions=[c, c], num_prompt_tokens=1))
+    o.episodes.runner.wait(30)  # rewards run on worker threads
+    o.collect()
     assert o.num_filtered == 3 and o.num_zero_variance_kept == 2 and len(o.buffer) == 2

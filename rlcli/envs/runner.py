@@ -1,0 +1,166 @@
+"""Running an environment's code off the dispatch loop: worker threads with a deadline.
+
+The orchestrator's loop dispatches requests and polls replies every 20 ms; a verifier
+that takes a second per completion, run inline, would stall both. :class:`EnvRunner` runs
+each ``reward`` / ``respond`` call on its own worker thread, at most ``env.num_workers``
+at a time (the rest queue), and hands back results from :meth:`EnvRunner.poll` as they
+finish. Threads, not processes: a user's environment need not be picklable, and the
+calls that are slow in practice (sandboxed subprocesses, HTTP judges, sleeps) release
+the GIL. A pure-Python CPU-bound reward still competes with the loop for the GIL; give
+it a subprocess of its own.
+
+A call past ``env.reward_timeout_s`` is given up: its result is ``env.on_error``, its slot
+is freed for the next call, and its thread (which Python cannot kill) finishes in the
+background and is ignored. A call that raises, or returns something of the wrong type
+(a reward must be a finite real number; a turn a string, a ``{"role", "content"}`` dict
+or None), is logged with the environment's name and also counts as an error; the run
+goes on. ``num_workers = 0`` runs calls inline, as the loop used to.
+"""
+
+import asyncio
+import inspect
+import logging
+import math
+import numbers
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable
+
+log = logging.getLogger("rlcli.envs")
+
+
+@dataclass
+class Outcome:
+    """What one call gave: ``value`` (checked), or ``error`` (then ``value`` is the fallback)."""
+
+    value: Any
+    error: str | None
+    seconds: float
+
+
+def check_reward(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"reward returned {type(value).__name__} {value!r:.60}, not a number")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"reward returned {value}")
+    return value
+
+
+def check_turn(value: Any) -> dict[str, str] | None:
+    """A ``respond`` result as a message dict (None ends the episode)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return {"role": "user", "content": value}
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return {"role": str(value.get("role", "user")), "content": value["content"]}
+    raise TypeError(f"respond returned {type(value).__name__} {value!r:.60}; expected a string, "
+                    "a {'role', 'content'} dict or None")
+
+
+def call(fn: Callable, args: tuple, check: Callable[[Any], Any]) -> Any:
+    """``check(fn(*args))``, awaiting ``fn`` when it is a coroutine function."""
+    value = fn(*args)
+    if inspect.isawaitable(value):
+        value = asyncio.run(_await(value))
+    return check(value)
+
+
+async def _await(awaitable):
+    return await awaitable
+
+
+def describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"[:300]
+
+
+class EnvRunner:
+    """Calls into one environment, run by ``num_workers`` threads with a per-call deadline."""
+
+    def __init__(self, name: str, num_workers: int, timeout_s: float):
+        self.name, self.num_workers, self.timeout_s = name, num_workers, timeout_s
+        self.results: queue.SimpleQueue = queue.SimpleQueue()
+        self.waiting: deque = deque()
+        self.running: dict[int, tuple[Hashable, float, str, Any]] = {}  # job -> (key, started, what, fallback)
+        self.done: list[tuple[Hashable, Outcome]] = []
+        self.next_job = 0
+        self.num_errors = 0
+        self.num_timeouts = 0
+        self.busy_s = 0.0  # summed seconds of finished calls
+
+    def submit(self, key: Hashable, what: str, fn: Callable, args: tuple, check: Callable, fallback: Any) -> None:
+        """Run ``check(fn(*args))``; :meth:`poll` later returns ``(key, Outcome)``. ``what`` names the
+        call in logs ("reward", "respond"); ``fallback`` is the value on error."""
+        if self.num_workers == 0:
+            t0 = time.monotonic()
+            try:
+                outcome = Outcome(call(fn, args, check), None, 0.0)
+            except Exception as e:  # the environment's own failure: logged and scored, never fatal
+                outcome = self._failed(what, fallback, describe(e))
+            outcome.seconds = time.monotonic() - t0
+            self.busy_s += outcome.seconds
+            self.done.append((key, outcome))
+            return
+        self.waiting.append((key, what, fn, args, check, fallback))
+        self._start()
+
+    @property
+    def num_pending(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.done)
+
+    def _start(self) -> None:
+        while self.waiting and len(self.running) < self.num_workers:
+            key, what, fn, args, check, fallback = self.waiting.popleft()
+            job, self.next_job = self.next_job, self.next_job + 1
+            self.running[job] = (key, time.monotonic(), what, fallback)
+            threading.Thread(target=self._work, args=(job, fn, args, check), daemon=True,
+                             name=f"env-{self.name}-{job}").start()
+
+    def _work(self, job: int, fn: Callable, args: tuple, check: Callable) -> None:
+        try:
+            self.results.put((job, call(fn, args, check), None))
+        except BaseException as e:  # reported by poll() with the environment's name
+            self.results.put((job, None, describe(e)))
+
+    def _failed(self, what: str, fallback: Any, error: str) -> Outcome:
+        self.num_errors += 1
+        log.warning("env %s: %s failed (%s); scored %r", self.name, what, error, fallback)
+        return Outcome(fallback, error, 0.0)
+
+    def poll(self) -> list[tuple[Hashable, Outcome]]:
+        """Calls that finished, failed or ran out of time since the last poll."""
+        now = time.monotonic()
+        while True:
+            try:
+                job, value, error = self.results.get_nowait()
+            except queue.Empty:
+                break
+            if job not in self.running:
+                continue  # it timed out earlier and was already answered
+            key, started, what, fallback = self.running.pop(job)
+            outcome = self._failed(what, fallback, error) if error else Outcome(value, None, 0.0)
+            outcome.seconds = now - started
+            self.busy_s += outcome.seconds
+            self.done.append((key, outcome))
+        for job, (key, started, what, fallback) in list(self.running.items()):
+            if now - started > self.timeout_s:
+                del self.running[job]
+                self.num_timeouts += 1
+                outcome = self._failed(what, fallback, f"no result within env.reward_timeout_s={self.timeout_s}")
+                outcome.seconds = now - started
+                self.done.append((key, outcome))
+        self._start()
+        done, self.done = self.done, []
+        return done
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until every submitted call is answered or ``timeout_s`` passes; the answers stay
+        for :meth:`poll` (pipelines, tests)."""
+        deadline = time.monotonic() + timeout_s
+        while (self.waiting or self.running) and time.monotonic() < deadline:
+            time.sleep(0.005)
+            self.done = self.poll()

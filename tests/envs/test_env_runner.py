@@ -1,0 +1,79 @@
+"""EnvRunner: calls off the caller's thread, a deadline per call, and failures scored, never raised."""
+
+import asyncio
+import logging
+import threading
+import time
+
+import pytest
+
+from rlcli.envs.runner import EnvRunner, check_reward, check_turn
+
+
+def collect(runner: EnvRunner, n: int) -> dict:
+    out: dict = {}
+    deadline = time.monotonic() + 30
+    while len(out) < n and time.monotonic() < deadline:
+        out.update(runner.poll())
+        time.sleep(0.005)
+    return out
+
+
+def test_failures_are_scored_and_logged_with_the_env_name(caplog):
+    release = threading.Event()
+
+    def reward(kind):
+        if kind == "raise":
+            raise RuntimeError("verifier crashed")
+        if kind == "string":
+            return "1.0"
+        if kind == "nan":
+            return float("nan")
+        if kind == "slow":
+            release.wait(30)
+            return 1.0
+        return 0.5 if kind == "float" else True if kind == "bool" else 2
+
+    runner = EnvRunner("my-env", num_workers=3, timeout_s=0.5)
+    kinds = ["raise", "string", "nan", "slow", "float", "int", "bool"]
+    with caplog.at_level(logging.WARNING, logger="rlcli.envs"):
+        for k in kinds:
+            runner.submit(k, "reward", reward, (k,), check_reward, -1.0)
+        out = collect(runner, len(kinds))
+    release.set()
+    assert {k: o.value for k, o in out.items()} == {"raise": -1.0, "string": -1.0, "nan": -1.0, "slow": -1.0,
+                                                   "float": 0.5, "int": 2.0, "bool": -1.0}
+    assert "RuntimeError: verifier crashed" in out["raise"].error and "reward_timeout_s" in out["slow"].error
+    assert out["float"].error is None
+    assert runner.num_errors == 5 and runner.num_timeouts == 1
+    assert all("env my-env: reward failed" in r.getMessage() for r in caplog.records) and len(caplog.records) == 5
+
+
+def test_calls_leave_the_callers_thread_and_async_rewards_are_awaited():
+    seen = []
+
+    async def reward(x):
+        seen.append(threading.current_thread().name)
+        await asyncio.sleep(0)
+        return x
+
+    runner = EnvRunner("e", num_workers=2, timeout_s=10)
+    for i in range(5):
+        runner.submit(i, "reward", reward, (float(i),), check_reward, 0.0)
+    out = collect(runner, 5)
+    assert {k: o.value for k, o in out.items()} == {i: float(i) for i in range(5)}
+    assert all(name.startswith("env-e-") for name in seen) and threading.current_thread().name not in seen
+
+
+def test_inline_mode_runs_in_the_caller():
+    runner = EnvRunner("e", num_workers=0, timeout_s=10)
+    runner.submit("a", "respond", lambda: threading.current_thread().name, (), check_turn, None)
+    ((key, outcome),) = runner.poll()
+    assert key == "a" and outcome.value == {"role": "user", "content": threading.current_thread().name}
+
+
+def test_turns_are_strings_dicts_or_none():
+    assert check_turn(None) is None and check_turn("x") == {"role": "user", "content": "x"}
+    assert check_turn({"role": "tool", "content": "7"}) == {"role": "tool", "content": "7"}
+    with pytest.raises(TypeError):
+        check_turn(3)

@@ -1,0 +1,160 @@
+"""Multi-turn episodes against a live rl-infer: token ids in and out, loss masks, per-turn policy
+versions, prefix-cache reuse of every earlier turn, and environments that fail without stopping
+the loop. The Orchestrator's own dispatch / reply / collect methods run in this process."""
+
+import logging
+import textwrap
+import time
+
+import pytest
+from procs import Procs, serve_initial_policy, wait_until, write_recipe
+
+from rlcli.config import load_recipe
+from rlcli.orchestrate.loop import Orchestrator
+from rlcli.orchestrate.rollouts import write_batch
+from rlcli.protocol.batch import decode_batch
+from rlcli.transport.registry import list_entries
+from rlcli.transport.rundir import RunDir
+
+pytestmark = pytest.mark.timeout(240)
+
+ENV_MODULE = '''
+import time
+from rlcli.envs import Task
+
+
+class Chat:
+    """Three model turns; the environment answers each of the first two with a short tool result."""
+
+    def __init__(self, turns=3, fail=""):
+        self.turns, self.fail = turns, fail
+
+    def sample_task(self, rng):
+        if self.fail == "sample-raises" and rng.random() < 0.5:
+            raise ValueError("no task today")
+        return Task(prompt="".join(rng.choice("abcd") for _ in range(rng.randint(3, 9))) + "=", max_tokens=6)
+
+    def respond(self, task, messages):
+        n = sum(m["role"] == "assistant" for m in messages)
+        if self.fail == "respond-raises":
+            raise RuntimeError("tool crashed")
+        if self.fail == "respond-number":
+            return 42
+        return None if n >= self.turns else f"[tool {n}]"
+
+    def reward(self, task, messages):
+        if self.fail == "reward-slow":
+            time.sleep(5)
+        return float(len(messages))
+'''
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from tiny import write_tiny_model
+
+    tmp = tmp_path_factory.mktemp("episodes")
+    model_dir = write_tiny_model(tmp / "tiny")
+    (tmp / "mtenv.py").write_text(ENV_MODULE)
+    run_dir = tmp / "run"
+    recipe = write_recipe(tmp / "r.toml", model_dir, run_dir, model={"max_seq_len": 96},
+                          env={"name": "mtenv:Chat", "max_turns": 8},
+                          orchestrate={"batch_size": 2, "group_size": 2, "max_async": 0},
+                          infer={"engine": {"name": "native", "num_threads": 1, "kv_cache_memory_mb": 16,
+                                            "block_size": 4}})
+    serve_initial_policy(run_dir, model_dir)
+    procs = Procs(tmp / "logs")
+    procs.start("infer-0", recipe, "--id", "0")
+    try:
+        wait_until(lambda: list_entries(run_dir / "registry", "infer"), 120, "rl-infer registered", procs)
+        yield tmp, recipe, run_dir
+    finally:
+        procs.stop_all()
+
+
+def run_groups(recipe, run_dir, monkeypatch, tmp, overrides=None, num_groups=2):
+    monkeypatch.syspath_prepend(str(tmp))
+    cfg = load_recipe(recipe, overrides={"env.args": {}, **(overrides or {})})
+    o = Orchestrator(cfg, RunDir(run_dir))
+    o._set_policy(0)
+    deadline = time.monotonic() + 120
+    try:
+        while len(o.buffer) < num_groups:
+            assert time.monotonic() < deadline, "episodes did not finish"
+            o.refresh()
+            o.dispatch()
+            for request, reply in o.pool.poll(20):
+                o.on_reply(request, reply)
+            o.collect()
+    finally:
+        o.close()
+    return o
+
+
+def test_turns_extend_one_sequence_and_reuse_all_earlier_kv(server, monkeypatch):
+    tmp, recipe, run_dir = server
+    o = run_groups(recipe, run_dir, monkeypatch, tmp)
+    block_size = 4
+    cached = reusable = 0
+    for g in o.buffer:
+        assert g.rewards == [5.0, 5.0]  # three model turns, two environment turns
+        for ep, completion, mask in zip(g.episodes, g.completions, g.loss_masks):
+            assert [t.role for t in ep.turns] == ["model", "env", "model", "env", "model"]
+            assert completion.token_ids == ep.token_ids and mask == ep.loss_mask
+            for k, turn in enumerate(ep.turns):
+                ids = ep.token_ids[turn.start:turn.end]
+                assert mask[turn.start:turn.end] == [turn.role == "model"] * len(ids)
+                if turn.role == "env":  # appended as the environment wrote it, never re-tokenized
+                    assert ids == o.tokenizer.encode(f"[tool {(k + 1) // 2}]", add_special_tokens=False)
+                    assert ep.logprobs[turn.start:turn.end] == [0.0] * len(ids)
+                    continue
+                assert turn.num_prompt_tokens == len(g.prompt_ids) + turn.start  # the whole sequence so far
+                if k:  # all KV of the previous request (its last sampled token was never fed) is reused
+                    prev = ep.turns[k - 2]
+                    expected = (len(g.prompt_ids) + prev.end - 1) // block_size * block_size
+                    assert turn.num_cached_tokens == expected
+                    cached, reusable = cached + turn.num_cached_tokens, reusable + expected
+            assert ep.turn_versions() == [[0] * (t.end - t.start) for t in ep.turns if t.role == "model"]
+    print(f"prefix-cache hit rate on later turns: {cached}/{reusable} = {cached / reusable:.3f}")
+    assert reusable > 0 and cached == reusable
+
+    # The batch the trainer reads: environment tokens are context (no loss, logprob or version).
+    out = RunDir(tmp / "batch")  # not the server's run directory: a batch there would move the step on
+    write_batch(out, 1, o.buffer, 1, 512, 1.0)
+    batch = decode_batch((out.root / "rollouts" / "step_1" / "0.msgpack").read_bytes())
+    trained = sum(int(mb.loss_mask.numpy().sum()) for mb in batch.micro_batches)
+    model_tokens = sum(t.end - t.start for g in o.buffer for ep in g.episodes for t in ep.turns if t.role == "model")
+    assert batch.num_loss_tokens == trained == model_tokens
+    for mb in batch.micro_batches:
+        mask, versions = mb.loss_mask.numpy(), mb.versions.numpy()
+        assert (versions[mask] == 0).all() and (versions[~mask] == -1).all()
+        assert (mb.inference_logprobs.numpy()[~mask] == 0).all()
+
+
+@pytest.mark.parametrize("fail, error", [("respond-raises", "RuntimeError: tool crashed"),
+                                         ("respond-number", "respond returned int"),
+                                         ("reward-slow", "no result within env.reward_timeout_s"),
+                                         ("sample-raises", "sample_task failed (ValueError: no task today)")])
+def test_a_failing_environment_is_scored_on_error_and_named(server, monkeypatch, caplog, fail, error):
+    tmp, recipe, run_dir = server
+    with caplog.at_level(logging.WARNING, logger="rlcli.envs"):
+        o = run_groups(recipe, run_dir, monkeypatch, tmp, {"env.args": {"fail": fail}, "env.on_error": -1.0,
+                                                          "env.reward_timeout_s": 0.5})
+    assert any("env mtenv:Chat: " in r.getMessage() and error in r.getMessage() for r in caplog.records)
+    assert o.episodes.metrics()["env_errors"] >= (1 if fail == "sample-raises" else 4)
+    if fail != "sample-raises":
+        assert all(g.rewards == [-1.0, -1.0] for g in o.buffer)
+        assert all(ep.error and error in ep.error for g in o.buffer for ep in g.episodes)
+    else:  # the tasks that could be sampled ran normally
+        assert all(g.rewards == [5.0, 5.0] for g in o.buffer)
+
+
+def test_token_budget_truncates_episodes(server, monkeypatch):
+    tmp, recipe, run_dir = server
+    o = run_groups(recipe, run_dir, monkeypatch, tmp, {"env.max_episode_tokens": 24, "env.truncation": "mask"})
+    for g in o.buffer:
+        for ep, completion in zip(g.episodes, g.completions):
+            assert len(g.prompt_ids) + len(completion.token_ids) <= 24
+            if ep.truncated:
+                assert not any(ep.loss_mask)
+    assert any(ep.truncated for g in o.buffer for ep in g.episodes)
