@@ -1,5 +1,7 @@
 """rl-cache: the shared KV-block store and a client to query it."""
 
+from enum import Enum
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -14,21 +16,45 @@ app = typer.Typer(help="Shared KV-cache block store.", add_completion=False, pre
                   no_args_is_help=True)
 
 
+class Backend(str, Enum):
+    memory = "memory"
+    mooncake = "mooncake"
+
+
+ConnectOpt = Annotated[Optional[str], typer.Option(help="Store endpoint (tcp://host:port) [default: the run "
+                                                   "directory's registry].")]
+TimeoutOpt = Annotated[float, typer.Option(help="Seconds to wait for the answer.")]
+
+
 @app.command("serve", context_settings=OVERRIDES, epilog=OVERRIDES_HELP)
 @handle_errors("rl-cache")
 def serve(
     ctx: typer.Context,
     config: ConfigOpt = None,
     run_dir: RunDirOpt = None,
+    backend: Annotated[Optional[Backend], typer.Option(help="Store backend [default: cache.backend.name].",
+                                                       show_default=False)] = None,
     host: Annotated[Optional[str], typer.Option(help="Interface to bind [default: cache.host].")] = None,
     port: Annotated[Optional[int], typer.Option(help="TCP port; 0 picks a free one.")] = None,
-    capacity_mb: Annotated[Optional[int], typer.Option(help="Byte capacity in MiB.")] = None,
+    capacity_mb: Annotated[Optional[int], typer.Option(help="Byte capacity in MiB (RAM tier, or the "
+                                                       "Mooncake segment).")] = None,
+    disk_dir: Annotated[Optional[Path], typer.Option(help="Disk tier under the RAM tier (memory backend) "
+                                                     "[default: cache.backend.disk_dir, none].")] = None,
+    disk_capacity_mb: Annotated[Optional[int], typer.Option(help="Byte capacity of the disk tier in MiB.")] = None,
+    mooncake_master: Annotated[Optional[str], typer.Option(help="host:port of a running mooncake_master "
+                                                           "[default: start one].")] = None,
     print_config_: PrintConfigOpt = False,
     json_: JsonConfigOpt = False,
 ) -> None:
     """Run the block store (registers in the run directory when a recipe or --run-dir is given)."""
+    if backend is None and (disk_dir or disk_capacity_mb or mooncake_master):
+        backend = Backend.mooncake if mooncake_master else Backend.memory
     cfg = resolve_config(ctx, config, {"run_dir": str(run_dir) if run_dir else None, "cache.host": host,
-                                       "cache.port": port, "cache.capacity_mb": capacity_mb})
+                                       "cache.port": port, "cache.capacity_mb": capacity_mb,
+                                       "cache.backend.name": backend.value if backend else None,
+                                       "cache.backend.disk_dir": str(disk_dir) if disk_dir else None,
+                                       "cache.backend.disk_capacity_mb": disk_capacity_mb,
+                                       "cache.backend.master": mooncake_master})
     if print_config_:
         return print_config(cfg, json_)
     run = open_run(cfg, "cache") if (config or run_dir) else None
@@ -37,15 +63,17 @@ def serve(
     raise typer.Exit(serve_forever(cfg, run))
 
 
+def _client(run_dir, connect, timeout):
+    from rlcli.cache.client import CacheClient, find_endpoint
+
+    return CacheClient(find_endpoint(run_dir, connect), timeout)
+
+
 @app.command("stats")
 @handle_errors("rl-cache")
-def stats(
-    run_dir: RunDirOpt = None,
-    connect: Annotated[Optional[str], typer.Option(help="Store endpoint (tcp://host:port).")] = None,
-    timeout: Annotated[float, typer.Option(help="Seconds to wait for the answer.")] = 5.0,
-    json_: JsonOpt = False,
-) -> None:
-    """Print the store's counters (blocks, bytes, hits, misses, evictions)."""
+def stats(run_dir: RunDirOpt = None, connect: ConnectOpt = None, timeout: TimeoutOpt = 5.0,
+          json_: JsonOpt = False) -> None:
+    """Print the store's counters: hit rate, blocks and bytes per tier, evictions, rejected and corrupt blocks."""
     from rlcli.cache.client import query_stats
 
     result = query_stats(run_dir, connect, timeout)
@@ -53,7 +81,45 @@ def stats(
         emit_json(result)
     else:
         for key, value in result.items():
-            print(f"{key:>16}  {value}")
+            print(f"{key:>18}  {value:.3f}" if isinstance(value, float) else f"{key:>18}  {value}")
+
+
+@app.command("ls")
+@handle_errors("rl-cache")
+def ls(run_dir: RunDirOpt = None, connect: ConnectOpt = None, timeout: TimeoutOpt = 5.0,
+       limit: Annotated[int, typer.Option(help="Most blocks to list, most recently used first.")] = 100,
+       json_: JsonOpt = False) -> None:
+    """List stored blocks: key, tier, bytes, model fingerprint, dtype and shape."""
+    client = _client(run_dir, connect, timeout)
+    try:
+        entries = client.ls(limit)
+    finally:
+        client.close()
+    for e in entries:
+        if json_:
+            emit_json(e)
+        else:
+            meta = e["meta"] or {}
+            print(f"{e['key']}  {e['tier']:>8}  {e['nbytes']:>10}  {meta.get('fingerprint', '-')}  "
+                  f"{meta.get('dtype', '-')}  {meta.get('shape', '-')}")
+
+
+@app.command("prune")
+@handle_errors("rl-cache")
+def prune(run_dir: RunDirOpt = None, connect: ConnectOpt = None, timeout: TimeoutOpt = 30.0,
+          fingerprint: Annotated[str, typer.Option(help="Remove only blocks of this model fingerprint.")] = "",
+          tier: Annotated[str, typer.Option(help="Remove only from this tier: ram or disk.")] = "",
+          json_: JsonOpt = False) -> None:
+    """Remove blocks (all, or one model's, or one tier's); prints how many and how many bytes."""
+    client = _client(run_dir, connect, timeout)
+    try:
+        result = client.prune(fingerprint, tier)
+    finally:
+        client.close()
+    if json_:
+        emit_json(result)
+    else:
+        print(f"removed {result['num_removed']} blocks ({result['bytes_freed']} bytes)")
 
 
 def main() -> None:

@@ -56,20 +56,69 @@ class SyncConfig(Config):
             raise ValueError(f"sync.ack_timeout_s must be > 0, got {self.ack_timeout_s}")
 
 
+class CacheBackendBase(Config, tag_field="name"):
+    """Where rl-cache keeps blocks (``cache.backend.name``)."""
+
+    @property
+    def name(self) -> str:
+        """The tag: "memory" or "mooncake"."""
+        return type(self).__struct_config__.tag
+
+
+class MemoryCacheBackend(CacheBackendBase, tag="memory"):
+    """The embedded store: a RAM LRU, optionally over a checksummed disk tier; payloads move
+    through /dev/shm on one host (inline over ZeroMQ from other hosts)."""
+
+    disk_dir: str = ""
+    """Directory of the disk tier that RAM evictions go to; empty keeps RAM only."""
+
+    disk_capacity_mb: int = 8192
+    """Byte capacity of the disk tier."""
+
+    def __post_init__(self) -> None:
+        if self.disk_capacity_mb < 1:
+            raise ValueError(f"cache.backend.disk_capacity_mb must be >= 1, got {self.disk_capacity_mb}")
+
+
+class MooncakeCacheBackend(CacheBackendBase, tag="mooncake"):
+    """Mooncake's distributed store (pip install 'rlcli[mooncake]'): rl-cache keeps the index and
+    mounts cache.capacity_mb into the pool; payloads move through Mooncake's transfer engine."""
+
+    master: str = ""
+    """host:port of a running mooncake_master; empty: rl-cache serve starts one on cache.host."""
+
+    metadata_server: str = ""
+    """Transfer-engine metadata URL (http://host:port/metadata); empty: the started master's."""
+
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    """Transfer-engine protocol."""
+
+    device_names: str = ""
+    """RDMA devices (protocol rdma), comma-separated; empty lets Mooncake choose."""
+
+
+CacheBackend = Union[MemoryCacheBackend, MooncakeCacheBackend]
+
+
 class CacheConfig(Config):
     """rl-cache: the shared KV block store."""
 
-    backend: Literal["memory"] = "memory"
-    """Store: memory (embedded, byte-bounded LRU)."""
+    backend: CacheBackend = msgspec.field(default_factory=MemoryCacheBackend)
+    """Store, chosen by ``name`` (rl-cache serve --backend): memory or mooncake."""
 
     host: str = "127.0.0.1"
-    """Interface the store binds to."""
+    """Interface the store binds to (loopback unless set)."""
 
     port: int = 0
     """TCP port; 0 picks a free one."""
 
     capacity_mb: int = 1024
-    """Byte capacity of the store; least recently used blocks are evicted past it."""
+    """Byte capacity of the RAM tier (the Mooncake segment with backend mooncake); least recently
+    used blocks are evicted past it."""
+
+    def __post_init__(self) -> None:
+        if self.capacity_mb < 1:
+            raise ValueError(f"cache.capacity_mb must be >= 1, got {self.capacity_mb}")
 
 
 PROCESS_NAMES = ("cache", "infer", "sync", "train", "orchestrate")

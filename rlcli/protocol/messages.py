@@ -21,7 +21,8 @@ __all__ = [
     "Completion", "GenerateResponse", "TensorSpec", "FsWeights", "NcclWeights", "WeightsRef", "LoadWeights", "WeightsLoaded", "HealthRequest",
     "HealthResponse", "ErrorReply", "WeightsPublished", "PolicyUpdated", "CachePut", "CacheGet",
     "CacheExists", "CacheStatsRequest", "CacheReply", "CacheGetReply", "CacheExistsReply",
-    "CacheStats", "Shutdown", "AbortRequests", "AnyMessage", "encode", "decode", "decode_envelope",
+    "CacheStats", "BlockMeta", "CacheList", "CacheListReply", "CachePrune", "CachePruneReply", "CacheEntry",
+    "Shutdown", "AbortRequests", "AnyMessage", "encode", "decode", "decode_envelope",
 ]
 
 
@@ -261,13 +262,44 @@ class PolicyUpdated(Message, tag="policy_updated", kw_only=True):
 # ---------------------------------------------------------------- rl-cache
 
 
+class BlockMeta(msgspec.Struct, kw_only=True):
+    """Layout of one KV block: a store refuses a block whose bytes do not match it, and
+    answers a get whose requester has another layout with a miss."""
+
+    fingerprint: str
+    """Model fingerprint (architecture, KV layout, block size); blocks of other models never match."""
+    dtype: str
+    """Element dtype of the payload (a :data:`WIRE_DTYPES` name)."""
+    shape: list[int]
+    """Shape of one block's payload."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in WIRE_DTYPES:
+            raise ValueError(f"unsupported block dtype {self.dtype!r}")
+        if not self.shape or any(d < 1 for d in self.shape) or math.prod(self.shape) > 1 << 34:
+            raise ValueError(f"invalid block shape {self.shape}")
+        if len(self.fingerprint) > 256:
+            raise ValueError("block fingerprint longer than 256 characters")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one block."""
+        return WIRE_DTYPES[self.dtype] * math.prod(self.shape)
+
+
 class CachePut(Message, tag="cache_put", kw_only=True):
     request_id: str = ""
     """Caller-chosen id."""
     keys: list[bytes]
     """Block keys (content hashes, salted)."""
-    values: list[bytes]
-    """Block payloads, one per key."""
+    values: list[bytes] = msgspec.field(default_factory=list)
+    """Block payloads, one per key (empty when they travel by ``shm`` or ``mooncake``)."""
+    meta: Optional[BlockMeta] = None
+    """Layout of every block of this put; a payload of another size is refused."""
+    shm: str = ""
+    """Name of a file in /dev/shm holding the payloads back to back (same host only)."""
+    mooncake: bool = False
+    """The payloads are already in the store's Mooncake pool under their keys; record them."""
 
 
 class CacheGet(Message, tag="cache_get", kw_only=True):
@@ -275,6 +307,13 @@ class CacheGet(Message, tag="cache_get", kw_only=True):
     """Caller-chosen id."""
     keys: list[bytes]
     """Block keys to read."""
+    meta: Optional[BlockMeta] = None
+    """The requester's block layout: a block stored with another layout is a miss."""
+    prefix: bool = False
+    """Stop at the first miss: answer the longest run of leading keys held."""
+    transfer: str = ""
+    """Where the found payloads go: "" inline in the reply, "shm" a /dev/shm file, "mooncake"
+    nowhere (the requester reads them from the Mooncake pool; the reply says which exist)."""
 
 
 class CacheExists(Message, tag="cache_exists", kw_only=True):
@@ -289,18 +328,39 @@ class CacheStatsRequest(Message, tag="cache_stats", kw_only=True):
     """Caller-chosen id."""
 
 
+class CacheList(Message, tag="cache_list", kw_only=True):
+    request_id: str = ""
+    """Caller-chosen id."""
+    limit: int = 1000
+    """Most entries to return, most recently used first."""
+
+
+class CachePrune(Message, tag="cache_prune", kw_only=True):
+    request_id: str = ""
+    """Caller-chosen id."""
+    fingerprint: str = ""
+    """Remove only blocks of this model fingerprint; empty removes every block."""
+    tier: str = ""
+    """Remove only from this tier ("ram" or "disk"); empty: every tier."""
+
+
 class CacheReply(Message, tag="cache_reply", kw_only=True):
     request_id: str = ""
     """Id of the put answered."""
     num_stored: int = 0
-    """Blocks stored (a block larger than the capacity is refused)."""
+    """Blocks stored (a block larger than the capacity, or not matching ``meta``, is refused)."""
 
 
 class CacheGetReply(Message, tag="cache_get_reply", kw_only=True):
     request_id: str = ""
     """Id of the get answered."""
-    values: list[Optional[bytes]]
-    """Payload per key; None for a miss."""
+    values: list[Optional[bytes]] = msgspec.field(default_factory=list)
+    """Payload per key; None for a miss (empty unless the transfer is inline)."""
+    found: list[bool] = msgspec.field(default_factory=list)
+    """Presence per key (every transfer)."""
+    shm: str = ""
+    """With transfer "shm": the /dev/shm file holding the found payloads back to back, in key
+    order; the requester deletes it."""
 
 
 class CacheExistsReply(Message, tag="cache_exists_reply", kw_only=True):
@@ -308,6 +368,33 @@ class CacheExistsReply(Message, tag="cache_exists_reply", kw_only=True):
     """Id of the request answered."""
     exists: list[bool]
     """Presence per key."""
+
+
+class CacheEntry(msgspec.Struct, kw_only=True):
+    key: str
+    """Block key, hex."""
+    tier: str
+    """"ram", "disk" or "mooncake"."""
+    nbytes: int
+    """Payload bytes."""
+    meta: Optional[BlockMeta] = None
+    """Layout the block was stored with."""
+
+
+class CacheListReply(Message, tag="cache_list_reply", kw_only=True):
+    request_id: str = ""
+    """Id of the request answered."""
+    entries: list[CacheEntry]
+    """Blocks held, most recently used first."""
+
+
+class CachePruneReply(Message, tag="cache_prune_reply", kw_only=True):
+    request_id: str = ""
+    """Id of the request answered."""
+    num_removed: int
+    """Blocks removed."""
+    bytes_freed: int
+    """Payload bytes removed."""
 
 
 class CacheStats(Message, tag="cache_stats_reply", kw_only=True):
@@ -327,12 +414,29 @@ class CacheStats(Message, tag="cache_stats_reply", kw_only=True):
     """Blocks evicted to make room."""
     puts: int
     """Blocks stored."""
+    rejected: int = 0
+    """Blocks refused or not served because their layout did not match the request's ``meta``."""
+    corrupt: int = 0
+    """Disk blocks that failed their checksum (dropped, answered as misses)."""
+    ram_bytes: int = 0
+    """Bytes in the RAM tier."""
+    disk_bytes: int = 0
+    """Bytes in the disk tier."""
+    disk_blocks: int = 0
+    """Blocks in the disk tier."""
+    backend: str = "memory"
+    """The store's backend: memory or mooncake."""
+    mooncake_master: str = ""
+    """host:port of the Mooncake master (backend mooncake), for clients of the pool."""
+    mooncake_metadata: str = ""
+    """URL of the Mooncake metadata server (backend mooncake)."""
 
 
 AnyMessage = Union[
     GenerateRequest, GenerateResponse, LoadWeights, WeightsLoaded, HealthRequest, HealthResponse,
     ErrorReply, Shutdown, AbortRequests, WeightsPublished, PolicyUpdated, CachePut, CacheGet, CacheExists,
-    CacheStatsRequest, CacheReply, CacheGetReply, CacheExistsReply, CacheStats,
+    CacheStatsRequest, CacheReply, CacheGetReply, CacheExistsReply, CacheStats, CacheList, CacheListReply,
+    CachePrune, CachePruneReply,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

@@ -1,0 +1,164 @@
+"""rl-cache's tiers: bit-exact round trips, layout checks, capacity, checksums, malformed requests."""
+
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from rlcli.cache.client import CacheClient
+from rlcli.cache.disk import DiskStore, TieredStore
+from rlcli.cache.server import CacheService
+from rlcli.cache.store import MemoryStore
+from rlcli.infer.block_manager import chain_hash
+from rlcli.protocol import BlockMeta, CacheGet, CacheGetReply, CachePut, ErrorReply
+from rlcli.transport import shm
+from rlcli.transport.registry import list_entries
+from rlcli.transport.zmq import RpcClient
+
+META = BlockMeta(fingerprint="model-a", dtype="float32", shape=[2, 16, 8])
+OTHER = BlockMeta(fingerprint="model-b", dtype="float32", shape=[2, 16, 8])
+
+
+def blocks(n: int, seed: int = 0) -> tuple[list[bytes], list[bytes]]:
+    rng = np.random.default_rng(seed)
+    values = [rng.standard_normal(META.shape).astype(np.float32).tobytes() for _ in range(n)]
+    keys = [chain_hash(None, f"s|w{seed}", [i]) for i in range(n)]
+    return keys, values
+
+
+def test_ram_and_disk_round_trip_bit_exact(tmp_path):
+    keys, values = blocks(6)
+    store = TieredStore(2 * META.nbytes, tmp_path / "disk", 100 * META.nbytes)
+    assert store.put(keys, values, META) == 6
+    s = store.stats()
+    assert s["ram_bytes"] == 2 * META.nbytes and s["disk_blocks"] == 4  # four spilled to disk
+    assert store.get(keys, META) == values  # from disk (checksummed) and RAM, bit for bit
+    store.close()
+    reopened = TieredStore(2 * META.nbytes, tmp_path / "disk", 100 * META.nbytes)  # a restarted store
+    assert reopened.get(keys, META, prefix=True) == values
+
+
+def test_corrupt_disk_block_is_dropped_not_served(tmp_path):
+    keys, values = blocks(3)
+    disk = DiskStore(tmp_path, 10 * META.nbytes)
+    for k, v in zip(keys, values):
+        disk.write(k, v, META)
+    path = disk._path(keys[1])
+    raw = bytearray(path.read_bytes())
+    raw[-5] ^= 0x40  # one flipped bit in the payload
+    path.write_bytes(bytes(raw))
+    store = TieredStore(META.nbytes, tmp_path, 10 * META.nbytes)
+    assert store.get(keys, META) == [values[0], None, values[2]]
+    assert store.stats()["corrupt"] == 1 and not path.exists()
+    assert store.get(keys, META, prefix=True) == [values[0], None, None]  # the run stops at the hole
+
+
+def test_eviction_respects_capacity(tmp_path):
+    keys, values = blocks(20)
+    ram = MemoryStore(3 * META.nbytes + 7)
+    tiered = TieredStore(2 * META.nbytes, tmp_path, 5 * META.nbytes)
+    for k, v in zip(keys, values):
+        ram.put([k], [v], META)
+        tiered.put([k], [v], META)
+        assert ram.stats()["bytes_used"] <= 3 * META.nbytes + 7
+        s = tiered.stats()
+        assert s["ram_bytes"] <= 2 * META.nbytes and s["disk_bytes"] <= 5 * META.nbytes
+    assert ram.exists(keys) == [False] * 17 + [True] * 3  # the newest stay
+    assert tiered.exists(keys) == [False] * 13 + [True] * 7
+    assert sum(1 for f in (tmp_path).glob("*/*.kv")) == 5
+    assert tiered.stats()["evictions"] == 18 + 13  # 18 left RAM, 13 of them then left disk
+
+
+def test_layout_mismatch_is_refused_and_never_served():
+    keys, values = blocks(2)
+    store = MemoryStore(1 << 20)
+    assert store.put(keys, [values[0], values[1][:-4]], META) == 1  # wrong size: refused
+    assert store.get(keys[:1], OTHER) == [None]  # another model's layout: a miss
+    assert store.get(keys[:1], BlockMeta(fingerprint="model-a", dtype="bfloat16", shape=[2, 16, 16])) == [None]
+    assert store.get(keys[:1], META) == [values[0]]
+    assert store.stats()["rejected"] == 3
+
+
+def test_salts_and_versions_never_collide():
+    tokens = list(range(16))
+    salts = ["", "0|w0", "0|w1", "1|w0", "1|w0-w1", "0", "w0"]
+    keys = {chain_hash(None, s, tokens) for s in salts}
+    assert len(keys) == len(salts)
+    chained = {chain_hash(chain_hash(None, s, tokens), s, tokens) for s in salts}
+    assert len(chained) == len(salts) and not chained & keys
+    store = MemoryStore(1 << 20)
+    store.put([chain_hash(None, "0|w0", tokens)], [b"x" * META.nbytes], META)
+    assert store.get([chain_hash(None, s, tokens) for s in salts if s != "0|w0"], META) == [None] * (len(salts) - 1)
+
+
+def test_service_survives_malformed_requests(tmp_path):
+    keys, values = blocks(2)
+    service = CacheService(MemoryStore(1 << 20))
+    bad = [CachePut(keys=keys, values=values[:1]),
+           CachePut(keys=keys, meta=META, shm="../../etc/passwd"),
+           CachePut(keys=keys, meta=META, shm="rlcli-kv-" + "0" * 32),  # no such file
+           CachePut(keys=keys, shm="rlcli-kv-" + "1" * 32),  # no meta
+           CachePut(keys=keys, meta=META, mooncake=True),  # not a mooncake store
+           CacheGet(keys=keys, transfer="carrier-pigeon"), CacheGet(keys=keys, transfer="shm")]
+    for msg in bad:
+        with pytest.raises(ValueError):
+            service.handle(msg, "r")
+    name = shm.write_payloads([values[0], values[1][:-1]])  # one byte short
+    with pytest.raises(ValueError):
+        service.handle(CachePut(keys=keys, meta=META, shm=name), "r")
+    shm.remove(name)
+    assert service.handle(CachePut(keys=keys, values=values, meta=META), "r").num_stored == 2
+    reply = service.handle(CacheGet(keys=[keys[1], b"nope", keys[0]], meta=META, transfer="shm"), "r")
+    assert reply.found == [True, False, True]
+    assert shm.read_payloads(reply.shm, META.nbytes, 2) == [values[1], values[0]]
+    service.sweep(0.0)  # never collected: removed
+    assert not shm.path_of(reply.shm).exists()
+
+
+def test_serve_shm_ls_prune_commands(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "rlcli.cli.cache", "serve", "--run-dir", str(run_dir),
+                             "--capacity-mb", "1", "--disk-dir", str(tmp_path / "disk")],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(200):
+            if entries := list_entries(run_dir / "registry", "cache"):
+                break
+            time.sleep(0.05)
+        assert entries, proc.stderr.read() if proc.poll() is not None else "rl-cache did not register"
+        endpoint = entries[0].endpoints["rpc"]
+        client = CacheClient(endpoint)
+        keys, values = blocks(3)
+        assert client.put(keys, values, META, via_shm=True) == 3
+        assert client.get(keys + [b"nope"], META, via_shm=True) == values + [None]
+        assert client.get(keys, OTHER, via_shm=True) == [None] * 3
+        raw = RpcClient(endpoint)  # garbage on the socket, then a valid request still works
+        raw.sock.send(b"\x93\xff\x00garbage")
+        assert isinstance(raw.call(CacheGet(request_id="x", keys=keys[:1], meta=META), 10, "rl-cache"),
+                          CacheGetReply)
+        assert isinstance(raw.call(CachePut(request_id="y", keys=keys, values=[b""], meta=META), 10, "rl-cache"),
+                          ErrorReply)
+        raw.close()
+        client.close()
+        import json
+
+        def cli(*args):
+            out = subprocess.run([sys.executable, "-m", "rlcli.cli.cache", *args, "--connect", endpoint, "--json"],
+                                 capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0, out.stderr
+            return [json.loads(line) for line in out.stdout.splitlines()]
+
+        (stats,) = cli("stats")
+        assert stats["hits"] == 4 and stats["misses"] == 4 and stats["rejected"] == 3 and stats["num_blocks"] == 3
+        assert stats["ram_bytes"] == 3 * META.nbytes and 0 < stats["hit_rate"] < 1
+        listed = cli("ls")
+        assert sorted(e["key"] for e in listed) == sorted(k.hex() for k in keys)
+        assert listed[0]["meta"] == {"fingerprint": "model-a", "dtype": "float32", "shape": [2, 16, 8]}
+        assert cli("prune", "--fingerprint", "model-b") == [{"num_removed": 0, "bytes_freed": 0}]
+        assert cli("prune") == [{"num_removed": 3, "bytes_freed": 3 * META.nbytes}]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    assert proc.returncode == 0
