@@ -14,6 +14,12 @@ from rlcli.cli.common import (
 )
 
 
+class Role(str, Enum):
+    mixed = "mixed"
+    prefill = "prefill"
+    decode = "decode"
+
+
 class DType(str, Enum):
     float32 = "float32"
     bfloat16 = "bfloat16"
@@ -42,6 +48,12 @@ def serve(
     threads: Annotated[Optional[int], typer.Option(help="torch intra-op threads of the native engine "
                                                    "[default: infer.engine.num_threads].")] = None,
     fp8: Annotated[bool, typer.Option("--fp8", help="FP8 block-scaled GEMMs (infer.fp8.enabled).")] = False,
+    kv_cache: Annotated[Optional[str], typer.Option(help="Shared KV store: an rl-cache endpoint tcp://host:port, "
+                                                    "or 'registry' for the run's rl-cache [default: "
+                                                    "infer.kv_cache.endpoint, off].", show_default=False)] = None,
+    role: Annotated[Optional[Role], typer.Option(help="prefill: compute and publish prompt KV; decode: pull it "
+                                                 "and generate; mixed: both [default: infer.role].",
+                                                 show_default=False)] = None,
     print_config_: PrintConfigOpt = False,
     json_: JsonConfigOpt = False,
 ) -> None:
@@ -51,7 +63,8 @@ def serve(
                                        "infer.engine.name": engine.value if engine else None,
                                        "infer.device": device, "infer.dtype": dtype.value if dtype else None,
                                        "infer.engine.num_threads": threads,
-                                       "infer.fp8.enabled": True if fp8 else None})
+                                       "infer.fp8.enabled": True if fp8 else None,
+                                       "infer.kv_cache.endpoint": kv_cache, "infer.role": role.value if role else None})
     if print_config_:
         return print_config(cfg, json_)
     run = open_run(cfg, f"infer-{instance}")

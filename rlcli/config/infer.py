@@ -64,6 +64,30 @@ class VllmEngineConfig(EngineBase, tag="vllm"):
 EngineConfig = Union[NativeEngineConfig, VllmEngineConfig]
 
 
+class KVCacheConfig(Config):
+    """The engine's connector to a shared rl-cache store (``rl-infer --kv-cache``); the store's
+    backend (memory or mooncake) picks the connector."""
+
+    endpoint: str = ""
+    """rl-cache endpoint (tcp://host:port), "registry" to find it in the run directory, or empty: off."""
+
+    transfer: Literal["auto", "shm", "inline"] = "auto"
+    """How payloads reach a memory store: shm (/dev/shm files, same host), inline (inside the
+    ZeroMQ message), auto (shm when the store is on this host); mooncake stores use Mooncake."""
+
+    publish_queue: int = 64
+    """Batches of blocks waiting to be published; past this, new ones are dropped (and counted)."""
+
+    timeout_s: float = 10.0
+    """Deadline of each store request; a fetch that times out is a miss."""
+
+    def __post_init__(self) -> None:
+        if self.publish_queue < 1:
+            raise ValueError(f"infer.kv_cache.publish_queue must be >= 1, got {self.publish_queue}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"infer.kv_cache.timeout_s must be > 0, got {self.timeout_s}")
+
+
 class InferConfig(Config):
     """rl-infer: one inference server."""
 
@@ -100,6 +124,13 @@ class InferConfig(Config):
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes with the same cache salt and weights version."""
 
+    kv_cache: KVCacheConfig = msgspec.field(default_factory=KVCacheConfig)
+    """Shared KV store the engine fetches missing prefixes from and publishes blocks to."""
+
+    role: Literal["mixed", "prefill", "decode"] = "mixed"
+    """prefill: compute prompt KV, publish it, answer with one token; decode: pull published
+    prompt KV and generate; mixed: both. Split roles need kv_cache.endpoint."""
+
     fp8: Fp8Config = msgspec.field(default_factory=Fp8Config)
     """FP8 block-scaled GEMMs in the native engine (rl-infer --fp8); match train.fp8."""
 
@@ -114,5 +145,7 @@ class InferConfig(Config):
             raise ValueError(f"infer.port must be in [0, 65535], got {self.port}")
         if not -1 <= self.http_port < 65536:
             raise ValueError(f"infer.http_port must be -1 (off) or in [0, 65535], got {self.http_port}")
+        if self.role != "mixed" and not self.kv_cache.endpoint:
+            raise ValueError(f"infer.role {self.role} needs a shared KV store: pass --kv-cache ENDPOINT")
         if self.http_max_body_bytes < 1024:
             raise ValueError(f"infer.http_max_body_bytes must be >= 1024, got {self.http_max_body_bytes}")

@@ -17,12 +17,25 @@ version that computed them, and looked up with the version served now, so a requ
 never reads KV of other weights: not in the window between a swap and the
 orchestrator's ``PolicyUpdated`` (new requests still carry the old salt), not when it
 waited across a swap, and not when it re-prefills after preemption.
+
+With a :class:`~rlcli.infer.kv_connector.KVConnector` (``--kv-cache``) the prefix cache
+extends to a shared store: a prompt whose next blocks are not cached here fetches the
+longest run the store holds (same keys, so the same salt-and-version rule) into fresh
+blocks before prefill; full blocks are published after a prompt's prefill and when a
+completion finishes (only enqueued: a background thread moves them). ``role`` splits the
+work: a prefill server answers each request with one token once its prompt's blocks are
+stored; a decode server is a mixed one that other servers' prefills feed.
 """
+
+import hashlib
+import json
+from dataclasses import asdict
 
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import torch
 
@@ -30,13 +43,14 @@ from rlcli.config import RecipeConfig
 from rlcli.errors import ConfigError
 from rlcli.infer.base import Delta
 from rlcli.infer.block_manager import BlockManager, chain_hash
+from rlcli.infer.kv_connector import KVConnector, make_kv_connector
 from rlcli.infer.receiver import WeightReceiver
 from rlcli.models import DTYPES, CausalLM, load_model
 from rlcli.models.tokenizer import load_tokenizer
 from rlcli.ops.attention import ForwardContext, PagedAttention, PagedAttentionMetadata, RoutingContext
 from rlcli.ops.sampling import sample
 from rlcli.protocol import (
-    Completion, GenerateRequest, GenerateResponse, SamplingParams, WeightsRef, WireTensor,
+    BlockMeta, Completion, GenerateRequest, GenerateResponse, SamplingParams, WeightsRef, WireTensor,
 )
 
 
@@ -70,6 +84,7 @@ class Sequence:
     routes: list[torch.Tensor] = field(default_factory=list)  # [n, layers, top_k] per computed chunk
     partial_versions: set[int] = field(default_factory=set)  # weights that computed the partial last block
     num_streamed: int = 0  # generated tokens already returned in a Delta
+    num_published: int = 0  # leading full blocks already in the shared KV store (or handed to it)
 
     @property
     def num_generated(self) -> int:
@@ -93,7 +108,7 @@ class NativeEngine:
 
     def __init__(self, model: CausalLM, *, eos_token_ids: list[int], max_model_len: int, block_size: int = 16,
                  kv_cache_memory_mb: int = 256, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 enable_prefix_caching: bool = True, version: int = 0, seed: int = 0):
+                 enable_prefix_caching: bool = True, version: int = 0, seed: int = 0, role: str = "mixed"):
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -111,12 +126,15 @@ class NativeEngine:
         self.kv_caches = [tuple(torch.zeros(num_blocks, block_size, h, d, dtype=self.dtype, device=self.device)
                                 for h, d in layer) for layer in spec]
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.role = role
+        self.kv: KVConnector | None = None  # attach_kv_connector
         self.is_moe = model.args.is_moe
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.requests: dict[str, Request] = {}
         self.counters = {"num_generated_tokens": 0, "num_prompt_tokens": 0, "num_cached_tokens": 0,
-                         "num_steps": 0, "num_preemptions": 0, "num_requests": 0, "num_aborted": 0}
+                         "num_steps": 0, "num_preemptions": 0, "num_requests": 0, "num_aborted": 0,
+                         "num_kv_fetched_tokens": 0}
 
     @classmethod
     def from_config(cls, cfg: RecipeConfig, weights: Path, version: int, instance: int = 0) -> "NativeEngine":
@@ -129,11 +147,73 @@ class NativeEngine:
         model = load_model(weights, device=device, dtype=DTYPES[icfg.dtype or cfg.model.dtype], seed=cfg.seed,
                            fp8=icfg.fp8, fp8_storage=True)
         eos = sorted(set(load_tokenizer(weights).eos_token_ids) | set(model.args.eos_token_id))
-        return cls(model, eos_token_ids=eos, max_model_len=cfg.model.max_seq_len, block_size=ecfg.block_size,
-                   kv_cache_memory_mb=ecfg.kv_cache_memory_mb, max_num_seqs=icfg.max_num_seqs,
-                   max_num_batched_tokens=icfg.max_num_batched_tokens,
-                   enable_prefix_caching=icfg.enable_prefix_caching, version=version,
-                   seed=cfg.seed * 1000 + instance)
+        engine = cls(model, eos_token_ids=eos, max_model_len=cfg.model.max_seq_len, block_size=ecfg.block_size,
+                     kv_cache_memory_mb=ecfg.kv_cache_memory_mb, max_num_seqs=icfg.max_num_seqs,
+                     max_num_batched_tokens=icfg.max_num_batched_tokens,
+                     enable_prefix_caching=icfg.enable_prefix_caching, version=version,
+                     seed=cfg.seed * 1000 + instance, role=icfg.role)
+        engine.kv = make_kv_connector(icfg.kv_cache, engine.block_meta())
+        return engine
+
+    # ------------------------------------------------------------------ shared KV store
+    def block_meta(self) -> BlockMeta:
+        """The layout of this engine's blocks in a shared store. The fingerprint covers the
+        architecture, the cache layout and a sample of the weights now served, so engines of
+        other models (or other runs at the same version) never exchange KV."""
+        spec = [hd for layer in self.model.kv_cache_spec() for hd in layer]
+        h = hashlib.blake2b(digest_size=16)
+        h.update(json.dumps([asdict(self.model.args), spec, self.block_size, str(self.dtype)], sort_keys=True,
+                            default=str).encode())
+        with torch.no_grad():
+            for p in self.model.parameters():
+                h.update(p.detach().reshape(-1)[:16].float().cpu().numpy().tobytes())
+        if len(set(spec)) == 1:
+            shape = [len(spec), self.block_size, *spec[0]]
+        else:
+            shape = [self.block_size * sum(hh * d for hh, d in spec)]
+        return BlockMeta(fingerprint=h.hexdigest(), dtype=str(self.dtype).removeprefix("torch."), shape=shape)
+
+    def _gather_blocks(self, blocks: list[int]) -> torch.Tensor:
+        """``[len(blocks), bytes per block]`` uint8: every cache tensor's rows of ``blocks``."""
+        idx = torch.tensor(blocks, dtype=torch.int64, device=self.device)
+        parts = [cache.index_select(0, idx).reshape(len(blocks), -1) for layer in self.kv_caches for cache in layer]
+        return torch.cat(parts, dim=1).view(torch.uint8)
+
+    def _scatter_blocks(self, blocks: list[int], data: bytes) -> None:
+        n = len(blocks)
+        flat = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype).reshape(n, -1).to(self.device)
+        idx = torch.tensor(blocks, dtype=torch.int64, device=self.device)
+        offset = 0
+        for layer in self.kv_caches:
+            for cache in layer:
+                k = cache[0].numel()
+                cache.index_copy_(0, idx, flat[:, offset:offset + k].reshape(n, *cache.shape[1:]))
+                offset += k
+
+    def _fetch_prefix(self, seq: Sequence, hashes: list[bytes]) -> None:
+        """Extend a local prefix match with the longest run of the next blocks the store holds."""
+        k = len(seq.blocks)
+        limit = min(len(hashes) - k, self.blocks.num_available - 2)  # leave room to compute the rest
+        if limit <= 0:
+            return
+        data = self.kv.fetch(hashes[k:k + limit])
+        n = len(data) // self.kv.meta.nbytes
+        if n == 0:
+            return
+        fresh = [self.blocks.allocate() for _ in range(n)]
+        self._scatter_blocks(fresh, data)
+        for block, h in zip(fresh, hashes[k:k + n]):
+            self.blocks.register(block, h)
+        seq.blocks += fresh
+        self.counters["num_kv_fetched_tokens"] += n * self.block_size
+
+    def _publish(self, seq: Sequence) -> None:
+        """Hand the sequence's full blocks not yet in the store to the connector (enqueued only)."""
+        start, end = seq.num_published, len(seq.hashes)
+        if self.kv is None or end <= start:
+            return
+        self.kv.publish(seq.hashes[start:end], self._gather_blocks(seq.blocks[start:end]))
+        seq.num_published = end
 
     # ------------------------------------------------------------------ public API
     def add_request(self, req: GenerateRequest, stream: bool = False) -> None:
@@ -156,6 +236,8 @@ class NativeEngine:
         if need > self.blocks.num_blocks:
             raise ValueError(f"this request needs {need} KV blocks and the cache has {self.blocks.num_blocks}; "
                              "lower max_tokens or n, or raise infer.engine.kv_cache_memory_mb")
+        if self.role == "prefill":  # compute the prompt's KV and one token; a decode server generates
+            sp = msgspec.structs.replace(sp, n=1, max_tokens=1)
         stop = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids))
         gen = torch.Generator(device=self.device).manual_seed(sp.seed) if sp.seed is not None else None
         r = Request(req.request_id, list(req.prompt_ids), sp, req.cache_salt, frozenset(stop), gen, [None] * sp.n,
@@ -185,6 +267,8 @@ class NativeEngine:
         load leaves the previous version serving (see ``rlcli.infer.receiver``)."""
         self.receiver.load(self.model, ref, version)
         self.version = version
+        if self.kv is not None:
+            self.kv.meta = self.block_meta()
 
     def reset_prefix_cache(self) -> None:
         self.blocks.reset_prefix_cache()
@@ -194,9 +278,13 @@ class NativeEngine:
         return {**{k: float(v) for k, v in self.counters.items()},
                 "num_running": float(len(self.running)), "num_waiting": float(len(self.waiting)),
                 "prefix_cache_hit_rate": bm.num_hits / bm.num_queries if bm.num_queries else 0.0,
-                "kv_blocks_free": float(bm.num_available), "kv_blocks_total": float(bm.num_blocks)}
+                "kv_blocks_free": float(bm.num_available), "kv_blocks_total": float(bm.num_blocks),
+                **(self.kv.stats() if self.kv is not None else {})}
 
     def close(self) -> None:
+        if self.kv is not None:
+            self.kv.close()
+            self.kv = None
         self.receiver.close()
         for seq in [*self.running, *self.waiting]:
             self.blocks.release(seq.blocks)
@@ -215,7 +303,10 @@ class NativeEngine:
             return []
         self.counters["num_steps"] += 1
         logits, routes = self._forward(batch)
-        return self._postprocess(batch, logits, routes)
+        out = self._postprocess(batch, logits, routes)
+        if self.role == "prefill" and self.kv is not None and any(isinstance(o, GenerateResponse) for o in out):
+            self.kv.flush(self.kv.timeout_s)  # answer once the decode server can find the blocks
+        return out
 
     # ------------------------------------------------------------------ scheduling
     def _blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
@@ -288,7 +379,12 @@ class NativeEngine:
         hashes = self.blocks.block_hashes(seq.tokens[:-1], f"{seq.req.salt}|w{self.version}")
         want_routes = seq.req.sampling.return_routing and self.is_moe
         blocks = self.blocks.match_prefix(hashes, with_routes=want_routes)
-        seq.blocks, seq.hashes = blocks, hashes[:len(blocks)]
+        seq.blocks = blocks
+        if self.kv is not None and not want_routes and len(blocks) < len(hashes):
+            self._fetch_prefix(seq, hashes)
+            blocks = seq.blocks
+        seq.hashes = hashes[:len(blocks)]
+        seq.num_published = len(blocks) if self.kv is not None else 0
         seq.num_computed = len(blocks) * self.block_size
         if want_routes and blocks:  # cached blocks keep the routes their tokens took
             seq.routes = [torch.cat([self.blocks.routes[b] for b in blocks])]
@@ -343,6 +439,8 @@ class NativeEngine:
             self._register_full_blocks(seq)
             if seq.num_computed < len(seq.tokens):
                 continue  # a prefill chunk: nothing to sample yet
+            if seq.index < 0:
+                self._publish(seq)  # the prompt's blocks, before the fork shares them
             copies = seq.req.sampling.n if seq.index < 0 else 1
             for _ in range(copies):
                 if seq.req.generator is not None:
@@ -413,7 +511,7 @@ class NativeEngine:
         for k in range(r.sampling.n):
             child = Sequence(r, k, list(parent.tokens), parent.num_computed, list(parent.blocks),
                              list(parent.hashes), routes=list(parent.routes),
-                             partial_versions=set(parent.partial_versions))
+                             partial_versions=set(parent.partial_versions), num_published=parent.num_published)
             if k > 0:
                 for b in child.blocks[:-1] if partial else child.blocks:
                     self.blocks.share(b)
@@ -445,6 +543,7 @@ class NativeEngine:
             self._finish(seq, reason)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        self._publish(seq)  # the completion's blocks serve the next turn of a conversation
         self.running.remove(seq)
         self.blocks.release(seq.blocks)
         seq.blocks = []

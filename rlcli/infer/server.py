@@ -12,10 +12,11 @@ Protocol (:mod:`rlcli.infer.base`) and built by :func:`rlcli.infer.factory.make_
 import time
 from typing import Callable
 
+import msgspec
 import zmq
 
 from rlcli.config import RecipeConfig
-from rlcli.errors import RLCLIError
+from rlcli.errors import PeerUnreachable, RLCLIError
 from rlcli.infer.base import Delta, Engine
 from rlcli.infer.factory import make_engine
 from rlcli.logging import setup_logging
@@ -24,13 +25,27 @@ from rlcli.protocol import (
     AbortRequests, ErrorReply, GenerateRequest, GenerateResponse, HealthRequest, HealthResponse, LoadWeights,
     Shutdown, WeightsLoaded,
 )
-from rlcli.transport.registry import Registration
+from rlcli.transport.registry import Registration, list_entries
 from rlcli.transport.rundir import RunDir
 from rlcli.transport.zmq import RpcServer
 
 log = setup_logging("rl-infer")
 
 Sink = Callable[[object], None]  # where an HTTP request's deltas, response or error go
+
+
+def resolve_kv_cache(cfg: RecipeConfig, run: RunDir, timeout_s: float = 120.0) -> RecipeConfig:
+    """``--kv-cache registry``: the run's rl-cache endpoint, waiting for it to register."""
+    if cfg.infer.kv_cache.endpoint != "registry":
+        return cfg
+    deadline = time.monotonic() + timeout_s
+    while not (entries := list_entries(run.registry_dir(), "cache")):
+        if time.monotonic() > deadline:
+            raise PeerUnreachable(f"--kv-cache registry: no rl-cache registered in {run.registry_dir()} "
+                                  f"within {timeout_s:.0f}s")
+        time.sleep(0.2)
+    kv = msgspec.structs.replace(cfg.infer.kv_cache, endpoint=entries[0].endpoints["rpc"])
+    return msgspec.structs.replace(cfg, infer=msgspec.structs.replace(cfg.infer, kv_cache=kv))
 
 
 def wait_for_policy(run: RunDir, poll_s: float = 0.2) -> int:
@@ -46,6 +61,7 @@ def wait_for_policy(run: RunDir, poll_s: float = 0.2) -> int:
 
 class InferServer:
     def __init__(self, cfg: RecipeConfig, run: RunDir, instance: int):
+        cfg = resolve_kv_cache(cfg, run)
         self.cfg, self.run, self.instance = cfg, run, instance
         icfg = cfg.infer
         version = wait_for_policy(run)
@@ -60,12 +76,13 @@ class InferServer:
 
             self.http = HttpFrontDoor(cfg, weights)
             endpoints["http"] = self.http.endpoint
-        self.registration = Registration(run.registry_dir(), "infer", instance, endpoints, {"version": version})
+        self.registration = Registration(run.registry_dir(), "infer", instance, endpoints,
+                                         {"version": version, "role": icfg.role})
         self.clients: dict[str, bytes] = {}  # request_id -> ZeroMQ client identity
         self.sinks: dict[str, Sink] = {}  # request_id -> HTTP handler
         self.stopping = False
-        log.info("serving policy v%d from %s with the %s engine on %s (%s) in %.1fs", version, weights,
-                 icfg.engine.name, icfg.device, ", ".join(endpoints.values()), time.monotonic() - t0)
+        log.info("serving policy v%d from %s with the %s engine on %s (%s, role %s) in %.1fs", version, weights,
+                 icfg.engine.name, icfg.device, ", ".join(endpoints.values()), icfg.role, time.monotonic() - t0)
 
     def handle(self, identity: bytes, msg) -> None:
         if isinstance(msg, GenerateRequest):
