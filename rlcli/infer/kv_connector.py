@@ -36,6 +36,8 @@ from rlcli.transport import shm
 from rlcli.transport.zmq import RpcClient, new_request_id
 
 log = setup_logging("rl-infer")
+BATCH_BYTES = 32 << 20
+"""Most payload bytes in one store request (rl-cache refuses messages past 256 MiB)."""
 
 
 class KVConnector(Protocol):
@@ -119,8 +121,10 @@ class _Publisher:
                                     self.timeout_s).exists
                     missing = [i for i, p in enumerate(present) if not p]
                     self.counters["kv_publish_skipped"] += len(keys) - len(missing)
-                    if missing:
-                        stored = self._store(client, [keys[i] for i in missing], [rows[i] for i in missing], meta)
+                    step = max(1, BATCH_BYTES // meta.nbytes)
+                    for a in range(0, len(missing), step):
+                        chunk = missing[a:a + step]
+                        stored = self._store(client, [keys[i] for i in chunk], [rows[i] for i in chunk], meta)
                         self.counters["kv_published_blocks"] += stored
                         self.counters["kv_published_bytes"] += stored * meta.nbytes
                 except Exception as e:  # the store being down must not stop the engine
@@ -137,16 +141,20 @@ class _Publisher:
         raise NotImplementedError
 
     def fetch(self, keys: list[bytes]) -> bytes:
-        if not keys:
-            return b""
         t0 = time.monotonic()
-        self.counters["kv_fetch_requests"] += 1
-        try:
-            data = self._fetch(keys)
-        except PeerUnreachable as e:
-            self.counters["kv_fetch_errors"] += 1
-            log.warning("KV fetch failed (a miss): %s", e)
-            data = b""
+        parts, step = [], max(1, BATCH_BYTES // self.meta.nbytes)
+        for a in range(0, len(keys), step):
+            self.counters["kv_fetch_requests"] += 1
+            try:
+                data = self._fetch(keys[a:a + step])
+            except PeerUnreachable as e:
+                self.counters["kv_fetch_errors"] += 1
+                log.warning("KV fetch failed (a miss): %s", e)
+                break
+            parts.append(data)
+            if len(data) < min(step, len(keys) - a) * self.meta.nbytes:
+                break  # the run ended inside this batch
+        data = b"".join(parts)
         self.counters["kv_fetched_blocks"] += len(data) // self.meta.nbytes
         self.counters["kv_fetched_bytes"] += len(data)
         self.counters["kv_fetch_s"] += time.monotonic() - t0

@@ -18,9 +18,13 @@ SHM_DIR = Path(os.environ.get("RLCLI_SHM_DIR", "/dev/shm"))
 NAME_RE = re.compile(r"rlcli-kv-[0-9a-f]{32}")
 
 
-def available() -> bool:
-    """Whether this host has a writable shared-memory directory."""
-    return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
+def available(min_free_bytes: int = 1 << 30) -> bool:
+    """Whether this host has a writable shared-memory directory with ``min_free_bytes`` free
+    (containers often mount a 64 MiB /dev/shm)."""
+    if not (SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)):
+        return False
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize >= min_free_bytes
 
 
 def path_of(name: str) -> Path:
