@@ -135,6 +135,10 @@ class UpConfig(Config):
     num_infer: int = 1
     """rl-infer servers to launch."""
 
+    num_prefill: int = 0
+    """Of those, how many run --role prefill (the others --role decode, all with --kv-cache of the
+    run's rl-cache, unless infer.kv_cache.endpoint names another); 0 keeps every server mixed."""
+
     plot: bool = True
     """Write RUN/reward.png at the end."""
 
@@ -146,6 +150,9 @@ class UpConfig(Config):
             raise ValueError("up.num_infer must be >= 1")
         if self.train_nproc_per_node < 1:
             raise ValueError("up.train_nproc_per_node must be >= 1")
+        if not 0 <= self.num_prefill < self.num_infer:
+            raise ValueError(f"up.num_prefill must be in [0, up.num_infer - 1] (a decode server is needed), "
+                             f"got {self.num_prefill}")
         missing = {"infer", "train", "orchestrate"} - set(self.processes)
         if missing:
             raise ValueError(f"up.processes must include {sorted(missing)}")

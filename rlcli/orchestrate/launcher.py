@@ -71,7 +71,7 @@ class Launcher:
             for i in range(self.cfg.up.num_infer if name == "infer" else 1):
                 cmd = [sys.executable, "-m", *MODULES[name], "--config", str(self.recipe_path)]
                 if name == "infer":
-                    cmd += ["--id", str(i)]
+                    cmd += ["--id", str(i), *self.role_args(i)]
                 if name == "train" and self.cfg.up.train_nproc_per_node > 1:
                     cmd += ["--nproc-per-node", str(self.cfg.up.train_nproc_per_node)]
                 log_path = self.run.log_file(name, i)
@@ -80,6 +80,16 @@ class Launcher:
                     proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                             env=env, start_new_session=True)
                 self.children.append(Child(name, i, proc, log_path))
+
+    def role_args(self, i: int) -> list[str]:
+        """Split roles (``up.num_prefill``): the first servers prefill, the others decode."""
+        if not self.cfg.up.num_prefill:
+            return []
+        if not self.cfg.infer.kv_cache.endpoint and "cache" not in self.cfg.up.processes:
+            raise ValueError("up.num_prefill needs a shared KV store: add \"cache\" to up.processes or set "
+                             "infer.kv_cache.endpoint")
+        role = "prefill" if i < self.cfg.up.num_prefill else "decode"
+        return ["--role", role, *([] if self.cfg.infer.kv_cache.endpoint else ["--kv-cache", "registry"])]
 
     def rows(self) -> list[ProcessRow]:
         out = []

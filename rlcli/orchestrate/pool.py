@@ -5,6 +5,12 @@ the server with the fewest outstanding sequences. A request is *lost* when its s
 leaves the registry, restarts (new incarnation: ZeroMQ reconnects on its own, but what
 was in flight died with the process) or does not answer within ``request_timeout_s``;
 lost requests are handed back to the caller to re-dispatch.
+
+Split roles (servers registered with ``role`` prefill and decode, see ``up.num_prefill``):
+a request goes first to the least loaded prefill server, which answers once the prompt's
+KV is in the shared store; its answer is not the caller's. The same request then goes to
+the least loaded decode server, which pulls that KV and generates; that answer is. With
+no prefill (or no decode) server live, every server is used as a mixed one.
 """
 
 import time
@@ -19,16 +25,20 @@ from rlcli.transport.rundir import RunDir
 from rlcli.transport.zmq import RpcClient, new_request_id
 
 
+HANDOFF = ""  # the server of a prefilled request no decode server has taken yet
+
+
 @dataclass
 class Outstanding:
     request: GenerateRequest
     server: str
     sent: float
+    prefill: bool = False  # at a prefill server; the answer sends it on to a decode server
 
 
 class ServerHandle:
-    def __init__(self, key: str, endpoint: str, incarnation: str = ""):
-        self.key, self.endpoint, self.incarnation = key, endpoint, incarnation
+    def __init__(self, key: str, endpoint: str, incarnation: str = "", role: str = "mixed"):
+        self.key, self.endpoint, self.incarnation, self.role = key, endpoint, incarnation, role
         self.client = RpcClient(endpoint)
         self.num_outstanding = 0  # sequences, not requests
 
@@ -60,7 +70,8 @@ class InferPool:
             self.servers.pop(key).client.close()
         for key, entry in live.items():
             if key not in self.servers:
-                self.servers[key] = ServerHandle(key, entry.endpoints["rpc"], entry.incarnation)
+                self.servers[key] = ServerHandle(key, entry.endpoints["rpc"], entry.incarnation,
+                                                 entry.info.get("role", "mixed"))
         return self._drop(lambda o: o.server in gone)
 
     def expired(self) -> list[GenerateRequest]:
@@ -88,17 +99,36 @@ class InferPool:
         for key, rids in by_server.items():
             self.servers[key].client.send(AbortRequests(request_ids=rids))
 
-    def submit(self, request: GenerateRequest) -> bool:
-        """Send to the least loaded server; False when no server can take it now."""
+    def _hand_off(self, request: GenerateRequest) -> None:
+        """Send a prefilled request to a decode server, or keep it for the next poll (it
+        expires like any request if no decode server takes it)."""
+        waiting = self.outstanding.get(request.request_id)
+        if not self.submit(request, stage="decode") and waiting is None:
+            self.outstanding[request.request_id] = Outstanding(request, HANDOFF, time.monotonic())
+
+    def _split(self) -> bool:
+        roles = {s.role for s in self.servers.values()}
+        return "prefill" in roles and "decode" in roles
+
+    def submit(self, request: GenerateRequest, stage: str = "") -> bool:
+        """Send to the least loaded server (of the prefill role first, when roles are split;
+        ``stage`` "decode" for the second hop); False when no server can take it now."""
+        split = self._split()
+        prefill = split and stage != "decode"
+        wanted = ("prefill" if prefill else "decode") if split else None
         for s in sorted(self.servers.values(), key=lambda s: s.num_outstanding):
+            if wanted is not None and s.role != wanted:
+                continue
             if s.client.send(request):
                 s.num_outstanding += request.sampling.n
-                self.outstanding[request.request_id] = Outstanding(request, s.key, time.monotonic())
+                self.outstanding[request.request_id] = Outstanding(request, s.key, time.monotonic(), prefill)
                 return True
         return False
 
     def poll(self, timeout_ms: int) -> list[tuple[GenerateRequest, GenerateResponse | ErrorReply]]:
         """Replies that arrived within ``timeout_ms``, paired with their requests."""
+        for request in [o.request for o in self.outstanding.values() if o.server == HANDOFF]:
+            self._hand_off(request)
         if not self.servers:
             time.sleep(timeout_ms / 1000)
             return []
@@ -113,6 +143,9 @@ class InferPool:
                 if o is None:
                     continue  # a reply to a request already re-dispatched
                 s.num_outstanding -= o.request.sampling.n
+                if o.prefill and isinstance(reply, GenerateResponse):
+                    self._hand_off(o.request)
+                    continue
                 out.append((o.request, reply))
         return out
 
