@@ -27,9 +27,6 @@ work: a prefill server answers each request with one token once its prompt's blo
 stored; a decode server is a mixed one that other servers' prefills feed.
 """
 
-import hashlib
-import json
-from dataclasses import asdict
 
 from collections import deque
 from dataclasses import dataclass, field
@@ -43,6 +40,7 @@ from rlcli.config import RecipeConfig
 from rlcli.errors import ConfigError
 from rlcli.infer.base import Delta
 from rlcli.infer.block_manager import BlockManager, chain_hash
+from rlcli.infer import kv_blocks
 from rlcli.infer.kv_connector import KVConnector, make_kv_connector
 from rlcli.infer.receiver import WeightReceiver
 from rlcli.models import DTYPES, CausalLM, load_model
@@ -157,38 +155,14 @@ class NativeEngine:
 
     # ------------------------------------------------------------------ shared KV store
     def block_meta(self) -> BlockMeta:
-        """The layout of this engine's blocks in a shared store. The fingerprint covers the
-        architecture, the cache layout and a sample of the weights now served, so engines of
-        other models (or other runs at the same version) never exchange KV."""
-        spec = [hd for layer in self.model.kv_cache_spec() for hd in layer]
-        h = hashlib.blake2b(digest_size=16)
-        h.update(json.dumps([asdict(self.model.args), spec, self.block_size, str(self.dtype)], sort_keys=True,
-                            default=str).encode())
-        with torch.no_grad():
-            for p in self.model.parameters():
-                h.update(p.detach().reshape(-1)[:16].float().cpu().numpy().tobytes())
-        if len(set(spec)) == 1:
-            shape = [len(spec), self.block_size, *spec[0]]
-        else:
-            shape = [self.block_size * sum(hh * d for hh, d in spec)]
-        return BlockMeta(fingerprint=h.hexdigest(), dtype=str(self.dtype).removeprefix("torch."), shape=shape)
+        """The layout of this engine's blocks in a shared store (fingerprinted with the weights now served)."""
+        return kv_blocks.block_meta(self.model, self.block_size, self.dtype)
 
     def _gather_blocks(self, blocks: list[int]) -> torch.Tensor:
-        """``[len(blocks), bytes per block]`` uint8: every cache tensor's rows of ``blocks``."""
-        idx = torch.tensor(blocks, dtype=torch.int64, device=self.device)
-        parts = [cache.index_select(0, idx).reshape(len(blocks), -1) for layer in self.kv_caches for cache in layer]
-        return torch.cat(parts, dim=1).view(torch.uint8)
+        return kv_blocks.gather(self.kv_caches, blocks)
 
     def _scatter_blocks(self, blocks: list[int], data: bytes) -> None:
-        n = len(blocks)
-        flat = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype).reshape(n, -1).to(self.device)
-        idx = torch.tensor(blocks, dtype=torch.int64, device=self.device)
-        offset = 0
-        for layer in self.kv_caches:
-            for cache in layer:
-                k = cache[0].numel()
-                cache.index_copy_(0, idx, flat[:, offset:offset + k].reshape(n, *cache.shape[1:]))
-                offset += k
+        kv_blocks.scatter(self.kv_caches, blocks, data)
 
     def _fetch_prefix(self, seq: Sequence, hashes: list[bytes]) -> None:
         """Extend a local prefix match with the longest run of the next blocks the store holds."""

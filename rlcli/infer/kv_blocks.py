@@ -1,0 +1,54 @@
+"""KV blocks as bytes: what the native engine hands to, and takes from, a shared store.
+
+A block's payload is every cache tensor's rows of that block (layer by layer, K then V,
+or the MLA latent and the indexer keys), concatenated as raw bytes in the cache dtype.
+Its :class:`BlockMeta` names that layout, and a fingerprint of the model: architecture,
+cache layout, block size, dtype and a sample of every parameter (the first 16 values),
+so engines of other models, or of other runs whose weights differ at the same version,
+never read each other's KV. The engine recomputes it after each weight load.
+"""
+
+import hashlib
+import json
+from dataclasses import asdict
+
+import torch
+
+from rlcli.models import CausalLM
+from rlcli.protocol import BlockMeta
+
+
+@torch.no_grad()
+def block_meta(model: CausalLM, block_size: int, dtype: torch.dtype) -> BlockMeta:
+    spec = [hd for layer in model.kv_cache_spec() for hd in layer]
+    h = hashlib.blake2b(digest_size=16)
+    h.update(json.dumps([asdict(model.args), spec, block_size, str(dtype)], sort_keys=True, default=str).encode())
+    for p in model.parameters():
+        h.update(p.detach().reshape(-1)[:16].float().cpu().numpy().tobytes())
+    if len(set(spec)) == 1:
+        shape = [len(spec), block_size, *spec[0]]
+    else:
+        shape = [block_size * sum(heads * dim for heads, dim in spec)]
+    return BlockMeta(fingerprint=h.hexdigest(), dtype=str(dtype).removeprefix("torch."), shape=shape)
+
+
+def gather(kv_caches: list[tuple[torch.Tensor, ...]], blocks: list[int]) -> torch.Tensor:
+    """``[len(blocks), bytes per block]`` uint8 on the caches' device."""
+    device = kv_caches[0][0].device
+    idx = torch.tensor(blocks, dtype=torch.int64, device=device)
+    parts = [cache.index_select(0, idx).reshape(len(blocks), -1) for layer in kv_caches for cache in layer]
+    return torch.cat(parts, dim=1).view(torch.uint8)
+
+
+def scatter(kv_caches: list[tuple[torch.Tensor, ...]], blocks: list[int], data: bytes) -> None:
+    """Write payloads (``len(blocks)`` of them, back to back, as :func:`gather` makes them) into ``blocks``."""
+    first = kv_caches[0][0]
+    n = len(blocks)
+    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(first.dtype).reshape(n, -1).to(first.device)
+    idx = torch.tensor(blocks, dtype=torch.int64, device=first.device)
+    offset = 0
+    for layer in kv_caches:
+        for cache in layer:
+            k = cache[0].numel()
+            cache.index_copy_(0, idx, flat[:, offset:offset + k].reshape(n, *cache.shape[1:]))
+            offset += k
