@@ -8,7 +8,8 @@ turn adds ``--user`` new tokens, and the next turn's prompt is the whole history
 including the previous answer. Turns are routed round-robin with no affinity (turn t of
 conversation c goes to replica (c + t) % 2), so each replica's local prefix cache only
 holds what it computed itself. A real ``rl-cache serve`` process is started for the
-arms that use it. Three arms, one run, same requests and seeds:
+arms that use it. Three arms, one run, same requests and seeds (each arm its own cache
+salt, so no arm reads blocks another stored):
 
   mixed         2 mixed replicas, local prefix caches only (the baseline)
   mixed+cache   2 mixed replicas sharing rl-cache (fetch on a local miss, publish after prefill)
@@ -152,7 +153,7 @@ def run_arm(args, model_dir: Path, arm: str, endpoint: str | None) -> dict:
     def submit(c: int) -> None:
         history[c] += torch.randint(0, 256, (args.user,), generator=gen).tolist()
         rid = f"c{c}t{turn[c]}"
-        req = GenerateRequest(request_id=rid, prompt_ids=list(history[c]), cache_salt="1",
+        req = GenerateRequest(request_id=rid, prompt_ids=list(history[c]), cache_salt=arm,  # arms share nothing
                               sampling=SamplingParams(max_tokens=args.gen, seed=1000 * c + turn[c], ignore_eos=True))
         submitted[rid] = time.perf_counter()
         replicas[0 if arm == "P/D+cache" else (c + turn[c]) % 2].inbox.put(req)
