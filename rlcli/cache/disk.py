@@ -55,6 +55,8 @@ class DiskStore:
         return self.root / h[:2] / f"{h}.kv"
 
     def _scan(self) -> None:
+        for tmp in self.root.glob("*/.*.kv.tmp-*"):  # a write a crash interrupted
+            tmp.unlink(missing_ok=True)
         found = []
         for path in self.root.glob("*/*.kv"):
             try:

@@ -15,9 +15,9 @@ from rlcli.transport.registry import list_entries
 from rlcli.transport.rundir import RunDir
 from rlcli.transport.zmq import RpcClient
 
-pytestmark = pytest.mark.slow
 
 
+@pytest.mark.slow
 def test_pool_routes_prefill_then_decode_and_decode_matches_single_server(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "run"
     recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, run_dir, cache={"capacity_mb": 16},
@@ -71,3 +71,19 @@ def test_pool_routes_prefill_then_decode_and_decode_matches_single_server(tmp_pa
         assert max(abs(a - b) for a, b in zip(replies[rid].completions[0].logprobs,
                                               resp.completions[0].logprobs)) < 1e-5
     single.close()
+
+
+def test_up_launches_prefill_and_decode_servers(tmp_path, tiny_model_dir):
+    from rlcli.orchestrate.launcher import Launcher
+
+    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, tmp_path / "run", up={"num_infer": 3, "num_prefill": 1})
+    launcher = Launcher(load_recipe(recipe), RunDir(tmp_path / "run"))
+    assert launcher.role_args(0) == ["--role", "prefill", "--kv-cache", "registry"]
+    assert launcher.role_args(2) == ["--role", "decode", "--kv-cache", "registry"]
+    no_cache = write_recipe(tmp_path / "n.toml", tiny_model_dir, tmp_path / "run",
+                            up={"num_infer": 2, "num_prefill": 1, "processes": ["infer", "train", "orchestrate"]})
+    with pytest.raises(ValueError, match="up.num_prefill needs a shared KV store"):
+        Launcher(load_recipe(no_cache), RunDir(tmp_path / "run")).role_args(0)
+    with pytest.raises(Exception, match="up.num_prefill"):
+        load_recipe(write_recipe(tmp_path / "b.toml", tiny_model_dir, tmp_path / "run",
+                                 up={"num_infer": 2, "num_prefill": 2}))
