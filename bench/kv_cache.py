@@ -192,7 +192,8 @@ def run_arm(args, model_dir: Path, arm: str, endpoint: str | None) -> dict:
         hits = stats[0]["num_cached_tokens"] - base[0]["num_cached_tokens"]
     else:
         hits = delta["num_cached_tokens"]
-    return {"arm": arm, "requests": num_req, "hit_rate": hits / max(prompt_tokens, 1),
+    by_turn = [statistics.mean(first[r] - submitted[r] for r in done if r.endswith(f"t{t}")) for t in range(args.turns)]
+    return {"arm": arm, "requests": num_req, "hit_rate": hits / max(prompt_tokens, 1), "ttft_by_turn_s": by_turn,
             "ttft_mean_s": statistics.mean(ttft), "ttft_p50_s": statistics.median(ttft),
             "decode_tok_s": statistics.mean(tps) if tps else 0.0,
             "bytes_per_request": (delta.get("kv_fetched_bytes", 0) + delta.get("kv_published_bytes", 0)) / num_req,
@@ -249,6 +250,8 @@ def main() -> None:
     for r in rows:
         print(f"{r['arm']:<12} {r['hit_rate']:>8.3f} {r['ttft_mean_s'] * 1e3:>8.1f}ms {r['ttft_p50_s'] * 1e3:>7.1f}ms "
               f"{r['decode_tok_s']:>12.1f} {r['bytes_per_request'] / 2**20:>10.2f} {r['wall_s']:>7.1f}")
+    for r in rows:
+        print(f"{r['arm']:<12} TTFT by turn (ms): " + " ".join(f"{t * 1e3:.0f}" for t in r["ttft_by_turn_s"]))
     base, cache, pd = rows
     print(f"TTFT mixed / mixed+cache: {base['ttft_mean_s'] / cache['ttft_mean_s']:.2f}x lower with the shared cache; "
           f"mixed+cache / P/D+cache: {cache['ttft_mean_s'] / pd['ttft_mean_s']:.2f}x; "
