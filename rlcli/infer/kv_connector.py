@@ -38,6 +38,8 @@ from rlcli.transport.zmq import RpcClient, new_request_id
 log = setup_logging("rl-infer")
 BATCH_BYTES = 32 << 20
 """Most payload bytes in one store request (rl-cache refuses messages past 256 MiB)."""
+QUEUE_BYTES = 2 << 30
+"""Most payload bytes waiting to be published (they hold device memory until copied out)."""
 
 
 class KVConnector(Protocol):
@@ -86,6 +88,8 @@ class _Publisher:
         self.endpoint, self.meta, self.timeout_s = endpoint, meta, timeout_s
         self.client = RpcClient(endpoint)  # the engine thread's socket (fetch)
         self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self.queued_bytes = 0  # payload bytes queued and not yet copied out
+        self.bytes_lock = threading.Lock()
         self.counters = {"kv_fetch_requests": 0, "kv_fetched_blocks": 0, "kv_fetched_bytes": 0, "kv_fetch_s": 0.0,
                          "kv_fetch_errors": 0, "kv_published_blocks": 0, "kv_published_bytes": 0,
                          "kv_publish_skipped": 0, "kv_publish_dropped": 0, "kv_publish_errors": 0}
@@ -95,12 +99,17 @@ class _Publisher:
     def publish(self, keys: list[bytes], payload) -> bool:
         if not keys:
             return True
-        try:
-            self.queue.put_nowait((list(keys), payload, self.meta))  # the layout of the weights that computed them
-            return True
-        except queue.Full:
-            self.counters["kv_publish_dropped"] += len(keys)
-            return False
+        nbytes = payload.numel()
+        with self.bytes_lock:
+            try:
+                if self.queued_bytes + nbytes > QUEUE_BYTES:
+                    raise queue.Full
+                self.queue.put_nowait((list(keys), payload, self.meta))  # the layout of the weights that computed them
+                self.queued_bytes += nbytes
+                return True
+            except queue.Full:
+                self.counters["kv_publish_dropped"] += len(keys)
+                return False
 
     def flush(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -115,8 +124,13 @@ class _Publisher:
         try:
             while (item := self.queue.get()) is not None:
                 keys, payload, meta = item
+                nbytes = payload.numel()
                 try:
                     rows = np.ascontiguousarray(payload.cpu().numpy())  # the device copy happens here
+                    del payload, item
+                    with self.bytes_lock:
+                        self.queued_bytes -= nbytes
+                        nbytes = 0
                     present = _call(client, CacheExists(request_id=new_request_id(), keys=keys), CacheExistsReply,
                                     self.timeout_s).exists
                     missing = [i for i, p in enumerate(present) if not p]
@@ -131,6 +145,8 @@ class _Publisher:
                     self.counters["kv_publish_errors"] += len(keys)
                     log.warning("could not publish %d KV blocks: %s", len(keys), e)
                 finally:
+                    with self.bytes_lock:
+                        self.queued_bytes -= nbytes
                     self.queue.task_done()
         finally:
             client.close()
