@@ -10,6 +10,7 @@ never read each other's KV. The engine recomputes it after each weight load.
 
 import hashlib
 import json
+import warnings
 from dataclasses import asdict
 
 import torch
@@ -44,7 +45,10 @@ def scatter(kv_caches: list[tuple[torch.Tensor, ...]], blocks: list[int], data: 
     """Write payloads (``len(blocks)`` of them, back to back, as :func:`gather` makes them) into ``blocks``."""
     first = kv_caches[0][0]
     n = len(blocks)
-    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(first.dtype).reshape(n, -1).to(first.device)
+    with warnings.catch_warnings():  # read only: index_copy_ below copies out of it
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.frombuffer(data, dtype=torch.uint8)
+    flat = raw.view(first.dtype).reshape(n, -1).to(first.device)
     idx = torch.tensor(blocks, dtype=torch.int64, device=first.device)
     offset = 0
     for layer in kv_caches:
