@@ -13,6 +13,7 @@ answering, in case Mooncake evicted a block itself.
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -32,6 +33,16 @@ def free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the master's child process (Linux): SIGTERM when rl-cache dies, even by SIGKILL."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def master_binary() -> str:
@@ -72,7 +83,8 @@ class MooncakeStore:
             proc = subprocess.Popen([master_binary(), f"--rpc_port={rpc}", "--enable_http_metadata_server=true",
                                      f"--http_metadata_server_host={host}", f"--http_metadata_server_port={http}",
                                      f"--metrics_port={metrics}", f"--rpc_address={host}"],
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                                    preexec_fn=_die_with_parent)
             master, metadata = f"{host}:{rpc}", metadata or f"http://{host}:{http}/metadata"
             log.info("started mooncake_master (pid %d) on %s, metadata %s", proc.pid, master, metadata)
         if not metadata:
