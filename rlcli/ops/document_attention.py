@@ -14,7 +14,14 @@ or per-block state:
 * ``varlen`` (CUDA, no CP): ``torch.nn.attention.varlen.varlen_attn`` (flash) over
   ``cu_seqlens`` of all documents of the batch flattened; fp32 inputs take ``sdpa``.
 
-``auto`` picks ``varlen`` (or ``flex`` under CP) on CUDA and ``sdpa`` elsewhere.
+``auto`` picks ``varlen`` (or ``flex`` under CP or with shared prompts) on CUDA and
+``sdpa`` elsewhere.
+
+Shared prompts (:mod:`rlcli.ops.prefix_tree`): a row may be a prefix tree of segments
+instead of independent documents; a segment then also sees its ancestors' segments.
+``sdpa`` runs one call per segment over its ancestors' keys and its own (a bool mask:
+all of the ancestors, causal within its own); ``flex`` uses the tree's mask
+``k <= q < reach[k]``; ``varlen`` takes plain documents only.
 
 Context parallelism (``rlcli.parallel.context``) gives each rank a subset of the row's
 queries, ``query_index_T`` (global indices into the row), while keys and values are the
@@ -27,9 +34,12 @@ import inspect
 import warnings
 from typing import Literal
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from rlcli.ops.prefix_tree import RowTree
 
 AttentionBackend = Literal["auto", "sdpa", "flex", "varlen"]
 
@@ -44,12 +54,6 @@ def _sdpa(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, scal
 def doc_ids_from_positions(position_ids_BT: torch.Tensor) -> torch.Tensor:
     """Sequence index of every token in a packed row: a new sequence starts at position 0."""
     return torch.cumsum((position_ids_BT == 0).to(torch.int32), dim=-1)
-
-
-def document_spans(position_ids_T: list[int]) -> list[tuple[int, int]]:
-    """[start, end) of each document of one row (a row's first token always starts one)."""
-    starts = [i for i, p in enumerate(position_ids_T) if p == 0 or i == 0]
-    return list(zip(starts, starts[1:] + [len(position_ids_T)]))
 
 
 @functools.cache
@@ -80,35 +84,43 @@ class PackedCausalAttention(nn.Module):
     lists which of the row's tokens this rank holds as queries (context parallelism;
     default: all, in order); it is the same for every row. ``device`` is where q/k/v
     live (default: where the positions are): pass host positions and the GPU so that
-    reading the document boundaries costs no device sync.
+    reading the document boundaries costs no device sync. ``trees`` (one
+    :class:`~rlcli.ops.prefix_tree.RowTree` per row) gives the segments of shared-prompt
+    rows; without it a document starts at position 0.
     """
 
     def __init__(self, position_ids_BT: torch.Tensor, backend: AttentionBackend = "auto",
-                 query_index_T: torch.Tensor | None = None, device: torch.device | str | None = None):
+                 query_index_T: torch.Tensor | None = None, device: torch.device | str | None = None,
+                 trees: list[RowTree] | None = None):
         super().__init__()
         device = torch.device(device) if device is not None else position_ids_BT.device
-        # Document boundaries are host-side metadata, read once per forward for all layers.
-        pos_host = position_ids_BT.detach().cpu()
-        B, T = pos_host.shape
+        B, T = position_ids_BT.shape
+        if trees is None:  # document boundaries are host-side metadata, read once per forward for all layers
+            trees = [RowTree.from_positions(row) for row in position_ids_BT.detach().cpu().numpy()]
+        assert len(trees) == B and all(t.num_tokens == T for t in trees), ([t.num_tokens for t in trees], B, T)
+        self.trees = trees
         self.num_keys = T
         self.query_index = None if query_index_T is None else query_index_T.detach().cpu().long()
-        self.spans = [document_spans(row.tolist()) for row in pos_host]
+        self.shared = any(t.shared for t in trees)
+        # Per row: (start, end, ancestor key spans) of every segment.
+        self.spans = [[(s, e, _merged(t.ancestors(j))) for j, (s, e) in enumerate(t.spans)] for t in trees]
         self.backend = self._resolve(backend, device)
         self.device = device
         self.query_runs = self._query_runs()
         self._block_mask = None
         self._cu_seqlens = None
         if self.backend == "flex":
-            self.doc_ids_BT = doc_ids_from_positions(pos_host).to(device)
+            self.reach_BT = torch.from_numpy(np.stack([t.reach() for t in trees])).to(device)
 
     def _resolve(self, backend: AttentionBackend, device: torch.device) -> str:
         if backend == "auto":
             if device.type != "cuda":
                 return "sdpa"
-            return "varlen" if self.query_index is None and _varlen_attn() is not None else "flex"
-        if backend == "varlen" and (self.query_index is not None or _varlen_attn() is None):
-            raise ValueError("the varlen attention backend needs torch.nn.attention.varlen and no context "
-                             "parallelism; use backend 'flex' or 'sdpa'")
+            plain = self.query_index is None and not self.shared
+            return "varlen" if plain and _varlen_attn() is not None else "flex"
+        if backend == "varlen" and (self.query_index is not None or self.shared or _varlen_attn() is None):
+            raise ValueError("the varlen attention backend needs torch.nn.attention.varlen, no context "
+                             "parallelism and no shared prompts; use backend 'flex' or 'sdpa'")
         return backend
 
     def _query_runs(self) -> list[tuple[int, int, int]]:
@@ -141,14 +153,21 @@ class PackedCausalAttention(nn.Module):
         for b, spans in enumerate(self.spans):
             pieces = []
             for qs, qe, local in runs:
-                for ds, de in spans:
+                for ds, de, prefix in spans:
                     s, e = max(ds, qs), min(de, qe)
                     if s >= e:
                         continue
-                    # Queries s..e-1 see keys ds..(their own index): bottom-right aligned causal.
+                    # Queries s..e-1 see their ancestors' keys and keys ds..(their own index):
+                    # bottom-right aligned causal on the own part.
                     q_i = q[b:b + 1, :, local + s - qs:local + e - qs]
-                    k_i, v_i = k[b:b + 1, :, ds:e], v[b:b + 1, :, ds:e]
-                    t, n = e - s, e - ds
+                    key_spans = prefix + [(ds, e)]
+                    if prefix and prefix[-1][1] == ds:  # contiguous with the parent: one slice
+                        key_spans = prefix[:-1] + [(prefix[-1][0], e)]
+                    k_i = torch.cat([k[b:b + 1, :, a:z] for a, z in key_spans], dim=2) if len(key_spans) > 1 \
+                        else k[b:b + 1, :, key_spans[0][0]:e]
+                    v_i = torch.cat([v[b:b + 1, :, a:z] for a, z in key_spans], dim=2) if len(key_spans) > 1 \
+                        else v[b:b + 1, :, key_spans[0][0]:e]
+                    t, n = e - s, k_i.shape[2]
                     if t == n:
                         pieces.append(_sdpa(q_i, k_i, v_i, scale, is_causal=True))
                     else:
@@ -163,16 +182,16 @@ class PackedCausalAttention(nn.Module):
         if self._block_mask is None:
             from torch.nn.attention.flex_attention import create_block_mask
 
-            doc = self.doc_ids_BT
-            B, S = doc.shape
+            reach = self.reach_BT
+            B, S = reach.shape
             q_index = (torch.arange(S) if self.query_index is None else self.query_index).to(self.device)
 
-            def document_causal(b, h, qi, ki):
+            def tree_causal(b, h, qi, ki):  # documents and prefix trees alike (rlcli.ops.prefix_tree)
                 g = q_index[qi]
-                return (doc[b, g] == doc[b, ki]) & (g >= ki)
+                return (ki <= g) & (g < reach[b, ki])
 
             # Compiled on CUDA: the eager version evaluates the mask over all T x S pairs at once.
-            self._block_mask = create_block_mask(document_causal, B, None, q_index.numel(), S, device=self.device,
+            self._block_mask = create_block_mask(tree_causal, B, None, q_index.numel(), S, device=self.device,
                                                  _compile=self.device.type == "cuda")
         return self._block_mask
 
@@ -195,10 +214,10 @@ class PackedCausalAttention(nn.Module):
         if self._cu_seqlens is None:  # once per forward, shared by every layer
             bounds = [0]
             for b, spans in enumerate(self.spans):
-                bounds += [b * T + e for _, e in spans]
+                bounds += [b * T + e for _, e, _ in spans]
             self._cu_seqlens = torch.tensor(bounds, dtype=torch.int32).to(q_BTHD.device, non_blocking=True)
         cu = self._cu_seqlens
-        max_len = max(e - s for spans in self.spans for s, e in spans)
+        max_len = max(e - s for spans in self.spans for s, e, _ in spans)
         params = _varlen_params()
         causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
         gqa = {}
@@ -219,3 +238,14 @@ class PackedCausalAttention(nn.Module):
                           **extra, **causal, **gqa)
         out = out.view(B, T, *out.shape[1:])
         return out[..., :out.shape[-1] - pad] if pad > 0 else out
+
+
+def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Adjacent spans joined (fewer key slices to concatenate)."""
+    out: list[tuple[int, int]] = []
+    for a, z in spans:
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], z)
+        else:
+            out.append((a, z))
+    return out

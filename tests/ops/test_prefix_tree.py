@@ -1,0 +1,82 @@
+"""Prefix-tree (shared-prompt) rows: the layout, and the attention backends against the dense mask."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rlcli.ops.document_attention import PackedCausalAttention
+from rlcli.ops.prefix_tree import RowTree, dense_mask, plan_row, shared_length
+
+# Two groups sharing 4 and 2 tokens, a lone sample, and a group of one (nothing shared).
+UNITS = [(4, [7, 9, 5]), (0, [6]), (2, [3, 8]), (3, [5])]
+
+
+def _tree_and_positions():
+    pieces, tree = plan_row(UNITS)
+    pos = np.concatenate([np.arange(s, e) for _, s, e in pieces])
+    return tree, torch.from_numpy(pos)[None]
+
+
+def test_plan_row_layout():
+    pieces, tree = plan_row(UNITS)
+    assert pieces[:4] == [(0, 0, 4), (0, 4, 7), (1, 4, 9), (2, 4, 5)]
+    assert tree.parents == [-1, 0, 0, 0, -1, -1, 5, 5, -1]
+    assert tree.num_tokens == sum(shared_length(n, lens) for n, lens in UNITS) == (4 + 3 + 5 + 1) + 6 + (2 + 1 + 6) + 5
+    assert tree.num_unshared_tokens() == sum(sum(lens) for _, lens in UNITS)
+    assert tree.leaves() == [1, 2, 3, 4, 6, 7, 8]
+    # A child sees its prompt and itself, never a sibling or another group.
+    m = dense_mask(tree)
+    first, second = tree.spans[1], tree.spans[2]
+    assert m[second[0], :4].all() and not m[second[0], first[0]:first[1]].any()
+    assert not m[tree.spans[4][0], :tree.spans[4][0]].any()
+    # The same from per-token segment ids.
+    again = RowTree.from_segments(tree.segment_ids(), tree.parents)
+    assert again.spans == tree.spans and (again.reach() == tree.reach()).all()
+
+
+def test_layouts_that_are_not_preorder_are_refused():
+    with pytest.raises(ValueError, match="pre-order"):
+        RowTree([(0, 2), (2, 4), (4, 6), (6, 8)], [-1, 0, -1, 1])  # segment 3's parent is closed
+    with pytest.raises(ValueError, match="contiguous"):
+        RowTree([(0, 2), (3, 4)], [-1, -1])
+    with pytest.raises(ValueError, match="segment ids"):
+        RowTree.from_segments([0, 0, 2], [-1, -1, -1])
+
+
+def _dense(q, k, v, mask_TS, scale):
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=mask_TS[None, None], scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+@pytest.mark.parametrize("cp", [False, True])
+def test_tree_attention_matches_dense_mask(backend, cp):
+    tree, pos = _tree_and_positions()
+    T = tree.num_tokens
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, T, 4, 8, generator=g), torch.randn(1, T, 2, 8, generator=g), \
+        torch.randn(1, T, 2, 8, generator=g)
+    index = torch.cat([torch.arange(5, 19), torch.arange(30, T)]) if cp else None  # cuts through a prompt
+    mask = torch.from_numpy(dense_mask(tree))
+    attn = PackedCausalAttention(pos, backend=backend, query_index_T=index, trees=[tree])
+    qs = q if index is None else q[:, index]
+    with torch.set_grad_enabled(backend == "sdpa"):  # CPU FlexAttention has no backward
+        q_, k_, v_ = (x.clone().requires_grad_(backend == "sdpa") for x in (qs, k, v))
+        out = attn(0, q_, k_, v_, 0.3)
+        ref_q, ref_k, ref_v = (x.clone().requires_grad_(backend == "sdpa") for x in (qs, k, v))
+        ref = _dense(ref_q, ref_k, ref_v, mask if index is None else mask[index], 0.3)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    if backend == "sdpa":  # the prompt's keys collect every child's gradient
+        w = torch.randn_like(out)
+        (out * w).sum().backward()
+        (ref * w).sum().backward()
+        for a, b in ((q_, ref_q), (k_, ref_k), (v_, ref_v)):
+            torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_varlen_refuses_shared_rows():
+    tree, pos = _tree_and_positions()
+    with pytest.raises(ValueError, match="shared prompts"):
+        PackedCausalAttention(pos, backend="varlen", trees=[tree])
