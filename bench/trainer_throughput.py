@@ -1,0 +1,203 @@
+"""Shared-prompt packing: trainer throughput, and RL steps per minute on a CPU box.
+
+Two modes, each printing a table last.
+
+``--gpu`` (one GPU; ``--smoke`` runs it tiny on the CPU): the trainer's forward + backward
+over one RL step of a long-prompt workload (``--groups`` prompts of ``--prompt-tokens``,
+``--group-size`` completions of ``--min-completion``..``--max-completion`` tokens each), a
+~1B Llama in bf16 with random weights, packed two ways into rows of at most
+``--row-tokens``: unshared (every completion behind its own copy of the prompt; the
+document-masked varlen/flex path) and shared (each prompt once, its completions as children
+of it; ``rlcli.ops.prefix_tree``, the flex path). Both compute the logprob of every
+completion token (checked against each other) and the same policy-gradient loss, chunked
+over the loss tokens (``rlcli.ops.logprobs``). Reported: trainer tokens/s counted over all
+trained completion tokens, and the ratio. Imports only torch, numpy and rlcli's models/ops
+(no msgspec or zmq).
+
+Default (CPU): the SmolLM2-135M recipe scaled to 4 prompts x 8 completions (strings of
+5-12 characters, 24 new tokens, lr 1e-5) run for ``--steps`` RL steps with
+``rl-orchestrate up`` several times, side by side: unshared packing with fixed threads
+(one core each for engine and trainer: the recipe before shared packing), and shared
+packing with adaptive threads (and the two mixed arms with ``--all-arms``). Reported: RL
+steps per minute, trainer time per step, unique vs total trained tokens, mean reward per
+step, and the ratio to the first arm.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from rlcli.models.config import ModelArgs  # noqa: E402
+from rlcli.models.hf_io import build_model  # noqa: E402
+from rlcli.ops.attention import ForwardContext, PackedCausalAttention  # noqa: E402
+from rlcli.ops.logprobs import chunked_logprobs  # noqa: E402
+from rlcli.ops.prefix_tree import plan_row, shared_length  # noqa: E402
+
+LLAMA_1B = dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=True, rms_norm_eps=1e-5)
+SMOKE = dict(LLAMA_1B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+
+# ------------------------------------------------------------------ --gpu: trainer forward + backward
+
+def make_groups(rng, num_groups: int, group_size: int, prompt: int, lo: int, hi: int, vocab: int):
+    """(prompt ids, [completion ids]) per group; advantages per completion."""
+    groups = []
+    for _ in range(num_groups):
+        p = rng.integers(0, vocab, prompt).tolist()
+        comps = [rng.integers(0, vocab, int(rng.integers(lo, hi + 1))).tolist() for _ in range(group_size)]
+        groups.append((p, comps, rng.standard_normal(group_size).tolist()))
+    return groups
+
+
+def pack(groups, share: bool, row_tokens: int):
+    """Rows of units (next fit): a unit is a whole group (shared) or one sample (unshared).
+    Each row: dict of [1, T] tensors (host) + its RowTree."""
+    units = []  # (num_shared, [sample token lists], [prompt len], [advantage])
+    for prompt, comps, advs in groups:
+        samples = [prompt + c for c in comps]
+        if share:
+            units.append((len(prompt) - 1, samples, [len(prompt)] * len(comps), advs))
+        else:
+            units += [(0, [s], [len(prompt)], [a]) for s, a in zip(samples, advs)]
+    rows, row, used = [], [], 0
+    for u in units:
+        n = shared_length(u[0], [len(s) for s in u[1]])
+        if row and used + n > row_tokens:
+            rows.append(row)
+            row, used = [], 0
+        row.append(u)
+        used += n
+    rows.append(row)
+    return [_row_tensors(r) for r in rows]
+
+
+def _row_tensors(units):
+    samples = [s for u in units for s in u[1]]
+    prompt_lens = [p for u in units for p in u[2]]
+    advs = [a for u in units for a in u[3]]
+    pieces, tree = plan_row([(u[0], [len(s) for s in u[1]]) for u in units])
+    ids, pos, mask, adv = [], [], [], []
+    for i, s, e in pieces:
+        ids += samples[i][s:e]
+        pos += range(s, e)
+        mask += [j >= prompt_lens[i] for j in range(s, e)]
+        adv += [advs[i]] * (e - s)
+    # Aligned on the predicting position: t carries token t + 1 (the trainer's prepare()).
+    shift = lambda x, fill: x[1:] + [fill]  # noqa: E731
+    return {"input_ids": torch.tensor([ids]), "position_ids": torch.tensor([pos]),
+            "targets": torch.tensor([shift(ids, 0)]), "loss_mask": torch.tensor([shift(mask, False)]),
+            "advantages": torch.tensor([shift(adv, 0.0)])}, tree
+
+
+def train_pass(model, rows, device, num_loss_tokens: int, chunk: int = 4096) -> list[torch.Tensor]:
+    """Forward + backward of every row (gradients accumulate); the completion tokens' logprobs."""
+    out = []
+    for t, tree in rows:
+        pos = t["position_ids"]
+        attn = PackedCausalAttention(pos, device=device, trees=[tree])
+        h = model.hidden_states(t["input_ids"].to(device, non_blocking=True), pos.to(device, non_blocking=True),
+                                ForwardContext(attn=attn))
+        index = t["loss_mask"][0].nonzero()[:, 0].to(device, non_blocking=True)  # host-side: no device sync
+        lp, _ = chunked_logprobs(h[0].index_select(0, index), model.lm_head.weight,
+                                 t["targets"][0].to(device)[index], 1.0, chunk)
+        adv = t["advantages"][0].to(device)[index]
+        (-(lp * adv).sum() / num_loss_tokens).backward()
+        out.append(lp.detach().float())
+    return out
+
+
+def gpu_main(a) -> None:
+    device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    hf = SMOKE if a.smoke else LLAMA_1B
+    args = ModelArgs.from_hf(hf)
+    torch.manual_seed(0)
+    model = build_model(args, device=device, dtype=dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0, 0.02)
+    rng = np.random.default_rng(0)
+    groups = make_groups(rng, a.groups, a.group_size, a.prompt_tokens, a.min_completion, a.max_completion,
+                         args.vocab_size)
+    num_completion = sum(len(c) for _, comps, _ in groups for c in comps)
+    results, logprobs = {}, {}
+    for name, share in (("unshared", False), ("shared", True)):
+        rows = pack(groups, share, a.row_tokens)
+        row_tokens = sum(t["input_ids"].shape[1] for t, _ in rows)
+        times = []
+        for i in range(a.warmup + a.steps):
+            model.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            lps = train_pass(model, rows, device, num_completion)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if i >= a.warmup:
+                times.append(time.perf_counter() - t0)
+        logprobs[name] = torch.cat(lps)
+        grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+        results[name] = dict(rows=len(rows), row_tokens=row_tokens, step_s=float(np.median(times)),
+                             tok_s=num_completion / float(np.median(times)),
+                             peak_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0,
+                             backend=PackedCausalAttention(rows[0][0]["position_ids"], device=device,
+                                                           trees=[rows[0][1]]).backend, grads=grads)
+    diff = (logprobs["shared"] - logprobs["unshared"]).abs().max().item()
+    g_u, g_s = results["unshared"].pop("grads"), results["shared"].pop("grads")
+    gdiff = max(((g_s[n] - g_u[n]).norm() / g_u[n].norm().clamp(min=1e-12)).item() for n in g_u)
+    ratio = results["unshared"]["step_s"] / results["shared"]["step_s"]
+    print(json.dumps({"device": str(torch.cuda.get_device_name() if device.type == "cuda" else "cpu"),
+                      "model": "smoke" if a.smoke else "llama-1b", "groups": a.groups, "group_size": a.group_size,
+                      "prompt_tokens": a.prompt_tokens, "completion_tokens": num_completion,
+                      "max_abs_logprob_diff": diff, "max_rel_grad_diff": gdiff, "ratio": ratio, **results}))
+    print(f"\n{'packing':<10} {'backend':<8} {'rows':>5} {'row tokens':>11} {'step s':>8} "
+          f"{'completion tok/s':>17} {'peak GiB':>9}")
+    for name, r in results.items():
+        print(f"{name:<10} {r['backend']:<8} {r['rows']:>5} {r['row_tokens']:>11} {r['step_s']:>8.3f} "
+              f"{r['tok_s']:>17.0f} {r['peak_gib']:>9.1f}")
+    print(f"shared / unshared trainer tokens/s: {ratio:.2f}x  (max |logprob diff| {diff:.2e}, "
+          f"max relative gradient diff {gdiff:.2e})")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gpu", action="store_true", help="trainer forward+backward, shared vs unshared (see above)")
+    p.add_argument("--smoke", action="store_true", help="tiny and on the CPU (tests the script)")
+    p.add_argument("--groups", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--prompt-tokens", type=int, default=4096)
+    p.add_argument("--min-completion", type=int, default=256)
+    p.add_argument("--max-completion", type=int, default=1024)
+    p.add_argument("--row-tokens", type=int, default=20480)
+    p.add_argument("--steps", type=int, default=None, help="timed steps (--gpu: 3) or RL steps (CPU: 30)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--all-arms", action="store_true", help="CPU: also shared+fixed and unshared+adaptive")
+    a = p.parse_args()
+    if a.gpu:
+        if a.smoke:
+            a.groups, a.prompt_tokens, a.min_completion, a.max_completion, a.row_tokens = 2, 40, 4, 12, 200
+        a.steps = a.steps or 3
+        return gpu_main(a)
+    a.steps = a.steps or (3 if a.smoke else 30)
+    return rl_main(a)
+
+
+def rl_main(a) -> None:
+    raise SystemExit("the CPU RL mode comes with shared packing in the orchestrator")
+
+
+if __name__ == "__main__":
+    main()
