@@ -76,6 +76,10 @@ class OrchestrateConfig(Config):
     num_train_ranks: int = 1
     """Trainer data-parallel ranks; each batch is split into this many balanced files."""
 
+    share_prompts: bool = True
+    """Pack each group's prompt once, its completions after it (a prefix-tree attention mask),
+    so the trainer computes the prompt once instead of group_size times; false repeats it."""
+
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.group_size < 1:
             raise ValueError("orchestrate.batch_size and orchestrate.group_size must be >= 1")

@@ -197,6 +197,9 @@ class SparseLatentAttention(InnerAttention):
     def forward(self, query: LatentQuery, kv_BS1L: torch.Tensor, index_keys_BS1D: torch.Tensor, scale: float,
                 ctx) -> torch.Tensor:
         B, T = query.q_BTHL.shape[:2]
+        if getattr(ctx.attn, "shared", False):  # its top-k window is "my document", read from positions
+            raise ValueError("DSA sparse attention does not take shared-prompt rows yet: set "
+                             "orchestrate.share_prompts = false")
         device = kv_BS1L.device
         rows = getattr(ctx.attn, "query_index", None)
         rows_T = rows.to(device) if rows is not None else torch.arange(T, device=device)

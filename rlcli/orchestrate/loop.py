@@ -244,7 +244,7 @@ class Orchestrator:
         self.buffer = [g for g in self.buffer if id(g) not in taken]
         step = self.next_step
         info = write_batch(self.run, step, groups, self.ocfg.num_train_ranks, self.cfg.train.micro_batch_tokens,
-                           self.ocfg.sampling.temperature, self.ocfg.sampling.top_p)
+                           self.ocfg.sampling.temperature, self.ocfg.sampling.top_p, self.ocfg.share_prompts)
         self.run.write_progress("orchestrate", step=step)
         self.run.append_metrics("orchestrate", self._metrics(step, groups, info))
         self.next_step += 1

@@ -5,9 +5,7 @@ from dataclasses import dataclass, field
 
 from rlcli.envs import Task
 from rlcli.protocol import Completion
-from rlcli.protocol.batch import (
-    Sample, TrainingBatch, build_micro_batch, encode_batch, pack_rows, split_rows,
-)
+from rlcli.protocol.batch import Sample, TrainingBatch, build_micro_batch, encode_batch, pack_samples
 from rlcli.transport.atomic import atomic_dir
 from rlcli.transport.rundir import RunDir
 
@@ -48,22 +46,23 @@ class Group:
 
 
 def write_batch(run: RunDir, step: int, groups: list[Group], num_ranks: int, capacity: int,
-                temperature: float, top_p: float = 1.0) -> dict:
-    """Pack ``groups`` into per-rank files under RUN/rollouts/step_<step> (STABLE last)."""
+                temperature: float, top_p: float = 1.0, share_prompts: bool = True) -> dict:
+    """Pack ``groups`` into per-rank files under RUN/rollouts/step_<step> (STABLE last); with
+    ``share_prompts`` each group's prompt is packed once (rlcli.protocol.batch)."""
     samples = [s for g in groups for s in g.samples()]
-    lengths = [len(s.token_ids) for s in samples]
-    per_rank = split_rows(pack_rows(lengths, capacity), lengths, num_ranks)
+    per_rank, num_row_tokens = pack_samples(samples, capacity, num_ranks, share_prompts)
     num_loss_tokens = sum(s.num_loss_tokens for s in samples)
     min_v = min(g.min_version for g in groups)
     max_v = max(g.max_version for g in groups)
     with atomic_dir(run.rollouts_dir(step), {"step": step, "num_samples": len(samples)}) as tmp:
         for rank, rows in enumerate(per_rank):
-            batch = TrainingBatch(
-                step=step, rank=rank,
-                micro_batches=[build_micro_batch([samples[i] for i in row], temperature, top_p) for row in rows],
-                num_loss_tokens=num_loss_tokens, num_samples=len(samples), min_version=min_v, max_version=max_v)
+            micro_batches = [build_micro_batch([samples[i] for i in row], temperature, top_p, share_prompts)
+                             for row in rows]
+            batch = TrainingBatch(step=step, rank=rank, micro_batches=micro_batches, num_loss_tokens=num_loss_tokens,
+                                  num_samples=len(samples), min_version=min_v, max_version=max_v)
             data = encode_batch(batch)
             (tmp / f"{rank}.msgpack").write_bytes(data)
             (tmp / f"{rank}.msgpack.sha256").write_text(hashlib.sha256(data).hexdigest() + "\n")
     return {"num_samples": len(samples), "num_loss_tokens": num_loss_tokens,
-            "num_micro_batches": sum(len(r) for r in per_rank), "min_version": min_v, "max_version": max_v}
+            "num_micro_batches": sum(len(r) for r in per_rank), "min_version": min_v, "max_version": max_v,
+            "num_row_tokens": num_row_tokens, "num_sample_tokens": sum(len(s.token_ids) for s in samples)}

@@ -35,6 +35,7 @@ import torch.nn as nn
 from rlcli.errors import ConfigError
 from rlcli.ops.attention import InnerAttention
 from rlcli.ops.document_attention import AttentionBackend, PackedCausalAttention
+from rlcli.ops.prefix_tree import RowTree
 
 # Per-token loss inputs that belong to the token being predicted.
 TARGET_KEYS = ("loss_mask", "advantages", "inference_logprobs", "versions")
@@ -79,18 +80,28 @@ def check_cp(cp_size: int, num_tokens: int) -> None:
 
 
 def shard_batch_for_cp(t: dict, cp_rank: int, cp_size: int, backend: AttentionBackend = "auto",
-                       host_position_ids: torch.Tensor | None = None) -> tuple[dict, PackedCausalAttention]:
+                       host_position_ids: torch.Tensor | None = None, tree: RowTree | None = None
+                       ) -> tuple[dict, PackedCausalAttention]:
     """This rank's part of a packed batch and the attention backend for it.
 
     Every ``[B, T, ...]`` tensor of ``t`` is padded to a multiple of 2*cp (padding is a
     document of its own, with no loss) and cut to this rank's two chunks;
     ``routed_experts`` (``[B*T, layers, k]``) likewise. The returned attention holds the
     full rows' document structure and this rank's query indices. Pass the positions' host
-    copy as ``host_position_ids`` (e.g. from the batch file) to spare a device sync."""
+    copy as ``host_position_ids`` (e.g. from the batch file) to spare a device sync, and a
+    shared-prompt row's ``tree`` (one row): a shared prompt may then be cut across ranks,
+    each rank's queries attending to the whole row's keys through the tree's mask."""
     ids = t["input_ids"]
     B, T = ids.shape
     check_cp(cp_size, T)
     pad = -T % (2 * cp_size)
+    trees = None
+    if tree is not None:
+        assert B == 1, B
+        trees = [tree.padded(pad)]
+        pad_values = dict(_PAD_VALUES, segment_ids=len(tree.spans))
+    else:
+        pad_values = _PAD_VALUES
 
     def padded(position_ids):
         pad_pos = torch.arange(pad, device=position_ids.device, dtype=position_ids.dtype).expand(B, pad)
@@ -113,11 +124,12 @@ def shard_batch_for_cp(t: dict, cp_rank: int, cp_size: int, backend: AttentionBa
         if key == "position_ids":
             x = position_ids
         elif pad:
-            x = torch.cat([x, torch.full((B, pad, *x.shape[2:]), _PAD_VALUES.get(key, 0), dtype=x.dtype,
+            x = torch.cat([x, torch.full((B, pad, *x.shape[2:]), pad_values.get(key, 0), dtype=x.dtype,
                                          device=x.device)], dim=1)
         x = x[:, index.to(x.device)]
         out[key] = x.reshape(-1, *x.shape[2:]) if flat_tokens else x
-    return out, PackedCausalAttention(host_positions, backend=backend, query_index_T=index, device=ids.device)
+    return out, PackedCausalAttention(host_positions, backend=backend, query_index_T=index, device=ids.device,
+                                      trees=trees)
 
 
 class _GatherRows(torch.autograd.Function):

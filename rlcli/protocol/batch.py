@@ -5,12 +5,19 @@ Samples are packed into rows of ``micro_batch_tokens`` tokens: several sequences
 row, each starting at position 0, so attention is block-diagonal causal within a row.
 Every per-token array has the row's length. ``num_loss_tokens`` counts loss tokens over
 all ranks, so each rank can normalize the token-level loss globally without a collective.
+
+Shared prompts (``share_prompts``): consecutive samples with the same prompt (a group)
+are packed as a prefix tree, the prompt once and each completion after it, continuing its
+positions (layout and why: :mod:`rlcli.ops.prefix_tree`). Such a row carries
+``segment_ids`` and ``segment_parents``; a row without them (and every batch file written
+before them) is plain document packing, read as before.
 """
 
 from typing import Optional
 
 import msgspec
 
+from rlcli.ops.prefix_tree import RowTree, plan_row, shared_length
 from rlcli.protocol.messages import WireTensor
 
 
@@ -36,6 +43,18 @@ class MicroBatch(msgspec.Struct, kw_only=True):
     """Sampling nucleus mass; below 1 the trainer truncates and renormalizes as the engine did."""
     num_samples: int = 0
     """Sequences packed in this micro-batch."""
+    segment_ids: Optional[WireTensor] = None
+    """int32 [T] shared-prompt rows: the segment (0, 1, ... in row order) of each token; None: a
+    segment (document) starts at every position 0."""
+    segment_parents: Optional[WireTensor] = None
+    """int32 [num segments]: the earlier segment each segment extends (-1: none). A token sees
+    its segment's ancestors and the earlier tokens of its own segment, never a sibling's."""
+
+    def tree(self) -> RowTree:
+        """The row's segments (rlcli.ops.prefix_tree), for either layout."""
+        if self.segment_ids is None:
+            return RowTree.from_positions(self.position_ids.numpy())
+        return RowTree.from_segments(self.segment_ids.numpy(), self.segment_parents.numpy())
 
 
 class TrainingBatch(msgspec.Struct, kw_only=True):
@@ -123,37 +142,90 @@ def split_rows(rows: list[list[int]], lengths: list[int], num_ranks: int) -> lis
     return per_rank
 
 
-def build_micro_batch(samples: list[Sample], temperature: float, top_p: float = 1.0) -> MicroBatch:
-    """Concatenate samples into one packed row."""
+def prompt_units(samples: list[Sample], capacity: int | None = None) -> list[tuple[int, list[int]]]:
+    """Runs of consecutive samples that share a prompt: ``(num_shared, sample indices)``.
+
+    Samples share when their ``num_prompt_tokens`` and prompt tokens are equal (and, with R3,
+    the prompt's routes, so that every token replays exactly its own routes). ``num_shared``
+    is the prompt minus its last token (0: nothing to share). With ``capacity``, a run is cut
+    so that each unit fits a row of that many tokens."""
+    units: list[tuple[int, list[int]]] = []
+    for i, s in enumerate(samples):
+        shared = s.num_prompt_tokens - 1
+        if units and shared > 0 and _same_prompt(samples[units[-1][1][0]], s):
+            num, idx = units[-1]
+            lengths = [len(samples[j].token_ids) for j in idx + [i]]
+            if capacity is None or shared_length(num, lengths) <= capacity:
+                units[-1] = (shared, idx + [i])
+                continue
+        units.append((max(shared, 0), [i]))
+    return units
+
+
+def _same_prompt(a: Sample, b: Sample) -> bool:
+    p = a.num_prompt_tokens
+    if b.num_prompt_tokens != p or a.token_ids[:p] != b.token_ids[:p]:
+        return False
+    if (a.routed_experts is None) != (b.routed_experts is None):
+        return False
+    return a.routed_experts is None or (a.routed_experts.numpy()[:p - 1] == b.routed_experts.numpy()[:p - 1]).all()
+
+
+def pack_samples(samples: list[Sample], capacity: int, num_ranks: int, share_prompts: bool
+                 ) -> tuple[list[list[list[int]]], int]:
+    """Sample indices of each row of each rank (first-fit decreasing over whole groups when
+    ``share_prompts``, else over samples), and the rows' total tokens."""
+    units = prompt_units(samples, capacity) if share_prompts else [(0, [i]) for i in range(len(samples))]
+    lengths = [shared_length(n, [len(samples[i].token_ids) for i in idx]) for n, idx in units]
+    per_rank = split_rows(pack_rows(lengths, capacity), lengths, num_ranks)
+    rows = [[[i for u in row for i in units[u][1]] for row in rank] for rank in per_rank]
+    return rows, sum(lengths)
+
+
+def _sample_arrays(s: Sample) -> dict:
+    """Per-token arrays of one sample, unpacked (prompt tokens carry no loss)."""
     import numpy as np
 
-    ids, pos, mask, adv, lps, vers = [], [], [], [], [], []
-    routes = []
-    for s in samples:
-        n, p = len(s.token_ids), s.num_prompt_tokens
-        c = n - p
-        ids.extend(s.token_ids)
-        pos.extend(range(n))
-        adv.extend([0.0] * p + [s.advantage] * c)
-        if s.loss_mask:  # a multi-turn episode: environment turns are context, not trained
-            assert len(s.loss_mask) == c == len(s.logprobs) == len(s.versions), "per-token lists must cover it"
-            mask.extend([False] * p + list(s.loss_mask))
-            # Tokens the model did not sample carry no logprob or version, like the prompt's.
-            lps.extend([0.0] * p + [lp if t else 0.0 for lp, t in zip(s.logprobs, s.loss_mask)])
-            vers.extend([-1] * p + [v if t else -1 for v, t in zip(s.versions, s.loss_mask)])
-        else:
-            mask.extend([False] * p + [True] * c)
-            lps.extend([0.0] * p + list(s.logprobs))
-            vers.extend([-1] * p + list(s.versions))
-        if s.routed_experts is not None:
-            r = s.routed_experts.numpy()
-            # Routes exist for every token but the last; the last token's are never used
-            # (its output predicts nothing), so repeat the previous row.
-            routes.append(np.concatenate([r, r[-1:]], axis=0) if len(r) == n - 1 else r)
+    n, p = len(s.token_ids), s.num_prompt_tokens
+    c = n - p
+    if s.loss_mask:  # a multi-turn episode: environment turns are context, not trained
+        assert len(s.loss_mask) == c == len(s.logprobs) == len(s.versions), "per-token lists must cover it"
+        mask = [False] * p + list(s.loss_mask)
+        # Tokens the model did not sample carry no logprob or version, like the prompt's.
+        lps = [0.0] * p + [lp if t else 0.0 for lp, t in zip(s.logprobs, s.loss_mask)]
+        vers = [-1] * p + [v if t else -1 for v, t in zip(s.versions, s.loss_mask)]
+    else:
+        mask, lps, vers = [False] * p + [True] * c, [0.0] * p + list(s.logprobs), [-1] * p + list(s.versions)
+    out = {"input_ids": np.asarray(s.token_ids, dtype=np.int32), "position_ids": np.arange(n, dtype=np.int32),
+           "loss_mask": np.asarray(mask, dtype=np.bool_),
+           "advantages": np.asarray([0.0] * p + [s.advantage] * c, dtype=np.float32),
+           "inference_logprobs": np.asarray(lps, dtype=np.float32), "versions": np.asarray(vers, dtype=np.int32)}
+    if s.routed_experts is not None:
+        r = s.routed_experts.numpy()
+        # Routes exist for every token but the last; the last token's are never used
+        # (its output predicts nothing), so repeat the previous row.
+        out["routed_experts"] = np.concatenate([r, r[-1:]], axis=0) if len(r) == n - 1 else r
+    return out
+
+
+def build_micro_batch(samples: list[Sample], temperature: float, top_p: float = 1.0,
+                      share_prompts: bool = False) -> MicroBatch:
+    """Concatenate samples into one packed row; with ``share_prompts``, consecutive samples
+    with the same prompt share it (:func:`prompt_units`, module docstring)."""
+    import numpy as np
+
+    units = prompt_units(samples) if share_prompts else [(0, [i]) for i in range(len(samples))]
+    order = [i for _, idx in units for i in idx]
+    pieces, tree = plan_row([(n, [len(samples[i].token_ids) for i in idx]) for n, idx in units])
+    arrays = [_sample_arrays(samples[i]) for i in order]
+    names = [k for k in arrays[0] if all(k in a for a in arrays)] if arrays else []
+    row = {k: np.concatenate([arrays[i][k][s:e] for i, s, e in pieces]) for k in names}
     T = WireTensor.from_numpy
+    shared = tree.shared
     return MicroBatch(
-        input_ids=T(np.asarray(ids, dtype=np.int32)), position_ids=T(np.asarray(pos, dtype=np.int32)),
-        loss_mask=T(np.asarray(mask, dtype=np.bool_)), advantages=T(np.asarray(adv, dtype=np.float32)),
-        inference_logprobs=T(np.asarray(lps, dtype=np.float32)), versions=T(np.asarray(vers, dtype=np.int32)),
-        routed_experts=T(np.concatenate(routes)) if routes and len(routes) == len(samples) else None,
-        temperature=temperature, top_p=top_p, num_samples=len(samples))
+        **{k: T(row[k]) for k in ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs",
+                                  "versions")},
+        routed_experts=T(row["routed_experts"]) if "routed_experts" in row else None,
+        temperature=temperature, top_p=top_p, num_samples=len(samples),
+        segment_ids=T(tree.segment_ids().astype(np.int32)) if shared else None,
+        segment_parents=T(np.asarray(tree.parents, dtype=np.int32)) if shared else None)

@@ -33,7 +33,8 @@ _SHIFTED = ("loss_mask", "advantages", "inference_logprobs")
 
 def prepare(mb: MicroBatch, device: torch.device, empty: bool = False) -> dict[str, torch.Tensor]:
     """[1, T] tensors of one packed row, aligned on predicting positions (module docstring).
-    ``empty`` zeroes the loss mask (a padding pass)."""
+    ``empty`` zeroes the loss mask (a padding pass). Host-side: ``tree`` (the row's segments,
+    rlcli.ops.prefix_tree) and ``host_loss_mask`` (which positions score a loss token)."""
     t = to_tensors(mb, device)
 
     def shift(x: torch.Tensor) -> torch.Tensor:
@@ -44,6 +45,17 @@ def prepare(mb: MicroBatch, device: torch.device, empty: bool = False) -> dict[s
         t[name] = shift(t[name])
     if empty:
         t["loss_mask"] = torch.zeros_like(t["loss_mask"])
+    tree = mb.tree()
+    t["tree"] = tree
+    t["segment_ids"] = torch.from_numpy(tree.segment_ids())[None].to(device, non_blocking=True)
+    host_mask = torch.zeros(1, tree.num_tokens, dtype=torch.bool)
+    if not empty:
+        host_mask[0, :-1] = torch.from_numpy(mb.loss_mask.numpy()[1:].copy())
+    t["host_loss_mask"] = host_mask
+    # A sample's last token was never run by the engine (its route is a filler): leaf segment ends.
+    counted = torch.ones(tree.num_tokens, dtype=torch.bool)
+    counted[[tree.spans[j][1] - 1 for j in tree.leaves()]] = False
+    t["route_counted"] = counted[None].to(device, non_blocking=True)
     t["temperature"] = mb.temperature
     t["top_p"] = mb.top_p
     return t
@@ -61,6 +73,8 @@ def routing_for(t: dict, model: torch.nn.Module, r3: bool) -> RoutingContext | N
         raise ConfigError("rl-train runs with r3 = true but the rollout batch has no routes: set r3 = true "
                           "for rl-orchestrate too")
     check_routes(routes, model.args, t["input_ids"].shape[1])
+    if "route_counted" in t:
+        return RoutingContext(replay=routes, counted=t["route_counted"].flatten())
     pos = t["position_ids"][0]
     last = torch.cat([pos[1:] == 0, pos.new_ones(1, dtype=torch.bool)])  # a sequence's last token: filler route
     return RoutingContext(replay=routes, counted=~last)
@@ -71,15 +85,16 @@ def forward_backward(model: torch.nn.Module, t: dict, normalizer: torch.Tensor, 
     """Loss of one row divided by ``normalizer`` (device scalar), backward; sums for metrics.
     ``attn``: the attention backend for ``t`` (context parallelism builds its own)."""
     routing = routing_for(t, model, r3)
-    ctx = ForwardContext(attn=attn if attn is not None else PackedCausalAttention(t["position_ids"]), routing=routing)
+    if attn is None:
+        trees = [t["tree"]] if "tree" in t else None
+        attn = PackedCausalAttention(t["position_ids"], trees=trees, device=t["input_ids"].device)
+    ctx = ForwardContext(attn=attn, routing=routing)
     h_BTD = model.hidden_states(t["input_ids"], t["position_ids"], ctx)
     targets = t["targets"]
-    lp, entropy = chunked_logprobs(h_BTD.flatten(0, 1), model.lm_head.weight, targets.flatten(),
-                                   t["temperature"], chunk, t["top_p"])
-    lp, entropy = lp.view(targets.shape), entropy.view(targets.shape)
+    lp, entropy = _loss_token_logprobs(h_BTD, model.lm_head.weight, t, chunk)
     mask = t["loss_mask"]
-    loss, kept, metrics = loss_fn(lp, t["inference_logprobs"], t["advantages"], mask,
-                                  sequence_ids(t["position_ids"]), lcfg)
+    seq_ids = t["segment_ids"] if "segment_ids" in t else sequence_ids(t["position_ids"])
+    loss, kept, metrics = loss_fn(lp, t["inference_logprobs"], t["advantages"], mask, seq_ids, lcfg)
     # The entropy bonus acts only on the tokens the loss keeps; without it no gradient flows into the entropy.
     total = loss - lcfg.entropy_coef * (entropy * kept).sum() if lcfg.entropy_coef else loss
     (total / normalizer).backward()
@@ -89,6 +104,24 @@ def forward_backward(model: torch.nn.Module, t: dict, normalizer: torch.Tensor, 
         metrics["router_disagree"] = torch.as_tensor(routing.num_disagree, dtype=torch.float32, device=lp.device)
         metrics["router_pairs"] = torch.as_tensor(routing.num_pairs, dtype=torch.float32, device=lp.device)
     return metrics
+
+
+def _loss_token_logprobs(h_BTD: torch.Tensor, weight_VD: torch.Tensor, t: dict, chunk: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprob and entropy ``[B, T]`` at the positions that score a loss token (0 elsewhere): the
+    LM head runs on those only, never on prompt tokens. The positions come from the host copy of
+    the loss mask, so selecting them costs no device sync."""
+    targets = t["targets"]
+    host_mask = t.get("host_loss_mask")
+    if host_mask is None:
+        lp, entropy = chunked_logprobs(h_BTD.flatten(0, 1), weight_VD, targets.flatten(), t["temperature"], chunk,
+                                       t["top_p"])
+        return lp.view(targets.shape), entropy.view(targets.shape)
+    index = host_mask.flatten().nonzero()[:, 0].to(h_BTD.device, non_blocking=True)
+    lp, entropy = chunked_logprobs(h_BTD.flatten(0, 1).index_select(0, index), weight_VD,
+                                   targets.flatten().index_select(0, index), t["temperature"], chunk, t["top_p"])
+    zeros = torch.zeros(targets.numel(), dtype=lp.dtype, device=lp.device)
+    return zeros.index_add(0, index, lp).view(targets.shape), zeros.index_add(0, index, entropy).view(targets.shape)
 
 
 def accumulate(model: torch.nn.Module, micro_batches: list[MicroBatch], dims, device: torch.device,
@@ -106,7 +139,7 @@ def accumulate(model: torch.nn.Module, micro_batches: list[MicroBatch], dims, de
             from rlcli.parallel.context import shard_batch_for_cp
 
             host_pos = torch.from_numpy(mb.position_ids.numpy().astype("int64"))[None]
-            t, attn = shard_batch_for_cp(t, cp_rank, dims.cp, host_position_ids=host_pos)
+            t, attn = shard_batch_for_cp(t, cp_rank, dims.cp, host_position_ids=host_pos, tree=t["tree"])
         for k, v in forward_backward(model, t, normalizer, loss_fn, lcfg, chunk, attn, r3).items():
             if k.endswith("_max"):
                 totals[k] = torch.maximum(totals[k], v) if k in totals else v
