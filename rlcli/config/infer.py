@@ -31,7 +31,12 @@ class NativeEngineConfig(EngineBase, tag="native"):
     """Memory for the KV cache; it sets the number of blocks."""
 
     num_threads: int = 0
-    """torch intra-op threads; 0 keeps torch's default."""
+    """threads = "fixed": torch intra-op threads (0 keeps torch's default); "adaptive": the most
+    this server takes (0: every core of the host)."""
+
+    threads: Literal["fixed", "adaptive"] = "adaptive"
+    """fixed: num_threads throughout; adaptive (CPU): this server's share of the host's cores among
+    the run's processes computing right now (rl-train, other servers), re-read before each step."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

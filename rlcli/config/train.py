@@ -163,7 +163,12 @@ class TrainConfig(Config):
     logits of one chunk are the largest tensor; backward recomputes them chunk by chunk)."""
 
     num_threads: int = 0
-    """torch intra-op threads; 0 keeps torch's default."""
+    """threads = "fixed": torch intra-op threads (0 keeps torch's default); "adaptive": the most
+    this process takes (0: every core of the host)."""
+
+    threads: Literal["fixed", "adaptive"] = "adaptive"
+    """fixed: num_threads throughout; adaptive (CPU): this process's share of the host's cores among
+    the run's processes computing right now (rl-infer, other ranks), re-read between layers."""
 
     pub_port: int = 0
     """TCP port of the weights-published announcement socket; 0 picks a free one."""

@@ -138,7 +138,7 @@ class NativeEngine:
     def from_config(cls, cfg: RecipeConfig, weights: Path, version: int, instance: int = 0) -> "NativeEngine":
         """Load the model and tokenizer of ``weights`` on ``infer.device`` (see ``rlcli.infer.base``)."""
         icfg, ecfg = cfg.infer, cfg.infer.engine
-        if ecfg.num_threads:
+        if ecfg.num_threads and ecfg.threads == "fixed":  # adaptive: the server's CoreShare sets them
             torch.set_num_threads(ecfg.num_threads)
         device = resolve_device(icfg.device)
         # infer.fp8: FP8 weights + scales (as published, or quantized on load as the trainer's forward does)

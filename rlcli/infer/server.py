@@ -81,6 +81,12 @@ class InferServer:
         self.clients: dict[str, bytes] = {}  # request_id -> ZeroMQ client identity
         self.sinks: dict[str, Sink] = {}  # request_id -> HTTP handler
         self.stopping = False
+        self.cores = None  # adaptive threads (rlcli.transport.cores): the native engine on a CPU
+        ecfg = icfg.engine
+        if ecfg.name == "native" and ecfg.threads == "adaptive" and icfg.device == "cpu":
+            from rlcli.transport.cores import CoreShare
+
+            self.cores = CoreShare(run.root, "infer", instance, ecfg.num_threads)
         log.info("serving policy v%d from %s with the %s engine on %s (%s, role %s) in %.1fs", version, weights,
                  icfg.engine.name, icfg.device, ", ".join(endpoints.values()), icfg.role, time.monotonic() - t0)
 
@@ -175,9 +181,13 @@ class InferServer:
             poller.register(self.http.wake_socket, zmq.POLLIN)
         while not self.stopping:
             if not self.engine.has_work():
+                if self.cores is not None:
+                    self.cores.busy(False)
                 poller.poll(50)
             self.drain()
             if self.engine.has_work():
+                if self.cores is not None:
+                    self.cores.busy(True)  # and take this step's share of the cores
                 self.route(self.engine.step())
 
     def close(self) -> None:
@@ -189,6 +199,8 @@ class InferServer:
         self.registration.close()
         self.server.close()
         self.engine.close()
+        if self.cores is not None:
+            self.cores.close()
 
 
 def run(cfg: RecipeConfig, run: RunDir, instance: int = 0) -> int:

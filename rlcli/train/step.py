@@ -128,7 +128,9 @@ def accumulate(model: torch.nn.Module, micro_batches: list[MicroBatch], dims, de
                loss_fn: Callable, lcfg, chunk: int, r3: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """forward_backward over this rank's rows (padded to the busiest rank's count; cut to this
     rank's part of each row under context parallelism). Returns this rank's metric sums and
-    the step's loss-token count (all-reduced over the dp ranks)."""
+    the step's loss-token count (all-reduced over the dp ranks). The sums include
+    ``tokens_unique`` (tokens the rows hold, each shared prompt once) and ``tokens_total``
+    (the same samples packed unshared)."""
     dp_group = dims.mesh["dp"].get_group() if dims.enabled else None
     normalizer = global_loss_tokens(micro_batches, device, dp_group)
     cp_rank = dims.coords(torch.distributed.get_rank())[1] if dims.enabled else 0
@@ -140,7 +142,12 @@ def accumulate(model: torch.nn.Module, micro_batches: list[MicroBatch], dims, de
 
             host_pos = torch.from_numpy(mb.position_ids.numpy().astype("int64"))[None]
             t, attn = shard_batch_for_cp(t, cp_rank, dims.cp, host_position_ids=host_pos, tree=t["tree"])
-        for k, v in forward_backward(model, t, normalizer, loss_fn, lcfg, chunk, attn, r3).items():
+        metrics = forward_backward(model, t, normalizer, loss_fn, lcfg, chunk, attn, r3)
+        if not padding and cp_rank == 0:  # the CP ranks of a row count its tokens once
+            tree = t["tree"]
+            metrics["tokens_unique"] = torch.tensor(float(tree.num_tokens), device=device)
+            metrics["tokens_total"] = torch.tensor(float(tree.num_unshared_tokens()), device=device)
+        for k, v in metrics.items():
             if k.endswith("_max"):
                 totals[k] = torch.maximum(totals[k], v) if k in totals else v
             else:

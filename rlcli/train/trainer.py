@@ -43,6 +43,7 @@ from rlcli.train.publish import make_publisher
 from rlcli.train.sft import run_sft
 from rlcli.train.step import accumulate
 from rlcli.transport.atomic import atomic_dir, clean_temporaries, is_stable
+from rlcli.transport.cores import CoreShare, hook_layers
 from rlcli.transport.registry import Registration
 from rlcli.transport.rundir import RunDir
 from rlcli.transport.zmq import Publisher
@@ -72,11 +73,14 @@ class Trainer:
     def __init__(self, cfg: RecipeConfig, run: RunDir):
         self.cfg, self.run = cfg, run
         tcfg = cfg.train
-        if tcfg.num_threads:
+        if tcfg.num_threads and tcfg.threads == "fixed":
             torch.set_num_threads(tcfg.num_threads)
         torch.manual_seed(cfg.seed)
         self.dist = pdist.init_distributed()
         self.device = self.dist.device
+        self.cores = None  # adaptive threads on a CPU: a share of the cores by who computes (rlcli.transport.cores)
+        if tcfg.threads == "adaptive" and self.device.type == "cpu":
+            self.cores = CoreShare(run.root, "train", self.dist.rank, tcfg.num_threads)
         self.args = ModelArgs.from_dir(cfg.model.path)
         self.dims = resolve_dims(tcfg.parallel, self.dist.world_size, self.args.num_experts,
                                  cfg.orchestrate.num_train_ranks, tcfg.micro_batch_tokens).build(self.device.type)
@@ -92,6 +96,9 @@ class Trainer:
             clean_temporaries(run.root / "weights")
         self.weights = make_publisher(cfg, run.root, self.announce, self.device)  # every rank: sync.backend
         self.model = self._build_model(self._policy_zero())
+        if self.cores is not None:
+            hook_layers(self.cores, self.model.model.layers)
+            self.cores.busy(False)  # until a batch arrives (the SFT warm-up was busy)
         o = tcfg.optim
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                            weight_decay=o.weight_decay)
@@ -119,6 +126,8 @@ class Trainer:
         cfg, run = self.cfg, self.run
         if not is_stable(run.weights_dir(0)) and self.dist.is_main:
             if cfg.train.sft.num_steps:
+                if self.cores is not None:
+                    self.cores.busy(True)
                 model = load_model(cfg.model.path, self.device, self.dtype, cfg.seed, fp8=cfg.train.fp8)
                 log.info("SFT warm-up: %d steps", cfg.train.sft.num_steps)
                 run_sft(cfg, model, load_tokenizer(cfg.model.path), log,
@@ -190,7 +199,8 @@ class Trainer:
                             normalizer.reshape(1), grad_norm.reshape(1).to(summed)]).tolist()
         # ^ the one host sync of the step
         host = dict(zip(sums + maxes + list(load) + ["num_loss_tokens", "grad_norm"], values))
-        return step_metrics(host, host["num_loss_tokens"]) | {k: host[k] for k in load} | {
+        tokens = {k: host.get(k, 0.0) for k in ("tokens_unique", "tokens_total")}
+        return step_metrics(host, host["num_loss_tokens"]) | {k: host[k] for k in load} | tokens | {
             "grad_norm": host["grad_norm"], "lr": self.scheduler.get_last_lr()[0]}
 
     def _expert_load(self) -> dict[str, torch.Tensor]:
@@ -221,8 +231,15 @@ class Trainer:
                 return 1
             wait_s = time.monotonic() - t_wait
             t0 = time.monotonic()
+            if self.cores is not None:
+                self.cores.busy(True)
             metrics = self.train_step(batch)
+            if self.cores is not None:
+                metrics["threads"] = self.cores.threads  # the share at the end of the step
+                self.cores.busy(False)
             compute_s = time.monotonic() - t0
+            # Shared prompts: the rows hold fewer tokens than the samples (tokens_total); time per unique one.
+            metrics["compute_us_per_unique_token"] = compute_s * 1e6 / max(metrics["tokens_unique"], 1.0)
             self.step = step
             t1 = time.monotonic()
             self.publish(step)
@@ -238,13 +255,15 @@ class Trainer:
                 run.append_metrics("train", record)
                 run.write_progress("train", step=step)
             log.info("step %d loss %+.4f kl %.2e (kept %.2e) masked %.3f (low %.3f high %.3f) |dlp| max %.2f%s "
-                     "|g| %.3f lag %d (wait %.2fs, train %.2fs, save %.2fs)",
+                     "|g| %.3f lag %d tokens %d/%d (wait %.2fs, train %.2fs, save %.2fs)",
                      step, metrics["loss"], metrics["mismatch_kl"], metrics["mismatch_kl_kept"],
                      metrics["masked_fraction"], metrics["masked_low_fraction"], metrics["masked_high_fraction"],
                      metrics["logprob_diff_abs_max"],
                      (f" router disagree {metrics['router_disagreement']:.3f}" if "router_disagreement" in metrics
                       else "") + (f" experts max/mean {metrics['moe_max_over_mean']:.2f}"
-                                  if "moe_max_over_mean" in metrics else ""), metrics["grad_norm"], record["off_policy_lag"], wait_s, compute_s, save_s)
+                                  if "moe_max_over_mean" in metrics else ""), metrics["grad_norm"],
+                     record["off_policy_lag"], metrics["tokens_unique"], metrics["tokens_total"], wait_s, compute_s,
+                     save_s)
         return 0
 
     def close(self) -> None:
@@ -254,6 +273,8 @@ class Trainer:
             if self.registration is not None:
                 self.registration.close()
                 self.publisher.close()
+            if self.cores is not None:
+                self.cores.close()
 
 
 def run(cfg: RecipeConfig, rundir: RunDir) -> int:

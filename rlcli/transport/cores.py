@@ -1,0 +1,152 @@
+"""Adaptive thread counts: the processes of a run on one CPU host share its cores by who is busy.
+
+On a CPU box rl-train and rl-infer compete for the same few cores. Fixed thread counts
+waste them: with one thread each, the trainer computes on one core while the engine,
+idle between batches, leaves the other unused; with all cores each, their OpenMP teams
+oversubscribe the cores whenever both compute, and a team waits at every barrier for its
+preempted thread. Here each process says when it computes, and every busy process takes
+an equal share of the cores (the trainer takes the remainder): the trainer takes all of
+them while the engine idles and yields half as soon as the engine generates.
+
+Mechanism: each process maps one small file, ``RUN/cores/<host>/<role>-<id>-<pid>``, whose
+first byte is 1 while it computes. :meth:`CoreShare.adapt` reads the others' bytes (a
+memory read, no system call; the directory is rescanned every ``rescan_s`` for processes
+that came or went, and files of dead pids are ignored) and calls ``torch.set_num_threads``
+when the share changed. It must be called from the thread that runs the compute (torch's
+intra-op thread count is per calling thread): the engine calls it before each step, the
+trainer from hooks between layers (forward and backward), so a change reaches a running
+step within one layer. Files live per host, so processes on other hosts never count.
+"""
+
+import mmap
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Callable
+
+
+def host_cores() -> int:
+    """Cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _set_torch_threads(n: int) -> None:
+    import torch
+
+    torch.set_num_threads(n)
+
+
+class CoreShare:
+    """This process's entry in the run's core-sharing board (module docstring)."""
+
+    def __init__(self, run_root: str | Path, role: str, instance: int = 0, max_threads: int = 0,
+                 set_threads: Callable[[int], None] = _set_torch_threads, rescan_s: float = 2.0):
+        self.directory = Path(run_root) / "cores" / socket.gethostname()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.role = role
+        self.cores = host_cores()
+        self.max_threads = min(max_threads, self.cores) if max_threads else self.cores
+        self.set_threads = set_threads
+        self.rescan_s = rescan_s
+        self.path = self.directory / f"{role}-{instance}-{os.getpid()}"
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.write(fd, b"\0")
+        self._mine = mmap.mmap(fd, 1)
+        os.close(fd)
+        self._peers: dict[str, mmap.mmap] = {}
+        self._scanned = 0.0
+        self.threads = 0
+        self.is_busy = False
+
+    def busy(self, flag: bool) -> int:
+        """Mark this process computing (or not), then :meth:`adapt`."""
+        if flag != self.is_busy:
+            self.is_busy = flag
+            self._mine[0] = 1 if flag else 0
+        return self.adapt()
+
+    def share(self) -> int:
+        """Threads for this process now: the cores split over the busy processes (itself counted)."""
+        others = sum(1 for m in self._peer_maps() if m[0])
+        n = others + 1
+        threads = self.cores // n + (self.cores % n if self.role == "train" else 0)
+        return max(1, min(threads, self.max_threads))
+
+    def adapt(self) -> int:
+        """Set this thread's torch thread count to :meth:`share` if it changed; returns it."""
+        threads = self.share()
+        if threads != self.threads:
+            self.set_threads(threads)
+            self.threads = threads
+        return threads
+
+    def _peer_maps(self):
+        now = time.monotonic()
+        if now - self._scanned > self.rescan_s:
+            self._scanned = now
+            self._rescan()
+        return self._peers.values()
+
+    def _rescan(self) -> None:
+        try:
+            names = {p.name for p in self.directory.iterdir() if p != self.path}
+        except FileNotFoundError:
+            names = set()
+        for name in list(self._peers):
+            if name not in names or not _alive(name):
+                self._peers.pop(name).close()
+        for name in names - set(self._peers):
+            if not _alive(name):
+                continue
+            try:
+                with open(self.directory / name, "rb") as f:
+                    self._peers[name] = mmap.mmap(f.fileno(), 1, access=mmap.ACCESS_READ)
+            except (OSError, ValueError):  # vanished, or not written yet
+                continue
+
+    def close(self) -> None:
+        for m in self._peers.values():
+            m.close()
+        self._peers.clear()
+        self._mine.close()
+        self.path.unlink(missing_ok=True)
+
+
+def _alive(name: str) -> bool:
+    try:
+        pid = int(name.rsplit("-", 1)[1])
+        os.kill(pid, 0)
+    except (ValueError, IndexError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def hook_layers(cores: CoreShare, layers) -> list:
+    """Call ``cores.adapt()`` before each of ``layers`` runs forward and when backward reaches
+    its output, so a running step follows the board within one layer. Returns the handles."""
+    import torch
+
+    def backward_hook(grad):
+        cores.adapt()
+        return grad
+
+    def forward_hook(module, args, output):
+        out = output[0] if isinstance(output, tuple) else output
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(backward_hook)
+        return output
+
+    def forward_pre_hook(module, args):
+        cores.adapt()  # returns None: the layer's inputs stay as they are
+
+    handles = []
+    for layer in layers:
+        handles.append(layer.register_forward_pre_hook(forward_pre_hook))
+        handles.append(layer.register_forward_hook(forward_hook))
+    return handles

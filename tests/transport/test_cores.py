@@ -1,0 +1,65 @@
+"""Adaptive thread counts: busy processes of one host split its cores; idle and dead ones do not count."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rlcli.transport.cores import CoreShare, hook_layers
+
+
+def _share(tmp_path, role, instance, cores, calls=None):
+    c = CoreShare(tmp_path, role, instance, set_threads=(calls.append if calls is not None else lambda n: None),
+                  rescan_s=0.0)
+    c.cores = c.max_threads = cores
+    return c
+
+
+def test_busy_processes_split_the_cores(tmp_path):
+    calls = []
+    train, infer = _share(tmp_path, "train", 0, 5, calls), _share(tmp_path, "infer", 0, 5)
+    assert train.busy(True) == 5 and calls == [5]  # the engine idles: the trainer takes every core
+    assert infer.busy(True) == 2  # both compute: an equal share, the trainer keeps the remainder
+    assert train.adapt() == 3 and calls == [5, 3]
+    infer.busy(False)
+    assert train.adapt() == 5 and calls == [5, 3, 5]
+    assert train.adapt() == 5 and len(calls) == 3  # unchanged: no call
+    infer.close()
+    assert not any(p.name.startswith("infer") for p in train.directory.iterdir())
+    train.close()
+
+
+def test_a_cap_and_dead_processes(tmp_path):
+    train = _share(tmp_path, "train", 0, 4)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = train.directory / f"infer-0-{int(dead.stdout)}"
+    stale.write_bytes(b"\1")  # a crashed server left its busy flag behind
+    assert train.busy(True) == 4
+    capped = CoreShare(tmp_path, "infer", 1, max_threads=1, set_threads=lambda n: None, rescan_s=0.0)
+    assert capped.busy(True) == 1
+    train.close()
+    capped.close()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_layers_follow_the_board_mid_step(tmp_path):
+    """The trainer's hooks re-read the board between layers, forward and backward."""
+    seen = []
+    train = CoreShare(tmp_path, "train", 0, set_threads=lambda n: (torch.set_num_threads(n), seen.append(n)),
+                      rescan_s=0.0)
+    other = CoreShare(tmp_path, "infer", 0, set_threads=lambda n: None, rescan_s=0.0)
+    layers = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(4)))
+    threads_in = []
+    layers[2].register_forward_pre_hook(lambda m, a: [other.busy(True)] and None)  # the engine starts mid-forward
+    layers[3].register_forward_pre_hook(lambda m, a: threads_in.append(torch.get_num_threads()))  # -> None
+    hook_layers(train, list(layers))
+    train.busy(True)
+    before = torch.get_num_threads()
+    y = layers(torch.randn(2, 8, requires_grad=True)).sum()
+    other.busy(False)  # and stops before the backward
+    y.backward()
+    assert before == train.cores and threads_in == [train.cores // 2] and torch.get_num_threads() == train.cores
+    train.close()
+    other.close()
