@@ -9,10 +9,16 @@ an equal share of the cores (the trainer takes the remainder): the trainer takes
 them while the engine idles and yields half as soon as the engine generates.
 
 Mechanism: each process maps one small file, ``RUN/cores/<host>/<role>-<id>-<pid>``, whose
-first byte is 1 while it computes. :meth:`CoreShare.adapt` reads the others' bytes (a
-memory read, no system call; the directory is rescanned every ``rescan_s`` for processes
-that came or went, and files of dead pids are ignored) and calls ``torch.set_num_threads``
-when the share changed. It must be called from the thread that runs the compute (torch's
+first byte is its thread count while it computes (0: idle). :meth:`CoreShare.adapt` reads
+the others' bytes (a memory read, no system call; the directory is rescanned every
+``rescan_s`` for processes that came or went, and files of dead pids are ignored) and calls
+``torch.set_num_threads`` when the share changed.
+
+Other users of the host count too: a team of threads on an oversubscribed core is worse
+than one thread (every barrier waits for a descheduled member). At each rescan the
+runnable tasks of the host (``/proc/loadavg``) minus the board's own threads give the
+load from outside the run (smoothed); the busy processes split only the cores it leaves,
+at least one thread each. It must be called from the thread that runs the compute (torch's
 intra-op thread count is per calling thread): the engine calls it before each step, the
 trainer from hooks between layers (forward and backward), so a change reaches a running
 step within one layer. Files live per host, so processes on other hosts never count.
@@ -44,7 +50,8 @@ class CoreShare:
     """This process's entry in the run's core-sharing board (module docstring)."""
 
     def __init__(self, run_root: str | Path, role: str, instance: int = 0, max_threads: int = 0,
-                 set_threads: Callable[[int], None] = _set_torch_threads, rescan_s: float = 2.0):
+                 set_threads: Callable[[int], None] = _set_torch_threads, rescan_s: float = 1.0,
+                 runnable: Callable[[], int | None] = None):
         self.directory = Path(run_root) / "cores" / socket.gethostname()
         self.directory.mkdir(parents=True, exist_ok=True)
         self.role = role
@@ -59,21 +66,23 @@ class CoreShare:
         os.close(fd)
         self._peers: dict[str, mmap.mmap] = {}
         self._scanned = 0.0
+        self.runnable = runnable or _runnable_tasks
+        self.external = 0.0  # smoothed load from outside the board, in cores
         self.threads = 0
         self.is_busy = False
 
     def busy(self, flag: bool) -> int:
         """Mark this process computing (or not), then :meth:`adapt`."""
-        if flag != self.is_busy:
-            self.is_busy = flag
-            self._mine[0] = 1 if flag else 0
+        self.is_busy = flag
         return self.adapt()
 
     def share(self) -> int:
-        """Threads for this process now: the cores split over the busy processes (itself counted)."""
-        others = sum(1 for m in self._peer_maps() if m[0])
-        n = others + 1
-        threads = self.cores // n + (self.cores % n if self.role == "train" else 0)
+        """Threads for this process now: the cores that outside load leaves, split over the busy
+        processes (itself counted), the trainer taking the remainder; at least one."""
+        peers = [m[0] for m in self._peer_maps() if m[0]]
+        n = len(peers) + 1
+        free = max(self.cores - round(self.external), 1)
+        threads = free // n + (free % n if self.role == "train" else 0)
         return max(1, min(threads, self.max_threads))
 
     def adapt(self) -> int:
@@ -82,6 +91,9 @@ class CoreShare:
         if threads != self.threads:
             self.set_threads(threads)
             self.threads = threads
+        mine = min(threads, 255) if self.is_busy else 0
+        if self._mine[0] != mine:
+            self._mine[0] = mine
         return threads
 
     def _peer_maps(self):
@@ -89,6 +101,12 @@ class CoreShare:
         if now - self._scanned > self.rescan_s:
             self._scanned = now
             self._rescan()
+            running = self.runnable()
+            if running is not None:
+                ours = sum(m[0] for m in self._peers.values()) + (self.threads if self.is_busy else 0)
+                # The reading thread itself is runnable; an idle process still counts itself once.
+                outside = max(running - max(ours, 1), 0)
+                self.external = 0.5 * self.external + 0.5 * outside
         return self._peers.values()
 
     def _rescan(self) -> None:
@@ -114,6 +132,15 @@ class CoreShare:
         self._peers.clear()
         self._mine.close()
         self.path.unlink(missing_ok=True)
+
+
+def _runnable_tasks() -> int | None:
+    """Tasks of the host that are running or ready to run right now (Linux), else None."""
+    try:
+        with open("/proc/loadavg") as f:
+            return int(f.read().split()[3].split("/")[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _alive(name: str) -> bool:

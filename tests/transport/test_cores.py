@@ -10,9 +10,9 @@ import torch
 from rlcli.transport.cores import CoreShare, hook_layers
 
 
-def _share(tmp_path, role, instance, cores, calls=None):
+def _share(tmp_path, role, instance, cores, calls=None, runnable=lambda: None):
     c = CoreShare(tmp_path, role, instance, set_threads=(calls.append if calls is not None else lambda n: None),
-                  rescan_s=0.0)
+                  rescan_s=0.0, runnable=runnable)
     c.cores = c.max_threads = cores
     return c
 
@@ -31,13 +31,29 @@ def test_busy_processes_split_the_cores(tmp_path):
     train.close()
 
 
+def test_load_from_outside_the_run_shrinks_the_share(tmp_path):
+    load = {"running": 1}
+    train = _share(tmp_path, "train", 0, 4, runnable=lambda: load["running"])
+    assert train.busy(True) == 4  # only this process runs
+    load["running"] = 4 + 8  # its 4 threads and 8 tasks of other users
+    for _ in range(6):
+        threads = train.adapt()
+    assert threads == 1  # a team of threads on oversubscribed cores would wait at every barrier
+    load["running"] = threads + 2  # two cores busy elsewhere: the two left
+    for _ in range(6):
+        threads = train.adapt()
+    assert threads == 2
+    train.close()
+
+
 def test_a_cap_and_dead_processes(tmp_path):
     train = _share(tmp_path, "train", 0, 4)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     stale = train.directory / f"infer-0-{int(dead.stdout)}"
     stale.write_bytes(b"\1")  # a crashed server left its busy flag behind
     assert train.busy(True) == 4
-    capped = CoreShare(tmp_path, "infer", 1, max_threads=1, set_threads=lambda n: None, rescan_s=0.0)
+    capped = CoreShare(tmp_path, "infer", 1, max_threads=1, set_threads=lambda n: None, rescan_s=0.0,
+                       runnable=lambda: None)
     assert capped.busy(True) == 1
     train.close()
     capped.close()
@@ -48,8 +64,8 @@ def test_layers_follow_the_board_mid_step(tmp_path):
     """The trainer's hooks re-read the board between layers, forward and backward."""
     seen = []
     train = CoreShare(tmp_path, "train", 0, set_threads=lambda n: (torch.set_num_threads(n), seen.append(n)),
-                      rescan_s=0.0)
-    other = CoreShare(tmp_path, "infer", 0, set_threads=lambda n: None, rescan_s=0.0)
+                      rescan_s=0.0, runnable=lambda: None)
+    other = CoreShare(tmp_path, "infer", 0, set_threads=lambda n: None, rescan_s=0.0, runnable=lambda: None)
     layers = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(4)))
     threads_in = []
     layers[2].register_forward_pre_hook(lambda m, a: [other.busy(True)] and None)  # the engine starts mid-forward
