@@ -186,6 +186,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=None, help="untimed steps (--gpu: 1, CPU: 2)")
     p.add_argument("--all-arms", action="store_true", help="CPU: also shared+fixed and unshared+adaptive")
     p.add_argument("--keep", type=Path, default=None, help="CPU: keep the run directories under this folder")
+    p.add_argument("--baseline-steps", type=int, default=None,
+                   help="CPU: RL steps of the unshared+fixed arm (default: --steps); its rate is per step")
+    p.add_argument("--new-first", action="store_true", help="CPU: run the baseline arm last")
     a = p.parse_args()
     if a.gpu:
         if a.smoke:
@@ -246,11 +249,15 @@ def run_arm(recipe: Path, run_dir: Path, warmup: int) -> dict:
                          capture_output=True, text=True)
     if out.returncode != 0:
         raise SystemExit(f"{recipe} failed:\n{out.stderr[-3000:]}")
+    return {"wall_s": time.monotonic() - t0, **summarize(run_dir, warmup)}
+
+
+def summarize(run_dir: Path, warmup: int) -> dict:
     read = lambda name: [json.loads(x) for x in (run_dir / "metrics" / f"{name}.jsonl").read_text().splitlines()]  # noqa: E731
     train, orch = read("train"), read("orchestrate")
     timed = train[warmup:]
     span = timed[-1]["time"] - timed[0]["time"]
-    return {"wall_s": time.monotonic() - t0, "steps_per_min": 60 * (len(timed) - 1) / span,
+    return {"steps_per_min": 60 * (len(timed) - 1) / span,
             "train_compute_s": float(np.mean([m["compute_s"] for m in timed])),
             "tokens_unique": float(np.mean([m["tokens_unique"] for m in train])),
             "tokens_total": float(np.mean([m["tokens_total"] for m in train])),
@@ -266,20 +273,27 @@ def rl_main(a) -> None:
     base.mkdir(parents=True, exist_ok=True)
     model_dir = smollm2_dir(REPO / "models" / "smollm2-135m-instruct")
     arms = list(ARMS) if a.all_arms else list(ARMS)[:2]
+    if a.new_first:  # the slow baseline last, so that a shortened baseline still leaves the new arm whole
+        arms = arms[1:] + arms[:1]
     warmup = 1 if a.smoke else a.warmup
     results = {}
     for arm in arms:
         run_dir = base / arm
-        print(f"{arm}: {a.steps} RL steps ...", file=sys.stderr, flush=True)
-        results[arm] = run_arm(arm_recipe(base, model_dir, run_dir, arm, a.steps, a.smoke), run_dir, warmup)
+        steps = a.baseline_steps if a.baseline_steps and arm == "unshared+fixed" else a.steps
+        print(f"{arm}: {steps} RL steps ...", file=sys.stderr, flush=True)
+        results[arm] = run_arm(arm_recipe(base, model_dir, run_dir, arm, steps, a.smoke), run_dir, warmup)
         print(json.dumps({"arm": arm, **results[arm]}), flush=True)
-    ref = results[arms[0]]
-    print(f"\n{'arm':<18} {'steps/min':>9} {'ratio':>6} {'train s':>8} {'tokens uniq/total':>18} "
+    print_table(results)
+
+
+def print_table(results: dict) -> None:
+    ref = results["unshared+fixed"]
+    print(f"\n{'arm':<18} {'steps':>5} {'steps/min':>9} {'ratio':>6} {'train s':>8} {'tokens uniq/total':>18} "
           f"{'us/uniq tok':>11} {'len':>5} {'reward 1st/2nd/3rd third':>26}")
     for arm, r in results.items():
         n = len(r["rewards"])
         thirds = [np.mean(r["rewards"][i * n // 3:(i + 1) * n // 3] or [np.nan]) for i in range(3)]
-        print(f"{arm:<18} {r['steps_per_min']:>9.2f} {r['steps_per_min'] / ref['steps_per_min']:>5.2f}x "
+        print(f"{arm:<18} {n:>5} {r['steps_per_min']:>9.2f} {r['steps_per_min'] / ref['steps_per_min']:>5.2f}x "
               f"{r['train_compute_s']:>8.2f} {r['tokens_unique']:>8.0f}/{r['tokens_total']:<9.0f} "
               f"{r['us_per_unique_token']:>11.0f} {r['completion_len']:>5.1f} "
               f"{' / '.join(f'{x:.3f}' for x in thirds):>26}")
