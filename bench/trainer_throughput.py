@@ -101,12 +101,13 @@ def _row_tensors(units):
             "advantages": torch.tensor([shift(adv, 0.0)])}, tree
 
 
-def train_pass(model, rows, device, num_loss_tokens: int, chunk: int = 4096) -> list[torch.Tensor]:
+def train_pass(model, rows, device, num_loss_tokens: int, backend: str = "auto", chunk: int = 4096
+               ) -> list[torch.Tensor]:
     """Forward + backward of every row (gradients accumulate); the completion tokens' logprobs."""
     out = []
     for t, tree in rows:
         pos = t["position_ids"]
-        attn = PackedCausalAttention(pos, device=device, trees=[tree])
+        attn = PackedCausalAttention(pos, backend=backend, device=device, trees=[tree])
         h = model.hidden_states(t["input_ids"].to(device, non_blocking=True), pos.to(device, non_blocking=True),
                                 ForwardContext(attn=attn))
         index = t["loss_mask"][0].nonzero()[:, 0].to(device, non_blocking=True)  # host-side: no device sync
@@ -118,9 +119,14 @@ def train_pass(model, rows, device, num_loss_tokens: int, chunk: int = 4096) -> 
     return out
 
 
+# name: (shared prompts, attention backend). "unshared-flex" is the kernel-matched baseline and,
+# against "unshared", the noise floor of two kernels computing the same function.
+GPU_ARMS = {"unshared": (False, "auto"), "unshared-flex": (False, "flex"), "shared": (True, "auto")}
+
+
 def gpu_main(a) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     hf = SMOKE if a.smoke else LLAMA_1B
     args = ModelArgs.from_hf(hf)
     torch.manual_seed(0)
@@ -132,10 +138,11 @@ def gpu_main(a) -> None:
     groups = make_groups(rng, a.groups, a.group_size, a.prompt_tokens, a.min_completion, a.max_completion,
                          args.vocab_size)
     num_completion = sum(len(c) for _, comps, _ in groups for c in comps)
-    results, logprobs = {}, {}
-    for name, share in (("unshared", False), ("shared", True)):
+    skip_flex = a.no_flex_baseline or device.type != "cuda"  # CPU FlexAttention has no backward
+    arms = {k: v for k, v in GPU_ARMS.items() if k != "unshared-flex" or not skip_flex}
+    results, logprobs, grads = {}, {}, {}
+    for name, (share, backend) in arms.items():
         rows = pack(groups, share, a.row_tokens)
-        row_tokens = sum(t["input_ids"].shape[1] for t, _ in rows)
         times = []
         for i in range(a.warmup + a.steps):
             model.zero_grad(set_to_none=True)
@@ -143,33 +150,40 @@ def gpu_main(a) -> None:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
-            lps = train_pass(model, rows, device, num_completion)
+            lps = train_pass(model, rows, device, num_completion, backend)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             if i >= a.warmup:
                 times.append(time.perf_counter() - t0)
         logprobs[name] = torch.cat(lps)
-        grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
-        results[name] = dict(rows=len(rows), row_tokens=row_tokens, step_s=float(np.median(times)),
-                             tok_s=num_completion / float(np.median(times)),
+        grads[name] = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+        step_s = float(np.median(times))
+        results[name] = dict(rows=len(rows), row_tokens=sum(t["input_ids"].shape[1] for t, _ in rows), step_s=step_s,
+                             tok_s=num_completion / step_s,
                              peak_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0,
-                             backend=PackedCausalAttention(rows[0][0]["position_ids"], device=device,
-                                                           trees=[rows[0][1]]).backend, grads=grads)
-    diff = (logprobs["shared"] - logprobs["unshared"]).abs().max().item()
-    g_u, g_s = results["unshared"].pop("grads"), results["shared"].pop("grads")
-    gdiff = max(((g_s[n] - g_u[n]).norm() / g_u[n].norm().clamp(min=1e-12)).item() for n in g_u)
-    ratio = results["unshared"]["step_s"] / results["shared"]["step_s"]
+                             backend=PackedCausalAttention(rows[0][0]["position_ids"], backend=backend, device=device,
+                                                           trees=[rows[0][1]]).backend)
+    ref = "unshared"
+    for name in results:  # agreement with the unshared varlen/sdpa arm
+        results[name]["max_abs_logprob_diff"] = (logprobs[name] - logprobs[ref]).abs().max().item()
+        results[name]["max_rel_grad_diff"] = max(
+            ((grads[name][n] - g).norm() / g.norm().clamp(min=1e-12)).item() for n, g in grads[ref].items())
+        results[name]["ratio"] = results[ref]["step_s"] / results[name]["step_s"]
     print(json.dumps({"device": str(torch.cuda.get_device_name() if device.type == "cuda" else "cpu"),
-                      "model": "smoke" if a.smoke else "llama-1b", "groups": a.groups, "group_size": a.group_size,
-                      "prompt_tokens": a.prompt_tokens, "completion_tokens": num_completion,
-                      "max_abs_logprob_diff": diff, "max_rel_grad_diff": gdiff, "ratio": ratio, **results}))
-    print(f"\n{'packing':<10} {'backend':<8} {'rows':>5} {'row tokens':>11} {'step s':>8} "
-          f"{'completion tok/s':>17} {'peak GiB':>9}")
+                      "model": "smoke" if a.smoke else "llama-1b", "dtype": str(dtype), "groups": a.groups,
+                      "group_size": a.group_size, "prompt_tokens": a.prompt_tokens,
+                      "completion_tokens": num_completion, **results}))
+    print(f"\n{'packing':<14} {'backend':<7} {'rows':>5} {'row tokens':>11} {'step s':>8} {'compl tok/s':>12} "
+          f"{'ratio':>6} {'peak GiB':>9} {'max|dlp|':>9} {'max rel dgrad':>13}")
     for name, r in results.items():
-        print(f"{name:<10} {r['backend']:<8} {r['rows']:>5} {r['row_tokens']:>11} {r['step_s']:>8.3f} "
-              f"{r['tok_s']:>17.0f} {r['peak_gib']:>9.1f}")
-    print(f"shared / unshared trainer tokens/s: {ratio:.2f}x  (max |logprob diff| {diff:.2e}, "
-          f"max relative gradient diff {gdiff:.2e})")
+        print(f"{name:<14} {r['backend']:<7} {r['rows']:>5} {r['row_tokens']:>11} {r['step_s']:>8.3f} "
+              f"{r['tok_s']:>12.0f} {r['ratio']:>5.2f}x {r['peak_gib']:>9.1f} {r['max_abs_logprob_diff']:>9.2e} "
+              f"{r['max_rel_grad_diff']:>13.2e}")
+    extra = ""
+    if "unshared-flex" in results:
+        extra = f"; vs unshared flex {results['unshared-flex']['step_s'] / results['shared']['step_s']:.2f}x"
+    print(f"shared / unshared trainer tokens/s ({dtype}): {results['shared']['ratio']:.2f}x{extra}; differences "
+          f"are against 'unshared' (the unshared-flex row is the noise floor of two kernels)")
 
 
 def main() -> None:
@@ -184,6 +198,10 @@ def main() -> None:
     p.add_argument("--row-tokens", type=int, default=20480)
     p.add_argument("--steps", type=int, default=None, help="timed steps (--gpu: 3) or RL steps (CPU: 30)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps (--gpu: 1, CPU: 2)")
+    p.add_argument("--dtype", default="", help="--gpu: model dtype (default bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--check", action="store_true",
+                   help="--gpu: a small fp32 workload (2 groups, 1k prompts, 64-256 completions) for exactness")
+    p.add_argument("--no-flex-baseline", action="store_true", help="--gpu: skip the unshared flex arm")
     p.add_argument("--all-arms", action="store_true", help="CPU: also shared+fixed and unshared+adaptive")
     p.add_argument("--keep", type=Path, default=None, help="CPU: keep the run directories under this folder")
     p.add_argument("--baseline-steps", type=int, default=None,
@@ -193,6 +211,9 @@ def main() -> None:
     if a.gpu:
         if a.smoke:
             a.groups, a.prompt_tokens, a.min_completion, a.max_completion, a.row_tokens = 2, 40, 4, 12, 200
+        elif a.check:
+            a.groups, a.prompt_tokens, a.min_completion, a.max_completion, a.row_tokens = 2, 1024, 64, 256, 8192
+            a.dtype, a.steps, a.warmup = a.dtype or "float32", a.steps or 1, 0 if a.warmup is None else a.warmup
         a.steps, a.warmup = a.steps or 3, 1 if a.warmup is None else a.warmup
         return gpu_main(a)
     a.steps, a.warmup = a.steps or (3 if a.smoke else 30), 2 if a.warmup is None else a.warmup
