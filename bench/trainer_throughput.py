@@ -207,6 +207,8 @@ def main() -> None:
     p.add_argument("--baseline-steps", type=int, default=None,
                    help="CPU: RL steps of the unshared+fixed arm (default: --steps); its rate is per step")
     p.add_argument("--new-first", action="store_true", help="CPU: run the baseline arm last")
+    p.add_argument("--arms", nargs="+", choices=list(ARMS), default=None,
+                   help="CPU: these arms, in this order (one must be unshared+fixed)")
     a = p.parse_args()
     if a.gpu:
         if a.smoke:
@@ -293,7 +295,7 @@ def rl_main(a) -> None:
     base = Path(a.keep or tempfile.mkdtemp(prefix="rlcli-trainer-throughput-"))
     base.mkdir(parents=True, exist_ok=True)
     model_dir = smollm2_dir(REPO / "models" / "smollm2-135m-instruct")
-    arms = list(ARMS) if a.all_arms else list(ARMS)[:2]
+    arms = a.arms or (list(ARMS) if a.all_arms else list(ARMS)[:2])
     if a.new_first:  # the slow baseline last, so that a shortened baseline still leaves the new arm whole
         arms = arms[1:] + arms[:1]
     warmup = 1 if a.smoke else a.warmup

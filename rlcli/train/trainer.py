@@ -97,7 +97,8 @@ class Trainer:
         self.weights = make_publisher(cfg, run.root, self.announce, self.device)  # every rank: sync.backend
         self.model = self._build_model(self._policy_zero())
         if self.cores is not None:
-            hook_layers(self.cores, self.model.model.layers)
+            if not getattr(tcfg, "compile", False):  # hooks inside compiled blocks would break their graphs
+                hook_layers(self.cores, self.model.model.layers)
             self.cores.busy(False)  # until a batch arrives (the SFT warm-up was busy)
         o = tcfg.optim
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
