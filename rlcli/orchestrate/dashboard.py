@@ -1,7 +1,9 @@
-"""The live view on stderr: recent steps from RUN/metrics, and the processes of `up`.
+"""The live view on stderr: recent steps from RUN/metrics, and the processes of `up` or,
+for `rl-orchestrate status RUN --watch`, every registered process's liveness.
 
 On a terminal it is a rich Live table redrawn twice a second; otherwise (logs, CI) each
-new step is printed once as a plain line.
+new step is printed once as a plain line, and the process table whenever a process's
+state or version changes.
 """
 
 import json
@@ -78,6 +80,18 @@ def processes_table(rows: list[ProcessRow]) -> Table:
     return table
 
 
+def liveness_table(status: dict) -> Table:
+    """The processes of ``rl-orchestrate status`` (liveness, policy version, lag, heartbeat age)."""
+    table = Table(title="processes", title_justify="left")
+    for col in ("process", "state", "version", "lag", "silent", "pid@host"):
+        table.add_column(col, justify="right" if col in ("version", "lag", "silent") else "left")
+    for p in status["processes"]:
+        style = {"alive": "green", "busy": "yellow"}.get(p["state"], "red")
+        table.add_row(p["key"], f"[{style}]{p['state']}[/]", _fmt(p.get("version"), "d"), _fmt(p.get("lag"), "d"),
+                      f"{p['heartbeat_age_s']:.1f}s", f"{p['pid']}@{p['host']}")
+    return table
+
+
 class LiveView:
     """Redraws on a terminal; prints one line per new step otherwise."""
 
@@ -87,6 +101,7 @@ class LiveView:
         self.orch_tail, self.train_tail = MetricsTail(run, "orchestrate"), MetricsTail(run, "train")
         self.orch: dict[int, dict] = {}
         self.train: dict[int, dict] = {}
+        self._states: list | None = None  # the process states last printed (plain mode)
 
     def __enter__(self) -> "LiveView":
         if self.live:
@@ -97,7 +112,8 @@ class LiveView:
         if self.live:
             self.live.__exit__(*exc)
 
-    def update(self, processes: list[ProcessRow] | None = None) -> None:
+    def update(self, processes: list[ProcessRow] | None = None, status: dict | None = None) -> None:
+        """``processes``: the children of `up`; ``status``: ``rl-orchestrate status``'s dict."""
         new_orch = self.orch_tail.read_new()
         if self.live:
             for m in new_orch:
@@ -105,8 +121,15 @@ class LiveView:
             for m in self.train_tail.read_new():
                 self.train[m["step"]] = m
             parts = [steps_table(self.run.root.name, self.orch, self.train)]
-            self.live.update(RichGroup(*parts, *([processes_table(processes)] if processes else [])))
+            parts += [processes_table(processes)] if processes else []
+            parts += [liveness_table(status)] if status else []
+            self.live.update(RichGroup(*parts))
             return
+        if status is not None:
+            states = [(p["key"], p["state"], p.get("version")) for p in status["processes"]]
+            if states != self._states:
+                self._states = states
+                console.print(liveness_table(status))
         for m in new_orch:
             console.print(f"step {m['step']:>4}  reward {m['reward_mean']:.3f}  len {m['completion_len_mean']:.1f} "
                           f"(generated {m.get('generated_len_mean', 0):.1f})  dropped {m.get('dropped_fraction', 0):.1%}"
