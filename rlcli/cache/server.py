@@ -115,6 +115,8 @@ def serve(cfg: RecipeConfig, run: RunDir | None) -> int:
     last_sweep = time.monotonic()
     try:
         while not state["stop"]:
+            if registration:
+                registration.beat()
             if time.monotonic() - last_sweep > 5:
                 service.sweep()
                 last_sweep = time.monotonic()

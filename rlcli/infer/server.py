@@ -25,6 +25,7 @@ from rlcli.protocol import (
     AbortRequests, ErrorReply, GenerateRequest, GenerateResponse, HealthRequest, HealthResponse, LoadWeights,
     Shutdown, WeightsLoaded,
 )
+from rlcli.transport.pins import pin_latest, unpin
 from rlcli.transport.registry import Registration, list_entries
 from rlcli.transport.rundir import RunDir
 from rlcli.transport.zmq import RpcServer
@@ -64,7 +65,15 @@ class InferServer:
         cfg = resolve_kv_cache(cfg, run)
         self.cfg, self.run, self.instance = cfg, run, instance
         icfg = cfg.infer
-        version = wait_for_policy(run)
+        # Pinned until registered: rl-sync must not prune the version this start is loading.
+        version, pinned = pin_latest(run.root, f"infer-{instance}", lambda: wait_for_policy(run))
+        try:
+            self._start(cfg, run, instance, version)
+        finally:
+            unpin(pinned)
+
+    def _start(self, cfg: RecipeConfig, run: RunDir, instance: int, version: int) -> None:
+        icfg = cfg.infer
         weights = run.resolve_weights(version)
         t0 = time.monotonic()
         self.engine: Engine = make_engine(cfg, weights, version, instance)
@@ -99,6 +108,7 @@ class InferServer:
                 self.server.reply(identity, ErrorReply(request_id=msg.request_id, message=str(e)))
         elif isinstance(msg, LoadWeights):
             t0 = time.monotonic()
+            self.registration.beat(busy_s=self.cfg.sync.ack_timeout_s)  # rl-sync waits that long for the ack
             try:
                 self.engine.load_weights(msg.weights, msg.version)
             except (RLCLIError, OSError, ValueError, RuntimeError) as e:  # RuntimeError: a collective op failed
@@ -112,7 +122,14 @@ class InferServer:
             self.server.reply(identity, WeightsLoaded(request_id=msg.request_id, version=msg.version,
                                                       load_time_s=dt))
         elif isinstance(msg, AbortRequests):
-            for request_id in msg.request_ids:
+            ids = list(msg.request_ids)
+            if msg.prefix:
+                ids += [r for r in self.clients if r.startswith(msg.prefix)
+                        and not (msg.except_prefix and r.startswith(msg.except_prefix))]
+                if len(ids) > len(msg.request_ids):
+                    log.info("aborted %d request(s) of a previous client %s*", len(ids) - len(msg.request_ids),
+                             msg.prefix)
+            for request_id in ids:
                 self.engine.abort(request_id)
                 self.clients.pop(request_id, None)
         elif isinstance(msg, HealthRequest):
@@ -180,6 +197,7 @@ class InferServer:
         if self.http is not None:
             poller.register(self.http.wake_socket, zmq.POLLIN)
         while not self.stopping:
+            self.registration.beat()  # liveness comes from this loop: a wedged engine stops beating
             if not self.engine.has_work():
                 if self.cores is not None:
                     self.cores.busy(False)

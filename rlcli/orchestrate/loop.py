@@ -24,6 +24,13 @@ Rewards and environment turns never run in this loop: replies go to
 then the reward) on worker threads and hands back the next turns' requests and the groups
 whose episodes are all scored. A group counts as in flight until then.
 
+Restarts: the step counter resumes at ``max(progress, newest STABLE batch) + 1`` (a batch
+is written before progress, so none is written twice). A batch at or past the step the
+trainer waits for that is missing (the trainer deleted it as corrupt) is written again
+from fresh groups. Rollouts are deleted only ``keep_rollouts`` steps behind the trainer
+*and* at or before its newest checkpoint, so a trainer restarting from that checkpoint
+finds every batch it needs.
+
 Every request carries the policy version at dispatch as its cache salt (every later turn
 of its episodes keeps it). The salt only names a prefix-cache namespace: rl-infer also keys
 each cached block by the weights version that computed it, so a request that reaches a
@@ -43,10 +50,10 @@ from rlcli.orchestrate.episodes import Episodes
 from rlcli.orchestrate.pool import InferPool
 from rlcli.orchestrate.rollouts import Group, write_batch
 from rlcli.protocol import ErrorReply, GenerateRequest, PolicyUpdated, SamplingParams
-from rlcli.transport.atomic import clean_temporaries, remove_dir
+from rlcli.transport.atomic import clean_temporaries, is_stable, remove_dir
 from rlcli.transport.registry import Registration, list_entries
 from rlcli.transport.rundir import RunDir
-from rlcli.transport.zmq import Subscriber, new_request_id
+from rlcli.transport.zmq import Subscriber
 
 log = setup_logging("rl-orchestrate")
 
@@ -73,6 +80,7 @@ class Orchestrator:
         self.buffer: list[Group] = []
         self.inflight: dict[str, Group] = {}
         self.unsent: list[GenerateRequest] = []
+        self.rewrite: list[int] = []  # written steps the trainer still needs that are gone
         self.stopping = False
         self.on_tick = lambda: None  # called once per loop iteration (live dashboard)
         self._next_refresh = 0.0
@@ -110,6 +118,17 @@ class Orchestrator:
         version = self.run.read_progress("sync").get("version")
         if version is not None:
             self._set_policy(int(version))
+        self.find_missing()
+
+    def find_missing(self) -> None:
+        """Steps already written that the trainer has yet to train and that are gone (deleted as corrupt)."""
+        trainer = [int(e.info["waiting_for"]) for e in list_entries(self.run.registry_dir(), "train")
+                   if "waiting_for" in e.info]
+        low = min(trainer + [int(self.run.read_progress("train").get("step", 0)) + 1])
+        rewrite = [s for s in range(low, self.next_step) if not is_stable(self.run.rollouts_dir(s))]
+        if rewrite != self.rewrite and rewrite:
+            log.warning("rollout batch(es) %s are gone but the trainer needs them; writing them again", rewrite)
+        self.rewrite = rewrite
 
     def _set_policy(self, version: int) -> None:
         if version > self.policy_version:
@@ -120,7 +139,7 @@ class Orchestrator:
         if self.policy_version < 0:
             return 0
         last = min(self.policy_version + 1 + self.ocfg.max_async, self.cfg.num_steps)
-        want = self.ocfg.batch_size * (last - self.next_step + 1)
+        want = self.ocfg.batch_size * (last - self.next_step + 1 + len(self.rewrite))
         return max(0, want - len(self.buffer) - len(self._pending_groups()))
 
     def _pending_groups(self) -> list[Group]:
@@ -154,7 +173,7 @@ class Orchestrator:
         max_tokens = min(group.task.max_tokens or s.max_tokens, self.episodes.budget(group) - len(group.prompt_ids))
         group.cache_salt = f"v{self.policy_version}"
         request = GenerateRequest(
-            request_id=new_request_id(), prompt_ids=group.prompt_ids, cache_salt=group.cache_salt,
+            request_id=self.pool.new_request_id(), prompt_ids=group.prompt_ids, cache_salt=group.cache_salt,
             sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p, max_tokens=max_tokens,
                                     n=self.ocfg.group_size, ignore_eos=group.task.ignore_eos,
                                     return_routing=self.cfg.r3))
@@ -234,6 +253,22 @@ class Orchestrator:
             return None
         return [self.buffer[i] for i in sorted(chosen)]
 
+    def try_rewrite(self) -> bool:
+        """Write the oldest missing batch again from the earliest-deadline fresh groups."""
+        if not self.rewrite:
+            return False
+        step, size = self.rewrite[0], self.ocfg.batch_size
+        groups = sorted((g for g in self.buffer if self.deadline(g) >= step), key=self.deadline)[:size]
+        if len(groups) < size:
+            return False
+        taken = {id(g) for g in groups}
+        self.buffer = [g for g in self.buffer if id(g) not in taken]
+        info = write_batch(self.run, step, groups, self.ocfg.num_train_ranks, self.cfg.train.micro_batch_tokens,
+                           self.ocfg.sampling.temperature, self.ocfg.sampling.top_p)
+        self.run.append_metrics("orchestrate", {**self._metrics(step, groups, info), "rewritten": True})
+        self.rewrite.pop(0)
+        return True
+
     def try_write_batch(self) -> bool:
         groups = self.select_batch()
         if groups is None:
@@ -278,15 +313,19 @@ class Orchestrator:
         return m
 
     def _retain(self) -> None:
+        """Delete batches keep_rollouts behind the trainer that its newest checkpoint covers."""
         trainer_step = int(self.run.read_progress("train").get("step", 0))
+        checkpoint = self.run.latest_stable("checkpoints") or 0
         for step in self.run.stable_steps("rollouts"):
-            if step < trainer_step - self.ocfg.keep_rollouts:
+            if step < trainer_step - self.ocfg.keep_rollouts and step <= checkpoint:
                 remove_dir(self.run.rollouts_dir(step))
 
     # ------------------------------------------------------------------ loop
     def loop(self) -> int:
         announced = False
-        while self.next_step <= self.cfg.num_steps and not self.stopping:
+        self.refresh()
+        while (self.next_step <= self.cfg.num_steps or self.rewrite) and not self.stopping:
+            self.registration.beat()
             now = time.monotonic()
             if now >= self._next_refresh:
                 self.refresh()
@@ -305,6 +344,8 @@ class Orchestrator:
             self.collect()
             if idle:
                 self.wait_s += time.monotonic() - t0  # blocked on the policy gate: nothing to generate
+            while self.try_rewrite():
+                pass
             while self.next_step <= self.cfg.num_steps and self.try_write_batch():
                 pass
             self.on_tick()

@@ -4,7 +4,12 @@ Servers come from RUN/registry (or fixed ``--connect`` endpoints). Each request 
 the server with the fewest outstanding sequences. A request is *lost* when its server
 leaves the registry, restarts (new incarnation: ZeroMQ reconnects on its own, but what
 was in flight died with the process) or does not answer within ``request_timeout_s``;
-lost requests are handed back to the caller to re-dispatch.
+lost requests are handed back to the caller to re-dispatch. A timed-out request is
+also aborted on its server, so it stops decoding.
+
+Request ids start with ``<owner>.<incarnation>.``: on first contact with a server the
+pool aborts every request of the same owner but another incarnation, so a restarted
+orchestrator frees the servers of its dead predecessor's requests.
 
 Split roles (servers registered with ``role`` prefill and decode, see ``up.num_prefill``):
 a request goes first to the least loaded prefill server, which answers once the prompt's
@@ -13,16 +18,20 @@ the least loaded decode server, which pulls that KV and generates; that answer i
 no prefill (or no decode) server live, every server is used as a mixed one.
 """
 
+import logging
 import time
+import uuid
 from dataclasses import dataclass
 
 import zmq
 
 from rlcli.errors import PeerUnreachable
 from rlcli.protocol import AbortRequests, ErrorReply, GenerateRequest, GenerateResponse, HealthRequest, HealthResponse
-from rlcli.transport.registry import list_entries
+from rlcli.transport.registry import describe_gone, list_entries
 from rlcli.transport.rundir import RunDir
 from rlcli.transport.zmq import RpcClient, new_request_id
+
+log = logging.getLogger("rl-orchestrate")
 
 
 HANDOFF = ""  # the server of a prefilled request no decode server has taken yet
@@ -41,17 +50,35 @@ class ServerHandle:
         self.key, self.endpoint, self.incarnation, self.role = key, endpoint, incarnation, role
         self.client = RpcClient(endpoint)
         self.num_outstanding = 0  # sequences, not requests
+        self.greeting: AbortRequests | None = None  # sent once the connection is up, before any request
+
+    def send(self, msg) -> bool:
+        if self.greeting is not None:
+            if not self.client.send(self.greeting):
+                return False
+            self.greeting = None
+        return self.client.send(msg)
 
 
 class InferPool:
-    def __init__(self, run: RunDir, connect: list[str], request_timeout_s: float):
+    def __init__(self, run: RunDir, connect: list[str], request_timeout_s: float, owner: str = "orchestrate-0"):
         self.run = run
         self.fixed = list(connect)
         self.timeout_s = request_timeout_s
+        self.owner, self.prefix = owner, f"{owner}.{uuid.uuid4().hex[:8]}."
         self.servers: dict[str, ServerHandle] = {}
         self.outstanding: dict[str, Outstanding] = {}
+        self.entries: dict[str, object] = {}  # key -> registry Entry seen when the server joined
         for i, endpoint in enumerate(self.fixed):
-            self.servers[f"connect-{i}"] = ServerHandle(f"connect-{i}", endpoint)
+            self._add(ServerHandle(f"connect-{i}", endpoint))
+
+    def new_request_id(self) -> str:
+        return self.prefix + uuid.uuid4().hex[:16]
+
+    def _add(self, s: ServerHandle) -> None:
+        self.servers[s.key] = s
+        # Whatever an earlier incarnation of this owner left running there is unwanted now.
+        s.greeting = AbortRequests(request_ids=[], prefix=f"{self.owner}.", except_prefix=self.prefix)
 
     def check_reachable(self, timeout_s: float = 10.0) -> None:
         """Fail fast on fixed endpoints nobody answers on."""
@@ -64,25 +91,42 @@ class InferPool:
         """Sync the server set with the registry; requests lost to departed or restarted servers."""
         if self.fixed:
             return []
-        live = {e.key: e for e in list_entries(self.run.registry_dir(), "infer")}
+        every = {e.key: e for e in list_entries(self.run.registry_dir(), "infer", alive_only=False)}
+        live = {k: e for k, e in every.items() if e.alive()}
         gone = [k for k, s in self.servers.items() if k not in live or live[k].incarnation != s.incarnation]
         for key in gone:
             self.servers.pop(key).client.close()
+        lost = self._drop(lambda o: o.server in gone)
+        for key in gone:
+            n = sum(1 for r in lost if self._lost_from.get(r.request_id) == key)
+            log.warning("%s; re-dispatching its %d request(s)", describe_gone(self.entries.pop(key), every.get(key)), n)
         for key, entry in live.items():
             if key not in self.servers:
-                self.servers[key] = ServerHandle(key, entry.endpoints["rpc"], entry.incarnation,
-                                                 entry.info.get("role", "mixed"))
-        return self._drop(lambda o: o.server in gone)
+                self._add(ServerHandle(key, entry.endpoints["rpc"], entry.incarnation, entry.info.get("role", "mixed")))
+                self.entries[key] = entry
+        return lost
 
     def expired(self) -> list[GenerateRequest]:
+        """Requests unanswered for ``request_timeout_s``: aborted on their server, handed back."""
         now = time.monotonic()
-        return self._drop(lambda o: now - o.sent > self.timeout_s)
+        lost = self._drop(lambda o: now - o.sent > self.timeout_s)
+        by_server: dict[str, list[str]] = {}
+        for r in lost:
+            by_server.setdefault(self._lost_from[r.request_id], []).append(r.request_id)
+        for key, rids in by_server.items():
+            if key in self.servers:
+                log.warning("%s did not answer %d request(s) in %.0fs; aborted there, re-dispatching", key,
+                            len(rids), self.timeout_s)
+                self.servers[key].send(AbortRequests(request_ids=rids))
+        return lost
 
     def _drop(self, pred) -> list[GenerateRequest]:
         lost = [rid for rid, o in self.outstanding.items() if pred(o)]
         out = []
+        self._lost_from = {}
         for rid in lost:
             o = self.outstanding.pop(rid)
+            self._lost_from[rid] = o.server
             if o.server in self.servers:
                 self.servers[o.server].num_outstanding -= o.request.sampling.n
             out.append(o.request)
@@ -97,7 +141,7 @@ class InferPool:
                 self.servers[o.server].num_outstanding -= o.request.sampling.n
                 by_server.setdefault(o.server, []).append(rid)
         for key, rids in by_server.items():
-            self.servers[key].client.send(AbortRequests(request_ids=rids))
+            self.servers[key].send(AbortRequests(request_ids=rids))
 
     def _hand_off(self, request: GenerateRequest) -> None:
         """Send a prefilled request to a decode server, or keep it for the next poll (it
@@ -119,7 +163,7 @@ class InferPool:
         for s in sorted(self.servers.values(), key=lambda s: s.num_outstanding):
             if wanted is not None and s.role != wanted:
                 continue
-            if s.client.send(request):
+            if s.send(request):
                 s.num_outstanding += request.sampling.n
                 self.outstanding[request.request_id] = Outstanding(request, s.key, time.monotonic(), prefill)
                 return True

@@ -235,6 +235,10 @@ class ErrorReply(Message, tag="error", kw_only=True):
 class AbortRequests(Message, tag="abort", kw_only=True):
     request_ids: list[str]
     """Requests to stop and forget (their results can no longer be used); no reply is sent."""
+    prefix: str = ""
+    """Also stop every request whose id starts with this (empty: none)..."""
+    except_prefix: str = ""
+    """...unless it starts with this: a restarted client ends its predecessor's requests, not its own."""
 
 
 class Shutdown(Message, tag="shutdown", kw_only=True):

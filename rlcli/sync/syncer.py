@@ -29,8 +29,8 @@ from rlcli.logging import setup_logging
 from rlcli.process import stop_on_signals
 from rlcli.protocol import ErrorReply, FsWeights, LoadWeights, PolicyUpdated, WeightsLoaded, WeightsPublished
 from rlcli.sync.status import write_status
-from rlcli.transport.atomic import remove_dir
-from rlcli.transport.registry import Entry, Registration, list_entries
+from rlcli.transport.pins import prune_weights
+from rlcli.transport.registry import Entry, Registration, describe_gone, list_entries
 from rlcli.transport.rundir import RunDir
 from rlcli.transport.zmq import Publisher, RpcClient, Subscriber, new_request_id
 
@@ -81,9 +81,10 @@ class Syncer:
         for entry in list_entries(self.run.registry_dir(), "train"):
             self.sub.connect(entry.endpoints["pub"])
         live = {e.key: e for e in list_entries(self.run.registry_dir(), "infer")}
+        every = {e.key: e for e in list_entries(self.run.registry_dir(), "infer", alive_only=False)}
         for key in list(self.servers):
             if key not in live or live[key].incarnation != self.servers[key].entry.incarnation:
-                log.info("%s %s", key, "left" if key not in live else "restarted")
+                log.warning("%s; no longer waited for", describe_gone(self.servers[key].entry, every.get(key)))
                 self.servers.pop(key).close()
                 self.membership_changed()
         for key, entry in live.items():
@@ -194,10 +195,11 @@ class Syncer:
         steps = self.run.stable_steps("weights")
         for step in steps[:-keep] if keep else []:
             if step < in_use:
-                remove_dir(self.run.weights_dir(step))
+                prune_weights(self.run.weights_dir(step), step)  # spares a version a restarting server pinned
 
     def loop(self) -> None:
         while not self.stopping:
+            self.registration.beat()
             if time.monotonic() >= self._next_scan:
                 self.scan()
                 self._next_scan = time.monotonic() + self.cfg.sync.poll_interval_s

@@ -1,12 +1,19 @@
-"""Reading rollout batches from the run directory (and turning them into tensors)."""
+"""Reading rollout batches from the run directory (and turning them into tensors).
 
+A batch file is checked against its ``.sha256`` on the bytes already read for decoding
+(one read, no second pass). A corrupt batch is not trained: the trainer unmarks and
+deletes RUN/rollouts/step_N and keeps waiting; rl-orchestrate sees a step at or past the
+trainer's that is missing and writes it again from fresh groups.
+"""
+
+import hashlib
 import time
 from pathlib import Path
 
 import torch
 
 from rlcli.protocol.batch import MicroBatch, TrainingBatch, decode_batch
-from rlcli.transport.atomic import is_stable, sha256_file
+from rlcli.transport.atomic import is_stable
 from rlcli.transport.rundir import RunDir
 
 
@@ -29,10 +36,17 @@ def wait_for_batch(run: RunDir, step: int, rank: int, timeout_s: float = 0.0, po
             return None
         time.sleep(poll_s)
     path = batch_path(run, step, rank)
-    expected = (path.with_suffix(".msgpack.sha256")).read_text().strip()
-    if sha256_file(path) != expected:
-        raise BatchCorrupt(f"{path} does not match its sha256; the orchestrator will rewrite it")
-    return decode_batch(path.read_bytes())
+    try:
+        expected = (path.with_suffix(".msgpack.sha256")).read_text().strip()
+        data = path.read_bytes()
+    except FileNotFoundError as e:  # deleted under us (retention, or another rank found it corrupt)
+        raise BatchCorrupt(f"{e.filename} is missing") from None
+    if hashlib.sha256(data).hexdigest() != expected:
+        raise BatchCorrupt(f"{path} does not match its sha256")
+    try:
+        return decode_batch(data)
+    except ValueError as e:  # msgspec.DecodeError / ValidationError: a wrong but self-consistent write
+        raise BatchCorrupt(f"{path} does not decode: {e}") from None
 
 
 def to_tensors(mb: MicroBatch, device: torch.device) -> dict[str, torch.Tensor]:

@@ -37,12 +37,12 @@ from rlcli.process import stop_on_signals
 from rlcli.protocol import WeightsPublished
 from rlcli.protocol.batch import TrainingBatch
 from rlcli.train.checkpoint import load_latest_checkpoint, save_checkpoint
-from rlcli.train.data import wait_for_batch
+from rlcli.train.data import BatchCorrupt, wait_for_batch
 from rlcli.train.loss import LOSSES
 from rlcli.train.publish import make_publisher
 from rlcli.train.sft import run_sft
 from rlcli.train.step import accumulate
-from rlcli.transport.atomic import atomic_dir, clean_temporaries, is_stable
+from rlcli.transport.atomic import atomic_dir, clean_temporaries, is_stable, remove_dir
 from rlcli.transport.cores import CoreShare, hook_layers
 from rlcli.transport.registry import Registration
 from rlcli.transport.rundir import RunDir
@@ -87,6 +87,7 @@ class Trainer:
         self.dp_rank, self.cp_rank = self.dims.coords(self.dist.rank)
         self.dtype = DTYPES[cfg.model.dtype]
         self.stopping = False
+        self.busy_s = 600.0  # the promised bound on one step (train + publish + checkpoint); measured after one
         main = self.dist.is_main
         self.publisher = Publisher(cfg.infer.host, tcfg.pub_port) if main else None
         self._pub_lock = threading.Lock()  # announcements also come from the weight publisher's thread
@@ -121,10 +122,24 @@ class Trainer:
         return {"dp": self.dims.dp, "cp": self.dims.cp, "ep": self.dims.ep}
 
     # ------------------------------------------------------------------ policy version 0
+    def beat(self, busy_s: float = 0.0) -> None:
+        if self.registration is not None:
+            self.registration.beat(busy_s)
+
     def _policy_zero(self):
         """Directory of policy 0, written by rank 0 if it does not exist yet (SFT warm-up, or
-        random weights for a config-only model); every rank then loads its shards from it."""
+        random weights for a config-only model); every rank then loads its shards from it.
+
+        A restart that finds a checkpoint needs policy 0 only for its shapes (the checkpoint
+        overwrites every value), so once rl-sync has pruned weights/step_0 it starts from the
+        base model (or the newest published weights) instead of re-running the warm-up."""
         cfg, run = self.cfg, self.run
+        if not is_stable(run.weights_dir(0)) and run.latest_stable("checkpoints") is not None:
+            newest = run.latest_stable("weights")
+            source = cfg.model.path if has_weights(cfg.model.path) or newest is None else run.resolve_weights(newest)
+            source = pdist.broadcast_object(str(source))
+            log.info("policy 0 was pruned; building the model from %s, then resuming the checkpoint", source)
+            return source
         if not is_stable(run.weights_dir(0)) and self.dist.is_main:
             if cfg.train.sft.num_steps:
                 if self.cores is not None:
@@ -132,8 +147,8 @@ class Trainer:
                 model = load_model(cfg.model.path, self.device, self.dtype, cfg.seed, fp8=cfg.train.fp8)
                 log.info("SFT warm-up: %d steps", cfg.train.sft.num_steps)
                 run_sft(cfg, model, load_tokenizer(cfg.model.path), log,
-                        on_step=lambda s, loss: run.append_metrics("sft", {"step": s, "loss": loss.item()})
-                        if s % 10 == 0 or s == cfg.train.sft.num_steps else None)
+                        on_step=lambda s, loss: (self.beat(), run.append_metrics("sft", {"step": s, "loss": loss.item()})
+                                                 if s % 10 == 0 or s == cfg.train.sft.num_steps else None))
                 self._write_full(0, model)
             elif has_weights(cfg.model.path):
                 # The unmodified base model: a marker pointing at it instead of a copy.
@@ -222,8 +237,7 @@ class Trainer:
             t_wait = time.monotonic()
             if self.registration is not None:
                 self.registration.update(step=self.step, waiting_for=step)
-            batch = wait_for_batch(run, step, self.dp_rank, cfg.train.wait_timeout_s,
-                                   should_stop=lambda: self.stopping)
+            batch = self.next_batch(step)
             if batch is None:
                 if self.stopping:
                     break
@@ -232,6 +246,7 @@ class Trainer:
                 return 1
             wait_s = time.monotonic() - t_wait
             t0 = time.monotonic()
+            self.beat(busy_s=self.busy_s)
             if self.cores is not None:
                 self.cores.busy(True)
             metrics = self.train_step(batch)
@@ -248,6 +263,7 @@ class Trainer:
                 save_checkpoint(run, step, self.model, self.optimizer, self.scheduler,
                                 {"step": step}, cfg.train.checkpoint.keep, self._mesh_record())
             save_s = time.monotonic() - t1
+            self.busy_s = max(60.0, 3 * (compute_s + save_s))
             record = {"step": step, **metrics, "wait_s": wait_s, "compute_s": compute_s, "save_s": save_s,
                       "num_loss_tokens": batch.num_loss_tokens, "num_samples": batch.num_samples,
                       "min_version": batch.min_version, "max_version": batch.max_version,
@@ -266,6 +282,26 @@ class Trainer:
                      record["off_policy_lag"], metrics["tokens_unique"], metrics["tokens_total"], wait_s, compute_s,
                      save_s)
         return 0
+
+    def next_batch(self, step: int) -> TrainingBatch | None:
+        """This rank's batch of ``step`` (None on timeout or stop). A batch that any rank finds
+        corrupt is deleted, and every rank waits for rl-orchestrate to write it again."""
+        while True:
+            try:
+                batch = wait_for_batch(self.run, step, self.dp_rank, self.cfg.train.wait_timeout_s,
+                                       should_stop=lambda: self.beat() or self.stopping)
+                problem = ""
+            except BatchCorrupt as e:
+                batch, problem = None, str(e)
+            if not pdist.all_reduce_max_int(int(bool(problem))):
+                return batch
+            if problem:
+                log.error("rollout batch %d is unusable (%s); deleted it, waiting for rl-orchestrate to rewrite it",
+                          step, problem)
+            pdist.barrier()
+            if self.dist.is_main:
+                remove_dir(self.run.rollouts_dir(step))
+            pdist.barrier()
 
     def close(self) -> None:
         try:

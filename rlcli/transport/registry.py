@@ -1,15 +1,22 @@
 """Endpoint registry: RUN/registry/<role>-<id>.json, one file per live process.
 
 Each process writes its endpoints, pid, host and an ``incarnation`` (a fresh id per
-start) and rewrites the file with a new ``heartbeat`` time every few seconds. Peers
-discover each other here; a heartbeat older than ``stale_after`` seconds marks the
-process dead, and a changed incarnation tells a peer that the process restarted (so
-its in-flight requests are lost and must be re-sent). The file is removed on clean exit.
+start). Liveness comes from the process's *work loop*, not a side thread: every
+iteration calls :meth:`Registration.beat`, which rewrites the file with a new
+``heartbeat`` time at most every ``interval`` seconds. So a wedged loop (a hung kernel,
+a deadlock, SIGSTOP) stops beating like a dead process does. Before an operation that
+blocks the loop for long (a weight load, a trainer step, a checkpoint) the loop beats
+with ``busy_s``: the entry promises its next beat by then, and peers wait that long.
+
+Peers discover each other here; an entry whose heartbeat is older than ``stale_after``
+seconds (and past any promised ``busy_until``) marks the process dead or stopped, and a
+changed incarnation tells a peer that the process restarted (so its in-flight requests
+are lost and must be re-sent). :func:`describe_gone` is the one line a peer logs when
+it drops one. The file is removed on clean exit.
 """
 
 import os
 import socket
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -42,9 +49,16 @@ class Entry(msgspec.Struct, kw_only=True):
     """Unix time of the last heartbeat."""
     info: dict[str, Any] = {}
     """Role-specific facts (served policy version, ...)."""
+    busy_until: float = 0.0
+    """Unix time by which the process promised its next beat (a long operation is running)."""
 
     def alive(self, stale_after: float = STALE_AFTER_S) -> bool:
-        return time.time() - self.heartbeat < stale_after
+        now = time.time()
+        return now - self.heartbeat < stale_after or now < self.busy_until
+
+    def silent_s(self) -> float:
+        """Seconds since the last heartbeat."""
+        return time.time() - self.heartbeat
 
     @property
     def key(self) -> str:
@@ -56,7 +70,7 @@ _decoder = msgspec.json.Decoder(Entry)
 
 
 class Registration:
-    """This process's registry entry, kept fresh by a daemon thread."""
+    """This process's registry entry; the work loop keeps it fresh with :meth:`beat`."""
 
     def __init__(self, registry_dir: str | Path, role: str, instance: str | int, endpoints: dict[str, str],
                  info: dict[str, Any] | None = None, interval: float = HEARTBEAT_INTERVAL_S):
@@ -66,33 +80,34 @@ class Registration:
                            host=socket.gethostname(), incarnation=uuid.uuid4().hex[:12], started=now,
                            heartbeat=now, info=dict(info or {}))
         self._interval = interval
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
         self._write()
-        self._thread = threading.Thread(target=self._beat, name=f"heartbeat-{role}", daemon=True)
-        self._thread.start()
+
+    def beat(self, busy_s: float = 0.0) -> None:
+        """Called by the work loop once per iteration: rewrites the entry when the last beat is
+        ``interval`` old. ``busy_s`` > 0 announces an operation that blocks the loop for up to
+        that long (written now)."""
+        now = time.time()
+        if busy_s > 0:
+            self.entry.busy_until = now + busy_s
+        elif now - self.entry.heartbeat < self._interval:
+            return
+        elif self.entry.busy_until:
+            self.entry.busy_until = 0.0
+        try:
+            self._write()
+        except OSError:
+            pass  # the run directory may be briefly unavailable (NFS); the next beat retries
 
     def update(self, **info: Any) -> None:
-        """Merge ``info`` into the entry and write it now."""
-        with self._lock:
-            self.entry.info.update(info)
+        """Merge ``info`` into the entry and write it now (also a beat)."""
+        self.entry.info.update(info)
         self._write()
 
     def _write(self) -> None:
-        with self._lock:
-            self.entry.heartbeat = time.time()
-            atomic_write_bytes(self.path, _encoder.encode(self.entry), fsync=False)
-
-    def _beat(self) -> None:
-        while not self._stop.wait(self._interval):
-            try:
-                self._write()
-            except OSError:
-                pass  # the run directory may be briefly unavailable (NFS); keep beating
+        self.entry.heartbeat = time.time()
+        atomic_write_bytes(self.path, _encoder.encode(self.entry), fsync=False)
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2)
         try:
             current = read_entry(self.path)
             if current is not None and current.incarnation == self.entry.incarnation:
@@ -106,6 +121,16 @@ def read_entry(path: str | Path) -> Entry | None:
         return _decoder.decode(Path(path).read_bytes())
     except (FileNotFoundError, msgspec.DecodeError, msgspec.ValidationError):
         return None
+
+
+def describe_gone(entry: Entry, now_entry: Entry | None = None) -> str:
+    """One line naming a peer that was dropped: dead or stopped (stale heartbeat), restarted, or deregistered."""
+    who = f"{entry.key} (pid {entry.pid} on {entry.host})"
+    if now_entry is None:
+        return f"{who} deregistered"
+    if now_entry.incarnation != entry.incarnation:
+        return f"{who} restarted as pid {now_entry.pid}"
+    return f"{who} is dead or stopped: no heartbeat for {now_entry.silent_s():.1f}s"
 
 
 def list_entries(registry_dir: str | Path, role: str | None = None, alive_only: bool = True,

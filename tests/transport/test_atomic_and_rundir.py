@@ -115,3 +115,67 @@ def test_temporaries_carry_host_and_rank_and_other_hosts_are_left_alone(tmp_path
     (tmp_path / f".x.json.tmp-{atomic._HOST}-r2-{dead}-0123abcd").write_text("{}")
     clean_temporaries(tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == [other_host]
+
+
+_watch: dict = {}
+
+
+def _audit(event, args):
+    # Before every rename or delete made while replacing, the directory must be complete.
+    if _watch and event in ("os.rename", "os.remove", "os.rmdir", "shutil.rmtree"):
+        _watch["seen"] += 1
+        if not is_stable(_watch["final"]):
+            _watch["unmarked"].append((event, args))
+
+
+sys.addaudithook(_audit)
+
+
+def test_replacing_a_directory_never_leaves_it_unmarked(tmp_path):
+    final = tmp_path / "step_1"
+    with atomic_dir(final, {"v": 1}) as d:
+        (d / "a").write_text("old")
+    _watch.update(final=final, seen=0, unmarked=[])
+    try:
+        with atomic_dir(final, {"v": 2}) as d:
+            (d / "a").write_text("new")
+    finally:
+        seen, unmarked = _watch["seen"], _watch["unmarked"]
+        _watch.clear()
+    assert seen and not unmarked, unmarked
+    assert (final / "a").read_text() == "new" and read_marker(final)["v"] == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["step_1"]
+
+
+def test_a_crash_between_the_fallback_renames_restores_the_old_directory(tmp_path, monkeypatch):
+    from rlcli.transport import atomic
+
+    final = tmp_path / "step_1"
+    with atomic_dir(final, {"v": 1}) as d:
+        (d / "a").write_text("old")
+    monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)  # a filesystem without RENAME_EXCHANGE
+    real, calls = os.replace, []
+
+    def crash_on_second(src, dst):
+        if os.path.isdir(src):
+            calls.append(dst)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the writer dies between moving the old one aside and the new one in
+        real(src, dst)
+
+    monkeypatch.setattr(atomic.os, "replace", crash_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_dir(final, {"v": 2}) as d:
+            (d / "a").write_text("new")
+    monkeypatch.setattr(atomic.os, "replace", real)
+    assert not final.exists()
+    clean_temporaries(tmp_path)  # what the next writer does first
+    assert is_stable(final) and (final / "a").read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["step_1"]
+
+
+def test_temporary_directories_of_one_writer_are_distinct(tmp_path):
+    from rlcli.transport.atomic import begin_dir
+
+    a, b = begin_dir(tmp_path / "x"), begin_dir(tmp_path / "x")
+    assert a != b and a.is_dir() and b.is_dir()

@@ -7,7 +7,7 @@ import zmq
 
 from rlcli.errors import PeerUnreachable
 from rlcli.protocol import PROTOCOL_VERSION, ErrorReply, HealthRequest, HealthResponse, PolicyUpdated
-from rlcli.transport.registry import Registration, list_entries, read_entry
+from rlcli.transport.registry import Registration, describe_gone, list_entries, read_entry
 from rlcli.transport.zmq import Publisher, RpcClient, RpcServer, Subscriber, context
 
 
@@ -75,27 +75,39 @@ def test_pub_sub():
     sub.close()
 
 
-def test_registry_heartbeat_and_removal(tmp_path):
+def test_registry_heartbeat_comes_from_the_work_loop(tmp_path):
     reg = Registration(tmp_path, "infer", 2, {"rpc": "tcp://h:1"}, {"version": 0}, interval=0.05)
     entry = read_entry(tmp_path / "infer-2.json")
     assert entry.pid and entry.endpoints == {"rpc": "tcp://h:1"} and entry.info == {"version": 0}
-    time.sleep(0.2)
+    time.sleep(0.2)  # a wedged loop does not beat: nothing else may refresh the entry
+    assert read_entry(tmp_path / "infer-2.json").heartbeat == entry.heartbeat
+    reg.beat()
     assert read_entry(tmp_path / "infer-2.json").heartbeat > entry.heartbeat
     reg.update(version=5)
     assert [e.info["version"] for e in list_entries(tmp_path, "infer")] == [5]
     assert list_entries(tmp_path, "train") == []
     assert list_entries(tmp_path, "infer", stale_after=0.0) == []
+    reg.beat(busy_s=3600)  # a long operation announced: alive past stale_after until it ends
+    assert [e.key for e in list_entries(tmp_path, "infer", stale_after=0.0)] == ["infer-2"]
+    time.sleep(0.06)
+    reg.beat()  # the next ordinary beat ends the promise
+    assert list_entries(tmp_path, "infer", stale_after=0.0) == []
+    gone = read_entry(tmp_path / "infer-2.json")
+    assert describe_gone(gone, gone).startswith(f"infer-2 (pid {gone.pid} on {gone.host}) is dead or stopped")
     reg.close()
     assert not (tmp_path / "infer-2.json").exists()
 
 
-def test_registry_updates_race_the_heartbeat(tmp_path):
-    """Regression: update() and the heartbeat thread once shared a temporary file name."""
+def test_registry_updates_race_each_other(tmp_path):
+    """Regression: two writers of one entry once shared a temporary file name."""
     reg = Registration(tmp_path, "infer", 0, {"rpc": "tcp://h:1"}, interval=0.0001)
+    writer = threading.Thread(target=lambda: [reg.beat() for _ in range(2000)])
+    writer.start()
     try:
         for v in range(2000):
             reg.update(version=v)
     finally:
+        writer.join()
         reg.close()
     assert not list(tmp_path.iterdir())
 

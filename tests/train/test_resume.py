@@ -1,0 +1,86 @@
+"""rl-train restarts: no second SFT warm-up once rl-sync pruned weights/step_0, and a
+corrupt batch is deleted and waited for instead of crash-looping the trainer."""
+
+import threading
+
+import pytest
+import torch
+
+from procs import wait_until, write_recipe
+from rlcli.config import load_recipe
+from rlcli.envs import Task
+from rlcli.orchestrate.rollouts import Group, write_batch
+from rlcli.protocol import Completion
+from rlcli.train.checkpoint import save_checkpoint
+from rlcli.train.trainer import Trainer
+from rlcli.transport.atomic import is_stable, remove_dir
+from rlcli.transport.rundir import RunDir
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def groups(n: int) -> list[Group]:
+    out = []
+    for i in range(n):
+        g = Group(Task(f"t{i}"), [5, 6, 7], 0)
+        g.completions = [Completion(token_ids=[8, 9], logprobs=[-1.0, -1.0], versions=[0, 0], finish_reason="length")
+                         for _ in range(2)]
+        g.rewards, g.advantages = [0.0, 1.0], [-0.5, 0.5]
+        out.append(g)
+    return out
+
+
+@pytest.fixture
+def setup(tmp_path, tiny_model_dir):
+    run_dir = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, run_dir,
+                          train={"sft": {"num_steps": 2, "batch_size": 4}})
+    cfg = load_recipe(recipe)
+    run = RunDir(run_dir)
+    run.claim("e2e", {})
+    return cfg, run
+
+
+def test_restart_after_policy_zero_was_pruned_does_not_rerun_the_warm_up(setup):
+    cfg, run = setup
+    trainer = Trainer(cfg, run)
+    try:
+        assert len(run.read_metrics("sft")) == 1 and is_stable(run.weights_dir(0))
+        trainer.publish(1)
+        save_checkpoint(run, 1, trainer.model, trainer.optimizer, trainer.scheduler, {"step": 1}, 2)
+        saved = [p.detach().clone() for p in trainer.model.parameters()]
+    finally:
+        trainer.close()
+    remove_dir(run.weights_dir(0))  # what rl-sync's retention does after keep_weights versions
+    again = Trainer(cfg, run)
+    try:
+        assert len(run.read_metrics("sft")) == 1, "the SFT warm-up ran a second time"
+        assert not is_stable(run.weights_dir(0))
+        assert again.step == 1
+        assert all(torch.equal(a, b) for a, b in zip(saved, again.model.parameters()))
+    finally:
+        again.close()
+
+
+def test_a_corrupt_batch_is_deleted_and_the_rewrite_is_trained(setup):
+    cfg, run = setup
+    write_batch(run, 1, groups(4), 1, 256, 1.0)
+    path = run.rollouts_dir(1) / "0.msgpack"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    trainer = Trainer(cfg, run)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(trainer.next_batch(1)))
+    reader.start()
+    try:
+        wait_until(lambda: not run.rollouts_dir(1).exists() or not reader.is_alive(), 60, "the corrupt batch deleted")
+        assert reader.is_alive(), f"the trainer did not wait for a rewrite: {got}"
+        assert not run.rollouts_dir(1).exists()  # deleted: rl-orchestrate sees it missing
+        write_batch(run, 1, groups(4), 1, 256, 1.0)  # rl-orchestrate's rewrite
+        reader.join(timeout=60)
+        assert got and got[0].step == 1 and got[0].num_samples == 8
+    finally:
+        trainer.stopping = True
+        reader.join()
+        trainer.close()

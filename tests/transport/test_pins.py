@@ -1,0 +1,50 @@
+"""A restarting rl-infer pins the version it loads: rl-sync's retention spares it."""
+
+import subprocess
+import sys
+
+from procs import write_recipe
+from rlcli.config import load_recipe
+from rlcli.sync.syncer import Syncer
+from rlcli.transport.atomic import atomic_dir, is_stable
+from rlcli.transport.pins import pin, pin_latest, unpin
+from rlcli.transport.rundir import RunDir
+
+
+def test_retention_spares_a_pinned_version_until_it_is_unpinned(tmp_path, tiny_model_dir):
+    run_dir = tmp_path / "run"
+    cfg = load_recipe(write_recipe(tmp_path / "r.toml", tiny_model_dir, run_dir, sync={"keep_weights": 2}))
+    run = RunDir(run_dir)
+    for step in range(6):
+        with atomic_dir(run.weights_dir(step), {"step": step}):
+            pass
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+    mine = pin(run.root, "infer-0", 1)  # a server loading v1 before it registers
+    stale = pin(run.root, "infer-1", 2)
+    stale.write_text(stale.read_text().replace(f'"pid": {__import__("os").getpid()}', f'"pid": {dead}'))
+    syncer = Syncer(cfg, run)
+    try:
+        syncer.policy_version = 5
+        syncer.retain()
+        assert run.stable_steps("weights") == [1, 4, 5]  # v2's pin belongs to a dead process
+        unpin(mine)
+        syncer.retain()
+        assert run.stable_steps("weights") == [4, 5]
+    finally:
+        syncer.close()
+
+
+def test_a_reader_never_keeps_a_pin_on_a_version_that_is_gone(tmp_path):
+    run = RunDir(tmp_path)
+    versions = iter([3, 4])
+
+    def latest():  # v3 is pruned between the reader choosing it and pinning it
+        v = next(versions)
+        if v == 4:
+            with atomic_dir(run.weights_dir(4), {"step": 4}):
+                pass
+        return v
+
+    version, path = pin_latest(run.root, "infer-0", latest)
+    assert version == 4 and is_stable(run.weights_dir(4)) and '"version": 4' in path.read_text()
