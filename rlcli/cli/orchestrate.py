@@ -92,11 +92,16 @@ def up_cmd(
 @handle_errors("rl-orchestrate")
 def status_cmd(
     run_dir: Annotated[Path, typer.Argument(help="Run directory.")],
+    json_out: Annotated[bool, typer.Option("--json", help="One JSON object instead of the table.")] = False,
 ) -> None:
-    """Print a run's progress and live processes as JSON."""
-    from rlcli.orchestrate.entrypoints import status
+    """Every process of a run (alive, busy, or dead or stopped; version; lag) and its progress."""
+    from rlcli.orchestrate.entrypoints import render_status, status
 
-    emit_json(status(run_dir))
+    s = status(run_dir)
+    if json_out:
+        emit_json(s)
+    else:
+        print(render_status(s), flush=True)
 
 
 @app.command("plot")

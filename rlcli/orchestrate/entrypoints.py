@@ -9,7 +9,8 @@ from rlcli.logging import console
 from rlcli.orchestrate.dashboard import LiveView
 from rlcli.orchestrate.loop import Orchestrator
 from rlcli.process import stop_on_signals
-from rlcli.transport.registry import list_entries
+from rlcli.transport import registry
+from rlcli.transport.registry import Entry, list_entries
 from rlcli.transport.rundir import RunDir
 
 
@@ -34,16 +35,65 @@ def orchestrate(cfg: RecipeConfig, run: RunDir) -> int:
         orch.close()
 
 
+def liveness(entry: Entry) -> str:
+    """alive (beat within STALE_AFTER_S), busy (inside an announced long operation), or dead or stopped."""
+    if time.time() - entry.heartbeat < registry.STALE_AFTER_S:
+        return "alive"
+    return "busy" if entry.alive() else "dead or stopped"
+
+
+def process_row(entry: Entry, progress: dict, newest_weights: int | None) -> dict:
+    """One process of the registry with its liveness, version and lag.
+
+    version: rl-infer the policy it serves, rl-sync the policy live everywhere, rl-train the
+    last step it trained, rl-orchestrate the last batch it wrote. lag: rl-infer/rl-sync
+    policies behind the newest published one, rl-train batches written but not trained yet,
+    rl-orchestrate steps ahead of the trainer."""
+    trained = int(progress["train"].get("step", 0))
+    written = int(progress["orchestrate"].get("step", 0))
+    if entry.role in ("infer", "sync"):
+        version = entry.info.get("version", progress["sync"].get("version") if entry.role == "sync" else None)
+        lag = None if version is None or newest_weights is None else newest_weights - int(version)
+    elif entry.role == "train":
+        version, lag = entry.info.get("step", trained), written - int(entry.info.get("step", trained))
+    elif entry.role == "orchestrate":
+        version, lag = written, written - trained
+    else:
+        version = lag = None
+    return {"key": entry.key, "pid": entry.pid, "host": entry.host, "state": liveness(entry),
+            "heartbeat_age_s": round(entry.silent_s(), 1), "version": version, "lag": lag,
+            "endpoints": entry.endpoints, "info": entry.info}
+
+
 def status(run_dir: Path) -> dict:
     run = RunDir(run_dir)
     if not (run.root / "run.json").is_file():
         raise RunDirError(f"{run.root} is not a run directory (no run.json)")
+    progress = {c: run.read_progress(c) for c in ("train", "orchestrate", "sync")}
+    weights = run.stable_steps("weights")
     return {
         "run_dir": str(run.root),
-        "progress": {c: run.read_progress(c) for c in ("train", "orchestrate", "sync")},
-        "weights": run.stable_steps("weights"),
+        "progress": progress,
+        "weights": weights,
         "rollouts": run.stable_steps("rollouts"),
         "checkpoints": run.stable_steps("checkpoints"),
-        "processes": [{"key": e.key, "pid": e.pid, "host": e.host, "endpoints": e.endpoints, **e.info}
-                      for e in list_entries(run.registry_dir())],
+        "processes": [process_row(e, progress, weights[-1] if weights else None)
+                      for e in list_entries(run.registry_dir(), alive_only=False)],
     }
+
+
+def render_status(s: dict) -> str:
+    """The status as a plain table: one line per process, then the run's durable state."""
+    lines = [f"{'process':<14} {'state':<16} {'version':>7} {'lag':>4} {'silent':>7}  pid@host"]
+    for p in s["processes"]:
+        lines.append(f"{p['key']:<14} {p['state']:<16} {_dash(p['version']):>7} {_dash(p['lag']):>4} "
+                     f"{p['heartbeat_age_s']:>6.1f}s  {p['pid']}@{p['host']}")
+    last = lambda xs: xs[-1] if xs else "-"  # noqa: E731
+    lines.append(f"trained {s['progress']['train'].get('step', 0)}, written {s['progress']['orchestrate'].get('step', 0)}"
+                 f", policy live v{s['progress']['sync'].get('version', '-')}; newest weights {last(s['weights'])}, "
+                 f"rollouts {last(s['rollouts'])}, checkpoint {last(s['checkpoints'])}")
+    return "\n".join(lines)
+
+
+def _dash(value) -> str:
+    return "-" if value is None else str(value)

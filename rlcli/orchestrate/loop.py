@@ -281,6 +281,7 @@ class Orchestrator:
         info = write_batch(self.run, step, groups, self.ocfg.num_train_ranks, self.cfg.train.micro_batch_tokens,
                            self.ocfg.sampling.temperature, self.ocfg.sampling.top_p, self.ocfg.share_prompts)
         self.run.write_progress("orchestrate", step=step)
+        self.registration.update(step=step, policy=self.policy_version)
         self.run.append_metrics("orchestrate", self._metrics(step, groups, info))
         self.next_step += 1
         self._reset_step_stats()

@@ -27,7 +27,8 @@ import msgspec
 from rlcli.transport.atomic import atomic_write_bytes
 
 HEARTBEAT_INTERVAL_S = 1.0
-STALE_AFTER_S = 10.0
+STALE_AFTER_S = float(os.environ.get("RLCLI_STALE_AFTER_S", "10"))
+"""A peer silent this long is dead or stopped (RLCLI_STALE_AFTER_S; tests shorten it)."""
 
 
 class Entry(msgspec.Struct, kw_only=True):
@@ -52,9 +53,9 @@ class Entry(msgspec.Struct, kw_only=True):
     busy_until: float = 0.0
     """Unix time by which the process promised its next beat (a long operation is running)."""
 
-    def alive(self, stale_after: float = STALE_AFTER_S) -> bool:
+    def alive(self, stale_after: float | None = None) -> bool:
         now = time.time()
-        return now - self.heartbeat < stale_after or now < self.busy_until
+        return now - self.heartbeat < (STALE_AFTER_S if stale_after is None else stale_after) or now < self.busy_until
 
     def silent_s(self) -> float:
         """Seconds since the last heartbeat."""
@@ -134,7 +135,7 @@ def describe_gone(entry: Entry, now_entry: Entry | None = None) -> str:
 
 
 def list_entries(registry_dir: str | Path, role: str | None = None, alive_only: bool = True,
-                 stale_after: float = STALE_AFTER_S) -> list[Entry]:
+                 stale_after: float | None = None) -> list[Entry]:
     """Entries of ``role`` (all roles if None), sorted by key; dead ones skipped if ``alive_only``."""
     registry_dir = Path(registry_dir)
     if not registry_dir.is_dir():

@@ -24,7 +24,7 @@ def bare_orchestrator(max_async: int, batch_size: int, num_steps: int, **advanta
     o.env, o.tokenizer, o.turns = make_env(cfg.env), load_tokenizer(TINY_MODEL), {}
     o.episodes = Episodes(cfg, o.env, o.tokenizer)
     o.next_step, o.policy_version = 1, 0
-    o.buffer, o.inflight = [], {}
+    o.buffer, o.inflight, o.rewrite = [], {}, []
     a = cfg.orchestrate.advantage
     o.zero_variance_cap = a.max_zero_variance_drops if a.max_zero_variance_drops >= 0 else 2 * batch_size
     o._reset_step_stats()
