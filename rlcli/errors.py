@@ -40,3 +40,10 @@ class ProtocolError(RLCLIError):
     """A peer sent a message this version cannot read."""
 
     exit_code = 1
+
+
+class StorageFull(RLCLIError):
+    """A durable write failed for lack of space (or a file-size limit, or a read-only run directory);
+    the write was abandoned and the previous STABLE state is untouched."""
+
+    exit_code = 1

@@ -64,7 +64,6 @@ class InferServer:
     def __init__(self, cfg: RecipeConfig, run: RunDir, instance: int):
         cfg = resolve_kv_cache(cfg, run)
         self.cfg, self.run, self.instance = cfg, run, instance
-        icfg = cfg.infer
         # Pinned until registered: rl-sync must not prune the version this start is loading.
         version, pinned = pin_latest(run.root, f"infer-{instance}", lambda: wait_for_policy(run))
         try:

@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from rlcli.transport.atomic import begin_dir, commit_dir
+from rlcli.transport.atomic import begin_dir, commit_dir, storage_full
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,10 @@ def shared_atomic_dir(final: str | Path, marker: dict[str, Any] | None = None) -
         if not enabled() or dist.get_rank() == 0:
             commit_dir(tmp, final, marker)
         barrier()
-    except BaseException:
+    except BaseException as e:
         if not enabled() or dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+        full = storage_full(e, final)
+        if full is not None:
+            raise full from None
         raise

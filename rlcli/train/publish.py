@@ -47,7 +47,7 @@ from torch.distributed.tensor import DTensor
 from rlcli.logging import setup_logging
 from rlcli.models.hf_io import copy_tokenizer_files, hf_entries
 from rlcli.models.safetensors_io import plan_shards, write_index
-from rlcli.transport.atomic import _fsync_dir, write_marker
+from rlcli.transport.atomic import commit_dir, storage_full
 
 if TYPE_CHECKING:
     from rlcli.config import RecipeConfig
@@ -171,6 +171,15 @@ class FilesystemPublisher:
             self._error = e
 
     def _write(self, step: int, model, files: list[str], mine: dict, gather_s: float) -> None:
+        try:
+            self._write_files(step, model, files, mine, gather_s)
+        except BaseException as e:  # a full disk: one line; the temporary is cleaned at the next start
+            full = storage_full(e, self.root / f"step_{step}")
+            if full is not None:
+                raise full from None
+            raise
+
+    def _write_files(self, step: int, model, files: list[str], mine: dict, gather_s: float) -> None:
         from safetensors.torch import save_file
 
         from rlcli.models.fp8_io import QUANTIZATION_CONFIG
@@ -203,18 +212,10 @@ class FilesystemPublisher:
             hf["quantization_config"] = dict(QUANTIZATION_CONFIG)
         (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
         copy_tokenizer_files(self.cfg.model.path, tmp)
-        for child in tmp.iterdir():
-            with open(child, "rb") as f:
-                os.fsync(f.fileno())
-        if final.exists():  # a re-published step (trainer restart): the new copy wins
-            from rlcli.transport.atomic import remove_dir
-
-            remove_dir(final)
-        os.replace(tmp, final)
-        _fsync_dir(final.parent)
-        sizes = {f: (final / f).stat().st_size for f in files}
+        sizes = {f: (tmp / f).stat().st_size for f in files}
+        # fsync, move into place and mark; a re-published step (trainer restart) is swapped in atomically
+        commit_dir(tmp, final, {"step": step, "files": sizes})
         write_s = time.monotonic() - t0
-        write_marker(final, {"step": step, "files": sizes})
         self.announce(step, str(final), {"gather_s": gather_s, "write_s": write_s})
 
     def wait(self) -> None:

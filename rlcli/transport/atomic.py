@@ -15,6 +15,11 @@ written by several ranks is built with :func:`begin_dir` / :func:`commit_dir`: o
 creates and later renames and marks it, after a barrier
 (``rlcli.parallel.dist.shared_atomic_dir``).
 
+A write that fails for lack of space (ENOSPC, EDQUOT, EFBIG, EROFS; also as the
+message of a library's own error, e.g. safetensors) removes its temporary and raises
+:class:`rlcli.errors.StorageFull` naming the target: the previous STABLE state is
+untouched, and the command stops with one line.
+
 Replacing a complete directory never leaves a moment without one: the new directory is
 marked STABLE while still under its temporary name, then swapped with the old one in
 one ``renameat2(RENAME_EXCHANGE)`` (Linux; ext4, xfs, btrfs, tmpfs). Where the
@@ -37,7 +42,24 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
+from rlcli.errors import StorageFull
+
 STABLE = "STABLE"
+
+_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
+_FULL_TEXT = ("No space left on device", "Disk quota exceeded", "File too large", "Read-only file system")
+
+
+def storage_full(exc: BaseException, target: str | Path) -> StorageFull | None:
+    """The user-facing error for ``exc`` if it is a full (or read-only) disk, else None."""
+    if isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS:
+        reason = exc.strerror
+    else:
+        reason = next((t for t in _FULL_TEXT if t in str(exc)), None)
+    if reason is None:
+        return None
+    return StorageFull(f"cannot write {target}: {reason}; free space on that filesystem (or pass another "
+                       "--run-dir) and restart: the last STABLE state is intact")
 
 _HOST = socket.gethostname().replace("/", "_")
 _TEMP_RE = re.compile(r"\.(?:tmp|old)-(?P<host>.+)-r(?P<rank>\d+)-(?P<pid>\d+)(?:-[0-9a-f]{8})?$")
@@ -66,11 +88,15 @@ def atomic_write_bytes(path: str | Path, data: bytes, *, fsync: bool = True) -> 
     path.parent.mkdir(parents=True, exist_ok=True)
     # Unique per call: two threads of one process may write the same file at once.
     tmp = path.with_name(f".{path.name}.tmp-{temp_tag()}-{uuid.uuid4().hex[:8]}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise (storage_full(e, path) or e) from None
     os.replace(tmp, path)
     if fsync:
         _fsync_dir(path.parent)
@@ -174,8 +200,11 @@ def atomic_dir(final: str | Path, marker: dict[str, Any] | None = None) -> Itera
     try:
         yield tmp
         commit_dir(tmp, final, marker)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        full = storage_full(e, final)
+        if full is not None:
+            raise full from None
         raise
 
 

@@ -1,0 +1,63 @@
+"""A full disk stops rl-train with one line and leaves the last STABLE state intact; the
+next start cleans the abandoned temporaries and goes on. The full disk is a file-size
+limit (RLIMIT_FSIZE, no privileges needed): writes fail with EFBIG as they would with ENOSPC."""
+
+import resource
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from procs import read_jsonl, write_recipe
+from rlcli.config import load_recipe
+from rlcli.train.trainer import Trainer
+from rlcli.orchestrate.rollouts import write_batch
+from rlcli.transport.rundir import RunDir
+from test_resume import groups
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def train(recipe, steps: int, max_file_bytes: int | None = None) -> subprocess.CompletedProcess:
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))
+
+    return subprocess.run([sys.executable, "-m", "rlcli.cli.train", "--config", str(recipe), "--steps", str(steps)],
+                          capture_output=True, text=True, timeout=240, preexec_fn=limit if max_file_bytes else None)
+
+
+def train_in_process(recipe, steps: int) -> None:
+    trainer = Trainer(load_recipe(recipe, {"num_steps": steps}), RunDir(load_recipe(recipe).run_dir))
+    try:
+        assert trainer.train() == 0
+    finally:
+        trainer.close()
+
+
+def temporaries(run_dir) -> list[str]:
+    return [p.name for sub in ("weights", "checkpoints", "rollouts") for p in (run_dir / sub).iterdir()
+            if ".tmp-" in p.name or ".old-" in p.name]
+
+
+def test_a_full_disk_stops_the_trainer_cleanly(tmp_path, tiny_model_dir):
+    run_dir = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, run_dir)
+    run = RunDir(run_dir)
+    for step in (1, 2):
+        write_batch(run, step, groups(4), 1, 256, 1.0)
+    train_in_process(recipe, 1)
+    assert run.stable_steps("weights") == [0, 1] and run.stable_steps("checkpoints") == [1]
+
+    out = train(recipe, 2, max_file_bytes=64 << 10)  # smaller than one weights file
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 1 and lines[-1].startswith("rl-train: error: cannot write ") and \
+        "weights/step_2: File too large; free space" in lines[-1], out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+    assert run.stable_steps("weights") == [0, 1] and run.stable_steps("checkpoints") == [1]
+    assert run.read_progress("train")["step"] == 1
+
+    train_in_process(recipe, 2)
+    assert [m["step"] for m in read_jsonl(run_dir / "metrics" / "train.jsonl")] == [1, 2]
+    assert temporaries(run_dir) == []
