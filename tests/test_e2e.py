@@ -1,5 +1,6 @@
 """The whole loop as separate processes: off-policy bounds, any start order, restarts."""
 
+import os
 import subprocess
 import sys
 
@@ -56,10 +57,19 @@ def test_max_async_bounds_off_policy_lag(tmp_path, tiny_model_dir):
     assert all(m["off_policy_lag_max"] <= 2 for m in orch)
 
 
-def test_processes_start_in_any_order_and_restart_alone(tmp_path, tiny_model_dir):
+REALISTIC = {"sync": {"keep_weights": 3}, "orchestrate": {"keep_rollouts": 8},
+             "train": {"checkpoint": {"interval": 4}}}
+"""The defaults' retention, and a checkpoint interval that makes a restart re-train steps."""
+SLOW = pytest.mark.skipif(not os.environ.get("RLCLI_SLOW"), reason="long; set RLCLI_SLOW=1")
+
+
+@pytest.mark.parametrize("settings", [pytest.param(REALISTIC, id="realistic"),
+                                      pytest.param({}, id="keep-all", marks=[pytest.mark.slow, SLOW])])
+def test_processes_start_in_any_order_and_restart_alone(tmp_path, tiny_model_dir, settings):
     run_dir = tmp_path / "run"
-    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, run_dir, top={"num_steps": 14},
-                          orchestrate={"max_async": 1})
+    tables = {k: dict(v) for k, v in settings.items()}
+    tables.setdefault("orchestrate", {})["max_async"] = 1
+    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, run_dir, top={"num_steps": 14}, **tables)
     procs = Procs(tmp_path / "logs")
     try:
         # Reverse of the natural order: the orchestrator and the server wait for the others.
@@ -82,8 +92,14 @@ def test_processes_start_in_any_order_and_restart_alone(tmp_path, tiny_model_dir
     finally:
         procs.stop_all()
     train = read_jsonl(run_dir / "metrics" / "train.jsonl")
-    assert {m["step"] for m in train} == set(range(1, 15))
+    steps = [m["step"] for m in train]
+    assert set(steps) == set(range(1, 15)) and steps[0] == 1
+    # One step back at the restart (to the checkpoint; never past it), otherwise one step at a time.
+    back = [i for i in range(1, len(steps)) if steps[i] != steps[i - 1] + 1]
+    interval = settings.get("train", {}).get("checkpoint", {}).get("interval", 1)
+    assert len(back) <= 1 and all(steps[i - 1] - interval < steps[i] <= steps[i - 1] + 1 for i in back), steps
     assert all(m["off_policy_lag"] <= 1 for m in train)
+    assert not [p for p in run_dir.rglob(".*") if ".tmp-" in p.name or ".old-" in p.name]
     restarted = (tmp_path / "logs" / "train.2.log").read_text()
     assert "resumed from checkpoint" in restarted
     assert (run_dir / "weights" / "step_14" / "STABLE").is_file()

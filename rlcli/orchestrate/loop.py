@@ -28,8 +28,8 @@ Restarts: the step counter resumes at ``max(progress, newest STABLE batch) + 1``
 is written before progress, so none is written twice). A batch at or past the step the
 trainer waits for that is missing (the trainer deleted it as corrupt) is written again
 from fresh groups. Rollouts are deleted only ``keep_rollouts`` steps behind the trainer
-*and* at or before its newest checkpoint, so a trainer restarting from that checkpoint
-finds every batch it needs.
+*and* at or before its oldest kept checkpoint, so a trainer restarting from any
+checkpoint finds every batch it needs.
 
 Every request carries the policy version at dispatch as its cache salt (every later turn
 of its episodes keeps it). The salt only names a prefix-cache namespace: rl-infer also keys
@@ -314,9 +314,9 @@ class Orchestrator:
         return m
 
     def _retain(self) -> None:
-        """Delete batches keep_rollouts behind the trainer that its newest checkpoint covers."""
+        """Delete batches keep_rollouts behind the trainer that its oldest kept checkpoint covers."""
         trainer_step = int(self.run.read_progress("train").get("step", 0))
-        checkpoint = self.run.latest_stable("checkpoints") or 0
+        checkpoint = (self.run.stable_steps("checkpoints") or [0])[0]  # a damaged newest one falls back to it
         for step in self.run.stable_steps("rollouts"):
             if step < trainer_step - self.ocfg.keep_rollouts and step <= checkpoint:
                 remove_dir(self.run.rollouts_dir(step))

@@ -4,9 +4,13 @@ Saved with torch.distributed.checkpoint (DCP): under FSDP2 / EP every rank write
 own shards into one directory (``shared_atomic_dir``: rank 0 creates the temporary
 directory, and renames and marks it STABLE after a barrier). DCP stores global shapes and
 reshards on load, so a checkpoint written with another --dp/--cp/--ep mesh resumes on
-this one. The newest STABLE checkpoint is resumed, so a crash mid-save loses at most one
-interval.
+this one. The newest STABLE checkpoint whose manifest checks out (sizes of every file,
+sha256 of the metadata; ``rlcli.transport.atomic.verify_dir``) is resumed, so a crash
+mid-save loses at most one interval and a damaged newest checkpoint falls back to the
+one before it.
 """
+
+import logging
 
 import warnings
 
@@ -15,8 +19,20 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from rlcli.parallel import dist as pdist
-from rlcli.transport.atomic import clean_temporaries, read_marker, remove_dir
+from rlcli.transport.atomic import clean_temporaries, read_marker, remove_dir, verify_dir
 from rlcli.transport.rundir import RunDir
+
+log = logging.getLogger("rl-train")
+
+
+def newest_intact(run: RunDir) -> int | None:
+    """The newest STABLE checkpoint that passes :func:`verify_dir` (each damaged newer one named in a warning)."""
+    for step in reversed(run.stable_steps("checkpoints")):
+        problems = verify_dir(run.checkpoint_dir(step))
+        if not problems:
+            return step
+        log.warning("checkpoint step %d is damaged (%s); trying the one before", step, "; ".join(problems))
+    return None
 
 
 def save_checkpoint(run: RunDir, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -38,7 +54,8 @@ def load_latest_checkpoint(run: RunDir, model: torch.nn.Module, optimizer: torch
     dict (step, data position, and "parallel": the mesh it was written with), or None."""
     if not pdist.enabled() or torch.distributed.get_rank() == 0:
         clean_temporaries(run.root / "checkpoints")
-    step = pdist.broadcast_object(run.latest_stable("checkpoints"))
+    step = pdist.broadcast_object(newest_intact(run) if not pdist.enabled() or torch.distributed.get_rank() == 0
+                                  else None)
     if step is None:
         return None
     model_sd, optim_sd = get_state_dict(model, optimizer)

@@ -181,7 +181,7 @@ class CollectivePublisher:
             info = read_store_file(self.run_root)
             try:
                 if info and info.get("id") != store_id:  # rl-sync (re)started: a new store
-                    ctl = Control(connect_store(info["addr"], 5.0))
+                    ctl = Control(connect_store(info["addr"], max(5.0, self.timeout_s)))
                     store_id, r, posted = info["id"], ctl.num_rounds(), -1
                     self._drop_group()
                 if ctl is None:

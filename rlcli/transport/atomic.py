@@ -15,6 +15,13 @@ written by several ranks is built with :func:`begin_dir` / :func:`commit_dir`: o
 creates and later renames and marks it, after a barrier
 (``rlcli.parallel.dist.shared_atomic_dir``).
 
+Every committed directory's STABLE marker carries a manifest: the size of each file and
+the sha256 of each small one (<= 1 MiB: configs, indexes, checkpoint metadata), taken
+from the files just written. :func:`verify_dir` checks it with one ``stat`` per file
+and one read of the small files, so a truncated tensor file or a corrupt index or
+checkpoint metadata is caught before use without a second pass over the large files
+(rollout batches carry their own sha256, checked on the bytes read for decoding).
+
 A write that fails for lack of space (ENOSPC, EDQUOT, EFBIG, EROFS; also as the
 message of a library's own error, e.g. safetensors) removes its temporary and raises
 :class:`rlcli.errors.StorageFull` naming the target: the previous STABLE state is
@@ -164,13 +171,51 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
+SMALL_FILE_BYTES = 1 << 20
+
+
+def manifest(directory: Path) -> dict[str, dict[str, Any]]:
+    """{"sizes": {file: bytes}, "sha256": {small file: hex}} of every file under ``directory``."""
+    sizes, sums = {}, {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != STABLE):
+        rel = str(path.relative_to(directory))
+        sizes[rel] = path.stat().st_size
+        if sizes[rel] <= SMALL_FILE_BYTES:
+            sums[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return {"sizes": sizes, "sha256": sums}
+
+
+def verify_dir(directory: str | Path) -> list[str]:
+    """Problems of a STABLE directory against its manifest (empty: intact, or no manifest)."""
+    directory = Path(directory)
+    m = (read_marker(directory) or {}).get("manifest")
+    if not m:
+        return []
+    problems = []
+    for rel, size in m["sizes"].items():
+        try:
+            actual = (directory / rel).stat().st_size
+        except FileNotFoundError:
+            problems.append(f"{rel} is missing")
+            continue
+        if actual != size:
+            problems.append(f"{rel} has {actual} bytes, {size} were written")
+    for rel, digest in m["sha256"].items():
+        if rel in m["sizes"] and not any(p.startswith(rel) for p in problems) and \
+                hashlib.sha256((directory / rel).read_bytes()).hexdigest() != digest:
+            problems.append(f"{rel} does not match its sha256")
+    return problems
+
+
 def commit_dir(tmp: Path, final: str | Path, marker: dict[str, Any] | None = None) -> None:
-    """fsync ``tmp``'s files, move it to ``final`` (replacing an old one) and mark it STABLE."""
+    """fsync ``tmp``'s files, move it to ``final`` (replacing an old one) and mark it STABLE
+    with a manifest of what was written."""
     final = Path(final)
     for child in tmp.iterdir():
         if child.is_file():
             with open(child, "rb") as f:
                 os.fsync(f.fileno())
+    marker = {**(marker or {}), "manifest": manifest(tmp)}
     if not final.exists():
         os.replace(tmp, final)
         _fsync_dir(final.parent)

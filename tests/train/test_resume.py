@@ -62,6 +62,23 @@ def test_restart_after_policy_zero_was_pruned_does_not_rerun_the_warm_up(setup):
         again.close()
 
 
+def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(setup):
+    cfg, run = setup
+    trainer = Trainer(cfg, run)
+    try:
+        for step in (1, 2):
+            save_checkpoint(run, step, trainer.model, trainer.optimizer, trainer.scheduler, {"step": step}, 2)
+    finally:
+        trainer.close()
+    metadata = run.checkpoint_dir(2) / ".metadata"
+    metadata.write_bytes(metadata.read_bytes()[:-1] + b"\0")  # same size, other bytes
+    again = Trainer(cfg, run)
+    try:
+        assert again.step == 1
+    finally:
+        again.close()
+
+
 def test_a_corrupt_batch_is_deleted_and_the_rewrite_is_trained(setup):
     cfg, run = setup
     write_batch(run, 1, groups(4), 1, 256, 1.0)
