@@ -98,38 +98,35 @@ class InferPool:
             self.servers.pop(key).client.close()
         lost = self._drop(lambda o: o.server in gone)
         for key in gone:
-            n = sum(1 for r in lost if self._lost_from.get(r.request_id) == key)
+            n = sum(1 for o in lost if o.server == key)
             log.warning("%s; re-dispatching its %d request(s)", describe_gone(self.entries.pop(key), every.get(key)), n)
         for key, entry in live.items():
             if key not in self.servers:
                 self._add(ServerHandle(key, entry.endpoints["rpc"], entry.incarnation, entry.info.get("role", "mixed")))
                 self.entries[key] = entry
-        return lost
+        return [o.request for o in lost]
 
     def expired(self) -> list[GenerateRequest]:
         """Requests unanswered for ``request_timeout_s``: aborted on their server, handed back."""
         now = time.monotonic()
         lost = self._drop(lambda o: now - o.sent > self.timeout_s)
         by_server: dict[str, list[str]] = {}
-        for r in lost:
-            by_server.setdefault(self._lost_from[r.request_id], []).append(r.request_id)
+        for o in lost:
+            by_server.setdefault(o.server, []).append(o.request.request_id)
         for key, rids in by_server.items():
             if key in self.servers:
                 log.warning("%s did not answer %d request(s) in %.0fs; aborted there, re-dispatching", key,
                             len(rids), self.timeout_s)
                 self.servers[key].send(AbortRequests(request_ids=rids))
-        return lost
+        return [o.request for o in lost]
 
-    def _drop(self, pred) -> list[GenerateRequest]:
-        lost = [rid for rid, o in self.outstanding.items() if pred(o)]
+    def _drop(self, pred) -> list[Outstanding]:
         out = []
-        self._lost_from = {}
-        for rid in lost:
+        for rid in [rid for rid, o in self.outstanding.items() if pred(o)]:
             o = self.outstanding.pop(rid)
-            self._lost_from[rid] = o.server
             if o.server in self.servers:
                 self.servers[o.server].num_outstanding -= o.request.sampling.n
-            out.append(o.request)
+            out.append(o)
         return out
 
     def abort(self, request_ids: list[str]) -> None:

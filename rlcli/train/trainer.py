@@ -93,6 +93,7 @@ class Trainer:
         self._pub_lock = threading.Lock()  # announcements also come from the weight publisher's thread
         self.registration = Registration(run.registry_dir(), "train", 0, {"pub": self.publisher.endpoint}) \
             if main else None
+        self.beat(busy_s=self.busy_s)  # building, warm-up, loading the checkpoint: the loop starts after
         if main:
             clean_temporaries(run.root / "weights")
         self.weights = make_publisher(cfg, run.root, self.announce, self.device)  # every rank: sync.backend

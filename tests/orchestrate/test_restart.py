@@ -8,17 +8,16 @@ import pytest
 
 from procs import serve_initial_policy, wait_until, write_recipe
 from rlcli.config import load_recipe
+from rlcli.envs import Task
 from rlcli.infer.server import InferServer
 from rlcli.orchestrate.pool import InferPool
-from rlcli.orchestrate.rollouts import write_batch
+from rlcli.orchestrate.rollouts import Group
 from rlcli.protocol import GenerateRequest, HealthRequest, HealthResponse, SamplingParams
 from rlcli.protocol.batch import decode_batch
 from rlcli.transport.atomic import atomic_dir, remove_dir
 from rlcli.transport.rundir import RunDir
 from rlcli.transport.zmq import RpcClient, new_request_id
 from test_staleness import bare_orchestrator, finish
-from rlcli.envs import Task
-from rlcli.orchestrate.rollouts import Group
 
 pytestmark = pytest.mark.timeout(120)
 
