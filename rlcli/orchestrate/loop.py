@@ -106,9 +106,7 @@ class Orchestrator:
     def refresh(self) -> None:
         for request in self.pool.refresh() + self.pool.expired():
             group = self.inflight.pop(request.request_id, None)
-            if group is not None:
-                log.warning("request %s lost (server gone, restarted or timed out); re-dispatching",
-                            request.request_id)
+            if group is not None:  # the pool said why, in one line per server
                 if request.request_id in self.turns:  # a later turn of one episode: send that turn again
                     self._send_turn(group, self.turns.pop(request.request_id), self.episodes.resend(request))
                 else:

@@ -86,14 +86,15 @@ class Registration:
     def beat(self, busy_s: float = 0.0) -> None:
         """Called by the work loop once per iteration: rewrites the entry when the last beat is
         ``interval`` old. ``busy_s`` > 0 announces an operation that blocks the loop for up to
-        that long (written now)."""
+        that long (written now); the first ordinary beat after it withdraws the promise at once,
+        so a process stopped after the operation is not covered by it."""
         now = time.time()
         if busy_s > 0:
             self.entry.busy_until = now + busy_s
-        elif now - self.entry.heartbeat < self._interval:
-            return
         elif self.entry.busy_until:
             self.entry.busy_until = 0.0
+        elif now - self.entry.heartbeat < self._interval:
+            return
         try:
             self._write()
         except OSError:

@@ -6,6 +6,7 @@ initialized from seed 1000 + N. Reads one step number per stdin line, prints
 "published N" once ``publish`` returned (for the async backend: once it is durable).
 """
 
+import select
 import sys
 import threading
 
@@ -38,7 +39,13 @@ def main() -> None:
 
     publisher = make_publisher(cfg, run.root, announce, torch.device("cpu"))
     model = weights(cfg, 0)
-    for line in sys.stdin:
+    while True:  # the work loop: beats while waiting for the next step, as rl-train's does
+        reg.beat()
+        if not select.select([sys.stdin], [], [], 0.2)[0]:
+            continue
+        line = sys.stdin.readline()
+        if not line:
+            break
         step = int(line)
         with torch.no_grad():
             for p, q in zip(model.parameters(), weights(cfg, step).parameters()):

@@ -162,13 +162,14 @@ def test_collective_updates_survive_generation_kill_and_stuck_server(tmp_path, t
         procs.start("infer-1", recipe, "--id", "1")
         wait_until(lambda: served(run_dir) == {"infer-0": 3, "infer-1": 3}, 120, "both servers at v3", procs)
 
-        # A stuck server is skipped: the policy moves on without it; it is re-admitted after SIGCONT.
+        # A stuck server is skipped (no ack in time) or dropped (silent past the liveness window),
+        # whichever comes first: the policy moves on without it; it is re-admitted after SIGCONT.
         os.killpg(procs.procs["infer-0"].pid, signal.SIGSTOP)
         try:
             driver.publish(4)
             wait_until(lambda: policy(run_dir) == 4, 180, "PolicyUpdated(4) without the stuck server", procs)
             status = read_status(run_dir)
-            assert status["servers"]["infer-0"]["state"] == "skipped", status
+            assert status["servers"].get("infer-0", {"state": "dropped"})["state"] in ("skipped", "dropped"), status
             assert status["servers"]["infer-1"]["version"] == 4
             # The trainer's send time joins the breakdown once its report is in (it may follow the acks).
             wait_until(lambda: {"gather_s", "send_s", "load_s"} <= set(read_status(run_dir)["last_update"]), 30,
