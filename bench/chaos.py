@@ -313,8 +313,8 @@ def main() -> int:
     p.add_argument("--aim-timeout-s", type=float, default=30.0, help="give up aiming a kill after this long")
     p.add_argument("--timeout", type=float, default=3600.0)
     p.add_argument("--work-dir", type=Path, default=None)
-    p.add_argument("--baseline", action="store_true", help="also run the same job without chaos")
-    p.add_argument("--no-chaos", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--baseline", action="store_true", help="also run the same job without chaos (after it)")
+    p.add_argument("--no-chaos", action="store_true", help="only the baseline")
     p.add_argument("--smoke", action="store_true", help="short setting: 14 steps, 1 kill each, 12 s stop")
     args = p.parse_args()
     if args.smoke:
@@ -324,13 +324,13 @@ def main() -> int:
 
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="rlcli-chaos-"))
     work.mkdir(parents=True, exist_ok=True)
-    out = {"chaos": one_run(args, work / "chaos")}
-    if args.baseline:
+    out = {}
+    if not args.no_chaos:
+        out["chaos"] = one_run(args, work / "chaos")
+    if args.baseline or args.no_chaos:
         args.no_chaos = True
         out["baseline"] = one_run(args, work / "baseline")
     print(json.dumps(out, indent=1))
-    c = out["chaos"]
-    kills = c["kills"]
     print(f"{'run':<9} {'steps':>5} {'SIGKILLs':>8} {'aimed hit':>9} {'SIGSTOP':>7} {'redone':>6} "
           f"{'reward first->last fifth':>25} {'wall s':>7}  audit")
     for name, r in out.items():
@@ -340,8 +340,13 @@ def main() -> int:
               f"{sum(x['hit'] and x['aim'] not in ('any', 'SIGSTOP') for x in k):>9} "
               f"{sum(x['aim'] == 'SIGSTOP' for x in k):>7} {a['steps_redone']:>6} "
               f"{a['reward_first_fifth']:>12.3f} -> {a['reward_last_fifth']:<10.3f} {r['wall_s']:>7.0f}  "
-              f"{'ok' if a['ok'] else 'FAILED ' + ','.join(n for n, v in a['checks'].items() if not v)}")
-    return 0 if c["audit"]["ok"] and not c["timed_out"] and not c["crashes"] and len(kills) else 1
+              f"{'ok' if a['ok'] else 'FAILED ' + ','.join(n for n, v in a['checks'].items() if v is False)}")
+    if len(out) == 2:
+        c, b = out["chaos"], out["baseline"]
+        gain = lambda r: r["audit"]["reward_last_fifth"] - r["audit"]["reward_first_fifth"]  # noqa: E731
+        print(f"chaos / baseline: wall {c['wall_s'] / b['wall_s']:.2f}x, reward gain {gain(c):+.3f} vs {gain(b):+.3f}")
+    return 0 if all(r["audit"]["ok"] and not r["timed_out"] and not r["crashes"] for r in out.values()) and \
+        ("chaos" not in out or out["chaos"]["kills"]) else 1
 
 
 if __name__ == "__main__":
