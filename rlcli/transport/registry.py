@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from rlcli.transport.atomic import atomic_write_bytes
+from rlcli.transport.atomic import atomic_write_bytes, clean_temporaries
 
 HEARTBEAT_INTERVAL_S = 1.0
 STALE_AFTER_S = float(os.environ.get("RLCLI_STALE_AFTER_S", "10"))
@@ -81,6 +81,7 @@ class Registration:
                            host=socket.gethostname(), incarnation=uuid.uuid4().hex[:12], started=now,
                            heartbeat=now, info=dict(info or {}))
         self._interval = interval
+        clean_temporaries(self.path.parent)  # a killed process's half-written entry
         self._write()
 
     def beat(self, busy_s: float = 0.0) -> None:

@@ -132,9 +132,12 @@ def check_bit_identical(run_dir, tiny_model_dir, version: int) -> None:
             client.close()
 
 
-def test_collective_updates_survive_generation_kill_and_stuck_server(tmp_path, tiny_model_dir):
+def test_collective_updates_survive_generation_kill_and_stuck_server(tmp_path, tiny_model_dir, monkeypatch):
     # Collective ops get ack_timeout_s / 2 each; on a loaded 2-core machine a group's first
-    # rendezvous alone can take seconds, so the deadline must leave room (a stuck server costs it once).
+    # rendezvous alone can take seconds, so the deadline must leave room (a stuck server costs it
+    # once). The liveness window is widened past it so that the skip, not the registry, drops the
+    # stuck server (tests/test_liveness.py covers that path).
+    monkeypatch.setenv("RLCLI_STALE_AFTER_S", "120")
     run_dir, recipe, procs, driver = start(tmp_path, tiny_model_dir, {"kind": "collective", "bucket_bytes": 4096},
                                            ack_timeout_s=20.0)
     try:
@@ -162,14 +165,13 @@ def test_collective_updates_survive_generation_kill_and_stuck_server(tmp_path, t
         procs.start("infer-1", recipe, "--id", "1")
         wait_until(lambda: served(run_dir) == {"infer-0": 3, "infer-1": 3}, 120, "both servers at v3", procs)
 
-        # A stuck server is skipped (no ack in time) or dropped (silent past the liveness window),
-        # whichever comes first: the policy moves on without it; it is re-admitted after SIGCONT.
+        # A stuck server is skipped: the policy moves on without it; it is re-admitted after SIGCONT.
         os.killpg(procs.procs["infer-0"].pid, signal.SIGSTOP)
         try:
             driver.publish(4)
             wait_until(lambda: policy(run_dir) == 4, 180, "PolicyUpdated(4) without the stuck server", procs)
             status = read_status(run_dir)
-            assert status["servers"].get("infer-0", {"state": "dropped"})["state"] in ("skipped", "dropped"), status
+            assert status["servers"]["infer-0"]["state"] == "skipped", status
             assert status["servers"]["infer-1"]["version"] == 4
             # The trainer's send time joins the breakdown once its report is in (it may follow the acks).
             wait_until(lambda: {"gather_s", "send_s", "load_s"} <= set(read_status(run_dir)["last_update"]), 30,

@@ -76,9 +76,21 @@ def test_pub_sub():
 
 
 def test_registry_heartbeat_comes_from_the_work_loop(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from rlcli.transport.atomic import temp_tag
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    orphan = tmp_path / f".infer-2.json.tmp-{temp_tag().rsplit('-', 1)[0]}-{dead}-0123abcd"
+    orphan.write_text("{")  # left by a process killed mid-write
+    assert str(os.getpid()) not in orphan.name
     reg = Registration(tmp_path, "infer", 2, {"rpc": "tcp://h:1"}, {"version": 0}, interval=0.05)
     entry = read_entry(tmp_path / "infer-2.json")
     assert entry.pid and entry.endpoints == {"rpc": "tcp://h:1"} and entry.info == {"version": 0}
+    assert not orphan.exists()
     time.sleep(0.2)  # a wedged loop does not beat: nothing else may refresh the entry
     assert read_entry(tmp_path / "infer-2.json").heartbeat == entry.heartbeat
     reg.beat()
