@@ -84,7 +84,8 @@ class Rounds:
         if now - rnd.sent_at > self.cfg.sync.ack_timeout_s:
             for key in waiting:
                 s = self.syncer.servers.get(key)
-                if s is not None and not s.skipped:
+                # A member that restarted mid-round is a new Server that never got this load: not skipped.
+                if s is not None and not s.skipped and s.pending is not None:
                     self.syncer.skip(key, s)
             self._finish(rnd)
 
