@@ -23,7 +23,7 @@ by ``env.truncation``. A group joins the buffer when all its episodes are scored
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 
@@ -77,8 +77,9 @@ class Episode:
 class Episodes:
     """Runs the episodes of every group whose first reply is in, until each is scored."""
 
-    def __init__(self, cfg: RecipeConfig, env: Any, tokenizer: Any):
+    def __init__(self, cfg: RecipeConfig, env: Any, tokenizer: Any, new_id: Callable[[], str] = new_request_id):
         self.cfg, self.ecfg, self.env, self.tokenizer = cfg, cfg.env, env, tokenizer
+        self.new_id = new_id  # the pool's: ids carry the orchestrator's incarnation
         self.runner = EnvRunner(cfg.env.name, cfg.env.num_workers, cfg.env.reward_timeout_s)
         self.multi_turn = is_multi_turn(env)
         self.encoder = TurnEncoder(tokenizer, cfg.env.use_chat_template) if self.multi_turn else None
@@ -188,7 +189,7 @@ class Episodes:
         ep.messages.append(message)
         s = self.cfg.orchestrate.sampling
         request = GenerateRequest(
-            request_id=new_request_id(), prompt_ids=group.prompt_ids + ep.token_ids, cache_salt=group.cache_salt,
+            request_id=self.new_id(), prompt_ids=group.prompt_ids + ep.token_ids, cache_salt=group.cache_salt,
             sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p, n=1,
                                     max_tokens=min(group.task.max_tokens or s.max_tokens, room),
                                     return_routing=self.cfg.r3))
@@ -228,7 +229,7 @@ class Episodes:
 
     def resend(self, request: GenerateRequest) -> GenerateRequest:
         """The same turn under a new id (its server was lost)."""
-        return msgspec.structs.replace(request, request_id=new_request_id())
+        return msgspec.structs.replace(request, request_id=self.new_id())
 
     def metrics(self) -> dict[str, float]:
         r = self.runner

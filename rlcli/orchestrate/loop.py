@@ -65,9 +65,9 @@ class Orchestrator:
         self.cfg, self.run, self.ocfg = cfg, run, cfg.orchestrate
         self.env = make_env(cfg.env)
         self.tokenizer = load_tokenizer(cfg.model.path)
-        self.episodes = Episodes(cfg, self.env, self.tokenizer)
-        self.turns: dict[str, int] = {}  # request id of a later turn -> its episode's index in the group
         self.pool = InferPool(run, self.ocfg.connect, self.ocfg.request_timeout_s)
+        self.episodes = Episodes(cfg, self.env, self.tokenizer, self.pool.new_request_id)
+        self.turns: dict[str, int] = {}  # request id of a later turn -> its episode's index in the group
         if self.ocfg.connect:
             self.pool.check_reachable()
         self.sub = Subscriber()
