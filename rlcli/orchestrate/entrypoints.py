@@ -89,7 +89,8 @@ def render_status(s: dict) -> str:
         lines.append(f"{p['key']:<14} {p['state']:<16} {_dash(p['version']):>7} {_dash(p['lag']):>4} "
                      f"{p['heartbeat_age_s']:>6.1f}s  {p['pid']}@{p['host']}")
     last = lambda xs: xs[-1] if xs else "-"  # noqa: E731
-    lines.append(f"trained {s['progress']['train'].get('step', 0)}, written {s['progress']['orchestrate'].get('step', 0)}"
+    progress = s["progress"]
+    lines.append(f"trained {progress['train'].get('step', 0)}, written {progress['orchestrate'].get('step', 0)}"
                  f", policy live v{s['progress']['sync'].get('version', '-')}; newest weights {last(s['weights'])}, "
                  f"rollouts {last(s['rollouts'])}, checkpoint {last(s['checkpoints'])}")
     return "\n".join(lines)

@@ -147,9 +147,13 @@ class Trainer:
                     self.cores.busy(True)
                 model = load_model(cfg.model.path, self.device, self.dtype, cfg.seed, fp8=cfg.train.fp8)
                 log.info("SFT warm-up: %d steps", cfg.train.sft.num_steps)
-                run_sft(cfg, model, load_tokenizer(cfg.model.path), log,
-                        on_step=lambda s, loss: (self.beat(), run.append_metrics("sft", {"step": s, "loss": loss.item()})
-                                                 if s % 10 == 0 or s == cfg.train.sft.num_steps else None))
+
+                def on_step(s: int, loss) -> None:
+                    self.beat()
+                    if s % 10 == 0 or s == cfg.train.sft.num_steps:
+                        run.append_metrics("sft", {"step": s, "loss": loss.item()})
+
+                run_sft(cfg, model, load_tokenizer(cfg.model.path), log, on_step=on_step)
                 self._write_full(0, model)
             elif has_weights(cfg.model.path):
                 # The unmodified base model: a marker pointing at it instead of a copy.
