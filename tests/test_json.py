@@ -12,8 +12,7 @@ from procs import write_recipe
 BIN = Path(sys.executable).parent
 APPS = {"rl-infer": "rlcli.cli.infer", "rl-train": "rlcli.cli.train", "rl-sync": "rlcli.cli.sync",
         "rl-cache": "rlcli.cli.cache", "rl-orchestrate": "rlcli.cli.orchestrate"}
-# `rl-orchestrate status` always prints JSON today; its flags belong to the live-dashboard work (#10).
-WITHOUT_JSON = {"rl-orchestrate status"}
+WITHOUT_JSON: set[str] = set()  # every command reports with --json (rl-orchestrate status too, since #10)
 
 needs_jq = pytest.mark.skipif(not shutil.which("jq"), reason="jq is not installed")
 
