@@ -5,8 +5,8 @@ HF tensor lands in its slice of the stacked expert weight), so a load never hold
 second full copy of the model.
 
 Filesystem: everything that can be checked is checked before the first parameter is
-touched: the STABLE marker, the size of every file the marker lists (a torn or truncated
-shard fails here), each file's safetensors header against its size, and that the
+touched: the STABLE marker and its manifest (the size of every file, the sha256 of the
+index and config: a torn or truncated shard, a corrupt index fail here), each file's safetensors header against its size, and that the
 tensors cover every parameter exactly once with the right shapes. A failed check leaves
 the engine serving its previous version.
 
@@ -26,7 +26,7 @@ import torch
 from rlcli.errors import ModelLoadError
 from rlcli.models.hf_io import _ignorable, hf_state_dict
 from rlcli.models.safetensors_io import SafetensorsFile, weight_files
-from rlcli.transport.atomic import read_marker
+from rlcli.transport.atomic import read_marker, verify_dir
 from rlcli.transport.collective import Spec, WeightGroup, connect_store, parse_dtype, receive
 
 
@@ -47,6 +47,9 @@ def verified_files(path: str | Path) -> tuple[Path, list[SafetensorsFile]]:
     if marker is None:
         raise ModelLoadError(f"{path} has no STABLE marker (not completely written)")
     source = Path(marker.get("source") or path)
+    problems = verify_dir(path)  # the manifest: every file's size, the sha256 of index and config
+    if problems:
+        raise ModelLoadError(f"{path} is damaged: {'; '.join(problems)}")
     for fname, size in (marker.get("files") or {}).items():
         actual = (source / fname).stat().st_size if (source / fname).is_file() else -1
         if actual != size:

@@ -25,6 +25,7 @@ from rlcli.protocol import (
     AbortRequests, ErrorReply, GenerateRequest, GenerateResponse, HealthRequest, HealthResponse, LoadWeights,
     Shutdown, WeightsLoaded,
 )
+from rlcli.transport.atomic import verify_dir
 from rlcli.transport.pins import pin_latest, unpin
 from rlcli.transport.registry import Registration, list_entries
 from rlcli.transport.rundir import RunDir
@@ -49,10 +50,20 @@ def resolve_kv_cache(cfg: RecipeConfig, run: RunDir, timeout_s: float = 120.0) -
     return msgspec.structs.replace(cfg, infer=msgspec.structs.replace(cfg.infer, kv_cache=kv))
 
 
+def newest_intact(run: RunDir) -> int | None:
+    """The newest STABLE policy whose manifest checks out; each damaged newer one is named in a warning."""
+    for step in reversed(run.stable_steps("weights")):
+        problems = verify_dir(run.weights_dir(step))
+        if not problems:
+            return step
+        log.warning("%s is damaged (%s); trying the version before", run.weights_dir(step), "; ".join(problems))
+    return None
+
+
 def wait_for_policy(run: RunDir, poll_s: float = 0.2) -> int:
-    """The newest complete policy version in RUN/weights, waiting for the trainer's first one."""
+    """The newest complete and intact policy version in RUN/weights, waiting for the trainer's first one."""
     announced = False
-    while (step := run.latest_stable("weights")) is None:
+    while (step := newest_intact(run)) is None:
         if not announced:
             log.info("waiting for %s (rl-train writes the initial policy)", run.weights_dir(0))
             announced = True
