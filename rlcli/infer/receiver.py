@@ -47,13 +47,13 @@ def verified_files(path: str | Path) -> tuple[Path, list[SafetensorsFile]]:
     if marker is None:
         raise ModelLoadError(f"{path} has no STABLE marker (not completely written)")
     source = Path(marker.get("source") or path)
-    problems = verify_dir(path)  # the manifest: every file's size, the sha256 of index and config
-    if problems:
-        raise ModelLoadError(f"{path} is damaged: {'; '.join(problems)}")
     for fname, size in (marker.get("files") or {}).items():
         actual = (source / fname).stat().st_size if (source / fname).is_file() else -1
         if actual != size:
             raise ModelLoadError(f"{source / fname} holds {actual} bytes, its STABLE marker says {size}: torn shard")
+    problems = verify_dir(path)  # the manifest: every file's size, the sha256 of index and config
+    if problems:
+        raise ModelLoadError(f"{path} is damaged: {'; '.join(problems)}")
     files = [SafetensorsFile(f) for f in weight_files(source)]
     if not files:
         raise ModelLoadError(f"{source} holds no safetensors files")
