@@ -78,6 +78,7 @@ def open_run(cfg, command: str):
     model = to_dict(cfg.model)
     model["path"] = os.path.abspath(model["path"]) if model["path"] else ""
     run.claim(cfg.name, {"model": model, "env": to_dict(cfg.env)})
+    run.clean_small_temporaries()
     run.write_config(command, dump_toml(to_dict(cfg)))
     # `up`'s children log for themselves; under torchrun only rank 0 writes metrics.
     if command != "up" and os.environ.get("RANK", "0") == "0":

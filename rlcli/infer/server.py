@@ -27,6 +27,7 @@ from rlcli.protocol import (
 )
 from rlcli.transport.atomic import verify_dir
 from rlcli.transport.pins import pin_latest, unpin
+from rlcli.transport import registry
 from rlcli.transport.registry import Registration, list_entries
 from rlcli.transport.rundir import RunDir
 from rlcli.transport.zmq import RpcServer
@@ -87,6 +88,7 @@ class InferServer:
         weights = run.resolve_weights(version)
         t0 = time.monotonic()
         self.engine: Engine = make_engine(cfg, weights, version, instance)
+        self.last_load_s = time.monotonic() - t0  # bounds the liveness promise of the next load
         self.server = RpcServer(icfg.host, icfg.port)
         endpoints = {"rpc": self.server.endpoint}
         self.http = None
@@ -118,14 +120,16 @@ class InferServer:
                 self.server.reply(identity, ErrorReply(request_id=msg.request_id, message=str(e)))
         elif isinstance(msg, LoadWeights):
             t0 = time.monotonic()
-            self.registration.beat(busy_s=self.cfg.sync.ack_timeout_s)  # rl-sync waits that long for the ack
+            # Peers wait this long before calling the server dead: past its usual load, within rl-sync's patience.
+            self.registration.beat(busy_s=min(self.cfg.sync.ack_timeout_s, max(registry.STALE_AFTER_S,
+                                                                                3 * self.last_load_s)))
             try:
                 self.engine.load_weights(msg.weights, msg.version)
             except (RLCLIError, OSError, ValueError, RuntimeError) as e:  # RuntimeError: a collective op failed
                 log.warning("could not load policy v%d (still serving v%d): %s", msg.version, self.engine.version, e)
                 self.server.reply(identity, ErrorReply(request_id=msg.request_id, message=str(e)))
                 return
-            dt = time.monotonic() - t0
+            dt = self.last_load_s = time.monotonic() - t0
             self.registration.update(version=msg.version)
             log.info("loaded policy v%d in %.2fs (%d sequences kept running)", msg.version, dt,
                      self.engine.stats()["num_running"])

@@ -29,6 +29,7 @@ from typing import Any
 from rlcli.errors import RunDirError
 from rlcli.transport.atomic import (
     atomic_write_bytes,
+    clean_temporaries,
     atomic_write_json,
     is_stable,
     read_json,
@@ -103,6 +104,12 @@ class RunDir:
                 f"run directory {self.root} belongs to {what} '{existing.get('name')}'; "
                 "pass another --run-dir (or delete this one)"
             )
+
+    def clean_small_temporaries(self) -> None:
+        """Remove what writers of this host killed mid-write left among the small files (configs,
+        registry, progress, rl-sync's status, pins); each process does this when it joins the run."""
+        for sub in ("config", "registry", "progress", "sync", "weights/.pins"):
+            clean_temporaries(self.root / sub)
 
     def _read_run_json(self, path: Path) -> dict[str, Any]:
         for _ in range(50):  # the creator is between O_EXCL and fsync
