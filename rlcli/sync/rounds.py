@@ -59,9 +59,14 @@ class Rounds:
     def step(self) -> None:
         """Advance the round in flight, or order one when an admitted server is behind."""
         pub = self.ctl.published()
-        if pub is not None and (self.published is None or pub["version"] != self.published["version"]):
+        seen = self.published
+        if pub is not None and (seen is None or (pub["version"], pub.get("timing")) != (seen["version"],
+                                                                                        seen.get("timing"))):
+            # A new version, or its gather time, which the trainer posts once staging is done.
             self.published = pub
             self.syncer.see_published(pub["version"], pub.get("timing") or {})
+            if self.syncer.last_update.get("version") == pub["version"]:  # announced before the timing came
+                self.syncer.last_update.update(pub.get("timing") or {})
         if self.current is None:
             return self._maybe_order()
         rnd, now = self.current, time.monotonic()

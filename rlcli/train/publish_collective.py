@@ -176,24 +176,27 @@ class CollectivePublisher:
         return self._serve_rounds()
 
     def _serve_rounds(self) -> None:
-        ctl, store_id, r, posted = None, None, 0, -1
+        # posted: (version, whether its gather time was in) as last posted: the version is
+        # posted as soon as it is offered, and again once staging has timed it.
+        ctl, store_id, r, posted = None, None, 0, (-1, False)
         while not self.stopping.is_set():
             info = read_store_file(self.run_root)
             try:
                 if info and info.get("id") != store_id:  # rl-sync (re)started: a new store
                     ctl = Control(connect_store(info["addr"], max(5.0, self.timeout_s)))
-                    store_id, r, posted = info["id"], ctl.num_rounds(), -1
+                    store_id, r, posted = info["id"], ctl.num_rounds(), (-1, False)
                     self._drop_group()
                 if ctl is None:
                     time.sleep(0.2)
                     continue
                 with self.cond:
                     version, timing = self.version, dict(self.timing)
-                if version >= 0 and version != posted:
+                if version >= 0 and (version, bool(timing)) != posted:
                     ctl.post_published(version, [[s.name, dtype_name(s.dtype), list(s.shape)] for s in self.specs],
                                        self.bucket_bytes, timing)
-                    posted = version
-                order = ctl.wait(f"round/{r}", 0.2, poll_s=0.0005, stop=lambda: self.version != posted)
+                    posted = (version, bool(timing))
+                order = ctl.wait(f"round/{r}", 0.2, poll_s=0.0005,
+                                 stop=lambda: (self.version, bool(self.timing)) != posted)
                 if order is None:
                     continue
                 with self.cond:
