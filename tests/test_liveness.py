@@ -46,6 +46,12 @@ def test_a_stopped_server_is_reported_and_dropped_then_comes_back(tmp_path, tiny
         wait_until(lambda: {"infer-0", "cache-0"} <= {k for k, p in status(run_dir).items() if p["state"] == "alive"},
                    120, "both processes alive", procs)
         assert status(run_dir)["infer-0"]["version"] == 0
+        # The watched dashboard (not a terminal: it prints the process table whenever a state changes).
+        shown_path = tmp_path / "watch.txt"
+        watcher = subprocess.Popen([sys.executable, "-m", "rlcli.cli.orchestrate", "status", str(run_dir),
+                                    "--watch", "0.2"], stdout=subprocess.DEVNULL, stderr=open(shown_path, "w"),
+                                   env={**os.environ, "COLUMNS": "200"})
+        wait_until(lambda: "infer-0" in shown_path.read_text(), 60, "the dashboard's first table")
         pool = InferPool(RunDir(run_dir), [], request_timeout_s=300)
         pool.refresh()
         assert list(pool.servers) == ["infer-0"]
@@ -66,5 +72,14 @@ def test_a_stopped_server_is_reported_and_dropped_then_comes_back(tmp_path, tiny
             os.killpg(procs.procs["infer-0"].pid, signal.SIGCONT)
         wait_until(lambda: status(run_dir)["infer-0"]["state"] == "alive", 60, "infer-0 alive again", procs)
         pool.close()
+        import time
+
+        time.sleep(1.0)  # a few redraws after the change
+        watcher.send_signal(signal.SIGINT)
+        assert watcher.wait(timeout=30) == 0, shown_path.read_text()
+        shown = shown_path.read_text()
+        states = [("dead or stopped" if "dead or stopped" in line else "alive")
+                  for line in shown.splitlines() if "infer-0" in line and ("alive" in line or "dead" in line)]
+        assert states[0] == "alive" and "dead or stopped" in states and states[-1] == "alive", shown
     finally:
         procs.stop_all()

@@ -93,10 +93,18 @@ def up_cmd(
 def status_cmd(
     run_dir: Annotated[Path, typer.Argument(help="Run directory.")],
     json_out: Annotated[bool, typer.Option("--json", help="One JSON object instead of the table.")] = False,
+    watch: Annotated[Optional[float], typer.Option(
+        "--watch", help="Redraw every SECONDS as a live dashboard (recent steps and every process) until Ctrl-C.",
+        metavar="SECONDS", show_default=False)] = None,
 ) -> None:
     """Every process of a run (alive, busy, or dead or stopped; version; lag) and its progress."""
-    from rlcli.orchestrate.entrypoints import render_status, status
+    from rlcli.orchestrate.entrypoints import render_status, status, watch_status
 
+    if watch is not None:
+        if json_out or watch <= 0:
+            raise ValueError("--watch takes a positive number of seconds and no --json (use --json without "
+                             "--watch for one snapshot)")
+        return watch_status(run_dir, watch)
     s = status(run_dir)
     if json_out:
         emit_json(s)

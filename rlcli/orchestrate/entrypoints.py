@@ -82,6 +82,19 @@ def status(run_dir: Path) -> dict:
     }
 
 
+def watch_status(run_dir: Path, interval_s: float) -> None:
+    """``rl-orchestrate status RUN --watch``: the live view of the run's steps and processes,
+    redrawn every ``interval_s`` until Ctrl-C (see :mod:`rlcli.orchestrate.dashboard`)."""
+    status(run_dir)  # a bad run directory fails here, before the view starts
+    try:
+        with LiveView(RunDir(run_dir)) as view:
+            while True:
+                view.update(status=status(run_dir))
+                time.sleep(interval_s)
+    except KeyboardInterrupt:
+        pass
+
+
 def render_status(s: dict) -> str:
     """The status as a plain table: one line per process, then the run's durable state."""
     lines = [f"{'process':<14} {'state':<16} {'version':>7} {'lag':>4} {'silent':>7}  pid@host"]
