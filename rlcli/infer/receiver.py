@@ -114,13 +114,8 @@ class CollectiveReceiver:
             covered = {s.name for s in specs}
             missing = [n for n in dests if n not in covered]
             problem = f"the transfer lacks tensor {missing[0]}" if missing else None
-        key = (store, group, rank, world_size)  # a restarted rl-sync reuses group names with a new store
         try:
-            if self.group is None or self.key != key:
-                self.close()
-                self.group = WeightGroup(connect_store(store, timeout_s), group, rank, world_size, self.device,
-                                         timeout_s)
-                self.key = key
+            self.join(store, group, rank, world_size, timeout_s)
             if problem is None:
                 self.torn = True  # until the last byte has landed
                 receive(self.group, version, specs, bucket_bytes, lambda i: dests[specs[i].name])
@@ -133,6 +128,15 @@ class CollectiveReceiver:
             raise
         if problem is not None:
             raise ModelLoadError(f"weights v{version} do not fit this model: {problem}")
+
+    def join(self, store: str, group: str, rank: int, world_size: int, timeout_s: float) -> WeightGroup:
+        """The round's group: this server's current one when the round names it, else a new one."""
+        key = (store, group, rank, world_size)  # a restarted rl-sync reuses group names with a new store
+        if self.group is None or self.key != key:
+            self.close()
+            self.group = WeightGroup(connect_store(store, timeout_s), group, rank, world_size, self.device, timeout_s)
+            self.key = key
+        return self.group
 
     def close(self) -> None:
         if self.group is not None:

@@ -74,25 +74,20 @@ class WeightsExtension:
                                  tensors: list[tuple[str, str, list[int]]], bucket_bytes: int,
                                  timeout_s: float) -> int:
         """Receive one collective weight update into the model (see module docstring)."""
-        from rlcli.transport.collective import Spec, WeightGroup, connect_store, parse_dtype, receive_tensors
+        from rlcli.infer.receiver import CollectiveReceiver
+        from rlcli.transport.collective import Spec, parse_dtype, receive_tensors
 
         specs = [Spec(name, parse_dtype(dtype), tuple(shape)) for name, dtype, shape in tensors]
-        key = (store, group, rank, world_size)
-        current = getattr(self, "_rlcli_group", None)
+        receiver = getattr(self, "_rlcli_receiver", None)
+        if receiver is None:
+            device = next(self.model_runner.get_model().parameters()).device
+            receiver = self._rlcli_receiver = CollectiveReceiver(device)
         try:
-            if current is None or getattr(self, "_rlcli_group_key", None) != key:
-                if current is not None:
-                    current.close()
-                device = next(self.model_runner.get_model().parameters()).device
-                self._rlcli_group = current = WeightGroup(connect_store(store, timeout_s), group, rank, world_size,
-                                                          device, timeout_s)
-                self._rlcli_group_key = key  # a restarted rl-sync reuses group names with a new store
-            return self.rlcli_load_weights(
-                (specs[i].name, t) for i, t in receive_tensors(current, version, specs, bucket_bytes))
+            g = receiver.join(store, group, rank, world_size, timeout_s)
+            received = receive_tensors(g, version, specs, bucket_bytes)
+            return self.rlcli_load_weights((specs[i].name, t) for i, t in received)
         except Exception:
-            if current is not None:
-                current.close()
-            self._rlcli_group = None  # a broken group is never reused
+            receiver.close()  # a broken group is never reused
             raise
 
     def rlcli_load_safetensors(self, path: str) -> int:
