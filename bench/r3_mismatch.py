@@ -1,7 +1,9 @@
 """Trainer/inference mismatch on a MoE model, with and without routing replay (R3), side by side.
 
-The inference side is the native engine serving the model in bf16 (continuous batching,
-paged KV cache, routes recorded for every prompt and completion token); the trainer side
+The inference side is an rl-infer engine serving the model in bf16 (``--engine native``:
+continuous batching, paged KV cache; ``--engine vllm``: vLLM with
+``enable_return_routed_experts``, CUDA only), routes recorded for every prompt and
+completion token; the trainer side
 is the same weights in fp32, recomputing the logprob of every completion token from the
 packed batch, once routing by itself and once replaying the engine's routes. Per side it
 prints the mismatch KL (k3 estimator of KL(pi_infer || pi_train), mean over completion
@@ -16,6 +18,7 @@ model is as peaked as a trained one (routing decisions matter, logprobs are far 
     python bench/r3_mismatch.py --smoke                 # CPU, seconds
     python bench/r3_mismatch.py                         # CPU, the recipe's tiny Qwen3-MoE
     python bench/r3_mismatch.py --device cuda --hidden 1024 --experts 64 --layers 8   # one GPU
+    python bench/r3_mismatch.py --device cuda --engine vllm --hidden 1024 --experts 64 --layers 8
 """
 
 import argparse
@@ -30,8 +33,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from rlcli.config import load_recipe  # noqa: E402
+from rlcli.infer.base import Engine  # noqa: E402
 from rlcli.infer.engine import NativeEngine  # noqa: E402
-from rlcli.models import load_model  # noqa: E402
+from rlcli.infer.factory import make_engine  # noqa: E402
+from rlcli.models import load_model, save_model  # noqa: E402
 from rlcli.models.moe import check_routes  # noqa: E402
 from rlcli.ops.attention import ForwardContext, PackedCausalAttention, RoutingContext  # noqa: E402
 from rlcli.protocol import GenerateRequest, SamplingParams  # noqa: E402
@@ -51,20 +57,20 @@ def make_model_dir(args) -> Path:
     if args.layers:
         cfg["num_hidden_layers"] = args.layers
     cfg["num_experts_per_tok"] = args.top_k
+    cfg["max_position_embeddings"] = max(cfg["max_position_embeddings"], args.prompt_len + args.max_tokens + 1)
     d = Path(tempfile.mkdtemp(prefix="r3-mismatch-"))
     (d / "config.json").write_text(json.dumps(cfg))
+    (d / "tokenizer_config.json").write_text((BASE.parent / "tokenizer_config.json").read_text())
     return d
 
 
-def generate(engine: NativeEngine, args, rng: np.random.Generator, vocab: int) -> list[tuple[list[int], object]]:
+def generate(engine: Engine, args, rng: np.random.Generator, vocab: int) -> list[tuple[list[int], object]]:
     """(prompt, completion) pairs sampled by the bf16 engine, routes recorded."""
-    for i in range(args.prompts):
-        prompt = rng.integers(0, vocab, args.prompt_len).tolist()
-        engine.add_request(GenerateRequest(request_id=str(i), prompt_ids=prompt, sampling=SamplingParams(
-            temperature=1.0, max_tokens=args.max_tokens, n=args.n, return_routing=True, ignore_eos=True, seed=i)))
     prompts, out = {}, []
     for i in range(args.prompts):
-        prompts[str(i)] = engine.requests[str(i)].prompt_ids
+        prompts[str(i)] = rng.integers(0, vocab, args.prompt_len).tolist()
+        engine.add_request(GenerateRequest(request_id=str(i), prompt_ids=prompts[str(i)], sampling=SamplingParams(
+            temperature=1.0, max_tokens=args.max_tokens, n=args.n, return_routing=True, ignore_eos=True, seed=i)))
     while engine.has_work():
         for resp in engine.step():
             out += [(prompts[resp.request_id], c) for c in resp.completions]
@@ -109,6 +115,8 @@ def measure(model, pairs, device, replay: bool) -> dict[str, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
+    p.add_argument("--engine", choices=["native", "vllm"], default="native",
+                   help="The inference side (vllm records routes on CUDA only).")
     p.add_argument("--smoke", action="store_true", help="A few short completions (checks the script runs).")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--n", type=int, default=4, help="Completions per prompt.")
@@ -124,6 +132,8 @@ def main() -> None:
     args = p.parse_args()
     if args.smoke:
         args.prompts, args.n, args.max_tokens, args.prompt_len = 4, 2, 16, 16
+    if args.engine == "vllm" and not args.device.startswith("cuda"):
+        sys.exit("vLLM records MoE routes on CUDA only: pass --device cuda, or --engine native")
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
     model_dir = make_model_dir(args)
@@ -136,10 +146,20 @@ def main() -> None:
     infer.load_state_dict({k: v.to(torch.bfloat16) for k, v in trainer.state_dict().items()})
     a = trainer.args
     print(f"model: qwen3_moe hidden {a.hidden_size}, {a.num_hidden_layers} layers, {a.num_experts} experts top-"
-          f"{a.num_experts_per_tok}; inference bf16 (native engine), trainer fp32; device {device}", file=sys.stderr)
+          f"{a.num_experts_per_tok}; inference bf16 ({args.engine} engine), trainer fp32; device {device}",
+          file=sys.stderr)
     t0 = time.monotonic()
-    engine = NativeEngine(infer, eos_token_ids=[], max_model_len=args.prompt_len + args.max_tokens + 1, seed=args.seed,
-                          kv_cache_memory_mb=args.kv_cache_mb)
+    max_len = args.prompt_len + args.max_tokens + 1
+    if args.engine == "native":
+        engine = NativeEngine(infer, eos_token_ids=[], max_model_len=max_len, seed=args.seed,
+                              kv_cache_memory_mb=args.kv_cache_mb)
+    else:  # the same bf16 weights, written as a checkpoint vLLM loads
+        weights = model_dir / "bf16"
+        save_model(infer, weights, source_dir=model_dir)
+        del infer
+        cfg = load_recipe(None, {"model.path": str(weights), "model.max_seq_len": max_len, "model.dtype": "bfloat16",
+                                 "infer.engine.name": "vllm", "infer.device": args.device, "seed": args.seed})
+        engine = make_engine(cfg, weights, version=0)
     pairs = generate(engine, args, np.random.default_rng(args.seed), a.vocab_size)
     gen_s = time.monotonic() - t0
     results = {"without R3": measure(trainer, pairs, device, replay=False),
