@@ -7,6 +7,10 @@ process and N server processes holding the same model architecture:
   server having them in its parameters; the trainer publishes with the real
   ``WeightPublisher``, servers load with the real receiver (``rlcli.infer.receiver``), and
   this script plays rl-sync's part (orders each round through the store, collects acks);
+- where the time goes (collective): the median moment, after the trainer's weights are
+  ready, of each hop: the trainer's publish returns, the version shows in the store, the
+  round is ordered and accepted, the server gets the order, and its load ends; and the
+  sender's own split (joining the group, sending);
 - floor: the same bytes moved by a raw ``torch.distributed`` broadcast of one flat tensor
   in a group of the same members (collective), or a raw write + fsync of one file and its
   read by every server (filesystem);
@@ -146,7 +150,7 @@ def server(args, mode: str, rank: int, run_root: str, to_parent, from_parent) ->
     model = build(args, device, seed=100 + rank)
     receiver = CollectiveReceiver(device)
     while (msg := from_parent.get()) != "close":
-        t0 = time.monotonic()
+        t0 = time.monotonic()  # the order reached the server
         if mode == "collective":
             v, store, group, world, tensors, bucket_bytes = msg
             specs = [Spec(n, parse_dtype(d), tuple(s)) for n, d, s in tensors]
@@ -155,7 +159,7 @@ def server(args, mode: str, rank: int, run_root: str, to_parent, from_parent) ->
             v, path = msg
             load_from_files(model, path)
         sync(device)
-        to_parent.put(("loaded", rank, v, time.monotonic(), time.monotonic() - t0))
+        to_parent.put(("loaded", rank, v, time.monotonic(), time.monotonic() - t0, t0))
     to_parent.put(("checksum", checksum(model, args.dtype)))
     receiver.close()
     if mode == "collective":
@@ -204,16 +208,19 @@ def run_mode(args, mode: str) -> dict:
                 return m
             pending.append(m)
 
-    e2e, publish_s, load_s = [], [], []
+    e2e, publish_s, load_s, hops = [], [], [], []
     for v in range(1, args.updates + 2):  # update 1 warms up (builds the group), not counted
         t_q.put("go")
         if mode == "collective":  # as rl-sync: order a round as soon as the store shows the version (staging may still run)
             while (p := ctl.published()) is None or p["version"] != v:
                 time.sleep(0.001)
+            t_seen = time.monotonic()
             r = v - 1
             ctl.order(r, v, "g0", args.servers + 1)
+            t_ordered = time.monotonic()
             while (a := ctl.accepted(r)) is None:
                 time.sleep(0.0005)
+            t_accepted = time.monotonic()
             assert a == "ok", a
             for rank, q in enumerate(s_qs, 1):
                 q.put((v, addr, "g0", args.servers + 1, p["tensors"], p["bucket_bytes"]))
@@ -226,6 +233,16 @@ def run_mode(args, mode: str) -> dict:
         if mode == "collective":
             _, _, t_ready, pub_s = wait_for("ready")
             wait_for("published")
+            while (o := ctl.outcome(r)) is None:
+                time.sleep(0.0005)
+            sender = o.get("timing") or {}
+            if v > 1:
+                hops.append({"publish returned": pub_s, "version in store": t_seen - t_ready,
+                             "round ordered": t_ordered - t_ready, "round accepted": t_accepted - t_ready,
+                             "server has order": min(a[5] for a in acks) - t_ready,
+                             "server loaded": max(a[3] for a in acks) - t_ready,
+                             "sender: join group": sender.get("group_s", float("nan")),
+                             "sender: send": sender.get("send_s", float("nan"))})
         if v > 1:
             e2e.append(max(a[3] for a in acks) - t_ready)
             publish_s.append(pub_s)
@@ -256,7 +273,8 @@ def run_mode(args, mode: str) -> dict:
     shutil.rmtree(run_root, ignore_errors=True)
     return {"mode": mode, "bytes": nbytes, "update_s": statistics.median(e2e), "update_min_s": min(e2e),
             "publish_blocks_s": statistics.median(publish_s), "load_s": statistics.median(load_s),
-            "floor_s": floor, "ratio": statistics.median(e2e) / floor, "bit_identical": identical}
+            "floor_s": floor, "ratio": statistics.median(e2e) / floor, "bit_identical": identical,
+            "timeline_s": {k: statistics.median(h[k] for h in hops) for k in hops[0]} if hops else {}}
 
 
 def file_floor(run_root: Path, nbytes: int, readers: int) -> float:
@@ -312,6 +330,11 @@ def main() -> None:
         print(f"{r['mode']:<18}{r['update_s']:>10.4f}{r['floor_s']:>10.4f}{r['ratio']:>8.2f}"
               f"{r['publish_blocks_s']:>19.4f}{r['load_s']:>9.4f}{r['bytes'] / r['update_s'] / 1e9:>8.2f}  "
               f"{r['bit_identical']}")
+    for r in rows:
+        if r["timeline_s"]:
+            print(f"{r['mode']} timeline, ms after the trainer's weights are ready (median):")
+            for k, t in r["timeline_s"].items():
+                print(f"  {k:<22}{t * 1e3:>9.2f}")
     print(json.dumps(rows))
 
 
