@@ -7,8 +7,9 @@ over one RL step of a long-prompt workload (``--groups`` prompts of ``--prompt-t
 ``--group-size`` completions of ``--min-completion``..``--max-completion`` tokens each), a
 ~1B Llama in bf16 with random weights, packed two ways into rows of at most
 ``--row-tokens``: unshared (every completion behind its own copy of the prompt; the
-document-masked varlen/flex path) and shared (each prompt once, its completions as children
-of it; ``rlcli.ops.prefix_tree``, the flex path). Both compute the logprob of every
+document-masked varlen path) and shared (each prompt once, its completions as children of
+it; ``rlcli.ops.prefix_tree``: the varlen path with each completion's prompt keys gathered in
+front of its own), and both again on the flex path (the "-flex" arms). All compute the logprob of every
 completion token (checked against each other) and the same policy-gradient loss, chunked
 over the loss tokens (``rlcli.ops.logprobs``). Reported: trainer tokens/s counted over all
 trained completion tokens, and the ratio. Imports only torch, numpy and rlcli's models/ops
@@ -121,7 +122,8 @@ def train_pass(model, rows, device, num_loss_tokens: int, backend: str = "auto",
 
 # name: (shared prompts, attention backend). "unshared-flex" is the kernel-matched baseline and,
 # against "unshared", the noise floor of two kernels computing the same function.
-GPU_ARMS = {"unshared": (False, "auto"), "unshared-flex": (False, "flex"), "shared": (True, "auto")}
+GPU_ARMS = {"unshared": (False, "auto"), "unshared-flex": (False, "flex"), "shared": (True, "auto"),
+            "shared-flex": (True, "flex")}
 
 
 def gpu_main(a) -> None:
@@ -139,7 +141,7 @@ def gpu_main(a) -> None:
                          args.vocab_size)
     num_completion = sum(len(c) for _, comps, _ in groups for c in comps)
     skip_flex = a.no_flex_baseline or device.type != "cuda"  # CPU FlexAttention has no backward
-    arms = {k: v for k, v in GPU_ARMS.items() if k != "unshared-flex" or not skip_flex}
+    arms = {k: v for k, v in GPU_ARMS.items() if not k.endswith("-flex") or not skip_flex}
     results, logprobs, grads = {}, {}, {}
     for name, (share, backend) in arms.items():
         rows = pack(groups, share, a.row_tokens)
@@ -201,7 +203,7 @@ def main() -> None:
     p.add_argument("--dtype", default="", help="--gpu: model dtype (default bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--check", action="store_true",
                    help="--gpu: a small fp32 workload (2 groups, 1k prompts, 64-256 completions) for exactness")
-    p.add_argument("--no-flex-baseline", action="store_true", help="--gpu: skip the unshared flex arm")
+    p.add_argument("--no-flex-baseline", action="store_true", help="--gpu: skip the flex arms")
     p.add_argument("--all-arms", action="store_true", help="CPU: also shared+fixed and unshared+adaptive")
     p.add_argument("--keep", type=Path, default=None, help="CPU: keep the run directories under this folder")
     p.add_argument("--baseline-steps", type=int, default=None,

@@ -14,14 +14,17 @@ or per-block state:
 * ``varlen`` (CUDA, no CP): ``torch.nn.attention.varlen.varlen_attn`` (flash) over
   ``cu_seqlens`` of all documents of the batch flattened; fp32 inputs take ``sdpa``.
 
-``auto`` picks ``varlen`` (or ``flex`` under CP or with shared prompts) on CUDA and
-``sdpa`` elsewhere.
+``auto`` picks ``varlen`` (``flex`` under CP) on CUDA and ``sdpa`` elsewhere.
 
 Shared prompts (:mod:`rlcli.ops.prefix_tree`): a row may be a prefix tree of segments
 instead of independent documents; a segment then also sees its ancestors' segments.
 ``sdpa`` runs one call per segment over its ancestors' keys and its own (a bool mask:
 all of the ancestors, causal within its own); ``flex`` uses the tree's mask
-``k <= q < reach[k]``; ``varlen`` takes plain documents only.
+``k <= q < reach[k]``; ``varlen`` gives each segment its own key sequence, its ancestors'
+keys and values gathered in front of its own (one ``index_select`` per layer; the
+gradient flows back to the shared tokens through it), with flash's causal mask aligned to
+the bottom right: a completion's queries see the whole prompt and their own past, and
+the prompt's tokens are computed once, at flash speed.
 
 Context parallelism (``rlcli.parallel.context``) gives each rank a subset of the row's
 queries, ``query_index_T`` (global indices into the row), while keys and values are the
@@ -108,7 +111,7 @@ class PackedCausalAttention(nn.Module):
         self.device = device
         self.query_runs = self._query_runs()
         self._block_mask = None
-        self._cu_seqlens = None
+        self._varlen_plan = None
         if self.backend == "flex":
             self.reach_BT = torch.from_numpy(np.stack([t.reach() for t in trees])).to(device)
 
@@ -116,11 +119,10 @@ class PackedCausalAttention(nn.Module):
         if backend == "auto":
             if device.type != "cuda":
                 return "sdpa"
-            plain = self.query_index is None and not self.shared
-            return "varlen" if plain and _varlen_attn() is not None else "flex"
-        if backend == "varlen" and (self.query_index is not None or self.shared or _varlen_attn() is None):
-            raise ValueError("the varlen attention backend needs torch.nn.attention.varlen, no context "
-                             "parallelism and no shared prompts; use backend 'flex' or 'sdpa'")
+            return "varlen" if self.query_index is None and _varlen_attn() is not None else "flex"
+        if backend == "varlen" and (self.query_index is not None or _varlen_attn() is None):
+            raise ValueError("the varlen attention backend needs torch.nn.attention.varlen and no context "
+                             "parallelism; use backend 'flex' or 'sdpa'")
         return backend
 
     def _query_runs(self) -> list[tuple[int, int, int]]:
@@ -208,16 +210,29 @@ class PackedCausalAttention(nn.Module):
         return out.transpose(1, 2)
 
     # ------------------------------------------------------------------ varlen (flash)
+    def _plan_varlen(self, T: int, device: torch.device):
+        """Once per forward, shared by every layer: query and key ``cu_seqlens``, their
+        maxima, and (shared-prompt rows only) the index of each segment's keys in the
+        flattened batch, its ancestors' spans first."""
+        if self._varlen_plan is None:
+            cu_q, cu_k, index = [0], [0], []
+            for b, spans in enumerate(self.spans):
+                for s, e, prefix in spans:
+                    cu_q.append(b * T + e)
+                    keys = prefix + [(s, e)]
+                    cu_k.append(cu_k[-1] + sum(z - a for a, z in keys))
+                    index += [np.arange(b * T + a, b * T + z) for a, z in keys]
+            max_q = max(e - s for spans in self.spans for s, e, _ in spans)
+            max_k = max(b - a for a, b in zip(cu_k, cu_k[1:]))
+            as_dev = lambda x: torch.tensor(x, dtype=torch.int32).to(device, non_blocking=True)  # noqa: E731
+            gather = torch.from_numpy(np.concatenate(index)).to(device, non_blocking=True) if self.shared else None
+            self._varlen_plan = (as_dev(cu_q), as_dev(cu_k) if self.shared else None, max_q, max_k, gather)
+        return self._varlen_plan
+
     def _varlen(self, q_BTHD, k_BSHD, v_BSHD, scale) -> torch.Tensor:
         varlen_attn = _varlen_attn()
         B, T = q_BTHD.shape[:2]
-        if self._cu_seqlens is None:  # once per forward, shared by every layer
-            bounds = [0]
-            for b, spans in enumerate(self.spans):
-                bounds += [b * T + e for _, e, _ in spans]
-            self._cu_seqlens = torch.tensor(bounds, dtype=torch.int32).to(q_BTHD.device, non_blocking=True)
-        cu = self._cu_seqlens
-        max_len = max(e - s for spans in self.spans for s, e, _ in spans)
+        cu_q, cu_k, max_q, max_k, gather = self._plan_varlen(T, q_BTHD.device)
         params = _varlen_params()
         causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
         gqa = {}
@@ -234,7 +249,10 @@ class PackedCausalAttention(nn.Module):
             extra = {"scale": scale}
         else:  # torch 2.10 has no scale argument: fold ours into q over the default 1/sqrt(D)
             extra, q_BTHD = {}, q_BTHD * (scale * q_BTHD.shape[-1] ** 0.5)
-        out = varlen_attn(q_BTHD.flatten(0, 1), k_BSHD.flatten(0, 1), v_BSHD.flatten(0, 1), cu, cu, max_len, max_len,
+        k, v = k_BSHD.flatten(0, 1), v_BSHD.flatten(0, 1)
+        if gather is not None:  # shared prompts: each segment's ancestors' keys in front of its own
+            k, v = k.index_select(0, gather), v.index_select(0, gather)
+        out = varlen_attn(q_BTHD.flatten(0, 1), k, v, cu_q, cu_q if cu_k is None else cu_k, max_q, max_k,
                           **extra, **causal, **gqa)
         out = out.view(B, T, *out.shape[1:])
         return out[..., :out.shape[-1] - pad] if pad > 0 else out

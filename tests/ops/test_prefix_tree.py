@@ -76,7 +76,47 @@ def test_tree_attention_matches_dense_mask(backend, cp):
             torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-5)
 
 
-def test_varlen_refuses_shared_rows():
-    tree, pos = _tree_and_positions()
-    with pytest.raises(ValueError, match="shared prompts"):
-        PackedCausalAttention(pos, backend="varlen", trees=[tree])
+def _flash_varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size, enable_gqa):
+    """flash-attn's varlen semantics (the contract of torch's varlen_attn on CUDA): sequence i
+    is queries cu_q[i]:cu_q[i+1] over keys cu_k[i]:cu_k[i+1], causal aligned to the bottom right."""
+    assert window_size == (-1, 0) and enable_gqa
+    out = []
+    for i in range(len(cu_q) - 1):
+        qi, ki, vi = q[cu_q[i]:cu_q[i + 1]], k[cu_k[i]:cu_k[i + 1]], v[cu_k[i]:cu_k[i + 1]]
+        t, n = qi.shape[0], ki.shape[0]
+        assert t <= max_q and n <= max_k
+        mask = torch.ones(t, n, dtype=torch.bool).tril(diagonal=n - t)
+        out.append(F.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1),
+                                                  attn_mask=mask, scale=scale, enable_gqa=True).transpose(0, 1))
+    return torch.cat(out)
+
+
+def test_varlen_shared_rows_gather_each_segments_keys(monkeypatch):
+    """The varlen path's plumbing (per-segment key gather, cu_seqlens over two rows) against
+    the dense tree mask, values and gradients; the kernel is flash's contract, emulated."""
+    import rlcli.ops.document_attention as da
+
+    monkeypatch.setattr(da, "_varlen_attn", lambda: _flash_varlen_reference)
+    da._varlen_params.cache_clear()
+    try:
+        tree, pos = _tree_and_positions()
+        T = tree.num_tokens
+        g = torch.Generator().manual_seed(1)
+        q, k, v = torch.randn(2, T, 4, 8, generator=g), torch.randn(2, T, 2, 8, generator=g), \
+            torch.randn(2, T, 2, 8, generator=g)
+        attn = PackedCausalAttention(pos.expand(2, T), backend="varlen", trees=[tree, tree])
+        q_, k_, v_ = (x.clone().requires_grad_() for x in (q, k, v))
+        out = attn._varlen(q_, k_, v_, 0.3)
+        mask = torch.from_numpy(dense_mask(tree))
+        ref_q, ref_k, ref_v = (x.clone().requires_grad_() for x in (q, k, v))
+        ref = _dense(ref_q, ref_k, ref_v, mask, 0.3)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        w = torch.randn_like(out)
+        (out * w).sum().backward()
+        (ref * w).sum().backward()
+        for a, b in ((q_, ref_q), (k_, ref_k), (v_, ref_v)):
+            torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-5)
+    finally:
+        da._varlen_params.cache_clear()
+
+
