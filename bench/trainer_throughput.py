@@ -126,6 +126,21 @@ GPU_ARMS = {"unshared": (False, "auto"), "unshared-flex": (False, "flex"), "shar
             "shared-flex": (True, "flex")}
 
 
+def profile_step(model, rows, device, num_completion: int, backend: str, name: str) -> None:
+    """The top kernels of one more step of this arm, by device time (stderr)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    model.zero_grad(set_to_none=True)
+    with profile(activities=acts) as prof:
+        train_pass(model, rows, device, num_completion, GPU_ARMS[name][1] if name in GPU_ARMS else "auto")
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(f"--- profile of one step, arm {name}", file=sys.stderr)
+    print(prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=70), file=sys.stderr)
+
+
 def gpu_main(a) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -136,6 +151,10 @@ def gpu_main(a) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0, 0.02)
+    if a.compile:  # as rl-train --compile: every decoder block and the per-chunk logprob math
+        from rlcli.parallel.fsdp import apply_compile
+
+        apply_compile(model)
     rng = np.random.default_rng(0)
     groups = make_groups(rng, a.groups, a.group_size, a.prompt_tokens, a.min_completion, a.max_completion,
                          args.vocab_size)
@@ -157,6 +176,8 @@ def gpu_main(a) -> None:
                 torch.cuda.synchronize()
             if i >= a.warmup:
                 times.append(time.perf_counter() - t0)
+        if a.profile:
+            profile_step(model, rows, device, num_completion, backend, name)
         logprobs[name] = torch.cat(lps)
         grads[name] = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
         step_s = float(np.median(times))
@@ -204,6 +225,8 @@ def main() -> None:
     p.add_argument("--check", action="store_true",
                    help="--gpu: a small fp32 workload (2 groups, 1k prompts, 64-256 completions) for exactness")
     p.add_argument("--no-flex-baseline", action="store_true", help="--gpu: skip the flex arms")
+    p.add_argument("--compile", action="store_true", help="--gpu: compile the blocks and logprob math (rl-train --compile)")
+    p.add_argument("--profile", action="store_true", help="--gpu: print each arm's top kernels of one more step")
     p.add_argument("--all-arms", action="store_true", help="CPU: also shared+fixed and unshared+adaptive")
     p.add_argument("--keep", type=Path, default=None, help="CPU: keep the run directories under this folder")
     p.add_argument("--baseline-steps", type=int, default=None,
