@@ -158,7 +158,8 @@ def main() -> None:
         save_model(infer, weights, source_dir=model_dir)
         del infer
         cfg = load_recipe(None, {"model.path": str(weights), "model.max_seq_len": max_len, "model.dtype": "bfloat16",
-                                 "infer.engine.name": "vllm", "infer.device": args.device, "seed": args.seed})
+                                 "infer.engine.name": "vllm", "infer.device": args.device, "seed": args.seed,
+                                 "infer.engine.gpu_memory_utilization": 0.5})  # the trainer's copy shares the GPU
         engine = make_engine(cfg, weights, version=0)
     pairs = generate(engine, args, np.random.default_rng(args.seed), a.vocab_size)
     gen_s = time.monotonic() - t0

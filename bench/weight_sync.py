@@ -107,7 +107,9 @@ def trainer(args, mode: str, run_root: str, to_parent, from_parent) -> None:
     device = device_of(args, 0)
     model = build(args, device, seed=1, dtype=args.trainer_dtype)
     cfg = fake_cfg(args, Path(run_root))
-    announce = lambda step, path, timing: to_parent.put(("published", step, path, timing))  # noqa: E731
+    # The collective sender also announces to wake rl-sync (timing not in yet): only the final one counts here.
+    announce = lambda step, path, timing: to_parent.put(("published", step, path, timing)) \
+        if mode != "collective" or timing else None  # noqa: E731
     pub = {"collective": CollectivePublisher, "filesystem": FilesystemPublisher,
            "async_filesystem": AsyncFilesystemPublisher}[mode]
     pub = (pub(cfg, Path(run_root), announce, device) if mode == "collective"

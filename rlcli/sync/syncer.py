@@ -162,6 +162,8 @@ class Syncer:
                     log.info("%s answers again (serving v%d); re-admitted", key, s.version)
                     self.membership_changed()
         while (msg := self.sub.recv(0)) is not None:
+            # Collective: the store is the truth (Rounds.step reads it); the trainer's announcement
+            # has only woken this loop to read it without waiting out the poll.
             if isinstance(msg, WeightsPublished) and (msg.path or self.kind != "collective"):
                 self.see_published(msg.step, msg.timing)
 
@@ -180,7 +182,9 @@ class Syncer:
             self.last_update = {"version": version, **timing,
                                 "load_s": max((s.load_s for s in admitted), default=0.0),
                                 "total_s": time.monotonic() - seen if seen is not None else None}
-            log.info("policy v%d live on %d server(s)", version, len(admitted))
+            total = self.last_update["total_s"]
+            log.info("policy v%d live on %d server(s)%s", version, len(admitted),
+                     f", {total:.3f}s after rl-sync first saw it" if total is not None else "")
             self.published_at = {v: t for v, t in self.published_at.items() if v > version}
             self.retain()
         self.write_status()

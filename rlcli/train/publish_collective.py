@@ -7,7 +7,10 @@ Timeline of one update, trainer side:
    model's dtype (``model.dtype``: FSDP2 holds fp32 masters, servers run in the model
    dtype) straight into the staging buffer, laid out bucket by bucket, marking each
    bucket ready as its last byte is queued (a CUDA event on GPU); device sync; return.
-2. The sender thread (rank 0) waits for rl-sync's ``round/<r>``; accepts it if it offers
+2. The sender thread (rank 0) posts the version, then announces it (the trainer's
+   ``WeightsPublished``, which only wakes rl-sync's loop to read the store: rl-sync
+   otherwise looks at the store only between its 50 ms waits), and waits for rl-sync's
+   ``round/<r>``; accepts it (announcing again, for the same reason) if it offers
    that version, joins (or reuses) the round's group as rank 0 and broadcasts the buckets,
    each once it is ready: a round ordered while the trainer is still staging sends behind
    the staging copy instead of after it. It reports the outcome and serves any number of
@@ -195,6 +198,7 @@ class CollectivePublisher:
                     ctl.post_published(version, [[s.name, dtype_name(s.dtype), list(s.shape)] for s in self.specs],
                                        self.bucket_bytes, timing)
                     posted = (version, bool(timing))
+                    self.announce(version, "", timing)  # wakes rl-sync to read the store now
                 order = ctl.wait(f"round/{r}", 0.2, poll_s=0.0005,
                                  stop=lambda: (self.version, bool(self.timing)) != posted)
                 if order is None:
@@ -203,6 +207,7 @@ class CollectivePublisher:
                     ok = order["version"] == self.version
                     self.busy = ok
                 ctl.accept(r, ok)
+                self.announce(order["version"], "", {})  # likewise: rl-sync sends the loads at once
                 if ok:
                     try:
                         error, timing = self._send(order)
