@@ -154,10 +154,12 @@ def test_fp8_linear_module_swaps_in_and_caches_weight():
     fp8 = FP8Linear.from_linear(lin, EmulatedBackend())
     assert fp8.weight is lin.weight and set(fp8.state_dict()) == {"weight", "bias"}
     x = data(4, 7, 256)
-    assert fp8(x).shape == (4, 7, 130) and fp8.cache.key is None  # training forwards quantize afresh
+    assert fp8(x).shape == (4, 7, 130)
+    key = fp8.cache.key
+    fp8(x.requires_grad_()).sum().backward()  # a second forward and the backward reuse the FP8 weight
+    assert fp8.cache.key == key and fp8.cache.qt is not None
+    x = x.detach()
     with torch.no_grad():
-        fp8(x)
-        key = fp8.cache.key
         fp8(x)
         assert fp8.cache.key == key
         lin.weight.add_(1.0)  # an in-place load bumps the version: the FP8 copy is refreshed
@@ -166,6 +168,28 @@ def test_fp8_linear_module_swaps_in_and_caches_weight():
     fp8.to_fp8_storage()
     assert fp8.weight.dtype == FP8_DTYPE and fp8.weight_scale_inv.shape == (2, 2)
     assert torch.allclose(fp8(x), fp8_linear(x, lin.weight, lin.bias, EmulatedBackend()), atol=1e-5)
+
+
+@pytest.mark.parametrize("opt", ["fused", "foreach", "sgd"])
+def test_weight_cache_is_invalidated_by_optimizer_step(opt):
+    """The cached FP8 weight serves every use within a step and is requantized after optimizer.step,
+    also for fused AdamW, which updates parameters without bumping their version counter."""
+    lin = torch.nn.Linear(256, 256, bias=False)
+    fp8 = FP8Linear.from_linear(lin, EmulatedBackend())
+    make = {"fused": lambda p: torch.optim.AdamW(p, lr=0.05, fused=True),
+            "foreach": lambda p: torch.optim.AdamW(p, lr=0.05, foreach=True),
+            "sgd": lambda p: torch.optim.SGD(p, lr=5.0)}[opt]
+    optim = make(fp8.parameters())
+    x = data(16, 256)
+    for _ in range(3):
+        y = fp8(x)
+        fresh = fp8_linear(x, lin.weight.detach().clone(), None, EmulatedBackend())  # quantized from scratch
+        assert torch.equal(y, fresh)
+        y.pow(2).mean().backward()
+        before = fp8(x).detach()
+        optim.step()
+        optim.zero_grad()
+        assert not torch.equal(fp8(x), before)  # the weight moved: a stale cache would give `before`
 
 
 def test_grouped_fp8_matches_per_group_fp8_linear_and_gradients():

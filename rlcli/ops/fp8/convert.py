@@ -16,7 +16,8 @@ import torch.nn as nn
 
 from rlcli.models.moe import GroupedExperts
 from rlcli.ops.fp8.backends import GemmBackend, make_backend
-from rlcli.ops.fp8.linear import FP8Linear, WeightCache, fp8_grouped_mm
+from rlcli.ops.fp8.linear import FP8Linear, fp8_grouped_mm
+from rlcli.ops.fp8.runtime import WeightCache
 from rlcli.ops.grouped_gemm import local_weight
 
 log = logging.getLogger("rlcli.fp8")

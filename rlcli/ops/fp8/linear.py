@@ -10,122 +10,93 @@ For ``y = x W^T`` (x [M, K] tokens, W [N, K] the high-precision master weight):
                                                              scaled along it (DeepSeek-V3's 128x1
                                                              activation tiles for the backward pass)
 
-Scaling always runs along the contraction dimension, so one outlier only coarsens its own
-128-wide group. Every GEMM accumulates in fp32; y and dx come back in x's dtype, dW in
-fp32 (then cast to the master weight's dtype). The bias and all non-GEMM math stay in
-high precision. x is saved for the backward pass in its own dtype (quantized along tokens
-there), not in FP8: simpler, at the cost of activation memory.
+All three GEMMs run in FP8 and accumulate in fp32; y and dx come back in x's dtype, dW in the
+weight's dtype. The bias and all non-GEMM math stay in high precision. In the forward pass x
+is quantized both ways in one pass (along K for y, along tokens for dW), and only the FP8
+``x^T`` is saved for the backward pass (1 byte per element instead of 2); in the backward
+pass dy is quantized both ways in one pass too.
 
-The weight is quantized on the fly from the master weight in every training forward (its
-transpose for the input gradient is read off the same blocks); :class:`WeightCache` keeps
-the FP8 copy across forwards only when no gradient is recorded (inference), until the
-weight's version counter moves.
+MoE experts (:func:`fp8_grouped_mm`): forward and dgrad are FP8 grouped GEMMs. The weight
+gradient is FP8 per expert in the reference path (a loop: token tiles must not straddle two
+experts), and one bf16 grouped GEMM over all experts (torch's k-grouped ``grouped_mm``, no
+host sync) where that kernel runs on the device: there is no FP8 k-grouped GEMM on SM90
+here, and a per-expert loop of small FP8 GEMMs is several times slower than bf16.
+
+The weight is quantized once per optimizer step, and activations shared by several linears
+once (see :mod:`rlcli.ops.fp8.runtime`).
 """
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from rlcli.ops.fp8.backends import GemmBackend, group_ranges
 from rlcli.ops.fp8 import quant
-from rlcli.ops.fp8.quant import transpose_blocks
-
-# The quantizers the layers call; compile_quantizers() swaps in fused (torch.compile) versions.
-_Q = {"1x128": quant.quantize_1x128, "128x128": quant.quantize_128x128}
-
-
-def quantize_1x128(x: torch.Tensor, ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _Q["1x128"](x, ue8m0)
-
-
-def quantize_128x128(w: torch.Tensor, ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _Q["128x128"](w, ue8m0)
-
-
-def compile_quantizers() -> None:
-    """Fuse the quantizers' amax / scale / cast passes with torch.compile (GPU: eager runs ~6 kernels
-    per quantization). Same arithmetic, so results match the eager reference."""
-    _Q["1x128"] = torch.compile(quant.quantize_1x128, dynamic=True)
-    _Q["128x128"] = torch.compile(quant.quantize_128x128, dynamic=True)
-
-
-class WeightCache:
-    """FP8 copy of one weight, refreshed when the weight changes (in-place updates bump ``_version``)."""
-
-    def __init__(self) -> None:
-        self.key: tuple | None = None
-        self.q = self.s = self.qt = self.st = None
-
-    def get(self, w: torch.Tensor, ue8m0: bool, transposed: bool = False):
-        key = (w.data_ptr(), w._version, w.shape, ue8m0)
-        if key != self.key:
-            self.key = key
-            self.q, self.s = quantize_128x128(w.detach(), ue8m0)
-            self.qt = self.st = None
-        if not transposed:
-            return self.q, self.s
-        if self.qt is None:
-            self.qt, self.st = transpose_blocks(self.q, self.s)
-        return self.qt, self.st
+from rlcli.ops.fp8.backends import GemmBackend, group_ranges
+from rlcli.ops.fp8.runtime import WeightCache, quantize_act, quantize_input, weight_fp8
+from rlcli.ops.grouped_gemm import _grouped_mm_op, _kernel_available
 
 
 class _FP8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, cache: WeightCache | None, backend: GemmBackend, ue8m0: bool):
-        x2 = x.reshape(-1, x.shape[-1])
-        wq, ws = weight_fp8(weight, cache, ue8m0)
-        xq, xs = quantize_1x128(x2, ue8m0)
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        (xq, xs), xt = quantize_input(x, ue8m0, cols=need_dw)
+        wq, ws = _forward_weight(weight, cache, ue8m0, need_dx)
         y = backend.gemm(xq, xs, wq, ws, x.dtype)
         if bias is not None:
             y = y + bias.to(y.dtype)
-        ctx.save_for_backward(x2, weight, wq, ws)
+        xtq, xts = xt if need_dw else (None, None)
+        ctx.save_for_backward(xtq, xts, weight)
         ctx.cache, ctx.backend, ctx.ue8m0, ctx.has_bias = cache, backend, ue8m0, bias is not None
-        ctx.x_shape = x.shape
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         return y.view(*x.shape[:-1], -1)
 
     @staticmethod
     def backward(ctx, dy):
-        x2, weight, wq, ws = ctx.saved_tensors
+        xtq, xts, weight = ctx.saved_tensors
         backend, ue8m0 = ctx.backend, ctx.ue8m0
         dy2 = dy.reshape(-1, dy.shape[-1])
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            wtq, wts = transpose_blocks(wq, ws)
-            dyq, dys = quantize_1x128(dy2, ue8m0)
-            dx = backend.gemm(dyq, dys, wtq, wts, x2.dtype).view(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
-            dw = wgrad(backend, dy2, x2, ue8m0).to(weight.dtype)
+        if need_dx and need_dw:
+            (dyq, dys), (dytq, dyts) = quantize_act(dy2, ue8m0, rows=True, cols=True)
+        elif need_dx:
+            dyq, dys = quantize_act(dy2, ue8m0)
+        elif need_dw:
+            dytq, dyts = quantize_act(dy2, ue8m0, rows=False, cols=True)
+        if need_dx:
+            _, (wtq, wts) = weight_fp8(weight, ctx.cache, ue8m0, transposed=True)
+            dx = backend.gemm(dyq, dys, wtq, wts, ctx.x_dtype).view(ctx.x_shape)
+        if need_dw:
+            dw = backend.gemm_1x128(dytq, dyts, xtq, xts, weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.float().sum(0)
         return dx, dw, db, None, None, None
 
 
-def weight_fp8(w: torch.Tensor, cache: WeightCache | None, ue8m0: bool):
-    """The weight's 128x128 quantization, from ``cache`` when one is given (see :func:`_cache_for`)."""
-    return quantize_128x128(w.detach(), ue8m0) if cache is None else cache.get(w, ue8m0)
+def _forward_weight(w: torch.Tensor, cache: WeightCache, ue8m0: bool, need_dx: bool):
+    """The forward's weight blocks; when dx will be needed the transpose is made in the same pass (cached)."""
+    return weight_fp8(w, cache, ue8m0, transposed=True)[0] if need_dx else weight_fp8(w, cache, ue8m0)
 
 
-def _cache_for(w: torch.Tensor, cache: WeightCache | None) -> WeightCache | None:
-    """Cache only when no gradient is recorded (inference: weights change only through in-place
-    loads, which bump the version). A training forward re-quantizes: fused optimizers update
-    parameters without bumping their version counter, so a cache keyed on it would serve a stale
-    weight. Decided outside autograd.Function.forward, where grad mode is always off."""
-    return None if torch.is_grad_enabled() and w.requires_grad else (cache or WeightCache())
+def _cache_for(cache: WeightCache | None) -> WeightCache:
+    return cache if cache is not None else WeightCache()
 
 
-def wgrad(backend: GemmBackend, dy_MN: torch.Tensor, x_MK: torch.Tensor, ue8m0: bool) -> torch.Tensor:
-    """dW [N, K] = dy^T x in fp32, both operands in 1x128 tiles along the tokens."""
+def wgrad(backend: GemmBackend, dy_MN: torch.Tensor, x_MK: torch.Tensor, ue8m0: bool,
+          out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """dW [N, K] = dy^T x, both operands in 1x128 tiles along the tokens."""
     if dy_MN.shape[0] == 0:
-        return dy_MN.new_zeros(dy_MN.shape[1], x_MK.shape[1], dtype=torch.float32)
-    aq, sa = quantize_1x128(dy_MN.t(), ue8m0)
-    bq, sb = quantize_1x128(x_MK.t(), ue8m0)
-    return backend.gemm_1x128(aq, sa, bq, sb, torch.float32)
+        return dy_MN.new_zeros(dy_MN.shape[1], x_MK.shape[1], dtype=out_dtype)
+    aq, sa = quantize_act(dy_MN, ue8m0, rows=False, cols=True)
+    bq, sb = quantize_act(x_MK, ue8m0, rows=False, cols=True)
+    return backend.gemm_1x128(aq, sa, bq, sb, out_dtype)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, backend: GemmBackend,
                cache: WeightCache | None = None, ue8m0: bool = False) -> torch.Tensor:
     """``F.linear`` in FP8 (see module docstring); differentiable in x, weight and bias."""
-    return _FP8LinearFn.apply(x, weight, bias, _cache_for(weight, cache), backend, ue8m0)
+    return _FP8LinearFn.apply(x, weight, bias, _cache_for(cache), backend, ue8m0)
 
 
 class FP8Linear(nn.Linear):
@@ -173,7 +144,7 @@ class FP8Linear(nn.Linear):
         if self.weight.is_meta:
             return F.linear(x, self.weight, self.bias)
         if self.fp8_storage:
-            xq, xs = quantize_1x128(x.reshape(-1, x.shape[-1]), self.ue8m0)
+            (xq, xs), _ = quantize_input(x, self.ue8m0, cols=False)
             y = self.backend.gemm(xq, xs, self.weight, self.weight_scale_inv, x.dtype)
             y = y if self.bias is None else y + self.bias.to(y.dtype)
             return y.view(*x.shape[:-1], -1)
@@ -184,32 +155,37 @@ class FP8Linear(nn.Linear):
         return f"{super().extra_repr()}, fp8={self.backend.name}{', ue8m0' if self.ue8m0 else ''}{store}"
 
 
+def _bf16_kgrouped(dy: torch.Tensor) -> bool:
+    return dy.is_cuda and dy.dtype == torch.bfloat16 and _kernel_available(dy.device, dy.dtype)
+
+
 class _FP8GroupedFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, offs, cache: WeightCache | None, backend: GemmBackend, ue8m0: bool):
-        wq, ws = weight_fp8(w, cache, ue8m0)
-        xq, xs = quantize_1x128(x, ue8m0)
+        wq, ws = _forward_weight(w, cache, ue8m0, ctx.needs_input_grad[0])
+        (xq, xs), _ = quantize_input(x, ue8m0, cols=False)  # gate and up read the same x
         y = backend.grouped_gemm(xq, xs, wq, ws, offs, x.dtype)
-        ctx.save_for_backward(x, w, offs, wq, ws)
+        ctx.save_for_backward(x, w, offs)
         ctx.cache, ctx.backend, ctx.ue8m0 = cache, backend, ue8m0
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, w, offs, wq, ws = ctx.saved_tensors
+        x, w, offs = ctx.saved_tensors
         backend, ue8m0 = ctx.backend, ctx.ue8m0
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            wtq, wts = transpose_blocks(wq, ws)
-            dyq, dys = quantize_1x128(dy, ue8m0)
+            _, (wtq, wts) = weight_fp8(w, ctx.cache, ue8m0, transposed=True)
+            dyq, dys = quantize_act(dy, ue8m0)
             dx = backend.grouped_gemm(dyq, dys, wtq, wts, offs, x.dtype)
         if ctx.needs_input_grad[1]:
-            # Token tiles must not straddle two experts: each group is quantized on its own.
-            dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
-            for g, (s, e) in enumerate(group_ranges(offs)):
-                if e > s:
-                    dw[g] = wgrad(backend, dy[s:e], x[s:e], ue8m0)
-            dw = dw.to(w.dtype)
+            if _bf16_kgrouped(dy):  # one bf16 kernel over all experts, no host sync (see module note)
+                dw = _grouped_mm_op(dy.t(), x, offs=offs)
+            else:  # token tiles must not straddle two experts: each group is quantized on its own
+                dw = torch.zeros(w.shape, dtype=w.dtype, device=w.device)
+                for g, (s, e) in enumerate(group_ranges(offs)):
+                    if e > s:
+                        dw[g] = wgrad(backend, dy[s:e], x[s:e], ue8m0, w.dtype)
         return dx, dw, None, None, None, None
 
 
@@ -217,4 +193,4 @@ def fp8_grouped_mm(x_MK: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor
                    cache: WeightCache | None = None, ue8m0: bool = False) -> torch.Tensor:
     """Rows ``offs[g-1]:offs[g]`` of ``x`` times ``w[g]^T`` in FP8; the FP8 twin of
     ``F.grouped_mm(x, w.transpose(-2, -1), offs=offs)``. ``offs`` holds int32 cumulative row ends."""
-    return _FP8GroupedFn.apply(x_MK, w_GNK, offs_G, _cache_for(w_GNK, cache), backend, ue8m0)
+    return _FP8GroupedFn.apply(x_MK, w_GNK, offs_G, _cache_for(cache), backend, ue8m0)

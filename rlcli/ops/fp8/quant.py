@@ -1,11 +1,12 @@
 """Block quantization to float8_e4m3fn: 1x128 tiles for activations, 128x128 blocks for weights.
 
 Every block gets its own fp32 scale ``s = amax(|block|) / 448`` (448 is e4m3fn's largest
-finite value); the data is ``clamp(x / s, -448, 448)`` cast to e4m3fn, which rounds to
-nearest-even. Dequantization is ``fp8 * s``, so ``s`` is what DeepSeek-V3 checkpoints store
+finite value); the data is ``clamp(x * r, -448, 448)`` cast to e4m3fn, which rounds to
+nearest-even, with ``r = 448 / amax`` (``1 / s`` for UE8M0): one multiply per element, not a
+division, which keeps the GPU kernels memory-bound (DeepGEMM's casts do the same). Dequantization is ``fp8 * s``, so ``s`` is what DeepSeek-V3 checkpoints store
 as ``weight_scale_inv``. With ``ue8m0`` the scale is rounded *up* to a power of two (the
 UE8M0 format of DeepGEMM's Blackwell kernels and MX formats): block maxima then land in
-[224, 448] and the division by ``s`` is exact.
+[224, 448] and ``r`` is exact.
 
 Layouts (shapes are the tensor's own; nothing is transposed behind the caller's back):
     activations  x [..., K]  -> data [..., K], scales [..., ceil(K/128)]
@@ -37,11 +38,17 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _scale(amax: torch.Tensor, ue8m0: bool) -> torch.Tensor:
-    s = amax.float().clamp(min=_TINY) / FP8_MAX
-    if ue8m0:
-        s = torch.exp2(torch.ceil(torch.log2(s)))
-    return s
+def _scale(amax: torch.Tensor, ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale s, multiplier r) of blocks whose max |value| is ``amax``. Both are IEEE divisions by a
+    device tensor: torch turns ``t / 448.0`` into ``t * (1 / 448)`` on CUDA and ``448.0 / t`` into
+    ``448 * reciprocal(t)``, which round differently from the kernels (and from each other)."""
+    amax = amax.float().clamp(min=_TINY)
+    fmax = torch.full((), FP8_MAX, device=amax.device)
+    s = amax / fmax
+    if ue8m0:  # round up to a power of two on the bits (log2/ceil/exp2 can round down at the edge)
+        s = ((s.view(torch.int32) + 0x7FFFFF) & 0x7F800000).view(torch.float32)
+        return s, torch.ones((), device=s.device) / s
+    return s, fmax / amax
 
 
 def _cast(x_scaled: torch.Tensor) -> torch.Tensor:
@@ -59,8 +66,8 @@ def quantize_1x128(x: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Tensor, 
     K = x.shape[-1]
     xp = _pad_last(x.float(), BLOCK)
     tiles = xp.unflatten(-1, (-1, BLOCK))  # [..., Kb, 128]
-    s = _scale(tiles.abs().amax(dim=-1), ue8m0)
-    q = _cast(tiles / s[..., None]).flatten(-2)[..., :K]
+    s, r = _scale(tiles.abs().amax(dim=-1), ue8m0)
+    q = _cast(tiles * r[..., None]).flatten(-2)[..., :K]
     return q.contiguous(), s
 
 
@@ -70,8 +77,8 @@ def quantize_128x128(w: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Tensor
     wp = _pad_last(_pad_last(w.float(), BLOCK).transpose(-1, -2), BLOCK).transpose(-1, -2)  # [..., Np, Kp]
     Np, Kp = wp.shape[-2:]
     blocks = wp.reshape(*wp.shape[:-2], Np // BLOCK, BLOCK, Kp // BLOCK, BLOCK)
-    s = _scale(blocks.abs().amax(dim=(-3, -1)), ue8m0)  # [..., Nb, Kb]
-    q = _cast(blocks / s[..., :, None, :, None]).reshape(wp.shape)[..., :N, :K]
+    s, r = _scale(blocks.abs().amax(dim=(-3, -1)), ue8m0)  # [..., Nb, Kb]
+    q = _cast(blocks * r[..., :, None, :, None]).reshape(wp.shape)[..., :N, :K]
     return q.contiguous(), s
 
 

@@ -1,0 +1,151 @@
+"""Triton quantization kernels: one pass over memory per quantization, bit-identical to ``quant``.
+
+One kernel, ``_quant_kernel``, covers every quantization the FP8 recipe needs. Each program
+loads one tile of ``x`` (``BM`` rows x 128 columns, zero-filled past the edges, as the
+reference pads), takes the amax it needs, and writes:
+
+    ROW      1x128 tiles along the last dim  -> q [M, K],   s [M, K/128]     (forward, dgrad)
+    COL      1x128 tiles along the rows      -> qt [K, M],  st [K, M/128]    (x^T, dy^T for wgrad:
+             written transposed from the same tile, so no transpose copy exists)
+    BLOCK2D  one 128x128 block               -> q [N, K] and optionally qt [K, N], s [N/128, K/128]
+
+ROW and COL together read ``x`` once and write both quantizations (activations in training).
+Scales are written through strides, so the 1x128 scales come out column-major (stride
+``(1, M)``), the layout ``scaled_mm``'s ``BlockWise1x128`` and DeepGEMM's TMA loads want.
+
+Bit-exactness with the torch reference (``quant.py``): the per-block divisions are ``div_rn``
+(IEEE round-to-nearest, as torch divides), elements are multiplied by ``r``, UE8M0 rounds the scale up by bit arithmetic (as the
+reference does), and the fp32 -> e4m3 rounding is done by hand (round-to-nearest-even on
+the bit pattern for normals, a magic-number add for subnormals) before a cast that is then
+exact. The hand rounding is there because Triton's interpreter (``TRITON_INTERPRET=1``,
+used by the CPU tests) mis-rounds casts that carry into the next binade; on the GPU the
+result equals the hardware ``cvt.rn.satfinite`` either way.
+
+Triton is optional: ``available()`` is False when it does not import, and callers fall back
+to the torch reference.
+"""
+
+import logging
+
+import torch
+
+from rlcli.ops.fp8.quant import BLOCK, FP8_DTYPE, ceil_div
+
+log = logging.getLogger("rlcli.fp8")
+
+try:
+    import triton
+    import triton.language as tl
+except (ImportError, OSError) as e:  # CPU CI: no triton
+    triton = tl = None
+    log.debug("triton does not import: %s", e)
+
+
+def available() -> bool:
+    return triton is not None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _scale(amax, UE8M0: tl.constexpr):
+        amax = tl.maximum(amax, 1e-12)
+        s = tl.math.div_rn(amax, 448.0)
+        if UE8M0:  # round up to a power of two: add a mantissa's worth, keep the exponent
+            bits = s.to(tl.int32, bitcast=True)
+            s = ((bits + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
+            r = tl.math.div_rn(1.0, s)
+        else:
+            r = tl.math.div_rn(448.0, amax)
+        return s, r
+
+    @triton.jit
+    def _to_e4m3(x, r):
+        y = x * r
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        bits = y.to(tl.int32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)  # 3 mantissa bits
+        mag = (tl.abs(y) + 24576.0) - 24576.0  # multiples of 2^-9 (ulp of 1.5 * 2^14), ties to even
+        sub = (mag.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)  # keep -0
+        y = tl.where(tl.abs(y) >= 0.015625, normal, sub)
+        return y.to(tl.float8e4nv)
+
+    @triton.jit
+    def _quant_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K,
+                      sxb, sxm, sxk, sqb, sqm, ssb, ssm, ssk, sqtb, sqtk, sstb, sstk, sstm,
+                      BM: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, BLOCK2D: tl.constexpr,
+                      UE8M0: tl.constexpr):
+        pid_m, pid_k, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rm = pid_m * BM + tl.arange(0, BM)
+        rk = pid_k * 128 + tl.arange(0, 128)
+        mask = (rm[:, None] < M) & (rk[None, :] < K)
+        x = tl.load(x_ptr + b * sxb + rm[:, None] * sxm + rk[None, :] * sxk, mask=mask, other=0.0).to(tl.float32)
+        ax = tl.abs(x)
+        q_ptrs = q_ptr + b * sqb + rm[:, None] * sqm + rk[None, :]
+        qt_ptrs = qt_ptr + b * sqtb + rk[:, None] * sqtk + rm[None, :]
+        if BLOCK2D:
+            s, r = _scale(tl.max(tl.max(ax, 1), 0), UE8M0)
+            q = _to_e4m3(x, r)
+            tl.store(q_ptrs, q, mask=mask)
+            tl.store(s_ptr + b * ssb + pid_m * ssm + pid_k * ssk, s)
+            if COL:
+                tl.store(qt_ptrs, tl.trans(q), mask=tl.trans(mask))
+        else:
+            if ROW:
+                s, r = _scale(tl.max(ax, 1), UE8M0)
+                tl.store(q_ptrs, _to_e4m3(x, r[:, None]), mask=mask)
+                tl.store(s_ptr + b * ssb + rm * ssm + pid_k * ssk, s, mask=rm < M)
+            if COL:
+                st, rt = _scale(tl.max(ax, 0), UE8M0)
+                tl.store(qt_ptrs, tl.trans(_to_e4m3(x, rt[None, :])), mask=tl.trans(mask))
+                tl.store(st_ptr + b * sstb + rk * sstk + pid_m * sstm, st, mask=rk < K)
+
+
+def _as_3d(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])[None] if x.dim() != 3 else x
+
+
+def quantize_act(x: torch.Tensor, ue8m0: bool = False, rows: bool = True, cols: bool = False):
+    """1x128 quantization of ``x [M, K]`` along K (``rows``) and/or of ``x^T`` along M (``cols``), one pass.
+
+    Returns ``(q [M, K], s [M, K/128] column-major)`` and/or ``(qt [K, M], st [K, M/128]
+    column-major)``: the values of ``quant.quantize_1x128(x)`` and ``quant.quantize_1x128(x.t())``."""
+    assert x.dim() == 2 and (rows or cols)
+    M, K = x.shape
+    dev = x.device
+    dummy = torch.empty(0, device=dev)
+    q = s = qt = st = dummy
+    if rows:
+        q = torch.empty(M, K, dtype=FP8_DTYPE, device=dev)
+        s = torch.empty(ceil_div(K, BLOCK), M, device=dev).t()
+    if cols:
+        qt = torch.empty(K, M, dtype=FP8_DTYPE, device=dev)
+        st = torch.empty(ceil_div(M, BLOCK), K, device=dev).t()
+    BM = 128 if cols else 64
+    grid = (ceil_div(M, BM), ceil_div(K, BLOCK), 1)
+    _quant_kernel[grid](x, q, s, qt, st, M, K, 0, x.stride(0), x.stride(1), 0, K, 0,
+                        *(s.stride() if rows else (0, 0)), 0, M, 0, *(st.stride() if cols else (0, 0)),
+                        BM=BM, ROW=rows, COL=cols, BLOCK2D=False, UE8M0=ue8m0, num_warps=8 if cols else 4)
+    if rows and cols:
+        return (q, s), (qt, st)
+    return (q, s) if rows else (qt, st)
+
+
+def quantize_weight(w: torch.Tensor, ue8m0: bool = False, transposed: bool = False):
+    """128x128 quantization of ``w [..., N, K]`` (2-D or stacked 3-D): ``(q, s)`` as
+    ``quant.quantize_128x128``, plus ``(qt [..., K, N], st [..., K/128, N/128])`` when ``transposed``."""
+    assert w.dim() in (2, 3)
+    w3 = w if w.dim() == 3 else w[None]
+    E, N, K = w3.shape
+    dev = w.device
+    Nb, Kb = ceil_div(N, BLOCK), ceil_div(K, BLOCK)
+    q = torch.empty(E, N, K, dtype=FP8_DTYPE, device=dev)
+    s = torch.empty(E, Nb, Kb, device=dev)
+    qt = torch.empty(E, K, N, dtype=FP8_DTYPE, device=dev) if transposed else torch.empty(0, device=dev)
+    _quant_kernel[(Nb, Kb, E)](w3, q, s, qt, s, N, K, *w3.stride(), N * K, K, *s.stride(), K * N, N, 0, 0, 0,
+                               BM=128, ROW=False, COL=transposed, BLOCK2D=True, UE8M0=ue8m0, num_warps=8)
+    squeeze = (lambda t: t[0]) if w.dim() == 2 else (lambda t: t)
+    out = (squeeze(q), squeeze(s))
+    if transposed:
+        return out, (squeeze(qt), squeeze(s.transpose(-1, -2).contiguous()))
+    return out

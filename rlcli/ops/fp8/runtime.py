@@ -1,0 +1,125 @@
+"""Which quantizer runs, and how often: Triton kernels on CUDA, weights once per optimizer step.
+
+Quantizers. On CUDA with triton importable, the one-pass kernels of :mod:`kernels` run; the
+torch reference of :mod:`quant` runs everywhere else. Both give bit-identical data and
+scales (``tests/ops/test_fp8_kernels.py``), so the choice changes speed only. ``IMPL``
+forces one (tests run the Triton path on CPU tensors under ``TRITON_INTERPRET=1``).
+
+Weights. :class:`WeightCache` holds a weight's 128x128 quantization and its transpose (the
+dgrad operand) and serves every forward, backward and microbatch until the weight changes.
+A change is seen two ways: the tensor's version counter (in-place loads, ``copy_``, foreach
+optimizers) and a global optimizer-step counter bumped by a hook on every
+``torch.optim.Optimizer.step``: fused optimizers (``AdamW(fused=True)``) update parameters
+without bumping their version, so the version alone would serve a stale weight. A weight
+updated outside a torch optimizer through ``.data`` (which has its own version counter)
+is not seen; call :func:`invalidate_weights` after such an update. Under FSDP2 the cache is
+keyed on the unsharded weight, which FSDP gathers into the same storage every forward:
+one quantization per step, at the cost of holding FP8 copies of the unsharded weights
+(2 bytes per parameter with the transpose) between steps.
+
+Activations. q/k/v (and gate/up) projections read the same input tensor; the last input's
+quantization is kept (a weak reference to the tensor plus its version) so the three
+linears quantize it once.
+"""
+
+import weakref
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from rlcli.ops.fp8 import kernels, quant
+from rlcli.ops.fp8.quant import transpose_blocks
+
+IMPL = {"name": "auto"}  # "auto": Triton on CUDA when it imports; "torch" / "triton" force one
+_STEP = [0]
+
+
+def _bump_step(optimizer, args, kwargs) -> None:
+    _STEP[0] += 1
+
+
+register_optimizer_step_post_hook(_bump_step)
+
+
+def invalidate_weights() -> None:
+    """Drop every cached FP8 weight (after updating weights outside a torch optimizer)."""
+    _STEP[0] += 1
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    name = IMPL["name"]
+    if name == "auto":
+        return t.is_cuda and kernels.available()
+    return name == "triton"
+
+
+def quantize_act(x_MK: torch.Tensor, ue8m0: bool, rows: bool = True, cols: bool = False):
+    """1x128 tiles of ``x`` along K (``rows``) and of ``x^T`` along M (``cols``); both -> a pair of pairs."""
+    if use_triton(x_MK):
+        return kernels.quantize_act(x_MK, ue8m0, rows, cols)
+    r = quant.quantize_1x128(x_MK, ue8m0) if rows else None
+    c = quant.quantize_1x128(x_MK.t(), ue8m0) if cols else None
+    return (r, c) if rows and cols else (r if rows else c)
+
+
+def quantize_weight(w: torch.Tensor, ue8m0: bool, transposed: bool = False):
+    """128x128 blocks of ``w [..., N, K]``; with ``transposed`` also those of ``w^T`` (same blocks)."""
+    if use_triton(w):
+        return kernels.quantize_weight(w, ue8m0, transposed)
+    q, s = quant.quantize_128x128(w, ue8m0)
+    return ((q, s), transpose_blocks(q, s)) if transposed else (q, s)
+
+
+class WeightCache:
+    """FP8 copy of one weight (and of its transpose), valid until the weight changes (see module note)."""
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.q = self.s = self.qt = self.st = None
+
+    def get(self, w: torch.Tensor, ue8m0: bool, transposed: bool = False):
+        key = (w.data_ptr(), w._version, tuple(w.shape), ue8m0, _STEP[0])
+        if key != self.key or (transposed and self.qt is None):
+            w = w.detach()
+            if transposed:
+                (self.q, self.s), (self.qt, self.st) = quantize_weight(w, ue8m0, True)
+            else:
+                (self.q, self.s), self.qt, self.st = quantize_weight(w, ue8m0), None, None
+            self.key = key
+        return ((self.q, self.s), (self.qt, self.st)) if transposed else (self.q, self.s)
+
+
+def weight_fp8(w: torch.Tensor, cache: WeightCache | None, ue8m0: bool, transposed: bool = False):
+    """``w``'s quantization (and its transpose's), from ``cache`` when given."""
+    return quantize_weight(w.detach(), ue8m0, transposed) if cache is None else cache.get(w, ue8m0, transposed)
+
+
+class _LastInput:
+    """The quantization of the last activation seen, reused while the same tensor comes back unchanged."""
+
+    def __init__(self) -> None:
+        self.ref = None
+        self.key: tuple | None = None
+        self.value = None
+
+    def get(self, x: torch.Tensor, ue8m0: bool, cols: bool):
+        """``((q, s), (qt, st) or None)`` of ``x`` flattened to ``[M, K]``."""
+        key = (x._version, ue8m0, tuple(x.shape))
+        if self.ref is not None and self.ref() is x and self.key == key and (self.value[1] is not None or not cols):
+            return self.value
+        x2 = x.reshape(-1, x.shape[-1])
+        self.value = quantize_act(x2, ue8m0, True, True) if cols else (quantize_act(x2, ue8m0), None)
+        self.ref, self.key = weakref.ref(x), key
+        return self.value
+
+    def clear(self) -> None:
+        self.ref = self.key = self.value = None
+
+
+_LAST = _LastInput()
+
+
+def quantize_input(x: torch.Tensor, ue8m0: bool, cols: bool):
+    """Quantization of a linear's input ``x [..., K]`` (rows; with ``cols`` also ``x^T`` for the weight
+    gradient), shared with the previous linear when it read the same tensor."""
+    return _LAST.get(x, ue8m0, cols)
