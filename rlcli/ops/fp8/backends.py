@@ -24,6 +24,7 @@ to every dot product (see the quantization note on edge blocks).
 """
 
 import logging
+import weakref
 from typing import Literal, Protocol
 
 import torch
@@ -142,6 +143,7 @@ class DeepGemmBackend:
         self.dg, self.strict = dg, strict
         self.torch = TorchScaledMMBackend()
         self.failed: set[str] = set()
+        self._last = None
         try:
             self.align = int(dg.get_mk_alignment_for_contiguous_layout())
         except AttributeError:
@@ -173,25 +175,36 @@ class DeepGemmBackend:
         return self._guarded("m_grouped_fp8_gemm_nt_contiguous", lambda: self._grouped(a, sa, b, sb, offs, out_dtype),
                              lambda: self.torch.grouped_gemm(a, sa, b, sb, offs, out_dtype))
 
-    def _grouped(self, a, sa, b, sb, offs, out_dtype):
-        M, K = a.shape
-        G, N = b.shape[0], b.shape[1]
-        dev = a.device
-        offs = offs.to(device=dev, dtype=torch.int64)
-        counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    def _layout(self, offs: torch.Tensor, M: int, G: int):
+        """(dst row of every token row, group id of every padded row (-1: padding), padded rows) for
+        ``offs``; kept for the last ``offs`` tensor, which an MoE layer's GEMMs and their backward share."""
+        key = (M, G, offs._version)
+        if self._last is not None and self._last[0]() is offs and self._last[1] == key:
+            return self._last[2]
+        dev = offs.device
+        offs64 = offs.to(dtype=torch.int64)
+        counts = torch.diff(offs64, prepend=offs64.new_zeros(1))
         padded = (counts + self.align - 1) // self.align * self.align
         pad_starts = torch.cumsum(padded, 0) - padded
         row = torch.arange(M, device=dev)
-        group = torch.searchsorted(offs, row, right=True)
-        dst = row - (offs - counts)[group] + pad_starts[group]
+        group = torch.searchsorted(offs64, row, right=True)
+        dst = row - (offs64 - counts)[group] + pad_starts[group]
         M_pad = ceil_div(M + G * (self.align - 1), self.align) * self.align  # static bound: no host sync
-        a_pad = torch.zeros(M_pad, K, dtype=torch.uint8, device=dev)
-        a_pad[dst] = a.view(torch.uint8)
-        sa_pad = torch.ones(M_pad, sa.shape[1], dtype=sa.dtype, device=dev)
-        sa_pad[dst] = sa
         layout = torch.full((M_pad,), -1, dtype=torch.int32, device=dev)
         layout[dst] = group.to(torch.int32)
-        out = torch.empty(M_pad, N, dtype=torch.bfloat16, device=dev)
+        value = (dst, layout, M_pad)
+        self._last = (weakref.ref(offs), key, value)
+        return value
+
+    def _grouped(self, a, sa, b, sb, offs, out_dtype):
+        M, K = a.shape
+        G, N = b.shape[0], b.shape[1]
+        dst, layout, M_pad = self._layout(offs, M, G)
+        a_pad = torch.empty(M_pad, K, dtype=torch.uint8, device=a.device)  # padding rows: layout -1, skipped
+        a_pad[dst] = a.view(torch.uint8)
+        sa_pad = torch.empty(M_pad, sa.shape[1], dtype=sa.dtype, device=a.device)
+        sa_pad[dst] = sa
+        out = torch.empty(M_pad, N, dtype=torch.bfloat16, device=a.device)
         self.dg.m_grouped_fp8_gemm_nt_contiguous((_pad_k(a_pad.view(FP8_DTYPE)), sa_pad), (_pad_k(b), sb), out, layout)
         return out[dst].to(out_dtype)
 

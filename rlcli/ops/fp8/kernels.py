@@ -76,8 +76,9 @@ if triton is not None:
                       BM: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, BLOCK2D: tl.constexpr,
                       UE8M0: tl.constexpr):
         pid_m, pid_k, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        rm = pid_m * BM + tl.arange(0, BM)
-        rk = pid_k * 128 + tl.arange(0, 128)
+        b = b.to(tl.int64)  # offsets in int64: tensors past 2^31 elements
+        rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
+        rk = (pid_k * 128 + tl.arange(0, 128)).to(tl.int64)
         mask = (rm[:, None] < M) & (rk[None, :] < K)
         x = tl.load(x_ptr + b * sxb + rm[:, None] * sxm + rk[None, :] * sxk, mask=mask, other=0.0).to(tl.float32)
         ax = tl.abs(x)

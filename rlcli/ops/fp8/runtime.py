@@ -3,7 +3,9 @@
 Quantizers. On CUDA with triton importable, the one-pass kernels of :mod:`kernels` run; the
 torch reference of :mod:`quant` runs everywhere else. Both give bit-identical data and
 scales (``tests/ops/test_fp8_kernels.py``), so the choice changes speed only. ``IMPL``
-forces one (tests run the Triton path on CPU tensors under ``TRITON_INTERPRET=1``).
+forces one (tests run the Triton path on CPU tensors under ``TRITON_INTERPRET=1``). With
+``auto``, a Triton kernel that fails to compile or launch is logged once and the torch path
+takes over.
 
 Weights. :class:`WeightCache` holds a weight's 128x128 quantization and its transpose (the
 dgrad operand) and serves every forward, backward and microbatch until the weight changes.
@@ -22,6 +24,7 @@ quantization is kept (a weak reference to the tensor plus its version) so the th
 linears quantize it once.
 """
 
+import logging
 import weakref
 
 import torch
@@ -30,6 +33,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from rlcli.ops.fp8 import kernels, quant
 from rlcli.ops.fp8.quant import transpose_blocks
 
+log = logging.getLogger("rlcli.fp8")
 IMPL = {"name": "auto"}  # "auto": Triton on CUDA when it imports; "torch" / "triton" force one
 _STEP = [0]
 
@@ -53,10 +57,22 @@ def use_triton(t: torch.Tensor) -> bool:
     return name == "triton"
 
 
+def _triton_failed(e: Exception) -> None:
+    """A Triton kernel that does not compile or launch here: with ``auto``, fall back to torch for good."""
+    if IMPL["name"] != "auto":
+        raise e
+    log.warning("fp8: Triton quantization failed (%s: %s); using the torch reference from now on",
+                type(e).__name__, str(e)[:500])
+    IMPL["name"], IMPL["failed"] = "torch", f"{type(e).__name__}: {str(e)[:200]}"
+
+
 def quantize_act(x_MK: torch.Tensor, ue8m0: bool, rows: bool = True, cols: bool = False):
     """1x128 tiles of ``x`` along K (``rows``) and of ``x^T`` along M (``cols``); both -> a pair of pairs."""
     if use_triton(x_MK):
-        return kernels.quantize_act(x_MK, ue8m0, rows, cols)
+        try:
+            return kernels.quantize_act(x_MK, ue8m0, rows, cols)
+        except Exception as e:  # noqa: BLE001 -- any compile/launch error; see _triton_failed
+            _triton_failed(e)
     r = quant.quantize_1x128(x_MK, ue8m0) if rows else None
     c = quant.quantize_1x128(x_MK.t(), ue8m0) if cols else None
     return (r, c) if rows and cols else (r if rows else c)
@@ -65,7 +81,10 @@ def quantize_act(x_MK: torch.Tensor, ue8m0: bool, rows: bool = True, cols: bool 
 def quantize_weight(w: torch.Tensor, ue8m0: bool, transposed: bool = False):
     """128x128 blocks of ``w [..., N, K]``; with ``transposed`` also those of ``w^T`` (same blocks)."""
     if use_triton(w):
-        return kernels.quantize_weight(w, ue8m0, transposed)
+        try:
+            return kernels.quantize_weight(w, ue8m0, transposed)
+        except Exception as e:  # noqa: BLE001
+            _triton_failed(e)
     q, s = quant.quantize_128x128(w, ue8m0)
     return ((q, s), transpose_blocks(q, s)) if transposed else (q, s)
 
