@@ -208,3 +208,21 @@ def test_grouped_fp8_matches_per_group_fp8_linear_and_gradients():
         torch.testing.assert_close(y[s:e], yg, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(dx[s:e], dxg, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(dw[g], dwg, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_fp8_bf16_weight_gradient_is_one_kgrouped_gemm():
+    """bf16 experts: dW of every expert is dy_g^T x_g from one k-grouped bf16 GEMM (no per-expert FP8
+    loop); forward and dx stay FP8 and match the fp32 path's rounding of the same operands."""
+    G, N, K = 4, 128, 256
+    offs = torch.tensor([50, 50, 180, 300], dtype=torch.int32)
+    x, w, dy = data(300, K, seed=1).bfloat16(), (data(G, N, K, seed=2) * 0.05).bfloat16(), data(300, N, seed=3)
+    be = EmulatedBackend()
+    y, dx, dw = _grads(lambda a, b: fp8_grouped_mm(a, b, offs, be), x, w, dy.bfloat16())
+    assert dw.dtype == torch.bfloat16
+    bounds = [0, 50, 50, 180, 300]
+    for g in range(G):
+        s, e = bounds[g], bounds[g + 1]
+        ref = dy[s:e].bfloat16().double().T @ x[s:e].double()
+        torch.testing.assert_close(dw[g].double(), ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()) + 1e-6)
+        y32 = fp8_linear(x[s:e].float(), w[g].float(), None, be)
+        torch.testing.assert_close(y[s:e].float(), y32, rtol=1e-2, atol=1e-2)

@@ -17,10 +17,11 @@ is quantized both ways in one pass (along K for y, along tokens for dW), and onl
 pass dy is quantized both ways in one pass too.
 
 MoE experts (:func:`fp8_grouped_mm`): forward and dgrad are FP8 grouped GEMMs. The weight
-gradient is FP8 per expert in the reference path (a loop: token tiles must not straddle two
-experts), and one bf16 grouped GEMM over all experts (torch's k-grouped ``grouped_mm``, no
-host sync) where that kernel runs on the device: there is no FP8 k-grouped GEMM on SM90
-here, and a per-expert loop of small FP8 GEMMs is several times slower than bf16.
+gradient of bf16 experts is one bf16 grouped GEMM over all experts (torch's k-grouped
+``grouped_mm``, no host sync) where that kernel runs (CUDA, and CPU from torch 2.13): there
+is no FP8 k-grouped GEMM on SM90 here, and a per-expert loop of small FP8 GEMMs (one host
+sync, token tiles quantized per expert so none straddles two) was several times slower than
+bf16. That loop remains for fp32 experts and where the kernel is missing.
 
 The weight is quantized once per optimizer step, and activations shared by several linears
 once (see :mod:`rlcli.ops.fp8.runtime`).
@@ -49,7 +50,7 @@ class _FP8LinearFn(torch.autograd.Function):
         ctx.save_for_backward(xtq, xts, weight)
         ctx.cache, ctx.backend, ctx.ue8m0, ctx.has_bias = cache, backend, ue8m0, bias is not None
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
-        return y.view(*x.shape[:-1], -1)
+        return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
@@ -147,7 +148,7 @@ class FP8Linear(nn.Linear):
             (xq, xs), _ = quantize_input(x, self.ue8m0, cols=False)
             y = self.backend.gemm(xq, xs, self.weight, self.weight_scale_inv, x.dtype)
             y = y if self.bias is None else y + self.bias.to(y.dtype)
-            return y.view(*x.shape[:-1], -1)
+            return y.view(*x.shape[:-1], y.shape[-1])
         return fp8_linear(x, self.weight, self.bias, self.backend, self.cache, self.ue8m0)
 
     def extra_repr(self) -> str:
@@ -155,8 +156,9 @@ class FP8Linear(nn.Linear):
         return f"{super().extra_repr()}, fp8={self.backend.name}{', ue8m0' if self.ue8m0 else ''}{store}"
 
 
-def _bf16_kgrouped(dy: torch.Tensor) -> bool:
-    return dy.is_cuda and dy.dtype == torch.bfloat16 and _kernel_available(dy.device, dy.dtype)
+def _bf16_kgrouped(dy: torch.Tensor, x: torch.Tensor) -> bool:
+    aligned = all(n * dy.element_size() % 16 == 0 for n in (dy.shape[1], x.shape[1]))
+    return dy.dtype == x.dtype == torch.bfloat16 and aligned and _kernel_available(dy.device, dy.dtype)
 
 
 class _FP8GroupedFn(torch.autograd.Function):
@@ -179,7 +181,7 @@ class _FP8GroupedFn(torch.autograd.Function):
             dyq, dys = quantize_act(dy, ue8m0)
             dx = backend.grouped_gemm(dyq, dys, wtq, wts, offs, x.dtype)
         if ctx.needs_input_grad[1]:
-            if _bf16_kgrouped(dy):  # one bf16 kernel over all experts, no host sync (see module note)
+            if _bf16_kgrouped(dy, x):  # one bf16 kernel over all experts, no host sync (see module note)
                 dw = _grouped_mm_op(dy.t(), x, offs=offs)
             else:  # token tiles must not straddle two experts: each group is quantized on its own
                 dw = torch.zeros(w.shape, dtype=w.dtype, device=w.device)
