@@ -66,7 +66,7 @@ class _FP8LinearFn(torch.autograd.Function):
         elif need_dw:
             dytq, dyts = quantize_act(dy2, ue8m0, rows=False, cols=True)
         if need_dx:
-            _, (wtq, wts) = weight_fp8(weight, ctx.cache, ue8m0, transposed=True)
+            _, (wtq, wts) = weight_fp8(weight, ctx.cache, ue8m0, transposed=True, backward=True)
             dx = backend.gemm(dyq, dys, wtq, wts, ctx.x_dtype).view(ctx.x_shape)
         if need_dw:
             dw = backend.gemm_1x128(dytq, dyts, xtq, xts, weight.dtype)
@@ -177,7 +177,7 @@ class _FP8GroupedFn(torch.autograd.Function):
         backend, ue8m0 = ctx.backend, ctx.ue8m0
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            _, (wtq, wts) = weight_fp8(w, ctx.cache, ue8m0, transposed=True)
+            _, (wtq, wts) = weight_fp8(w, ctx.cache, ue8m0, transposed=True, backward=True)
             dyq, dys = quantize_act(dy, ue8m0)
             dx = backend.grouped_gemm(dyq, dys, wtq, wts, offs, x.dtype)
         if ctx.needs_input_grad[1]:

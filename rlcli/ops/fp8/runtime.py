@@ -14,10 +14,11 @@ optimizers) and a global optimizer-step counter bumped by a hook on every
 ``torch.optim.Optimizer.step``: fused optimizers (``AdamW(fused=True)``) update parameters
 without bumping their version, so the version alone would serve a stale weight. A weight
 updated outside a torch optimizer through ``.data`` (which has its own version counter)
-is not seen; call :func:`invalidate_weights` after such an update. Under FSDP2 the cache is
-keyed on the unsharded weight, which FSDP gathers into the same storage every forward:
-one quantization per step, at the cost of holding FP8 copies of the unsharded weights
-(2 bytes per parameter with the transpose) between steps.
+is not seen; call :func:`invalidate_weights` after such an update. Under FSDP2 the cache
+holds the quantization of the gathered (unsharded) weight; the backward pass reuses it
+although FSDP re-gathers the weight (see :meth:`WeightCache.get`), so each weight is
+quantized once per step, at the cost of holding FP8 copies of the unsharded weights
+(2 bytes per parameter with the transpose) between steps (tests/ops/test_fp8_fsdp.py).
 
 Activations. q/k/v (and gate/up) projections read the same input tensor; the last input's
 quantization is kept (a weak reference to the tensor plus its version) so the three
@@ -96,9 +97,13 @@ class WeightCache:
         self.key: tuple | None = None
         self.q = self.s = self.qt = self.st = None
 
-    def get(self, w: torch.Tensor, ue8m0: bool, transposed: bool = False):
+    def get(self, w: torch.Tensor, ue8m0: bool, transposed: bool = False, backward: bool = False):
+        """The blocks of ``w`` (and ``w^T``). ``backward``: the weight is the one this step's forward
+        used (autograd guarantees it), so its address is not compared: FSDP2 re-gathers the weight
+        for the backward pass into storage that may sit elsewhere, with the same values."""
         key = (w.data_ptr(), w._version, tuple(w.shape), ue8m0, _STEP[0])
-        if key != self.key or (transposed and self.qt is None):
+        hit = self.key is not None and (self.key[1:] == key[1:] if backward else self.key == key)
+        if not hit or (transposed and self.qt is None):
             w = w.detach()
             if transposed:
                 (self.q, self.s), (self.qt, self.st) = quantize_weight(w, ue8m0, True)
@@ -108,9 +113,12 @@ class WeightCache:
         return ((self.q, self.s), (self.qt, self.st)) if transposed else (self.q, self.s)
 
 
-def weight_fp8(w: torch.Tensor, cache: WeightCache | None, ue8m0: bool, transposed: bool = False):
+def weight_fp8(w: torch.Tensor, cache: WeightCache | None, ue8m0: bool, transposed: bool = False,
+               backward: bool = False):
     """``w``'s quantization (and its transpose's), from ``cache`` when given."""
-    return quantize_weight(w.detach(), ue8m0, transposed) if cache is None else cache.get(w, ue8m0, transposed)
+    if cache is None:
+        return quantize_weight(w.detach(), ue8m0, transposed)
+    return cache.get(w, ue8m0, transposed, backward)
 
 
 class _LastInput:
