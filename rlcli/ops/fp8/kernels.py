@@ -114,7 +114,7 @@ def quantize_act(x: torch.Tensor, ue8m0: bool = False, rows: bool = True, cols: 
     assert x.dim() == 2 and (rows or cols)
     M, K = x.shape
     dev = x.device
-    dummy = torch.empty(0, device=dev)
+    dummy = torch.empty(1, device=dev)  # unused pointer arguments (not a 0-size tensor: its pointer may be null)
     q = s = qt = st = dummy
     if rows:
         q = torch.empty(M, K, dtype=FP8_DTYPE, device=dev)
@@ -124,9 +124,10 @@ def quantize_act(x: torch.Tensor, ue8m0: bool = False, rows: bool = True, cols: 
         st = torch.empty(ceil_div(M, BLOCK), K, device=dev).t()
     BM = 128 if cols else 64
     grid = (ceil_div(M, BM), ceil_div(K, BLOCK), 1)
-    _quant_kernel[grid](x, q, s, qt, st, M, K, 0, x.stride(0), x.stride(1), 0, K, 0,
-                        *(s.stride() if rows else (0, 0)), 0, M, 0, *(st.stride() if cols else (0, 0)),
-                        BM=BM, ROW=rows, COL=cols, BLOCK2D=False, UE8M0=ue8m0, num_warps=8 if cols else 4)
+    if M and K:
+        _quant_kernel[grid](x, q, s, qt, st, M, K, 0, x.stride(0), x.stride(1), 0, K, 0,
+                            *(s.stride() if rows else (0, 0)), 0, M, 0, *(st.stride() if cols else (0, 0)),
+                            BM=BM, ROW=rows, COL=cols, BLOCK2D=False, UE8M0=ue8m0, num_warps=8 if cols else 4)
     if rows and cols:
         return (q, s), (qt, st)
     return (q, s) if rows else (qt, st)
@@ -142,9 +143,10 @@ def quantize_weight(w: torch.Tensor, ue8m0: bool = False, transposed: bool = Fal
     Nb, Kb = ceil_div(N, BLOCK), ceil_div(K, BLOCK)
     q = torch.empty(E, N, K, dtype=FP8_DTYPE, device=dev)
     s = torch.empty(E, Nb, Kb, device=dev)
-    qt = torch.empty(E, K, N, dtype=FP8_DTYPE, device=dev) if transposed else torch.empty(0, device=dev)
-    _quant_kernel[(Nb, Kb, E)](w3, q, s, qt, s, N, K, *w3.stride(), N * K, K, *s.stride(), K * N, N, 0, 0, 0,
-                               BM=128, ROW=False, COL=transposed, BLOCK2D=True, UE8M0=ue8m0, num_warps=8)
+    qt = torch.empty(E, K, N, dtype=FP8_DTYPE, device=dev) if transposed else torch.empty(1, device=dev)
+    if E and N and K:
+        _quant_kernel[(Nb, Kb, E)](w3, q, s, qt, s, N, K, *w3.stride(), N * K, K, *s.stride(), K * N, N, 0, 0, 0,
+                                   BM=128, ROW=False, COL=transposed, BLOCK2D=True, UE8M0=ue8m0, num_warps=8)
     squeeze = (lambda t: t[0]) if w.dim() == 2 else (lambda t: t)
     out = (squeeze(q), squeeze(s))
     if transposed:
