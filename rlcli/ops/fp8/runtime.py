@@ -101,7 +101,8 @@ class WeightCache:
         """The blocks of ``w`` (and ``w^T``). ``backward``: the weight is the one this step's forward
         used (autograd guarantees it), so its address is not compared: FSDP2 re-gathers the weight
         for the backward pass into storage that may sit elsewhere, with the same values."""
-        key = (w.data_ptr(), w._version, tuple(w.shape), ue8m0, _STEP[0])
+        version = -1 if w.is_inference() else w._version  # inference tensors have no version counter
+        key = (w.data_ptr(), version, tuple(w.shape), ue8m0, _STEP[0])
         hit = self.key is not None and (self.key[1:] == key[1:] if backward else self.key == key)
         if not hit or (transposed and self.qt is None):
             w = w.detach()
@@ -131,16 +132,15 @@ class _LastInput:
 
     def get(self, x: torch.Tensor, ue8m0: bool, cols: bool):
         """``((q, s), (qt, st) or None)`` of ``x`` flattened to ``[M, K]``."""
+        x2 = x.reshape(-1, x.shape[-1])
+        if x.is_inference():  # no version counter (torch.inference_mode): nothing to key a reuse on
+            return quantize_act(x2, ue8m0, True, True) if cols else (quantize_act(x2, ue8m0), None)
         key = (x._version, ue8m0, tuple(x.shape))
         if self.ref is not None and self.ref() is x and self.key == key and (self.value[1] is not None or not cols):
             return self.value
-        x2 = x.reshape(-1, x.shape[-1])
         self.value = quantize_act(x2, ue8m0, True, True) if cols else (quantize_act(x2, ue8m0), None)
         self.ref, self.key = weakref.ref(x), key
         return self.value
-
-    def clear(self) -> None:
-        self.ref = self.key = self.value = None
 
 
 _LAST = _LastInput()
