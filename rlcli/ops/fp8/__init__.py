@@ -1,7 +1,9 @@
 """FP8 block-scaled numerics (the DeepSeek-V3 recipe): quantization, GEMM backends, linear layers, module swap.
 
-See ``quant`` (formats and layouts), ``backends`` (deep_gemm / torch scaled_mm / emulated),
-``linear`` (autograd recipe), ``convert`` (which layers go FP8).
+See ``quant`` (formats and layouts, the torch reference), ``kernels`` (the same quantization as
+one-pass Triton kernels), ``runtime`` (which quantizer runs; weights once per optimizer step),
+``backends`` (deep_gemm / torch scaled_mm / emulated), ``linear`` (autograd recipe), ``convert``
+(which layers go FP8).
 """
 
 from rlcli.ops.fp8.backends import GemmBackend, make_backend

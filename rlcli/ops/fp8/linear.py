@@ -174,6 +174,7 @@ class _FP8GroupedFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, w, offs = ctx.saved_tensors
+        dy = dy.contiguous()  # the k-grouped GEMM reads dy^T as a column-major matrix
         backend, ue8m0 = ctx.backend, ctx.ue8m0
         dx = dw = None
         if ctx.needs_input_grad[0]:
