@@ -7,6 +7,8 @@ reference pads), takes the amax it needs, and writes:
     ROW      1x128 tiles along the last dim  -> q [M, K],   s [M, K/128]     (forward, dgrad)
     COL      1x128 tiles along the rows      -> qt [K, M],  st [K, M/128]    (x^T, dy^T for wgrad:
              written transposed from the same tile, so no transpose copy exists)
+             (the tile is stored through transposed addresses; Triton's coalescing pass routes it
+             through shared memory so that the writes run along M)
     BLOCK2D  one 128x128 block               -> q [N, K] and optionally qt [K, N], s [N/128, K/128]
 
 ROW and COL together read ``x`` once and write both quantizations (activations in training).
@@ -83,14 +85,15 @@ if triton is not None:
         x = tl.load(x_ptr + b * sxb + rm[:, None] * sxm + rk[None, :] * sxk, mask=mask, other=0.0).to(tl.float32)
         ax = tl.abs(x)
         q_ptrs = q_ptr + b * sqb + rm[:, None] * sqm + rk[None, :]
-        qt_ptrs = qt_ptr + b * sqtb + rk[:, None] * sqtk + rm[None, :]
+        # element (m, k) of the tile goes to qt[k, m]: Triton's coalescing lays the store out along m
+        qt_ptrs = qt_ptr + b * sqtb + rk[None, :] * sqtk + rm[:, None]
         if BLOCK2D:
             s, r = _scale(tl.max(tl.max(ax, 1), 0), UE8M0)
             q = _to_e4m3(x, r)
             tl.store(q_ptrs, q, mask=mask)
             tl.store(s_ptr + b * ssb + pid_m * ssm + pid_k * ssk, s)
             if COL:
-                tl.store(qt_ptrs, tl.trans(q), mask=tl.trans(mask))
+                tl.store(qt_ptrs, q, mask=mask)
         else:
             if ROW:
                 s, r = _scale(tl.max(ax, 1), UE8M0)
@@ -98,7 +101,7 @@ if triton is not None:
                 tl.store(s_ptr + b * ssb + rm * ssm + pid_k * ssk, s, mask=rm < M)
             if COL:
                 st, rt = _scale(tl.max(ax, 0), UE8M0)
-                tl.store(qt_ptrs, tl.trans(_to_e4m3(x, rt[None, :])), mask=tl.trans(mask))
+                tl.store(qt_ptrs, _to_e4m3(x, rt[None, :]), mask=mask)
                 tl.store(st_ptr + b * sstb + rk * sstk + pid_m * sstm, st, mask=rk < K)
 
 
