@@ -103,7 +103,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 class FP8Linear(nn.Linear):
     """An ``nn.Linear`` whose GEMMs run in FP8.
 
-    Two storages: a high-precision master ``weight`` quantized on the fly (training; same
+    Two storages: a high-precision master ``weight`` quantized once per optimizer step (training; same
     parameters and state dict as the Linear it replaces), or, after :meth:`to_fp8_storage`,
     an FP8 ``weight`` plus its ``weight_scale_inv`` block scales, DeepSeek-V3's checkpoint
     layout (inference only: no gradients flow into an FP8 weight).
