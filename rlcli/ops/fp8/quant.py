@@ -3,8 +3,9 @@
 Every block gets its own fp32 scale ``s = amax(|block|) / 448`` (448 is e4m3fn's largest
 finite value); the data is ``clamp(x * r, -448, 448)`` cast to e4m3fn, which rounds to
 nearest-even, with ``r = 448 / amax`` (``1 / s`` for UE8M0): one multiply per element, not a
-division, which keeps the GPU kernels memory-bound (DeepGEMM's casts do the same). Dequantization is ``fp8 * s``, so ``s`` is what DeepSeek-V3 checkpoints store
-as ``weight_scale_inv``. With ``ue8m0`` the scale is rounded *up* to a power of two (the
+division, which keeps the GPU kernels memory-bound (DeepGEMM's casts do the same).
+Dequantization is ``fp8 * s``, so ``s`` is what DeepSeek-V3 checkpoints store as
+``weight_scale_inv``. With ``ue8m0`` the scale is rounded *up* to a power of two (the
 UE8M0 format of DeepGEMM's Blackwell kernels and MX formats): block maxima then land in
 [224, 448] and ``r`` is exact.
 
