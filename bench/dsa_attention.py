@@ -9,7 +9,7 @@ gathered per checkpointed chunk) and dense (the indexer switched off, expanded M
 model's causal attention). It prints per length the peak memory and median step time of each,
 and the ratio dense/DSA.
 
-The phase split (``--phases``, on by default) runs one DSA layer's pieces alone at the model's
+The phase split (skip it with ``--no-phases``) runs one DSA layer's pieces alone at the model's
 shapes on random inputs: indexer scoring, top-k selection (and the former int64-key top-k on
 the same scores, checking both choose the same tokens), sparse attention forward and backward
 for each kernel, and dense causal attention forward and backward, each with its peak memory.
@@ -87,6 +87,10 @@ def measure(model, T: int, steps: int, device: torch.device) -> tuple[float, flo
     except torch.cuda.OutOfMemoryError:
         model.zero_grad(set_to_none=True)
         return "OOM"
+    except Exception as e:  # a kernel that fails on this machine: report it, measure the rest
+        model.zero_grad(set_to_none=True)
+        print(f"T={T}: {type(e).__name__}: {str(e)[:2000]}", flush=True)
+        return type(e).__name__
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     return statistics.median(times), peak
 
@@ -163,10 +167,15 @@ def layer_phases(cfg: dict, T: int, device: torch.device, dtype: torch.dtype, ke
     for fused in ([False, True] if dsa_triton.available(iq) else [False]):
         mla.TRITON = fused
         name = "fused Triton" if fused else "torch"
-        with Timed("index_scores", device) as score, \
-                Timed("_topk_earliest", device, also=None if fused else mla._topk_earliest_int64) as top:
-            with Clock(device) as c:
-                sels[fused] = mla.select_topk(iq, iw, ik, torch.zeros_like(rows), rows, k, Di ** -0.5)
+        try:
+            with Timed("index_scores", device) as score, \
+                    Timed("_topk_earliest", device, also=None if fused else mla._topk_earliest_int64) as top:
+                with Clock(device) as c:
+                    sels[fused] = mla.select_topk(iq, iw, ik, torch.zeros_like(rows), rows, k, Di ** -0.5)
+        except Exception as e:  # a kernel that fails (or runs out of memory) here: report it, measure the rest
+            print(f"select, {name} scores, T={T}: {type(e).__name__}: {str(e)[:2000]}", flush=True)
+            out[f"select, {name} scores"] = (type(e).__name__[:8], float("nan"))
+            continue
         out[f"select, {name} scores"] = (c.s, c.gib)
         out[f"  {name}: indexer scoring"] = (score.s, float("nan"))
         out[f"  {name}: top-k (float top-k + tie fix-up)"] = (top.s, float("nan"))
@@ -176,6 +185,8 @@ def layer_phases(cfg: dict, T: int, device: torch.device, dtype: torch.dtype, ke
     if len(sels) == 2:
         same = ((sels[False][0].sort(-1).values == sels[True][0].sort(-1).values).all(-1)).float().mean()
         out[f"  (rows selecting the same tokens, fused vs torch scores: {100 * float(same):.2f}%)"] = ("", float("nan"))
+    if not sels:
+        return out
     idx, valid = sels[max(sels)]
     del iq, iw, ik
     scale = D ** -0.5
@@ -190,6 +201,9 @@ def layer_phases(cfg: dict, T: int, device: torch.device, dtype: torch.dtype, ke
             out[f"{name} forward"], out[f"{name} backward"] = (f.s, f.gib), (b.s, b.gib)
         except torch.cuda.OutOfMemoryError:
             out[f"{name} forward"] = ("OOM", float("nan"))
+        except Exception as e:  # a kernel that fails on this machine: report it, measure the rest
+            print(f"{name}, T={T}: {type(e).__name__}: {str(e)[:2000]}", flush=True)
+            out[f"{name} forward"] = (type(e).__name__[:8], float("nan"))
         finally:
             for x in inputs:
                 if isinstance(x, torch.Tensor):
@@ -247,6 +261,10 @@ def use_kernel(kernel: str) -> None:
     mla.TRITON = None if kernel == "triton" else False
 
 
+def seconds(x) -> str:
+    return x if isinstance(x, str) else f"{x:.4f}"
+
+
 def cells(r) -> tuple[str, str]:
     return (r, "") if isinstance(r, str) else (f"{r[0]:.3f}", f"{r[1]:.1f}")
 
@@ -257,6 +275,7 @@ def main() -> None:
     p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=None)
     p.add_argument("--steps", type=int, default=1, help="timed steps per point (after one warm-up)")
     p.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
+    p.add_argument("--topk", type=int, default=None, help="override index_topk")
     p.add_argument("--kernels", default=None, help="DSA paths to compare, comma-separated (masked, gathered, "
                    "triton); default all that run on the device")
     p.add_argument("--masked-max", type=int, default=65536,
@@ -266,6 +285,8 @@ def main() -> None:
     args = p.parse_args()
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     cfg = dict(SMOKE if args.smoke else SMALL)
+    if args.topk:
+        cfg.update(index_topk=args.topk)
     if args.layers:
         cfg.update(num_hidden_layers=args.layers, first_k_dense_replace=args.layers)
     lengths = args.lengths or ([512, 1024] if args.smoke else [32768, 65536, 131072])
@@ -276,13 +297,14 @@ def main() -> None:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # the indexer scores in fp32
         mla.CHUNK_ELEMENTS = 1 << 31
-    print(f"torch {torch.__version__}, {device}" + (f" ({torch.cuda.get_device_name()})" if device.type == "cuda" else ""))
+    name = f" ({torch.cuda.get_device_name()})" if device.type == "cuda" else ""
+    print(f"torch {torch.__version__}, {device}{name}, triton kernels: {dsa_triton.available(torch.empty(0, device=device))}")
     phases, rows = {}, []
     if not args.no_phases:
         layer_phases(cfg, min(lengths[0], 2 * cfg["index_topk"]), device, dtype, kernels)  # warm-up
         for T in lengths:
             phases[T] = layer_phases(cfg, T, device, dtype, kernels)
-            print(f"T={T} phases: " + ", ".join(f"{n.strip()} {cells(v)[0]}" for n, v in phases[T].items()), flush=True)
+            print(f"T={T} phases: " + ", ".join(f"{n.strip()} {seconds(v[0])}" for n, v in phases[T].items()), flush=True)
     if not args.no_model:
         model = build_model(ModelArgs.from_hf(cfg), device=device, dtype=dtype)
         model.init_weights(seed=0)
@@ -310,8 +332,7 @@ def main() -> None:
               f"{cfg['index_n_heads']}x{cfg['index_head_dim']}, top-k {cfg['index_topk']}):")
         print(f"  {'phase':<52} {'seconds':>8} {'peak GiB':>8}")
         for name, (sec, gib) in ph.items():
-            sec = sec if isinstance(sec, str) else f"{sec:.4f}"
-            print(f"  {name:<52} {sec:>8} {'' if gib != gib else f'{gib:.2f}':>8}")
+            print(f"  {name:<52} {seconds(sec):>8} {'' if gib != gib else f'{gib:.2f}':>8}")
     if rows:
         print(f"\nwhole model, one training step: {'tokens':>8} | {'kernel':>9} | {'s/step':>8} {'peak GiB':>8} | "
               f"{'time dense/DSA':>14} {'mem dense/DSA':>13}")

@@ -80,7 +80,7 @@ def index_scores(q_THD: torch.Tensor, w_TH: torch.Tensor, k_SD: torch.Tensor, sc
     return out
 
 
-_BK = 32
+_BK, _BK_BWD = 32, 16  # selected tokens per block (backward: smaller, for registers)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -119,7 +119,8 @@ class _SparseAttention(torch.autograd.Function):
         _kernels()._sparse_bwd_kernel[(T, _cdiv(H, HB))](
             q_THL, kv_SL, ids_Tk, o, do, lse, dq, dkv, ctx.scale, H, ids_Tk.shape[1], q_THL.stride(0),
             q_THL.stride(1), kv_SL.stride(0), ids_Tk.stride(0), o.stride(0), o.stride(1), HB=HB, R=ctx.rank,
-            RP=_padded(ctx.rank), DR=L - ctx.rank, DRP=_padded(L - ctx.rank), BK=_BK, PREC=_precision(q_THL), num_warps=8)
+            RP=_padded(ctx.rank), DR=L - ctx.rank, DRP=_padded(L - ctx.rank), BK=_BK_BWD, PREC=_precision(q_THL),
+            num_warps=8)
         return dq, dkv.to(kv_SL.dtype), None, None, None
 
 
@@ -128,4 +129,4 @@ def sparse_attention(q_THL: torch.Tensor, kv_SL: torch.Tensor, idx_Tk: torch.Ten
     """Each query over its selected latent tokens: [T, H, value_dim] (as
     :func:`rlcli.ops.mla.sparse_latent_attention`), differentiable in ``q`` and ``kv``."""
     ids = torch.where(valid_Tk, idx_Tk, -1).to(torch.int32).contiguous()
-    return _SparseAttention.apply(q_THL.contiguous(), kv_SL.contiguous(), ids, value_dim, scale)
+    return _SparseAttention.apply(q_THL.contiguous(), kv_SL.to(q_THL.dtype).contiguous(), ids, value_dim, scale)

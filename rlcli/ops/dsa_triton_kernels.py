@@ -11,7 +11,7 @@ def _index_scores_kernel(q_ptr, w_ptr, k_ptr, out_ptr, T, S, scale, sq_t, sq_h, 
                          HI: tl.constexpr, DI: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr,
                          BS: tl.constexpr, PREC: tl.constexpr):
     # Key blocks vary fastest, so programs running together share their query block (in L2).
-    pid_s, pid_t = tl.program_id(0), tl.program_id(1)
+    pid_s, pid_t = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)  # offsets pass 2**31
     t = pid_t * BT + tl.arange(0, BT)
     s = pid_s * BS + tl.arange(0, BS)
     d = tl.arange(0, DP)
@@ -30,7 +30,7 @@ def _index_scores_kernel(q_ptr, w_ptr, k_ptr, out_ptr, T, S, scale, sq_t, sq_h, 
 def _sparse_fwd_kernel(q_ptr, kv_ptr, idx_ptr, o_ptr, lse_ptr, scale, H, K: tl.constexpr, sq_t, sq_h, skv_s, si_t, so_t,
                        so_h, HB: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, DR: tl.constexpr,
                        DRP: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
-    t, hb = tl.program_id(0), tl.program_id(1)
+    t, hb = tl.program_id(0).to(tl.int64), tl.program_id(1)
     h = hb * HB + tl.arange(0, HB)
     mh = h < H
     r, d = tl.arange(0, RP), tl.arange(0, DRP)
@@ -67,7 +67,7 @@ def _sparse_fwd_kernel(q_ptr, kv_ptr, idx_ptr, o_ptr, lse_ptr, scale, H, K: tl.c
 def _sparse_bwd_kernel(q_ptr, kv_ptr, idx_ptr, o_ptr, do_ptr, lse_ptr, dq_ptr, dkv_ptr, scale, H, K: tl.constexpr, sq_t,
                        sq_h, skv_s, si_t, so_t, so_h, HB: tl.constexpr, R: tl.constexpr, RP: tl.constexpr,
                        DR: tl.constexpr, DRP: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
-    t, hb = tl.program_id(0), tl.program_id(1)
+    t, hb = tl.program_id(0).to(tl.int64), tl.program_id(1)
     h = hb * HB + tl.arange(0, HB)
     mh = h < H
     r, d = tl.arange(0, RP), tl.arange(0, DRP)
