@@ -253,12 +253,27 @@ def kv_bytes(dtype_bytes: int) -> None:
         print(f"engine allocation, {name}: {total / tokens:.0f} bytes/token/layer ({tokens} tokens in {total >> 20} MiB)")
 
 
+def fused_scores_invariance(device: torch.device) -> str:
+    """Whether the fused kernel's scores are bit-identical when the query rows, the key window
+    and the key layout (shared / per-query, as the engine's decode batch) change."""
+    if not dsa_triton.available(torch.empty(0, device=device)):
+        return "fused scores: Triton not available"
+    gen = torch.Generator(device).manual_seed(0)
+    q = torch.randn(1024, 64, 128, generator=gen, device=device).bfloat16()
+    w, k = torch.randn(1024, 64, generator=gen, device=device), torch.randn(1024, 128, generator=gen, device=device)
+    full = dsa_triton.index_scores(q, w, k.bfloat16(), 0.1)
+    window = dsa_triton.index_scores(q[100:300], w[100:300], k[37:500].bfloat16(), 0.1)
+    per_query = dsa_triton.index_scores(q[:8], w[:8], k[None, :500].bfloat16().expand(8, -1, -1), 0.1)
+    return (f"fused scores bit-identical across row blocks/windows: {torch.equal(window, full[100:300, 37:500])}, "
+            f"per-query vs shared keys: {torch.equal(per_query, full[:8, :500])}")
+
+
 def use_kernel(kernel: str) -> None:
     """Select the DSA training path by its bench name: ``masked`` (the former CUDA path: torch
     scores, SDPA with the top-k as a mask), ``gathered`` (torch scores and gathered attention),
     ``triton`` (fused scores and the Triton sparse kernel)."""
     mla.MASKED_DENSE = kernel == "masked"
-    mla.TRITON = None if kernel == "triton" else False
+    mla.TRITON = kernel == "triton"
 
 
 def seconds(x) -> str:
@@ -300,6 +315,8 @@ def main() -> None:
     name = f" ({torch.cuda.get_device_name()})" if device.type == "cuda" else ""
     print(f"torch {torch.__version__}, {device}{name}, triton kernels: {dsa_triton.available(torch.empty(0, device=device))}")
     phases, rows = {}, []
+    if device.type == "cuda":
+        print(fused_scores_invariance(device), flush=True)
     if not args.no_phases:
         layer_phases(cfg, min(lengths[0], 2 * cfg["index_topk"]), device, dtype, kernels)  # warm-up
         for T in lengths:

@@ -3,9 +3,10 @@ gathered sparse latent attention (forward and backward).
 
 ``index_scores``: ``score[t, s] = sum_h w[t, h] * relu(scale * q[t, h] . k[s])`` for a block
 of queries x a block of keys per program, heads summed in registers, so the ``[T, Hi, S]``
-intermediate of the torch path never reaches memory. Each score depends only on its own
-query and key (fixed loop order over heads, one dot over the head dim), not on the block,
-chunk or window it was computed in, so chunking cannot change the selection.
+intermediate of the torch path never reaches memory. Each score is computed from its own
+query and key only (fixed loop order over heads, one dot over the head dim), whatever block,
+chunk or window it falls in; ``bench/dsa_attention.py`` checks on the GPU that the bits do not
+change with the block (Triton's CPU interpreter uses numpy's matmul, whose sums do).
 
 ``sparse_attention``: one program per (query, head block) walks the query's selected token
 indices in blocks, loads those tokens' latent rows ``[c, k_rot]`` straight from ``kv`` (no
@@ -66,17 +67,21 @@ def _precision(x: torch.Tensor) -> str:
 
 @torch.no_grad()
 def index_scores(q_THD: torch.Tensor, w_TH: torch.Tensor, k_SD: torch.Tensor, scale: float) -> torch.Tensor:
-    """Indexer scores [T, S] in fp32 for shared keys ``[S, D]`` (one fused kernel)."""
+    """Indexer scores [T, S] in fp32 for shared keys ``[S, D]`` or per-query keys ``[T, S, D]``
+    (one fused kernel; a query's scores are the same arithmetic either way)."""
     T, Hi, D = q_THD.shape
-    S = k_SD.shape[0]
+    S = k_SD.shape[-2]
     q = q_THD if q_THD.stride(-1) == 1 else q_THD.contiguous()
     k = k_SD.to(q.dtype).contiguous()
     w = w_TH.float().contiguous()
     out = torch.empty(T, S, dtype=torch.float32, device=q.device)
     BT, BS = 64, 128
-    grid = (_cdiv(S, BS), _cdiv(T, BT))
-    _kernels()._index_scores_kernel[grid](q, w, k, out, T, S, scale, q.stride(0), q.stride(1), w.stride(0), k.stride(0),
-                               out.stride(0), HI=Hi, DI=D, DP=_padded(D), BT=BT, BS=BS, PREC=_precision(q), num_warps=4)
+    rows = BT if k.dim() == 2 else 1
+    grid = (_cdiv(S, BS), _cdiv(T, rows))
+    _kernels()._index_scores_kernel[grid](
+        q, w, k, out, T, S, scale, q.stride(0), q.stride(1), w.stride(0), 0 if k.dim() == 2 else k.stride(0),
+        k.stride(-2), out.stride(0), HI=Hi, DI=D, DP=_padded(D), ROWS=rows, BT=BT, BS=BS, PREC=_precision(q),
+        num_warps=4)
     return out
 
 

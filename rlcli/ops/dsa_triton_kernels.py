@@ -5,18 +5,19 @@ import triton
 import triton.language as tl
 
 
-
 @triton.jit
-def _index_scores_kernel(q_ptr, w_ptr, k_ptr, out_ptr, T, S, scale, sq_t, sq_h, sw_t, sk_s, so_t,
-                         HI: tl.constexpr, DI: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr,
-                         BS: tl.constexpr, PREC: tl.constexpr):
-    # Key blocks vary fastest, so programs running together share their query block (in L2).
+def _index_scores_kernel(q_ptr, w_ptr, k_ptr, out_ptr, T, S, scale, sq_t, sq_h, sw_t, sk_t, sk_s, so_t,
+                         HI: tl.constexpr, DI: tl.constexpr, DP: tl.constexpr, ROWS: tl.constexpr,
+                         BT: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr):
+    # ROWS queries per program (BT-row blocks, padded): BT for shared keys (sk_t = 0), 1 for
+    # per-query keys. Key blocks vary fastest, so programs running together share their queries.
     pid_s, pid_t = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)  # offsets pass 2**31
-    t = pid_t * BT + tl.arange(0, BT)
+    i = tl.arange(0, BT)
+    t = pid_t * ROWS + i
     s = pid_s * BS + tl.arange(0, BS)
     d = tl.arange(0, DP)
-    mt, ms, md = t < T, s < S, d < DI
-    k = tl.load(k_ptr + s[:, None] * sk_s + d[None, :], mask=ms[:, None] & md[None, :], other=0.0)
+    mt, ms, md = (t < T) & (i < ROWS), s < S, d < DI
+    k = tl.load(k_ptr + pid_t * sk_t + s[:, None] * sk_s + d[None, :], mask=ms[:, None] & md[None, :], other=0.0)
     kt = tl.trans(k)
     acc = tl.zeros([BT, BS], dtype=tl.float32)
     for h in range(HI):
@@ -25,6 +26,7 @@ def _index_scores_kernel(q_ptr, w_ptr, k_ptr, out_ptr, T, S, scale, sq_t, sq_h, 
         x = tl.dot(q, kt, input_precision=PREC) * scale
         acc += w[:, None] * tl.maximum(x, 0.0)
     tl.store(out_ptr + t[:, None] * so_t + s[None, :], acc, mask=mt[:, None] & ms[None, :])
+
 
 @triton.jit
 def _sparse_fwd_kernel(q_ptr, kv_ptr, idx_ptr, o_ptr, lse_ptr, scale, H, K: tl.constexpr, sq_t, sq_h, skv_s, si_t, so_t,

@@ -11,15 +11,18 @@ DSA adds a lightning indexer: ``score[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s
 over all earlier tokens ``s`` of the same sequence, and query ``t`` attends to its
 ``index_topk`` best tokens only. :func:`select_topk` is the one selection rule for
 training and inference: causal (keys ``lo[t]..hi[t]``), every allowed token when there
-are at most ``topk`` of them, and exact ties broken towards the earlier token (top-k over
-an integer key of score bits then position), so the choice never depends on how the
-scores were chunked or padded. ``torch.topk`` alone breaks ties by memory layout.
+are at most ``topk`` of them, and exact ties at the cut broken towards the earlier token
+(one float top-k finds the k-th score, a running count keeps the earliest tokens equal to
+it), so the choice never depends on how the scores were chunked or padded. ``torch.topk``
+alone breaks ties by memory layout. On CUDA the scores come from one fused Triton kernel
+(:mod:`rlcli.ops.dsa_triton`) in training and in the engine alike.
 
 Under context parallelism queries stay on their rank; :class:`SparseLatentAttention`
 receives the whole row's latent KV and indexer keys from one all-gather per layer.
 
 Long sequences never hold a ``[T, S]`` tensor of more than ``chunk`` query rows; under
-autograd each chunk of sparse attention is checkpointed, so backward keeps only inputs.
+autograd each chunk of torch sparse attention is checkpointed, so backward keeps only inputs
+(the Triton kernel saves its output and log-sum-exp and never gathers).
 """
 
 from dataclasses import dataclass
@@ -76,14 +79,11 @@ def _fused_scores(q_THD: torch.Tensor) -> bool:
 @torch.no_grad()
 def index_scores(q_THD: torch.Tensor, w_TH: torch.Tensor, k_SD: torch.Tensor, scale: float) -> torch.Tensor:
     """Lightning-indexer scores [T, S] in fp32; keys are shared ``[S, D]`` or per query
-    ``[T, S, D]``. With Triton (:data:`TRITON`) one fused kernel whose every score depends
-    only on its query and key (per-query keys: one launch per query, the same arithmetic);
-    otherwise torch in the order of operations of the reference."""
+    ``[T, S, D]``. With Triton (:data:`TRITON`) one fused kernel computes each score from its
+    own query and key only (the same kernel for shared and per-query keys); otherwise torch in
+    the order of operations of the reference."""
     if _fused_scores(q_THD):
-        if k_SD.dim() == 2:
-            return dsa_triton.index_scores(q_THD, w_TH, k_SD, scale)
-        return torch.cat([dsa_triton.index_scores(q_THD[t:t + 1], w_TH[t:t + 1], k_SD[t], scale)
-                          for t in range(q_THD.shape[0])])
+        return dsa_triton.index_scores(q_THD, w_TH, k_SD, scale)
     k_DS = k_SD.float().transpose(-1, -2)
     # Shared keys broadcast (one GEMM for all queries and heads); per-query keys batch over queries.
     s_THS = torch.matmul(q_THD.float(), k_DS[None] if k_SD.dim() == 2 else k_DS)
