@@ -313,7 +313,8 @@ def main() -> None:
         torch.backends.cuda.matmul.allow_tf32 = True  # the indexer scores in fp32
         mla.CHUNK_ELEMENTS = 1 << 31
     name = f" ({torch.cuda.get_device_name()})" if device.type == "cuda" else ""
-    print(f"torch {torch.__version__}, {device}{name}, triton kernels: {dsa_triton.available(torch.empty(0, device=device))}")
+    fused = dsa_triton.available(torch.empty(0, device=device))
+    print(f"torch {torch.__version__}, {device}{name}, triton kernels: {fused}")
     phases, rows = {}, []
     if device.type == "cuda":
         try:
@@ -324,7 +325,8 @@ def main() -> None:
         layer_phases(cfg, min(lengths[0], 2 * cfg["index_topk"]), device, dtype, kernels)  # warm-up
         for T in lengths:
             phases[T] = layer_phases(cfg, T, device, dtype, kernels)
-            print(f"T={T} phases: " + ", ".join(f"{n.strip()} {seconds(v[0])}" for n, v in phases[T].items()), flush=True)
+            done = ", ".join(f"{n.strip()} {seconds(v[0])}" for n, v in phases[T].items())
+            print(f"T={T} phases: {done}", flush=True)
     if not args.no_model:
         model = build_model(ModelArgs.from_hf(cfg), device=device, dtype=dtype)
         model.init_weights(seed=0)

@@ -29,8 +29,8 @@ def _index_scores_kernel(q_ptr, w_ptr, k_ptr, out_ptr, T, S, scale, sq_t, sq_h, 
 
 
 @triton.jit
-def _sparse_fwd_kernel(q_ptr, kv_ptr, idx_ptr, o_ptr, lse_ptr, scale, H, K: tl.constexpr, sq_t, sq_h, skv_s, si_t, so_t,
-                       so_h, HB: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, DR: tl.constexpr,
+def _sparse_fwd_kernel(q_ptr, kv_ptr, idx_ptr, o_ptr, lse_ptr, scale, H, K: tl.constexpr, sq_t, sq_h, skv_s,
+                       si_t, so_t, so_h, HB: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, DR: tl.constexpr,
                        DRP: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
     t, hb = tl.program_id(0).to(tl.int64), tl.program_id(1)
     h = hb * HB + tl.arange(0, HB)
@@ -65,10 +65,11 @@ def _sparse_fwd_kernel(q_ptr, kv_ptr, idx_ptr, o_ptr, lse_ptr, scale, H, K: tl.c
              mask=mh[:, None] & mr[None, :])
     tl.store(lse_ptr + t * H + h, m + tl.log(l), mask=mh)
 
+
 @triton.jit
-def _sparse_bwd_kernel(q_ptr, kv_ptr, idx_ptr, o_ptr, do_ptr, lse_ptr, dq_ptr, dkv_ptr, scale, H, K: tl.constexpr, sq_t,
-                       sq_h, skv_s, si_t, so_t, so_h, HB: tl.constexpr, R: tl.constexpr, RP: tl.constexpr,
-                       DR: tl.constexpr, DRP: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+def _sparse_bwd_kernel(q_ptr, kv_ptr, idx_ptr, o_ptr, do_ptr, lse_ptr, dq_ptr, dkv_ptr, scale, H,
+                       K: tl.constexpr, sq_t, sq_h, skv_s, si_t, so_t, so_h, HB: tl.constexpr, R: tl.constexpr,
+                       RP: tl.constexpr, DR: tl.constexpr, DRP: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
     t, hb = tl.program_id(0).to(tl.int64), tl.program_id(1)
     h = hb * HB + tl.arange(0, HB)
     mh = h < H
