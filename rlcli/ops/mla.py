@@ -11,15 +11,18 @@ DSA adds a lightning indexer: ``score[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s
 over all earlier tokens ``s`` of the same sequence, and query ``t`` attends to its
 ``index_topk`` best tokens only. :func:`select_topk` is the one selection rule for
 training and inference: causal (keys ``lo[t]..hi[t]``), every allowed token when there
-are at most ``topk`` of them, and exact ties broken towards the earlier token (top-k over
-an integer key of score bits then position), so the choice never depends on how the
-scores were chunked or padded. ``torch.topk`` alone breaks ties by memory layout.
+are at most ``topk`` of them, and exact ties at the cut broken towards the earlier token
+(one float top-k finds the k-th score, a running count keeps the earliest tokens equal to
+it), so the choice never depends on how the scores were chunked or padded. ``torch.topk``
+alone breaks ties by memory layout. On CUDA the scores come from one fused Triton kernel
+(:mod:`rlcli.ops.dsa_triton`) in training and in the engine alike.
 
 Under context parallelism queries stay on their rank; :class:`SparseLatentAttention`
 receives the whole row's latent KV and indexer keys from one all-gather per layer.
 
 Long sequences never hold a ``[T, S]`` tensor of more than ``chunk`` query rows; under
-autograd each chunk of sparse attention is checkpointed, so backward keeps only inputs.
+autograd each chunk of torch sparse attention is checkpointed, so backward keeps only inputs
+(the Triton kernel saves its output and log-sum-exp and never gathers).
 """
 
 from dataclasses import dataclass
@@ -28,12 +31,17 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from rlcli.ops import dsa_triton
 from rlcli.ops.attention import InnerAttention, PagedAttention
 
 # Query rows per chunk are sized so that the chunk's largest intermediate (indexer scores
 # [rows, Hi, S], gathered latents [rows, k, L]) stays near this many elements.
 CHUNK_ELEMENTS = 1 << 26
 _POS_BITS = 21  # tie-break positions within one key window: up to 2M tokens
+# Triton kernels (indexer scores, sparse attention): None uses them on CUDA when triton
+# imports; True also on CPU under TRITON_INTERPRET=1 (tests); False never. Engine and trainer
+# read the same switch, so they compute the same scores and selection.
+TRITON: bool | None = None
 
 
 def _chunk(per_row: int) -> int:
@@ -41,7 +49,20 @@ def _chunk(per_row: int) -> int:
 
 
 def _topk_earliest(scores_TW: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest scores per row, exact ties going to the smaller index."""
+    """Indices (ascending) of the k largest scores per row, exact ties at the cut going to the
+    smaller index: one float top-k finds the k-th value, then every larger score and the
+    earliest of the scores equal to it (a running count) are kept. Scores must not be NaN."""
+    kth_T1 = scores_TW.topk(k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
+    above = scores_TW > kth_T1
+    tied = scores_TW == kth_T1  # -0.0 == +0.0, as in the reference's comparisons
+    need_T1 = k - above.sum(-1, keepdim=True, dtype=torch.int32)
+    take = above | (tied & (tied.cumsum(-1, dtype=torch.int32) <= need_T1))
+    return take.nonzero()[:, 1].view(-1, k)
+
+
+def _topk_earliest_int64(scores_TW: torch.Tensor, k: int) -> torch.Tensor:
+    """The same choice as :func:`_topk_earliest` by a top-k over an int64 key (score bits, then
+    reversed position); slower on long rows. Kept as the rule's independent reference."""
     W = scores_TW.shape[-1]
     assert W < 1 << _POS_BITS, "key window too long for the tie-break key"
     bits = (scores_TW + 0.0).view(torch.int32).to(torch.int64)  # + 0.0 makes -0.0 equal +0.0
@@ -50,14 +71,24 @@ def _topk_earliest(scores_TW: torch.Tensor, k: int) -> torch.Tensor:
     return ((bits << _POS_BITS) | rank).topk(k, dim=-1).indices
 
 
+def _fused_scores(q_THD: torch.Tensor) -> bool:
+    use = q_THD.is_cuda if TRITON is None else TRITON
+    return use and dsa_triton.available(q_THD) and dsa_triton.scores_supported(q_THD.shape[-1])
+
+
 @torch.no_grad()
 def index_scores(q_THD: torch.Tensor, w_TH: torch.Tensor, k_SD: torch.Tensor, scale: float) -> torch.Tensor:
-    """Lightning-indexer scores [T, S] in fp32 (the order of operations of the reference);
-    keys are shared ``[S, D]`` or per query ``[T, S, D]``."""
+    """Lightning-indexer scores [T, S] in fp32; keys are shared ``[S, D]`` or per query
+    ``[T, S, D]``. With Triton (:data:`TRITON`) one fused kernel computes each score from its
+    own query and key only (the same kernel for shared and per-query keys); otherwise torch in
+    the order of operations of the reference."""
+    if _fused_scores(q_THD):
+        return dsa_triton.index_scores(q_THD, w_TH, k_SD, scale)
     k_DS = k_SD.float().transpose(-1, -2)
     # Shared keys broadcast (one GEMM for all queries and heads); per-query keys batch over queries.
-    s_THS = torch.matmul(q_THD.float(), k_DS[None] if k_SD.dim() == 2 else k_DS) * scale
-    return torch.matmul(w_TH.float()[:, None, :], F.relu(s_THS))[:, 0]
+    s_THS = torch.matmul(q_THD.float(), k_DS[None] if k_SD.dim() == 2 else k_DS)
+    s_THS.mul_(scale).relu_()  # in place: the largest tensor of the step is written once
+    return torch.matmul(w_TH.float()[:, None, :], s_THS)[:, 0]
 
 
 @torch.no_grad()
@@ -71,7 +102,9 @@ def select_topk(q_THD: torch.Tensor, w_TH: torch.Tensor, k_SD: torch.Tensor, lo_
     k = min(topk, S)
     idx_Tk = torch.zeros(T, k, dtype=torch.long, device=q_THD.device)
     valid_Tk = torch.zeros(T, k, dtype=torch.bool, device=q_THD.device)
-    step = _chunk(q_THD.shape[1] * S)
+    # The torch scores hold [rows, Hi, S]; the fused kernel only the [rows, S] scores and the
+    # top-k's temporaries (~16 bytes per score).
+    step = _chunk((16 if _fused_scores(q_THD) else q_THD.shape[1]) * S)
     for a in range(0, T, step):
         b = min(a + step, T)
         first, last = int(lo_T[a:b].min()), int(hi_T[a:b].max()) + 1
@@ -154,9 +187,11 @@ def masked_dense_attention(q_THD: torch.Tensor, k_SHD: torch.Tensor, v_SHV: torc
 
 # ------------------------------------------------------------------------------ packed rows (training)
 
-# Training kernel for DSA: None picks the masked dense kernel on CUDA, the gathered one elsewhere.
+# Training kernel for DSA. MASKED_DENSE = True: the top-k as a boolean mask for SDPA over
+# expanded K/V (dense work; kept for comparison). Otherwise the gathered sparse kernel:
+# Triton (dsa_triton.sparse_attention) where TRITON allows it and the latent widths suit it,
+# else torch (sparse_latent_attention).
 MASKED_DENSE: bool | None = None
-
 
 
 @dataclass
@@ -181,10 +216,10 @@ class SparseLatentAttention(InnerAttention):
     """DSA over packed training rows, in latent form: ``forward(query: LatentQuery,
     kv [B, S, 1, L], index_keys [B, S, 1, Di], scale, ctx) -> [B, T, H, value_dim]``.
 
-    Two kernels for the same function: gathering each query's selected latents (CPU; the
-    reference), or, on CUDA (``MASKED_DENSE``), SDPA over expanded K/V with the top-k as a
-    boolean mask per query chunk: dense work, but on the fused kernel, until a sparse
-    gathered-index kernel replaces it.
+    Three kernels for the same function: the Triton gathered kernel (CUDA default, reads
+    each query's selected latent rows in place), gathering the selected latents in torch per
+    checkpointed chunk (CPU; the reference), or, with ``MASKED_DENSE``, SDPA over expanded
+    K/V with the top-k as a boolean mask per query chunk (dense work; for comparison).
 
     Query ``t`` (row index ``r_t``, position ``p_t``) chooses among tokens ``r_t - p_t ..
     r_t`` of its own document. As an :class:`InnerAttention`, context parallelism's
@@ -205,7 +240,9 @@ class SparseLatentAttention(InnerAttention):
         rows_T = rows.to(device) if rows is not None else torch.arange(T, device=device)
         own = query.index_q_BTHD is not None
         selections = [] if own else ctx.dsa_selection[query.source_layer]
-        masked = kv_BS1L.is_cuda if MASKED_DENSE is None else MASKED_DENSE
+        masked = bool(MASKED_DENSE)
+        fused = (kv_BS1L.is_cuda if TRITON is None else TRITON) and dsa_triton.available(kv_BS1L) and \
+            dsa_triton.attention_supported(query.value_dim, kv_BS1L.shape[-1] - query.value_dim)
         outs = []
         for b in range(B):
             if own:
@@ -217,7 +254,8 @@ class SparseLatentAttention(InnerAttention):
                 k_SHD, v_SHV = query.expand_kv(kv_BS1L[b, :, 0])
                 outs.append(masked_dense_attention(query.q_BTHD[b], k_SHD, v_SHV, idx, valid, rows_T, scale))
             else:
-                out_THR = sparse_latent_attention(query.q_BTHL[b], kv_BS1L[b, :, 0], idx, valid, query.value_dim, scale)
+                attend = dsa_triton.sparse_attention if fused else sparse_latent_attention
+                out_THR = attend(query.q_BTHL[b], kv_BS1L[b, :, 0], idx, valid, query.value_dim, scale)
                 outs.append(torch.einsum("thr,hvr->thv", out_THR, query.w_uv_HVR))
         ctx.dsa_selection[query.source_layer] = selections
         return torch.stack(outs)

@@ -1,0 +1,113 @@
+"""The Triton kernels of :mod:`rlcli.ops.dsa_triton` (imported on first use: Triton reads
+``TRITON_INTERPRET`` once, when it is first imported)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _index_scores_kernel(q_ptr, w_ptr, k_ptr, out_ptr, T, S, scale, sq_t, sq_h, sw_t, sk_t, sk_s, so_t,
+                         HI: tl.constexpr, DI: tl.constexpr, DP: tl.constexpr, ROWS: tl.constexpr,
+                         BT: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr):
+    # ROWS queries per program (BT-row blocks, padded): BT for shared keys (sk_t = 0), 1 for
+    # per-query keys. Key blocks vary fastest, so programs running together share their queries.
+    pid_s, pid_t = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)  # offsets pass 2**31
+    i = tl.arange(0, BT)
+    t = pid_t * ROWS + i
+    s = pid_s * BS + tl.arange(0, BS)
+    d = tl.arange(0, DP)
+    mt, ms, md = (t < T) & (i < ROWS), s < S, d < DI
+    k = tl.load(k_ptr + pid_t * sk_t + s[:, None] * sk_s + d[None, :], mask=ms[:, None] & md[None, :], other=0.0)
+    kt = tl.trans(k)
+    acc = tl.zeros([BT, BS], dtype=tl.float32)
+    for h in range(HI):
+        q = tl.load(q_ptr + t[:, None] * sq_t + h * sq_h + d[None, :], mask=mt[:, None] & md[None, :], other=0.0)
+        w = tl.load(w_ptr + t * sw_t + h, mask=mt, other=0.0)
+        x = tl.dot(q, kt, input_precision=PREC) * scale
+        acc += w[:, None] * tl.maximum(x, 0.0)
+    tl.store(out_ptr + t[:, None] * so_t + s[None, :], acc, mask=mt[:, None] & ms[None, :])
+
+
+@triton.jit
+def _sparse_fwd_kernel(q_ptr, kv_ptr, idx_ptr, o_ptr, lse_ptr, scale, H, K: tl.constexpr, sq_t, sq_h, skv_s,
+                       si_t, so_t, so_h, HB: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, DR: tl.constexpr,
+                       DRP: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    t, hb = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    h = hb * HB + tl.arange(0, HB)
+    mh = h < H
+    r, d = tl.arange(0, RP), tl.arange(0, DRP)
+    mr, md = r < R, d < DR
+    q_base = q_ptr + t * sq_t + h[:, None] * sq_h
+    q_lat = tl.load(q_base + r[None, :], mask=mh[:, None] & mr[None, :], other=0.0)
+    q_rot = tl.load(q_base + R + d[None, :], mask=mh[:, None] & md[None, :], other=0.0)
+    m = tl.full([HB], float("-inf"), dtype=tl.float32)
+    l = tl.zeros([HB], dtype=tl.float32)
+    acc = tl.zeros([HB, RP], dtype=tl.float32)
+    for j in range(0, K, BK):
+        jj = j + tl.arange(0, BK)
+        ids = tl.load(idx_ptr + t * si_t + jj, mask=jj < K, other=-1)
+        ok = ids >= 0
+        row = kv_ptr + tl.where(ok, ids, 0).to(tl.int64)[:, None] * skv_s
+        kl = tl.load(row + r[None, :], mask=ok[:, None] & mr[None, :], other=0.0)
+        kr = tl.load(row + R + d[None, :], mask=ok[:, None] & md[None, :], other=0.0)
+        x = tl.dot(q_lat, tl.trans(kl), input_precision=PREC)
+        x = (x + tl.dot(q_rot, tl.trans(kr), input_precision=PREC)) * scale
+        x = tl.where(ok[None, :], x, float("-inf"))
+        m_new = tl.maximum(m, tl.max(x, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(x - m_use[:, None])
+        alpha = tl.exp(m - m_use)
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(kl.dtype), kl, input_precision=PREC)
+        m = m_new
+    o = acc / l[:, None]
+    tl.store(o_ptr + t * so_t + h[:, None] * so_h + r[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=mh[:, None] & mr[None, :])
+    tl.store(lse_ptr + t * H + h, m + tl.log(l), mask=mh)
+
+
+@triton.jit
+def _sparse_bwd_kernel(q_ptr, kv_ptr, idx_ptr, o_ptr, do_ptr, lse_ptr, dq_ptr, dkv_ptr, scale, H,
+                       K: tl.constexpr, sq_t, sq_h, skv_s, si_t, so_t, so_h, HB: tl.constexpr, R: tl.constexpr,
+                       RP: tl.constexpr, DR: tl.constexpr, DRP: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    t, hb = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    h = hb * HB + tl.arange(0, HB)
+    mh = h < H
+    r, d = tl.arange(0, RP), tl.arange(0, DRP)
+    mr, md = r < R, d < DR
+    q_base = q_ptr + t * sq_t + h[:, None] * sq_h
+    q_lat = tl.load(q_base + r[None, :], mask=mh[:, None] & mr[None, :], other=0.0)
+    q_rot = tl.load(q_base + R + d[None, :], mask=mh[:, None] & md[None, :], other=0.0)
+    o_off = t * so_t + h[:, None] * so_h + r[None, :]
+    mo = mh[:, None] & mr[None, :]
+    do = tl.load(do_ptr + o_off, mask=mo, other=0.0)
+    delta = tl.sum(tl.load(o_ptr + o_off, mask=mo, other=0.0).to(tl.float32) * do.to(tl.float32), 1)
+    lse = tl.load(lse_ptr + t * H + h, mask=mh, other=0.0)
+    do = do.to(q_lat.dtype)
+    dq_lat = tl.zeros([HB, RP], dtype=tl.float32)
+    dq_rot = tl.zeros([HB, DRP], dtype=tl.float32)
+    for j in range(0, K, BK):
+        jj = j + tl.arange(0, BK)
+        ids = tl.load(idx_ptr + t * si_t + jj, mask=jj < K, other=-1)
+        ok = ids >= 0
+        safe = tl.where(ok, ids, 0).to(tl.int64)[:, None]
+        row = kv_ptr + safe * skv_s
+        kl = tl.load(row + r[None, :], mask=ok[:, None] & mr[None, :], other=0.0)
+        kr = tl.load(row + R + d[None, :], mask=ok[:, None] & md[None, :], other=0.0)
+        x = tl.dot(q_lat, tl.trans(kl), input_precision=PREC)
+        x = (x + tl.dot(q_rot, tl.trans(kr), input_precision=PREC)) * scale
+        p = tl.where(ok[None, :] & mh[:, None], tl.exp(x - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(kl), input_precision=PREC)
+        ds = (p * (dp - delta[:, None]) * scale).to(kl.dtype)
+        dq_lat += tl.dot(ds, kl, input_precision=PREC)
+        dq_rot += tl.dot(ds, kr, input_precision=PREC)
+        dsT = tl.trans(ds)
+        dkl = tl.dot(tl.trans(p.to(kl.dtype)), do, input_precision=PREC)
+        dkl += tl.dot(dsT, q_lat, input_precision=PREC)
+        dkr = tl.dot(dsT, q_rot, input_precision=PREC)
+        drow = dkv_ptr + safe * (R + DR)
+        tl.atomic_add(drow + r[None, :], dkl, mask=ok[:, None] & mr[None, :])
+        tl.atomic_add(drow + R + d[None, :], dkr, mask=ok[:, None] & md[None, :])
+    dq_base = dq_ptr + t * sq_t + h[:, None] * sq_h
+    tl.store(dq_base + r[None, :], dq_lat.to(dq_ptr.dtype.element_ty), mask=mh[:, None] & mr[None, :])
+    tl.store(dq_base + R + d[None, :], dq_rot.to(dq_ptr.dtype.element_ty), mask=mh[:, None] & md[None, :])
