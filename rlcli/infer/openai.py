@@ -11,6 +11,12 @@ Beyond OpenAI's fields, requests may set ``return_token_ids`` (prompt and comple
 token ids), ``return_policy_versions`` (the policy version that sampled each token),
 ``stop_token_ids``, ``ignore_eos`` and ``cache_salt``, as vLLM's server does. Logprobs are
 those of the sampled tokens only (``top_logprobs`` must be 0).
+
+:class:`TokenGenerateRequest` is vLLM's token-in/token-out ``POST /inference/v1/generate``
+(what verifiers' training client and prime-rl call): the prompt is token ids, the reply
+holds each choice's sampled ``token_ids``, their logprobs as ``{"token": "token_id:N",
+"logprob"}`` entries, and, as rlcli extras, ``policy_versions`` per token and the cached
+prompt tokens in ``usage``.
 """
 
 import math
@@ -84,6 +90,66 @@ class ChatRequest(_Request, kw_only=True):
     top_logprobs: Optional[int] = None
     tools: Optional[list[Any]] = None
     add_generation_prompt: bool = True
+
+
+class TokenSampling(msgspec.Struct, kw_only=True):
+    """vLLM's ``sampling_params`` object, the fields rl-infer honours (others must keep their defaults)."""
+
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    max_tokens: Optional[int] = 16
+    n: Optional[int] = None
+    seed: Optional[int] = None
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None
+    skip_special_tokens: bool = True
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+
+
+class TokenGenerateRequest(msgspec.Struct, kw_only=True):
+    model: str = ""
+    token_ids: list[int]
+    sampling_params: TokenSampling = msgspec.field(default_factory=TokenSampling)
+    cache_salt: str = ""
+    stream: bool = False
+
+
+def check_token_sampling(sp: TokenSampling) -> None:
+    """Refuse sampling settings rl-infer's engines do not implement, rather than ignore them."""
+    neutral = {"top_k": (None, 0, -1), "min_p": (None, 0.0), "repetition_penalty": (None, 1.0),
+               "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0)}
+    for name, values in neutral.items():
+        if getattr(sp, name) not in values:
+            raise ApiError(400, f"sampling_params.{name} is not supported by rl-infer", param=f"sampling_params.{name}")
+    if sp.stop:
+        raise ApiError(400, "sampling_params.stop (strings) is not supported on token generation; use stop_token_ids",
+                       param="sampling_params.stop")
+    if sp.logprobs not in (None, 0, 1):
+        raise ApiError(400, "rl-infer returns the sampled token's logprob only; pass logprobs=1",
+                       param="sampling_params.logprobs")
+
+
+def token_generate_response(request_id: str, prompt_ids: list[int], choices: list["Choice"],
+                            num_cached: int | None) -> dict[str, Any]:
+    """The body of a token generation: vLLM's shape plus ``policy_versions`` per choice."""
+    out = []
+    for c in choices:
+        out.append({"index": c.index, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                    "logprobs": {"content": [{"token": f"token_id:{t}", "logprob": lp}
+                                             for t, lp in zip(c.token_ids, c.logprobs)]},
+                    "policy_versions": c.versions})
+    completion = sum(len(c.token_ids) for c in choices)
+    usage: dict[str, Any] = {"prompt_tokens": len(prompt_ids), "completion_tokens": completion,
+                             "total_tokens": len(prompt_ids) + completion}
+    if num_cached is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": num_cached}
+    return {"request_id": request_id, "prompt_token_ids": prompt_ids, "choices": out, "usage": usage}
 
 
 def decode_request(body: bytes, kind: type) -> Any:
