@@ -8,7 +8,9 @@ at the first stop string (the tokens up to the one that completed the stop strin
 kept in ``token_ids``; the engine request is aborted once every choice has stopped).
 
 Beyond OpenAI's fields, requests may set ``return_token_ids`` (prompt and completion
-token ids), ``return_policy_versions`` (the policy version that sampled each token),
+token ids), ``return_tokens_as_token_ids`` (logprob entries name their token
+``"token_id:N"``, so no text round trip is needed), ``return_policy_versions`` (the
+policy version that sampled each token),
 ``stop_token_ids``, ``ignore_eos`` and ``cache_salt``, as vLLM's server does. Logprobs are
 those of the sampled tokens only (``top_logprobs`` must be 0).
 
@@ -63,6 +65,7 @@ class _Request(msgspec.Struct, kw_only=True):
     cache_salt: str = ""
     return_token_ids: bool = False
     return_policy_versions: bool = False
+    return_tokens_as_token_ids: bool = False
 
 
 class CompletionRequest(_Request, kw_only=True):
@@ -298,12 +301,15 @@ class Choice:
         return text, self.token_ids[k:], self.logprobs[k:], self.versions[k:]
 
 
-def token_strings(tokenizer, ids: list[int]) -> list[str]:
+def token_strings(tokenizer, ids: list[int], as_ids: bool = False) -> list[str]:
+    if as_ids:
+        return [f"token_id:{t}" for t in ids]
     return [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
 
 
-def completion_logprobs(tokenizer, ids: list[int], logprobs: list[float], offset: int = 0) -> dict[str, Any]:
-    tokens = token_strings(tokenizer, ids)
+def completion_logprobs(tokenizer, ids: list[int], logprobs: list[float], offset: int = 0,
+                        as_ids: bool = False) -> dict[str, Any]:
+    tokens = token_strings(tokenizer, ids, as_ids)
     offsets = []
     for t in tokens:
         offsets.append(offset)
@@ -311,9 +317,9 @@ def completion_logprobs(tokenizer, ids: list[int], logprobs: list[float], offset
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": offsets}
 
 
-def chat_logprobs(tokenizer, ids: list[int], logprobs: list[float]) -> dict[str, Any]:
+def chat_logprobs(tokenizer, ids: list[int], logprobs: list[float], as_ids: bool = False) -> dict[str, Any]:
     return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                        for t, lp in zip(token_strings(tokenizer, ids), logprobs)]}
+                        for t, lp in zip(token_strings(tokenizer, ids, as_ids), logprobs)]}
 
 
 class Formatter:
@@ -330,8 +336,9 @@ class Formatter:
 
     def _extras(self, out: dict, ids: list[int], logprobs: list[float], versions: list[int], offset: int) -> dict:
         if self.want_logprobs:
-            out["logprobs"] = (chat_logprobs(self.tokenizer, ids, logprobs) if self.chat
-                               else completion_logprobs(self.tokenizer, ids, logprobs, offset))
+            as_ids = self.req.return_tokens_as_token_ids
+            out["logprobs"] = (chat_logprobs(self.tokenizer, ids, logprobs, as_ids) if self.chat
+                               else completion_logprobs(self.tokenizer, ids, logprobs, offset, as_ids))
         else:
             out["logprobs"] = None
         if self.req.return_token_ids:
