@@ -26,9 +26,11 @@ loop generate and uses the taskset for data and scoring only:
     name = "verifiers"
     args = { taskset = "my-taskset", config = { ... }, size = 1000 }
     # HTTP path only: a verifiers env id (empty: the taskset's own, else single-agent),
-    # per-role agent settings, the harness every role runs unless its settings name one, and the
-    # renderers config of verifiers' training client (empty: chosen from the model's name)
-    args = { taskset = "...", env_id = "user-sim", agents = { user = { max_turns = 3 } }, harness = "rlcli-host",
+    # the env's own settings, per-role agent settings, the harness every role runs unless its
+    # settings name one, and the renderers config of verifiers' training client (empty: chosen
+    # from the model's name)
+    args = { taskset = "...", env_id = "user-sim", env_config = { done_marker = "DONE" },
+             agents = { user = { max_turns = 3 } }, harness = "rlcli-host",
              renderer = { name = "qwen3" } }
 """
 
@@ -46,9 +48,10 @@ from rlcli.errors import ConfigError
 class VerifiersEnv:
     def __init__(self, taskset: str, config: dict[str, Any] | None = None, size: int = 10000, env_id: str = "",
                  agents: dict[str, dict] | None = None, harness: str = "rlcli-host",
-                 renderer: dict[str, Any] | None = None):
+                 renderer: dict[str, Any] | None = None, env_config: dict[str, Any] | None = None):
         self.taskset_id, self.taskset_config, self.env_id = taskset, dict(config or {}), env_id
         self.agents, self.harness, self.renderer = dict(agents or {}), harness, renderer
+        self.env_config = dict(env_config or {})
         self._vf_env = self._loop = None
         self._lock = threading.Lock()
         try:
@@ -110,7 +113,8 @@ class VerifiersEnv:
             from rlcli.envs.verifiers_http import install_client
 
             install_client()
-            data: dict[str, Any] = {"id": self.env_id, "taskset": {"id": self.taskset_id, **self.taskset_config}}
+            data: dict[str, Any] = {**self.env_config, "id": self.env_id,
+                                    "taskset": {"id": self.taskset_id, **self.taskset_config}}
             try:
                 cls = vf.env_config_type(self.taskset_id, self.env_id)
                 for role in agent_config_fields(cls()):

@@ -18,6 +18,7 @@ lets the loop send another.
 from pathlib import Path
 
 from rlcli.config import RecipeConfig
+from rlcli.errors import ConfigError
 from rlcli.logging import setup_logging
 from rlcli.orchestrate.rollouts import Group
 from rlcli.protocol import Completion
@@ -34,6 +35,9 @@ def uses_http(cfg: RecipeConfig, env) -> bool:
 
 class HttpGroups:
     def __init__(self, cfg: RecipeConfig, env, run: RunDir):
+        if cfg.r3:
+            raise ConfigError(f"env {cfg.env.name} runs its episodes over HTTP, which returns no expert routes; "
+                              "set r3 = false, or infer.http_port = -1 to let the loop generate")
         self.cfg, self.env, self.run = cfg, env, run
         self.model = Path(cfg.model.path).name or cfg.name  # the name rl-infer serves
         self.pending: dict[int, tuple[Group, object, str]] = {}  # id(group) -> (group, future, server)

@@ -6,13 +6,13 @@ scoring of the same traces."""
 import asyncio
 import json
 import random
-import textwrap
 import urllib.request
 
 import pytest
 
 from chat_tokenizer import write_chat_tokenizer
 from procs import Procs, wait_until, write_recipe
+from vf_modules import write_vf_modules
 from tiny import write_tiny_model
 from rlcli.models import load_model, save_model
 from rlcli.transport.atomic import atomic_dir
@@ -22,65 +22,6 @@ pytest.importorskip("verifiers.v1", reason="verifiers is the `verifiers` extra")
 pytestmark = pytest.mark.timeout(300)
 
 MAX_LEN = 512
-
-TASKSET = '''
-import verifiers.v1 as vf
-
-__all__ = ["EchoTaskset"]
-
-
-class EchoData(vf.TaskData):
-    answer: str = ""
-
-
-class EchoTask(vf.Task[EchoData]):
-    @vf.reward
-    async def has_answer(self, task, trace) -> float:
-        return float(task.answer in (trace.last_reply or ""))
-
-    @vf.reward(weight=0.5)
-    async def short(self, task, trace) -> float:
-        return float(len(trace.last_reply or "") <= 12)
-
-    @vf.reward(weight=0.25)
-    async def turns(self, task, trace) -> float:
-        return float(trace.num_turns)
-
-
-class EchoConfig(vf.TasksetConfig):
-    num_tasks: int = 4
-
-
-class EchoTaskset(vf.Taskset[EchoTask, EchoConfig]):
-    def load(self):
-        for i in range(self.config.num_tasks):
-            yield EchoTask(EchoData(prompt=f"say {i}", system_prompt="Be brief.", answer=str(i)), self.config.task)
-
-'''
-
-FEEDBACK_ENV = '''
-import verifiers.v1 as vf
-
-__all__ = ["FeedbackEnv"]
-
-
-class FeedbackConfig(vf.EnvConfig):
-    agent: vf.AgentConfig = vf.AgentConfig()
-    rounds: int = 3
-
-
-class FeedbackEnv(vf.Env[FeedbackConfig]):
-    """Multi-turn: after each reply the environment answers with feedback, as a user would."""
-
-    async def run(self, task, agents):
-        async with agents.agent.interaction(task) as chat:
-            segment = await chat.turn()
-            for r in range(1, self.config.rounds):
-                if segment.terminated:
-                    break
-                segment = await chat.turn(f"try again ({r})")
-'''
-
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
@@ -93,9 +34,7 @@ def server(tmp_path_factory):
         save_model(load_model(src, seed=1), tmp, source_dir=src)
     recipe = write_recipe(root / "r.toml", src, run_dir, model={"path": str(src), "max_seq_len": MAX_LEN},
                           infer={"http_port": 0}, train={"micro_batch_tokens": MAX_LEN})
-    for name, source in (("vf_echo", TASKSET), ("vf_feedback", FEEDBACK_ENV)):
-        (root / name).mkdir()
-        (root / name / "__init__.py").write_text(textwrap.dedent(source))
+    write_vf_modules(root)
     procs = Procs(root / "logs")
     procs.start("infer-0", recipe, "--id", "0")
     try:
