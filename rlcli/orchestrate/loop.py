@@ -62,13 +62,16 @@ REFRESH_S = 0.25
 
 
 class Orchestrator:
+    http: HttpGroups | None = None
+    """Groups whose episodes the environment runs itself over rl-infer's HTTP API, if it does."""
+
     def __init__(self, cfg: RecipeConfig, run: RunDir):
         self.cfg, self.run, self.ocfg = cfg, run, cfg.orchestrate
         self.env = make_env(cfg.env)
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.pool = InferPool(run, self.ocfg.connect, self.ocfg.request_timeout_s)
         self.episodes = Episodes(cfg, self.env, self.tokenizer, self.pool.new_request_id)
-        self.http = HttpGroups(cfg, self.env, run) if uses_http(cfg, self.env) else None  # env-driven episodes
+        self.http = HttpGroups(cfg, self.env, run) if uses_http(cfg, self.env) else None
         self.turns: dict[str, int] = {}  # request id of a later turn -> its episode's index in the group
         if self.ocfg.connect:
             self.pool.check_reachable()

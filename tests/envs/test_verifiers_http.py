@@ -22,6 +22,7 @@ pytest.importorskip("verifiers.v1", reason="verifiers is the `verifiers` extra")
 pytestmark = pytest.mark.timeout(300)
 
 MAX_LEN = 512
+BLOCK = 16  # the native engine's KV block (infer.engine.block_size)
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
@@ -107,7 +108,7 @@ def check_samples(samples, tokenizer_dir, num_turns):
         assert len(spans) == num_turns
         for a, b in spans:
             assert all(lp <= 0 for lp in s.logprobs[a:b]) and all(v == 0 for v in s.versions[a:b])
-            assert tok.decode(s.token_ids[a - 3:a]) == "assistant\n" or s.token_ids[a - 1] == 198
+            assert tok.decode(s.token_ids[:a]).endswith("<|im_start|>assistant\n")
         assert all(lp == 0.0 for lp, m in zip(s.logprobs, s.loss_mask) if not m)
         for (a, b), (c, _) in zip(spans, spans[1:]):
             between = tok.decode(s.token_ids[b:c])
@@ -175,8 +176,9 @@ def test_multi_turn_env_runs_through_the_http_api_reusing_kv(server, taskset):
     assert [s.reward for s in samples] == pytest.approx(rescored(env, task, samples, server["model_dir"]))
     for s in samples:
         # Every turn after the first found the earlier turns' KV in the prefix cache (up to a partial block).
-        for prompt, cached, prev in zip(s.turn_prompt_tokens[1:], s.turn_cached_tokens[1:], s.turn_prompt_tokens):
-            assert cached >= prev - 16 and cached <= prompt
+        for k in range(1, len(s.turn_prompt_tokens)):
+            earlier = s.turn_prompt_tokens[k - 1] + s.turn_completion_tokens[k - 1] - 1
+            assert earlier - BLOCK < s.turn_cached_tokens[k] <= earlier
 
 
 def test_recipe_runs_rl_steps_with_a_verifiers_env_over_http(server, tmp_path):
