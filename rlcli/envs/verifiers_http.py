@@ -15,9 +15,14 @@ sample, its tokens up to the first sampled one the prompt, the rest the completi
 the branch's mask as the loss mask (environment, user and tool turns are context), the
 branch's logprobs, and the policy version of every sampled token. verifiers keeps no
 versions, so the client below is verifiers' training client with one addition: it reads
-the ``policy_versions`` rl-infer returns beside each generation and files them by trace;
-it is installed for configs of type :class:`RlInferClientConfig` only. Every turn of an
-episode carries the group's cache salt, so later turns reuse the KV of earlier ones.
+the ``policy_versions`` rl-infer returns beside each generation and files them by trace.
+verifiers has no hook for a client of one's own, so :func:`install_client` wraps the
+``resolve_client`` its interception server calls: configs of type
+:class:`RlInferClientConfig` get this client, every other config verifiers' own. A
+generation record whose tokens verifiers did not keep (a response a ``@stop`` refused) is
+never matched; its branch's tokens then repeat the version before them, starting at the
+group's dispatch version, a lower bound. Every turn of an episode carries the group's
+cache salt, so later turns reuse the KV of earlier ones.
 """
 
 import json
