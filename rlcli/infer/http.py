@@ -12,7 +12,9 @@ abort. Errors a client can cause are 4xx JSON bodies ``{"error": {"message", "ty
 "code", "param"}}``; the server keeps serving.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream over
-server-sent events with ``"stream": true``), ``GET /v1/models``, ``GET /health``.
+server-sent events with ``"stream": true``), ``POST /inference/v1/generate`` (vLLM's
+token-in/token-out route: token ids in, sampled token ids, logprobs and policy versions
+out; what verifiers' training client calls), ``GET /v1/models``, ``GET /health``.
 """
 
 import asyncio
@@ -37,8 +39,8 @@ from rlcli.config import RecipeConfig
 from rlcli.errors import ConfigError
 from rlcli.infer.base import Delta
 from rlcli.infer.openai import (
-    ApiError, ChatRequest, Choice, CompletionRequest, Formatter, chat_prompt, check_unsupported, decode_request,
-    sampling_params,
+    ApiError, ChatRequest, Choice, CompletionRequest, Formatter, TokenGenerateRequest, chat_prompt,
+    check_token_sampling, check_unsupported, decode_request, sampling_params, token_generate_response,
 )
 from rlcli.logging import setup_logging
 from rlcli.models.tokenizer import load_tokenizer
@@ -120,6 +122,7 @@ class HttpFrontDoor:
         app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/inference/v1/generate", self.token_generate, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
         ], exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _server_error})
@@ -193,6 +196,28 @@ class HttpFrontDoor:
         check_unsupported(req)
         prompt_ids = chat_prompt(req, self.tokenizer)
         return await self._generate(True, req, prompt_ids, req.max_completion_tokens or req.max_tokens)
+
+    async def token_generate(self, request: Request) -> Response:
+        req = decode_request(await self._body(request), TokenGenerateRequest)
+        self._check_model(req.model)
+        if req.stream:
+            raise ApiError(400, "stream is not supported on /inference/v1/generate", param="stream")
+        check_token_sampling(req.sampling_params)
+        prompt_ids = list(req.token_ids)
+        vocab = self.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ApiError(400, f"token_ids must be in [0, {vocab})", param="token_ids")
+        sp = req.sampling_params
+        sampling, _ = sampling_params(sp, len(prompt_ids), self.max_model_len, sp.max_tokens, vocab)
+        choices = [Choice(i, self.tokenizer, []) for i in range(sampling.n)]
+        gen = Generation(self, prompt_ids, sampling, req.cache_salt)
+        num_cached = None
+        try:
+            async for num_cached in _events(gen, choices):
+                pass
+        finally:
+            gen.abort()
+        return JSONResponse(token_generate_response(gen.request_id, prompt_ids, choices, num_cached))
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{

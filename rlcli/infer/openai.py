@@ -8,9 +8,17 @@ at the first stop string (the tokens up to the one that completed the stop strin
 kept in ``token_ids``; the engine request is aborted once every choice has stopped).
 
 Beyond OpenAI's fields, requests may set ``return_token_ids`` (prompt and completion
-token ids), ``return_policy_versions`` (the policy version that sampled each token),
+token ids), ``return_tokens_as_token_ids`` (logprob entries name their token
+``"token_id:N"``, so no text round trip is needed), ``return_policy_versions`` (the
+policy version that sampled each token),
 ``stop_token_ids``, ``ignore_eos`` and ``cache_salt``, as vLLM's server does. Logprobs are
 those of the sampled tokens only (``top_logprobs`` must be 0).
+
+:class:`TokenGenerateRequest` is vLLM's token-in/token-out ``POST /inference/v1/generate``
+(what verifiers' training client and prime-rl call): the prompt is token ids, the reply
+holds each choice's sampled ``token_ids``, their logprobs as ``{"token": "token_id:N",
+"logprob"}`` entries, and, as rlcli extras, ``policy_versions`` per token and the cached
+prompt tokens in ``usage``.
 """
 
 import math
@@ -57,6 +65,7 @@ class _Request(msgspec.Struct, kw_only=True):
     cache_salt: str = ""
     return_token_ids: bool = False
     return_policy_versions: bool = False
+    return_tokens_as_token_ids: bool = False
 
 
 class CompletionRequest(_Request, kw_only=True):
@@ -84,6 +93,66 @@ class ChatRequest(_Request, kw_only=True):
     top_logprobs: Optional[int] = None
     tools: Optional[list[Any]] = None
     add_generation_prompt: bool = True
+
+
+class TokenSampling(msgspec.Struct, kw_only=True):
+    """vLLM's ``sampling_params`` object, the fields rl-infer honours (others must keep their defaults)."""
+
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    max_tokens: Optional[int] = 16
+    n: Optional[int] = None
+    seed: Optional[int] = None
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None
+    skip_special_tokens: bool = True
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+
+
+class TokenGenerateRequest(msgspec.Struct, kw_only=True):
+    model: str = ""
+    token_ids: list[int]
+    sampling_params: TokenSampling = msgspec.field(default_factory=TokenSampling)
+    cache_salt: str = ""
+    stream: bool = False
+
+
+def check_token_sampling(sp: TokenSampling) -> None:
+    """Refuse sampling settings rl-infer's engines do not implement, rather than ignore them."""
+    neutral = {"top_k": (None, 0, -1), "min_p": (None, 0.0), "repetition_penalty": (None, 1.0),
+               "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0)}
+    for name, values in neutral.items():
+        if getattr(sp, name) not in values:
+            raise ApiError(400, f"sampling_params.{name} is not supported by rl-infer", param=f"sampling_params.{name}")
+    if sp.stop:
+        raise ApiError(400, "sampling_params.stop (strings) is not supported on token generation; use stop_token_ids",
+                       param="sampling_params.stop")
+    if sp.logprobs not in (None, 0, 1):
+        raise ApiError(400, "rl-infer returns the sampled token's logprob only; pass logprobs=1",
+                       param="sampling_params.logprobs")
+
+
+def token_generate_response(request_id: str, prompt_ids: list[int], choices: list["Choice"],
+                            num_cached: int | None) -> dict[str, Any]:
+    """The body of a token generation: vLLM's shape plus ``policy_versions`` per choice."""
+    out = []
+    for c in choices:
+        out.append({"index": c.index, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                    "logprobs": {"content": [{"token": f"token_id:{t}", "logprob": lp}
+                                             for t, lp in zip(c.token_ids, c.logprobs)]},
+                    "policy_versions": c.versions})
+    completion = sum(len(c.token_ids) for c in choices)
+    usage: dict[str, Any] = {"prompt_tokens": len(prompt_ids), "completion_tokens": completion,
+                             "total_tokens": len(prompt_ids) + completion}
+    if num_cached is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": num_cached}
+    return {"request_id": request_id, "prompt_token_ids": prompt_ids, "choices": out, "usage": usage}
 
 
 def decode_request(body: bytes, kind: type) -> Any:
@@ -232,12 +301,15 @@ class Choice:
         return text, self.token_ids[k:], self.logprobs[k:], self.versions[k:]
 
 
-def token_strings(tokenizer, ids: list[int]) -> list[str]:
+def token_strings(tokenizer, ids: list[int], as_ids: bool = False) -> list[str]:
+    if as_ids:
+        return [f"token_id:{t}" for t in ids]
     return [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
 
 
-def completion_logprobs(tokenizer, ids: list[int], logprobs: list[float], offset: int = 0) -> dict[str, Any]:
-    tokens = token_strings(tokenizer, ids)
+def completion_logprobs(tokenizer, ids: list[int], logprobs: list[float], offset: int = 0,
+                        as_ids: bool = False) -> dict[str, Any]:
+    tokens = token_strings(tokenizer, ids, as_ids)
     offsets = []
     for t in tokens:
         offsets.append(offset)
@@ -245,9 +317,9 @@ def completion_logprobs(tokenizer, ids: list[int], logprobs: list[float], offset
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": offsets}
 
 
-def chat_logprobs(tokenizer, ids: list[int], logprobs: list[float]) -> dict[str, Any]:
+def chat_logprobs(tokenizer, ids: list[int], logprobs: list[float], as_ids: bool = False) -> dict[str, Any]:
     return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                        for t, lp in zip(token_strings(tokenizer, ids), logprobs)]}
+                        for t, lp in zip(token_strings(tokenizer, ids, as_ids), logprobs)]}
 
 
 class Formatter:
@@ -264,8 +336,9 @@ class Formatter:
 
     def _extras(self, out: dict, ids: list[int], logprobs: list[float], versions: list[int], offset: int) -> dict:
         if self.want_logprobs:
-            out["logprobs"] = (chat_logprobs(self.tokenizer, ids, logprobs) if self.chat
-                               else completion_logprobs(self.tokenizer, ids, logprobs, offset))
+            as_ids = self.req.return_tokens_as_token_ids
+            out["logprobs"] = (chat_logprobs(self.tokenizer, ids, logprobs, as_ids) if self.chat
+                               else completion_logprobs(self.tokenizer, ids, logprobs, offset, as_ids))
         else:
             out["logprobs"] = None
         if self.req.return_token_ids:

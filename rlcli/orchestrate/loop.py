@@ -47,6 +47,7 @@ from rlcli.logging import setup_logging
 from rlcli.models.tokenizer import load_tokenizer
 from rlcli.orchestrate.advantages import group_advantages
 from rlcli.orchestrate.episodes import Episodes
+from rlcli.orchestrate.http_groups import HttpGroups, uses_http
 from rlcli.orchestrate.pool import InferPool
 from rlcli.orchestrate.rollouts import Group, write_batch
 from rlcli.protocol import ErrorReply, GenerateRequest, PolicyUpdated, SamplingParams
@@ -61,12 +62,16 @@ REFRESH_S = 0.25
 
 
 class Orchestrator:
+    http: HttpGroups | None = None
+    """Groups whose episodes the environment runs itself over rl-infer's HTTP API, if it does."""
+
     def __init__(self, cfg: RecipeConfig, run: RunDir):
         self.cfg, self.run, self.ocfg = cfg, run, cfg.orchestrate
         self.env = make_env(cfg.env)
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.pool = InferPool(run, self.ocfg.connect, self.ocfg.request_timeout_s)
         self.episodes = Episodes(cfg, self.env, self.tokenizer, self.pool.new_request_id)
+        self.http = HttpGroups(cfg, self.env, run) if uses_http(cfg, self.env) else None
         self.turns: dict[str, int] = {}  # request id of a later turn -> its episode's index in the group
         if self.ocfg.connect:
             self.pool.check_reachable()
@@ -101,6 +106,8 @@ class Orchestrator:
         self.straggler_since: float | None = None
         self.straggler_wait_s = 0.0
         self.episodes.reset_stats()
+        if self.http is not None:
+            self.http.reset_stats()
 
     # ------------------------------------------------------------------ policy version
     def refresh(self) -> None:
@@ -144,12 +151,17 @@ class Orchestrator:
         """Groups dispatched and not yet buffered: requests in flight (or unsent), episodes running."""
         pending = {id(g): g for g in self.inflight.values()}
         pending.update(self.episodes.groups)
+        if self.http is not None:
+            pending.update((id(g), g) for g in self.http.groups)
         return list(pending.values())
 
     def dispatch(self) -> None:
         for _ in range(self.num_to_dispatch()):
             try:
                 task = self.env.sample_task(self.rng)
+                if self.http is not None:  # the environment renders its own prompts
+                    self._send_http(Group(task, [], self.policy_version))
+                    continue
                 prompt = render_prompt(task, self.tokenizer, self.cfg.env)
             except Exception as e:  # the environment's failure: reported by name, the run goes on
                 log.warning("env %s: sample_task failed (%s: %s); skipping this task", self.cfg.env.name,
@@ -178,6 +190,12 @@ class Orchestrator:
         group.dispatch_version = self.policy_version
         self.inflight[request.request_id] = group
         self.unsent.append(request)
+
+    def _send_http(self, group: Group) -> None:
+        group.cache_salt = f"v{self.policy_version}"
+        group.dispatch_version = self.policy_version
+        self.http.submit(group)
+        self.num_dispatched += 1
 
     def _send_turn(self, group: Group, index: int, request: GenerateRequest) -> None:
         self.inflight[request.request_id] = group
@@ -211,6 +229,11 @@ class Orchestrator:
             self._send_turn(group, index, request)
         for group in ready:
             self.on_scored(group)
+        if self.http is not None:
+            for group in self.http.poll():
+                self.gen_tokens += sum(sum(m) for m in group.loss_masks)
+                self.gen_completions += len(group.completions)
+                self.on_scored(group)
 
     def on_scored(self, group: Group) -> None:
         if self.ocfg.advantage.skip_zero_variance and max(group.rewards) == min(group.rewards):
@@ -304,6 +327,7 @@ class Orchestrator:
             "num_errors": self.num_errors, "straggler_wait_s": self.straggler_wait_s, "step_s": elapsed,
             "tokens_per_s": self.gen_tokens / elapsed if elapsed > 0 else 0.0, "wait_s": self.wait_s,
             "time": time.time(), **self.episodes.metrics(), **info,
+            **(self.http.metrics() if self.http is not None else {}),
         }
         log.info("step %d reward %.3f len %.1f (generated %.1f) lag %.1f (max %d) dropped %.1f%% tok/s %.0f "
                  "wait %.2fs straggler wait %.2fs", step, m["reward_mean"], m["completion_len_mean"],
@@ -336,7 +360,7 @@ class Orchestrator:
                 if isinstance(msg, PolicyUpdated):
                     self._set_policy(msg.version)
             self.dispatch()
-            idle = not self.inflight
+            idle = not self.inflight and not (self.http is not None and self.http.pending)
             t0 = time.monotonic()
             for request, reply in self.pool.poll(20):
                 self.on_reply(request, reply)
@@ -353,6 +377,8 @@ class Orchestrator:
         return 0
 
     def close(self) -> None:
+        if self.http is not None:
+            self.http.close()
         self.pool.close()
         self.sub.close()
         self.registration.close()

@@ -75,6 +75,10 @@ def test_rewards_match_verifiers_scoring(taskset):
             asyncio.run(vtask.score(trace))
             got = asyncio.run(env.reward(task, completion))
             assert got == pytest.approx(trace.reward)
+            # The rubric by hand: a wrong prompt, answer or reply in the adapter's trace changes this.
+            words = completion.split()
+            assert got == pytest.approx(float(words[-1:] == [str(3 * int(task.prompt.split()[-3]))])
+                                        + 0.25 * float(len(completion) <= 8))
             seen.add(got)
     assert seen >= {1.25, 1.0, 0.25, 0.0}  # every mix of the two weighted rewards came up
 

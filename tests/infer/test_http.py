@@ -125,6 +125,11 @@ def test_chat_completion_uses_the_chat_template(server):
         assert c["message"]["role"] == "assistant" and c["message"]["content"] == tok.decode(c["token_ids"])
         assert [e["logprob"] <= 0 for e in c["logprobs"]["content"]] == [True] * len(c["token_ids"])
     assert body["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in body["choices"])
+    status, as_ids = call(server, "/v1/chat/completions", {
+        "messages": messages, "max_tokens": 5, "n": 2, "seed": 3, "logprobs": True, "return_tokens_as_token_ids": True})
+    assert status == 200, as_ids
+    for c, ref in zip(as_ids["choices"], body["choices"]):  # vLLM's extra: logprob entries name token ids
+        assert [e["token"] for e in c["logprobs"]["content"]] == [f"token_id:{t}" for t in ref["token_ids"]]
 
 
 def test_streaming_adds_up_to_the_whole_response(server):
