@@ -311,7 +311,6 @@ def main() -> None:
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # the indexer scores in fp32
-        mla.CHUNK_ELEMENTS = 1 << 31
     name = f" ({torch.cuda.get_device_name()})" if device.type == "cuda" else ""
     fused = dsa_triton.available(torch.empty(0, device=device))
     print(f"torch {torch.__version__}, {device}{name}, triton kernels: {fused}")

@@ -35,8 +35,11 @@ from rlcli.ops import dsa_triton
 from rlcli.ops.attention import InnerAttention, PagedAttention
 
 # Query rows per chunk are sized so that the chunk's largest intermediate (indexer scores
-# [rows, Hi, S], gathered latents [rows, k, L]) stays near this many elements.
+# [rows, Hi, S], gathered latents [rows, k, L]) stays near this many elements: on CUDA a
+# large budget (few chunks: each costs a host sync and kernel launches; at 131k tokens the
+# CPU budget would mean 32-row chunks), on the CPU a small one.
 CHUNK_ELEMENTS = 1 << 26
+CUDA_CHUNK_ELEMENTS = 1 << 31
 _POS_BITS = 21  # tie-break positions within one key window: up to 2M tokens
 # Triton kernels (indexer scores, sparse attention): None uses them on CUDA when triton
 # imports; True also on CPU under TRITON_INTERPRET=1 (tests); False never. Engine and trainer
@@ -44,8 +47,9 @@ _POS_BITS = 21  # tie-break positions within one key window: up to 2M tokens
 TRITON: bool | None = None
 
 
-def _chunk(per_row: int) -> int:
-    return max(1, CHUNK_ELEMENTS // max(1, per_row))
+def _chunk(per_row: int, device: torch.device) -> int:
+    budget = CUDA_CHUNK_ELEMENTS if device.type == "cuda" else CHUNK_ELEMENTS
+    return max(1, budget // max(1, per_row))
 
 
 def _topk_earliest(scores_TW: torch.Tensor, k: int) -> torch.Tensor:
@@ -104,7 +108,7 @@ def select_topk(q_THD: torch.Tensor, w_TH: torch.Tensor, k_SD: torch.Tensor, lo_
     valid_Tk = torch.zeros(T, k, dtype=torch.bool, device=q_THD.device)
     # The torch scores hold [rows, Hi, S]; the fused kernel only the [rows, S] scores and the
     # top-k's temporaries (~16 bytes per score).
-    step = _chunk((16 if _fused_scores(q_THD) else q_THD.shape[1]) * S)
+    step = _chunk((16 if _fused_scores(q_THD) else q_THD.shape[1]) * S, q_THD.device)
     for a in range(0, T, step):
         b = min(a + step, T)
         first, last = int(lo_T[a:b].min()), int(hi_T[a:b].max()) + 1
@@ -136,7 +140,7 @@ def sparse_latent_attention(q_THL: torch.Tensor, kv_SL: torch.Tensor, idx_Tk: to
                             value_dim: int, scale: float) -> torch.Tensor:
     """Attention of each query over its selected latent tokens only: [T, H, value_dim]."""
     T = q_THL.shape[0]
-    step = _chunk(idx_Tk.shape[1] * kv_SL.shape[-1])
+    step = _chunk(idx_Tk.shape[1] * kv_SL.shape[-1], kv_SL.device)
     if T <= step:
         return _sparse_chunk(q_THL, kv_SL, idx_Tk, valid_Tk, value_dim, scale)
     outs = []
@@ -173,7 +177,7 @@ def masked_dense_attention(q_THD: torch.Tensor, k_SHD: torch.Tensor, v_SHV: torc
     """The sparse selection as a boolean mask over expanded keys, per query chunk (keys up to
     the chunk's last row only); each chunk is checkpointed, so only indices are saved."""
     T = q_THD.shape[0]
-    step = _chunk(8 * k_SHD.shape[0])
+    step = _chunk(8 * k_SHD.shape[0], k_SHD.device)
     outs = []
     for a in range(0, T, step):
         last = int(rows_T[a:a + step].max()) + 1
