@@ -16,7 +16,7 @@ import msgspec
 import zmq
 
 from rlcli.config import RecipeConfig
-from rlcli.errors import PeerUnreachable, RLCLIError
+from rlcli.errors import CorruptFile, PeerUnreachable, RLCLIError
 from rlcli.infer.base import Delta, Engine
 from rlcli.infer.factory import make_engine
 from rlcli.logging import setup_logging
@@ -51,9 +51,12 @@ def resolve_kv_cache(cfg: RecipeConfig, run: RunDir, timeout_s: float = 120.0) -
     return msgspec.structs.replace(cfg, infer=msgspec.structs.replace(cfg.infer, kv_cache=kv))
 
 
-def newest_intact(run: RunDir) -> int | None:
-    """The newest STABLE policy whose manifest checks out; each damaged newer one is named in a warning."""
+def newest_intact(run: RunDir, skip: set[int] = frozenset()) -> int | None:
+    """The newest STABLE policy (not in ``skip``) whose manifest checks out; each damaged newer one
+    is named in a warning."""
     for step in reversed(run.stable_steps("weights")):
+        if step in skip:
+            continue
         problems = verify_dir(run.weights_dir(step))
         if not problems:
             return step
@@ -61,10 +64,11 @@ def newest_intact(run: RunDir) -> int | None:
     return None
 
 
-def wait_for_policy(run: RunDir, poll_s: float = 0.2) -> int:
-    """The newest complete and intact policy version in RUN/weights, waiting for the trainer's first one."""
+def wait_for_policy(run: RunDir, poll_s: float = 0.2, skip: set[int] = frozenset()) -> int:
+    """The newest complete and intact policy version in RUN/weights (not in ``skip``), waiting for
+    the trainer's first one."""
     announced = False
-    while (step := newest_intact(run)) is None:
+    while (step := newest_intact(run, skip)) is None:
         if not announced:
             log.info("waiting for %s (rl-train writes the initial policy)", run.weights_dir(0))
             announced = True
@@ -76,12 +80,18 @@ class InferServer:
     def __init__(self, cfg: RecipeConfig, run: RunDir, instance: int):
         cfg = resolve_kv_cache(cfg, run)
         self.cfg, self.run, self.instance = cfg, run, instance
-        # Pinned until registered: rl-sync must not prune the version this start is loading.
-        version, pinned = pin_latest(run.root, f"infer-{instance}", lambda: wait_for_policy(run))
-        try:
-            self._start(cfg, run, instance, version)
-        finally:
-            unpin(pinned)
+        corrupt: set[int] = set()  # versions whose shards failed their CRC32 while loading
+        while True:
+            # Pinned until registered: rl-sync must not prune the version this start is loading.
+            version, pinned = pin_latest(run.root, f"infer-{instance}", lambda: wait_for_policy(run, skip=corrupt))
+            try:
+                self._start(cfg, run, instance, version)
+                return
+            except CorruptFile as e:
+                log.warning("%s; trying the version before", e)
+                corrupt.add(version)
+            finally:
+                unpin(pinned)
 
     def _start(self, cfg: RecipeConfig, run: RunDir, instance: int, version: int) -> None:
         icfg = cfg.infer
