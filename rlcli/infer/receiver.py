@@ -5,9 +5,9 @@ HF tensor lands in its slice of the stacked expert weight), so a load never hold
 second full copy of the model.
 
 Filesystem: everything that can be checked is checked before the first parameter is
-touched: the STABLE marker and its manifest (the size of every file, the CRC32 of the
+touched: the STABLE marker and its manifest (the size of every file, the checksum of the
 index and config: a torn or truncated shard, a corrupt index or marker fail here), the
-CRC32 of each shard, hashed through the mapping the tensors are then copied from (the
+checksum of each shard, hashed through the mapping the tensors are then copied from (the
 in-place copy must not start on a corrupt file, so the hash comes first; it is the
 file's one read from storage), each file's safetensors header against its size, and that
 the tensors cover every parameter exactly once with the right shapes. A failed check
@@ -57,7 +57,7 @@ def verified_files(path: str | Path) -> tuple[Path, list[SafetensorsFile]]:
         actual = (source / fname).stat().st_size if (source / fname).is_file() else -1
         if actual != size:
             raise ModelLoadError(f"{source / fname} holds {actual} bytes, its STABLE marker says {size}: torn shard")
-    problems = verify_dir(path)  # the marker, every file's size, the CRC32 of index and config
+    problems = verify_dir(path)  # the marker, every file's size, the checksum of index and config
     if problems:
         raise ModelLoadError(f"{path} is damaged: {'; '.join(problems)}")
     sums = checksums_of(path) if source == path else {}  # a "source" marker points at files rlcli did not write

@@ -80,7 +80,7 @@ class InferServer:
     def __init__(self, cfg: RecipeConfig, run: RunDir, instance: int):
         cfg = resolve_kv_cache(cfg, run)
         self.cfg, self.run, self.instance = cfg, run, instance
-        corrupt: set[int] = set()  # versions whose shards failed their CRC32 while loading
+        corrupt: set[int] = set()  # versions whose shards failed their checksum while loading
         while True:
             # Pinned until registered: rl-sync must not prune the version this start is loading.
             version, pinned = pin_latest(run.root, f"infer-{instance}", lambda: wait_for_policy(run, skip=corrupt))

@@ -287,7 +287,7 @@ class VllmEngine:
                 raise ValueError(f"weights directory {ref.path} does not exist")
             from rlcli.infer.receiver import verified_files
 
-            verified_files(ref.path)  # marker, sizes, CRC32s: vLLM's loader reads the files again (page cache)
+            verified_files(ref.path)  # marker, sizes, checksums: vLLM's loader reads the files again (page cache)
             self.llm.collective_rpc("rlcli_load_safetensors", kwargs={"path": str(ref.path)})
         self.torn = False
         self.version = version

@@ -162,7 +162,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     FP8 checkpoints (``quantization_config.quant_method = "fp8"``) are dequantized to ``dtype``.
     With ``fp8`` (an enabled :class:`~rlcli.config.model.Fp8Config`) the selected linears become
     FP8 linears: on master weights in ``dtype`` (training), or with ``fp8_storage`` holding FP8
-    weights + scales as the checkpoint has them (inference). ``checksums`` (file name -> CRC32, from
+    weights + scales as the checkpoint has them (inference). ``checksums`` (file name -> checksum, from
     the directory's STABLE manifest) are checked on the mapped files before any tensor is used."""
     args = ModelArgs.from_dir(path)
     source = Path(weights_dir or path)

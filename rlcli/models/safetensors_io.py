@@ -3,7 +3,7 @@
 Reading maps each file privately (copy-on-write) and views tensors straight out of the
 mapping: nothing is read until touched, and a parameter assigned from such a view costs
 no second copy (``safetensors.safe_open`` copies each tensor out instead). Given the
-CRC32 written with a file (``rlcli.transport.checksum``), opening it hashes the mapping:
+checksum written with a file (``rlcli.transport.checksum``), opening it hashes the mapping:
 that pass is the file's one read from storage (its pages stay resident for the tensors
 viewed from them), and a corrupt file is refused before any tensor is used.
 
@@ -41,7 +41,7 @@ _DTYPES = {
 
 class SafetensorsFile:
     """One safetensors file, memory-mapped; ``tensor(name)`` views into the mapping. With
-    ``expected`` (its CRC32) the whole mapping is checked first (:class:`CorruptFile` on a mismatch)."""
+    ``expected`` (its checksum) the whole mapping is checked first (:class:`CorruptFile` on a mismatch)."""
 
     def __init__(self, path: str | Path, expected: str | None = None):
         self.path = Path(path)
@@ -114,7 +114,7 @@ def iter_tensors(model_dir: str | Path, checksums: dict[str, str] | None = None
                  ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, mmap-backed tensor) for every tensor of the model directory; with an index, only the
     tensors it maps to each file (a stray tensor inside a listed shard is not read). ``checksums``
-    (file name -> CRC32) are checked as each file is opened."""
+    (file name -> checksum) are checked as each file is opened."""
     weight_map = _weight_map(Path(model_dir))
     for path in weight_files(model_dir):
         f = SafetensorsFile(path, (checksums or {}).get(path.name))

@@ -118,7 +118,7 @@ def shared_atomic_dir(final: str | Path, marker: dict[str, Any] | None = None,
     tells the others; after a barrier (every rank done writing) rank 0 moves it into place
     and marks it STABLE; a second barrier keeps any rank from racing ahead of the marker.
     ``own_files`` (a glob with ``{rank}``, e.g. DCP's ``__{rank}_*``) names the files each
-    rank wrote: each rank takes their CRC32s itself (from its own page cache), so rank 0's
+    rank wrote: each rank takes their checksums itself (from its own page cache), so rank 0's
     manifest reads no other rank's file.
     """
     tmp = Path(broadcast_object(str(begin_dir(final)) if not enabled() or dist.get_rank() == 0 else None))

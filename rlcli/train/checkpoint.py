@@ -5,11 +5,11 @@ own shards into one directory (``shared_atomic_dir``: rank 0 creates the tempora
 directory, and renames and marks it STABLE after a barrier). DCP stores global shapes and
 reshards on load, so a checkpoint written with another --dp/--cp/--ep mesh resumes on
 this one. The newest STABLE checkpoint whose manifest checks out (the marker, sizes of
-every file, CRC32 of the metadata; ``rlcli.transport.atomic.verify_dir``) is resumed, so
+every file, checksum of the metadata; ``rlcli.transport.atomic.verify_dir``) is resumed, so
 a crash mid-save loses at most one interval and a damaged newest checkpoint falls back to
 the one before it.
 
-Each rank takes the CRC32 of the shard files it wrote (``shared_atomic_dir(own_files=)``)
+Each rank takes the checksum of the shard files it wrote (``shared_atomic_dir(own_files=)``)
 and each rank checks the files it reads: DCP's reader is handed each file as one buffer,
 read once and hashed before DCP parses it (:class:`VerifyingReader`). A corrupt shard on
 any rank fails the load on every rank (DCP gathers the ranks' read errors), and they all
@@ -68,7 +68,7 @@ class _VerifyingFileSystem(FileSystem):
 
 
 class VerifyingReader(FileSystemReader):
-    """DCP's filesystem reader, checking each file against the CRC32 of the checkpoint's manifest."""
+    """DCP's filesystem reader, checking each file against the checksum of the checkpoint's manifest."""
 
     def __init__(self, path: str | Path):
         super().__init__(path)
@@ -104,7 +104,7 @@ def load_latest_checkpoint(run: RunDir, model: torch.nn.Module, optimizer: torch
     dict (step, data position, and "parallel": the mesh it was written with), or None."""
     if not pdist.enabled() or torch.distributed.get_rank() == 0:
         clean_temporaries(run.root / "checkpoints")
-    skip: set[int] = set()  # checkpoints whose shards failed their CRC32 while loading
+    skip: set[int] = set()  # checkpoints whose shards failed their checksum while loading
     while True:
         step = pdist.broadcast_object(newest_intact(run, skip) if not pdist.enabled() or
                                       torch.distributed.get_rank() == 0 else None)

@@ -1,7 +1,7 @@
 """Reading rollout batches from the run directory (and turning them into tensors).
 
-A batch file is checked against the CRC32 in its directory's STABLE manifest (and that
-marker against its own CRC32) on the bytes already read for decoding (one read, no second
+A batch file is checked against the checksum in its directory's STABLE manifest (and that
+marker against its own checksum) on the bytes already read for decoding (one read, no second
 pass). A corrupt batch is not trained: the trainer unmarks and
 deletes RUN/rollouts/step_N and keeps waiting; rl-orchestrate sees a step at or past the
 trainer's that is missing and writes it again from fresh groups.
@@ -44,7 +44,7 @@ def wait_for_batch(run: RunDir, step: int, rank: int, timeout_s: float = 0.0, po
         raise BatchCorrupt(bad_marker)
     try:
         expected = checksums_of(directory).get(path.name)
-        legacy = path.with_suffix(".msgpack.sha256")  # batches written before CRC32 manifests
+        legacy = path.with_suffix(".msgpack.sha256")  # batches written before checksum manifests
         legacy_sum = legacy.read_text().strip() if expected is None and legacy.is_file() else None
         data = path.read_bytes()
     except FileNotFoundError as e:  # deleted under us (retention, or another rank found it corrupt)

@@ -11,7 +11,7 @@ The trainer's ranks hold the weights, so they publish them; rl-sync only coordin
   holding its part of the weight map. Rank 0 waits for all of them (a filesystem barrier,
   so the same code runs in a background thread), writes the index, config and tokenizer
   files, renames the directory into place and marks it STABLE with every file's size and
-  CRC32 (each rank hashes its own files); servers check both before touching a parameter.
+  checksum (each rank hashes its own files); servers check both before touching a parameter.
   With ``train.fp8.publish`` the FP8 linears' weights are written as FP8 + ``weight_scale_inv`` (DeepSeek-V3 layout), on
   any backend, and config.json declares the ``quantization_config``.
 - ``async_filesystem``: the same files, written by a background thread from a host

@@ -15,12 +15,12 @@ written by several ranks is built with :func:`begin_dir` / :func:`commit_dir`: o
 creates and later renames and marks it, after a barrier
 (``rlcli.parallel.dist.shared_atomic_dir``).
 
-Every committed directory's STABLE marker carries a manifest: the size and the CRC32
+Every committed directory's STABLE marker carries a manifest: the size and the checksum
 (:mod:`rlcli.transport.checksum`) of each file, taken from the files just written, and
-the marker carries the CRC32 of its own JSON. :func:`verify_dir` checks the marker, one
-``stat`` per file and the CRC32 of the small files (<= 1 MiB: configs, indexes,
+the marker carries the checksum of its own JSON. :func:`verify_dir` checks the marker, one
+``stat`` per file and the checksum of the small files (<= 1 MiB: configs, indexes,
 checkpoint metadata), so a truncated file or a corrupt index or marker is caught before
-use. A large file's CRC32 (:func:`checksums_of`) is checked by its reader on the bytes
+use. A large file's checksum (:func:`checksums_of`) is checked by its reader on the bytes
 it parses, without a second pass over the file.
 
 A write that fails for lack of space (ENOSPC, EDQUOT, EFBIG, EROFS; also as the
@@ -129,13 +129,13 @@ def _marker_sum(payload: dict[str, Any]) -> str:
 
 def write_marker(directory: str | Path, payload: dict[str, Any] | None = None) -> None:
     """Mark ``directory`` complete. The marker holds a small JSON payload (time, extra info,
-    the manifest) and the CRC32 of that payload."""
+    the manifest) and the checksum of that payload."""
     payload = {"time": time.time(), **{k: v for k, v in (payload or {}).items() if k != "checksum"}}
     atomic_write_json(Path(directory) / STABLE, {**payload, "checksum": _marker_sum(payload)})
 
 
 def marker_problem(directory: str | Path) -> str | None:
-    """Why the STABLE marker of ``directory`` cannot be trusted (unparsable, or its CRC32 does
+    """Why the STABLE marker of ``directory`` cannot be trusted (unparsable, or its checksum does
     not match), or None (intact, absent, or written before markers carried a checksum)."""
     path = Path(directory) / STABLE
     try:
@@ -195,8 +195,8 @@ SMALL_FILE_BYTES = 1 << 20
 
 
 def manifest(directory: Path, known: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
-    """{"sizes": {file: bytes}, "crc32": {file: hex}} of every file under ``directory``;
-    ``known`` holds CRC32s a writer took already (e.g. each trainer rank of its own shards)."""
+    """{"sizes": {file: bytes}, "xxh3_64": {file: hex}} of every file under ``directory``;
+    ``known`` holds checksums a writer took already (e.g. each trainer rank of its own shards)."""
     sizes, sums = {}, {}
     for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != STABLE):
         rel = str(path.relative_to(directory))
@@ -206,13 +206,13 @@ def manifest(directory: Path, known: dict[str, str] | None = None) -> dict[str, 
 
 
 def checksums_of(directory: str | Path) -> dict[str, str]:
-    """{file relative to ``directory``: CRC32} from its STABLE manifest (empty without one)."""
+    """{file relative to ``directory``: checksum} from its STABLE manifest (empty without one)."""
     return dict(((read_marker(directory) or {}).get("manifest") or {}).get(ALGO) or {})
 
 
 def verify_dir(directory: str | Path) -> list[str]:
     """Problems of a STABLE directory: a corrupt marker, a missing or resized file, a small file
-    whose CRC32 does not match (empty: intact, or no manifest). Large files are checked by their
+    whose checksum does not match (empty: intact, or no manifest). Large files are checked by their
     readers on the bytes they parse."""
     directory = Path(directory)
     bad_marker = marker_problem(directory)
@@ -234,7 +234,7 @@ def verify_dir(directory: str | Path) -> list[str]:
         if m["sizes"].get(rel, SMALL_FILE_BYTES + 1) <= SMALL_FILE_BYTES and \
                 not any(p.startswith(rel) for p in problems) and checksum((directory / rel).read_bytes()) != digest:
             problems.append(f"{rel} does not match its {ALGO}")
-    for rel, digest in (m.get("sha256") or {}).items():  # manifests written before CRC32
+    for rel, digest in (m.get("sha256") or {}).items():  # manifests written before checksums
         if rel in m["sizes"] and not any(p.startswith(rel) for p in problems) and \
                 hashlib.sha256((directory / rel).read_bytes()).hexdigest() != digest:
             problems.append(f"{rel} does not match its sha256")
@@ -242,7 +242,7 @@ def verify_dir(directory: str | Path) -> list[str]:
 
 
 def verify_files(directory: str | Path) -> list[str]:
-    """:func:`verify_dir` plus the CRC32 of every large file: a full pass, for readers that cannot
+    """:func:`verify_dir` plus the checksum of every large file: a full pass, for readers that cannot
     hash the bytes they parse (the trainer reads only its slices of policy 0)."""
     directory = Path(directory)
     problems = verify_dir(directory)
@@ -258,7 +258,7 @@ def verify_files(directory: str | Path) -> list[str]:
 def commit_dir(tmp: Path, final: str | Path, marker: dict[str, Any] | None = None,
                checksums: dict[str, str] | None = None) -> None:
     """fsync ``tmp``'s files, move it to ``final`` (replacing an old one) and mark it STABLE
-    with a manifest of what was written (``checksums``: CRC32s already taken by the writers)."""
+    with a manifest of what was written (``checksums``: checksums already taken by the writers)."""
     final = Path(final)
     for child in tmp.iterdir():
         if child.is_file():
@@ -290,7 +290,7 @@ def atomic_dir(final: str | Path, marker: dict[str, Any] | None = None,
     An existing ``final`` (complete or not) is replaced by an atomic exchange (see the
     module note), so readers see either the old complete directory or the new one. On
     error the temporary directory is removed. ``checksums`` may be filled inside the block
-    with the CRC32s of files written from memory (no read-back for the manifest).
+    with the checksums of files written from memory (no read-back for the manifest).
     """
     tmp = begin_dir(final)
     try:

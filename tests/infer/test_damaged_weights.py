@@ -39,7 +39,7 @@ def test_damaged_weights_are_never_served(tmp_path, tiny_model_dir):
         assert server.engine.version == 0  # v1 is damaged: the start took v0
         reply = client.call(LoadWeights(request_id="r", version=1, weights=FsWeights(path=str(run.weights_dir(1)))),
                             timeout_s=30)
-        assert isinstance(reply, ErrorReply) and "config.json does not match its crc32" in reply.message, reply
+        assert isinstance(reply, ErrorReply) and "config.json does not match its xxh3_64" in reply.message, reply
         reply = client.call(HealthRequest(request_id="h"), timeout_s=30)
         assert isinstance(reply, HealthResponse) and reply.version == 0
     finally:

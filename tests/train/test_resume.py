@@ -115,7 +115,7 @@ def test_a_flipped_byte_in_policy_zero_writes_it_again(setup, monkeypatch):
     cfg, run = setup
     Trainer(cfg, run).close()
     flip_byte(run.weights_dir(0) / "model.safetensors")
-    assert verify_files(run.weights_dir(0)) == ["model.safetensors does not match its crc32"]
+    assert verify_files(run.weights_dir(0)) == ["model.safetensors does not match its xxh3_64"]
     again = Trainer(cfg, run)
     try:
         assert len(run.read_metrics("sft")) == 2, "the corrupt policy 0 was trained from"

@@ -191,10 +191,10 @@ def test_a_flipped_byte_in_any_file_or_the_marker_is_named(tmp_path):
     assert verify_files(final) == [] and set(checksums_of(final)) == {"small.json", "large.bin"}
     flip_byte(final / "large.bin")
     assert verify_dir(final) == []  # a large file is checked by its reader, on the bytes it parses
-    assert verify_files(final) == ["large.bin does not match its crc32"]
+    assert verify_files(final) == ["large.bin does not match its xxh3_64"]
     flip_byte(final / "large.bin")
     flip_byte(final / "small.json", 1)
-    assert verify_dir(final) == ["small.json does not match its crc32"]
+    assert verify_dir(final) == ["small.json does not match its xxh3_64"]
     flip_byte(final / "small.json", 1)
     flip_marker_step(final)
     [problem] = verify_dir(final)
