@@ -10,8 +10,8 @@ from fuzz import blast
 from procs import Procs, serve_initial_policy, wait_until, write_recipe
 
 from rlcli.protocol import (
-    CacheGet, CacheGetReply, CachePut, CacheReply, GenerateRequest, GenerateResponse, HealthRequest,
-    HealthResponse, SamplingParams,
+    CacheGet, CacheGetReply, CachePut, CacheReply, ErrorReply, GenerateRequest, GenerateResponse, HealthRequest,
+    HealthResponse, LoadWeights, NcclWeights, SamplingParams, TensorSpec,
 )
 from rlcli.transport.registry import list_entries
 from rlcli.transport.zmq import DEFAULT_MAX_MESSAGE_BYTES, RpcClient
@@ -35,7 +35,8 @@ def probe_generate(client: RpcClient) -> list[int]:
 
 def test_endpoints_survive_fuzzing(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "run"
-    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, run_dir, cache={"capacity_mb": 64})
+    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, run_dir, cache={"capacity_mb": 64},
+                          sync={"ack_timeout_s": 1.0})  # bounds each collective load the fuzzer asks for
     serve_initial_policy(run_dir, tiny_model_dir)
     procs = Procs(tmp_path / "logs")
     try:
@@ -62,3 +63,32 @@ def test_endpoints_survive_fuzzing(tmp_path, tiny_model_dir):
         cache_client.close()
     finally:
         procs.stop_all()
+
+
+def test_a_collective_load_is_held_to_the_servers_own_deadline(tmp_path, tiny_model_dir):
+    """A LoadWeights naming an unreachable store with a 68-year deadline is answered (an error)
+    once the server's sync.ack_timeout_s has passed, and the server keeps serving."""
+    import threading
+
+    from rlcli.config import load_recipe
+    from rlcli.infer.server import InferServer
+    from rlcli.transport.rundir import RunDir
+
+    run_dir = tmp_path / "run"
+    cfg = load_recipe(write_recipe(tmp_path / "r.toml", tiny_model_dir, run_dir, sync={"ack_timeout_s": 1.0}))
+    serve_initial_policy(run_dir, tiny_model_dir)
+    server = InferServer(cfg, RunDir(run_dir), 0)
+    loop = threading.Thread(target=server.serve)
+    loop.start()
+    client = RpcClient(server.server.endpoint)
+    try:
+        ref = NcclWeights(group="g", store="127.0.0.1:1", rank=1, world_size=2, timeout_s=2.0**31,
+                          tensors=[TensorSpec(name="model.embed_tokens.weight", dtype="float32", shape=[3])])
+        reply = client.call(LoadWeights(request_id="l", version=1, weights=ref), 60, "rl-infer")
+        assert isinstance(reply, ErrorReply), reply
+        assert isinstance(client.call(HealthRequest(request_id="h"), 30, "rl-infer"), HealthResponse)
+    finally:
+        client.close()
+        server.stopping = True
+        loop.join()
+        server.close()

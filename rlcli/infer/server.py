@@ -23,6 +23,7 @@ from rlcli.logging import setup_logging
 from rlcli.process import stop_on_signals
 from rlcli.protocol import (
     AbortRequests, ErrorReply, GenerateRequest, GenerateResponse, HealthRequest, HealthResponse, LoadWeights,
+    NcclWeights,
     Shutdown, WeightsLoaded,
 )
 from rlcli.transport.atomic import verify_dir
@@ -133,8 +134,12 @@ class InferServer:
             # Peers wait this long before calling the server dead: past its usual load, within rl-sync's patience.
             self.registration.beat(busy_s=min(self.cfg.sync.ack_timeout_s, max(registry.STALE_AFTER_S,
                                                                                 3 * self.last_load_s)))
+            weights = msg.weights
+            if isinstance(weights, NcclWeights):  # no message may hold the serving loop past rl-sync's patience
+                weights = msgspec.structs.replace(weights, timeout_s=min(weights.timeout_s,
+                                                                         self.cfg.sync.ack_timeout_s))
             try:
-                self.engine.load_weights(msg.weights, msg.version)
+                self.engine.load_weights(weights, msg.version)
             except (RLCLIError, OSError, ValueError, RuntimeError) as e:  # RuntimeError: a collective op failed
                 log.warning("could not load policy v%d (still serving v%d): %s", msg.version, self.engine.version, e)
                 self.server.reply(identity, ErrorReply(request_id=msg.request_id, message=str(e)))
