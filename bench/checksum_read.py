@@ -7,7 +7,7 @@ Two readers, each timed with and without its check, alternating, in one run:
               through the mapping before the copy (``SafetensorsFile(path, expected)``)
   checkpoint  a ~``--mb`` MB DCP checkpoint loaded into a state dict, as rl-train resumes:
               DCP's ``FileSystemReader`` against ``rlcli.train.checkpoint.VerifyingReader``
-              (each file read once into memory, hashed, parsed from that buffer)
+              (each file hashed through a read-only mapping that DCP then parses)
 
 The files are written once and read ``--repeats`` times per arm from the page cache (a
 warm read: the check's cost is the hashing, the worst case for its ratio; a cold read

@@ -10,8 +10,9 @@ a crash mid-save loses at most one interval and a damaged newest checkpoint fall
 the one before it.
 
 Each rank takes the checksum of the shard files it wrote (``shared_atomic_dir(own_files=)``)
-and each rank checks the files it reads: DCP's reader is handed each file as one buffer,
-read once and hashed before DCP parses it (:class:`VerifyingReader`). A corrupt shard on
+and each rank checks the files it reads: DCP's reader is handed each file as a read-only
+memory mapping, hashed first (that pass reads the file from storage) and then parsed from
+the same mapping (:class:`VerifyingReader`). A corrupt shard on
 any rank fails the load on every rank (DCP gathers the ranks' read errors), and they all
 fall back to the checkpoint before it together.
 """
@@ -19,6 +20,7 @@ fall back to the checkpoint before it together.
 import contextlib
 import io
 import logging
+import mmap
 import warnings
 from pathlib import Path
 
@@ -50,6 +52,33 @@ def newest_intact(run: RunDir, skip: set[int] = frozenset()) -> int | None:
     return None
 
 
+class _MappedFile(io.RawIOBase):
+    """A read-only file over a memory mapping: DCP parses the very bytes that were hashed."""
+
+    def __init__(self, view: memoryview):
+        self.view, self.pos = view, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self.pos = offset if whence == io.SEEK_SET else self.pos + offset if whence == io.SEEK_CUR \
+            else len(self.view) + offset
+        return self.pos
+
+    def readinto(self, buffer) -> int:
+        n = max(0, min(len(buffer), len(self.view) - self.pos))
+        buffer[:n] = self.view[self.pos:self.pos + n]
+        self.pos += n
+        return n
+
+
 class _VerifyingFileSystem(FileSystem):
     def __init__(self, sums: dict[str, str]):
         super().__init__()
@@ -58,13 +87,17 @@ class _VerifyingFileSystem(FileSystem):
     @contextlib.contextmanager
     def create_stream(self, path, mode):
         name = Path(path).name
-        if mode != "rb" or name not in self.sums:
+        if mode != "rb" or name not in self.sums or not Path(path).stat().st_size:
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        data = Path(path).read_bytes()  # the file's one read; DCP parses this buffer
-        verify(path, data, self.sums[name])
-        yield io.BytesIO(data)
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            view = memoryview(mapped)
+            try:
+                verify(path, view, self.sums[name])  # the file's one read from storage
+                yield _MappedFile(view)
+            finally:
+                view.release()
 
 
 class VerifyingReader(FileSystemReader):

@@ -5,9 +5,8 @@ configs, indexes) has its checksum in the directory's manifest, and the STABLE m
 that holds the manifest carries the checksum of its own JSON (:mod:`rlcli.transport.atomic`).
 Readers check a file on the buffer they parse, so the check costs no second read of the
 file: safetensors shards are hashed through the memory mapping their tensors are viewed
-from (that pass is the read: the pages then stay resident), checkpoint shards are read
-into memory once and hashed before DCP parses them, batches are hashed on the bytes
-decoded.
+from (that pass is the read: the pages then stay resident), checkpoint shards are hashed
+through the read-only mapping DCP then parses, batches are hashed on the bytes decoded.
 
 Why XXH3-64 (the ``xxhash`` wheel, ~100 kB, no dependencies): on the 2-core CPU VM it
 hashes a 270 MB buffer at about 6 GB/s, against 1.1-1.7 GB/s for ``zlib.crc32``, 0.3-0.7
