@@ -47,10 +47,10 @@ from rlcli.models import DTYPES, CausalLM, load_model
 from rlcli.models.tokenizer import load_tokenizer
 from rlcli.ops.attention import ForwardContext, PagedAttention, PagedAttentionMetadata, RoutingContext
 from rlcli.ops.sampling import sample
-from rlcli.transport.atomic import checksums_of
 from rlcli.protocol import (
     BlockMeta, Completion, GenerateRequest, GenerateResponse, SamplingParams, WeightsRef, WireTensor,
 )
+from rlcli.transport.atomic import checksums_of
 
 
 @dataclass
