@@ -290,9 +290,10 @@ class VllmEngine:
             assert isinstance(ref, FsWeights)
             if not Path(ref.path).is_dir():
                 raise ValueError(f"weights directory {ref.path} does not exist")
-            from rlcli.infer.receiver import verified_files
+            if checksums_of(ref.path):  # marker, sizes, checksums; vLLM's loader then reads the files again
+                from rlcli.infer.receiver import verified_files
 
-            verified_files(ref.path)  # marker, sizes, checksums: vLLM's loader reads the files again (page cache)
+                verified_files(ref.path)
             self.llm.collective_rpc("rlcli_load_safetensors", kwargs={"path": str(ref.path)})
         self.torn = False
         self.version = version
