@@ -16,6 +16,8 @@ The audit at the end (printed as JSON, last line a table):
 - every batch written once (its STABLE marker never changes) and no step skipped;
 - policy versions monotone (rl-sync's live policy, and each server's served version);
 - no temporary directories left anywhere in the run directory;
+- every STABLE weights, checkpoint and rollout directory left intact: each file's size
+  and checksum against its manifest, and each marker's own checksum;
 - reward rising: mean reward of the last fifth of the steps above the first fifth (judged
   from 40 steps on; a shorter run only reports it).
 
@@ -250,6 +252,20 @@ def chaos(args, run_dir: Path, fleet: Fleet, mon: Monitor) -> dict:
             "timed_out": time.monotonic() >= deadline}
 
 
+def damaged(run_dir: Path) -> list[str]:
+    """Every STABLE weights, checkpoint and rollout directory left, checked in full against its
+    manifest (sizes and checksums of every file, the marker's own checksum): what survived the
+    kills must be intact."""
+    from rlcli.transport.atomic import is_stable, verify_files
+
+    out = []
+    for kind in ("weights", "checkpoints", "rollouts"):
+        for d in sorted((run_dir / kind).glob("step_*")):
+            if is_stable(d):
+                out += [f"{kind}/{d.name}: {p}" for p in verify_files(d)]
+    return out
+
+
 def audit(run_dir: Path, steps: int, mon: Monitor) -> dict:
     train = read_jsonl(run_dir / "metrics" / "train.jsonl")
     orch = [m for m in read_jsonl(run_dir / "metrics" / "orchestrate.jsonl") if not m.get("rewritten")]
@@ -271,12 +287,13 @@ def audit(run_dir: Path, steps: int, mon: Monitor) -> dict:
         "every_batch_written_once": not mon.rewritten and sorted(Counter(m["step"] for m in orch).values())[-1:] == [1],
         "weights_monotone": monotone,
         "no_temporaries": not temporaries(run_dir),
+        "stable_files_intact": not damaged(run_dir),
         "reward_rising": last > first if steps >= MIN_STEPS_FOR_REWARD else None,
     }
     return {"checks": checks, "ok": all(v is not False for v in checks.values()),
             "steps_redone": sum(len(ms) - 1 for ms in by_step.values()),
             "reward_first_fifth": round(first, 3), "reward_last_fifth": round(last, 3),
-            "policy_versions_seen": len(mon.policy), "temporaries": temporaries(run_dir),
+            "policy_versions_seen": len(mon.policy), "temporaries": temporaries(run_dir), "damaged": damaged(run_dir),
             "rewritten_batches": sorted(mon.rewritten)}
 
 

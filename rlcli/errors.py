@@ -47,3 +47,10 @@ class StorageFull(RLCLIError):
     the write was abandoned and the previous STABLE state is untouched."""
 
     exit_code = 1
+
+
+class CorruptFile(RLCLIError):
+    """A durable file's bytes do not match the checksum written with it (a flipped bit on disk or in
+    transit); the reader falls back (an older version, a rewrite) instead of using it."""
+
+    exit_code = 1

@@ -22,7 +22,14 @@ VALID = [
     {"type": "health", "request_id": "h"},
     {"type": "abort", "request_ids": ["g", "x"]},
     {"type": "load_weights", "request_id": "l", "version": 3, "weights": {"type": "fs", "path": "/nonexistent"}},
+    {"type": "load_weights", "request_id": "n", "version": 3,  # tensors whose dtype and shape fit no model
+     "weights": {"type": "nccl", "group": "g", "store": "127.0.0.1:1", "rank": 1, "world_size": 2,
+                 "tensors": [{"name": "model.embed_tokens.weight", "dtype": "float8_e4m3fn", "shape": [3, 3]}],
+                 "bucket_bytes": 64, "timeout_s": 0.5}},
     {"type": "cache_put", "request_id": "p", "keys": [b"k1", b"k2"], "values": [b"v1", b"v2"]},
+    {"type": "cache_put", "request_id": "m", "keys": [b"k3"], "values": [b"\x00" * 12],  # 12 bytes, meta says 16
+     "meta": {"fingerprint": "f", "dtype": "float32", "shape": [2, 2]}},
+    {"type": "cache_list", "request_id": "ls", "limit": 5},
     {"type": "cache_get", "request_id": "q", "keys": [b"k1", b"zz"]},
     {"type": "cache_exists", "request_id": "e", "keys": [b"k1"]},
     {"type": "cache_stats", "request_id": "c"},
@@ -42,8 +49,10 @@ def _mutate_fields(rng: random.Random, msg: dict) -> dict:
     out = _with_protocol(msg)
     for _ in range(rng.randint(1, 3)):
         target = out
-        if isinstance(out.get("sampling"), dict) and rng.random() < 0.5:
-            target = out["sampling"] = dict(out["sampling"])
+        nested = [k for k, v in out.items() if isinstance(v, dict) and v]  # sampling, weights
+        if nested and rng.random() < 0.5:
+            k = rng.choice(nested)
+            target = out[k] = dict(out[k])
         key = rng.choice(list(target))
         if key in ("type", "protocol") and rng.random() < 0.7:
             continue  # mostly keep the message decodable up to its fields

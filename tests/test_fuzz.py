@@ -10,8 +10,8 @@ from fuzz import blast
 from procs import Procs, serve_initial_policy, wait_until, write_recipe
 
 from rlcli.protocol import (
-    CacheGet, CacheGetReply, CachePut, CacheReply, GenerateRequest, GenerateResponse, HealthRequest,
-    HealthResponse, SamplingParams,
+    CacheGet, CacheGetReply, CachePut, CacheReply, ErrorReply, GenerateRequest, GenerateResponse, HealthRequest,
+    HealthResponse, LoadWeights, NcclWeights, SamplingParams, TensorSpec,
 )
 from rlcli.transport.registry import list_entries
 from rlcli.transport.zmq import DEFAULT_MAX_MESSAGE_BYTES, RpcClient
@@ -35,7 +35,8 @@ def probe_generate(client: RpcClient) -> list[int]:
 
 def test_endpoints_survive_fuzzing(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "run"
-    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, run_dir, cache={"capacity_mb": 64})
+    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, run_dir, cache={"capacity_mb": 64},
+                          sync={"ack_timeout_s": 1.0})  # bounds each collective load the fuzzer asks for
     serve_initial_policy(run_dir, tiny_model_dir)
     procs = Procs(tmp_path / "logs")
     try:
@@ -54,6 +55,12 @@ def test_endpoints_survive_fuzzing(tmp_path, tiny_model_dir):
             assert counts["errors"] > NUM_MESSAGES // 2, (name, counts)  # most are refused, each with a reply
 
         assert infer.poll() is None and cache.poll() is None, procs.logs()
+        # A collective load naming an unreachable store with a 68-year deadline is answered once the
+        # server's own sync.ack_timeout_s has passed (it held the serving loop for good before).
+        ref = NcclWeights(group="g", store="127.0.0.1:1", rank=1, world_size=2, timeout_s=2.0**31,
+                          tensors=[TensorSpec(name="model.embed_tokens.weight", dtype="float32", shape=[3])])
+        reply = infer_client.call(LoadWeights(request_id="l", version=1, weights=ref), 60, "rl-infer")
+        assert isinstance(reply, ErrorReply), reply
         assert isinstance(infer_client.call(HealthRequest(request_id="h"), 30, "rl-infer"), HealthResponse)
         assert probe_generate(infer_client) == before
         got = cache_client.call(CacheGet(request_id="g", keys=[b"probe"]), 10, "rl-cache")
@@ -62,3 +69,4 @@ def test_endpoints_survive_fuzzing(tmp_path, tiny_model_dir):
         cache_client.close()
     finally:
         procs.stop_all()
+

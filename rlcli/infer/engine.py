@@ -50,6 +50,7 @@ from rlcli.ops.sampling import sample
 from rlcli.protocol import (
     BlockMeta, Completion, GenerateRequest, GenerateResponse, SamplingParams, WeightsRef, WireTensor,
 )
+from rlcli.transport.atomic import checksums_of
 
 
 @dataclass
@@ -143,7 +144,7 @@ class NativeEngine:
         device = resolve_device(icfg.device)
         # infer.fp8: FP8 weights + scales (as published, or quantized on load as the trainer's forward does)
         model = load_model(weights, device=device, dtype=DTYPES[icfg.dtype or cfg.model.dtype], seed=cfg.seed,
-                           fp8=icfg.fp8, fp8_storage=True)
+                           fp8=icfg.fp8, fp8_storage=True, checksums=checksums_of(weights))
         eos = sorted(set(load_tokenizer(weights).eos_token_ids) | set(model.args.eos_token_id))
         engine = cls(model, eos_token_ids=eos, max_model_len=cfg.model.max_seq_len, block_size=ecfg.block_size,
                      kv_cache_memory_mb=ecfg.kv_cache_memory_mb, max_num_seqs=icfg.max_num_seqs,

@@ -5,10 +5,13 @@ HF tensor lands in its slice of the stacked expert weight), so a load never hold
 second full copy of the model.
 
 Filesystem: everything that can be checked is checked before the first parameter is
-touched: the STABLE marker and its manifest (the size of every file, the sha256 of the
-index and config: a torn or truncated shard, a corrupt index fail here), each file's safetensors header against its size, and that the
-tensors cover every parameter exactly once with the right shapes. A failed check leaves
-the engine serving its previous version.
+touched: the STABLE marker and its manifest (the size of every file, the checksum of the
+index and config: a torn or truncated shard, a corrupt index or marker fail here), the
+checksum of each shard, hashed through the mapping the tensors are then copied from (the
+in-place copy must not start on a corrupt file, so the hash comes first; it is the
+file's one read from storage), each file's safetensors header against its size, and that
+the tensors cover every parameter exactly once with the right shapes. A failed check
+leaves the engine serving its previous version.
 
 Collective: the tensor list is checked against the model first; a mismatching list is
 still received (into scratch tensors, so the other members' transfer goes on) and then
@@ -26,7 +29,7 @@ import torch
 from rlcli.errors import ModelLoadError
 from rlcli.models.hf_io import _ignorable, hf_state_dict
 from rlcli.models.safetensors_io import SafetensorsFile, weight_files
-from rlcli.transport.atomic import read_marker, verify_dir
+from rlcli.transport.atomic import checksums_of, marker_problem, read_marker, verify_dir
 from rlcli.transport.collective import Spec, WeightGroup, connect_store, parse_dtype, receive
 
 
@@ -43,6 +46,9 @@ def verified_files(path: str | Path) -> tuple[Path, list[SafetensorsFile]]:
     """The safetensors files of a published weights directory, after checking its marker
     and sizes; raises ModelLoadError naming what is wrong."""
     path = Path(path)
+    bad_marker = marker_problem(path)
+    if bad_marker is not None:
+        raise ModelLoadError(bad_marker)
     marker = read_marker(path)
     if marker is None:
         raise ModelLoadError(f"{path} has no STABLE marker (not completely written)")
@@ -51,10 +57,11 @@ def verified_files(path: str | Path) -> tuple[Path, list[SafetensorsFile]]:
         actual = (source / fname).stat().st_size if (source / fname).is_file() else -1
         if actual != size:
             raise ModelLoadError(f"{source / fname} holds {actual} bytes, its STABLE marker says {size}: torn shard")
-    problems = verify_dir(path)  # the manifest: every file's size, the sha256 of index and config
+    problems = verify_dir(path)  # the marker, every file's size, the checksum of index and config
     if problems:
         raise ModelLoadError(f"{path} is damaged: {'; '.join(problems)}")
-    files = [SafetensorsFile(f) for f in weight_files(source)]
+    sums = checksums_of(path) if source == path else {}  # a "source" marker points at files rlcli did not write
+    files = [SafetensorsFile(f, sums.get(f.name)) for f in weight_files(source)]
     if not files:
         raise ModelLoadError(f"{source} holds no safetensors files")
     for f in files:

@@ -16,13 +16,14 @@ import msgspec
 import zmq
 
 from rlcli.config import RecipeConfig
-from rlcli.errors import PeerUnreachable, RLCLIError
+from rlcli.errors import CorruptFile, PeerUnreachable, RLCLIError
 from rlcli.infer.base import Delta, Engine
 from rlcli.infer.factory import make_engine
 from rlcli.logging import setup_logging
 from rlcli.process import stop_on_signals
 from rlcli.protocol import (
     AbortRequests, ErrorReply, GenerateRequest, GenerateResponse, HealthRequest, HealthResponse, LoadWeights,
+    NcclWeights,
     Shutdown, WeightsLoaded,
 )
 from rlcli.transport.atomic import verify_dir
@@ -51,9 +52,12 @@ def resolve_kv_cache(cfg: RecipeConfig, run: RunDir, timeout_s: float = 120.0) -
     return msgspec.structs.replace(cfg, infer=msgspec.structs.replace(cfg.infer, kv_cache=kv))
 
 
-def newest_intact(run: RunDir) -> int | None:
-    """The newest STABLE policy whose manifest checks out; each damaged newer one is named in a warning."""
+def newest_intact(run: RunDir, skip: set[int] = frozenset()) -> int | None:
+    """The newest STABLE policy (not in ``skip``) whose manifest checks out; each damaged newer one
+    is named in a warning."""
     for step in reversed(run.stable_steps("weights")):
+        if step in skip:
+            continue
         problems = verify_dir(run.weights_dir(step))
         if not problems:
             return step
@@ -61,10 +65,11 @@ def newest_intact(run: RunDir) -> int | None:
     return None
 
 
-def wait_for_policy(run: RunDir, poll_s: float = 0.2) -> int:
-    """The newest complete and intact policy version in RUN/weights, waiting for the trainer's first one."""
+def wait_for_policy(run: RunDir, poll_s: float = 0.2, skip: set[int] = frozenset()) -> int:
+    """The newest complete and intact policy version in RUN/weights (not in ``skip``), waiting for
+    the trainer's first one."""
     announced = False
-    while (step := newest_intact(run)) is None:
+    while (step := newest_intact(run, skip)) is None:
         if not announced:
             log.info("waiting for %s (rl-train writes the initial policy)", run.weights_dir(0))
             announced = True
@@ -76,12 +81,18 @@ class InferServer:
     def __init__(self, cfg: RecipeConfig, run: RunDir, instance: int):
         cfg = resolve_kv_cache(cfg, run)
         self.cfg, self.run, self.instance = cfg, run, instance
-        # Pinned until registered: rl-sync must not prune the version this start is loading.
-        version, pinned = pin_latest(run.root, f"infer-{instance}", lambda: wait_for_policy(run))
-        try:
-            self._start(cfg, run, instance, version)
-        finally:
-            unpin(pinned)
+        corrupt: set[int] = set()  # versions whose shards failed their checksum while loading
+        while True:
+            # Pinned until registered: rl-sync must not prune the version this start is loading.
+            version, pinned = pin_latest(run.root, f"infer-{instance}", lambda: wait_for_policy(run, skip=corrupt))
+            try:
+                self._start(cfg, run, instance, version)
+                return
+            except CorruptFile as e:
+                log.warning("%s; trying the version before", e)
+                corrupt.add(version)
+            finally:
+                unpin(pinned)
 
     def _start(self, cfg: RecipeConfig, run: RunDir, instance: int, version: int) -> None:
         icfg = cfg.infer
@@ -123,8 +134,12 @@ class InferServer:
             # Peers wait this long before calling the server dead: past its usual load, within rl-sync's patience.
             self.registration.beat(busy_s=min(self.cfg.sync.ack_timeout_s, max(registry.STALE_AFTER_S,
                                                                                 3 * self.last_load_s)))
+            weights = msg.weights
+            if isinstance(weights, NcclWeights):  # no message may hold the serving loop past rl-sync's patience
+                weights = msgspec.structs.replace(weights, timeout_s=min(weights.timeout_s,
+                                                                         self.cfg.sync.ack_timeout_s))
             try:
-                self.engine.load_weights(msg.weights, msg.version)
+                self.engine.load_weights(weights, msg.version)
             except (RLCLIError, OSError, ValueError, RuntimeError) as e:  # RuntimeError: a collective op failed
                 log.warning("could not load policy v%d (still serving v%d): %s", msg.version, self.engine.version, e)
                 self.server.reply(identity, ErrorReply(request_id=msg.request_id, message=str(e)))

@@ -53,6 +53,7 @@ from rlcli.models.tokenizer import load_tokenizer
 from rlcli.protocol import (
     Completion, FsWeights, GenerateRequest, GenerateResponse, NcclWeights, WeightsRef, WireTensor,
 )
+from rlcli.transport.atomic import checksums_of
 
 WORKER_EXTENSION = "rlcli.infer.vllm_worker.WeightsExtension"
 
@@ -133,6 +134,10 @@ class VllmEngine:
         if icfg.fp8.enabled:
             raise ConfigError("infer.fp8 (--fp8) is the native engine's FP8 path; the vLLM engine serves the "
                               "checkpoint's own dtype: drop --fp8 or pass --engine native")
+        if checksums_of(weights):  # a policy rlcli wrote: its checksums first (vLLM then reads the files itself)
+            from rlcli.infer.receiver import verified_files
+
+            verified_files(weights)
         args = ModelArgs.from_dir(weights)
         if cfg.model.max_seq_len > args.max_position_embeddings:
             raise ConfigError(f"model.max_seq_len {cfg.model.max_seq_len} exceeds the model's max_position_embeddings "
@@ -285,6 +290,10 @@ class VllmEngine:
             assert isinstance(ref, FsWeights)
             if not Path(ref.path).is_dir():
                 raise ValueError(f"weights directory {ref.path} does not exist")
+            if checksums_of(ref.path):  # marker, sizes, checksums; vLLM's loader then reads the files again
+                from rlcli.infer.receiver import verified_files
+
+                verified_files(ref.path)
             self.llm.collective_rpc("rlcli_load_safetensors", kwargs={"path": str(ref.path)})
         self.torn = False
         self.version = version

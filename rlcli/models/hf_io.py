@@ -153,7 +153,8 @@ def collect_state_dict(model: CausalLM, tensors: Iterable[tuple[str, torch.Tenso
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               seed: int = 0, weights_dir: str | Path | None = None, fp8=None, fp8_storage: bool = False) -> CausalLM:
+               seed: int = 0, weights_dir: str | Path | None = None, fp8=None, fp8_storage: bool = False,
+               checksums: dict[str, str] | None = None) -> CausalLM:
     """Load an HF-layout model. A directory with config.json but no safetensors gets random
     weights from ``seed`` (tiny models built from a config). ``weights_dir`` reads the tensors
     from another directory (a policy version) with the architecture of ``path``.
@@ -161,7 +162,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     FP8 checkpoints (``quantization_config.quant_method = "fp8"``) are dequantized to ``dtype``.
     With ``fp8`` (an enabled :class:`~rlcli.config.model.Fp8Config`) the selected linears become
     FP8 linears: on master weights in ``dtype`` (training), or with ``fp8_storage`` holding FP8
-    weights + scales as the checkpoint has them (inference)."""
+    weights + scales as the checkpoint has them (inference). ``checksums`` (file name -> checksum, from
+    the directory's STABLE manifest) are checked on the mapped files before any tensor is used."""
     args = ModelArgs.from_dir(path)
     source = Path(weights_dir or path)
     is_fp8_checkpoint(args.hf, str(path))  # refuses quantization schemes we cannot read
@@ -183,7 +185,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
         if fp8 is not None and fp8_storage:
             convert_to_fp8(model, fp8, device, fp8_storage=True)
         return model
-    state = collect_state_dict(model, iter_tensors(source), str(source), dtype)
+    state = collect_state_dict(model, iter_tensors(source, checksums), str(source), dtype)
     if torch.device(device).type != "cpu":
         state = {k: v.to(device) for k, v in state.items()}
     model.load_state_dict(state, strict=False, assign=True)

@@ -2,7 +2,10 @@
 
 Reading maps each file privately (copy-on-write) and views tensors straight out of the
 mapping: nothing is read until touched, and a parameter assigned from such a view costs
-no second copy (``safetensors.safe_open`` copies each tensor out instead).
+no second copy (``safetensors.safe_open`` copies each tensor out instead). Given the
+checksum written with a file (``rlcli.transport.checksum``), opening it hashes the mapping:
+that pass is the file's one read from storage (its pages stay resident for the tensors
+viewed from them), and a corrupt file is refused before any tensor is used.
 
 Writing: which tensor goes to which file is huggingface_hub's plan
 (``split_state_dict_into_shards_factory``: in order, files of at most ``max_shard_bytes``,
@@ -24,6 +27,7 @@ import torch
 from safetensors.torch import save_file
 
 from rlcli.errors import ModelLoadError
+from rlcli.transport.checksum import verify
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -36,9 +40,10 @@ _DTYPES = {
 
 
 class SafetensorsFile:
-    """One safetensors file, memory-mapped; ``tensor(name)`` views into the mapping."""
+    """One safetensors file, memory-mapped; ``tensor(name)`` views into the mapping. With
+    ``expected`` (its checksum) the whole mapping is checked first (:class:`CorruptFile` on a mismatch)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, expected: str | None = None):
         self.path = Path(path)
         try:
             with open(self.path, "rb") as f:
@@ -47,6 +52,8 @@ class SafetensorsFile:
                 self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         except (OSError, ValueError, struct.error) as e:
             raise ModelLoadError(f"{self.path}: not a readable safetensors file ({e})") from None
+        if expected is not None:
+            verify(self.path, self._mmap, expected)
         self.metadata = header.pop("__metadata__", {}) or {}
         self.entries = header
         self._base = 8 + header_len
@@ -103,12 +110,14 @@ def weight_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def iter_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_tensors(model_dir: str | Path, checksums: dict[str, str] | None = None
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, mmap-backed tensor) for every tensor of the model directory; with an index, only the
-    tensors it maps to each file (a stray tensor inside a listed shard is not read)."""
+    tensors it maps to each file (a stray tensor inside a listed shard is not read). ``checksums``
+    (file name -> checksum) are checked as each file is opened."""
     weight_map = _weight_map(Path(model_dir))
     for path in weight_files(model_dir):
-        f = SafetensorsFile(path)
+        f = SafetensorsFile(path, (checksums or {}).get(path.name))
         for name in f.keys():
             if weight_map is None or weight_map.get(name) == path.name:
                 yield name, f.tensor(name)

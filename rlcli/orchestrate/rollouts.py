@@ -1,12 +1,12 @@
 """Groups of completions (episodes) and the packed batch files written for the trainer."""
 
-import hashlib
 from dataclasses import dataclass, field
 
 from rlcli.envs import Task
 from rlcli.protocol import Completion
 from rlcli.protocol.batch import Sample, TrainingBatch, build_micro_batch, encode_batch, pack_samples
 from rlcli.transport.atomic import atomic_dir
+from rlcli.transport.checksum import checksum
 from rlcli.transport.rundir import RunDir
 
 
@@ -54,7 +54,8 @@ def write_batch(run: RunDir, step: int, groups: list[Group], num_ranks: int, cap
     num_loss_tokens = sum(s.num_loss_tokens for s in samples)
     min_v = min(g.min_version for g in groups)
     max_v = max(g.max_version for g in groups)
-    with atomic_dir(run.rollouts_dir(step), {"step": step, "num_samples": len(samples)}) as tmp:
+    sums: dict[str, str] = {}  # the manifest's checksums, taken on the bytes in memory
+    with atomic_dir(run.rollouts_dir(step), {"step": step, "num_samples": len(samples)}, sums) as tmp:
         for rank, rows in enumerate(per_rank):
             micro_batches = [build_micro_batch([samples[i] for i in row], temperature, top_p, share_prompts)
                              for row in rows]
@@ -62,7 +63,7 @@ def write_batch(run: RunDir, step: int, groups: list[Group], num_ranks: int, cap
                                   num_samples=len(samples), min_version=min_v, max_version=max_v)
             data = encode_batch(batch)
             (tmp / f"{rank}.msgpack").write_bytes(data)
-            (tmp / f"{rank}.msgpack.sha256").write_text(hashlib.sha256(data).hexdigest() + "\n")
+            sums[f"{rank}.msgpack"] = checksum(data)
     return {"num_samples": len(samples), "num_loss_tokens": num_loss_tokens,
             "num_micro_batches": sum(len(r) for r in per_rank), "min_version": min_v, "max_version": max_v,
             "num_row_tokens": num_row_tokens, "num_sample_tokens": sum(len(s.token_ids) for s in samples)}

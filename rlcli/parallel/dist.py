@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from rlcli.transport.atomic import begin_dir, commit_dir, storage_full
+from rlcli.transport.checksum import file_checksum
 
 
 @dataclass(frozen=True)
@@ -109,19 +110,29 @@ def all_reduce_max_int(value: int) -> int:
 
 
 @contextlib.contextmanager
-def shared_atomic_dir(final: str | Path, marker: dict[str, Any] | None = None) -> Iterator[Path]:
+def shared_atomic_dir(final: str | Path, marker: dict[str, Any] | None = None,
+                      own_files: str | None = None) -> Iterator[Path]:
     """:func:`rlcli.transport.atomic.atomic_dir` for a directory every rank writes into.
 
     Rank 0 creates the temporary directory (its name carries rank 0's host and pid) and
     tells the others; after a barrier (every rank done writing) rank 0 moves it into place
     and marks it STABLE; a second barrier keeps any rank from racing ahead of the marker.
+    ``own_files`` (a glob with ``{rank}``, e.g. DCP's ``__{rank}_*``) names the files each
+    rank wrote: each rank takes their checksums itself (from its own page cache), so rank 0's
+    manifest reads no other rank's file.
     """
     tmp = Path(broadcast_object(str(begin_dir(final)) if not enabled() or dist.get_rank() == 0 else None))
     try:
         yield tmp
+        sums: dict[str, str] = {}
+        if own_files is not None:
+            rank = dist.get_rank() if enabled() else 0
+            sums = {p.name: file_checksum(p) for p in tmp.glob(own_files.format(rank=rank))}
+            if enabled():
+                sums = {k: v for part in all_gather_objects(sums) for k, v in part.items()}
         barrier()
         if not enabled() or dist.get_rank() == 0:
-            commit_dir(tmp, final, marker)
+            commit_dir(tmp, final, marker, sums)
         barrier()
     except BaseException as e:
         if not enabled() or dist.get_rank() == 0:

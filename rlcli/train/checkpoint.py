@@ -4,34 +4,116 @@ Saved with torch.distributed.checkpoint (DCP): under FSDP2 / EP every rank write
 own shards into one directory (``shared_atomic_dir``: rank 0 creates the temporary
 directory, and renames and marks it STABLE after a barrier). DCP stores global shapes and
 reshards on load, so a checkpoint written with another --dp/--cp/--ep mesh resumes on
-this one. The newest STABLE checkpoint whose manifest checks out (sizes of every file,
-sha256 of the metadata; ``rlcli.transport.atomic.verify_dir``) is resumed, so a crash
-mid-save loses at most one interval and a damaged newest checkpoint falls back to the
-one before it.
+this one. The newest STABLE checkpoint whose manifest checks out (the marker, sizes of
+every file, checksum of the metadata; ``rlcli.transport.atomic.verify_dir``) is resumed, so
+a crash mid-save loses at most one interval and a damaged newest checkpoint falls back to
+the one before it.
+
+Each rank takes the checksum of the shard files it wrote (``shared_atomic_dir(own_files=)``)
+and each rank checks the files it reads: DCP's reader is handed each file as a read-only
+memory mapping, hashed first (that pass reads the file from storage) and then parsed from
+the same mapping (:class:`VerifyingReader`). A corrupt shard on
+any rank fails the load on every rank (DCP gathers the ranks' read errors), and they all
+fall back to the checkpoint before it together.
 """
 
+import contextlib
+import io
 import logging
-
+import mmap
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from rlcli.errors import CorruptFile
 from rlcli.parallel import dist as pdist
-from rlcli.transport.atomic import clean_temporaries, read_marker, remove_dir, verify_dir
+from rlcli.transport.atomic import checksums_of, clean_temporaries, read_marker, remove_dir, verify_dir
+from rlcli.transport.checksum import verify
 from rlcli.transport.rundir import RunDir
 
 log = logging.getLogger("rl-train")
 
 
-def newest_intact(run: RunDir) -> int | None:
-    """The newest STABLE checkpoint that passes :func:`verify_dir` (each damaged newer one named in a warning)."""
+def newest_intact(run: RunDir, skip: set[int] = frozenset()) -> int | None:
+    """The newest STABLE checkpoint (not in ``skip``) that passes :func:`verify_dir` (each damaged
+    newer one named in a warning)."""
     for step in reversed(run.stable_steps("checkpoints")):
+        if step in skip:
+            continue
         problems = verify_dir(run.checkpoint_dir(step))
         if not problems:
             return step
         log.warning("checkpoint step %d is damaged (%s); trying the one before", step, "; ".join(problems))
+    return None
+
+
+class _MappedFile(io.RawIOBase):
+    """A read-only file over a memory mapping: DCP parses the very bytes that were hashed."""
+
+    def __init__(self, view: memoryview):
+        self.view, self.pos = view, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self.pos = offset if whence == io.SEEK_SET else self.pos + offset if whence == io.SEEK_CUR \
+            else len(self.view) + offset
+        return self.pos
+
+    def readinto(self, buffer) -> int:
+        n = max(0, min(len(buffer), len(self.view) - self.pos))
+        buffer[:n] = self.view[self.pos:self.pos + n]
+        self.pos += n
+        return n
+
+
+class _VerifyingFileSystem(FileSystem):
+    def __init__(self, sums: dict[str, str]):
+        super().__init__()
+        self.sums = sums
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        name = Path(path).name
+        if mode != "rb" or name not in self.sums or not Path(path).stat().st_size:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            view = memoryview(mapped)
+            try:
+                verify(path, view, self.sums[name])  # the file's one read from storage
+                yield _MappedFile(view)
+            finally:
+                view.release()
+
+
+class VerifyingReader(FileSystemReader):
+    """DCP's filesystem reader, checking each file against the checksum of the checkpoint's manifest."""
+
+    def __init__(self, path: str | Path):
+        super().__init__(path)
+        self.fs = _VerifyingFileSystem(checksums_of(path))
+
+
+def corrupt_file(e: BaseException) -> CorruptFile | None:
+    """The :class:`CorruptFile` behind a DCP load failure (raised on any rank), or None."""
+    if isinstance(e, CorruptFile):
+        return e
+    if isinstance(e, CheckpointException):
+        return next((exc for exc, _ in e.failures.values() if isinstance(exc, CorruptFile)), None)
     return None
 
 
@@ -40,7 +122,8 @@ def save_checkpoint(run: RunDir, step: int, model: torch.nn.Module, optimizer: t
     """Every rank calls this; ``mesh`` (dp/cp/ep) is recorded in the STABLE marker."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "extra": extra}
-    with pdist.shared_atomic_dir(run.checkpoint_dir(step), {"step": step, "parallel": mesh}) as tmp, warnings.catch_warnings():
+    with pdist.shared_atomic_dir(run.checkpoint_dir(step), {"step": step, "parallel": mesh},
+                                 own_files="__{rank}_*") as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "torch.distributed is disabled ... single process"
         dcp.save(state, checkpoint_id=str(tmp))
     if not pdist.enabled() or torch.distributed.get_rank() == 0:
@@ -54,15 +137,25 @@ def load_latest_checkpoint(run: RunDir, model: torch.nn.Module, optimizer: torch
     dict (step, data position, and "parallel": the mesh it was written with), or None."""
     if not pdist.enabled() or torch.distributed.get_rank() == 0:
         clean_temporaries(run.root / "checkpoints")
-    step = pdist.broadcast_object(newest_intact(run) if not pdist.enabled() or torch.distributed.get_rank() == 0
-                                  else None)
-    if step is None:
-        return None
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "extra": {"step": 0}}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.load(state, checkpoint_id=str(run.checkpoint_dir(step)))
+    skip: set[int] = set()  # checkpoints whose shards failed their checksum while loading
+    while True:
+        step = pdist.broadcast_object(newest_intact(run, skip) if not pdist.enabled() or
+                                      torch.distributed.get_rank() == 0 else None)
+        if step is None:
+            return None
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "extra": {"step": 0}}
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                dcp.load(state, storage_reader=VerifyingReader(run.checkpoint_dir(step)))
+            break
+        except (CorruptFile, CheckpointException) as e:
+            corrupt = corrupt_file(e)
+            if corrupt is None:
+                raise
+            log.warning("%s; trying the checkpoint before", corrupt)  # the next load overwrites every value
+            skip.add(step)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     scheduler.load_state_dict(state["scheduler"])
     return {**state["extra"], "parallel": (read_marker(run.checkpoint_dir(step)) or {}).get("parallel")}

@@ -1,7 +1,8 @@
 """Reading rollout batches from the run directory (and turning them into tensors).
 
-A batch file is checked against its ``.sha256`` on the bytes already read for decoding
-(one read, no second pass). A corrupt batch is not trained: the trainer unmarks and
+A batch file is checked against the checksum in its directory's STABLE manifest (and that
+marker against its own checksum) on the bytes already read for decoding (one read, no second
+pass). A corrupt batch is not trained: the trainer unmarks and
 deletes RUN/rollouts/step_N and keeps waiting; rl-orchestrate sees a step at or past the
 trainer's that is missing and writes it again from fresh groups.
 """
@@ -13,7 +14,9 @@ from pathlib import Path
 import torch
 
 from rlcli.protocol.batch import MicroBatch, TrainingBatch, decode_batch
-from rlcli.transport.atomic import is_stable
+from rlcli.errors import CorruptFile
+from rlcli.transport.atomic import checksums_of, is_stable, marker_problem
+from rlcli.transport.checksum import verify
 from rlcli.transport.rundir import RunDir
 
 
@@ -36,12 +39,23 @@ def wait_for_batch(run: RunDir, step: int, rank: int, timeout_s: float = 0.0, po
             return None
         time.sleep(poll_s)
     path = batch_path(run, step, rank)
+    bad_marker = marker_problem(directory)
+    if bad_marker is not None:
+        raise BatchCorrupt(bad_marker)
     try:
-        expected = (path.with_suffix(".msgpack.sha256")).read_text().strip()
+        expected = checksums_of(directory).get(path.name)
+        legacy = path.with_suffix(".msgpack.sha256")  # batches written before checksum manifests
+        legacy_sum = legacy.read_text().strip() if expected is None and legacy.is_file() else None
         data = path.read_bytes()
     except FileNotFoundError as e:  # deleted under us (retention, or another rank found it corrupt)
         raise BatchCorrupt(f"{e.filename} is missing") from None
-    if hashlib.sha256(data).hexdigest() != expected:
+    if expected is None and legacy_sum is None:
+        raise BatchCorrupt(f"{path} has no checksum in {directory / 'STABLE'}")
+    try:
+        verify(path, data, expected)
+    except CorruptFile as e:
+        raise BatchCorrupt(str(e)) from None
+    if legacy_sum is not None and hashlib.sha256(data).hexdigest() != legacy_sum:
         raise BatchCorrupt(f"{path} does not match its sha256")
     try:
         return decode_batch(data)

@@ -10,9 +10,9 @@ The trainer's ranks hold the weights, so they publish them; rl-sync only coordin
   rank writes its files into a shared temporary directory, then a per-rank done file
   holding its part of the weight map. Rank 0 waits for all of them (a filesystem barrier,
   so the same code runs in a background thread), writes the index, config and tokenizer
-  files, renames the directory into place and marks it STABLE with every file's size;
-  servers check those sizes before touching a parameter. With ``train.fp8.publish`` the
-  FP8 linears' weights are written as FP8 + ``weight_scale_inv`` (DeepSeek-V3 layout), on
+  files, renames the directory into place and marks it STABLE with every file's size and
+  checksum (each rank hashes its own files); servers check both before touching a parameter.
+  With ``train.fp8.publish`` the FP8 linears' weights are written as FP8 + ``weight_scale_inv`` (DeepSeek-V3 layout), on
   any backend, and config.json declares the ``quantization_config``.
 - ``async_filesystem``: the same files, written by a background thread from a host
   snapshot taken during ``publish``. STABLE is written only after every byte is fsynced;
@@ -48,6 +48,7 @@ from rlcli.logging import setup_logging
 from rlcli.models.hf_io import copy_tokenizer_files, hf_entries
 from rlcli.models.safetensors_io import plan_shards, write_index
 from rlcli.transport.atomic import commit_dir, storage_full
+from rlcli.transport.checksum import file_checksum
 
 if TYPE_CHECKING:
     from rlcli.config import RecipeConfig
@@ -188,12 +189,15 @@ class FilesystemPublisher:
         final = self.root / f"step_{step}"
         tmp = self.root / f".step_{step}.tmp-{self.token}"
         tmp.mkdir(parents=True, exist_ok=True)
+        sums = {}  # each rank hashes its own files (from its page cache): rank 0 reads no other rank's shard
         for fname, tensors in mine.items():
             save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
             with open(tmp / fname, "rb") as f:
                 os.fsync(f.fileno())
+            sums[fname] = file_checksum(tmp / fname)
         done = tmp / f".done-{self.rank}"  # this rank's part of the weight map (FP8 adds scale tensors)
-        done.with_suffix(".tmp").write_text(json.dumps({k: f for f, ts in mine.items() for k in ts}))
+        done.with_suffix(".tmp").write_text(json.dumps(
+            {"weight_map": {k: f for f, ts in mine.items() for k in ts}, "checksums": sums}))
         os.replace(done.with_suffix(".tmp"), done)
         if self.rank != 0:
             return
@@ -204,7 +208,9 @@ class FilesystemPublisher:
             time.sleep(0.01)
         weight_map: dict[str, str] = {}
         for r in range(self.world_size):
-            weight_map.update(json.loads((tmp / f".done-{r}").read_text()))
+            done = json.loads((tmp / f".done-{r}").read_text())
+            weight_map.update(done["weight_map"])
+            sums.update(done["checksums"])
             (tmp / f".done-{r}").unlink()
         write_index(tmp, weight_map)
         hf = {k: v for k, v in model.args.hf.items() if k != "quantization_config"}
@@ -214,7 +220,7 @@ class FilesystemPublisher:
         copy_tokenizer_files(self.cfg.model.path, tmp)
         sizes = {f: (tmp / f).stat().st_size for f in files}
         # fsync, move into place and mark; a re-published step (trainer restart) is swapped in atomically
-        commit_dir(tmp, final, {"step": step, "files": sizes})
+        commit_dir(tmp, final, {"step": step, "files": sizes}, sums)
         write_s = time.monotonic() - t0
         self.announce(step, str(final), {"gather_s": gather_s, "write_s": write_s})
 

@@ -143,10 +143,12 @@ def accumulate(model: torch.nn.Module, micro_batches: list[MicroBatch], dims, de
             host_pos = torch.from_numpy(mb.position_ids.numpy().astype("int64"))[None]
             t, attn = shard_batch_for_cp(t, cp_rank, dims.cp, host_position_ids=host_pos, tree=t["tree"])
         metrics = forward_backward(model, t, normalizer, loss_fn, lcfg, chunk, attn, r3)
-        if not padding and cp_rank == 0:  # the CP ranks of a row count its tokens once
-            tree = t["tree"]
-            metrics["tokens_unique"] = torch.tensor(float(tree.num_tokens), device=device)
-            metrics["tokens_total"] = torch.tensor(float(tree.num_unshared_tokens()), device=device)
+        # The CP ranks of a row count its tokens once. Every rank reports both keys (0 for padding,
+        # or a CP rank > 0): the step all-reduces one stacked tensor of the keys, which must match.
+        counted = not padding and cp_rank == 0
+        metrics["tokens_unique"] = torch.tensor(float(t["tree"].num_tokens) if counted else 0.0, device=device)
+        metrics["tokens_total"] = torch.tensor(float(t["tree"].num_unshared_tokens()) if counted else 0.0,
+                                               device=device)
         for k, v in metrics.items():
             if k.endswith("_max"):
                 totals[k] = torch.maximum(totals[k], v) if k in totals else v

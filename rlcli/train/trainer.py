@@ -42,7 +42,7 @@ from rlcli.train.loss import LOSSES
 from rlcli.train.publish import make_publisher
 from rlcli.train.sft import run_sft
 from rlcli.train.step import accumulate
-from rlcli.transport.atomic import atomic_dir, clean_temporaries, is_stable, remove_dir
+from rlcli.transport.atomic import atomic_dir, clean_temporaries, is_stable, remove_dir, verify_files
 from rlcli.transport.cores import CoreShare, hook_layers
 from rlcli.transport.registry import Registration
 from rlcli.transport.rundir import RunDir
@@ -135,6 +135,12 @@ class Trainer:
         overwrites every value), so once rl-sync has pruned weights/step_0 it starts from the
         base model (or the newest published weights) instead of re-running the warm-up."""
         cfg, run = self.cfg, self.run
+        if self.dist.is_main and is_stable(run.weights_dir(0)):
+            problems = verify_files(run.weights_dir(0))
+            if problems:  # written by an earlier start: write it again (or do without it, below)
+                log.warning("%s is damaged (%s); writing policy 0 again", run.weights_dir(0), "; ".join(problems))
+                remove_dir(run.weights_dir(0))
+        pdist.barrier()
         if not is_stable(run.weights_dir(0)) and run.latest_stable("checkpoints") is not None:
             newest = run.latest_stable("weights")
             source = cfg.model.path if has_weights(cfg.model.path) or newest is None else run.resolve_weights(newest)

@@ -15,12 +15,13 @@ written by several ranks is built with :func:`begin_dir` / :func:`commit_dir`: o
 creates and later renames and marks it, after a barrier
 (``rlcli.parallel.dist.shared_atomic_dir``).
 
-Every committed directory's STABLE marker carries a manifest: the size of each file and
-the sha256 of each small one (<= 1 MiB: configs, indexes, checkpoint metadata), taken
-from the files just written. :func:`verify_dir` checks it with one ``stat`` per file
-and one read of the small files, so a truncated tensor file or a corrupt index or
-checkpoint metadata is caught before use without a second pass over the large files
-(rollout batches carry their own sha256, checked on the bytes read for decoding).
+Every committed directory's STABLE marker carries a manifest: the size and the checksum
+(:mod:`rlcli.transport.checksum`) of each file, taken from the files just written, and
+the marker carries the checksum of its own JSON. :func:`verify_dir` checks the marker, one
+``stat`` per file and the checksum of the small files (<= 1 MiB: configs, indexes,
+checkpoint metadata), so a truncated file or a corrupt index or marker is caught before
+use. A large file's checksum (:func:`checksums_of`) is checked by its reader on the bytes
+it parses, without a second pass over the file.
 
 A write that fails for lack of space (ENOSPC, EDQUOT, EFBIG, EROFS; also as the
 message of a library's own error, e.g. safetensors) removes its temporary and raises
@@ -50,6 +51,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from rlcli.errors import StorageFull
+from rlcli.transport.checksum import ALGO, checksum, file_checksum
 
 STABLE = "STABLE"
 
@@ -121,21 +123,39 @@ def read_json(path: str | Path, default: Any = None) -> Any:
         return default
 
 
-def sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+def _marker_sum(payload: dict[str, Any]) -> str:
+    return checksum(json.dumps({k: v for k, v in payload.items() if k != "checksum"}, sort_keys=True).encode())
 
 
 def write_marker(directory: str | Path, payload: dict[str, Any] | None = None) -> None:
-    """Mark ``directory`` complete. The marker holds a small JSON payload (time, extra info)."""
-    atomic_write_json(Path(directory) / STABLE, {"time": time.time(), **(payload or {})})
+    """Mark ``directory`` complete. The marker holds a small JSON payload (time, extra info,
+    the manifest) and the checksum of that payload."""
+    payload = {"time": time.time(), **{k: v for k, v in (payload or {}).items() if k != "checksum"}}
+    atomic_write_json(Path(directory) / STABLE, {**payload, "checksum": _marker_sum(payload)})
+
+
+def marker_problem(directory: str | Path) -> str | None:
+    """Why the STABLE marker of ``directory`` cannot be trusted (unparsable, or its checksum does
+    not match), or None (intact, absent, or written before markers carried a checksum)."""
+    path = Path(directory) / STABLE
+    try:
+        payload = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        return f"{path} is corrupt: not valid JSON"
+    if not isinstance(payload, dict):
+        return f"{path} is corrupt: not a JSON object"
+    if "checksum" in payload and payload["checksum"] != _marker_sum(payload):
+        return f"{path} is corrupt: its {ALGO} is {_marker_sum(payload)}, {payload['checksum']} was written"
+    return None
 
 
 def read_marker(directory: str | Path) -> dict[str, Any] | None:
-    """The marker payload of a complete directory, or None if it is not (yet) complete."""
+    """The marker payload of a complete directory, or None if it is not (yet) complete or
+    its marker is corrupt (:func:`marker_problem` says why)."""
+    if marker_problem(directory) is not None:
+        return None
     return read_json(Path(directory) / STABLE)
 
 
@@ -174,20 +194,30 @@ def _exchange(a: Path, b: Path) -> bool:
 SMALL_FILE_BYTES = 1 << 20
 
 
-def manifest(directory: Path) -> dict[str, dict[str, Any]]:
-    """{"sizes": {file: bytes}, "sha256": {small file: hex}} of every file under ``directory``."""
+def manifest(directory: Path, known: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
+    """{"sizes": {file: bytes}, "xxh3_64": {file: hex}} of every file under ``directory``;
+    ``known`` holds checksums a writer took already (e.g. each trainer rank of its own shards)."""
     sizes, sums = {}, {}
     for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != STABLE):
         rel = str(path.relative_to(directory))
         sizes[rel] = path.stat().st_size
-        if sizes[rel] <= SMALL_FILE_BYTES:
-            sums[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
-    return {"sizes": sizes, "sha256": sums}
+        sums[rel] = (known or {}).get(rel) or file_checksum(path)
+    return {"sizes": sizes, ALGO: sums}
+
+
+def checksums_of(directory: str | Path) -> dict[str, str]:
+    """{file relative to ``directory``: checksum} from its STABLE manifest (empty without one)."""
+    return dict(((read_marker(directory) or {}).get("manifest") or {}).get(ALGO) or {})
 
 
 def verify_dir(directory: str | Path) -> list[str]:
-    """Problems of a STABLE directory against its manifest (empty: intact, or no manifest)."""
+    """Problems of a STABLE directory: a corrupt marker, a missing or resized file, a small file
+    whose checksum does not match (empty: intact, or no manifest). Large files are checked by their
+    readers on the bytes they parse."""
     directory = Path(directory)
+    bad_marker = marker_problem(directory)
+    if bad_marker is not None:
+        return [bad_marker]
     m = (read_marker(directory) or {}).get("manifest")
     if not m:
         return []
@@ -200,22 +230,41 @@ def verify_dir(directory: str | Path) -> list[str]:
             continue
         if actual != size:
             problems.append(f"{rel} has {actual} bytes, {size} were written")
-    for rel, digest in m["sha256"].items():
+    for rel, digest in (m.get(ALGO) or {}).items():
+        if m["sizes"].get(rel, SMALL_FILE_BYTES + 1) <= SMALL_FILE_BYTES and \
+                not any(p.startswith(rel) for p in problems) and checksum((directory / rel).read_bytes()) != digest:
+            problems.append(f"{rel} does not match its {ALGO}")
+    for rel, digest in (m.get("sha256") or {}).items():  # manifests written before checksums
         if rel in m["sizes"] and not any(p.startswith(rel) for p in problems) and \
                 hashlib.sha256((directory / rel).read_bytes()).hexdigest() != digest:
             problems.append(f"{rel} does not match its sha256")
     return problems
 
 
-def commit_dir(tmp: Path, final: str | Path, marker: dict[str, Any] | None = None) -> None:
+def verify_files(directory: str | Path) -> list[str]:
+    """:func:`verify_dir` plus the checksum of every large file: a full pass, for readers that cannot
+    hash the bytes they parse (the trainer reads only its slices of policy 0)."""
+    directory = Path(directory)
+    problems = verify_dir(directory)
+    if problems:
+        return problems
+    m = (read_marker(directory) or {}).get("manifest") or {}
+    for rel, digest in (m.get(ALGO) or {}).items():
+        if m["sizes"].get(rel, 0) > SMALL_FILE_BYTES and file_checksum(directory / rel) != digest:
+            problems.append(f"{rel} does not match its {ALGO}")
+    return problems
+
+
+def commit_dir(tmp: Path, final: str | Path, marker: dict[str, Any] | None = None,
+               checksums: dict[str, str] | None = None) -> None:
     """fsync ``tmp``'s files, move it to ``final`` (replacing an old one) and mark it STABLE
-    with a manifest of what was written."""
+    with a manifest of what was written (``checksums``: checksums already taken by the writers)."""
     final = Path(final)
     for child in tmp.iterdir():
         if child.is_file():
             with open(child, "rb") as f:
                 os.fsync(f.fileno())
-    marker = {**(marker or {}), "manifest": manifest(tmp)}
+    marker = {**(marker or {}), "manifest": manifest(tmp, checksums)}
     if not final.exists():
         os.replace(tmp, final)
         _fsync_dir(final.parent)
@@ -234,17 +283,19 @@ def commit_dir(tmp: Path, final: str | Path, marker: dict[str, Any] | None = Non
 
 
 @contextlib.contextmanager
-def atomic_dir(final: str | Path, marker: dict[str, Any] | None = None) -> Iterator[Path]:
+def atomic_dir(final: str | Path, marker: dict[str, Any] | None = None,
+               checksums: dict[str, str] | None = None) -> Iterator[Path]:
     """Build a directory under a temporary name; on success rename it to ``final`` and mark it.
 
     An existing ``final`` (complete or not) is replaced by an atomic exchange (see the
     module note), so readers see either the old complete directory or the new one. On
-    error the temporary directory is removed.
+    error the temporary directory is removed. ``checksums`` may be filled inside the block
+    with the checksums of files written from memory (no read-back for the manifest).
     """
     tmp = begin_dir(final)
     try:
         yield tmp
-        commit_dir(tmp, final, marker)
+        commit_dir(tmp, final, marker, checksums)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         full = storage_full(e, final)

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from rlcli.transport.atomic import (
-    STABLE, _pid_alive, atomic_write_json, is_stable, read_json, read_marker, remove_dir, write_marker,
+    STABLE, _pid_alive, atomic_write_bytes, atomic_write_json, is_stable, read_json, remove_dir,
 )
 
 PIN_TTL_S = 3600.0
@@ -61,12 +61,13 @@ def pinned_versions(run_root: str | Path) -> set[int]:
 
 def prune_weights(weights_dir: Path, version: int) -> bool:
     """Delete ``weights_dir`` (policy ``version``) unless a live reader pinned it; True if deleted."""
-    marker = read_marker(weights_dir)
-    if marker is None:
+    try:
+        marker = (weights_dir / STABLE).read_bytes()  # as written: a corrupt marker is pruned too
+    except FileNotFoundError:
         return False
     (weights_dir / STABLE).unlink(missing_ok=True)
     if version in pinned_versions(weights_dir.parent.parent):
-        write_marker(weights_dir, {k: v for k, v in marker.items() if k != "time"})
+        atomic_write_bytes(weights_dir / STABLE, marker)
         return False
     remove_dir(weights_dir)
     return True

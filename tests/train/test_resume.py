@@ -1,11 +1,13 @@
-"""rl-train restarts: no second SFT warm-up once rl-sync pruned weights/step_0, and a
-corrupt batch is deleted and waited for instead of crash-looping the trainer."""
+"""rl-train restarts: no second SFT warm-up once rl-sync pruned weights/step_0, a corrupt
+batch is deleted and waited for instead of crash-looping the trainer, and one flipped byte
+in a checkpoint, its marker or policy 0 is caught and falls back."""
 
 import threading
 
 import pytest
 import torch
 
+from integrity import flip_byte, flip_marker_step
 from procs import wait_until, write_recipe
 from rlcli.config import load_recipe
 from rlcli.envs import Task
@@ -13,7 +15,8 @@ from rlcli.orchestrate.rollouts import Group, write_batch
 from rlcli.protocol import Completion
 from rlcli.train.checkpoint import save_checkpoint
 from rlcli.train.trainer import Trainer
-from rlcli.transport.atomic import is_stable, remove_dir
+from rlcli.transport import atomic
+from rlcli.transport.atomic import is_stable, remove_dir, verify_files
 from rlcli.transport.rundir import RunDir
 
 pytestmark = pytest.mark.timeout(300)
@@ -79,13 +82,56 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(setup):
         again.close()
 
 
-def test_a_corrupt_batch_is_deleted_and_the_rewrite_is_trained(setup):
+@pytest.mark.parametrize("damage", ["shard", "marker"])
+def test_a_flipped_byte_in_the_newest_checkpoint_falls_back_to_the_one_before(setup, damage, monkeypatch):
+    """A weight value in DCP's shard file (same size; counted as large, so only the reader's hash
+    of the bytes DCP parses sees it), or the STABLE marker's step."""
+    monkeypatch.setattr(atomic, "SMALL_FILE_BYTES", 0)
+    cfg, run = setup
+    trainer = Trainer(cfg, run)
+    try:
+        save_checkpoint(run, 1, trainer.model, trainer.optimizer, trainer.scheduler, {"step": 1}, 2)
+        first = [p.detach().clone() for p in trainer.model.parameters()]
+        with torch.no_grad():
+            for p in trainer.model.parameters():
+                p.add_(1.0)
+        save_checkpoint(run, 2, trainer.model, trainer.optimizer, trainer.scheduler, {"step": 2}, 2)
+    finally:
+        trainer.close()
+    if damage == "shard":
+        flip_byte(run.checkpoint_dir(2) / "__0_0.distcp")
+    else:
+        flip_marker_step(run.checkpoint_dir(2))
+    again = Trainer(cfg, run)
+    try:
+        assert again.step == 1, "resumed from the corrupt checkpoint"
+        assert all(torch.equal(a, b) for a, b in zip(first, again.model.parameters()))
+    finally:
+        again.close()
+
+
+def test_a_flipped_byte_in_policy_zero_writes_it_again(setup, monkeypatch):
+    monkeypatch.setattr(atomic, "SMALL_FILE_BYTES", 0)
+    cfg, run = setup
+    Trainer(cfg, run).close()
+    flip_byte(run.weights_dir(0) / "model.safetensors")
+    assert verify_files(run.weights_dir(0)) == ["model.safetensors does not match its xxh3_64"]
+    again = Trainer(cfg, run)
+    try:
+        assert len(run.read_metrics("sft")) == 2, "the corrupt policy 0 was trained from"
+        assert is_stable(run.weights_dir(0)) and verify_files(run.weights_dir(0)) == []
+    finally:
+        again.close()
+
+
+@pytest.mark.parametrize("damage", ["file", "marker"])
+def test_a_corrupt_batch_is_deleted_and_the_rewrite_is_trained(setup, damage):
     cfg, run = setup
     write_batch(run, 1, groups(4), 1, 256, 1.0)
-    path = run.rollouts_dir(1) / "0.msgpack"
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
+    if damage == "file":
+        flip_byte(run.rollouts_dir(1) / "0.msgpack")
+    else:
+        flip_marker_step(run.rollouts_dir(1))
     trainer = Trainer(cfg, run)
     got = []
     reader = threading.Thread(target=lambda: got.append(trainer.next_batch(1)))

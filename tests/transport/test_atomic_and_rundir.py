@@ -5,9 +5,11 @@ import sys
 
 import pytest
 
+from integrity import flip_byte, flip_marker_step
 from rlcli.errors import RunDirError
 from rlcli.transport.atomic import (
-    atomic_dir, atomic_write_json, clean_temporaries, is_stable, read_json, read_marker, remove_dir,
+    SMALL_FILE_BYTES, atomic_dir, atomic_write_json, checksums_of, clean_temporaries, is_stable, read_json,
+    read_marker, remove_dir, verify_dir, verify_files,
 )
 from rlcli.transport.rundir import RunDir
 
@@ -179,3 +181,32 @@ def test_temporary_directories_of_one_writer_are_distinct(tmp_path):
 
     a, b = begin_dir(tmp_path / "x"), begin_dir(tmp_path / "x")
     assert a != b and a.is_dir() and b.is_dir()
+
+
+def test_a_flipped_byte_in_any_file_or_the_marker_is_named(tmp_path):
+    final = tmp_path / "d"
+    with atomic_dir(final, {"step": 3}) as tmp:
+        (tmp / "small.json").write_text('{"a": 1}')
+        (tmp / "large.bin").write_bytes(bytes(range(256)) * (SMALL_FILE_BYTES // 256 + 1))
+    assert verify_files(final) == [] and set(checksums_of(final)) == {"small.json", "large.bin"}
+    flip_byte(final / "large.bin")
+    assert verify_dir(final) == []  # a large file is checked by its reader, on the bytes it parses
+    assert verify_files(final) == ["large.bin does not match its xxh3_64"]
+    flip_byte(final / "large.bin")
+    flip_byte(final / "small.json", 1)
+    assert verify_dir(final) == ["small.json does not match its xxh3_64"]
+    flip_byte(final / "small.json", 1)
+    flip_marker_step(final)
+    [problem] = verify_dir(final)
+    assert problem.startswith(f"{final / 'STABLE'} is corrupt") and read_marker(final) is None
+
+
+def test_a_pinned_version_keeps_its_marker_bytes_when_pruning_is_refused(tmp_path):
+    from rlcli.transport.pins import pin, prune_weights
+
+    final = tmp_path / "weights" / "step_1"
+    with atomic_dir(final, {"step": 1}) as tmp:
+        (tmp / "a").write_text("x")
+    before = (final / "STABLE").read_bytes()
+    pin(tmp_path, "infer-0", 1)
+    assert not prune_weights(final, 1) and (final / "STABLE").read_bytes() == before and verify_dir(final) == []
