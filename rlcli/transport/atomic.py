@@ -123,6 +123,24 @@ def read_json(path: str | Path, default: Any = None) -> Any:
         return default
 
 
+def write_checked_json(path: str | Path, payload: dict[str, Any], *, fsync: bool = True) -> None:
+    """A small JSON state file (progress) with the checksum of its own content, as a marker."""
+    payload = {k: v for k, v in payload.items() if k != "checksum"}
+    atomic_write_json(path, {**payload, "checksum": _marker_sum(payload)}, fsync=fsync)
+
+
+def read_checked_json(path: str | Path) -> dict[str, Any] | None:
+    """What :func:`write_checked_json` wrote; None when the file is absent, unparsable or its
+    checksum does not match (a file without one, from before checksums, is taken as is)."""
+    try:
+        payload = json.loads(Path(path).read_text())
+    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    if not isinstance(payload, dict) or ("checksum" in payload and payload["checksum"] != _marker_sum(payload)):
+        return None
+    return {k: v for k, v in payload.items() if k != "checksum"}
+
+
 def _marker_sum(payload: dict[str, Any]) -> str:
     return checksum(json.dumps({k: v for k, v in payload.items() if k != "checksum"}, sort_keys=True).encode())
 

@@ -9,7 +9,7 @@
       rollouts/step_<N>/<rank>.msgpack (+ .sha256), STABLE
       weights/step_<N>/             HF-layout safetensors + config.json, STABLE
       checkpoints/step_<N>/         trainer state for resume, STABLE
-      progress/<command>.json       last completed step / policy version
+      progress/<command>.json       last completed step / policy version (+ checksum)
       sync/store.json, status.json  rl-sync's rendezvous store; servers' versions, last update timing
       metrics/<command>.jsonl       one JSON object per step
       logs/<command>-<id>.log
@@ -32,8 +32,10 @@ from rlcli.transport.atomic import (
     clean_temporaries,
     atomic_write_json,
     is_stable,
+    read_checked_json,
     read_json,
     read_marker,
+    write_checked_json,
 )
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
@@ -145,13 +147,17 @@ class RunDir:
 
     # ------------------------------------------------------------ progress and metrics
     def write_progress(self, command: str, **fields: Any) -> None:
-        atomic_write_json(self.progress_file(command), {"time": time.time(), **fields}, fsync=False)
+        write_checked_json(self.progress_file(command), {"time": time.time(), **fields}, fsync=False)
 
     def read_progress(self, command: str) -> dict[str, Any]:
-        try:
-            return read_json(self.progress_file(command), {}) or {}
-        except json.JSONDecodeError:
-            return {}
+        """The command's last progress record; {} when there is none or it is damaged (a
+        checksum mismatch is logged), so a restart falls back to what the run directory's
+        STABLE markers say, never to a corrupted counter."""
+        path = self.progress_file(command)
+        record = read_checked_json(path)
+        if record is None and path.is_file():
+            logging.getLogger("rlcli").warning("%s is damaged (checksum or JSON); ignoring it", path)
+        return record or {}
 
     def append_metrics(self, command: str, record: dict[str, Any]) -> None:
         """Append ``record`` to RUN/metrics/<command>.jsonl, then mirror it to every attached sink

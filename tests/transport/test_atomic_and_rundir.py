@@ -210,3 +210,18 @@ def test_a_pinned_version_keeps_its_marker_bytes_when_pruning_is_refused(tmp_pat
     before = (final / "STABLE").read_bytes()
     pin(tmp_path, "infer-0", 1)
     assert not prune_weights(final, 1) and (final / "STABLE").read_bytes() == before and verify_dir(final) == []
+
+
+def test_progress_carries_a_checksum_and_a_damaged_one_reads_as_none(tmp_path, caplog):
+    """A bit flip that keeps the JSON valid (a step counter 12 -> 13) must not be believed:
+    restarts then fall back to the STABLE markers."""
+    run = RunDir(tmp_path)
+    run.write_progress("orchestrate", step=12)
+    assert run.read_progress("orchestrate")["step"] == 12
+    path = run.progress_file("orchestrate")
+    path.write_text(path.read_text().replace('"step": 12', '"step": 13'))
+    with caplog.at_level("WARNING", logger="rlcli"):
+        assert run.read_progress("orchestrate") == {}
+    assert "damaged" in caplog.text
+    path.write_text('{"step": 5}')  # written before checksums: taken as is
+    assert run.read_progress("orchestrate") == {"step": 5}
