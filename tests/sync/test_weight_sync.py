@@ -67,7 +67,9 @@ def policy(run_dir: Path) -> int:
 
 
 def greedy(client: RpcClient) -> list[float]:
-    req = GenerateRequest(request_id=new_request_id(), prompt_ids=PROMPT,
+    # A salt of its own: the prompt's KV is computed for this request alone, as in the reference,
+    # not reused from blocks the traffic's batches computed (other batch shapes round differently).
+    req = GenerateRequest(request_id=new_request_id(), prompt_ids=PROMPT, cache_salt=new_request_id(),
                           sampling=SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     reply = client.call(req, timeout_s=60)
     assert isinstance(reply, GenerateResponse), reply
