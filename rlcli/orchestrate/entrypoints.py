@@ -86,13 +86,16 @@ def watch_status(run_dir: Path, interval_s: float) -> None:
     """``rl-orchestrate status RUN --watch``: the live view of the run's steps and processes,
     redrawn every ``interval_s`` until Ctrl-C (see :mod:`rlcli.orchestrate.dashboard`)."""
     status(run_dir)  # a bad run directory fails here, before the view starts
-    try:
-        with LiveView(RunDir(run_dir)) as view:
-            while True:
-                view.update(status=status(run_dir))
-                time.sleep(interval_s)
-    except KeyboardInterrupt:
-        pass
+    # Ctrl-C / SIGTERM set a flag the loop checks: an exception raised at an arbitrary point
+    # could leave the live view's refresh thread holding the console and hang the exit.
+    stopping = []
+    stop_on_signals(lambda: stopping.append(True))
+    with LiveView(RunDir(run_dir)) as view:
+        while not stopping:
+            view.update(status=status(run_dir))
+            deadline = time.monotonic() + interval_s
+            while not stopping and time.monotonic() < deadline:
+                time.sleep(min(0.05, interval_s))
 
 
 def render_status(s: dict) -> str:
