@@ -26,7 +26,6 @@ from rlcli.protocol import (
     NcclWeights,
     Shutdown, WeightsLoaded,
 )
-from rlcli.transport.atomic import verify_dir
 from rlcli.transport.pins import pin_latest, unpin
 from rlcli.transport import registry
 from rlcli.transport.registry import Registration, list_entries
@@ -52,24 +51,11 @@ def resolve_kv_cache(cfg: RecipeConfig, run: RunDir, timeout_s: float = 120.0) -
     return msgspec.structs.replace(cfg, infer=msgspec.structs.replace(cfg.infer, kv_cache=kv))
 
 
-def newest_intact(run: RunDir, skip: set[int] = frozenset()) -> int | None:
-    """The newest STABLE policy (not in ``skip``) whose manifest checks out; each damaged newer one
-    is named in a warning."""
-    for step in reversed(run.stable_steps("weights")):
-        if step in skip:
-            continue
-        problems = verify_dir(run.weights_dir(step))
-        if not problems:
-            return step
-        log.warning("%s is damaged (%s); trying the version before", run.weights_dir(step), "; ".join(problems))
-    return None
-
-
 def wait_for_policy(run: RunDir, poll_s: float = 0.2, skip: set[int] = frozenset()) -> int:
     """The newest complete and intact policy version in RUN/weights (not in ``skip``), waiting for
     the trainer's first one."""
     announced = False
-    while (step := newest_intact(run, skip)) is None:
+    while (step := run.newest_intact("weights", skip)) is None:
         if not announced:
             log.info("waiting for %s (rl-train writes the initial policy)", run.weights_dir(0))
             announced = True

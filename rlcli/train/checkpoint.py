@@ -32,24 +32,11 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from rlcli.errors import CorruptFile
 from rlcli.parallel import dist as pdist
-from rlcli.transport.atomic import checksums_of, clean_temporaries, read_marker, remove_dir, verify_dir
+from rlcli.transport.atomic import checksums_of, clean_temporaries, read_marker, remove_dir
 from rlcli.transport.checksum import verify
 from rlcli.transport.rundir import RunDir
 
 log = logging.getLogger("rl-train")
-
-
-def newest_intact(run: RunDir, skip: set[int] = frozenset()) -> int | None:
-    """The newest STABLE checkpoint (not in ``skip``) that passes :func:`verify_dir` (each damaged
-    newer one named in a warning)."""
-    for step in reversed(run.stable_steps("checkpoints")):
-        if step in skip:
-            continue
-        problems = verify_dir(run.checkpoint_dir(step))
-        if not problems:
-            return step
-        log.warning("checkpoint step %d is damaged (%s); trying the one before", step, "; ".join(problems))
-    return None
 
 
 class _MappedFile(io.RawIOBase):
@@ -139,7 +126,7 @@ def load_latest_checkpoint(run: RunDir, model: torch.nn.Module, optimizer: torch
         clean_temporaries(run.root / "checkpoints")
     skip: set[int] = set()  # checkpoints whose shards failed their checksum while loading
     while True:
-        step = pdist.broadcast_object(newest_intact(run, skip) if not pdist.enabled() or
+        step = pdist.broadcast_object(run.newest_intact("checkpoints", skip) if not pdist.enabled() or
                                       torch.distributed.get_rank() == 0 else None)
         if step is None:
             return None

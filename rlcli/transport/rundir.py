@@ -30,11 +30,11 @@ from rlcli.errors import RunDirError
 from rlcli.transport.atomic import (
     atomic_write_bytes,
     clean_temporaries,
-    atomic_write_json,
     is_stable,
     read_checked_json,
     read_json,
     read_marker,
+    verify_dir,
     write_checked_json,
 )
 
@@ -122,6 +122,21 @@ class RunDir:
         raise RunDirError(f"{path} is unreadable; delete the run directory or pass another --run-dir")
 
     # ------------------------------------------------------------ steps
+    def newest_intact(self, kind: str, skip: set[int] = frozenset()) -> int | None:
+        """The newest STABLE step of ``kind`` ('weights', 'checkpoints'; not in ``skip``) whose
+        directory passes :func:`~rlcli.transport.atomic.verify_dir`; each damaged newer one is
+        named in a warning."""
+        for step in reversed(self.stable_steps(kind)):
+            if step in skip:
+                continue
+            directory = self.root / kind / f"step_{step}"
+            problems = verify_dir(directory)
+            if not problems:
+                return step
+            logging.getLogger("rlcli").warning("%s is damaged (%s); trying the one before", directory,
+                                               "; ".join(problems))
+        return None
+
     def stable_steps(self, kind: str) -> list[int]:
         """Sorted steps of ``kind`` ('weights', 'rollouts', 'checkpoints') that are complete."""
         parent = self.root / kind
