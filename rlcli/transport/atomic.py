@@ -132,13 +132,24 @@ def write_checked_json(path: str | Path, payload: dict[str, Any], *, fsync: bool
 def read_checked_json(path: str | Path) -> dict[str, Any] | None:
     """What :func:`write_checked_json` wrote; None when the file is absent, unparsable or its
     checksum does not match (a file without one, from before checksums, is taken as is)."""
+    payload, _ = _load_checked(Path(path))
+    return None if payload is None else {k: v for k, v in payload.items() if k != "checksum"}
+
+
+def _load_checked(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """One read of a checksummed JSON file: (payload, None) if intact or written before
+    checksums, (None, why) if corrupt, (None, None) if absent."""
     try:
-        payload = json.loads(Path(path).read_text())
-    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    if not isinstance(payload, dict) or ("checksum" in payload and payload["checksum"] != _marker_sum(payload)):
-        return None
-    return {k: v for k, v in payload.items() if k != "checksum"}
+        payload = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None, None
+    except ValueError:
+        return None, f"{path} is corrupt: not valid JSON"
+    if not isinstance(payload, dict):
+        return None, f"{path} is corrupt: not a JSON object"
+    if "checksum" in payload and payload["checksum"] != _marker_sum(payload):
+        return None, f"{path} is corrupt: its {ALGO} is {_marker_sum(payload)}, {payload['checksum']} was written"
+    return payload, None
 
 
 def _marker_sum(payload: dict[str, Any]) -> str:
@@ -148,33 +159,19 @@ def _marker_sum(payload: dict[str, Any]) -> str:
 def write_marker(directory: str | Path, payload: dict[str, Any] | None = None) -> None:
     """Mark ``directory`` complete. The marker holds a small JSON payload (time, extra info,
     the manifest) and the checksum of that payload."""
-    payload = {"time": time.time(), **{k: v for k, v in (payload or {}).items() if k != "checksum"}}
-    atomic_write_json(Path(directory) / STABLE, {**payload, "checksum": _marker_sum(payload)})
+    write_checked_json(Path(directory) / STABLE, {"time": time.time(), **(payload or {})})
 
 
 def marker_problem(directory: str | Path) -> str | None:
     """Why the STABLE marker of ``directory`` cannot be trusted (unparsable, or its checksum does
     not match), or None (intact, absent, or written before markers carried a checksum)."""
-    path = Path(directory) / STABLE
-    try:
-        payload = json.loads(path.read_bytes())
-    except FileNotFoundError:
-        return None
-    except ValueError:
-        return f"{path} is corrupt: not valid JSON"
-    if not isinstance(payload, dict):
-        return f"{path} is corrupt: not a JSON object"
-    if "checksum" in payload and payload["checksum"] != _marker_sum(payload):
-        return f"{path} is corrupt: its {ALGO} is {_marker_sum(payload)}, {payload['checksum']} was written"
-    return None
+    return _load_checked(Path(directory) / STABLE)[1]
 
 
 def read_marker(directory: str | Path) -> dict[str, Any] | None:
     """The marker payload of a complete directory, or None if it is not (yet) complete or
     its marker is corrupt (:func:`marker_problem` says why)."""
-    if marker_problem(directory) is not None:
-        return None
-    return read_json(Path(directory) / STABLE)
+    return _load_checked(Path(directory) / STABLE)[0]
 
 
 def is_stable(directory: str | Path) -> bool:
