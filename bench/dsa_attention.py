@@ -268,6 +268,38 @@ def fused_scores_invariance(device: torch.device) -> str:
             f"per-query vs shared keys: {torch.equal(per_query, full[:8, :500])}")
 
 
+def selection_consistency(device: torch.device, T: int = 4096, k: int = 512) -> str:
+    """Whether the trainer's selection (all T queries, in chunks of rows over their key windows)
+    equals the engine's (one decode query at a time against its own prefix, and a padded decode
+    batch with per-query keys) on this device's default path (the fused kernel on CUDA)."""
+    gen = torch.Generator(device).manual_seed(1)
+    q = torch.randn(T, 64, 128, generator=gen, device=device).bfloat16()
+    w = torch.randn(T, 64, generator=gen, device=device)
+    keys = torch.randn(T, 128, generator=gen, device=device).bfloat16()
+    keys[T // 4:T // 4 + 100] = keys[T // 4 - 1]  # exact ties straddle the top-k cut for some queries
+    t = torch.arange(T, device=device)
+    lo = torch.zeros(T, dtype=torch.long, device=device)
+    whole = mla.select_topk(q, w, keys, lo, t, k, 0.1)
+    saved = mla.CUDA_CHUNK_ELEMENTS, mla.CHUNK_ELEMENTS
+    mla.CUDA_CHUNK_ELEMENTS = mla.CHUNK_ELEMENTS = 16 * T * 37  # 37-row chunks
+    try:
+        chunked = mla.select_topk(q, w, keys, lo, t, k, 0.1)
+    finally:
+        mla.CUDA_CHUNK_ELEMENTS, mla.CHUNK_ELEMENTS = saved
+    as_sets = lambda sel, i: set(sel[0][i][sel[1][i]].tolist())  # noqa: E731
+    positions = sorted({p for p in (5, k - 1, k, T // 4 + 50, T // 2, 3000, T - 1) if p < T})
+    decode_ok = all(as_sets(mla.select_topk(q[p:p + 1], w[p:p + 1], keys[:p + 1], lo[:1], t[p:p + 1], k, 0.1), 0)
+                    == as_sets(whole, p) for p in positions)
+    S = max(positions) + 1  # a padded decode batch: each row its own copy of the keys, masked past p
+    rows = torch.tensor(positions, device=device)
+    batch = mla.select_topk(q[rows], w[rows], keys[None, :S].expand(len(positions), -1, -1).contiguous(),
+                            lo[:len(positions)], rows, k, 0.1)
+    batch_ok = all(as_sets(batch, i) == as_sets(whole, p) for i, p in enumerate(positions))
+    return (f"selection ({'fused' if mla._fused_scores(q) else 'torch'} scores, T={T}, k={k}): chunked == whole "
+            f"{torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])}, "
+            f"decode one query == trainer row {decode_ok}, padded decode batch == trainer rows {batch_ok}")
+
+
 def use_kernel(kernel: str) -> None:
     """Select the DSA training path by its bench name: ``masked`` (the former CUDA path: torch
     scores, SDPA with the top-k as a mask), ``gathered`` (torch scores and gathered attention),
@@ -318,6 +350,7 @@ def main() -> None:
     if device.type == "cuda":
         try:
             print(fused_scores_invariance(device), flush=True)
+            print(selection_consistency(device), flush=True)
         except Exception as e:  # a kernel that fails on this machine: report it, measure the rest
             print(f"fused scores: {type(e).__name__}: {str(e)[:2000]}", flush=True)
     if not args.no_phases:
