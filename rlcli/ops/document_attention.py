@@ -21,8 +21,8 @@ instead of independent documents; a segment then also sees its ancestors' segmen
 ``sdpa`` runs one call per segment over its ancestors' keys and its own (a bool mask:
 all of the ancestors, causal within its own); ``flex`` uses the tree's mask
 ``k <= q < reach[k]``; ``varlen`` gives each segment its own key sequence, its ancestors'
-keys and values gathered in front of its own (one ``index_select`` per layer; the
-gradient flows back to the shared tokens through it), with flash's causal mask aligned to
+keys and values gathered in front of its own (one gather per layer, :class:`_GatherRows`,
+whose backward sums each shared token's copies without atomics), with flash's causal mask aligned to
 the bottom right: a completion's queries see the whole prompt and their own past, and
 the prompt's tokens are computed once, at flash speed.
 
@@ -225,7 +225,7 @@ class PackedCausalAttention(nn.Module):
             max_q = max(e - s for spans in self.spans for s, e, _ in spans)
             max_k = max(b - a for a, b in zip(cu_k, cu_k[1:]))
             as_dev = lambda x: torch.tensor(x, dtype=torch.int32).to(device, non_blocking=True)  # noqa: E731
-            gather = torch.from_numpy(np.concatenate(index)).to(device, non_blocking=True) if self.shared else None
+            gather = _GatherPlan(np.concatenate(index), device) if self.shared else None
             self._varlen_plan = (as_dev(cu_q), as_dev(cu_k) if self.shared else None, max_q, max_k, gather)
         return self._varlen_plan
 
@@ -251,11 +251,58 @@ class PackedCausalAttention(nn.Module):
             extra, q_BTHD = {}, q_BTHD * (scale * q_BTHD.shape[-1] ** 0.5)
         k, v = k_BSHD.flatten(0, 1), v_BSHD.flatten(0, 1)
         if gather is not None:  # shared prompts: each segment's ancestors' keys in front of its own
-            k, v = k.index_select(0, gather), v.index_select(0, gather)
+            k, v = _GatherRows.apply(gather, k, v)
         out = varlen_attn(q_BTHD.flatten(0, 1), k, v, cu_q, cu_q if cu_k is None else cu_k, max_q, max_k,
                           **extra, **causal, **gqa)
         out = out.view(B, T, *out.shape[1:])
         return out[..., :out.shape[-1] - pad] if pad > 0 else out
+
+
+class _GatherPlan:
+    """A row gather ``x[index]`` and its transpose, built once per forward on the host: the
+    gathered positions of each source row, sorted next to each other and grouped by copy
+    count (1 for a completion's own tokens, the group size for a prompt's)."""
+
+    def __init__(self, index: np.ndarray, device: torch.device):
+        self.index = torch.from_numpy(index).to(device, non_blocking=True)
+        order = np.argsort(index, kind="stable")
+        dest, first, count = np.unique(index[order], return_index=True, return_counts=True)
+        self.runs = []  # (copies, gathered positions [n * copies], source rows [n])
+        for c in np.unique(count).tolist():
+            sel = count == c
+            pos = order[(first[sel][:, None] + np.arange(c)).ravel()]
+            self.runs.append((c, torch.from_numpy(pos).to(device, non_blocking=True),
+                              torch.from_numpy(dest[sel]).to(device, non_blocking=True)))
+
+
+class _GatherRows(torch.autograd.Function):
+    """``x.index_select(0, plan.index)`` for each input. Autograd's backward of that is an
+    ``index_add_`` whose duplicate indices (every completion of a group gathers the same
+    prompt rows) serialize on atomic adds; this one gathers each source row's copies next to
+    each other and sums them with a reshape per copy count, then writes every source row
+    once: no atomics, deterministic, accumulated in fp32 by the sum."""
+
+    @staticmethod
+    def forward(ctx, plan: _GatherPlan, *xs: torch.Tensor):
+        ctx.plan, ctx.shapes = plan, [x.shape for x in xs]
+        return tuple(x.index_select(0, plan.index) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        out = []
+        for g, shape in zip(grads, ctx.shapes):
+            if g is None:
+                out.append(None)
+                continue
+            g = g.contiguous()
+            gx = g.new_zeros(shape)  # rows no segment reads (padding) get no gradient
+            for copies, pos, dest in ctx.plan.runs:
+                part = g.index_select(0, pos)
+                if copies > 1:
+                    part = part.view(-1, copies, *g.shape[1:]).sum(1)
+                gx.index_copy_(0, dest, part)
+            out.append(gx)
+        return (None, *out)
 
 
 def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -120,3 +120,27 @@ def test_varlen_shared_rows_gather_each_segments_keys(monkeypatch):
         da._varlen_params.cache_clear()
 
 
+
+
+def test_row_gather_backward_sums_every_copy_without_index_add():
+    """The shared-prompt key gather: forward is index_select; backward gives each source row the
+    sum of its copies' gradients (copy counts 1, 3 and 8 mixed, one row never read)."""
+    from rlcli.ops.document_attention import _GatherPlan, _GatherRows
+
+    g = torch.Generator().manual_seed(0)
+    index = np.concatenate([np.repeat(np.arange(0, 4), 8), np.arange(4, 9), np.repeat(np.arange(10, 12), 3)])
+    index = index[torch.randperm(len(index), generator=g).numpy()]
+    plan = _GatherPlan(index, torch.device("cpu"))
+    assert sorted(c for c, _, _ in plan.runs) == [1, 3, 8]
+    k, v = torch.randn(12, 2, 4, dtype=torch.float64, generator=g), torch.randn(12, 3, dtype=torch.float64, generator=g)
+    a = [x.clone().requires_grad_() for x in (k, v)]
+    b = [x.clone().requires_grad_() for x in (k, v)]
+    got = _GatherRows.apply(plan, *a)
+    ref = [x.index_select(0, torch.from_numpy(index)) for x in b]
+    assert all(torch.equal(x, y) for x, y in zip(got, ref))
+    w = [torch.randn(x.shape, dtype=torch.float64, generator=g) for x in ref]
+    sum((x * y).sum() for x, y in zip(got, w)).backward()
+    sum((x * y).sum() for x, y in zip(ref, w)).backward()
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x.grad, y.grad, atol=1e-12, rtol=1e-12)
+    assert torch.equal(a[0].grad[9], torch.zeros(2, 4, dtype=torch.float64))
