@@ -18,7 +18,10 @@ Other users of the host count too: a team of threads on an oversubscribed core i
 than one thread (every barrier waits for a descheduled member). At each rescan the
 runnable tasks of the host (``/proc/loadavg``) minus the board's own threads give the
 load from outside the run (smoothed); the busy processes split only the cores it leaves,
-at least one thread each. It must be called from the thread that runs the compute (torch's
+at least one thread each. When that count says others are running, the tasks are counted
+again one by one (``/proc/*/task/*/stat``) leaving out those at a lower priority than ours
+(a higher nice value): the scheduler gives a nice-19 background job 15/1024 of a core
+against a nice-0 team, so it does not stall our barriers and must not shrink our teams. It must be called from the thread that runs the compute (torch's
 intra-op thread count is per calling thread): the engine calls it before each step, the
 trainer from hooks between layers (forward and backward), so a change reaches a running
 step within one layer. Files live per host, so processes on other hosts never count.
@@ -51,7 +54,7 @@ class CoreShare:
 
     def __init__(self, run_root: str | Path, role: str, instance: int = 0, max_threads: int = 0,
                  set_threads: Callable[[int], None] = _set_torch_threads, rescan_s: float = 1.0,
-                 runnable: Callable[[], int | None] = None):
+                 runnable: Callable[[], int | None] = None, competing: Callable[[], int | None] = None):
         self.directory = Path(run_root) / "cores" / socket.gethostname()
         self.directory.mkdir(parents=True, exist_ok=True)
         self.role = role
@@ -67,6 +70,8 @@ class CoreShare:
         self._peers: dict[str, mmap.mmap] = {}
         self._scanned = 0.0
         self.runnable = runnable or _runnable_tasks
+        # The exact count, run only when the cheap one sees outside load (injected: tests).
+        self.competing = competing or ((lambda: None) if runnable else _competing_tasks)
         self.external = 0.0  # smoothed load from outside the board, in cores
         self.threads = 0
         self.is_busy = False
@@ -106,6 +111,8 @@ class CoreShare:
                 ours = sum(m[0] for m in self._peers.values()) + (self.threads if self.is_busy else 0)
                 # The reading thread itself is runnable; an idle process still counts itself once.
                 outside = max(running - max(ours, 1), 0)
+                if outside and (exact := self.competing()) is not None:
+                    outside = max(exact - max(ours, 1), 0)
                 self.external = 0.5 * self.external + 0.5 * outside
         return self._peers.values()
 
@@ -141,6 +148,35 @@ def _runnable_tasks() -> int | None:
             return int(f.read().split()[3].split("/")[0])
     except (OSError, ValueError, IndexError):
         return None
+
+
+def _competing_tasks(proc: str = "/proc") -> int | None:
+    """Runnable tasks of the host at this process's priority or higher (nice <= ours), else None."""
+    return sum(competing_tasks_by_pid(proc).values()) if os.path.isdir(f"{proc}/self/task") else None
+
+
+def competing_tasks_by_pid(proc: str = "/proc") -> dict[int, int]:
+    """Per process: its tasks that are running or ready to run (state R) at a nice value no
+    higher than this process's. Tasks that vanish while being read are skipped."""
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    out: dict[int, int] = {}
+    for pid in os.listdir(proc):
+        if not pid.isdigit():
+            continue
+        try:
+            tids = os.listdir(f"{proc}/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"{proc}/{pid}/task/{tid}/stat", "rb") as f:
+                    stat = f.read()
+                fields = stat[stat.rindex(b")") + 2:].split()  # the name may hold spaces
+                if fields[0] == b"R" and int(fields[16]) <= mine:  # fields 3 (state) and 19 (nice)
+                    out[int(pid)] = out.get(int(pid), 0) + 1
+            except (OSError, ValueError, IndexError):
+                continue
+    return out
 
 
 def _alive(name: str) -> bool:

@@ -79,3 +79,29 @@ def test_layers_follow_the_board_mid_step(tmp_path):
     assert before == train.cores and threads_in == [train.cores // 2] and torch.get_num_threads() == train.cores
     train.close()
     other.close()
+
+
+def test_background_jobs_at_lower_priority_do_not_count_as_outside_load():
+    """A busy nice-19 process is not a competitor of a nice-0 run; a busy one at our priority is."""
+    import time
+
+    from rlcli.transport.cores import competing_tasks_by_pid
+
+    if os.getpriority(os.PRIO_PROCESS, 0) >= 19:
+        pytest.skip("this test runs at nice 19 already: nothing can run at a lower priority")
+    spin = "import time\nend = time.time() + 60\nwhile time.time() < end: pass"
+    low = subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", spin])
+    same = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        seen_same = seen_low = 0
+        for _ in range(20):  # a spinner is runnable unless it is between time slices in the kernel
+            tasks = competing_tasks_by_pid()
+            seen_same += same.pid in tasks
+            seen_low += low.pid in tasks
+            time.sleep(0.05)
+        assert seen_same >= 10 and seen_low == 0
+    finally:
+        low.kill()
+        same.kill()
+        low.wait()
+        same.wait()
