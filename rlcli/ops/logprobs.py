@@ -30,42 +30,52 @@ def _nucleus(z_CV: torch.Tensor, logp_CV: torch.Tensor, top_p: float) -> tuple[t
 
 
 def _chunk_stats(zraw_CV, targets_C, inv_temp: float, top_p: float = 1.0):
-    """(logprob of the targets, entropy) of one chunk from its raw logits."""
-    z = zraw_CV.float() * inv_temp
-    lse = torch.logsumexp(z, dim=-1)
-    logp = z - lse[:, None]
-    entropy = -(logp.exp() * logp).sum(-1)  # of the full distribution, as the bonus wants
+    """(logprob of the targets, entropy, logsumexp) of one chunk from its raw logits, in five
+    passes over the chunk: max, shift, exp, sum, and one dot product of the exponentials with
+    the shifted logits for the entropy (``H = log S - E_p[z - max]``, ``S`` the sum: no
+    cancellation against the max)."""
+    z = zraw_CV.float() * inv_temp if inv_temp != 1.0 else zraw_CV.float()
+    m = z.amax(dim=-1, keepdim=True)
+    d = z - m
+    e = d.exp()
+    sum_e = e.sum(dim=-1)
+    log_s = sum_e.log()
+    lse = m[:, 0] + log_s
+    entropy = log_s - torch.linalg.vecdot(e, d) / sum_e  # of the full distribution, as the bonus wants
     lp = z.gather(1, targets_C[:, None])[:, 0] - lse
     if top_p < 1:
-        keep, lse = _nucleus(z, logp, top_p)
-        lp = (z.gather(1, targets_C[:, None])[:, 0] - lse).masked_fill(~keep.gather(1, targets_C[:, None])[:, 0],
-                                                                        float("-inf"))  # ratio 0: masked
-    return lp, entropy
+        logp = z - lse[:, None]
+        keep, lse_keep = _nucleus(z, logp, top_p)
+        lp = (z.gather(1, targets_C[:, None])[:, 0] - lse_keep).masked_fill(
+            ~keep.gather(1, targets_C[:, None])[:, 0], float("-inf"))  # ratio 0: masked
+    return lp, entropy, lse
 
 
-def _chunk_grad(zraw_CV, targets_C, grad_lp_N, grad_entropy_N, entropy_N, s: int, chunk: int, inv_temp: float,
-                top_p: float) -> torch.Tensor:
-    """d loss / d logits of one chunk (fp32)."""
-    z = zraw_CV.float() * inv_temp
-    logp = z - torch.logsumexp(z, dim=-1, keepdim=True)
-    p = logp.exp()
-    g_z = torch.zeros_like(z)
+def _chunk_grad(zraw_CV, targets_C, grad_lp_N, grad_entropy_N, entropy_N, lse_N, s: int, chunk: int,
+                inv_temp: float, top_p: float) -> torch.Tensor:
+    """d loss / d logits of one chunk (fp32), from forward's logsumexp: ``p`` in two passes,
+    the logprob's gradient written into it in place."""
+    z = zraw_CV.float() * inv_temp if inv_temp != 1.0 else zraw_CV.float()
+    lse = lse_N[s:s + chunk, None]
+    p = (z - lse).exp_()
+    t = targets_C[:, None]
+    g_z = None
+    if grad_entropy_N is not None:
+        g = grad_entropy_N[s:s + chunk, None].float()
+        g_z = p * (z - lse + entropy_N[s:s + chunk, None]) * -g
     if grad_lp_N is not None:
-        g = grad_lp_N[s:s + chunk].float()
+        g = grad_lp_N[s:s + chunk, None].float()
         # d lp / d z = onehot(target) - p over the distribution lp is taken under (the nucleus
         # when top_p < 1: softmax renormalized over the kept tokens, 0 elsewhere).
-        t = targets_C[:, None]
         if top_p >= 1:
-            g_z -= p * g[:, None]
-            g_z.scatter_add_(1, t, g[:, None])
+            g_z = p.mul_(-g) if g_z is None else g_z.sub_(p * g)
+            g_z.scatter_add_(1, t, g)
         else:
-            keep, lse_keep = _nucleus(z, logp, top_p)
-            g_z -= (z - lse_keep[:, None]).exp() * keep * g[:, None]
-            g_z.scatter_add_(1, t, (g * keep.gather(1, t)[:, 0])[:, None])
-    if grad_entropy_N is not None:
-        g = grad_entropy_N[s:s + chunk].float()
-        g_z -= p * (logp + entropy_N[s:s + chunk, None]) * g[:, None]
-    return g_z * inv_temp
+            keep, lse_keep = _nucleus(z, z - lse, top_p)
+            g_lp = (z - lse_keep[:, None]).exp_().mul_(keep).mul_(-g)
+            g_lp.scatter_add_(1, t, g * keep.gather(1, t))
+            g_z = g_lp if g_z is None else g_z.add_(g_lp)
+    return g_z.mul_(inv_temp) if inv_temp != 1.0 else g_z
 
 
 _compiled: dict[str, object] = {}
@@ -84,20 +94,20 @@ class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_ND, weight_VD, targets_N, temperature: float, chunk: int, top_p: float):
         N = h_ND.shape[0]
-        lp, entropy = h_ND.new_empty(N, dtype=torch.float32), h_ND.new_empty(N, dtype=torch.float32)
+        lp, entropy, lse = (h_ND.new_empty(N, dtype=torch.float32) for _ in range(3))
         with torch.no_grad():
             stats = _compiled.get("stats", _chunk_stats)
             for s in range(0, N, chunk):
-                lp[s:s + chunk], entropy[s:s + chunk] = stats(
+                lp[s:s + chunk], entropy[s:s + chunk], lse[s:s + chunk] = stats(
                     h_ND[s:s + chunk] @ weight_VD.T, targets_N[s:s + chunk], 1.0 / temperature, top_p)
-        ctx.save_for_backward(h_ND, weight_VD, targets_N, entropy)
+        ctx.save_for_backward(h_ND, weight_VD, targets_N, entropy, lse)
         ctx.temperature, ctx.chunk, ctx.top_p = temperature, chunk, top_p
         ctx.set_materialize_grads(False)
         return lp, entropy
 
     @staticmethod
     def backward(ctx, grad_lp_N, grad_entropy_N):
-        h_ND, weight_VD, targets_N, entropy_N = ctx.saved_tensors
+        h_ND, weight_VD, targets_N, entropy_N, lse_N = ctx.saved_tensors
         inv_temp, chunk = 1.0 / ctx.temperature, ctx.chunk
         grad_h = torch.zeros_like(h_ND) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros(weight_VD.shape, dtype=torch.float32, device=weight_VD.device) \
@@ -107,8 +117,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad = _compiled.get("grad", _chunk_grad)
         for s in range(0, h_ND.shape[0], chunk):
             h = h_ND[s:s + chunk]
-            g_z = grad(h @ weight_VD.T, targets_N[s:s + chunk], grad_lp_N, grad_entropy_N, entropy_N, s, chunk,
-                       inv_temp, ctx.top_p)
+            g_z = grad(h @ weight_VD.T, targets_N[s:s + chunk], grad_lp_N, grad_entropy_N, entropy_N, lse_N, s,
+                       chunk, inv_temp, ctx.top_p)
             g_z = g_z.to(weight_VD.dtype)
             if grad_h is not None:
                 grad_h[s:s + chunk] = g_z @ weight_VD
