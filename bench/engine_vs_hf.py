@@ -2,9 +2,11 @@
 called directly, and vLLM through rl-infer (a real ``rl-infer --engine vllm`` server
 process, driven over ZeroMQ by the client the orchestrator uses).
 
-Every path gets the same random prompts and generates exactly ``--new-tokens`` tokens per
-prompt (ignore_eos, temperature 1) at each batch size; the table reports generated tokens
-per second (after a warm-up, engine start excluded) and the ratios the goals name.
+Every path gets random prompts of ``--prompt-len`` tokens and generates exactly
+``--new-tokens`` tokens per prompt (ignore_eos, temperature 1) at each batch size; the table reports generated tokens
+per second (engine start excluded, after a warm-up that runs every batch size on other prompts
+first: the first run of a new batch shape pays one-off kernel compilation and allocation) and
+the ratios the goals name. Timed prompts never hit a prefix cache.
 
 - ``vllm``: vLLM's offline ``LLM.generate`` with the very SamplingParams rl-infer hands
   vLLM (``rlcli.infer.vllm_engine.vllm_sampling_params``: logprob of each sampled token,
@@ -56,6 +58,7 @@ SHAPES = {
              "tie_word_embeddings": True, "bos_token_id": 256, "eos_token_id": 257},
 }
 MAX_BATCHED_TOKENS = 8192  # every engine prefills up to this many tokens per step
+WARM_TOKENS = 8  # each path first runs every batch size with this many new tokens (JIT kernels, allocator)
 PATHS = ["hf", "native", "vllm", "vllm-nolp", "vllm-sync", "rl-infer-vllm", "rl-infer-vllm-sync"]
 DEFAULT_PATHS = ["hf", "vllm", "rl-infer-vllm", "rl-infer-vllm-sync"]  # vllm also measures vllm-nolp
 
@@ -82,8 +85,10 @@ def make_model(shape: str, out: Path, dtype: str, device: str) -> Path:
     return out
 
 
-def prompts_for(vocab: int, batch: int, length: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(batch)
+def prompts_for(vocab: int, batch: int, length: int, salt: int = 0) -> list[list[int]]:
+    """Random prompts; another ``salt`` gives others (warm-ups and second arms of one vLLM engine
+    must not hit the prefix cache of a timed run)."""
+    g = torch.Generator().manual_seed(batch + 7919 * salt)
     return torch.randint(3, min(vocab, 32000), (batch, length), generator=g).tolist()
 
 
@@ -105,14 +110,15 @@ def bench_hf(model_dir: Path, a) -> dict[int, float]:
     model = AutoModelForCausalLM.from_pretrained(model_dir).to(a.device, getattr(torch, a.dtype)).eval()
     vocab = model.config.vocab_size
 
-    def generate(batch: int, new: int) -> None:
-        ids = torch.tensor(prompts_for(vocab, batch, a.prompt_len), device=a.device)
+    def generate(batch: int, new: int, salt: int = 0) -> None:
+        ids = torch.tensor(prompts_for(vocab, batch, a.prompt_len, salt), device=a.device)
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                                  do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0)
         assert out.shape[1] == a.prompt_len + new
 
-    generate(1, 4)
+    for batch in a.batches:
+        generate(batch, WARM_TOKENS, salt=1)
     result = {}
     for batch in a.batches:
         sync(a.device)
@@ -159,7 +165,8 @@ def bench_native(model_dir: Path, a) -> dict[int, float]:
     engine = NativeEngine.from_config(recipe(model_dir, a, {"name": "native", "kv_cache_memory_mb": kv_mb}),
                                       model_dir, 0)
     vocab = SHAPES[a.shape]["vocab_size"]
-    run_engine(engine, prompts_for(vocab, 1, a.prompt_len), 4)
+    for batch in a.batches:
+        run_engine(engine, prompts_for(vocab, batch, a.prompt_len, salt=1), WARM_TOKENS)
     result = {}
     for batch in a.batches:
         sync(a.device)
@@ -205,26 +212,28 @@ def direct_vllm_child(a) -> None:
               logprobs_mode="processed_logprobs", enforce_eager=a.smoke,
               gpu_memory_utilization=a.gpu_memory_utilization, **kwargs)
     vocab = SHAPES[a.shape]["vocab_size"]
-    arms = {"vllm-sync": True} if a.sync_scheduling else {"vllm-nolp": False, "vllm": True}
+    # arm: (logprobs, prompt salt of its timed runs; warm-ups use salt + 2)
+    arms = {"vllm-sync": (True, 0)} if a.sync_scheduling else {"vllm-nolp": (False, 1), "vllm": (True, 0)}
 
-    def generate(batch: int, new: int, logprobs: bool) -> None:
+    def generate(batch: int, new: int, logprobs: bool, salt: int) -> None:
         if logprobs:  # what rl-infer asks for (LLM.generate wants whole outputs: FINAL_ONLY, as rl-infer's ZMQ path)
             sp = vllm_sampling_params(SamplingParams(temperature=1.0, max_tokens=new, ignore_eos=True),
                                       max_tokens=new, stop_token_ids=[])
         else:
             sp = VllmSamplingParams(temperature=1.0, max_tokens=new, ignore_eos=True, detokenize=False)
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts_for(vocab, batch, a.prompt_len)],
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts_for(vocab, batch, a.prompt_len, salt)],
                             sp, use_tqdm=False)
         assert all(len(o.outputs[0].token_ids) == new for o in outs)
         assert all(len(o.outputs[0].logprobs or ()) == (new if logprobs else 0) for o in outs)
 
-    for logprobs in arms.values():
-        generate(1, 4, logprobs)
+    for batch in a.batches:
+        for logprobs, salt in arms.values():
+            generate(batch, WARM_TOKENS, logprobs, salt + 2)
     result: dict[str, dict[int, float]] = {arm: {} for arm in arms}
     for batch in a.batches:
-        for arm, logprobs in arms.items():
+        for arm, (logprobs, salt) in arms.items():
             t0 = time.perf_counter()
-            generate(batch, a.new_tokens, logprobs)
+            generate(batch, a.new_tokens, logprobs, salt)
             result[arm][batch] = batch * a.new_tokens / (time.perf_counter() - t0)
     print("RESULT " + json.dumps(result), flush=True)
 
@@ -262,11 +271,11 @@ def bench_rl_infer(model_dir: Path, a, work: Path, async_scheduling: bool) -> di
         client = RpcClient(entries[0].endpoints["rpc"])
         vocab = SHAPES[a.shape]["vocab_size"]
 
-        def generate(batch: int, new: int, swap_after_s: float | None = None) -> list[GenerateResponse]:
+        def generate(batch: int, new: int, swap_after_s: float | None = None, salt: int = 0) -> list[GenerateResponse]:
             sp = SamplingParams(temperature=1.0, max_tokens=new, ignore_eos=True)
-            for i, p in enumerate(prompts_for(vocab, batch, a.prompt_len)):
-                client.send(GenerateRequest(request_id=f"{batch}-{new}-{i}-{swap_after_s}", prompt_ids=p, sampling=sp),
-                            30.0)
+            for i, p in enumerate(prompts_for(vocab, batch, a.prompt_len, salt)):
+                client.send(GenerateRequest(request_id=f"{batch}-{new}-{i}-{swap_after_s}-{salt}", prompt_ids=p,
+                                            sampling=sp), 30.0)
             num_replies = batch
             if swap_after_s is not None:  # the same weights again, as policy v1, mid-batch
                 time.sleep(swap_after_s)
@@ -283,7 +292,8 @@ def bench_rl_infer(model_dir: Path, a, work: Path, async_scheduling: bool) -> di
                 replies.append(reply)
             return replies
 
-        generate(1, 4)
+        for batch in a.batches:
+            generate(batch, WARM_TOKENS, salt=1)
         result = {}
         for batch in a.batches:
             t0 = time.perf_counter()
@@ -291,7 +301,7 @@ def bench_rl_infer(model_dir: Path, a, work: Path, async_scheduling: bool) -> di
             result[batch] = batch * a.new_tokens / (time.perf_counter() - t0)
         batch = 16 if 16 in result else max(result)
         try:  # a broken swap must not hide the throughput measured above
-            replies = generate(batch, a.new_tokens, swap_after_s=0.4 * batch * a.new_tokens / result[batch])
+            replies = generate(batch, a.new_tokens, swap_after_s=0.4 * batch * a.new_tokens / result[batch], salt=2)
             log(f"{name} swap check: {swap_check(replies, a.new_tokens)}")
         except Exception as e:
             log(f"{name} swap check FAILED: {type(e).__name__}: {e}")
