@@ -290,8 +290,11 @@ class VllmEngine:
         before = scheduler.pause_state
         scheduler.set_pause_state(PauseState.PAUSED_ALL)
         try:
-            while core.batch_queue:
+            for _ in range(4 * core.batch_queue.maxlen):  # each step pops one batch (or an empty one)
+                if not core.batch_queue:
+                    return
                 self.carried += self._collect(self.llm.step())
+            raise RuntimeError("vLLM kept scheduling batches while paused; weights not swapped")
         finally:
             scheduler.set_pause_state(before)
 
