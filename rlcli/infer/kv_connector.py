@@ -23,6 +23,7 @@ in the message otherwise), Mooncake's transfer engine for a mooncake store.
 
 import queue
 import socket
+from functools import partial
 import threading
 import time
 from typing import Protocol
@@ -87,21 +88,23 @@ def _run_length(found: list[bool]) -> int:
     return n
 
 
-def _register(array: np.ndarray) -> None:
+def _register(device: torch.device, array: np.ndarray) -> None:
     """Page-lock a host mapping for CUDA, so copies to and from the device read it directly
     (left pageable, with a warning, where the driver refuses: copies are then staged)."""
     try:
         cudart = torch.cuda.cudart()
-        ok = cudart.cudaHostRegister(array.ctypes.data, array.nbytes, 1) == cudart.cudaError.success  # 1: portable
+        with torch.cuda.device(device):  # 1: cudaHostRegisterPortable
+            ok = cudart.cudaHostRegister(array.ctypes.data, array.nbytes, 1) == cudart.cudaError.success
     except (AttributeError, RuntimeError):
         ok = False
     if not ok:
         log.warning("could not register a %d-byte /dev/shm mapping with CUDA: KV copies are staged", array.nbytes)
 
 
-def _unregister(array: np.ndarray) -> None:
+def _unregister(device: torch.device, array: np.ndarray) -> None:
     try:
-        torch.cuda.cudart().cudaHostUnregister(array.ctypes.data)
+        with torch.cuda.device(device):
+            torch.cuda.cudart().cudaHostUnregister(array.ctypes.data)
     except (AttributeError, RuntimeError):
         pass
 
@@ -237,7 +240,7 @@ class _Publisher:
             self.counters["kv_fetch_requests"] += 1
             try:
                 data = self._fetch(keys[a:a + step])
-            except PeerUnreachable as e:
+            except (PeerUnreachable, OSError) as e:  # OSError: no room in /dev/shm for the mailbox
                 self.counters["kv_fetch_errors"] += 1
                 log.warning("KV fetch failed (a miss): %s", e)
                 break
@@ -283,7 +286,7 @@ class StoreConnector(_Publisher):
         if via_shm:
             self.max_fetch_bytes = 1 << 62  # one request per fetch or publish: only keys cross ZeroMQ
             cuda = device is not None and device.type == "cuda"
-            hooks = (_register, _unregister) if cuda else (None, None)
+            hooks = (partial(_register, device), partial(_unregister, device)) if cuda else (None, None)
             self.fetch_box, self.publish_box = shm.Mailbox(*hooks), shm.Mailbox(*hooks)
         super().__init__(endpoint, meta, queue_size, timeout_s, device)
 

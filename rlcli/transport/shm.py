@@ -128,7 +128,8 @@ class Mailbox:
         self.array = np.empty(0, dtype=np.uint8)
 
     def view(self, nbytes: int) -> np.ndarray:
-        """The first ``nbytes`` of the mapping (growing the file first when it is smaller)."""
+        """The first ``nbytes`` of the mapping (growing the file first when it is smaller;
+        OSError when /dev/shm has no room for it)."""
         if nbytes > self.size:
             self._map(max(nbytes, 2 * self.size))
         return self.array[:nbytes]
@@ -138,10 +139,13 @@ class Mailbox:
         name = f"rlcli-kv-{uuid.uuid4().hex}"
         fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)  # OSError (no space) now, not SIGBUS on first touch
             self._mm = mmap.mmap(fd, size)
-        finally:
+        except OSError:
             os.close(fd)
+            remove(name)
+            raise
+        os.close(fd)
         self.name, self.size = name, size
         self.array = np.frombuffer(self._mm, dtype=np.uint8)
         self.array[:] = 0  # fault every page in now, not during a transfer
