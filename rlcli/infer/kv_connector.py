@@ -88,25 +88,34 @@ def _run_length(found: list[bool]) -> int:
     return n
 
 
+def _cudart_call(device: torch.device, name: str, *args) -> bool:
+    """A CUDA runtime call on a helper thread: a failure leaves its error code on that thread,
+    never on the engine's (where the next kernel launch check would raise it)."""
+    result = []
+
+    def call() -> None:
+        try:
+            cudart = torch.cuda.cudart()
+            with torch.cuda.device(device):
+                result.append(getattr(cudart, name)(*args) == cudart.cudaError.success)
+        except Exception:  # best effort: an unregistered mapping still works, staged
+            result.append(False)
+
+    t = threading.Thread(target=call, name=f"kv-{name}")
+    t.start()
+    t.join()
+    return bool(result and result[0])
+
+
 def _register(device: torch.device, array: np.ndarray) -> None:
     """Page-lock a host mapping for CUDA, so copies to and from the device read it directly
     (left pageable, with a warning, where the driver refuses: copies are then staged)."""
-    try:
-        cudart = torch.cuda.cudart()
-        with torch.cuda.device(device):  # 1: cudaHostRegisterPortable
-            ok = cudart.cudaHostRegister(array.ctypes.data, array.nbytes, 1) == cudart.cudaError.success
-    except (AttributeError, RuntimeError):
-        ok = False
-    if not ok:
+    if not _cudart_call(device, "cudaHostRegister", array.ctypes.data, array.nbytes, 1):  # 1: portable
         log.warning("could not register a %d-byte /dev/shm mapping with CUDA: KV copies are staged", array.nbytes)
 
 
 def _unregister(device: torch.device, array: np.ndarray) -> None:
-    try:
-        with torch.cuda.device(device):
-            torch.cuda.cudart().cudaHostUnregister(array.ctypes.data)
-    except (AttributeError, RuntimeError):
-        pass
+    _cudart_call(device, "cudaHostUnregister", array.ctypes.data)
 
 
 class _Publisher:
