@@ -36,6 +36,7 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import signal
 import statistics
 import subprocess
 import sys
@@ -86,9 +87,13 @@ def replica(name: str, cfg: dict, model_dir: str, device: str, seed: int, inbox,
     engine = NativeEngine(model, eos_token_ids=[], max_model_len=cfg["max_len"], block_size=cfg["block_size"],
                           kv_cache_memory_mb=cfg["kv_cache_mb"], max_num_batched_tokens=cfg["max_batched_tokens"],
                           seed=seed)
+    for layer in engine.kv_caches:  # fault the host cache's pages in now, or the first arm pays for them
+        for cache in layer:
+            cache.fill_(0)
     events.put(("ready", name, 0.0, engine.block_meta().nbytes // cfg["block_size"]))
     streamed: set[str] = set()
-    while True:
+    parent = os.getppid()
+    while os.getppid() == parent:  # the driver is gone: stop
         items = []
         try:
             items.append(inbox.get(timeout=0.05) if not engine.has_work() else inbox.get_nowait())
@@ -170,7 +175,9 @@ class Replicas:
         for i in range(2):
             self.ask(i, "stop")
         for p in self.procs:
-            p.join(timeout=60)
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
 
 
 def start_cache(tmp: Path, backend: str) -> tuple[subprocess.Popen, str]:
@@ -286,6 +293,7 @@ def main() -> None:
     p.add_argument("--gen", type=int, default=None, help="generated tokens per turn")
     p.add_argument("--threads", type=int, default=1, help="torch threads per replica (CPU)")
     args = p.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # (timeout): stop the replicas and rl-cache too
     workload = "smoke" if args.smoke else args.device
     args.shape = args.shape or {"smoke": "smoke", "cpu": "cpu", "cuda": "1b"}[workload]
     for name, value in zip(("conversations", "turns", "prefix", "context", "user", "gen"), WORKLOADS[workload]):
