@@ -203,12 +203,12 @@ def run_arm(args, reps: Replicas, arm: str, endpoint: str | None) -> dict:
     prints = [reps.wait("armed")[3] for _ in range(2)]
     if endpoint and len(set(prints)) != 1:
         print(f"warning: {arm}: the replicas' weights differ (model fingerprints), they will share nothing")
-    # Warm-up at full length, in another salt: each replica computes one prompt, then takes the
-    # other's (fetched from the store in the cache arms), so kernels, allocators and the
-    # transfer path are warm before the clock starts.
+    # Warm-up at the longest prompt's length, in another salt: each replica computes one prompt,
+    # then takes the other's (fetched from the store in the cache arms), so kernels, allocators
+    # and the transfer buffers are warm and full-size before the clock starts.
     gen = torch.Generator().manual_seed(2)
-    warm = [[256] + torch.randint(0, 256, (args.prefix + args.context + args.user - 1,), generator=gen).tolist()
-            for _ in range(2)]
+    longest = args.prefix + args.context + args.turns * (args.user + args.gen)
+    warm = [[256] + torch.randint(0, 256, (longest - 1,), generator=gen).tolist() for _ in range(2)]
     for k, order in enumerate(([0, 1], [1, 0])):
         for i in order:
             reps.ask(i, "req", GenerateRequest(request_id=f"warm{k}{i}", prompt_ids=warm[k], cache_salt=f"warm-{arm}",

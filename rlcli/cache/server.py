@@ -11,6 +11,7 @@ Mooncake's transfer engine. Inline payloads stay accepted for peers on other hos
 Malformed requests get an ``ErrorReply``; the loop keeps serving.
 """
 
+import os
 import time
 
 from rlcli.cache.store import make_store
@@ -28,6 +29,8 @@ from rlcli.transport.zmq import RpcServer
 
 log = setup_logging("rl-cache")
 ORPHAN_S = 60.0
+COPY_THREADS = max(1, min(8, (os.cpu_count() or 1) // 4))
+"""Threads that copy a large get into a requester's mailbox (one on small hosts)."""
 
 
 class CacheService:
@@ -87,7 +90,7 @@ class CacheService:
         if msg.meta is None:
             raise ValueError("a get through shm carries the requester's meta")
         if msg.into:  # the requester's mailbox: one copy into pages it already holds
-            shm.write_into(msg.into, [v for v in values if v is not None])
+            shm.write_into(msg.into, [v for v in values if v is not None], COPY_THREADS)
             return CacheGetReply(request_id=rid, found=found, shm=msg.into if any(found) else "")
         name = shm.write_payloads(v for v in values if v is not None) if any(found) else ""
         if name:

@@ -140,6 +140,16 @@ def test_gets_and_puts_through_mailboxes_round_trip_bit_exact():
     assert not any(shm.path_of(n).exists() for n in names)
 
 
+def test_parallel_copy_into_a_mailbox_is_bit_exact(monkeypatch):
+    _, values = blocks(7)
+    box = shm.Mailbox()
+    view = box.view(8 * META.nbytes)
+    monkeypatch.setattr(shm, "PARALLEL_BYTES", META.nbytes)  # split these few small blocks over 3 threads
+    shm.write_into(box.name, values, threads=3)
+    assert view[:7 * META.nbytes].tobytes() == b"".join(values)
+    box.close()
+
+
 def test_serve_shm_ls_prune_commands(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "rlcli.cli.cache", "serve", "--run-dir", str(run_dir),
