@@ -326,7 +326,9 @@ class StoreConnector(_Publisher):
                          CacheReply, self.timeout_s).num_stored
         box = self.publish_box.view(len(idx) * meta.nbytes).reshape(len(idx), meta.nbytes)
         src = rows.numpy()
-        if not (np.shares_memory(src, box) and idx == list(range(len(idx)))):  # else: already in place
+        if not np.shares_memory(src, box):
+            np.take(src, idx, axis=0, out=box, mode="clip")  # one copy, no temporary
+        elif idx != list(range(len(idx))):  # else: already in place
             box[:] = src[idx]  # (fancy indexing copies first: overlap is safe)
         msg = CachePut(request_id=new_request_id(), keys=keys, meta=meta, shm=self.publish_box.name)
         return _call(client, msg, CacheReply, self.timeout_s).num_stored
