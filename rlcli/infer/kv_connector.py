@@ -2,9 +2,10 @@
 
 Before prefill, an engine that misses a prefix locally asks the store for the longest
 run of the prompt's next blocks (:meth:`KVConnector.fetch`, on the engine thread: the
-request waits for it either way): one store request for the whole run, its bytes read
-once into a host staging buffer (pinned for a CUDA engine, so the engine moves them to
-the device in one asynchronous copy). After prefill, and when a completion finishes, it
+request waits for it either way): one store request for the whole run, whose bytes land
+in host memory the device can read directly (a memory store on this host writes them into
+the engine's /dev/shm mailbox, registered with CUDA; otherwise pinned staging memory), then
+one asynchronous copy to the device. After prefill, and when a completion finishes, it
 hands the new full blocks (gathered on the device) to :meth:`KVConnector.publish`, which
 only records an event and enqueues them: a background thread copies them out on its own
 CUDA stream into pinned memory (never queued behind, or blocking, the engine's stream)
@@ -23,9 +24,9 @@ in the message otherwise), Mooncake's transfer engine for a mooncake store.
 
 import queue
 import socket
-from functools import partial
 import threading
 import time
+from functools import partial
 from typing import Protocol
 
 import numpy as np
@@ -54,7 +55,8 @@ class KVConnector(Protocol):
 
     def fetch(self, keys: list[bytes]) -> torch.Tensor:
         """Payloads of the longest leading run of ``keys`` the store holds: ``[n, meta.nbytes]``
-        uint8 on the host, pinned for a CUDA engine (n = 0 on a miss or an unreachable store)."""
+        uint8 (n = 0 on a miss or an unreachable store); for a CUDA engine on its device (copied
+        on its current stream), else on the host, valid until the next fetch."""
         ...
 
     def publish(self, keys: list[bytes], payload: torch.Tensor) -> bool:
