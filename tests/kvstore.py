@@ -32,7 +32,7 @@ def engine(model, endpoint: str | None, role: str = "mixed", transfer: str = "au
     e = NativeEngine(model, eos_token_ids=[], max_model_len=256, block_size=4, kv_cache_memory_mb=2, seed=seed,
                      role=role)
     if endpoint:
-        e.kv = make_kv_connector(KVCacheConfig(endpoint=endpoint, transfer=transfer), e.block_meta())
+        e.kv = make_kv_connector(KVCacheConfig(endpoint=endpoint, transfer=transfer), e.block_meta(), e.device)
     return e
 
 

@@ -4,12 +4,14 @@ Batch get/put/exists, plus stats, list and prune, answered one message at a time
 thread (the store is not shared). Large payloads do not cross ZeroMQ: a put names a
 /dev/shm file the requester wrote (it deletes it once answered), a get with transfer
 "shm" is answered with a /dev/shm file the store wrote (the requester deletes it after
-reading; files a requester never collected are removed after ``ORPHAN_S``), and with the
+reading; files a requester never collected are removed after ``ORPHAN_S``) or written
+into the requester's own file (``into``: a reused mailbox, so no fresh pages), and with the
 Mooncake backend ZeroMQ carries only keys and layouts while the payloads move through
 Mooncake's transfer engine. Inline payloads stay accepted for peers on other hosts.
 Malformed requests get an ``ErrorReply``; the loop keeps serving.
 """
 
+import os
 import time
 
 from rlcli.cache.store import make_store
@@ -27,6 +29,8 @@ from rlcli.transport.zmq import RpcServer
 
 log = setup_logging("rl-cache")
 ORPHAN_S = 60.0
+COPY_THREADS = max(1, min(8, (os.cpu_count() or 1) // 4))
+"""Threads that copy a large get into a requester's mailbox (one on small hosts)."""
 
 
 class CacheService:
@@ -85,6 +89,9 @@ class CacheService:
             return CacheGetReply(request_id=rid, values=values, found=found)
         if msg.meta is None:
             raise ValueError("a get through shm carries the requester's meta")
+        if msg.into:  # the requester's mailbox: one copy into pages it already holds
+            shm.write_into(msg.into, [v for v in values if v is not None], COPY_THREADS)
+            return CacheGetReply(request_id=rid, found=found, shm=msg.into if any(found) else "")
         name = shm.write_payloads(v for v in values if v is not None) if any(found) else ""
         if name:
             self.outgoing[name] = time.monotonic()

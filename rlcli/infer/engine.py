@@ -151,7 +151,7 @@ class NativeEngine:
                      max_num_batched_tokens=icfg.max_num_batched_tokens,
                      enable_prefix_caching=icfg.enable_prefix_caching, version=version,
                      seed=cfg.seed * 1000 + instance, role=icfg.role)
-        engine.kv = make_kv_connector(icfg.kv_cache, engine.block_meta())
+        engine.kv = make_kv_connector(icfg.kv_cache, engine.block_meta(), engine.device)
         return engine
 
     # ------------------------------------------------------------------ shared KV store
@@ -162,7 +162,7 @@ class NativeEngine:
     def _gather_blocks(self, blocks: list[int]) -> torch.Tensor:
         return kv_blocks.gather(self.kv_caches, blocks)
 
-    def _scatter_blocks(self, blocks: list[int], data: bytes) -> None:
+    def _scatter_blocks(self, blocks: list[int], data: torch.Tensor) -> None:
         kv_blocks.scatter(self.kv_caches, blocks, data)
 
     def _fetch_prefix(self, seq: Sequence, hashes: list[bytes]) -> None:
@@ -172,7 +172,7 @@ class NativeEngine:
         if limit <= 0:
             return
         data = self.kv.fetch(hashes[k:k + limit])
-        n = len(data) // self.kv.meta.nbytes
+        n = data.shape[0]
         if n == 0:
             return
         fresh = [self.blocks.allocate() for _ in range(n)]

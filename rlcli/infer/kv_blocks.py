@@ -10,7 +10,6 @@ never read each other's KV. The engine recomputes it after each weight load.
 
 import hashlib
 import json
-import warnings
 from dataclasses import asdict
 
 import torch
@@ -41,15 +40,14 @@ def gather(kv_caches: list[tuple[torch.Tensor, ...]], blocks: list[int]) -> torc
     return torch.cat(parts, dim=1).view(torch.uint8)
 
 
-def scatter(kv_caches: list[tuple[torch.Tensor, ...]], blocks: list[int], data: bytes) -> None:
-    """Write payloads (``len(blocks)`` of them, back to back, as :func:`gather` makes them) into ``blocks``."""
+def scatter(kv_caches: list[tuple[torch.Tensor, ...]], blocks: list[int], data: torch.Tensor) -> None:
+    """Write payloads (``[len(blocks), bytes per block]`` uint8, as :func:`gather` makes them)
+    into ``blocks``: one copy to the caches' device (asynchronous from pinned memory), then one
+    indexed copy per cache tensor, all queued on the current stream."""
     first = kv_caches[0][0]
     n = len(blocks)
-    with warnings.catch_warnings():  # read only: index_copy_ below copies out of it
-        warnings.simplefilter("ignore", UserWarning)
-        raw = torch.frombuffer(data, dtype=torch.uint8)
-    flat = raw.view(first.dtype).reshape(n, -1).to(first.device)
-    idx = torch.tensor(blocks, dtype=torch.int64, device=first.device)
+    flat = data.to(first.device, non_blocking=True).view(first.dtype).reshape(n, -1)
+    idx = torch.tensor(blocks, dtype=torch.int64).to(first.device, non_blocking=True)
     offset = 0
     for layer in kv_caches:
         for cache in layer:

@@ -2,12 +2,17 @@
 
 Before prefill, an engine that misses a prefix locally asks the store for the longest
 run of the prompt's next blocks (:meth:`KVConnector.fetch`, on the engine thread: the
-request waits for it either way). After prefill, and when a completion finishes, it
-hands the new full blocks to :meth:`KVConnector.publish`, which only enqueues them: a
-background thread with its own socket moves them to the store, so publishing never
-delays a decode step; when the bounded queue is full a batch is dropped (and counted),
-never waited for. ``flush`` waits for what was queued (a prefill server answers only
-once its blocks are stored, so the decode server finds them).
+request waits for it either way): one store request for the whole run, whose bytes land
+in host memory the device can read directly (a memory store on this host writes them into
+the engine's /dev/shm mailbox, registered with CUDA; otherwise pinned staging memory), then
+one asynchronous copy to the device. After prefill, and when a completion finishes, it
+hands the new full blocks (gathered on the device) to :meth:`KVConnector.publish`, which
+only records an event and enqueues them: a background thread copies them out on its own
+CUDA stream into pinned memory (never queued behind, or blocking, the engine's stream)
+and moves them to the store with its own socket, so publishing never delays a decode
+step; when the bounded queue is full a batch is dropped (and counted), never waited for.
+``flush`` waits for what was queued (a prefill server answers only once its blocks are
+stored, so the decode server finds them).
 
 Keys are the engine's chain hashes (cache salt, weights version, tokens); every request
 carries the engine's :class:`BlockMeta` (model fingerprint, dtype, shape), so a store
@@ -21,9 +26,11 @@ import queue
 import socket
 import threading
 import time
+from functools import partial
 from typing import Protocol
 
 import numpy as np
+import torch
 
 from rlcli.config.infer import KVCacheConfig
 from rlcli.errors import ConfigError, PeerUnreachable
@@ -46,14 +53,16 @@ class KVConnector(Protocol):
     meta: BlockMeta
     """Layout of this engine's blocks; the fingerprint changes with the weights."""
 
-    def fetch(self, keys: list[bytes]) -> bytes:
-        """Payloads of the longest leading run of ``keys`` the store holds, back to back
-        (``len // meta.nbytes`` blocks; empty on a miss or an unreachable store)."""
+    def fetch(self, keys: list[bytes]) -> torch.Tensor:
+        """Payloads of the longest leading run of ``keys`` the store holds: ``[n, meta.nbytes]``
+        uint8 (n = 0 on a miss or an unreachable store); for a CUDA engine on its device (copied
+        on its current stream), else on the host, valid until the next fetch."""
         ...
 
-    def publish(self, keys: list[bytes], payload: "object") -> bool:
+    def publish(self, keys: list[bytes], payload: torch.Tensor) -> bool:
         """Queue blocks for the store (``payload``: a ``[len(keys), meta.nbytes]`` uint8 tensor,
-        on any device); False when the queue is full and the batch was dropped."""
+        on any device, computed on the caller's current stream); False when the queue is full
+        and the batch was dropped."""
         ...
 
     def flush(self, timeout_s: float) -> bool:
@@ -81,30 +90,74 @@ def _run_length(found: list[bool]) -> int:
     return n
 
 
-class _Publisher:
-    """The background publishing thread and the counters shared by both connectors."""
+def _cudart_call(device: torch.device, name: str, *args) -> bool:
+    """A CUDA runtime call on a helper thread: a failure leaves its error code on that thread,
+    never on the engine's (where the next kernel launch check would raise it)."""
+    result = []
 
-    def __init__(self, endpoint: str, meta: BlockMeta, queue_size: int, timeout_s: float):
+    def call() -> None:
+        try:
+            cudart = torch.cuda.cudart()
+            with torch.cuda.device(device):
+                result.append(getattr(cudart, name)(*args) == cudart.cudaError.success)
+        except Exception:  # best effort: an unregistered mapping still works, staged
+            result.append(False)
+
+    t = threading.Thread(target=call, name=f"kv-{name}")
+    t.start()
+    t.join()
+    return bool(result and result[0])
+
+
+def _register(device: torch.device, array: np.ndarray) -> None:
+    """Page-lock a host mapping for CUDA, so copies to and from the device read it directly
+    (left pageable, with a warning, where the driver refuses: copies are then staged)."""
+    if not _cudart_call(device, "cudaHostRegister", array.ctypes.data, array.nbytes, 1):  # 1: portable
+        log.warning("could not register a %d-byte /dev/shm mapping with CUDA: KV copies are staged", array.nbytes)
+
+
+def _unregister(device: torch.device, array: np.ndarray) -> None:
+    _cudart_call(device, "cudaHostUnregister", array.ctypes.data)
+
+
+class _Publisher:
+    """The background publishing thread, the fetch loop and the counters shared by both connectors."""
+
+    max_fetch_bytes = BATCH_BYTES
+    """Most payload bytes one fetch request asks for (payloads that do not cross ZeroMQ: no limit)."""
+
+    def __init__(self, endpoint: str, meta: BlockMeta, queue_size: int, timeout_s: float,
+                 device: torch.device | None = None):
         self.endpoint, self.meta, self.timeout_s = endpoint, meta, timeout_s
+        self.device = device or torch.device("cpu")
+        self.cuda = self.device.type == "cuda"
+        # The publisher's device-to-host copies run on this stream, beside the engine's.
+        self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.last_copy: torch.cuda.Event | None = None  # the last fetch's host-to-device copy
         self.client = RpcClient(endpoint)  # the engine thread's socket (fetch)
         self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self.queued_bytes = 0  # payload bytes queued and not yet copied out
         self.bytes_lock = threading.Lock()
         self.counters = {"kv_fetch_requests": 0, "kv_fetched_blocks": 0, "kv_fetched_bytes": 0, "kv_fetch_s": 0.0,
                          "kv_fetch_errors": 0, "kv_published_blocks": 0, "kv_published_bytes": 0,
-                         "kv_publish_skipped": 0, "kv_publish_dropped": 0, "kv_publish_errors": 0}
+                         "kv_publish_skipped": 0, "kv_publish_dropped": 0, "kv_publish_errors": 0, "kv_publish_s": 0.0}
         self.thread = threading.Thread(target=self._work, name="kv-publish", daemon=True)
         self.thread.start()
 
-    def publish(self, keys: list[bytes], payload) -> bool:
+    def publish(self, keys: list[bytes], payload: torch.Tensor) -> bool:
         if not keys:
             return True
         nbytes = payload.numel()
+        ready = None
+        if payload.is_cuda:  # the gather is queued on the engine's stream: the copy waits for it there
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(payload.device))
         with self.bytes_lock:
             try:
                 if self.queued_bytes + nbytes > QUEUE_BYTES:
                     raise queue.Full
-                self.queue.put_nowait((list(keys), payload, self.meta))  # the layout of the weights that computed them
+                # meta: the layout of the weights that computed them
+                self.queue.put_nowait((list(keys), payload, ready, self.meta))
                 self.queued_bytes += nbytes
                 return True
             except queue.Full:
@@ -123,10 +176,11 @@ class _Publisher:
         client = RpcClient(self.endpoint)  # sockets are not shared between threads
         try:
             while (item := self.queue.get()) is not None:
-                keys, payload, meta = item
+                keys, payload, ready, meta = item
                 nbytes = payload.numel()
+                t0 = time.monotonic()
                 try:
-                    rows = np.ascontiguousarray(payload.cpu().numpy())  # the device copy happens here
+                    rows = self._to_host(payload, ready)
                     del payload, item
                     with self.bytes_lock:
                         self.queued_bytes -= nbytes
@@ -135,10 +189,10 @@ class _Publisher:
                                     self.timeout_s).exists
                     missing = [i for i, p in enumerate(present) if not p]
                     self.counters["kv_publish_skipped"] += len(keys) - len(missing)
-                    step = max(1, BATCH_BYTES // meta.nbytes)
+                    step = max(1, self.max_fetch_bytes // meta.nbytes)
                     for a in range(0, len(missing), step):
                         chunk = missing[a:a + step]
-                        stored = self._store(client, [keys[i] for i in chunk], [rows[i] for i in chunk], meta)
+                        stored = self._store(client, [keys[i] for i in chunk], rows, chunk, meta)
                         self.counters["kv_published_blocks"] += stored
                         self.counters["kv_published_bytes"] += stored * meta.nbytes
                 except Exception as e:  # the store being down must not stop the engine
@@ -147,36 +201,76 @@ class _Publisher:
                 finally:
                     with self.bytes_lock:
                         self.queued_bytes -= nbytes
+                    self.counters["kv_publish_s"] += time.monotonic() - t0
                     self.queue.task_done()
         finally:
             client.close()
             self.queue.task_done()
 
-    def _store(self, client: RpcClient, keys: list[bytes], rows: list[np.ndarray], meta: BlockMeta) -> int:
-        """Move payloads to the store; returns how many it stored (each connector's transfer path)."""
+    def _to_host(self, payload: torch.Tensor, ready) -> torch.Tensor:
+        """The payload in host memory: for a device tensor, one copy on the publisher's stream
+        (after the engine's gather, ``ready``) into :meth:`_staging`; only this thread waits for it."""
+        if not payload.is_cuda:
+            return payload.contiguous()
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_event(ready)
+            host = self._staging(payload.shape[0])
+            host.copy_(payload, non_blocking=True)
+        self.copy_stream.synchronize()
+        return host
+
+    def _staging(self, num_blocks: int) -> torch.Tensor:
+        """Host memory a published payload is copied into from the device."""
+        return self._host_buffer(num_blocks)
+
+    def _store(self, client: RpcClient, keys: list[bytes], rows: torch.Tensor, idx: list[int],
+               meta: BlockMeta) -> int:
+        """Move payloads ``rows[idx]`` to the store under ``keys``; returns how many it stored."""
         raise NotImplementedError
 
-    def fetch(self, keys: list[bytes]) -> bytes:
+    def _host_buffer(self, num_blocks: int) -> torch.Tensor:
+        """``[num_blocks, meta.nbytes]`` uint8 staging memory (pinned for a CUDA engine: torch's
+        host allocator caches it, and keeps it until an asynchronous copy out of it is done)."""
+        return torch.empty(num_blocks, self.meta.nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+
+    def _rows(self, values: list[bytes]) -> torch.Tensor:
+        """Payloads (one per block) copied into one staging buffer."""
+        out = self._host_buffer(len(values))
+        dst = out.numpy()
+        for i, v in enumerate(values):
+            dst[i] = np.frombuffer(v, dtype=np.uint8)
+        return out
+
+    def fetch(self, keys: list[bytes]) -> torch.Tensor:
         t0 = time.monotonic()
-        parts, step = [], max(1, BATCH_BYTES // self.meta.nbytes)
+        if self.last_copy is not None:  # the previous fetch's copy has read its host buffer
+            self.last_copy.synchronize()
+            self.last_copy = None
+        parts, step = [], max(1, self.max_fetch_bytes // self.meta.nbytes)
         for a in range(0, len(keys), step):
             self.counters["kv_fetch_requests"] += 1
             try:
                 data = self._fetch(keys[a:a + step])
-            except PeerUnreachable as e:
+            except (PeerUnreachable, OSError) as e:  # OSError: no room in /dev/shm for the mailbox
                 self.counters["kv_fetch_errors"] += 1
                 log.warning("KV fetch failed (a miss): %s", e)
                 break
             parts.append(data)
-            if len(data) < min(step, len(keys) - a) * self.meta.nbytes:
+            if data.shape[0] < min(step, len(keys) - a):
                 break  # the run ended inside this batch
-        data = b"".join(parts)
-        self.counters["kv_fetched_blocks"] += len(data) // self.meta.nbytes
-        self.counters["kv_fetched_bytes"] += len(data)
+        data = parts[0] if len(parts) == 1 else (torch.cat(parts) if parts else self._host_buffer(0))
+        self.counters["kv_fetched_blocks"] += data.shape[0]
+        self.counters["kv_fetched_bytes"] += data.numel()
         self.counters["kv_fetch_s"] += time.monotonic() - t0
+        if self.cuda and data.numel():
+            data = data.to(self.device, non_blocking=True)
+            self.last_copy = torch.cuda.Event()
+            self.last_copy.record(torch.cuda.current_stream(self.device))
         return data
 
-    def _fetch(self, keys: list[bytes]) -> bytes:
+    def _fetch(self, keys: list[bytes]) -> torch.Tensor:
+        """One store request: the leading run of ``keys`` it holds, ``[n, meta.nbytes]`` uint8 on
+        the host, valid until the next fetch's host-to-device copy is queued."""
         raise NotImplementedError
 
     def stats(self) -> dict[str, float]:
@@ -190,39 +284,62 @@ class _Publisher:
 
 
 class StoreConnector(_Publisher):
-    """rl-cache's memory (RAM/disk) store; payloads through /dev/shm (``via_shm``) or inline."""
+    """rl-cache's memory (RAM/disk) store; payloads through /dev/shm (``via_shm``) or inline.
 
-    def __init__(self, endpoint: str, meta: BlockMeta, queue_size: int, timeout_s: float, via_shm: bool):
+    Through /dev/shm each side keeps two :class:`~rlcli.transport.shm.Mailbox` files (fetch,
+    publish), registered with CUDA for a CUDA engine: the store writes a fetched run into the
+    fetch mailbox (one copy), the device reads it from there; a published payload is copied
+    from the device straight into the publish mailbox, the store reads it (one copy)."""
+
+    def __init__(self, endpoint: str, meta: BlockMeta, queue_size: int, timeout_s: float, via_shm: bool,
+                 device: torch.device | None = None):
         self.via_shm = via_shm
-        super().__init__(endpoint, meta, queue_size, timeout_s)
+        if via_shm:
+            self.max_fetch_bytes = 1 << 62  # one request per fetch or publish: only keys cross ZeroMQ
+            cuda = device is not None and device.type == "cuda"
+            hooks = (partial(_register, device), partial(_unregister, device)) if cuda else (None, None)
+            self.fetch_box, self.publish_box = shm.Mailbox(*hooks), shm.Mailbox(*hooks)
+        super().__init__(endpoint, meta, queue_size, timeout_s, device)
 
-    def _fetch(self, keys: list[bytes]) -> bytes:
+    def _fetch(self, keys: list[bytes]) -> torch.Tensor:
+        nbytes = self.meta.nbytes
+        into = self.fetch_box.view(len(keys) * nbytes) if self.via_shm else None
         msg = CacheGet(request_id=new_request_id(), keys=keys, meta=self.meta, prefix=True,
-                       transfer="shm" if self.via_shm else "")
+                       transfer="shm" if self.via_shm else "", into=self.fetch_box.name if self.via_shm else "")
         reply = _call(self.client, msg, CacheGetReply, self.timeout_s)
         n = _run_length(reply.found)
         if not self.via_shm:
-            return b"".join(reply.values[:n])
-        if not reply.shm:
-            return b""
-        try:
-            data = shm.read_all(reply.shm)
-        except ValueError as e:
-            raise PeerUnreachable(str(e)) from None
-        finally:
-            shm.remove(reply.shm)
-        return data[:n * self.meta.nbytes]
+            return self._rows(reply.values[:n])
+        if n and reply.shm != self.fetch_box.name:
+            raise PeerUnreachable("rl-cache did not write into this engine's /dev/shm mailbox")
+        return torch.from_numpy(into[:n * nbytes]).view(n, nbytes)
 
-    def _store(self, client: RpcClient, keys: list[bytes], rows: list[np.ndarray], meta: BlockMeta) -> int:
+    def _staging(self, num_blocks: int) -> torch.Tensor:
         if not self.via_shm:
-            msg = CachePut(request_id=new_request_id(), keys=keys, values=[r.tobytes() for r in rows], meta=meta)
-            return _call(client, msg, CacheReply, self.timeout_s).num_stored
-        name = shm.write_payloads(memoryview(r) for r in rows)
-        try:
-            msg = CachePut(request_id=new_request_id(), keys=keys, meta=meta, shm=name)
-            return _call(client, msg, CacheReply, self.timeout_s).num_stored
-        finally:
-            shm.remove(name)
+            return self._host_buffer(num_blocks)
+        nbytes = self.meta.nbytes
+        return torch.from_numpy(self.publish_box.view(num_blocks * nbytes)).view(num_blocks, nbytes)
+
+    def _store(self, client: RpcClient, keys: list[bytes], rows: torch.Tensor, idx: list[int],
+               meta: BlockMeta) -> int:
+        if not self.via_shm:
+            values = [rows[i].numpy().tobytes() for i in idx]
+            return _call(client, CachePut(request_id=new_request_id(), keys=keys, values=values, meta=meta),
+                         CacheReply, self.timeout_s).num_stored
+        box = self.publish_box.view(len(idx) * meta.nbytes).reshape(len(idx), meta.nbytes)
+        src = rows.numpy()
+        if not np.shares_memory(src, box):
+            np.take(src, idx, axis=0, out=box, mode="clip")  # one copy, no temporary
+        elif idx != list(range(len(idx))):  # else: already in place
+            box[:] = src[idx]  # (fancy indexing copies first: overlap is safe)
+        msg = CachePut(request_id=new_request_id(), keys=keys, meta=meta, shm=self.publish_box.name)
+        return _call(client, msg, CacheReply, self.timeout_s).num_stored
+
+    def close(self) -> None:
+        super().close()
+        if self.via_shm:
+            self.fetch_box.close()
+            self.publish_box.close()
 
 
 class MooncakeConnector(_Publisher):
@@ -230,26 +347,29 @@ class MooncakeConnector(_Publisher):
     rl-cache answers which keys it holds, the payloads move through Mooncake."""
 
     def __init__(self, endpoint: str, meta: BlockMeta, queue_size: int, timeout_s: float, master: str,
-                 metadata_server: str):
+                 metadata_server: str, device: torch.device | None = None):
         from rlcli.transport.mooncake import MooncakePool
 
         master_host = master.rpartition(":")[0]
         local = "127.0.0.1" if master_host in ("127.0.0.1", "localhost") else socket.gethostbyname(socket.gethostname())
         self.pool = MooncakePool(host=local, master=master, metadata_server=metadata_server)
         self.lock = threading.Lock()  # fetch (engine thread) and publish (worker) share the pool client
-        super().__init__(endpoint, meta, queue_size, timeout_s)
+        self.max_fetch_bytes = 1 << 62  # payloads move through Mooncake: one request per fetch
+        super().__init__(endpoint, meta, queue_size, timeout_s, device)
 
-    def _fetch(self, keys: list[bytes]) -> bytes:
+    def _fetch(self, keys: list[bytes]) -> torch.Tensor:
         msg = CacheGet(request_id=new_request_id(), keys=keys, meta=self.meta, prefix=True, transfer="mooncake")
         n = _run_length(_call(self.client, msg, CacheGetReply, self.timeout_s).found)
         with self.lock:
             values = self.pool.get(keys[:n], [self.meta.nbytes] * n)
         run = _run_length([v is not None for v in values])
-        return b"".join(values[:run])
+        return self._rows(values[:run])
 
-    def _store(self, client: RpcClient, keys: list[bytes], rows: list[np.ndarray], meta: BlockMeta) -> int:
+    def _store(self, client: RpcClient, keys: list[bytes], rows: torch.Tensor, idx: list[int],
+               meta: BlockMeta) -> int:
+        src = rows.numpy()
         with self.lock:
-            if not self.pool.put(keys, [memoryview(r) for r in rows]):
+            if not self.pool.put(keys, [memoryview(src[i]) for i in idx]):
                 raise PeerUnreachable("Mooncake refused the blocks (pool full?)")
         msg = CachePut(request_id=new_request_id(), keys=keys, meta=meta, mooncake=True)
         return _call(client, msg, CacheReply, self.timeout_s).num_stored
@@ -269,8 +389,8 @@ def _is_local(endpoint: str) -> bool:
         return False
 
 
-def make_kv_connector(cfg: KVCacheConfig, meta: BlockMeta) -> KVConnector | None:
-    """The connector for the store at ``cfg.endpoint`` (None when it is empty)."""
+def make_kv_connector(cfg: KVCacheConfig, meta: BlockMeta, device: torch.device | None = None) -> KVConnector | None:
+    """The connector for the store at ``cfg.endpoint`` (None when it is empty) of an engine on ``device``."""
     if not cfg.endpoint:
         return None
     if not cfg.endpoint.startswith("tcp://"):
@@ -284,10 +404,10 @@ def make_kv_connector(cfg: KVCacheConfig, meta: BlockMeta) -> KVConnector | None
         probe.close()
     if info.backend == "mooncake":
         conn: KVConnector = MooncakeConnector(cfg.endpoint, meta, cfg.publish_queue, cfg.timeout_s,
-                                              info.mooncake_master, info.mooncake_metadata)
+                                              info.mooncake_master, info.mooncake_metadata, device)
     else:
         via_shm = cfg.transfer == "shm" or (cfg.transfer == "auto" and _is_local(cfg.endpoint) and shm.available())
-        conn = StoreConnector(cfg.endpoint, meta, cfg.publish_queue, cfg.timeout_s, via_shm)
+        conn = StoreConnector(cfg.endpoint, meta, cfg.publish_queue, cfg.timeout_s, via_shm, device)
     log.info("KV blocks shared through rl-cache at %s (%s backend, payloads via %s)", cfg.endpoint, info.backend,
              "mooncake" if info.backend == "mooncake" else ("shm" if conn.via_shm else "zeromq"))
     return conn

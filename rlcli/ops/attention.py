@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from rlcli.ops.document_attention import PackedCausalAttention, _sdpa, doc_ids_from_positions
 
@@ -100,11 +102,12 @@ class PagedAttention(nn.Module):
         q_i = q_NHD[meta.query_start[i]:meta.query_start[i + 1]]
         t, n = q_i.shape[0], meta.context_lens[i]
         k_i, v_i = self._gather(k_cache, i), self._gather(v_cache, i)
+        q, k, v = q_i.transpose(0, 1)[None], k_i.transpose(0, 1)[None], v_i.transpose(0, 1)[None]
+        if t > 1 and q_i.is_cuda:
+            return prefill_attention(q, k, v, scale)[0].transpose(0, 1)
         # Query j sits at position n - t + j and sees keys 0 .. n - t + j.
         mask = torch.ones(t, n, dtype=torch.bool, device=q_i.device).tril(diagonal=n - t) if t > 1 else None
-        out = _sdpa(q_i.transpose(0, 1)[None], k_i.transpose(0, 1)[None], v_i.transpose(0, 1)[None], scale,
-                    mask=mask)
-        return out[0].transpose(0, 1)
+        return _sdpa(q, k, v, scale, mask=mask)[0].transpose(0, 1)
 
     def _decode(self, q_SHD, k_cache, v_cache, scale) -> torch.Tensor:
         """One query token per sequence. Sequences are bucketed by context length (powers of
@@ -143,6 +146,22 @@ class PagedAttention(nn.Module):
             valid = pos[None] < torch.tensor([lens[i] for i in rows], device=device)[:, None]
             out.append((rows_t, slots, valid))
         return out
+
+
+def prefill_attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, scale: float) -> torch.Tensor:
+    """A prompt chunk's attention without a dense mask (the engine's CUDA path): the T queries
+    are the last T of S positions, each sees the keys up to its own (causal, bottom-right
+    aligned). A whole prompt (T == S) runs flash attention on the grouped KV heads; a chunk
+    after cached KV runs the memory-efficient kernel's bottom-right causal mask, with the KV
+    heads repeated (that kernel takes no grouped heads). A boolean mask with grouped heads
+    would fall back to the math kernel, which builds the ``[Hq, T, S]`` scores."""
+    t, s = q_BHTD.shape[2], k_BHSD.shape[2]
+    if t == s:
+        return _sdpa(q_BHTD, k_BHSD, v_BHSD, scale, is_causal=True)
+    groups = q_BHTD.shape[1] // k_BHSD.shape[1]
+    if groups > 1:
+        k_BHSD, v_BHSD = k_BHSD.repeat_interleave(groups, dim=1), v_BHSD.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, attn_mask=causal_lower_right(t, s), scale=scale)
 
 
 @dataclass

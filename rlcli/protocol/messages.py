@@ -318,6 +318,9 @@ class CacheGet(Message, tag="cache_get", kw_only=True):
     transfer: str = ""
     """Where the found payloads go: "" inline in the reply, "shm" a /dev/shm file, "mooncake"
     nowhere (the requester reads them from the Mooncake pool; the reply says which exist)."""
+    into: str = ""
+    """With transfer "shm": the requester's own /dev/shm file (at least as large as the
+    payloads asked for) to write the found ones into, from its start, instead of a new file."""
 
 
 class CacheExists(Message, tag="cache_exists", kw_only=True):

@@ -6,16 +6,27 @@ a temporary name and renames it, so a reader never sees half of it. Who deletes 
 part of each message's contract (rl-cache: the requester deletes the files it sent once
 answered, and the files it was answered with once read). Names are checked against
 :data:`NAME_RE`, so a message can never make a process read or delete another path.
+
+A :class:`Mailbox` is such a file kept by one process and reused for every transfer,
+mapped into its memory: its pages are faulted in once (fresh pages cost more than the
+copy itself), the peer reads or writes it with one copy, and its owner can register the
+mapping with CUDA so the device reads and writes it directly.
 """
 
+import mmap
 import os
 import re
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
+
+import numpy as np
 
 SHM_DIR = Path(os.environ.get("RLCLI_SHM_DIR", "/dev/shm"))
 NAME_RE = re.compile(r"rlcli-kv-[0-9a-f]{32}")
+PARALLEL_BYTES = 32 << 20
+"""Fewest bytes per thread of a parallel :func:`write_into`."""
 
 
 def available(min_free_bytes: int = 1 << 30) -> bool:
@@ -46,23 +57,72 @@ def write_payloads(payloads: Iterable[bytes | memoryview]) -> str:
 
 
 def read_payloads(name: str, nbytes: int, count: int) -> list[bytes]:
-    """``count`` payloads of ``nbytes`` each; ValueError if the file holds another amount."""
+    """The first ``count`` payloads of ``nbytes`` each (one copy each); ValueError if the file
+    is smaller (a requester's reused :class:`Mailbox` may be larger)."""
     path = path_of(name)
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        with open(path, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < nbytes * count:
+                raise ValueError(f"shared-memory payload {name} holds {size} bytes, expected {count} x {nbytes}")
+            out = [f.read(nbytes) for _ in range(count)]
     except FileNotFoundError:
         raise ValueError(f"shared-memory payload {name} does not exist") from None
-    if len(data) != nbytes * count:
-        raise ValueError(f"shared-memory payload {name} holds {len(data)} bytes, expected {count} x {nbytes}")
-    view = memoryview(data)
-    return [bytes(view[i * nbytes:(i + 1) * nbytes]) for i in range(count)]
+    if any(len(p) != nbytes for p in out):
+        raise ValueError(f"shared-memory payload {name} was cut short while read")
+    return out
 
 
-def read_all(name: str) -> bytes:
-    """The whole file of a payload name (ValueError if it does not exist)."""
+def write_into(name: str, payloads: list[bytes | memoryview], threads: int = 1) -> None:
+    """Write payloads back to back from the start of an existing file (a requester's
+    :class:`Mailbox`: its pages are already in memory, so this is one copy, split over
+    ``threads`` when large); ValueError if the file does not exist or is too small."""
+    offsets = [0]
+    for p in payloads:
+        offsets.append(offsets[-1] + len(p))
+    total = offsets[-1]
     try:
-        return path_of(name).read_bytes()
+        with open(path_of(name), "r+b", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < total:
+                raise ValueError(f"shared-memory file {name} holds {size} bytes, {total} needed")
+            if not total:
+                return
+            with mmap.mmap(f.fileno(), total) as mm:
+                dst = np.frombuffer(mm, dtype=np.uint8)
+
+                def copy(lo: int, hi: int) -> None:  # numpy copies without the GIL
+                    for i in range(lo, hi):
+                        dst[offsets[i]:offsets[i + 1]] = np.frombuffer(payloads[i], dtype=np.uint8)
+
+                parts = min(threads, len(payloads), max(1, total // PARALLEL_BYTES))
+                if parts <= 1:
+                    copy(0, len(payloads))
+                else:
+                    bounds = [len(payloads) * k // parts for k in range(parts + 1)]
+                    with ThreadPoolExecutor(parts) as pool:
+                        list(pool.map(copy, bounds[:-1], bounds[1:]))
+                del dst
+    except FileNotFoundError:
+        raise ValueError(f"shared-memory file {name} does not exist") from None
+
+
+def read_into(name: str, out: memoryview) -> int:
+    """Read the whole file of a payload name into ``out`` (a writable byte buffer at least as
+    large: a pinned staging tensor, so the bytes cross once); returns its size. ValueError if
+    the file does not exist or does not fit."""
+    try:
+        with open(path_of(name), "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > len(out):
+                raise ValueError(f"shared-memory payload {name} holds {size} bytes, expected at most {len(out)}")
+            got = 0
+            while got < size:
+                k = f.readinto(out[got:size])
+                if not k:
+                    raise ValueError(f"shared-memory payload {name} ended after {got} of {size} bytes")
+                got += k
+            return size
     except FileNotFoundError:
         raise ValueError(f"shared-memory payload {name} does not exist") from None
 
@@ -72,3 +132,57 @@ def remove(name: str) -> None:
         path_of(name).unlink()
     except (FileNotFoundError, ValueError):
         pass
+
+
+class Mailbox:
+    """A reusable payload file in /dev/shm, mapped here and grown on demand (its owner deletes it).
+
+    ``on_map(array)`` / ``on_unmap(array)`` run when a mapping is made or dropped (a CUDA
+    engine registers it as pinned memory there)."""
+
+    def __init__(self, on_map: Callable[[np.ndarray], None] | None = None,
+                 on_unmap: Callable[[np.ndarray], None] | None = None):
+        self.on_map, self.on_unmap = on_map, on_unmap
+        self.name = ""
+        self.size = 0
+        self._mm: mmap.mmap | None = None
+        self.array = np.empty(0, dtype=np.uint8)
+
+    def view(self, nbytes: int) -> np.ndarray:
+        """The first ``nbytes`` of the mapping (growing the file first when it is smaller;
+        OSError when /dev/shm has no room for it)."""
+        if nbytes > self.size:
+            self._map(max(nbytes, 2 * self.size))
+        return self.array[:nbytes]
+
+    def _map(self, size: int) -> None:
+        self.close()
+        name = f"rlcli-kv-{uuid.uuid4().hex}"
+        fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)  # OSError (no space) now, not SIGBUS on first touch
+            self._mm = mmap.mmap(fd, size)
+        except OSError:
+            os.close(fd)
+            remove(name)
+            raise
+        os.close(fd)
+        self.name, self.size = name, size
+        self.array = np.frombuffer(self._mm, dtype=np.uint8)
+        self.array[:] = 0  # fault every page in now, not during a transfer
+        if self.on_map is not None:
+            self.on_map(self.array)
+
+    def close(self) -> None:
+        if self._mm is None:
+            return
+        if self.on_unmap is not None:
+            self.on_unmap(self.array)
+        self.array = np.empty(0, dtype=np.uint8)
+        try:
+            self._mm.close()
+        except BufferError:  # a view still lives somewhere: the mapping goes when it does
+            pass
+        self._mm = None
+        remove(self.name)
+        self.name, self.size = "", 0

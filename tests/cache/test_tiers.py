@@ -117,6 +117,39 @@ def test_service_survives_malformed_requests(tmp_path):
     assert not shm.path_of(reply.shm).exists()
 
 
+def test_gets_and_puts_through_mailboxes_round_trip_bit_exact():
+    """A requester's reused /dev/shm files: the store writes a found run into the fetch one and
+    reads a put from the publish one (larger than the payload); a mailbox too small is refused."""
+    keys, values = blocks(3)
+    service = CacheService(MemoryStore(1 << 20))
+    put_box, get_box = shm.Mailbox(), shm.Mailbox()
+    put_box.view(5 * META.nbytes)[:3 * META.nbytes] = np.frombuffer(b"".join(values), dtype=np.uint8)
+    assert service.handle(CachePut(keys=keys, meta=META, shm=put_box.name), "r").num_stored == 3
+    fetched = get_box.view(4 * META.nbytes)  # mapped (and sized) before the request, as a connector does
+    reply = service.handle(CacheGet(keys=[*keys[:2], b"nope", keys[2]], meta=META, transfer="shm", prefix=True,
+                                    into=get_box.name), "r")
+    assert reply.found == [True, True, False, False] and reply.shm == get_box.name
+    assert fetched[:2 * META.nbytes].tobytes() == values[0] + values[1]
+    small = shm.Mailbox()
+    small.view(META.nbytes)
+    with pytest.raises(ValueError):
+        service.handle(CacheGet(keys=keys, meta=META, transfer="shm", into=small.name), "r")
+    names = [b.name for b in (put_box, get_box, small)]
+    for box in (put_box, get_box, small):
+        box.close()
+    assert not any(shm.path_of(n).exists() for n in names)
+
+
+def test_parallel_copy_into_a_mailbox_is_bit_exact(monkeypatch):
+    _, values = blocks(7)
+    box = shm.Mailbox()
+    view = box.view(8 * META.nbytes)
+    monkeypatch.setattr(shm, "PARALLEL_BYTES", META.nbytes)  # split these few small blocks over 3 threads
+    shm.write_into(box.name, values, threads=3)
+    assert view[:7 * META.nbytes].tobytes() == b"".join(values)
+    box.close()
+
+
 def test_serve_shm_ls_prune_commands(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "rlcli.cli.cache", "serve", "--run-dir", str(run_dir),
