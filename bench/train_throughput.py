@@ -6,7 +6,12 @@ states -> chunked logprobs (``rlcli.ops.logprobs``) -> a policy-gradient loss ->
 Random weights and tokens; rows are one 8k-token sequence each (SDPA's causal kernel).
 
 Modes (each prints a table last):
-  dense    Llama-3.2-1B shape at --seq tokens: tokens/s, MFU, peak memory
+  dense    Llama-3.2-1B shape at --seq tokens: tokens/s, MFU, peak memory; --attention, --adamw,
+           --reshard, --chunk, --no-fsdp pick the trainer's options (train.attention,
+           train.optim.implementation, train.parallel.reshard, train.logprob_chunk_tokens; no
+           FSDP = what rl-train does at one rank: bf16 parameters, no fp32 masters)
+  sweep    dense, one row per configuration of --arms (default: the trainer's levers one by one
+           on top of --compile), each printed as it finishes, then one table
   moe      Qwen3-MoE-style ~2B total: tokens/s with the stacked-expert loop (rlcli.models.moe,
            the baseline) vs one grouped GEMM per projection (torch._grouped_mm) side by side
   dp       runs this script under torchrun with 1 and with 2 processes (FSDP2, --dp 2) and
@@ -22,6 +27,7 @@ left out unless tied to the LM head), L layers, d = heads * head_dim. Peak = --p
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -39,7 +45,8 @@ from rlcli.models.config import ModelArgs  # noqa: E402
 from rlcli.models.hf_io import build_model  # noqa: E402
 from rlcli.ops.attention import ForwardContext, PackedCausalAttention  # noqa: E402
 from rlcli.ops.logprobs import chunked_logprobs  # noqa: E402
-from rlcli.parallel.fsdp import apply_activation_checkpointing, apply_compile, apply_fsdp  # noqa: E402
+from rlcli.parallel.fsdp import (apply_activation_checkpointing, apply_compile, apply_fsdp,  # noqa: E402
+                                 sync_gradients_on)
 
 LLAMA_1B = dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
                 num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
@@ -102,6 +109,37 @@ def select_experts(model: torch.nn.Module, experts: str) -> None:
 
 # ------------------------------------------------------------------ one configuration
 
+@dataclasses.dataclass
+class Arm:
+    """The trainer options one dense run uses (names as in rl-train's config)."""
+
+    name: str = "dense"
+    compile: bool = False  # train.compile
+    attention: str = "auto"  # train.attention
+    adamw: str = "foreach"  # train.optim.implementation
+    reshard: str = "micro_batch"  # train.parallel.reshard
+    chunk: int = 2048  # train.logprob_chunk_tokens
+    fsdp: bool = True  # False: rl-train's one-rank path (bf16 parameters, no FSDP2, no fp32 masters)
+    keep_logits: bool = False  # train.logprob_keep_logits
+
+
+_BEST = dict(compile=True, attention="cudnn", adamw="fused", reshard="step", chunk=8192, keep_logits=True)
+# Each arm up to +keep_logits adds one lever to the one before it; the rest change one choice of that last one.
+SWEEP = {
+    "compiled": Arm("compiled", compile=True),
+    "+cudnn": Arm("+cudnn", compile=True, attention="cudnn"),
+    "+fused": Arm("+fused", compile=True, attention="cudnn", adamw="fused"),
+    "+reshard_step": Arm("+reshard_step", compile=True, attention="cudnn", adamw="fused", reshard="step"),
+    "+chunk8k": Arm("+chunk8k", compile=True, attention="cudnn", adamw="fused", reshard="step", chunk=8192),
+    "+keep_logits": Arm("+keep_logits", **_BEST),
+    "flex": Arm("flex", **dict(_BEST, attention="flex")),
+    "varlen": Arm("varlen", **dict(_BEST, attention="auto")),
+    "sdpa": Arm("sdpa", **dict(_BEST, attention="sdpa")),
+    "no_fsdp_bf16": Arm("no_fsdp_bf16", **dict(_BEST, fsdp=False, reshard="micro_batch")),
+    "eager": Arm("eager", **dict(_BEST, compile=False)),
+}
+DEFAULT_ARMS = "compiled,+cudnn,+fused,+reshard_step,+chunk8k,+keep_logits,flex,no_fsdp_bf16"
+
 def setup_dist(device_type: str) -> tuple[int, int]:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
@@ -125,59 +163,73 @@ def flops_per_token(args: ModelArgs, model: torch.nn.Module, seq: int) -> float:
 
 
 def run_config(hf: dict, seq: int, rows: int, steps: int, warmup: int, device: torch.device, ac: str,
-               experts: str = "loop", cp: int = 1, compile_blocks: bool = False, profile: bool = False) -> dict:
+               experts: str = "loop", cp: int = 1, arm: Arm = Arm(), profile: bool = False) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     args = ModelArgs.from_hf(hf)
-    model = build_model(args, device="meta", dtype=torch.float32, materialize=False)
+    cuda = device.type == "cuda"
+    master = torch.float32 if arm.fsdp or not cuda else torch.bfloat16
+    model = build_model(args, device="meta", dtype=master, materialize=False)
     select_experts(model, experts)
     world = dist.get_world_size()
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_cp",))
     apply_activation_checkpointing(model, ac)
-    if compile_blocks:
+    if arm.compile:
         apply_compile(model)
-    apply_fsdp(model, mesh, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if arm.fsdp:
+        apply_fsdp(model, mesh, torch.bfloat16 if cuda else torch.float32, reshard=arm.reshard)
     model.to_empty(device=device)
+    if not arm.fsdp:
+        model.tie_weights()
     model.init_buffers()
     with torch.no_grad():  # random init of each rank's own shards (DTensor locals)
         for name, p in model.named_parameters():
             local = p.to_local() if hasattr(p, "to_local") else p
             local.fill_(1.0) if name.endswith("norm.weight") else local.normal_(0.0, 0.02)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+    extra = {"fused": True} if arm.adamw == "fused" else {"foreach": True}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **extra)
     gen = torch.Generator(device="cpu").manual_seed(dist.get_rank())
     ids = torch.randint(0, args.vocab_size, (rows, 1, seq), generator=gen).to(device)
-    pos = torch.arange(seq, device=device)[None]
+    host_pos = torch.arange(seq)[None]  # the trainer reads document boundaries from the host copy
+    pos = host_pos.to(device)
     adv = torch.randn(rows, seq, generator=gen).to(device)
 
     def step():
         for r in range(rows):
-            ctx = ForwardContext(attn=PackedCausalAttention(pos))
+            if arm.reshard == "step":
+                sync_gradients_on(model, last=r == rows - 1)
+            ctx = ForwardContext(attn=PackedCausalAttention(host_pos, backend=arm.attention, device=device))
             h = model.hidden_states(ids[r], pos, ctx)[0]
-            lp, _ = chunked_logprobs(h[:-1], model.lm_head.weight, ids[r, 0, 1:], 1.0, 2048)
+            lp, _ = chunked_logprobs(h[:-1], model.lm_head.weight, ids[r, 0, 1:], 1.0, arm.chunk,
+                                     keep_logits=arm.keep_logits)
             (-(lp.exp() * adv[r, 1:]).sum() / (rows * seq)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     for _ in range(warmup):
         step()
     sync()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
     t0 = time.perf_counter()
     for _ in range(steps):
         step()
     sync()
     dt = (time.perf_counter() - t0) / steps
+    graphs = counters["stats"]["unique_graphs"] - graphs  # compiled inside the timing: should be 0
     if profile and dist.get_rank() == 0:
         from torch.profiler import ProfilerActivity, profile as prof
 
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with prof(activities=acts) as p:
             step()
             sync()
-        keys = ["self_device_time_total", "self_cuda_time_total"] if device.type == "cuda" else ["self_cpu_time_total"]
+        keys = ["self_device_time_total", "self_cuda_time_total"] if cuda else ["self_cpu_time_total"]
         for key in keys:
             try:
                 print(p.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60), file=sys.stderr)
@@ -186,16 +238,43 @@ def run_config(hf: dict, seq: int, rows: int, steps: int, warmup: int, device: t
                 continue
     tokens = rows * seq * world
     out = {"tokens_per_s": tokens / dt, "step_s": dt, "flops_per_token": flops_per_token(args, model, seq),
-           "params": sum(p.numel() for p in model.parameters()), "world": world}
-    out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+           "params": sum(p.numel() for p in model.parameters()), "world": world, "graphs_in_timing": graphs}
+    out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
     del model, opt
-    if compile_blocks:
+    if arm.compile:
         from rlcli.ops.logprobs import use_compiled
 
         use_compiled(False)  # the next configuration runs eager
-    if device.type == "cuda":
+        torch._dynamo.reset()  # and compiles its own graphs (the inductor cache keeps recompiles short)
+    if cuda:
         torch.cuda.empty_cache()
     return out
+
+
+def attention_report(device: torch.device, hf: dict, seq: int) -> str:
+    """Which fused attention kernels this torch offers for one 8k document of the model's heads."""
+    if device.type != "cuda":
+        return "attention kernels: cpu"
+    from torch.backends.cuda import SDPAParams, can_use_cudnn_attention, can_use_flash_attention
+
+    H, Hkv, D = hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"]
+    q = torch.empty(1, seq, H, D, device=device, dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+    k = torch.empty(1, seq, Hkv, D, device=device, dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+    params = SDPAParams(q, k, k, None, 0.0, True, True)
+    out = [f"cudnn {torch.backends.cudnn.version()}", f"cudnn_sdpa(gqa)={can_use_cudnn_attention(params)}",
+           f"flash_sdpa(gqa)={can_use_flash_attention(params)}"]
+    try:
+        from torch.nn.attention import activate_flash_attention_impl, list_flash_attention_impls
+
+        out.append(f"flash impls {list_flash_attention_impls()}")
+        try:
+            activate_flash_attention_impl("FA3")
+            out.append("FA3 active (varlen and flash SDPA run FA3)")
+        except Exception as e:  # noqa: BLE001 - report why, keep FA2
+            out.append(f"FA3 unavailable ({type(e).__name__}: {str(e)[:60]})")
+    except ImportError:
+        out.append("no flash-impl switch in this torch")
+    return "attention kernels: " + ", ".join(out)
 
 
 def mfu(r: dict, peak_tflops: float) -> float:
@@ -216,7 +295,7 @@ def fmt(x: float, digits: int = 1) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("mode", choices=["dense", "moe", "dp", "cp", "all"])
+    ap.add_argument("mode", choices=["dense", "moe", "dp", "cp", "all", "sweep"])
     ap.add_argument("--smoke", action="store_true", help="tiny models on the CPU")
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--rows", type=int, default=2, help="8k-token rows (micro-batches) per optimizer step")
@@ -226,6 +305,15 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true",
                     help="dense: also run with each block torch.compile'd (train.compile), side by side")
     ap.add_argument("--profile", action="store_true", help="print the top kernels of one profiled step")
+    ap.add_argument("--attention", default="auto", choices=["auto", "varlen", "cudnn", "flex", "sdpa"],
+                    help="dense: train.attention")
+    ap.add_argument("--adamw", default="foreach", choices=["foreach", "fused"], help="dense: train.optim.implementation")
+    ap.add_argument("--reshard", default="micro_batch", choices=["micro_batch", "step"],
+                    help="dense: train.parallel.reshard")
+    ap.add_argument("--chunk", type=int, default=2048, help="dense: train.logprob_chunk_tokens")
+    ap.add_argument("--no-fsdp", action="store_true", help="dense: rl-train's one-rank path (bf16 parameters)")
+    ap.add_argument("--keep-logits", action="store_true", help="dense: train.logprob_keep_logits")
+    ap.add_argument("--arms", default=DEFAULT_ARMS, help=f"sweep: comma-separated, of {','.join(SWEEP)}")
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--json-out", default="", help="write the results as JSON here (used by dp mode)")
     a = ap.parse_args()
@@ -242,11 +330,16 @@ def main() -> None:
     if a.mode == "dp":
         return dp_mode(a)
     rank, world = setup_dist(device.type)
+    if a.mode == "sweep":
+        return sweep_mode(a, dense, device)
+    arm = Arm("dense", attention=a.attention, adamw=a.adamw, reshard=a.reshard, chunk=a.chunk, fsdp=not a.no_fsdp,
+              keep_logits=a.keep_logits)
     if a.mode in ("dense", "all"):
-        results["dense"] = run_config(dense, a.seq, a.rows, a.steps, a.warmup, device, a.ac, profile=a.profile)
+        results["dense"] = run_config(dense, a.seq, a.rows, a.steps, a.warmup, device, a.ac, arm=arm,
+                                      profile=a.profile)
         if a.compile:
             results["dense_compiled"] = run_config(dense, a.seq, a.rows, a.steps, a.warmup, device, a.ac,
-                                                   compile_blocks=True, profile=a.profile)
+                                                   arm=dataclasses.replace(arm, compile=True), profile=a.profile)
     if a.mode in ("moe", "all"):
         for experts in ("loop", "grouped"):
             results[f"moe_{experts}"] = run_config(moe, a.seq, a.rows, a.steps, a.warmup, device, a.ac, experts)
@@ -273,6 +366,44 @@ def main() -> None:
                   f"{results['moe_grouped']['tokens_per_s'] / results['moe_loop']['tokens_per_s']:.2f}x")
         if "cp" in results:
             print(json.dumps(results["cp"]))
+    dist.destroy_process_group()
+
+
+def sweep_mode(a, dense: dict, device: torch.device) -> None:
+    """The dense step under each arm of --arms, in one process: a row per arm as it finishes
+    (an arm that fails prints its error and the sweep goes on), then one table."""
+    rank = dist.get_rank()
+    names = [n.strip() for n in a.arms.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SWEEP]
+    if unknown:
+        raise SystemExit(f"--arms: unknown {unknown}; choose from {list(SWEEP)}")
+    header = ["arm", "compile", "attention", "adamw", "reshard", "chunk", "keep", "fsdp", "tokens/s", "MFU",
+              "step s", "peak GiB", "recompiles"]
+    if rank == 0:
+        print(attention_report(device, dense, a.seq), flush=True)
+        print(f"# device={torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'} seq={a.seq} "
+              f"rows={a.rows} steps={a.steps} warmup={a.warmup} ac={a.ac} peak={a.peak_tflops} TFLOP/s", flush=True)
+    rows, t_start = [], time.perf_counter()
+    for name in names:
+        arm = SWEEP[name]
+        desc = [name, arm.compile, arm.attention, arm.adamw, arm.reshard, arm.chunk, arm.keep_logits, arm.fsdp]
+        t0 = time.perf_counter()
+        try:
+            r = run_config(dense, a.seq, a.rows, a.steps, a.warmup, device, a.ac, arm=arm, profile=a.profile)
+            row = desc + [fmt(r["tokens_per_s"], 0), f"{100 * mfu(r, a.peak_tflops):.1f}%", f"{r['step_s']:.3f}",
+                          fmt(r["peak_mem_gib"], 1), r["graphs_in_timing"]]
+        except Exception as e:  # noqa: BLE001 - one arm's failure (OOM, missing kernel) must not end the sweep
+            row = desc + [f"failed: {type(e).__name__}: {str(e).splitlines()[0][:90] if str(e) else ''}", "", "", "",
+                          ""]
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            torch._dynamo.reset()
+        rows.append(row)
+        if rank == 0:
+            print(f"[{time.perf_counter() - t_start:6.0f}s] {name}: {row[len(desc):]} ({time.perf_counter() - t0:.0f}s)",
+                  flush=True)
+    if rank == 0:
+        table(rows, header)
     dist.destroy_process_group()
 
 

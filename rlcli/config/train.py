@@ -30,6 +30,10 @@ class OptimConfig(Config):
     warmup_steps: int = 0
     """Linear learning-rate warm-up, in optimizer steps."""
 
+    implementation: Literal["auto", "fused", "foreach"] = "auto"
+    """AdamW kernel: fused (one kernel over all parameters), foreach (a few kernels per op);
+    auto: fused on CUDA, foreach elsewhere."""
+
     def __post_init__(self) -> None:
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
@@ -119,6 +123,12 @@ class ParallelConfig(Config):
     cpu_offload: bool = False
     """Keep FSDP2-sharded parameters, gradients and optimizer state in CPU memory (GPU runs)."""
 
+    reshard: Literal["micro_batch", "step"] = "micro_batch"
+    """FSDP2 with several micro-batches per step: micro_batch all-gathers each block's parameters
+    and reduce-scatters its gradients for every micro-batch; step keeps the parameters gathered
+    and the gradients unsharded (fp32) until the step's last micro-batch (one all-gather and one
+    reduce-scatter per step, at the memory of unsharded parameters and gradients)."""
+
     def __post_init__(self) -> None:
         if self.dp == 0 or self.dp < -1:
             raise ValueError(f"train.parallel.dp (--dp) must be >= 1 or -1, got {self.dp}")
@@ -158,9 +168,18 @@ class TrainConfig(Config):
     """torch.compile each decoder block (rl-train --compile): fused norms, rotary and
     activations; the first steps of each new shape pay the compile time."""
 
+    attention: Literal["auto", "varlen", "cudnn", "flex", "sdpa"] = "auto"
+    """Attention kernel for packed rows (rlcli.ops.document_attention): auto (varlen flash on CUDA,
+    flex under --cp, sdpa on CPU); cudnn (SDPA's cuDNN kernel per document, flash where it does not
+    apply); varlen; flex; sdpa (per-document SDPA, SDPA's own kernel choice)."""
+
     logprob_chunk_tokens: int = 1024
     """Tokens per chunk when computing logprobs/entropy from hidden states (the full-vocab
     logits of one chunk are the largest tensor; backward recomputes them chunk by chunk)."""
+
+    logprob_keep_logits: bool = False
+    """Keep forward's logits (tokens x vocab in the compute dtype) for backward instead of
+    recomputing them chunk by chunk: one LM-head matmul less per chunk, for that memory."""
 
     num_threads: int = 0
     """threads = "fixed": torch intra-op threads (0 keeps torch's default); "adaptive": the most

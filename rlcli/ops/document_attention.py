@@ -13,6 +13,12 @@ or per-block state:
   there it is used only without grad (tests check it against the dense mask).
 * ``varlen`` (CUDA, no CP): ``torch.nn.attention.varlen.varlen_attn`` (flash) over
   ``cu_seqlens`` of all documents of the batch flattened; fp32 inputs take ``sdpa``.
+* ``cudnn``: one causal SDPA call per document with cuDNN's kernel first in SDPA's
+  priority (on Hopper it is faster than the FA2 kernels behind ``varlen``; SDPA falls back
+  to flash or its CPU kernels where cuDNN does not apply). Each document's q/k/v are
+  sliced so that they keep the ``[B, S, H, D]`` memory layout cuDNN requires; when this
+  torch's cuDNN path has no grouped-query support, K/V heads are repeated first. Shared
+  prompts and CP queries take the ``sdpa`` code under the same priority.
 
 ``auto`` picks ``varlen`` (``flex`` under CP) on CUDA and ``sdpa`` elsewhere.
 
@@ -41,10 +47,11 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rlcli.ops.prefix_tree import RowTree
 
-AttentionBackend = Literal["auto", "sdpa", "flex", "varlen"]
+AttentionBackend = Literal["auto", "sdpa", "flex", "varlen", "cudnn"]
 
 
 def _sdpa(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, scale: float,
@@ -57,6 +64,31 @@ def _sdpa(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, scal
 def doc_ids_from_positions(position_ids_BT: torch.Tensor) -> torch.Tensor:
     """Sequence index of every token in a packed row: a new sequence starts at position 0."""
     return torch.cumsum((position_ids_BT == 0).to(torch.int32), dim=-1)
+
+
+@functools.cache
+def _cudnn_gqa(device: torch.device) -> bool:
+    """Whether SDPA's cuDNN kernel takes fewer K/V heads than query heads on ``device``
+    (probed once on tiny tensors; off CUDA SDPA's own kernels do)."""
+    if device.type != "cuda":
+        return True
+    from torch.backends.cuda import SDPAParams, can_use_cudnn_attention
+
+    q = torch.empty(1, 128, 4, 64, device=device, dtype=torch.bfloat16).transpose(1, 2)
+    k = torch.empty(1, 128, 2, 64, device=device, dtype=torch.bfloat16).transpose(1, 2)
+    try:
+        return bool(can_use_cudnn_attention(SDPAParams(q, k, k, None, 0.0, True, True)))
+    except (RuntimeError, TypeError):
+        return False
+
+
+def _cudnn_first_kwargs() -> dict:
+    """``sdpa_kernel`` arguments that put cuDNN first (a torch without ``set_priority`` only
+    enables the backends, in its own order). Read outside compiled code: the result is baked in."""
+    return {"set_priority": True} if "set_priority" in inspect.signature(sdpa_kernel).parameters else {}
+
+
+_CUDNN_ORDER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @functools.cache
@@ -112,6 +144,8 @@ class PackedCausalAttention(nn.Module):
         self.query_runs = self._query_runs()
         self._block_mask = None
         self._varlen_plan = None
+        self.expand_kv = self.backend == "cudnn" and not _cudnn_gqa(device)
+        self.sdpa_kwargs = _cudnn_first_kwargs() if self.backend == "cudnn" else {}
         if self.backend == "flex":
             self.reach_BT = torch.from_numpy(np.stack([t.reach() for t in trees])).to(device)
 
@@ -122,7 +156,7 @@ class PackedCausalAttention(nn.Module):
             return "varlen" if self.query_index is None and _varlen_attn() is not None else "flex"
         if backend == "varlen" and (self.query_index is not None or _varlen_attn() is None):
             raise ValueError("the varlen attention backend needs torch.nn.attention.varlen and no context "
-                             "parallelism; use backend 'flex' or 'sdpa'")
+                             "parallelism; set train.attention to auto, flex, cudnn or sdpa")
         return backend
 
     def _query_runs(self) -> list[tuple[int, int, int]]:
@@ -145,7 +179,26 @@ class PackedCausalAttention(nn.Module):
             return self._flex(q_BTHD, k_BSHD, v_BSHD, scale)
         if self.backend == "varlen" and q_BTHD.dtype in (torch.float16, torch.bfloat16):  # flash: half only
             return self._varlen(q_BTHD, k_BSHD, v_BSHD, scale)
+        if self.backend == "cudnn":
+            with sdpa_kernel(_CUDNN_ORDER, **self.sdpa_kwargs):
+                if self.shared or self.query_index is not None:
+                    return self._sdpa_per_document(q_BTHD, k_BSHD, v_BSHD, scale)
+                return self._cudnn_per_document(q_BTHD, k_BSHD, v_BSHD, scale)
         return self._sdpa_per_document(q_BTHD, k_BSHD, v_BSHD, scale)
+
+    # ------------------------------------------------------------------ cuDNN, one call per document
+    def _cudnn_per_document(self, q_BTHD, k_BSHD, v_BSHD, scale) -> torch.Tensor:
+        """Independent documents, all queries: per document ``x[b, s:e][None]`` keeps the
+        [1, S, H, D] strides cuDNN's layout check wants (a slice of the batched view would not)."""
+        if self.expand_kv and q_BTHD.shape[2] != k_BSHD.shape[2]:
+            rep = q_BTHD.shape[2] // k_BSHD.shape[2]
+            k_BSHD, v_BSHD = k_BSHD.repeat_interleave(rep, dim=2), v_BSHD.repeat_interleave(rep, dim=2)
+        rows = []
+        for b, spans in enumerate(self.spans):
+            pieces = [_sdpa(*(x[b, s:e][None].transpose(1, 2) for x in (q_BTHD, k_BSHD, v_BSHD)), scale,
+                            is_causal=True).transpose(1, 2) for s, e, _ in spans]
+            rows.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1))
+        return rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)
 
     # ------------------------------------------------------------------ sdpa, one call per document
     def _sdpa_per_document(self, q_BTHD, k_BSHD, v_BSHD, scale) -> torch.Tensor:

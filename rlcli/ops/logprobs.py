@@ -4,8 +4,10 @@ The naive path (``log_softmax(lm_head(h).float())``) keeps fp32 ``[N, V]`` logit
 log-softmax and, for an entropy bonus, ``exp`` of it alive for backward: at 131k tokens and
 a 150k vocabulary that is ~80 GB per tensor. Here the LM head runs on ``chunk`` tokens at a
 time; forward keeps only per-token scalars (logprob, entropy, logsumexp), and backward
-recomputes each chunk's logits and turns them straight into the gradients of the hidden
-states and of the LM-head weight. The largest temporary is one chunk's fp32 logits.
+recomputes each chunk's logits (or, with ``keep_logits``, reads forward's) and turns them
+straight into the gradients of the hidden states and of the LM-head weight. The largest
+temporary is one chunk's fp32 logits. When the tokens fit one chunk, backward's matmuls
+write the gradients directly (no fp32 accumulators).
 
 Gradients (``z`` = logits / T, ``p`` = softmax(z), ``lp`` = z[target] - logsumexp(z),
 ``H`` = -sum p log p):  d lp / d z = onehot(target) - p,  d H / d z = -p (log p + H).
@@ -53,8 +55,9 @@ def _chunk_stats(zraw_CV, targets_C, inv_temp: float, top_p: float = 1.0):
 
 def _chunk_grad(zraw_CV, targets_C, grad_lp_N, grad_entropy_N, entropy_N, lse_N, s: int, chunk: int,
                 inv_temp: float, top_p: float) -> torch.Tensor:
-    """d loss / d logits of one chunk (fp32), from forward's logsumexp: ``p`` in two passes,
-    the logprob's gradient written into it in place."""
+    """d loss / d logits of one chunk, from forward's logsumexp: ``p`` in two passes, the
+    logprob's gradient written into it in place; computed in fp32, returned in the logits'
+    dtype (the matmuls' input; compiled, the cast is part of the fused kernel)."""
     z = zraw_CV.float() * inv_temp if inv_temp != 1.0 else zraw_CV.float()
     lse = lse_N[s:s + chunk, None]
     p = (z - lse).exp_()
@@ -75,7 +78,7 @@ def _chunk_grad(zraw_CV, targets_C, grad_lp_N, grad_entropy_N, entropy_N, lse_N,
             g_lp = (z - lse_keep[:, None]).exp_().mul_(keep).mul_(-g)
             g_lp.scatter_add_(1, t, g * keep.gather(1, t))
             g_z = g_lp if g_z is None else g_z.add_(g_lp)
-    return g_z.mul_(inv_temp) if inv_temp != 1.0 else g_z
+    return (g_z.mul_(inv_temp) if inv_temp != 1.0 else g_z).to(zraw_CV.dtype)
 
 
 _compiled: dict[str, object] = {}
@@ -92,51 +95,66 @@ def use_compiled(enabled: bool = True) -> None:
 
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_ND, weight_VD, targets_N, temperature: float, chunk: int, top_p: float):
+    def forward(ctx, h_ND, weight_VD, targets_N, temperature: float, chunk: int, top_p: float, keep_logits: bool):
         N = h_ND.shape[0]
         lp, entropy, lse = (h_ND.new_empty(N, dtype=torch.float32) for _ in range(3))
+        kept = []
         with torch.no_grad():
             stats = _compiled.get("stats", _chunk_stats)
             for s in range(0, N, chunk):
+                z = h_ND[s:s + chunk] @ weight_VD.T
                 lp[s:s + chunk], entropy[s:s + chunk], lse[s:s + chunk] = stats(
-                    h_ND[s:s + chunk] @ weight_VD.T, targets_N[s:s + chunk], 1.0 / temperature, top_p)
-        ctx.save_for_backward(h_ND, weight_VD, targets_N, entropy, lse)
+                    z, targets_N[s:s + chunk], 1.0 / temperature, top_p)
+                if keep_logits:
+                    kept.append(z)
+        ctx.save_for_backward(h_ND, weight_VD, targets_N, entropy, lse, *kept)
         ctx.temperature, ctx.chunk, ctx.top_p = temperature, chunk, top_p
         ctx.set_materialize_grads(False)
         return lp, entropy
 
     @staticmethod
     def backward(ctx, grad_lp_N, grad_entropy_N):
-        h_ND, weight_VD, targets_N, entropy_N, lse_N = ctx.saved_tensors
+        h_ND, weight_VD, targets_N, entropy_N, lse_N, *kept = ctx.saved_tensors
         inv_temp, chunk = 1.0 / ctx.temperature, ctx.chunk
+        grad = _compiled.get("grad", _chunk_grad)
+
+        def logits(i: int, h: torch.Tensor) -> torch.Tensor:  # forward's, or recomputed
+            return kept[i] if kept else h @ weight_VD.T
+
+        if h_ND.shape[0] <= chunk and (grad_lp_N is not None or grad_entropy_N is not None):
+            # One chunk: the matmuls write the gradients, no fp32 accumulators.
+            g_z = grad(logits(0, h_ND), targets_N, grad_lp_N, grad_entropy_N, entropy_N, lse_N, 0, chunk, inv_temp,
+                       ctx.top_p)
+            return (g_z @ weight_VD if ctx.needs_input_grad[0] else None,
+                    g_z.T @ h_ND if ctx.needs_input_grad[1] else None, None, None, None, None, None)
         grad_h = torch.zeros_like(h_ND) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros(weight_VD.shape, dtype=torch.float32, device=weight_VD.device) \
             if ctx.needs_input_grad[1] else None
         if grad_lp_N is None and grad_entropy_N is None:
-            return grad_h, grad_w, None, None, None, None
-        grad = _compiled.get("grad", _chunk_grad)
-        for s in range(0, h_ND.shape[0], chunk):
+            return grad_h, grad_w, None, None, None, None, None
+        for i, s in enumerate(range(0, h_ND.shape[0], chunk)):
             h = h_ND[s:s + chunk]
-            g_z = grad(h @ weight_VD.T, targets_N[s:s + chunk], grad_lp_N, grad_entropy_N, entropy_N, lse_N, s,
+            g_z = grad(logits(i, h), targets_N[s:s + chunk], grad_lp_N, grad_entropy_N, entropy_N, lse_N, s,
                        chunk, inv_temp, ctx.top_p)
-            g_z = g_z.to(weight_VD.dtype)
             if grad_h is not None:
                 grad_h[s:s + chunk] = g_z @ weight_VD
             if grad_w is not None:
                 grad_w.addmm_(g_z.T.float(), h.float()) if weight_VD.dtype == torch.float32 \
                     else grad_w.add_((g_z.T @ h).float())
-        return grad_h, None if grad_w is None else grad_w.to(weight_VD.dtype), None, None, None, None
+        return grad_h, None if grad_w is None else grad_w.to(weight_VD.dtype), None, None, None, None, None
 
 
 def chunked_logprobs(hidden_ND: torch.Tensor, weight_VD: torch.Tensor, targets_N: torch.Tensor,
-                     temperature: float = 1.0, chunk: int = 1024, top_p: float = 1.0
+                     temperature: float = 1.0, chunk: int = 1024, top_p: float = 1.0, keep_logits: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``(logprob of targets_N, entropy)``, both ``[N]``, under ``softmax(hidden @ weight.T / T)``.
 
     With ``top_p < 1`` the logprob is under the nucleus the engine sampled from (the same
     truncation, renormalized; -inf outside it); the entropy stays that of the full distribution.
     Differentiable in ``hidden_ND`` and ``weight_VD``; peak extra memory is one
-    ``[chunk, V]`` fp32 block (see module docstring).
+    ``[chunk, V]`` fp32 block (see module docstring). ``keep_logits`` keeps every chunk's
+    logits (``[N, V]`` in the weight's dtype) from forward to backward instead of recomputing
+    them: one LM-head matmul less, for that much memory until backward.
     """
     return _ChunkedLogprobs.apply(hidden_ND, weight_VD, targets_N.long(), float(temperature), int(chunk),
-                                  float(top_p))
+                                  float(top_p), bool(keep_logits))

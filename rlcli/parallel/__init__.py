@@ -40,5 +40,5 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, cfg, param_dtype: to
     if cfg.compile:
         apply_compile(model)
     if dims.enabled:
-        apply_fsdp(model, dims.fsdp_mesh, param_dtype, cfg.parallel.cpu_offload, dims.ep_mesh)
+        apply_fsdp(model, dims.fsdp_mesh, param_dtype, cfg.parallel.cpu_offload, dims.ep_mesh, cfg.parallel.reshard)
     return model

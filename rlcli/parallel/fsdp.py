@@ -3,7 +3,11 @@
 FSDP2: ``fully_shard`` on every decoder block, then on the root (embeddings, final norm,
 LM head, and the tied weight when embeddings are tied). Parameters stay fp32 (master
 weights); the mixed-precision policy all-gathers them in the compute dtype and reduces
-gradients in fp32. ``cpu_offload`` keeps the sharded parameters, their gradients and so
+gradients in fp32. With ``reshard="step"`` (train.parallel.reshard) blocks keep their
+gathered parameters from forward to backward and, through :func:`sync_gradients_on`, from
+one micro-batch to the next; gradients accumulate unsharded in fp32 and are reduce-scattered
+after the step's last micro-batch (at one rank this removes every per-micro-batch cast and
+copy of the collectives). ``cpu_offload`` keeps the sharded parameters, their gradients and so
 the optimizer state in host memory (FSDP2's CPUOffloadPolicy; GPU runs). Blocks reshard after forward (the backward all-gathers them again);
 the root keeps its parameters gathered until backward, FSDP2's default for a root, which
 is what lets the trainer compute chunked logprobs from ``lm_head.weight`` after the
@@ -77,10 +81,13 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> None:
 
 
 def apply_fsdp(model: torch.nn.Module, mesh, param_dtype: torch.dtype, cpu_offload: bool = False,
-               ep_mesh=None) -> None:
+               ep_mesh=None, reshard: str = "micro_batch") -> None:
     """``fully_shard`` per block and on the root, over ``mesh`` (1-D: the flattened dp x cp
     axis). With ``ep_mesh``, each MoE layer's experts are sharded over its "edp" axis first
-    (their "ep" split is expert parallelism's business)."""
+    (their "ep" split is expert parallelism's business). ``reshard``: see module docstring."""
+    if reshard not in ("micro_batch", "step"):
+        raise ValueError(f"train.parallel.reshard must be micro_batch or step, got {reshard!r}")
+    after_forward = reshard == "micro_batch"
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     # On a CPU-only mesh everything already lives in host memory: offloading is a no-op.
@@ -91,8 +98,8 @@ def apply_fsdp(model: torch.nn.Module, mesh, param_dtype: torch.dtype, cpu_offlo
     for block in layers:
         experts = getattr(block.mlp, "experts", None)
         if ep_mesh is not None and experts is not None:
-            fully_shard(experts, mesh=ep_mesh["edp"], reshard_after_forward=True, **kw)
-        fully_shard(block, mesh=mesh, reshard_after_forward=True, **kw)
+            fully_shard(experts, mesh=ep_mesh["edp"], reshard_after_forward=after_forward, **kw)
+        fully_shard(block, mesh=mesh, reshard_after_forward=after_forward, **kw)
     fully_shard(model, mesh=mesh, **kw)
     from torch.distributed.fsdp import FSDPModule
 
@@ -105,6 +112,16 @@ def apply_fsdp(model: torch.nn.Module, mesh, param_dtype: torch.dtype, cpu_offlo
     from torch.distributed.fsdp import register_fsdp_forward_method
 
     register_fsdp_forward_method(model, "hidden_states")
+
+
+def sync_gradients_on(model: torch.nn.Module, last: bool) -> None:
+    """Before each micro-batch under ``reshard="step"``: reduce gradients and reshard parameters
+    after backward only when this is the step's ``last`` micro-batch (no-op without FSDP2)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(last)
+        model.set_reshard_after_backward(last)
 
 
 def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:

@@ -24,6 +24,7 @@ from rlcli.models.moe import check_routes
 from rlcli.ops.attention import ForwardContext, PackedCausalAttention, RoutingContext
 from rlcli.ops.logprobs import chunked_logprobs
 from rlcli.parallel import dist as pdist
+from rlcli.parallel.fsdp import sync_gradients_on
 from rlcli.protocol.batch import MicroBatch
 from rlcli.train.data import to_tensors
 from rlcli.train.loss import sequence_ids
@@ -81,17 +82,19 @@ def routing_for(t: dict, model: torch.nn.Module, r3: bool) -> RoutingContext | N
 
 
 def forward_backward(model: torch.nn.Module, t: dict, normalizer: torch.Tensor, loss_fn: Callable, lcfg,
-                     chunk: int, attn=None, r3: bool = False) -> dict[str, torch.Tensor]:
+                     chunk: int, attn=None, r3: bool = False, attention: str = "auto",
+                     keep_logits: bool = False) -> dict[str, torch.Tensor]:
     """Loss of one row divided by ``normalizer`` (device scalar), backward; sums for metrics.
-    ``attn``: the attention backend for ``t`` (context parallelism builds its own)."""
+    ``attn``: the attention backend for ``t`` (context parallelism builds its own); else one
+    of kind ``attention`` (train.attention) is built. ``keep_logits``: train.logprob_keep_logits."""
     routing = routing_for(t, model, r3)
     if attn is None:
         trees = [t["tree"]] if "tree" in t else None
-        attn = PackedCausalAttention(t["position_ids"], trees=trees, device=t["input_ids"].device)
+        attn = PackedCausalAttention(t["position_ids"], backend=attention, trees=trees, device=t["input_ids"].device)
     ctx = ForwardContext(attn=attn, routing=routing)
     h_BTD = model.hidden_states(t["input_ids"], t["position_ids"], ctx)
     targets = t["targets"]
-    lp, entropy = _loss_token_logprobs(h_BTD, model.lm_head.weight, t, chunk)
+    lp, entropy = _loss_token_logprobs(h_BTD, model.lm_head.weight, t, chunk, keep_logits)
     mask = t["loss_mask"]
     seq_ids = t["segment_ids"] if "segment_ids" in t else sequence_ids(t["position_ids"])
     loss, kept, metrics = loss_fn(lp, t["inference_logprobs"], t["advantages"], mask, seq_ids, lcfg)
@@ -106,8 +109,8 @@ def forward_backward(model: torch.nn.Module, t: dict, normalizer: torch.Tensor, 
     return metrics
 
 
-def _loss_token_logprobs(h_BTD: torch.Tensor, weight_VD: torch.Tensor, t: dict, chunk: int
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+def _loss_token_logprobs(h_BTD: torch.Tensor, weight_VD: torch.Tensor, t: dict, chunk: int,
+                         keep_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprob and entropy ``[B, T]`` at the positions that score a loss token (0 elsewhere): the
     LM head runs on those only, never on prompt tokens. The positions come from the host copy of
     the loss mask, so selecting them costs no device sync."""
@@ -115,34 +118,41 @@ def _loss_token_logprobs(h_BTD: torch.Tensor, weight_VD: torch.Tensor, t: dict, 
     host_mask = t.get("host_loss_mask")
     if host_mask is None:
         lp, entropy = chunked_logprobs(h_BTD.flatten(0, 1), weight_VD, targets.flatten(), t["temperature"], chunk,
-                                       t["top_p"])
+                                       t["top_p"], keep_logits)
         return lp.view(targets.shape), entropy.view(targets.shape)
     index = host_mask.flatten().nonzero()[:, 0].to(h_BTD.device, non_blocking=True)
     lp, entropy = chunked_logprobs(h_BTD.flatten(0, 1).index_select(0, index), weight_VD,
-                                   targets.flatten().index_select(0, index), t["temperature"], chunk, t["top_p"])
+                                   targets.flatten().index_select(0, index), t["temperature"], chunk, t["top_p"],
+                                   keep_logits)
     zeros = torch.zeros(targets.numel(), dtype=lp.dtype, device=lp.device)
     return zeros.index_add(0, index, lp).view(targets.shape), zeros.index_add(0, index, entropy).view(targets.shape)
 
 
 def accumulate(model: torch.nn.Module, micro_batches: list[MicroBatch], dims, device: torch.device,
-               loss_fn: Callable, lcfg, chunk: int, r3: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+               loss_fn: Callable, lcfg, chunk: int, r3: bool = False, attention: str = "auto",
+               reshard: str = "micro_batch", keep_logits: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """forward_backward over this rank's rows (padded to the busiest rank's count; cut to this
     rank's part of each row under context parallelism). Returns this rank's metric sums and
     the step's loss-token count (all-reduced over the dp ranks). The sums include
     ``tokens_unique`` (tokens the rows hold, each shared prompt once) and ``tokens_total``
-    (the same samples packed unshared)."""
+    (the same samples packed unshared). ``attention``: train.attention; ``reshard``:
+    train.parallel.reshard ("step": FSDP2 syncs gradients on the last row only);
+    ``keep_logits``: train.logprob_keep_logits."""
     dp_group = dims.mesh["dp"].get_group() if dims.enabled else None
     normalizer = global_loss_tokens(micro_batches, device, dp_group)
     cp_rank = dims.coords(torch.distributed.get_rank())[1] if dims.enabled else 0
     totals: dict[str, torch.Tensor] = {}
-    for mb, padding in padded_micro_batches(micro_batches):
+    rows = padded_micro_batches(micro_batches)
+    for i, (mb, padding) in enumerate(rows):
+        if reshard == "step":
+            sync_gradients_on(model, last=i == len(rows) - 1)
         t, attn = prepare(mb, device, empty=padding), None
         if dims.cp > 1:
             from rlcli.parallel.context import shard_batch_for_cp
 
             host_pos = torch.from_numpy(mb.position_ids.numpy().astype("int64"))[None]
-            t, attn = shard_batch_for_cp(t, cp_rank, dims.cp, host_position_ids=host_pos, tree=t["tree"])
-        metrics = forward_backward(model, t, normalizer, loss_fn, lcfg, chunk, attn, r3)
+            t, attn = shard_batch_for_cp(t, cp_rank, dims.cp, attention, host_position_ids=host_pos, tree=t["tree"])
+        metrics = forward_backward(model, t, normalizer, loss_fn, lcfg, chunk, attn, r3, attention, keep_logits)
         # The CP ranks of a row count its tokens once. Every rank reports both keys (0 for padding,
         # or a CP rank > 0): the step all-reduces one stacked tensor of the keys, which must match.
         counted = not padding and cp_rank == 0

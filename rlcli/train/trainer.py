@@ -69,6 +69,16 @@ def step_metrics(totals: dict[str, float], num_loss_tokens: float) -> dict[str, 
     return out
 
 
+def make_adamw(params, o, device: torch.device) -> torch.optim.AdamW:
+    """AdamW of train.optim; ``implementation`` auto is the fused kernel on CUDA, torch's default elsewhere."""
+    kind = o.implementation
+    if kind == "auto":
+        kind = "fused" if device.type == "cuda" else "default"
+    extra = {"fused": True} if kind == "fused" else {"foreach": True} if kind == "foreach" else {}
+    return torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
+                             **extra)
+
+
 class Trainer:
     def __init__(self, cfg: RecipeConfig, run: RunDir):
         self.cfg, self.run = cfg, run
@@ -103,8 +113,7 @@ class Trainer:
                 hook_layers(self.cores, self.model.model.layers)
             self.cores.busy(False)  # until a batch arrives (the SFT warm-up was busy)
         o = tcfg.optim
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                           weight_decay=o.weight_decay)
+        self.optimizer = make_adamw(self.model.parameters(), o, self.device)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / o.warmup_steps) if o.warmup_steps else 1.0)
         self.step = 0
@@ -211,7 +220,8 @@ class Trainer:
         self.model.train()
         tcfg = self.cfg.train
         totals, normalizer = accumulate(self.model, batch.micro_batches, self.dims, self.device, self.loss_fn,
-                                        tcfg.loss, tcfg.logprob_chunk_tokens, self.cfg.r3)
+                                        tcfg.loss, tcfg.logprob_chunk_tokens, self.cfg.r3, tcfg.attention,
+                                        tcfg.parallel.reshard, tcfg.logprob_keep_logits)
         grad_norm = clip_grad_norm_(self.model.parameters(), tcfg.optim.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()

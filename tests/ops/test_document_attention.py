@@ -74,6 +74,34 @@ def test_sdpa_backend_gradients_match_dense_mask():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("expand_kv", [False, True])
+def test_cudnn_backend_per_document_matches_dense_mask_with_gradients(expand_kv):
+    """The cudnn backend's own slicing (and its K/V head repeat for a cuDNN without GQA) against
+    the dense mask; on the CPU SDPA runs its own kernels, so this checks the code around them."""
+    pos = _positions(ROWS)
+    q, k, v = (t.requires_grad_() for t in _qkv(2, 22, 22, dv=16, seed=4))
+    g = torch.randn(2, 22, 4, 16, generator=torch.Generator().manual_seed(5))
+    attn = PackedCausalAttention(pos, backend="cudnn")
+    attn.expand_kv = expand_kv
+    grads = []
+    for fn in (lambda: attn(0, q, k, v, 0.3), lambda: _dense_reference(q, k, v, pos, 0.3)):
+        out = fn()
+        (out * g).sum().backward()
+        grads.append([out.detach()] + [t.grad.clone() for t in (q, k, v)])
+        for t in (q, k, v):
+            t.grad = None
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_cudnn_backend_under_context_parallelism_takes_the_sdpa_code():
+    pos = _positions([[3, 8, 6, 7], [24]])
+    query_index = torch.cat([torch.arange(6, 12), torch.arange(18, 24)])
+    q_full, k, v = _qkv(2, 24, 24, seed=1)
+    out = PackedCausalAttention(pos, backend="cudnn", query_index_T=query_index)(0, q_full[:, query_index], k, v, 0.25)
+    torch.testing.assert_close(out, _dense_reference(q_full, k, v, pos, 0.25)[:, query_index], atol=1e-5, rtol=1e-5)
+
+
 def test_auto_backend_on_cpu_is_per_document_sdpa():
     assert PackedCausalAttention(_positions(ROWS)).backend == "sdpa"
     with pytest.raises(ValueError, match="varlen"):

@@ -41,20 +41,21 @@ def full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def build(name: str, dims, ac: str):
+def build(name: str, dims, ac: str, reshard: str = "micro_batch"):
     args = ModelArgs.from_dir(OUT / "models" / name)
     model = build_model(args, device="meta", dtype=torch.float32, materialize=False)
-    parallelize(model, dims, TrainConfig(activation_checkpointing=ac), torch.float32)
+    cfg = TrainConfig(activation_checkpointing=ac, parallel=ParallelConfig(reshard=reshard))
+    parallelize(model, dims, cfg, torch.float32)
     model.to_empty(device="cpu")
     model.init_buffers()
     load_sharded(model, OUT / "models" / name)
     return model
 
 
-def step(model, batch, dims) -> torch.Tensor:
+def step(model, batch, dims, reshard: str = "micro_batch") -> torch.Tensor:
     """The trainer's accumulation over this rank's rows; the step's mean loss."""
     totals, normalizer = accumulate(model, batch.micro_batches, dims, torch.device("cpu"), LOSSES["icepop"], LCFG,
-                                    chunk=7)
+                                    chunk=7, reshard=reshard)
     return pdist.all_reduce_sum(totals["loss"]) / normalizer
 
 
@@ -120,6 +121,21 @@ def main() -> None:
         if rank == 0:
             torch.save({"step1": params[0], "step2": params[1], "resumed": resumed, "extra": extra},
                        OUT / "resume.pt")
+        # train.parallel.reshard = "step": every rank runs two rows (rank 1 a padding pass), gradients
+        # accumulate unsharded and are reduced once; then the same two optimizer steps as above.
+        model = build(name, dims, "none", reshard="step")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        loss = step(model, batch, dims, "step")
+        grads = {k: full(p.grad) for k, p in model.named_parameters()}
+        norm = clip_grad_norm_(model.parameters(), 0.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step(model, batch, dims, "step")
+        opt.step()
+        after = {k: full(p).detach().clone() for k, p in model.named_parameters()}
+        if rank == 0:
+            torch.save({"loss": loss, "grads": grads, "norm": norm}, OUT / f"grads_{name}_reshard_step.pt")
+            torch.save(after, OUT / "reshard_step_params.pt")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -130,6 +130,17 @@ def test_fsdp_loss_and_every_gradient_match_one_process(dist_run, name, ac):
     _check_step(out, refs, name, ac)
 
 
+def test_reshard_per_step_matches_one_process_and_trains_like_per_micro_batch(dist_run):
+    """train.parallel.reshard = "step" (gradients reduced after the last row only): the same
+    gradients, and after two AdamW steps the same parameters as resharding every row (to fp32
+    rounding: the sums run in another order)."""
+    out, refs = dist_run
+    _check_step(out, refs, "dense", "reshard_step")
+    want, got = torch.load(out / "resume.pt")["step2"], torch.load(out / "reshard_step_params.pt")
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
 def test_fsdp_with_context_and_expert_parallelism_matches_one_process(tmp_path):
     """4 ranks: --dp 2 --cp 2 on the dense model, --dp 2 --cp 2 --ep 2 on the MoE, the trainer's code."""
     pytest.importorskip("rlcli.parallel.context")
