@@ -10,8 +10,9 @@ Modes (each prints a table last):
            --reshard, --chunk, --no-fsdp pick the trainer's options (train.attention,
            train.optim.implementation, train.parallel.reshard, train.logprob_chunk_tokens; no
            FSDP = what rl-train does at one rank: bf16 parameters, no fp32 masters)
-  sweep    dense, one row per configuration of --arms (default: the trainer's levers one by one
-           on top of --compile), each printed as it finishes, then one table
+  sweep    dense under the trainer's levers (--arms, in order), greedily: each is tried on the best
+           configuration so far and kept if tokens/s rises; a row per arm as it finishes, one table,
+           then the rl-train flags of the best
   moe      Qwen3-MoE-style ~2B total: tokens/s with the stacked-expert loop (rlcli.models.moe,
            the baseline) vs one grouped GEMM per projection (torch._grouped_mm) side by side
   dp       runs this script under torchrun with 1 and with 2 processes (FSDP2, --dp 2) and
@@ -123,22 +124,24 @@ class Arm:
     keep_logits: bool = False  # train.logprob_keep_logits
 
 
-_BEST = dict(compile=True, attention="cudnn", adamw="fused", reshard="step", chunk=8192, keep_logits=True)
-# Each arm up to +keep_logits adds one lever to the one before it; the rest change one choice of that last one.
-SWEEP = {
-    "compiled": Arm("compiled", compile=True),
-    "+cudnn": Arm("+cudnn", compile=True, attention="cudnn"),
-    "+fused": Arm("+fused", compile=True, attention="cudnn", adamw="fused"),
-    "+reshard_step": Arm("+reshard_step", compile=True, attention="cudnn", adamw="fused", reshard="step"),
-    "+chunk8k": Arm("+chunk8k", compile=True, attention="cudnn", adamw="fused", reshard="step", chunk=8192),
-    "+keep_logits": Arm("+keep_logits", **_BEST),
-    "flex": Arm("flex", **dict(_BEST, attention="flex")),
-    "varlen": Arm("varlen", **dict(_BEST, attention="auto")),
-    "sdpa": Arm("sdpa", **dict(_BEST, attention="sdpa")),
-    "no_fsdp_bf16": Arm("no_fsdp_bf16", **dict(_BEST, fsdp=False, reshard="micro_batch")),
-    "eager": Arm("eager", **dict(_BEST, compile=False)),
+# The sweep is greedy: it starts from the compiled step (--compile's arm) and tries each lever in
+# turn on the best configuration so far, keeping it when tokens/s rises. Report-only arms are
+# measured on the best configuration but never kept.
+LEVERS = {
+    "compiled": {},
+    "+cudnn": {"attention": "cudnn"},
+    "+fused": {"adamw": "fused"},
+    "+reshard_step": {"reshard": "step"},
+    "+chunk8k": {"chunk": 8192},
+    "+keep_logits": {"keep_logits": True},
+    "flex": {"attention": "flex"},
+    "varlen": {"attention": "varlen"},
+    "sdpa": {"attention": "sdpa"},
+    "no_fsdp_bf16": {"fsdp": False, "reshard": "micro_batch"},  # rl-train at one rank: no fp32 masters
+    "eager": {"compile": False},
 }
-DEFAULT_ARMS = "compiled,+cudnn,+fused,+reshard_step,+chunk8k,+keep_logits,flex,no_fsdp_bf16"
+REPORT_ONLY = {"no_fsdp_bf16", "eager"}
+DEFAULT_ARMS = "compiled,+cudnn,+fused,+reshard_step,+chunk8k,+keep_logits,no_fsdp_bf16,flex"
 
 def setup_dist(device_type: str) -> tuple[int, int]:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -313,7 +316,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=2048, help="dense: train.logprob_chunk_tokens")
     ap.add_argument("--no-fsdp", action="store_true", help="dense: rl-train's one-rank path (bf16 parameters)")
     ap.add_argument("--keep-logits", action="store_true", help="dense: train.logprob_keep_logits")
-    ap.add_argument("--arms", default=DEFAULT_ARMS, help=f"sweep: comma-separated, of {','.join(SWEEP)}")
+    ap.add_argument("--arms", default=DEFAULT_ARMS, help=f"sweep: comma-separated, in order, of {','.join(LEVERS)}")
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--json-out", default="", help="write the results as JSON here (used by dp mode)")
     a = ap.parse_args()
@@ -370,31 +373,37 @@ def main() -> None:
 
 
 def sweep_mode(a, dense: dict, device: torch.device) -> None:
-    """The dense step under each arm of --arms, in one process: a row per arm as it finishes
-    (an arm that fails prints its error and the sweep goes on), then one table."""
+    """Greedy over the levers of --arms (see LEVERS), in one process: a row per arm as it
+    finishes (an arm that fails prints its error and is not kept), then one table and the
+    rl-train flags of the best configuration."""
     rank = dist.get_rank()
     names = [n.strip() for n in a.arms.split(",") if n.strip()]
-    unknown = [n for n in names if n not in SWEEP]
+    unknown = [n for n in names if n not in LEVERS]
     if unknown:
-        raise SystemExit(f"--arms: unknown {unknown}; choose from {list(SWEEP)}")
+        raise SystemExit(f"--arms: unknown {unknown}; choose from {list(LEVERS)}")
     header = ["arm", "compile", "attention", "adamw", "reshard", "chunk", "keep", "fsdp", "tokens/s", "MFU",
-              "step s", "peak GiB", "recompiles"]
+              "step s", "peak GiB", "recompiles", "kept"]
     if rank == 0:
         print(attention_report(device, dense, a.seq), flush=True)
         print(f"# device={torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'} seq={a.seq} "
               f"rows={a.rows} steps={a.steps} warmup={a.warmup} ac={a.ac} peak={a.peak_tflops} TFLOP/s", flush=True)
     rows, t_start = [], time.perf_counter()
+    best, best_tps = Arm("compiled", compile=True), 0.0
     for name in names:
-        arm = SWEEP[name]
+        arm = dataclasses.replace(best, name=name, **LEVERS[name])
         desc = [name, arm.compile, arm.attention, arm.adamw, arm.reshard, arm.chunk, arm.keep_logits, arm.fsdp]
         t0 = time.perf_counter()
         try:
             r = run_config(dense, a.seq, a.rows, a.steps, a.warmup, device, a.ac, arm=arm, profile=a.profile)
+            better = r["tokens_per_s"] > best_tps and name not in REPORT_ONLY
             row = desc + [fmt(r["tokens_per_s"], 0), f"{100 * mfu(r, a.peak_tflops):.1f}%", f"{r['step_s']:.3f}",
-                          fmt(r["peak_mem_gib"], 1), r["graphs_in_timing"]]
+                          fmt(r["peak_mem_gib"], 1), r["graphs_in_timing"],
+                          "info" if name in REPORT_ONLY else "yes" if better else "no"]
+            if better:
+                best, best_tps = arm, r["tokens_per_s"]
         except Exception as e:  # noqa: BLE001 - one arm's failure (OOM, missing kernel) must not end the sweep
             row = desc + [f"failed: {type(e).__name__}: {str(e).splitlines()[0][:90] if str(e) else ''}", "", "", "",
-                          ""]
+                          "", "no"]
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             torch._dynamo.reset()
@@ -404,6 +413,11 @@ def sweep_mode(a, dense: dict, device: torch.device) -> None:
                   flush=True)
     if rank == 0:
         table(rows, header)
+        flags = (["--compile"] if best.compile else []) + [
+            f"--train.attention {best.attention}", f"--train.optim.implementation {best.adamw}",
+            f"--train.parallel.reshard {best.reshard}", f"--train.logprob_chunk_tokens {best.chunk}",
+            f"--train.logprob_keep_logits {str(best.keep_logits).lower()}"]
+        print(f"best: {best.name} {fmt(best_tps, 0)} tokens/s; rl-train {' '.join(flags)}")
     dist.destroy_process_group()
 
 

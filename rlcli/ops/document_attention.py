@@ -18,7 +18,8 @@ or per-block state:
   to flash or its CPU kernels where cuDNN does not apply). Each document's q/k/v are
   sliced so that they keep the ``[B, S, H, D]`` memory layout cuDNN requires; when this
   torch's cuDNN path has no grouped-query support, K/V heads are repeated first. Shared
-  prompts and CP queries take the ``sdpa`` code under the same priority.
+  prompts and CP queries take the ``sdpa`` code under the same priority. It runs outside
+  ``torch.compile`` (compiled blocks break their graph around it).
 
 ``auto`` picks ``varlen`` (``flex`` under CP) on CUDA and ``sdpa`` elsewhere.
 
@@ -180,11 +181,17 @@ class PackedCausalAttention(nn.Module):
         if self.backend == "varlen" and q_BTHD.dtype in (torch.float16, torch.bfloat16):  # flash: half only
             return self._varlen(q_BTHD, k_BSHD, v_BSHD, scale)
         if self.backend == "cudnn":
-            with sdpa_kernel(_CUDNN_ORDER, **self.sdpa_kwargs):
-                if self.shared or self.query_index is not None:
-                    return self._sdpa_per_document(q_BTHD, k_BSHD, v_BSHD, scale)
-                return self._cudnn_per_document(q_BTHD, k_BSHD, v_BSHD, scale)
+            return self._cudnn(q_BTHD, k_BSHD, v_BSHD, scale)
         return self._sdpa_per_document(q_BTHD, k_BSHD, v_BSHD, scale)
+
+    @torch.compiler.disable
+    def _cudnn(self, q_BTHD, k_BSHD, v_BSHD, scale) -> torch.Tensor:
+        # Outside compiled blocks (a graph break around attention): SDPA's backend choice under
+        # sdpa_kernel is then the eager dispatcher's, whatever this torch's dynamo makes of it.
+        with sdpa_kernel(_CUDNN_ORDER, **self.sdpa_kwargs):
+            if self.shared or self.query_index is not None:
+                return self._sdpa_per_document(q_BTHD, k_BSHD, v_BSHD, scale)
+            return self._cudnn_per_document(q_BTHD, k_BSHD, v_BSHD, scale)
 
     # ------------------------------------------------------------------ cuDNN, one call per document
     def _cudnn_per_document(self, q_BTHD, k_BSHD, v_BSHD, scale) -> torch.Tensor:
