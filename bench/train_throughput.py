@@ -122,6 +122,7 @@ class Arm:
     chunk: int = 2048  # train.logprob_chunk_tokens
     fsdp: bool = True  # False: rl-train's one-rank path (bf16 parameters, no FSDP2, no fp32 masters)
     keep_logits: bool = False  # train.logprob_keep_logits
+    docs_per_row: int = 1  # documents of --seq tokens packed per row (train.micro_batch_tokens / seq)
 
 
 # The sweep is greedy: it starts from the compiled step (--compile's arm) and tries each lever in
@@ -134,6 +135,7 @@ LEVERS = {
     "+reshard_step": {"reshard": "step"},
     "+chunk8k": {"chunk": 8192},
     "+keep_logits": {"keep_logits": True},
+    "+pack2": {"docs_per_row": 2, "chunk": 16384},
     "flex": {"attention": "flex"},
     "varlen": {"attention": "varlen"},
     "sdpa": {"attention": "sdpa"},
@@ -141,7 +143,7 @@ LEVERS = {
     "eager": {"compile": False},
 }
 REPORT_ONLY = {"no_fsdp_bf16", "eager"}
-DEFAULT_ARMS = "compiled,+cudnn,+fused,+reshard_step,+chunk8k,+keep_logits,no_fsdp_bf16,flex"
+DEFAULT_ARMS = "compiled,+cudnn,+fused,+reshard_step,+chunk8k,+keep_logits,+pack2,no_fsdp_bf16,flex"
 
 def setup_dist(device_type: str) -> tuple[int, int]:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -192,20 +194,25 @@ def run_config(hf: dict, seq: int, rows: int, steps: int, warmup: int, device: t
     extra = {"fused": True} if arm.adamw == "fused" else {"foreach": True}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **extra)
     gen = torch.Generator(device="cpu").manual_seed(dist.get_rank())
-    ids = torch.randint(0, args.vocab_size, (rows, 1, seq), generator=gen).to(device)
-    host_pos = torch.arange(seq)[None]  # the trainer reads document boundaries from the host copy
+    # A row packs docs_per_row documents of seq tokens (rows counts documents; the trainer's
+    # train.micro_batch_tokens = docs_per_row * seq).
+    if rows % arm.docs_per_row:
+        raise ValueError(f"--rows {rows} is not a multiple of {arm.docs_per_row} documents per row")
+    n_rows, row_len = rows // arm.docs_per_row, seq * arm.docs_per_row
+    ids = torch.randint(0, args.vocab_size, (n_rows, 1, row_len), generator=gen).to(device)
+    host_pos = torch.arange(seq).repeat(arm.docs_per_row)[None]  # document boundaries are read from the host copy
     pos = host_pos.to(device)
-    adv = torch.randn(rows, seq, generator=gen).to(device)
+    adv = torch.randn(n_rows, row_len, generator=gen).to(device)
 
     def step():
-        for r in range(rows):
+        for r in range(n_rows):
             if arm.reshard == "step":
-                sync_gradients_on(model, last=r == rows - 1)
+                sync_gradients_on(model, last=r == n_rows - 1)
             ctx = ForwardContext(attn=PackedCausalAttention(host_pos, backend=arm.attention, device=device))
             h = model.hidden_states(ids[r], pos, ctx)[0]
             lp, _ = chunked_logprobs(h[:-1], model.lm_head.weight, ids[r, 0, 1:], 1.0, arm.chunk,
                                      keep_logits=arm.keep_logits)
-            (-(lp.exp() * adv[r, 1:]).sum() / (rows * seq)).backward()
+            (-(lp.exp() * adv[r, 1:]).sum() / (rows * seq)).backward()  # (one target crosses documents: a bench)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -381,8 +388,8 @@ def sweep_mode(a, dense: dict, device: torch.device) -> None:
     unknown = [n for n in names if n not in LEVERS]
     if unknown:
         raise SystemExit(f"--arms: unknown {unknown}; choose from {list(LEVERS)}")
-    header = ["arm", "compile", "attention", "adamw", "reshard", "chunk", "keep", "fsdp", "tokens/s", "MFU",
-              "step s", "peak GiB", "recompiles", "kept"]
+    header = ["arm", "compile", "attention", "adamw", "reshard", "chunk", "keep", "docs/row", "fsdp", "tokens/s",
+              "MFU", "step s", "peak GiB", "recompiles", "kept"]
     if rank == 0:
         print(attention_report(device, dense, a.seq), flush=True)
         print(f"# device={torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'} seq={a.seq} "
@@ -391,7 +398,8 @@ def sweep_mode(a, dense: dict, device: torch.device) -> None:
     best, best_tps = Arm("compiled", compile=True), 0.0
     for name in names:
         arm = dataclasses.replace(best, name=name, **LEVERS[name])
-        desc = [name, arm.compile, arm.attention, arm.adamw, arm.reshard, arm.chunk, arm.keep_logits, arm.fsdp]
+        desc = [name, arm.compile, arm.attention, arm.adamw, arm.reshard, arm.chunk, arm.keep_logits, arm.docs_per_row,
+                arm.fsdp]
         t0 = time.perf_counter()
         try:
             r = run_config(dense, a.seq, a.rows, a.steps, a.warmup, device, a.ac, arm=arm, profile=a.profile)
@@ -416,7 +424,8 @@ def sweep_mode(a, dense: dict, device: torch.device) -> None:
         flags = (["--compile"] if best.compile else []) + [
             f"--train.attention {best.attention}", f"--train.optim.implementation {best.adamw}",
             f"--train.parallel.reshard {best.reshard}", f"--train.logprob_chunk_tokens {best.chunk}",
-            f"--train.logprob_keep_logits {str(best.keep_logits).lower()}"]
+            f"--train.logprob_keep_logits {str(best.keep_logits).lower()}",
+            f"--train.micro_batch_tokens {best.docs_per_row * a.seq} (rows of {best.docs_per_row} x {a.seq})"]
         print(f"best: {best.name} {fmt(best_tps, 0)} tokens/s; rl-train {' '.join(flags)}")
     dist.destroy_process_group()
 
