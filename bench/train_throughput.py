@@ -143,7 +143,7 @@ LEVERS = {
     "eager": {"compile": False},
 }
 REPORT_ONLY = {"no_fsdp_bf16", "eager"}
-DEFAULT_ARMS = "compiled,+cudnn,+fused,+reshard_step,+chunk8k,+keep_logits,+pack2,no_fsdp_bf16,flex"
+DEFAULT_ARMS = "compiled,+cudnn,+fused,+reshard_step,+chunk8k,+keep_logits,+pack2,no_fsdp_bf16"
 
 def setup_dist(device_type: str) -> tuple[int, int]:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
