@@ -250,15 +250,23 @@ def run_config(hf: dict, seq: int, rows: int, steps: int, warmup: int, device: t
     out = {"tokens_per_s": tokens / dt, "step_s": dt, "flops_per_token": flops_per_token(args, model, seq),
            "params": sum(p.numel() for p in model.parameters()), "world": world, "graphs_in_timing": graphs}
     out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
-    del model, opt
+    del model, opt, step
     if arm.compile:
         from rlcli.ops.logprobs import use_compiled
 
         use_compiled(False)  # the next configuration runs eager
         torch._dynamo.reset()  # and compiles its own graphs (the inductor cache keeps recompiles short)
+    release_memory(cuda)
+    return out
+
+
+def release_memory(cuda: bool) -> None:
+    """Free what a finished configuration held (FSDP2 state and compiled code form cycles)."""
+    import gc
+
+    gc.collect()
     if cuda:
         torch.cuda.empty_cache()
-    return out
 
 
 def attention_report(device: torch.device, hf: dict, seq: int) -> str:
@@ -412,13 +420,13 @@ def sweep_mode(a, dense: dict, device: torch.device) -> None:
         except Exception as e:  # noqa: BLE001 - one arm's failure (OOM, missing kernel) must not end the sweep
             row = desc + [f"failed: {type(e).__name__}: {str(e).splitlines()[0][:90] if str(e) else ''}", "", "", "",
                           "", "no"]
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
             torch._dynamo.reset()
+        release_memory(device.type == "cuda")
         rows.append(row)
         if rank == 0:
-            print(f"[{time.perf_counter() - t_start:6.0f}s] {name}: {row[len(desc):]} ({time.perf_counter() - t0:.0f}s)",
-                  flush=True)
+            left = f", {torch.cuda.memory_allocated() / 2**30:.1f} GiB still allocated" if device.type == "cuda" else ""
+            print(f"[{time.perf_counter() - t_start:6.0f}s] {name}: {row[len(desc):]} ({time.perf_counter() - t0:.0f}s"
+                  f"{left})", flush=True)
     if rank == 0:
         table(rows, header)
         flags = (["--compile"] if best.compile else []) + [
