@@ -3,7 +3,8 @@
 The step is the trainer's: the model built on the meta device, ``rlcli.parallel``'s FSDP2
 (fp32 master weights, bf16 compute, fp32 gradient reduction, also on one GPU), hidden
 states -> chunked logprobs (``rlcli.ops.logprobs``) -> a policy-gradient loss -> AdamW.
-Random weights and tokens; rows are one 8k-token sequence each (SDPA's causal kernel).
+Random weights and tokens; a row is one --seq-token document (two with the sweep's +pack2),
+attended with the kernel of --attention (train.attention).
 
 Modes (each prints a table last):
   dense    Llama-3.2-1B shape at --seq tokens: tokens/s, MFU, peak memory; --attention, --adamw,
@@ -144,6 +145,7 @@ LEVERS = {
 }
 REPORT_ONLY = {"no_fsdp_bf16", "eager"}
 DEFAULT_ARMS = "compiled,+cudnn,+fused,+reshard_step,+chunk8k,+keep_logits,+pack2,no_fsdp_bf16"
+
 
 def setup_dist(device_type: str) -> tuple[int, int]:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
