@@ -327,7 +327,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="print the top kernels of one profiled step")
     ap.add_argument("--attention", default="auto", choices=["auto", "varlen", "cudnn", "flex", "sdpa"],
                     help="dense: train.attention")
-    ap.add_argument("--adamw", default="foreach", choices=["foreach", "fused"], help="dense: train.optim.implementation")
+    ap.add_argument("--adamw", default="foreach", choices=["foreach", "fused"],
+                    help="dense: train.optim.implementation")
     ap.add_argument("--reshard", default="micro_batch", choices=["micro_batch", "step"],
                     help="dense: train.parallel.reshard")
     ap.add_argument("--chunk", type=int, default=2048, help="dense: train.logprob_chunk_tokens")
