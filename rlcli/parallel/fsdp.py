@@ -3,15 +3,16 @@
 FSDP2: ``fully_shard`` on every decoder block, then on the root (embeddings, final norm,
 LM head, and the tied weight when embeddings are tied). Parameters stay fp32 (master
 weights); the mixed-precision policy all-gathers them in the compute dtype and reduces
-gradients in fp32. With ``reshard="step"`` (train.parallel.reshard) blocks keep their
-gathered parameters from forward to backward and, through :func:`sync_gradients_on`, from
-one micro-batch to the next; gradients accumulate unsharded in fp32 and are reduce-scattered
-after the step's last micro-batch (at one rank this removes every per-micro-batch cast and
-copy of the collectives). ``cpu_offload`` keeps the sharded parameters, their gradients and so
-the optimizer state in host memory (FSDP2's CPUOffloadPolicy; GPU runs). Blocks reshard after forward (the backward all-gathers them again);
-the root keeps its parameters gathered until backward, FSDP2's default for a root, which
-is what lets the trainer compute chunked logprobs from ``lm_head.weight`` after the
-forward call returns. Gradients are *summed* across ranks (divide factor 1): the trainer
+gradients in fp32. ``cpu_offload`` keeps the sharded parameters, their gradients and so
+the optimizer state in host memory (FSDP2's CPUOffloadPolicy; GPU runs). Blocks reshard
+after forward (the backward all-gathers them again), unless ``reshard="step"``
+(train.parallel.reshard): blocks then keep their gathered parameters from forward to
+backward and, through :func:`sync_gradients_on`, from one micro-batch to the next;
+gradients accumulate unsharded in fp32 and are reduce-scattered after the step's last
+micro-batch (at one rank this removes every per-micro-batch cast and copy of the
+collectives). The root keeps its parameters gathered until backward, FSDP2's default for
+a root, which is what lets the trainer compute chunked logprobs from ``lm_head.weight``
+after the forward call returns. Gradients are *summed* across ranks (divide factor 1): the trainer
 divides the loss by the global token count itself.
 
 Compilation (``train.compile``) compiles each decoder block in place (``Module.compile``:
