@@ -334,6 +334,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=2048, help="dense: train.logprob_chunk_tokens")
     ap.add_argument("--no-fsdp", action="store_true", help="dense: rl-train's one-rank path (bf16 parameters)")
     ap.add_argument("--keep-logits", action="store_true", help="dense: train.logprob_keep_logits")
+    ap.add_argument("--docs-per-row", type=int, default=1, help="dense: --seq-token documents packed per row")
     ap.add_argument("--arms", default=DEFAULT_ARMS, help=f"sweep: comma-separated, in order, of {','.join(LEVERS)}")
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--json-out", default="", help="write the results as JSON here (used by dp mode)")
@@ -354,7 +355,7 @@ def main() -> None:
     if a.mode == "sweep":
         return sweep_mode(a, dense, device)
     arm = Arm("dense", attention=a.attention, adamw=a.adamw, reshard=a.reshard, chunk=a.chunk, fsdp=not a.no_fsdp,
-              keep_logits=a.keep_logits)
+              keep_logits=a.keep_logits, docs_per_row=a.docs_per_row)
     if a.mode in ("dense", "all"):
         results["dense"] = run_config(dense, a.seq, a.rows, a.steps, a.warmup, device, a.ac, arm=arm,
                                       profile=a.profile)
