@@ -297,6 +297,49 @@ def attention_report(device: torch.device, hf: dict, seq: int) -> str:
     return "attention kernels: " + ", ".join(out)
 
 
+def attention_kernels(device: torch.device, hf: dict, seq: int, backends: list[str], iters: int = 10) -> str:
+    """One layer's attention over one --seq document, forward + backward, through
+    PackedCausalAttention with each backend: ms, TFLOP/s (causal: 2 * 2 * seq^2 / 2 * H * D per
+    direction, backward 2.5x forward) and the largest difference from the first backend's output
+    and query gradient."""
+    H, Hkv, D = hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"]
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v = (torch.randn(1, seq, h, D, generator=gen).to(device, torch.bfloat16) for h in (H, Hkv, Hkv))
+    g = torch.randn(1, seq, H, D, generator=gen).to(device, torch.bfloat16)
+    pos = torch.arange(seq)[None]
+    flops = 3.5 * 2 * 2 * seq * seq / 2 * H * D
+    ref, parts = None, []
+    for name in backends:
+        try:
+            attn = PackedCausalAttention(pos, backend=name, device=device)
+            leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+
+            def run():
+                for x in leaves:
+                    x.grad = None
+                out = attn(0, *leaves, D ** -0.5)
+                out.backward(g)
+                return out
+
+            run()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                out = run()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            ms = (time.perf_counter() - t0) / iters * 1e3
+            got = (out.detach().float(), leaves[0].grad.float())
+            diff = "" if ref is None else (f", max|d out| {(got[0] - ref[0]).abs().max().item():.1e}"
+                                           f" max|d dq| {(got[1] - ref[1]).abs().max().item():.1e}")
+            ref = ref or got
+            parts.append(f"{name} {ms:.2f} ms ({flops / ms / 1e9:.0f} TFLOP/s{diff})")
+        except Exception as e:  # noqa: BLE001 - a backend this torch cannot run
+            parts.append(f"{name} failed ({type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})")
+    return f"one layer's attention fwd+bwd, {seq} tokens: " + "; ".join(parts)
+
+
 def mfu(r: dict, peak_tflops: float) -> float:
     return r["tokens_per_s"] / r["world"] * r["flops_per_token"] / (peak_tflops * 1e12)
 
@@ -404,6 +447,8 @@ def sweep_mode(a, dense: dict, device: torch.device) -> None:
               "MFU", "step s", "peak GiB", "recompiles", "kept"]
     if rank == 0:
         print(attention_report(device, dense, a.seq), flush=True)
+        kernels = ["varlen", "cudnn", "sdpa"] if device.type == "cuda" else ["sdpa", "cudnn"]
+        print(attention_kernels(device, dense, a.seq, kernels), flush=True)
         print(f"# device={torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'} seq={a.seq} "
               f"rows={a.rows} steps={a.steps} warmup={a.warmup} ac={a.ac} peak={a.peak_tflops} TFLOP/s", flush=True)
     rows, t_start = [], time.perf_counter()
