@@ -169,9 +169,9 @@ class TrainConfig(Config):
     activations; the first steps of each new shape pay the compile time."""
 
     attention: Literal["auto", "varlen", "cudnn", "flex", "sdpa"] = "auto"
-    """Attention kernel for packed rows (rlcli.ops.document_attention): auto (varlen flash on CUDA,
-    flex under --cp, sdpa on CPU); cudnn (SDPA's cuDNN kernel per document, flash where it does not
-    apply); varlen; flex; sdpa (per-document SDPA, SDPA's own kernel choice)."""
+    """Attention kernel for packed rows (rlcli.ops.document_attention): auto (on CUDA cudnn when every
+    row is one document, flex under --cp, varlen flash otherwise; sdpa on CPU); cudnn (SDPA's cuDNN
+    kernel per document, flash where it does not apply); varlen; flex; sdpa (per-document SDPA)."""
 
     logprob_chunk_tokens: int = 1024
     """Tokens per chunk when computing logprobs/entropy from hidden states (the full-vocab

@@ -21,7 +21,8 @@ or per-block state:
   prompts and CP queries take the ``sdpa`` code under the same priority. It runs outside
   ``torch.compile`` (compiled blocks break their graph around it).
 
-``auto`` picks ``varlen`` (``flex`` under CP) on CUDA and ``sdpa`` elsewhere.
+``auto`` picks, on CUDA, ``cudnn`` when every row is one document (where cuDNN's SDPA
+kernel applies), ``flex`` under CP and ``varlen`` otherwise; ``sdpa`` elsewhere.
 
 Shared prompts (:mod:`rlcli.ops.prefix_tree`): a row may be a prefix tree of segments
 instead of independent documents; a segment then also sees its ancestors' segments.
@@ -79,6 +80,18 @@ def _cudnn_gqa(device: torch.device) -> bool:
     k = torch.empty(1, 128, 2, 64, device=device, dtype=torch.bfloat16).transpose(1, 2)
     try:
         return bool(can_use_cudnn_attention(SDPAParams(q, k, k, None, 0.0, True, True)))
+    except (RuntimeError, TypeError):
+        return False
+
+
+@functools.cache
+def _cudnn_usable(device: torch.device) -> bool:
+    """Whether SDPA's cuDNN kernel runs causal bf16 attention on ``device`` (probed once)."""
+    from torch.backends.cuda import SDPAParams, can_use_cudnn_attention
+
+    q = torch.empty(1, 128, 4, 64, device=device, dtype=torch.bfloat16).transpose(1, 2)
+    try:
+        return bool(can_use_cudnn_attention(SDPAParams(q, q, q, None, 0.0, True, False)))
     except (RuntimeError, TypeError):
         return False
 
@@ -154,7 +167,11 @@ class PackedCausalAttention(nn.Module):
         if backend == "auto":
             if device.type != "cuda":
                 return "sdpa"
-            return "varlen" if self.query_index is None and _varlen_attn() is not None else "flex"
+            if self.query_index is not None:
+                return "flex"
+            if not self.shared and all(len(t.spans) == 1 for t in self.trees) and _cudnn_usable(device):
+                return "cudnn"  # rows of one document each: cuDNN's kernel (faster than FA2 on Hopper)
+            return "varlen" if _varlen_attn() is not None else "flex"
         if backend == "varlen" and (self.query_index is not None or _varlen_attn() is None):
             raise ValueError("the varlen attention backend needs torch.nn.attention.varlen and no context "
                              "parallelism; set train.attention to auto, flex, cudnn or sdpa")
