@@ -2,7 +2,8 @@
 Triton's interpreter (``TRITON_INTERPRET=1``, in a child process: the interpreter is chosen when the
 kernels are defined). Skipped where triton does not import (CI); the torch path is tested in test_fp8.py.
 
-Checked: 1x128 rows, the transposed 1x128 (x^T along tokens) and both in one pass; 128x128 blocks
+Checked: 1x128 rows, the transposed 1x128 (x^T along tokens) and both in one pass; rows stored
+to mapped rows of a padded buffer (the grouped MoE layout); 128x128 blocks
 and their transpose, 2-D and stacked experts; fp32 and bf16 inputs, ragged shapes, UE8M0; every
 e4m3 value, every rounding midpoint and its neighbours, subnormals and signed zeros; and the FP8
 linear and grouped GEMM run through the Triton path give the same outputs and gradients as
@@ -67,6 +68,19 @@ def _main() -> None:
             rq, rs = quant.quantize_128x128(x, ue8m0)
             for a, b, what in [(wq, rq, "wq"), (ws, rs, "ws"), (wqt, rq.t().contiguous(), "wqt"), (wst, rs.t(), "wst")]:
                 same(a, b, f"{what} {tag}")
+    # rows written to mapped rows of a padded buffer (DeepGEMM's grouped layout): the torch path's
+    # quantize-then-scatter and the kernel's mapped stores agree on every mapped row
+    x = torch.randn(300, 200, generator=g).bfloat16()
+    row_map = torch.randperm(520, generator=g)[:300]
+    for ue8m0 in (False, True):
+        r = quant.quantize_1x128(x, ue8m0)
+        outs = {}
+        for impl in ("torch", "triton"):
+            runtime.IMPL["name"] = impl
+            q, s = runtime.quantize_rows_to(x, ue8m0, row_map, 520)
+            assert q.shape == (520, 200) and s.shape == (520, 2) and s.stride() == (1, 520), impl
+            same(q[row_map], r[0], f"mapped q {impl}"), same(s[row_map], r[1], f"mapped s {impl}")
+    runtime.IMPL["name"] = "auto"
     w = torch.randn(3, 200, 300, generator=g).bfloat16()
     (q, s), (qt, st) = kernels.quantize_weight(w, False, transposed=True)
     rq, rs = quant.quantize_128x128(w)

@@ -30,6 +30,7 @@ from typing import Literal, Protocol
 import torch
 import torch.nn.functional as F
 
+from rlcli.ops.fp8 import runtime
 from rlcli.ops.fp8.quant import BLOCK, FP8_DTYPE, ceil_div, dequantize_1x128, dequantize_128x128
 
 log = logging.getLogger("rlcli.fp8")
@@ -48,6 +49,9 @@ class GemmBackend(Protocol):
 
     def grouped_gemm(self, a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
                      offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor: ...
+
+    def grouped_gemm_x(self, x: torch.Tensor, ue8m0: bool, b: torch.Tensor, sb: torch.Tensor,
+                       offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor: ...
 
 
 def group_ranges(offs: torch.Tensor) -> list[tuple[int, int]]:
@@ -74,6 +78,9 @@ class EmulatedBackend:
                 out[s:e] = self.gemm(a[s:e], sa[s:e], b[g], sb[g], out_dtype)
         return out
 
+    def grouped_gemm_x(self, x, ue8m0, b, sb, offs, out_dtype):
+        return grouped_gemm_x(self, x, ue8m0, b, sb, offs, out_dtype)
+
 
 def _pad_k(q: torch.Tensor) -> torch.Tensor:
     """Zero pad FP8 data along its last dim to a multiple of 128 (padding in uint8: fp8 has no pad kernel)."""
@@ -84,7 +91,12 @@ def _pad_k(q: torch.Tensor) -> torch.Tensor:
 
 
 def _col_major(s: torch.Tensor) -> torch.Tensor:
-    return s.t().contiguous().t()
+    """``s`` with stride ``(1, rows)``; the quantizers already write that layout (no copy then)."""
+    return s if s.stride(0) == 1 and (s.shape[1] == 1 or s.stride(1) == s.shape[0]) else s.t().contiguous().t()
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 class TorchScaledMMBackend:
@@ -94,13 +106,14 @@ class TorchScaledMMBackend:
 
     def __init__(self) -> None:
         self._fp32_out = True  # cuBLASLt builds without fp32 output for block scaling fall back to bf16
+        self._st = getattr(F, "ScalingType", None) if hasattr(F, "scaled_mm") else None
 
     def _mm(self, a, sa, b, sb, recipe_b, out_dtype):
         a, b = _pad_k(a), _pad_k(b)
-        if hasattr(F, "scaled_mm"):
-            from torch.nn.functional import ScalingType
-            rb = ScalingType.BlockWise128x128 if recipe_b == "128x128" else ScalingType.BlockWise1x128
-            return F.scaled_mm(a, b.t(), sa, ScalingType.BlockWise1x128, sb, rb, output_dtype=out_dtype)
+        st = self._st
+        if st is not None:
+            rb = st.BlockWise128x128 if recipe_b == "128x128" else st.BlockWise1x128
+            return F.scaled_mm(a, b.t(), sa, st.BlockWise1x128, sb, rb, output_dtype=out_dtype)
         return torch._scaled_mm(a, b.t(), sa, sb, out_dtype=out_dtype)
 
     def gemm(self, a, sa, b, sb, out_dtype):
@@ -120,7 +133,7 @@ class TorchScaledMMBackend:
             except RuntimeError as e:
                 log.warning("scaled_mm 1x128 x 1x128 with fp32 output failed (%s); using bf16 output", e)
                 self._fp32_out = False
-        return self._mm(a, _col_major(sa), b, _col_major(sb), "1x128", torch.bfloat16).to(out_dtype)
+        return _as(self._mm(a, _col_major(sa), b, _col_major(sb), "1x128", torch.bfloat16), out_dtype)
 
     def grouped_gemm(self, a, sa, b, sb, offs, out_dtype):
         out = a.new_zeros(a.shape[0], b.shape[1], dtype=out_dtype)
@@ -128,6 +141,9 @@ class TorchScaledMMBackend:
             if e > s:
                 out[s:e] = self.gemm(a[s:e], sa[s:e], b[g], sb[g], out_dtype)
         return out
+
+    def grouped_gemm_x(self, x, ue8m0, b, sb, offs, out_dtype):
+        return grouped_gemm_x(self, x, ue8m0, b, sb, offs, out_dtype)
 
 
 class DeepGemmBackend:
@@ -143,7 +159,9 @@ class DeepGemmBackend:
         self.dg, self.strict = dg, strict
         self.torch = TorchScaledMMBackend()
         self.failed: set[str] = set()
-        self._last = None
+        self._last = self._last_x = None
+        self.wgrad_choice: dict[tuple, str] = {}  # (a.shape, b.shape) -> "deep_gemm" | "torch"
+        self.wgrad_ms: dict[tuple, dict[str, float]] = {}
         try:
             self.align = int(dg.get_mk_alignment_for_contiguous_layout())
         except AttributeError:
@@ -165,15 +183,73 @@ class DeepGemmBackend:
         def kernel():
             out = torch.empty(a.shape[0], b.shape[0], dtype=torch.bfloat16, device=a.device)
             self.dg.fp8_gemm_nt((_pad_k(a), sa), (_pad_k(b), sb), out)
-            return out.to(out_dtype)
+            return _as(out, out_dtype)
         return self._guarded("fp8_gemm_nt", kernel, lambda: self.torch.gemm(a, sa, b, sb, out_dtype))
 
     def gemm_1x128(self, a, sa, b, sb, out_dtype):
+        """Weight gradients: DeepGEMM's SM90 1D1D kernel (fp32 out) or cuBLASLt's blockwise pair,
+        whichever the first call of this shape measured faster (after checking they agree)."""
+        key = (tuple(a.shape), tuple(b.shape))
+        choice = self.wgrad_choice.get(key)
+        if choice is None:
+            if "fp8_gemm_nt 1d1d" in self.failed or not a.is_cuda or torch.cuda.is_current_stream_capturing():
+                return self.torch.gemm_1x128(a, sa, b, sb, out_dtype)
+            choice = self.wgrad_choice[key] = self._choose_wgrad(a, sa, b, sb, key)
+        if choice == "deep_gemm":
+            return self._guarded("fp8_gemm_nt 1d1d", lambda: _as(self._wgrad_1d1d(a, sa, b, sb), out_dtype),
+                                 lambda: self.torch.gemm_1x128(a, sa, b, sb, out_dtype))
         return self.torch.gemm_1x128(a, sa, b, sb, out_dtype)
+
+    def _wgrad_1d1d(self, a, sa, b, sb):
+        d = torch.zeros(a.shape[0], b.shape[0], dtype=torch.float32, device=a.device)  # the kernel accumulates into c
+        self.dg.fp8_gemm_nt((_pad_k(a), sa), (_pad_k(b), sb), d, c=d, recipe=(1, 1, 128))
+        return d
+
+    def _choose_wgrad(self, a, sa, b, sb, key) -> str:
+        """Run both kernels on these operands (host syncs: first call of a shape only), keep the faster
+        one if they agree to 1e-3 relative; DeepGEMM's is dropped for good when it raises or disagrees."""
+        ref = self.torch.gemm_1x128(a, sa, b, sb, torch.float32)
+        try:
+            out = self._wgrad_1d1d(a, sa, b, sb)
+        except (RuntimeError, AssertionError, TypeError) as e:
+            log.warning("deep_gemm 1D1D wgrad failed (%s); weight gradients use torch scaled_mm", e)
+            self.failed.add("fp8_gemm_nt 1d1d")
+            return "torch"
+        err = float((out - ref).norm() / ref.norm().clamp(min=1e-30))
+        if not err < 1e-3:
+            log.warning("deep_gemm 1D1D wgrad disagrees with scaled_mm (rel err %.2e); using scaled_mm", err)
+            self.failed.add("fp8_gemm_nt 1d1d")
+            return "torch"
+        ms = {name: _cuda_ms(fn) for name, fn in (("deep_gemm", lambda: self._wgrad_1d1d(a, sa, b, sb)),
+                                                  ("torch", lambda: self.torch.gemm_1x128(a, sa, b, sb, torch.float32)))}
+        choice = min(ms, key=ms.get)
+        log.info("fp8 wgrad %s: deep_gemm %.3f ms, scaled_mm %.3f ms -> %s", key, ms["deep_gemm"], ms["torch"], choice)
+        self.wgrad_ms[key] = ms
+        return choice
 
     def grouped_gemm(self, a, sa, b, sb, offs, out_dtype):
         return self._guarded("m_grouped_fp8_gemm_nt_contiguous", lambda: self._grouped(a, sa, b, sb, offs, out_dtype),
                              lambda: self.torch.grouped_gemm(a, sa, b, sb, offs, out_dtype))
+
+    def grouped_gemm_x(self, x, ue8m0, b, sb, offs, out_dtype):
+        """Quantizes ``x``'s rows straight into the padded layout (no scatter of the FP8 rows); the
+        quantization of the last ``(x, offs)`` is kept for the next projection reading the same ``x``."""
+        def kernel():
+            M, G = x.shape[0], b.shape[0]
+            dst, layout, M_pad = self._layout(offs, M, G)
+            aq, sa = self._padded_rows(x, ue8m0, offs, dst, M_pad)
+            return self._run_grouped(aq, sa, b, sb, layout, dst, M_pad, out_dtype)
+        return self._guarded("m_grouped_fp8_gemm_nt_contiguous", kernel,
+                             lambda: grouped_gemm_x(self.torch, x, ue8m0, b, sb, offs, out_dtype))
+
+    def _padded_rows(self, x, ue8m0, offs, dst, M_pad):
+        last = self._last_x
+        key = (x._version if not x.is_inference() else None, offs._version, ue8m0, tuple(x.shape))
+        if last is not None and last[0]() is x and last[1]() is offs and last[2] == key and key[0] is not None:
+            return last[3]
+        value = runtime.quantize_rows_to(x.reshape(-1, x.shape[-1]), ue8m0, dst, M_pad)
+        self._last_x = (weakref.ref(x), weakref.ref(offs), key, value)
+        return value
 
     def _layout(self, offs: torch.Tensor, M: int, G: int):
         """(dst row of every token row, group id of every padded row (-1: padding), padded rows) for
@@ -198,15 +274,38 @@ class DeepGemmBackend:
 
     def _grouped(self, a, sa, b, sb, offs, out_dtype):
         M, K = a.shape
-        G, N = b.shape[0], b.shape[1]
+        G = b.shape[0]
         dst, layout, M_pad = self._layout(offs, M, G)
         a_pad = torch.empty(M_pad, K, dtype=torch.uint8, device=a.device)  # padding rows: layout -1, skipped
-        a_pad[dst] = a.view(torch.uint8)
-        sa_pad = torch.empty(M_pad, sa.shape[1], dtype=sa.dtype, device=a.device)
-        sa_pad[dst] = sa
-        out = torch.empty(M_pad, N, dtype=torch.bfloat16, device=a.device)
-        self.dg.m_grouped_fp8_gemm_nt_contiguous((_pad_k(a_pad.view(FP8_DTYPE)), sa_pad), (_pad_k(b), sb), out, layout)
-        return out[dst].to(out_dtype)
+        a_pad.index_copy_(0, dst, a.view(torch.uint8))
+        sa_pad = torch.empty_strided((M_pad, sa.shape[1]), (1, M_pad), dtype=sa.dtype, device=a.device)
+        sa_pad.index_copy_(0, dst, sa)
+        return self._run_grouped(a_pad.view(FP8_DTYPE), sa_pad, b, sb, layout, dst, M_pad, out_dtype)
+
+    def _run_grouped(self, a_pad, sa_pad, b, sb, layout, dst, M_pad, out_dtype):
+        out = torch.empty(M_pad, b.shape[1], dtype=torch.bfloat16, device=a_pad.device)
+        self.dg.m_grouped_fp8_gemm_nt_contiguous((_pad_k(a_pad), sa_pad), (_pad_k(b), sb), out, layout)
+        return _as(out.index_select(0, dst), out_dtype)
+
+
+def grouped_gemm_x(backend: GemmBackend, x, ue8m0: bool, b, sb, offs, out_dtype):
+    """``x``'s 1x128 quantization (shared with the previous call on the same tensor) times the grouped ``b``."""
+    (xq, xs), _ = runtime.quantize_input(x, ue8m0, cols=False)
+    return backend.grouped_gemm(xq, xs, b, sb, offs, out_dtype)
+
+
+def _cuda_ms(fn, reps: int = 3) -> float:
+    """Median device time of ``fn()`` (ms), after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
 
 
 def import_deep_gemm():

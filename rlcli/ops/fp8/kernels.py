@@ -73,10 +73,10 @@ if triton is not None:
         return y.to(tl.float8e4nv)
 
     @triton.jit
-    def _quant_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K,
+    def _quant_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, map_ptr, M, K,
                       sxb, sxm, sxk, sqb, sqm, ssb, ssm, ssk, sqtb, sqtk, sstb, sstk, sstm,
                       BM: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, BLOCK2D: tl.constexpr,
-                      UE8M0: tl.constexpr):
+                      UE8M0: tl.constexpr, MAPPED: tl.constexpr):
         pid_m, pid_k, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b = b.to(tl.int64)  # offsets in int64: tensors past 2^31 elements
         rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
@@ -97,8 +97,12 @@ if triton is not None:
         else:
             if ROW:
                 s, r = _scale(tl.max(ax, 1), UE8M0)
+                rq = rm
+                if MAPPED:  # row m of x goes to row map[m] of q and s (a padded grouped layout)
+                    rq = tl.load(map_ptr + rm, mask=rm < M, other=0)
+                    q_ptrs = q_ptr + b * sqb + rq[:, None] * sqm + rk[None, :]
                 tl.store(q_ptrs, _to_e4m3(x, r[:, None]), mask=mask)
-                tl.store(s_ptr + b * ssb + rm * ssm + pid_k * ssk, s, mask=rm < M)
+                tl.store(s_ptr + b * ssb + rq * ssm + pid_k * ssk, s, mask=rm < M)
             if COL:
                 st, rt = _scale(tl.max(ax, 0), UE8M0)
                 tl.store(qt_ptrs, _to_e4m3(x, rt[None, :]), mask=mask)
@@ -109,28 +113,45 @@ def _as_3d(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])[None] if x.dim() != 3 else x
 
 
-def quantize_act(x: torch.Tensor, ue8m0: bool = False, rows: bool = True, cols: bool = False):
+_DUMMY: dict[torch.device, torch.Tensor] = {}
+
+
+def _dummy(dev: torch.device) -> torch.Tensor:
+    """A 1-element tensor for unused pointer arguments (not 0-size: its pointer may be null); one per device."""
+    t = _DUMMY.get(dev)
+    if t is None:
+        t = _DUMMY[dev] = torch.empty(1, device=dev)
+    return t
+
+
+def quantize_act(x: torch.Tensor, ue8m0: bool = False, rows: bool = True, cols: bool = False,
+                 row_map: torch.Tensor | None = None, rows_out: int = 0):
     """1x128 quantization of ``x [M, K]`` along K (``rows``) and/or of ``x^T`` along M (``cols``), one pass.
 
     Returns ``(q [M, K], s [M, K/128] column-major)`` and/or ``(qt [K, M], st [K, M/128]
-    column-major)``: the values of ``quant.quantize_1x128(x)`` and ``quant.quantize_1x128(x.t())``."""
-    assert x.dim() == 2 and (rows or cols)
+    column-major)``: the values of ``quant.quantize_1x128(x)`` and ``quant.quantize_1x128(x.t())``.
+    With ``row_map`` (int64 [M], rows only) row m is written to row ``row_map[m]`` of ``q [rows_out, K]``
+    and ``s [rows_out, K/128]`` (column-major); rows no one maps to are left unwritten."""
+    assert x.dim() == 2 and (rows or cols) and (row_map is None or (rows and not cols))
     M, K = x.shape
     dev = x.device
-    dummy = torch.empty(1, device=dev)  # unused pointer arguments (not a 0-size tensor: its pointer may be null)
-    q = s = qt = st = dummy
+    Kb = ceil_div(K, BLOCK)
+    q = s = qt = st = dummy = _dummy(dev)
+    R = rows_out if row_map is not None else M
     if rows:
-        q = torch.empty(M, K, dtype=FP8_DTYPE, device=dev)
-        s = torch.empty(ceil_div(K, BLOCK), M, device=dev).t()
+        q = torch.empty(R, K, dtype=FP8_DTYPE, device=dev)
+        s = torch.empty_strided((R, Kb), (1, R), device=dev)
     if cols:
         qt = torch.empty(K, M, dtype=FP8_DTYPE, device=dev)
-        st = torch.empty(ceil_div(M, BLOCK), K, device=dev).t()
+        st = torch.empty_strided((K, ceil_div(M, BLOCK)), (1, K), device=dev)
     BM = 128 if cols else 64
-    grid = (ceil_div(M, BM), ceil_div(K, BLOCK), 1)
+    grid = (ceil_div(M, BM), Kb, 1)
     if M and K:
-        _quant_kernel[grid](x, q, s, qt, st, M, K, 0, x.stride(0), x.stride(1), 0, K, 0,
-                            *(s.stride() if rows else (0, 0)), 0, M, 0, *(st.stride() if cols else (0, 0)),
-                            BM=BM, ROW=rows, COL=cols, BLOCK2D=False, UE8M0=ue8m0, num_warps=8 if cols else 4)
+        _quant_kernel[grid](x, q, s, qt, st, dummy if row_map is None else row_map, M, K,
+                            0, x.stride(0), x.stride(1), 0, K, 0, 1 if rows else 0, R if rows else 0,
+                            0, M, 0, 1 if cols else 0, K if cols else 0,
+                            BM=BM, ROW=rows, COL=cols, BLOCK2D=False, UE8M0=ue8m0, MAPPED=row_map is not None,
+                            num_warps=8 if cols else 4)
     if rows and cols:
         return (q, s), (qt, st)
     return (q, s) if rows else (qt, st)
@@ -146,10 +167,11 @@ def quantize_weight(w: torch.Tensor, ue8m0: bool = False, transposed: bool = Fal
     Nb, Kb = ceil_div(N, BLOCK), ceil_div(K, BLOCK)
     q = torch.empty(E, N, K, dtype=FP8_DTYPE, device=dev)
     s = torch.empty(E, Nb, Kb, device=dev)
-    qt = torch.empty(E, K, N, dtype=FP8_DTYPE, device=dev) if transposed else torch.empty(1, device=dev)
+    qt = torch.empty(E, K, N, dtype=FP8_DTYPE, device=dev) if transposed else _dummy(dev)
     if E and N and K:
-        _quant_kernel[(Nb, Kb, E)](w3, q, s, qt, s, N, K, *w3.stride(), N * K, K, *s.stride(), K * N, N, 0, 0, 0,
-                                   BM=128, ROW=False, COL=transposed, BLOCK2D=True, UE8M0=ue8m0, num_warps=8)
+        _quant_kernel[(Nb, Kb, E)](w3, q, s, qt, s, s, N, K, *w3.stride(), N * K, K, *s.stride(), K * N, N, 0, 0, 0,
+                                   BM=128, ROW=False, COL=transposed, BLOCK2D=True, UE8M0=ue8m0, MAPPED=False,
+                                   num_warps=8)
     squeeze = (lambda t: t[0]) if w.dim() == 2 else (lambda t: t)
     out = (squeeze(q), squeeze(s))
     if transposed:

@@ -165,8 +165,7 @@ class _FP8GroupedFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, offs, cache: WeightCache | None, backend: GemmBackend, ue8m0: bool):
         wq, ws = _forward_weight(w, cache, ue8m0, ctx.needs_input_grad[0])
-        (xq, xs), _ = quantize_input(x, ue8m0, cols=False)  # gate and up read the same x
-        y = backend.grouped_gemm(xq, xs, wq, ws, offs, x.dtype)
+        y = backend.grouped_gemm_x(x, ue8m0, wq, ws, offs, x.dtype)  # gate and up share x's quantization
         ctx.save_for_backward(x, w, offs)
         ctx.cache, ctx.backend, ctx.ue8m0 = cache, backend, ue8m0
         return y
@@ -179,8 +178,7 @@ class _FP8GroupedFn(torch.autograd.Function):
         dx = dw = None
         if ctx.needs_input_grad[0]:
             _, (wtq, wts) = weight_fp8(w, ctx.cache, ue8m0, transposed=True, backward=True)
-            dyq, dys = quantize_act(dy, ue8m0)
-            dx = backend.grouped_gemm(dyq, dys, wtq, wts, offs, x.dtype)
+            dx = backend.grouped_gemm_x(dy, ue8m0, wtq, wts, offs, x.dtype)
         if ctx.needs_input_grad[1]:
             if _bf16_kgrouped(dy, x):  # one bf16 kernel over all experts, no host sync (see module note)
                 dw = _grouped_mm_op(dy.t(), x, offs=offs)

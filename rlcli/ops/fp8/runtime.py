@@ -79,6 +79,22 @@ def quantize_act(x_MK: torch.Tensor, ue8m0: bool, rows: bool = True, cols: bool 
     return (r, c) if rows and cols else (r if rows else c)
 
 
+def quantize_rows_to(x_MK: torch.Tensor, ue8m0: bool, row_map: torch.Tensor, rows_out: int):
+    """1x128 rows of ``x`` written to rows ``row_map`` of ``(q [rows_out, K], s [rows_out, K/128])``
+    (``s`` column-major); other rows are left uninitialized. Triton does it in the quantizing pass."""
+    if use_triton(x_MK):
+        try:
+            return kernels.quantize_act(x_MK, ue8m0, row_map=row_map, rows_out=rows_out)
+        except Exception as e:  # noqa: BLE001
+            _triton_failed(e)
+    q, s = quant.quantize_1x128(x_MK, ue8m0)
+    q_pad = torch.empty(rows_out, q.shape[1], dtype=torch.uint8, device=q.device)
+    q_pad.index_copy_(0, row_map, q.view(torch.uint8))
+    s_pad = torch.empty_strided((rows_out, s.shape[1]), (1, rows_out), device=s.device)
+    s_pad.index_copy_(0, row_map, s)
+    return q_pad.view(quant.FP8_DTYPE), s_pad
+
+
 def quantize_weight(w: torch.Tensor, ue8m0: bool, transposed: bool = False):
     """128x128 blocks of ``w [..., N, K]``; with ``transposed`` also those of ``w^T`` (same blocks)."""
     if use_triton(w):
