@@ -10,8 +10,10 @@ output rounding alone gives ~2e-3), and times the GEMM alone (no quantization):
 TFLOP/s = 2*M*N*K / time. The bf16 baseline multiplies the unquantized operands
 (torch.mm, or one grouped_mm / a loop for grouped shapes). Kinds:
   fwd     x [M, K] 1x128  @ W [N, K]^T 128x128   (forward and input gradient)
-  wgrad   dy^T 1x128 @ x^T 1x128 along tokens    (weight gradient; both GPU backends use scaled_mm here)
+  wgrad   dy^T 1x128 @ x^T 1x128 along tokens    (weight gradient: scaled_mm, or DeepGEMM's 1D1D where the
+                                                  deep_gemm backend measured it faster; both printed alone)
   grouped G experts, tokens sorted by expert, W [G, N, K] 128x128
+  groupedx the same from bf16 rows (grouped_gemm_x: DeepGEMM quantizes them into its padded layout)
 Needs torch only (+ DeepGEMM for that backend): imports rlcli.ops.fp8, no msgspec/zmq.
 """
 
@@ -138,6 +140,15 @@ def main() -> None:
         reference = ref.gemm_1x128(aq, sa, bq, sb, torch.float32)
         run("wgrad", name, 2 * M * N * K, lambda be: be.gemm_1x128(aq, sa, bq, sb, torch.float32), reference,
             lambda: torch.mm(dy.t(), x))
+        for be in backends:  # the two weight-gradient kernels the DeepGEMM backend chooses between, each alone
+            if hasattr(be, "_wgrad_1d1d"):
+                for kname, fn in (("dg 1d1d", lambda: be._wgrad_1d1d(aq, sa, bq, sb)),
+                                  ("scaled_mm", lambda: be.torch.gemm_1x128(aq, sa, bq, sb, torch.float32))):
+                    try:
+                        err, t = rel_err(fn(), reference), timed(fn, device, iters)
+                        rows.append(("wgrad", name, kname, 2 * M * N * K / t / 1e12, float("nan"), err))
+                    except Exception as e:  # noqa: BLE001
+                        print(f"wgrad {name} {kname}: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
     for name, G, M, N, K in grouped:
         offs = uneven_offsets(G, M, device, gen)
         x = torch.randn(M, K, generator=gen).to(device, torch.bfloat16)
@@ -151,6 +162,10 @@ def main() -> None:
             ranges = list(zip([0] + offs.tolist()[:-1], offs.tolist()))
             bf16_call = lambda: [torch.mm(x[s:e], w[g].t()) for g, (s, e) in enumerate(ranges)]  # noqa: E731
         run("grouped", name, 2 * M * N * K, lambda be: be.grouped_gemm(xq, xs, wq, ws, offs, torch.bfloat16),
+            reference, bf16_call)
+        # from high-precision rows (the training path; DeepGEMM quantizes them into its padded layout; the
+        # quantization of the same x is reused across calls, so the time is the GEMM's)
+        run("groupedx", name, 2 * M * N * K, lambda be: be.grouped_gemm_x(x, False, wq, ws, offs, torch.bfloat16),
             reference, bf16_call)
 
     print(f"\nFP8 block-scaled GEMMs on {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}, "

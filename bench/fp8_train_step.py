@@ -1,7 +1,8 @@
 """A full training step (forward + backward + AdamW) in FP8 against bf16, same model, same data.
 
     python bench/fp8_train_step.py --noise         # H200: ~1B dense Llama and a small Qwen3-MoE, 50 steps each
-    python bench/fp8_train_step.py --smoke         # CPU: tiny models, emulated FP8, 4 steps
+    python bench/fp8_train_step.py --models dense --modes eager,graph   # also the step as one CUDA graph
+    python bench/fp8_train_step.py --smoke         # CPU: tiny models, emulated FP8, 6 steps
 
 Each model is built twice from the same seed (bf16 parameters on GPU, fp32 on CPU; AdamW), once left as is and
 once passed through ``convert_to_fp8`` (every Linear except lm_head, plus the stacked
@@ -11,10 +12,16 @@ experts (one bf16 grouped GEMM per projection). Both train on the same sequence 
 50 steps). It prints the median step time of each (after warm-up: DeepGEMM JIT-compiles
 every new shape, 5-9 s each, in the first steps), the speed-up, and both loss curves
 (every 5th step side by side, and the largest |loss_fp8 - loss_bf16| over all steps, read
-against two bf16 runs from different init seeds with ``--noise``). On the GPU it then
-profiles one step of each and prints GPU time per kernel class (FP8 GEMMs, bf16 GEMMs,
-quantization, attention, elementwise/other) and the top FP8-step kernels. Quantizers: the
-Triton kernels on CUDA (``--quant auto``), or the torch reference (``--quant torch``).
+against two bf16 runs from different init seeds with ``--noise``). ``--modes graph`` runs
+both arms again with the whole step (forward, backward, clipping, capturable AdamW) captured
+once as a CUDA graph and replayed: the step's device time without host overhead.
+
+On the GPU it then profiles one step of each arm and prints GPU time per kernel class (FP8
+GEMMs, bf16 GEMMs, quantization, attention, optimizer, elementwise/other), the top FP8-step
+kernels and host ops, the weight-gradient kernel DeepGEMM's backend chose per shape, and a
+host-vs-device table: wall and host (enqueue) time per step, device busy time, kernels,
+launch calls, host syncs and aten ops per step, and whether the step is host- or device-bound.
+Quantizers: the Triton kernels on CUDA (``--quant auto``), or the torch reference (``--quant torch``).
 Needs torch + safetensors (rlcli.models, rlcli.ops.fp8); no msgspec/zmq.
 """
 
@@ -33,6 +40,7 @@ if os.path.isdir(os.path.join(ROOT, ".dg")):
     sys.path.insert(0, os.path.join(ROOT, ".dg"))
 
 from rlcli.models import ModelArgs, build_model  # noqa: E402
+from rlcli.ops.fp8.backends import make_backend  # noqa: E402
 from rlcli.ops.fp8.convert import convert_to_fp8  # noqa: E402
 from rlcli.ops.fp8 import runtime  # noqa: E402
 
@@ -72,7 +80,9 @@ def classify(name: str) -> str:
     if has(r"flash|fmha|attention|sdpa"):
         return "attention"
     if has(r"deep_gemm|gemm|cutlass|xmma|nvjet|^aten::(mm|addmm|bmm|_grouped_mm)$"):
-        return "fp8 gemm" if has(r"deep_gemm|fp8|f8|e4m3|float8|blockwise|scaled_mm") else "bf16 gemm"
+        # cuBLASLt's nvjet kernels name FP8 (e4m3) operands "qq": nvjet_sm90_qqtst_... is scaled_mm
+        fp8 = has(r"deep_gemm|fp8|f8|e4m3|float8|blockwise|scaled_mm|nvjet_sm\d+_qq|nvjet_qq")
+        return "fp8 gemm" if fp8 else "bf16 gemm"
     if has(r"amax|float8|e4m3|fp8"):
         return "quant"
     if has(r"multi_tensor|adam|foreach|lerp|addcdiv"):
@@ -80,60 +90,125 @@ def classify(name: str) -> str:
     return "elementwise/other"
 
 
-def profile_step(model, opt, ids) -> dict:
-    """GPU ms per kernel class of one full step (forward, backward, optimizer), and the top kernels."""
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+            "cudaLaunchCooperativeKernel", "cudaGraphLaunch", "cuGraphLaunch")
+
+
+def profile_step(run_step, cuda: bool) -> dict:
+    """One full step (forward, backward, optimizer) under the profiler: device ms per kernel class,
+    the top kernels, and the host side: kernels run, launch calls, host syncs, aten ops, busy device
+    time (union of kernel intervals) and the host ops with the most self time."""
     from torch.profiler import ProfilerActivity, profile as prof
 
-    cuda = ids.is_cuda
     with prof(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as p:
-        F.cross_entropy(model(ids[:, :-1]).float().flatten(0, 1), ids[:, 1:].flatten()).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        run_step()
         if cuda:
             torch.cuda.synchronize()
-    classes, kernels = {}, {}
+    classes, kernels, spans = {}, {}, []
+    launches = syncs = aten = 0
     for ev in p.events():  # CPU (--smoke): self time of aten ops stands in for kernels
-        if cuda and ev.device_type != torch.autograd.DeviceType.CUDA:
+        is_dev = ev.device_type != torch.autograd.DeviceType.CPU
+        if not is_dev:
+            launches += ev.name in LAUNCHES
+            syncs += "Synchronize" in ev.name
+            aten += ev.name.startswith("aten::")
+        if cuda and not is_dev:
             continue
         if not cuda and not ev.name.startswith("aten::"):
             continue
         ms = (ev.time_range.elapsed_us() if cuda else ev.self_cpu_time_total) / 1e3
+        if cuda:
+            spans.append((ev.time_range.start, ev.time_range.end))
         classes[classify(ev.name)] = classes.get(classify(ev.name), 0.0) + ms
         kernels[ev.name] = kernels.get(ev.name, 0.0) + ms
-    return {"classes": classes, "top": sorted(kernels.items(), key=lambda kv: -kv[1])[:12]}
+    busy, end = 0.0, float("-inf")
+    for a, b in sorted(spans):  # union of kernel intervals: time the device was doing anything
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    host = sorted(((k.key, k.count, k.self_cpu_time_total / 1e3) for k in p.key_averages()
+                   if k.self_cpu_time_total > 0), key=lambda t: -t[2])[:10]
+    return {"classes": classes, "top": sorted(kernels.items(), key=lambda kv: -kv[1])[:12],
+            "kernels": len(spans) if cuda else sum(1 for e in p.events() if e.name.startswith("aten::")),
+            "launches": launches, "syncs": max(syncs - cuda, 0), "aten": aten, "busy_ms": busy / 1e3,
+            "host_top": host}
 
 
-def train(hf: dict, fp8: bool, backend: str, data: list[torch.Tensor], steps: int, device, lr: float,
-          seed: int = 0, profile: bool = False):
-    torch.manual_seed(seed)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # CPU bf16 matmuls are slow
-    model = build_model(ModelArgs.from_hf(hf), device=device, dtype=dtype)
-    model.init_weights(seed=seed)
-    if fp8:
-        cfg = SimpleNamespace(backend=backend, include=["*"], exclude=["*embed_tokens", "lm_head", "*.mlp.gate"],
-                              ue8m0=False)
-        convert_to_fp8(model, cfg, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    losses, times = [], []
-    for step in range(steps):
-        ids = data[step % len(data)].to(device)
-        t0 = time.perf_counter()
+def make_step(model, opt, graph: bool, data: list[torch.Tensor], device):
+    """``run(ids) -> loss tensor``: one full step, eager, or replaying a CUDA graph of it (``graph``:
+    three eager warm-up steps on a side stream, then one capture; returns the warm-up losses too)."""
+    def body(ids):
         logits = model(ids[:, :-1])
         loss = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        return loss
+
+    if not graph:
+        def run(ids):
+            loss = body(ids)
+            opt.zero_grad(set_to_none=True)
+            return loss
+        return run, []
+    static = data[0].to(device).clone()
+    warm = []
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(3):  # real training steps; also JIT-compiles every kernel before the capture
+            static.copy_(data[i % len(data)])
+            warm.append(body(static).item())
+            opt.zero_grad(set_to_none=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph_ = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph_):  # grads are None here, so backward writes (not adds) them on every replay
+        static_loss = body(static)
+
+    def run(ids):
+        static.copy_(ids)
+        graph_.replay()
+        return static_loss
+    run.graph = graph_  # keep it alive with the closure
+    return run, warm
+
+
+def train(hf: dict, fp8: bool, backend: str, data: list[torch.Tensor], steps: int, device, lr: float,
+          seed: int = 0, profile: bool = False, graph: bool = False):
+    torch.manual_seed(seed)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # CPU bf16 matmuls are slow
+    model = build_model(ModelArgs.from_hf(hf), device=device, dtype=dtype)
+    model.init_weights(seed=seed)
+    gemm = None
+    if fp8:
+        cfg = SimpleNamespace(backend=backend, include=["*"], exclude=["*embed_tokens", "lm_head", "*.mlp.gate"],
+                              ue8m0=False)
+        gemm = make_backend(backend, device)
+        convert_to_fp8(model, cfg, device, backend=gemm)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0,
+                            **({"capturable": True} if graph else {}))
+    run, losses = make_step(model, opt, graph, data, device)
+    times, host = [float("nan")] * len(losses), [float("nan")] * len(losses)
+    for step in range(len(losses), steps):
+        ids = data[step % len(data)].to(device)
+        t0 = time.perf_counter()
+        loss = run(ids)
+        t1 = time.perf_counter()  # everything enqueued (or a host sync inside made us wait)
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+        host.append(t1 - t0)
         losses.append(loss.item())
-    breakdown = profile_step(model, opt, data[0].to(device)) if profile else None
+    breakdown = profile_step(lambda: run(data[0].to(device)), device.type == "cuda") if profile else None
+    if breakdown is not None and hasattr(gemm, "wgrad_choice"):  # DeepGEMM: which kernel each wgrad shape took
+        breakdown["wgrad"] = dict(gemm.wgrad_choice)
+        breakdown["wgrad_ms"] = dict(gemm.wgrad_ms)
+        breakdown["failed"] = sorted(gemm.failed)
     n_params = sum(p.numel() for p in model.parameters())
-    del model, opt
+    del model, opt, run
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return losses, times, n_params, breakdown
+    return {"losses": losses, "times": times, "host": host, "n": n_params, "prof": breakdown}
 
 
 def main() -> None:
@@ -147,6 +222,9 @@ def main() -> None:
                     help="quantizers: Triton on CUDA (auto) or the torch reference")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel breakdown (GPU)")
     ap.add_argument("--models", default="dense,moe")
+    ap.add_argument("--modes", default="eager",
+                    help="comma list: eager (as rl-train runs) and/or graph (the whole step as one CUDA graph, "
+                         "capturable AdamW: the step without host overhead)")
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--profile", action="store_true", help="(default on the GPU; kept for old command lines)")
     ap.add_argument("--noise", action="store_true",
@@ -155,45 +233,62 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     if args.smoke:
-        args.steps, args.batch, args.seq = min(args.steps, 4), 2, 64
+        args.steps, args.batch, args.seq = min(args.steps, 6), 2, 64
     runtime.IMPL["name"] = args.quant
     profile = (device.type == "cuda" or args.smoke) and not args.no_profile
+    modes = [m for m in args.modes.split(",") if m != "graph" or device.type == "cuda"]
     configs = {"dense": SMOKE_DENSE if args.smoke else DENSE_1B, "moe": SMOKE_MOE if args.smoke else MOE_SMALL}
     warm = min(10, args.steps // 2)
-    results, curves, breakdowns = [], {}, {}
+    results, curves, breakdowns, hosts = [], {}, {}, []
     for key in args.models.split(","):
         hf = configs[key]
         data = batches(hf["vocab_size"], args.batch, args.seq + 1, 8, seed=1)
-        runs, prof = {}, {}
-        for fp8 in (False, True):
-            losses, times, n, prof[fp8] = train(hf, fp8, args.backend, data, args.steps, device, args.lr,
-                                                profile=profile)
-            runs[fp8] = (losses, times)
-            tag = "fp8 " if fp8 else "bf16"
-            print(f"{key} {tag} median step {median(times[warm:]) * 1e3:.1f} ms; loss every 10 steps: "
-                  + " ".join(f"{x:.3f}" for x in losses[::10]) + f" ... last {losses[-1]:.4f}",
-                  file=sys.stderr, flush=True)
-        curves[f"{key} bf16"], curves[f"{key} fp8"] = runs[False][0], runs[True][0]
-        diff = max(abs(a - b) for a, b in zip(runs[True][0], runs[False][0]))
-        noise = float("nan")
-        if args.noise:
-            other, _, _, _ = train(hf, False, args.backend, data, args.steps, device, args.lr, seed=1)
-            curves[f"{key} bf16 s1"] = other
-            noise = max(abs(a - b) for a, b in zip(other, runs[False][0]))
-        if profile:
-            breakdowns[key] = prof
-            print(f"\n{key}: top kernels of one FP8 step (GPU ms)", file=sys.stderr)
-            for name, ms in prof[True]["top"]:
-                print(f"  {ms:8.2f}  {name[:110]}", file=sys.stderr)
-        results.append((key, n, args.batch * args.seq, median(runs[False][1][warm:]), median(runs[True][1][warm:]),
-                        runs[False][0], runs[True][0], diff, noise))
+        for mode in modes:
+            runs = {}
+            for fp8 in (False, True):
+                tag = ("fp8" if fp8 else "bf16") + ("" if mode == "eager" else " graph")
+                try:
+                    runs[fp8] = train(hf, fp8, args.backend, data, args.steps, device, args.lr, profile=profile,
+                                      graph=mode == "graph")
+                except Exception as e:  # noqa: BLE001 -- report the arm as failed, keep the others
+                    print(f"{key} {tag}: FAILED {type(e).__name__}: {str(e)[:300]}", file=sys.stderr, flush=True)
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                    continue
+                r = runs[fp8]
+                print(f"{key} {tag} median step {median(r['times'][warm:]) * 1e3:.1f} ms; loss every 10 steps: "
+                      + " ".join(f"{x:.3f}" for x in r["losses"][::10]) + f" ... last {r['losses'][-1]:.4f}",
+                      file=sys.stderr, flush=True)
+                if r["prof"] is not None:
+                    hosts.append((f"{key} {tag}", r))
+            if len(runs) < 2:
+                continue
+            name = key if mode == "eager" else f"{key} graph"
+            curves[f"{name} bf16"], curves[f"{name} fp8"] = runs[False]["losses"], runs[True]["losses"]
+            diff = max(abs(a - b) for a, b in zip(runs[True]["losses"], runs[False]["losses"]))
+            noise = float("nan")
+            if args.noise and mode == "eager":
+                other = train(hf, False, args.backend, data, args.steps, device, args.lr, seed=1)["losses"]
+                curves[f"{name} bf16 s1"] = other
+                noise = max(abs(a - b) for a, b in zip(other, runs[False]["losses"]))
+            if profile:
+                breakdowns[name] = {fp8: runs[fp8]["prof"] for fp8 in runs}
+                print(f"\n{name}: top kernels of one FP8 step (GPU ms)", file=sys.stderr)
+                for kname, ms in runs[True]["prof"]["top"]:
+                    print(f"  {ms:8.2f}  {kname[:110]}", file=sys.stderr)
+                print(f"{name}: host ops with the most self time in one FP8 step (count, ms)", file=sys.stderr)
+                for hname, count, ms in runs[True]["prof"]["host_top"]:
+                    print(f"  {count:6d} {ms:8.2f}  {hname[:100]}", file=sys.stderr)
+            results.append((name, runs[False]["n"], args.batch * args.seq, median(runs[False]["times"][warm:]),
+                            median(runs[True]["times"][warm:]), runs[False]["losses"], runs[True]["losses"], diff,
+                            noise))
 
     where = "CPU" if device.type == "cpu" else torch.cuda.get_device_name()
     print(f"\nLoss curves (every 5th step; 's1' = bf16 from init seed 1, the run-to-run noise)")
     names = list(curves)
-    print(f"{'step':>4s} " + " ".join(f"{n:>13s}" for n in names))
+    print(f"{'step':>4s} " + " ".join(f"{n:>17s}" for n in names))
     for i in list(range(0, args.steps, 5)) + ([args.steps - 1] if (args.steps - 1) % 5 else []):
-        print(f"{i:4d} " + " ".join(f"{curves[n][i]:13.4f}" for n in names))
+        print(f"{i:4d} " + " ".join(f"{curves[n][i]:17.4f}" for n in names))
     for key, prof in breakdowns.items():
         print(f"\n{key}: device time of one step by kernel class (ms; profiled step, forward+backward+AdamW)")
         classes = sorted(set(prof[False]["classes"]) | set(prof[True]["classes"]))
@@ -202,18 +297,39 @@ def main() -> None:
             vb = sum(prof[False]["classes"].values()) if c == "total" else prof[False]["classes"].get(c, 0.0)
             vf = sum(prof[True]["classes"].values()) if c == "total" else prof[True]["classes"].get(c, 0.0)
             print(f"{c:18s} {vb:9.2f} {vf:9.2f}")
+        if prof[True].get("wgrad") is not None:
+            ms = prof[True]["wgrad_ms"]
+            print("fp8 weight gradients (N x K, over M tokens): DeepGEMM 1D1D ms / scaled_mm ms -> kernel used")
+            for (a, b), v in prof[True]["wgrad"].items():
+                t = ms.get((a, b), {})
+                print(f"  {a[0]}x{b[0]} over {a[1]}: {t.get('deep_gemm', float('nan')):.3f} / "
+                      f"{t.get('torch', float('nan')):.3f} -> {v}")
+            if prof[True]["failed"]:
+                print(f"  DeepGEMM ops that fell back to scaled_mm: {', '.join(prof[True]['failed'])}")
+    if hosts:
+        print(f"\nHost vs device per arm (wall and host = medians of the timed steps; host = time to enqueue the "
+              f"step; the rest from one profiled step: device kernels run, launch API calls, host syncs, aten ops, "
+              f"device busy = union of kernel intervals)")
+        print(f"{'arm':18s} {'wall ms':>8s} {'host ms':>8s} {'busy ms':>8s} {'kernels':>8s} {'launches':>9s} "
+              f"{'syncs':>6s} {'aten ops':>9s}  bound")
+        for name, r in hosts:
+            p, wall, hst = r["prof"], median(r["times"][warm:]) * 1e3, median(r["host"][warm:]) * 1e3
+            bound = "host" if hst >= 0.9 * p["busy_ms"] or p["syncs"] else "device"
+            print(f"{name:18s} {wall:8.1f} {hst:8.1f} {p['busy_ms']:8.1f} {p['kernels']:8d} {p['launches']:9d} "
+                  f"{p['syncs']:6d} {p['aten']:9d}  {bound}")
     quant = args.quant + (f" -> torch after Triton failed: {runtime.IMPL['failed']}" if "failed" in runtime.IMPL else "")
     print(f"\nTraining step, FP8 (backend {args.backend}, quantizers {quant}) vs bf16, {args.steps} steps, "
           f"{where}, torch {torch.__version__}")
-    print(f"{'model':6s} {'params':>8s} {'tok/step':>9s} {'bf16 ms':>9s} {'fp8 ms':>9s} {'speedup':>8s} "
+    print(f"{'model':11s} {'params':>8s} {'tok/step':>9s} {'bf16 ms':>9s} {'fp8 ms':>9s} {'speedup':>8s} "
           f"{'loss0':>7s} {'bf16 last':>10s} {'fp8 last':>9s} {'max|dL|':>8s} {'bf16 seeds max|dL|':>19s}")
     for key, n, tok, tb, tf, lb, lf, diff, noise in results:
-        print(f"{key:6s} {n / 1e9:7.2f}B {tok:9d} {tb * 1e3:9.1f} {tf * 1e3:9.1f} {tb / tf:8.2f} "
+        print(f"{key:11s} {n / 1e9:7.2f}B {tok:9d} {tb * 1e3:9.1f} {tf * 1e3:9.1f} {tb / tf:8.2f} "
               f"{lb[0]:7.3f} {lb[-1]:10.4f} {lf[-1]:9.4f} {diff:8.4f} {noise:19.4f}")
 
 
 def median(xs: list[float]) -> float:
-    return sorted(xs)[len(xs) // 2]
+    xs = sorted(x for x in xs if x == x) or [float("nan")]  # graph warm-up steps carry no time (nan)
+    return xs[len(xs) // 2]
 
 
 if __name__ == "__main__":
