@@ -273,6 +273,7 @@ def main() -> None:
                 noise = max(abs(a - b) for a, b in zip(other, runs[False]["losses"]))
             if profile:
                 breakdowns[name] = {fp8: runs[fp8]["prof"] for fp8 in runs}
+            if profile and mode == "eager":
                 print(f"\n{name}: top kernels of one FP8 step (GPU ms)", file=sys.stderr)
                 for kname, ms in runs[True]["prof"]["top"]:
                     print(f"  {ms:8.2f}  {kname[:110]}", file=sys.stderr)

@@ -228,3 +228,28 @@ def test_grouped_fp8_bf16_weight_gradient_is_one_kgrouped_gemm():
         torch.testing.assert_close(dw[g].double(), ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()) + 1e-6)
         y32 = fp8_linear(x[s:e].float(), w[g].float(), None, be)
         torch.testing.assert_close(y[s:e].float(), y32, rtol=1e-2, atol=1e-2)
+
+
+def test_rows_quantized_into_a_padded_layout_equal_the_scattered_reference():
+    """``quantize_rows_to`` (DeepGEMM's padded grouped layout, torch path here) puts exactly
+    ``quantize_1x128``'s rows at the mapped rows, with column-major scales."""
+    from rlcli.ops.fp8 import runtime
+
+    x = data(300, 200, seed=4).bfloat16()
+    row_map = torch.randperm(520, generator=torch.Generator().manual_seed(0))[:300]
+    for ue8m0 in (False, True):
+        q, s = runtime.quantize_rows_to(x, ue8m0, row_map, 520)
+        rq, rs = quantize_1x128(x, ue8m0)
+        assert q.shape == (520, 200) and q.dtype == FP8_DTYPE and s.shape == (520, 2) and s.stride() == (1, 520)
+        assert torch.equal(q[row_map].view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s[row_map], rs)
+
+
+def test_grouped_gemm_from_high_precision_rows_equals_quantize_then_grouped():
+    """``grouped_gemm_x`` (the MoE training entry) is the grouped GEMM of ``x``'s 1x128 quantization."""
+    G, N, K = 4, 130, 200
+    offs = torch.tensor([50, 50, 180, 300], dtype=torch.int32)
+    x, w = data(300, K, seed=1), data(G, N, K, seed=2) * 0.05
+    be = EmulatedBackend()
+    (xq, xs), (wq, ws) = quantize_1x128(x), quantize_128x128(w)
+    ref = be.grouped_gemm(xq, xs, wq, ws, offs, torch.float32)
+    assert torch.equal(be.grouped_gemm_x(x, False, wq, ws, offs, torch.float32), ref)

@@ -207,7 +207,7 @@ class DeepGemmBackend:
 
     def _choose_wgrad(self, a, sa, b, sb, key) -> str:
         """Run both kernels on these operands (host syncs: first call of a shape only), keep the faster
-        one if they agree to 1e-3 relative; DeepGEMM's is dropped for good when it raises or disagrees."""
+        one if they agree to 1e-2 relative; DeepGEMM's is dropped for good when it raises or disagrees."""
         ref = self.torch.gemm_1x128(a, sa, b, sb, torch.float32)
         try:
             out = self._wgrad_1d1d(a, sa, b, sb)
@@ -216,7 +216,7 @@ class DeepGemmBackend:
             self.failed.add("fp8_gemm_nt 1d1d")
             return "torch"
         err = float((out - ref).norm() / ref.norm().clamp(min=1e-30))
-        if not err < 1e-3:
+        if not err < 1e-2:  # a wrong layout or recipe is O(1) off; bf16 rounding of the reference ~2e-3
             log.warning("deep_gemm 1D1D wgrad disagrees with scaled_mm (rel err %.2e); using scaled_mm", err)
             self.failed.add("fp8_gemm_nt 1d1d")
             return "torch"
