@@ -201,7 +201,7 @@ class DeepGemmBackend:
         return self.torch.gemm_1x128(a, sa, b, sb, out_dtype)
 
     def _wgrad_1d1d(self, a, sa, b, sb):
-        d = torch.zeros(a.shape[0], b.shape[0], dtype=torch.float32, device=a.device)  # the kernel accumulates into c
+        d = torch.zeros(a.shape[0], b.shape[0], dtype=torch.float32, device=a.device)  # the kernel adds c = d
         self.dg.fp8_gemm_nt((_pad_k(a), sa), (_pad_k(b), sb), d, c=d, recipe=(1, 1, 128))
         return d
 
