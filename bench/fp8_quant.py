@@ -108,6 +108,21 @@ def main() -> None:
             return (q, s), quant.transpose_blocks(q, s)
         run("weight", (N, K), w, 2 * N * K + 2 * N * K, lambda w=w: kernels.quantize_weight(w, transposed=True), ref_w)
 
+    special = None
+    if triton_ok:  # every e4m3 value, every rounding midpoint and its neighbours, subnormals, signed zeros
+        grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+        grid = grid[torch.isfinite(grid)].unique()
+        mids = (grid[1:] + grid[:-1]) / 2
+        vals = torch.cat([grid, mids, mids.nextafter(torch.tensor(1e9)), mids.nextafter(torch.tensor(-1e9)),
+                          torch.tensor([-0.0, 0.0, 2.0 ** -10, -(2.0 ** -10), 3 * 2.0 ** -11, 1e-30])])
+        vals = vals[vals.abs() <= 448]
+        n = -(-vals.numel() // 127)
+        xs = torch.zeros(n * 127)
+        xs[:vals.numel()] = vals
+        xs = torch.cat([xs.view(n, 127), torch.full((n, 1), 448.0)], 1).to(device)  # scale 1: q == x rounded
+        special = all(exact(kernels.quantize_act(xs, u, rows=True, cols=True),
+                            (quant.quantize_1x128(xs, u), quant.quantize_1x128(xs.t(), u))) for u in (False, True))
+
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"\nFP8 quantization, {where}, torch {torch.__version__}; median of {iters}; GB/s = bytes that must "
           f"move / time; copy = bf16 clone of the input")
@@ -118,6 +133,8 @@ def main() -> None:
         bw = nbytes / tt / 1e9
         print(f"{op:7s} {str(shape):>14s} {tt * 1e6:10.1f} {tr * 1e6:9.1f} {tr / tt:8.2f} {bw:12.0f} {copy_bw:10.0f} "
               f"{bw / copy_bw:8.2f} {str(ok):>6s}")
+    if special is not None:
+        print(f"every e4m3 value, rounding midpoint and neighbour, subnormal (fp32 and UE8M0 scales): exact {special}")
 
 
 if __name__ == "__main__":
