@@ -18,6 +18,7 @@ from rlcli.models.moe import GroupedExperts
 from rlcli.ops.fp8.backends import GemmBackend, make_backend
 from rlcli.ops.fp8.linear import FP8Linear, fp8_grouped_mm
 from rlcli.ops.fp8.runtime import WeightCache
+from rlcli.ops.fp8.siblings import group_siblings
 from rlcli.ops.grouped_gemm import local_weight
 
 log = logging.getLogger("rlcli.fp8")
@@ -46,7 +47,8 @@ def convert_to_fp8(model: nn.Module, cfg, device: torch.device | str | None = No
     (an :class:`rlcli.config.model.Fp8Config`) selects; returns the converted module names.
     The GEMM backend is made for ``device`` (default: where the model's parameters are).
     ``fp8_storage`` keeps the linears' weights in FP8 + ``weight_scale_inv`` (inference; on a
-    meta model it sets the shapes an FP8 checkpoint loads into). Experts keep master weights."""
+    meta model it sets the shapes an FP8 checkpoint loads into). Experts keep master weights.
+    With ``cfg.fuse_siblings`` (training storage) q/k/v and gate/up run stacked (:mod:`.siblings`)."""
     if backend is None:
         if device is None:
             p = next(model.parameters(), None)
@@ -69,6 +71,7 @@ def convert_to_fp8(model: nn.Module, cfg, device: torch.device | str | None = No
             module.backend, module.ue8m0 = backend, cfg.ue8m0
             module._caches = (WeightCache(), WeightCache(), WeightCache())
             converted.append(name)
-    log.info("fp8: %d modules converted (backend %s)%s", len(converted), backend.name,
-             "" if converted else "; no module matched train/infer.fp8.include")
+    grouped = group_siblings(model, FP8Linear) if getattr(cfg, "fuse_siblings", False) and not fp8_storage else []
+    log.info("fp8: %d modules converted (backend %s), %d sibling sets stacked%s", len(converted), backend.name,
+             len(grouped), "" if converted else "; no module matched train/infer.fp8.include")
     return converted

@@ -114,6 +114,7 @@ class FP8Linear(nn.Linear):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.backend, self.ue8m0 = backend, ue8m0
         self.cache = WeightCache()
+        self.sibling_group, self.sibling_idx = None, 0  # set by siblings.group_siblings
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, backend: GemmBackend, ue8m0: bool = False) -> "FP8Linear":
@@ -122,6 +123,7 @@ class FP8Linear(nn.Linear):
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new.weight, new.bias = linear.weight, linear.bias  # the same Parameters: optimizer state and FSDP see no change
         new.backend, new.ue8m0, new.cache = backend, ue8m0, WeightCache()
+        new.sibling_group, new.sibling_idx = None, 0
         return new
 
     @property
@@ -149,11 +151,16 @@ class FP8Linear(nn.Linear):
             y = self.backend.gemm(xq, xs, self.weight, self.weight_scale_inv, x.dtype)
             y = y if self.bias is None else y + self.bias.to(y.dtype)
             return y.view(*x.shape[:-1], y.shape[-1])
+        if self.sibling_group is not None:  # q/k/v or gate/up as one GEMM (rlcli.ops.fp8.siblings)
+            y = self.sibling_group.output(self, x)
+            if y is not None:
+                return y
         return fp8_linear(x, self.weight, self.bias, self.backend, self.cache, self.ue8m0)
 
     def extra_repr(self) -> str:
         store = ", fp8 weights" if self.fp8_storage else ""
-        return f"{super().extra_repr()}, fp8={self.backend.name}{', ue8m0' if self.ue8m0 else ''}{store}"
+        fused = ", stacked with siblings" if self.sibling_group is not None else ""
+        return f"{super().extra_repr()}, fp8={self.backend.name}{', ue8m0' if self.ue8m0 else ''}{store}{fused}"
 
 
 def _bf16_kgrouped(dy: torch.Tensor, x: torch.Tensor) -> bool:
