@@ -173,16 +173,18 @@ def make_step(model, opt, graph: bool, data: list[torch.Tensor], device):
     return run, warm
 
 
-def train(hf: dict, fp8: bool, backend: str, data: list[torch.Tensor], steps: int, device, lr: float,
+def train(hf: dict, arm: str, backend: str, data: list[torch.Tensor], steps: int, device, lr: float,
           seed: int = 0, profile: bool = False, graph: bool = False):
+    """``arm``: bf16, fp8 (q/k/v and gate/up stacked, as rl-train runs by default) or fp8-unfused."""
     torch.manual_seed(seed)
+    fp8 = arm != "bf16"
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # CPU bf16 matmuls are slow
     model = build_model(ModelArgs.from_hf(hf), device=device, dtype=dtype)
     model.init_weights(seed=seed)
     gemm = None
     if fp8:
         cfg = SimpleNamespace(backend=backend, include=["*"], exclude=["*embed_tokens", "lm_head", "*.mlp.gate"],
-                              ue8m0=False)
+                              ue8m0=False, fuse_siblings=arm == "fp8")
         gemm = make_backend(backend, device)
         convert_to_fp8(model, cfg, device, backend=gemm)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0,
@@ -225,6 +227,8 @@ def main() -> None:
     ap.add_argument("--modes", default="eager",
                     help="comma list: eager (as rl-train runs) and/or graph (the whole step as one CUDA graph, "
                          "capturable AdamW: the step without host overhead)")
+    ap.add_argument("--arms", default="bf16,fp8",
+                    help="comma list of bf16, fp8 (q/k/v and gate/up stacked: rl-train's default), fp8-unfused")
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--profile", action="store_true", help="(default on the GPU; kept for old command lines)")
     ap.add_argument("--noise", action="store_true",
@@ -237,6 +241,7 @@ def main() -> None:
     runtime.IMPL["name"] = args.quant
     profile = (device.type == "cuda" or args.smoke) and not args.no_profile
     modes = [m for m in args.modes.split(",") if m != "graph" or device.type == "cuda"]
+    arms = args.arms.split(",")
     configs = {"dense": SMOKE_DENSE if args.smoke else DENSE_1B, "moe": SMOKE_MOE if args.smoke else MOE_SMALL}
     warm = min(10, args.steps // 2)
     results, curves, breakdowns, hosts = [], {}, {}, []
@@ -245,59 +250,65 @@ def main() -> None:
         data = batches(hf["vocab_size"], args.batch, args.seq + 1, 8, seed=1)
         for mode in modes:
             runs = {}
-            for fp8 in (False, True):
-                tag = ("fp8" if fp8 else "bf16") + ("" if mode == "eager" else " graph")
+            for arm in arms:
+                tag = arm + ("" if mode == "eager" else " graph")
                 try:
-                    runs[fp8] = train(hf, fp8, args.backend, data, args.steps, device, args.lr, profile=profile,
+                    runs[arm] = train(hf, arm, args.backend, data, args.steps, device, args.lr, profile=profile,
                                       graph=mode == "graph")
                 except Exception as e:  # noqa: BLE001 -- report the arm as failed, keep the others
                     print(f"{key} {tag}: FAILED {type(e).__name__}: {str(e)[:300]}", file=sys.stderr, flush=True)
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
                     continue
-                r = runs[fp8]
+                r = runs[arm]
                 print(f"{key} {tag} median step {median(r['times'][warm:]) * 1e3:.1f} ms; loss every 10 steps: "
                       + " ".join(f"{x:.3f}" for x in r["losses"][::10]) + f" ... last {r['losses'][-1]:.4f}",
                       file=sys.stderr, flush=True)
                 if r["prof"] is not None:
                     hosts.append((f"{key} {tag}", r))
-            if len(runs) < 2:
-                continue
             name = key if mode == "eager" else f"{key} graph"
-            curves[f"{name} bf16"], curves[f"{name} fp8"] = runs[False]["losses"], runs[True]["losses"]
-            diff = max(abs(a - b) for a, b in zip(runs[True]["losses"], runs[False]["losses"]))
+            for arm, r in runs.items():
+                curves[f"{name} {arm}"] = r["losses"]
+            if "bf16" not in runs:
+                continue
             noise = float("nan")
             if args.noise and mode == "eager":
-                other = train(hf, False, args.backend, data, args.steps, device, args.lr, seed=1)["losses"]
+                other = train(hf, "bf16", args.backend, data, args.steps, device, args.lr, seed=1)["losses"]
                 curves[f"{name} bf16 s1"] = other
-                noise = max(abs(a - b) for a, b in zip(other, runs[False]["losses"]))
-            if profile:
-                breakdowns[name] = {fp8: runs[fp8]["prof"] for fp8 in runs}
-            if profile and mode == "eager":
-                print(f"\n{name}: top kernels of one FP8 step (GPU ms)", file=sys.stderr)
-                for kname, ms in runs[True]["prof"]["top"]:
+                noise = max(abs(a - b) for a, b in zip(other, runs["bf16"]["losses"]))
+            fp8_arm = next((a for a in ("fp8", "fp8-unfused") if a in runs), None)
+            if profile and fp8_arm is not None:
+                breakdowns[name] = {False: runs["bf16"]["prof"], True: runs[fp8_arm]["prof"], "arm": fp8_arm}
+            if profile and mode == "eager" and fp8_arm is not None:
+                top = runs[fp8_arm]["prof"]
+                print(f"\n{name}: top kernels of one {fp8_arm} step (GPU ms)", file=sys.stderr)
+                for kname, ms in top["top"]:
                     print(f"  {ms:8.2f}  {kname[:110]}", file=sys.stderr)
-                print(f"{name}: host ops with the most self time in one FP8 step (count, ms)", file=sys.stderr)
-                for hname, count, ms in runs[True]["prof"]["host_top"]:
+                print(f"{name}: host ops with the most self time in one {fp8_arm} step (count, ms)", file=sys.stderr)
+                for hname, count, ms in top["host_top"]:
                     print(f"  {count:6d} {ms:8.2f}  {hname[:100]}", file=sys.stderr)
-            results.append((name, runs[False]["n"], args.batch * args.seq, median(runs[False]["times"][warm:]),
-                            median(runs[True]["times"][warm:]), runs[False]["losses"], runs[True]["losses"], diff,
-                            noise))
+            for arm in runs:
+                if arm == "bf16":
+                    continue
+                diff = max(abs(a - b) for a, b in zip(runs[arm]["losses"], runs["bf16"]["losses"]))
+                results.append((f"{name} {arm}", runs["bf16"]["n"], args.batch * args.seq,
+                                median(runs["bf16"]["times"][warm:]), median(runs[arm]["times"][warm:]),
+                                runs["bf16"]["losses"], runs[arm]["losses"], diff, noise))
 
     where = "CPU" if device.type == "cpu" else torch.cuda.get_device_name()
     print(f"\nLoss curves (every 5th step; 's1' = bf16 from init seed 1, the run-to-run noise)")
     names = list(curves)
-    print(f"{'step':>4s} " + " ".join(f"{n:>17s}" for n in names))
+    print(f"{'step':>4s} " + " ".join(f"{n:>22s}" for n in names))
     for i in list(range(0, args.steps, 5)) + ([args.steps - 1] if (args.steps - 1) % 5 else []):
-        print(f"{i:4d} " + " ".join(f"{curves[n][i]:17.4f}" for n in names))
+        print(f"{i:4d} " + " ".join(f"{curves[n][i]:22.4f}" for n in names))
     for key, prof in breakdowns.items():
         print(f"\n{key}: device time of one step by kernel class (ms; profiled step, forward+backward+AdamW)")
         classes = sorted(set(prof[False]["classes"]) | set(prof[True]["classes"]))
-        print(f"{'class':18s} {'bf16':>9s} {'fp8':>9s}")
+        print(f"{'class':18s} {'bf16':>9s} {prof['arm']:>11s}")
         for c in classes + ["total"]:
             vb = sum(prof[False]["classes"].values()) if c == "total" else prof[False]["classes"].get(c, 0.0)
             vf = sum(prof[True]["classes"].values()) if c == "total" else prof[True]["classes"].get(c, 0.0)
-            print(f"{c:18s} {vb:9.2f} {vf:9.2f}")
+            print(f"{c:18s} {vb:9.2f} {vf:11.2f}")
         if prof[True].get("wgrad") is not None:
             ms = prof[True]["wgrad_ms"]
             print("fp8 weight gradients (N x K, over M tokens): DeepGEMM 1D1D ms / scaled_mm ms -> kernel used")
@@ -311,20 +322,20 @@ def main() -> None:
         print(f"\nHost vs device per arm (wall and host = medians of the timed steps; host = time to enqueue the "
               f"step; the rest from one profiled step: device kernels run, launch API calls, host syncs, aten ops, "
               f"device busy = union of kernel intervals)")
-        print(f"{'arm':18s} {'wall ms':>8s} {'host ms':>8s} {'busy ms':>8s} {'kernels':>8s} {'launches':>9s} "
+        print(f"{'arm':24s} {'wall ms':>8s} {'host ms':>8s} {'busy ms':>8s} {'kernels':>8s} {'launches':>9s} "
               f"{'syncs':>6s} {'aten ops':>9s}  bound")
         for name, r in hosts:
             p, wall, hst = r["prof"], median(r["times"][warm:]) * 1e3, median(r["host"][warm:]) * 1e3
-            bound = "host" if hst >= 0.9 * p["busy_ms"] or p["syncs"] else "device"
-            print(f"{name:18s} {wall:8.1f} {hst:8.1f} {p['busy_ms']:8.1f} {p['kernels']:8d} {p['launches']:9d} "
+            bound = ("host" if hst >= 0.9 * p["busy_ms"] or p["syncs"] else "device") if p["busy_ms"] else "-"
+            print(f"{name:24s} {wall:8.1f} {hst:8.1f} {p['busy_ms']:8.1f} {p['kernels']:8d} {p['launches']:9d} "
                   f"{p['syncs']:6d} {p['aten']:9d}  {bound}")
     quant = args.quant + (f" -> torch after Triton failed: {runtime.IMPL['failed']}" if "failed" in runtime.IMPL else "")
     print(f"\nTraining step, FP8 (backend {args.backend}, quantizers {quant}) vs bf16, {args.steps} steps, "
           f"{where}, torch {torch.__version__}")
-    print(f"{'model':11s} {'params':>8s} {'tok/step':>9s} {'bf16 ms':>9s} {'fp8 ms':>9s} {'speedup':>8s} "
+    print(f"{'model, arm':23s} {'params':>8s} {'tok/step':>9s} {'bf16 ms':>9s} {'fp8 ms':>9s} {'speedup':>8s} "
           f"{'loss0':>7s} {'bf16 last':>10s} {'fp8 last':>9s} {'max|dL|':>8s} {'bf16 seeds max|dL|':>19s}")
     for key, n, tok, tb, tf, lb, lf, diff, noise in results:
-        print(f"{key:11s} {n / 1e9:7.2f}B {tok:9d} {tb * 1e3:9.1f} {tf * 1e3:9.1f} {tb / tf:8.2f} "
+        print(f"{key:23s} {n / 1e9:7.2f}B {tok:9d} {tb * 1e3:9.1f} {tf * 1e3:9.1f} {tb / tf:8.2f} "
               f"{lb[0]:7.3f} {lb[-1]:10.4f} {lf[-1]:9.4f} {diff:8.4f} {noise:19.4f}")
 
 
