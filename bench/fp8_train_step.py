@@ -213,6 +213,46 @@ def train(hf: dict, arm: str, backend: str, data: list[torch.Tensor], steps: int
     return {"losses": losses, "times": times, "host": host, "n": n_params, "prof": breakdown}
 
 
+def host_costs(backend_name: str, device, M: int, N: int, K: int, calls: int = 20) -> list[tuple[str, float]]:
+    """Host µs per call of each piece of an FP8 linear, at shape [M, K] x [N, K]: ``calls`` calls
+    enqueued back to back without a sync (few enough that the launch queue never fills), so the
+    time is what the host spends, not the GPU."""
+    from rlcli.ops.fp8.linear import fp8_linear
+
+    be = make_backend(backend_name, device)
+    x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
+    w = torch.randn(N, K, device=device, dtype=torch.bfloat16) * 0.02
+    (xq, xs), (xtq, xts) = runtime.quantize_act(x, False, True, True)
+    (wq, ws), _ = runtime.quantize_weight(w, False, True)
+    dy = torch.randn(M, N, device=device, dtype=torch.bfloat16)
+    (dytq, dyts) = runtime.quantize_act(dy, False, rows=False, cols=True)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    xb, wb = x.clone().requires_grad_(), w.clone().requires_grad_()
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    pieces = [("bf16 torch.mm", lambda: torch.mm(x, w.t())),
+              ("quantize x rows+cols (one kernel)", lambda: runtime.quantize_act(x, False, True, True)),
+              ("fp8 gemm 1x128 . 128x128", lambda: be.gemm(xq, xs, wq, ws, torch.bfloat16)),
+              ("fp8 wgrad, backend's choice", lambda: be.gemm_1x128(dytq, dyts, xtq, xts, torch.bfloat16))]
+    if hasattr(be, "_wgrad_1d1d"):
+        pieces += [("fp8 wgrad DeepGEMM 1D1D (+zeros)", lambda: be._wgrad_1d1d(dytq, dyts, xtq, xts)),
+                   ("fp8 wgrad scaled_mm", lambda: be.torch.gemm_1x128(dytq, dyts, xtq, xts, torch.bfloat16))]
+    pieces += [("bf16 linear fwd+bwd", lambda: F.linear(xb, wb).backward(dy)),
+               ("fp8 linear fwd+bwd (weight quantized too)", lambda: fp8_linear(xr, wr, None, be).backward(dy))]
+    out = []
+    for name, fn in pieces:
+        try:
+            fn()
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            out.append((name, (time.perf_counter() - t0) / calls * 1e6))
+            sync()
+        except Exception as e:  # noqa: BLE001
+            out.append((f"{name} (failed: {type(e).__name__}: {str(e)[:80]})", float("nan")))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny models on the CPU, emulated FP8")
@@ -329,6 +369,12 @@ def main() -> None:
             bound = ("host" if hst >= 0.9 * p["busy_ms"] or p["syncs"] else "device") if p["busy_ms"] else "-"
             print(f"{name:24s} {wall:8.1f} {hst:8.1f} {p['busy_ms']:8.1f} {p['kernels']:8d} {p['launches']:9d} "
                   f"{p['syncs']:6d} {p['aten']:9d}  {bound}")
+    if profile:
+        M, K = args.batch * args.seq, configs["dense"]["hidden_size"]
+        print(f"\nHost µs per call (enqueue only on the GPU, {M} tokens, {K}x{K} weight; a dense step runs "
+              f"each linear's forward + backward once per layer)")
+        for name, us in host_costs(args.backend, device, M, K, K, calls=20 if device.type == "cuda" else 2):
+            print(f"  {us:8.1f}  {name}")
     quant = args.quant + (f" -> torch after Triton failed: {runtime.IMPL['failed']}" if "failed" in runtime.IMPL else "")
     print(f"\nTraining step, FP8 (backend {args.backend}, quantizers {quant}) vs bf16, {args.steps} steps, "
           f"{where}, torch {torch.__version__}")

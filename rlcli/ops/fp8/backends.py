@@ -15,9 +15,12 @@ three see bit-identical FP8 data and scales) and computes, with fp32 accumulatio
 ``(1, M)``, scale_b the ``(N/128, K/128)`` block scales transposed. Its grouped GEMM
 loops over groups (one host sync for the offsets). ``deep_gemm`` calls DeepGEMM's
 ``fp8_gemm_nt`` and ``m_grouped_fp8_gemm_nt_contiguous``; the contiguous grouped layout
-needs every group's rows aligned to 128, which is built on the device (rows scattered into
-a padded buffer, padding rows marked -1) so it needs no host sync. Weight gradients
-(1x128 x 1x128) go through ``scaled_mm``'s ``BlockWise1x128`` pair on both GPU backends.
+needs every group's rows aligned to 128, which is built on the device (padding rows marked
+-1) so it needs no host sync; ``grouped_gemm_x`` quantizes high-precision rows straight into
+that padded buffer (the quantizer writes row m to its padded row), the training path. Weight
+gradients (1x128 x 1x128) go through ``scaled_mm``'s ``BlockWise1x128`` pair, or, with
+deep_gemm, through DeepGEMM's SM90 1D1D kernel for the shapes where the first call measured
+it faster (both run once on the same operands and must agree).
 
 Kernels want K a multiple of 128: the FP8 data is zero padded along K, which adds zeros
 to every dot product (see the quantization note on edge blocks).
