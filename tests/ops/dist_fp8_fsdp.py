@@ -1,6 +1,7 @@
 """Run by tests/ops/test_fp8_fsdp.py under torchrun (gloo, 2 ranks): a stack of FP8 linears
 sharded with FSDP2 (each layer, then the root; resharded after forward, so the backward gathers
-again), trained 3 AdamW steps on this rank's half of the batch. Rank 0 writes the full
+again), trained 3 AdamW steps on this rank's half of the batch (argv[2] == "1": layers of two sibling
+linears stacked into one GEMM). Rank 0 writes the full
 parameters after every step, its outputs, and how many times each weight was quantized, to OUT/fsdp.pt."""
 
 import sys
@@ -14,12 +15,13 @@ from rlcli.ops.fp8 import runtime
 from tests.ops.test_fp8_fsdp import STEPS, TOKENS, build, inputs
 
 OUT = Path(sys.argv[1])
+SIBLINGS = len(sys.argv) > 2 and sys.argv[2] == "1"
 
 
 def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    model = build()
+    model = build(SIBLINGS)
     for layer in model:
         fully_shard(layer, reshard_after_forward=True)
     fully_shard(model)
