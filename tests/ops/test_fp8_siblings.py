@@ -56,7 +56,8 @@ def test_stacked_siblings_equal_separate_fp8_linears_with_fewer_gemms():
     attn = fused.get_submodule("model.layers.0.self_attn")
     assert attn.q_proj.sibling_group is attn.v_proj.sibling_group is not None
     assert fused.get_submodule("model.layers.1.mlp").up_proj.sibling_group is not None
-    assert attn.o_proj.sibling_group is None and sep.get_submodule("model.layers.0.self_attn").q_proj.sibling_group is None
+    assert attn.o_proj.sibling_group is None
+    assert sep.get_submodule("model.layers.0.self_attn").q_proj.sibling_group is None
     opt = torch.optim.AdamW(sep.parameters(), lr=1e-2)
     for step in range(2):  # step 1: the stacked FP8 weight follows an update of the members' weights
         be_sep.calls = be_fused.calls = 0

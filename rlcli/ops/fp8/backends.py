@@ -223,8 +223,8 @@ class DeepGemmBackend:
             log.warning("deep_gemm 1D1D wgrad disagrees with scaled_mm (rel err %.2e); using scaled_mm", err)
             self.failed.add("fp8_gemm_nt 1d1d")
             return "torch"
-        ms = {name: _cuda_ms(fn) for name, fn in (("deep_gemm", lambda: self._wgrad_1d1d(a, sa, b, sb)),
-                                                  ("torch", lambda: self.torch.gemm_1x128(a, sa, b, sb, torch.float32)))}
+        ms = {"deep_gemm": _cuda_ms(lambda: self._wgrad_1d1d(a, sa, b, sb)),
+              "torch": _cuda_ms(lambda: self.torch.gemm_1x128(a, sa, b, sb, torch.float32))}
         choice = min(ms, key=ms.get)
         log.info("fp8 wgrad %s: deep_gemm %.3f ms, scaled_mm %.3f ms -> %s", key, ms["deep_gemm"], ms["torch"], choice)
         self.wgrad_ms[key] = ms
