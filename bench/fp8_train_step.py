@@ -2,6 +2,7 @@
 
     python bench/fp8_train_step.py --noise         # H200: ~1B dense Llama and a small Qwen3-MoE, 50 steps each
     python bench/fp8_train_step.py --models dense --modes eager,graph   # also the step as one CUDA graph
+    python bench/fp8_train_step.py --models dense --modes compile       # decoder blocks compiled (rl-train --compile)
     python bench/fp8_train_step.py --smoke         # CPU: tiny models, emulated FP8, 6 steps
 
 Each model is built twice from the same seed (bf16 parameters on GPU, fp32 on CPU; AdamW), once left as is and
@@ -14,7 +15,8 @@ every new shape, 5-9 s each, in the first steps), the speed-up, and both loss cu
 (every 5th step side by side, and the largest |loss_fp8 - loss_bf16| over all steps, read
 against two bf16 runs from different init seeds with ``--noise``). ``--modes graph`` runs
 both arms again with the whole step (forward, backward, clipping, capturable AdamW) captured
-once as a CUDA graph and replayed: the step's device time without host overhead.
+once as a CUDA graph and replayed: the step's device time without host overhead;
+``--modes compile`` with each decoder block compiled in place, as ``rl-train --compile``.
 
 On the GPU it then profiles one step of each arm and prints GPU time per kernel class (FP8
 GEMMs, bf16 GEMMs, quantization, attention, optimizer, elementwise/other), the top FP8-step
@@ -174,7 +176,7 @@ def make_step(model, opt, graph: bool, data: list[torch.Tensor], device):
 
 
 def train(hf: dict, arm: str, backend: str, data: list[torch.Tensor], steps: int, device, lr: float,
-          seed: int = 0, profile: bool = False, graph: bool = False):
+          seed: int = 0, profile: bool = False, graph: bool = False, compile_blocks: bool = False):
     """``arm``: bf16, fp8 (q/k/v and gate/up stacked, as rl-train runs by default) or fp8-unfused."""
     torch.manual_seed(seed)
     fp8 = arm != "bf16"
@@ -187,6 +189,9 @@ def train(hf: dict, arm: str, backend: str, data: list[torch.Tensor], steps: int
                               ue8m0=False, fuse_siblings=arm == "fp8")
         gemm = make_backend(backend, device)
         convert_to_fp8(model, cfg, device, backend=gemm)
+    if compile_blocks:  # as rl-train --compile: each decoder block compiled in place (FP8 linears break its graph)
+        for block in model.model.layers:
+            block.compile()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0,
                             **({"capturable": True} if graph else {}))
     run, losses = make_step(model, opt, graph, data, device)
@@ -265,8 +270,9 @@ def main() -> None:
     ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel breakdown (GPU)")
     ap.add_argument("--models", default="dense,moe")
     ap.add_argument("--modes", default="eager",
-                    help="comma list: eager (as rl-train runs) and/or graph (the whole step as one CUDA graph, "
-                         "capturable AdamW: the step without host overhead)")
+                    help="comma list: eager (as rl-train runs), compile (each decoder block compiled, as rl-train "
+                         "--compile) and/or graph (the whole step as one CUDA graph, capturable AdamW: the step "
+                         "without host overhead)")
     ap.add_argument("--arms", default="bf16,fp8",
                     help="comma list of bf16, fp8 (q/k/v and gate/up stacked: rl-train's default), fp8-unfused")
     ap.add_argument("--lr", type=float, default=3e-4)
@@ -291,10 +297,10 @@ def main() -> None:
         for mode in modes:
             runs = {}
             for arm in arms:
-                tag = arm + ("" if mode == "eager" else " graph")
+                tag = arm + ("" if mode == "eager" else f" {mode}")
                 try:
                     runs[arm] = train(hf, arm, args.backend, data, args.steps, device, args.lr, profile=profile,
-                                      graph=mode == "graph")
+                                      graph=mode == "graph", compile_blocks=mode == "compile")
                 except Exception as e:  # noqa: BLE001 -- report the arm as failed, keep the others
                     print(f"{key} {tag}: FAILED {type(e).__name__}: {str(e)[:300]}", file=sys.stderr, flush=True)
                     if device.type == "cuda":
@@ -306,7 +312,7 @@ def main() -> None:
                       file=sys.stderr, flush=True)
                 if r["prof"] is not None:
                     hosts.append((f"{key} {tag}", r))
-            name = key if mode == "eager" else f"{key} graph"
+            name = key if mode == "eager" else f"{key} {mode}"
             for arm, r in runs.items():
                 curves[f"{name} {arm}"] = r["losses"]
             if "bf16" not in runs:
