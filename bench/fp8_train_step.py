@@ -110,6 +110,8 @@ def profile_step(run_step, cuda: bool) -> dict:
     launches = syncs = aten = 0
     for ev in p.events():  # CPU (--smoke): self time of aten ops stands in for kernels
         is_dev = ev.device_type != torch.autograd.DeviceType.CPU
+        if is_dev and "#" in ev.name:  # a GPU-side user annotation (Optimizer.step#AdamW.step), not a kernel
+            continue
         if not is_dev:
             launches += ev.name in LAUNCHES
             syncs += "Synchronize" in ev.name
@@ -136,11 +138,25 @@ def profile_step(run_step, cuda: bool) -> dict:
             "host_top": host}
 
 
+def context(ids: torch.Tensor, device):
+    """Positions on the device and the packed-causal attention context built from host positions, as
+    rl-train builds it (reading document boundaries off device positions would sync every step)."""
+    from rlcli.ops.attention import ForwardContext
+    from rlcli.ops.document_attention import PackedCausalAttention
+
+    B, T = ids.shape[0], ids.shape[1] - 1
+    pos = torch.arange(T).expand(B, T)
+    pos_dev = pos.to(device)
+    return pos_dev, ForwardContext(attn=PackedCausalAttention(pos, device=device), position_ids=pos_dev)
+
+
 def make_step(model, opt, graph: bool, data: list[torch.Tensor], device):
     """``run(ids) -> loss tensor``: one full step, eager, or replaying a CUDA graph of it (``graph``:
-    three eager warm-up steps on a side stream, then one capture; returns the warm-up losses too)."""
-    def body(ids):
-        logits = model(ids[:, :-1])
+    three eager warm-up steps on a side stream, then one capture with one attention context built
+    before it; returns the warm-up losses too)."""
+    def body(ids, pos_ctx=None):
+        pos, ctx = pos_ctx if pos_ctx is not None else context(ids, device)
+        logits = model(ids[:, :-1], pos, ctx)
         loss = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -154,18 +170,19 @@ def make_step(model, opt, graph: bool, data: list[torch.Tensor], device):
             return loss
         return run, []
     static = data[0].to(device).clone()
+    pos_ctx = context(static, device)  # its varlen plan is built by the first warm-up step, before the capture
     warm = []
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for i in range(3):  # real training steps; also JIT-compiles every kernel before the capture
             static.copy_(data[i % len(data)])
-            warm.append(body(static).item())
+            warm.append(body(static, pos_ctx).item())
             opt.zero_grad(set_to_none=True)
     torch.cuda.current_stream().wait_stream(side)
     graph_ = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph_):  # grads are None here, so backward writes (not adds) them on every replay
-        static_loss = body(static)
+        static_loss = body(static, pos_ctx)
 
     def run(ids):
         static.copy_(ids)
@@ -177,7 +194,7 @@ def make_step(model, opt, graph: bool, data: list[torch.Tensor], device):
 
 def train(hf: dict, arm: str, backend: str, data: list[torch.Tensor], steps: int, device, lr: float,
           seed: int = 0, profile: bool = False, graph: bool = False, compile_blocks: bool = False):
-    """``arm``: bf16, fp8 (q/k/v and gate/up stacked, as rl-train runs by default) or fp8-unfused."""
+    """``arm``: bf16, fp8 (q/k/v stacked, rl-train's default), fp8-gate-up (gate/up stacked too) or fp8-unfused."""
     torch.manual_seed(seed)
     fp8 = arm != "bf16"
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # CPU bf16 matmuls are slow
@@ -186,7 +203,7 @@ def train(hf: dict, arm: str, backend: str, data: list[torch.Tensor], steps: int
     gemm = None
     if fp8:
         cfg = SimpleNamespace(backend=backend, include=["*"], exclude=["*embed_tokens", "lm_head", "*.mlp.gate"],
-                              ue8m0=False, fuse_siblings=arm == "fp8")
+                              ue8m0=False, fuse_siblings={"fp8": ["qkv"], "fp8-gate-up": ["qkv", "gate_up"]}.get(arm, []))
         gemm = make_backend(backend, device)
         convert_to_fp8(model, cfg, device, backend=gemm)
     if compile_blocks:  # as rl-train --compile: each decoder block compiled in place (FP8 linears break its graph)
@@ -274,7 +291,8 @@ def main() -> None:
                          "--compile) and/or graph (the whole step as one CUDA graph, capturable AdamW: the step "
                          "without host overhead)")
     ap.add_argument("--arms", default="bf16,fp8",
-                    help="comma list of bf16, fp8 (q/k/v and gate/up stacked: rl-train's default), fp8-unfused")
+                    help="comma list of bf16, fp8 (q/k/v stacked: rl-train's default), fp8-gate-up (gate/up "
+                         "stacked too), fp8-unfused")
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--profile", action="store_true", help="(default on the GPU; kept for old command lines)")
     ap.add_argument("--noise", action="store_true",
@@ -322,7 +340,7 @@ def main() -> None:
                 other = train(hf, "bf16", args.backend, data, args.steps, device, args.lr, seed=1)["losses"]
                 curves[f"{name} bf16 s1"] = other
                 noise = max(abs(a - b) for a, b in zip(other, runs["bf16"]["losses"]))
-            fp8_arm = next((a for a in ("fp8", "fp8-unfused") if a in runs), None)
+            fp8_arm = next((a for a in ("fp8", "fp8-gate-up", "fp8-unfused") if a in runs), None)
             if profile and fp8_arm is not None:
                 breakdowns[name] = {False: runs["bf16"]["prof"], True: runs[fp8_arm]["prof"], "arm": fp8_arm}
             if profile and mode == "eager" and fp8_arm is not None:
@@ -366,13 +384,14 @@ def main() -> None:
                 print(f"  DeepGEMM ops that fell back to scaled_mm: {', '.join(prof[True]['failed'])}")
     if hosts:
         print(f"\nHost vs device per arm (wall and host = medians of the timed steps; host = time to enqueue the "
-              f"step; the rest from one profiled step: device kernels run, launch API calls, host syncs, aten ops, "
-              f"device busy = union of kernel intervals)")
+              f"step; the rest from one profiled step: device kernels run, launch API calls, host syncs (the "
+              f"profiled step's own input copy and synchronize included), aten ops, device busy = union of kernel "
+              f"intervals; bound = host when enqueueing takes >= 0.9 of the busy time)")
         print(f"{'arm':24s} {'wall ms':>8s} {'host ms':>8s} {'busy ms':>8s} {'kernels':>8s} {'launches':>9s} "
               f"{'syncs':>6s} {'aten ops':>9s}  bound")
         for name, r in hosts:
             p, wall, hst = r["prof"], median(r["times"][warm:]) * 1e3, median(r["host"][warm:]) * 1e3
-            bound = ("host" if hst >= 0.9 * p["busy_ms"] or p["syncs"] else "device") if p["busy_ms"] else "-"
+            bound = ("host" if hst >= 0.9 * p["busy_ms"] else "device") if p["busy_ms"] else "-"
             print(f"{name:24s} {wall:8.1f} {hst:8.1f} {p['busy_ms']:8.1f} {p['kernels']:8d} {p['launches']:9d} "
                   f"{p['syncs']:6d} {p['aten']:9d}  {bound}")
     if profile:

@@ -47,8 +47,8 @@ class Fp8Config(Config):
     ue8m0: bool = False
     """Round block scales up to powers of two (UE8M0) instead of exact fp32 scales."""
 
-    fuse_siblings: bool = True
-    """Run q/k/v and gate/up (same input, no bias, sizes multiples of 128) as one stacked FP8 GEMM per pass."""
+    fuse_siblings: list[Literal["qkv", "gate_up"]] = msgspec.field(default_factory=lambda: ["qkv"])
+    """Sibling linears run as one stacked FP8 GEMM per pass: qkv (q/k/v_proj) and/or gate_up (gate/up_proj)."""
 
     publish: bool = False
     """rl-train: write policy weights as FP8 + weight_scale_inv (DeepSeek-V3 layout) instead of model.dtype."""

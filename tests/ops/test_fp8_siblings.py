@@ -38,7 +38,7 @@ def _model(fuse: bool):
     model.init_weights(seed=0)
     be = CountingBackend()
     cfg = SimpleNamespace(backend="emulated", include=["*"], exclude=["*embed_tokens", "lm_head"], ue8m0=False,
-                          fuse_siblings=fuse)
+                          fuse_siblings=["qkv", "gate_up"] if fuse else [])
     convert_to_fp8(model, cfg, backend=be)
     return model, be
 

@@ -48,7 +48,7 @@ def convert_to_fp8(model: nn.Module, cfg, device: torch.device | str | None = No
     The GEMM backend is made for ``device`` (default: where the model's parameters are).
     ``fp8_storage`` keeps the linears' weights in FP8 + ``weight_scale_inv`` (inference; on a
     meta model it sets the shapes an FP8 checkpoint loads into). Experts keep master weights.
-    With ``cfg.fuse_siblings`` (training storage) q/k/v and gate/up run stacked (:mod:`.siblings`)."""
+    ``cfg.fuse_siblings`` names the sibling sets (qkv, gate_up) run stacked, training storage only (:mod:`.siblings`)."""
     if backend is None:
         if device is None:
             p = next(model.parameters(), None)
@@ -71,7 +71,8 @@ def convert_to_fp8(model: nn.Module, cfg, device: torch.device | str | None = No
             module.backend, module.ue8m0 = backend, cfg.ue8m0
             module._caches = (WeightCache(), WeightCache(), WeightCache())
             converted.append(name)
-    grouped = group_siblings(model, FP8Linear) if getattr(cfg, "fuse_siblings", False) and not fp8_storage else []
+    sets = getattr(cfg, "fuse_siblings", None) or []
+    grouped = group_siblings(model, FP8Linear, sets) if sets and not fp8_storage else []
     log.info("fp8: %d modules converted (backend %s), %d sibling sets stacked%s", len(converted), backend.name,
              len(grouped), "" if converted else "; no module matched train/infer.fp8.include")
     return converted
