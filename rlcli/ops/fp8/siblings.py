@@ -17,9 +17,10 @@ same up to the fp32 summation order of the input gradient.
 
 The members' outputs are column slices of the stacked output, so the ops that read them see
 strided tensors. On the H200 (1.14B Llama, both sets stacked) the FP8 step's generic, non-vectorized
-elementwise kernels took ~6 ms more than with separate linears, which is why rl-train stacks only
-q/k/v by default (their outputs go through rotary embeddings, smaller tensors) and ``gate_up``
-(the SwiGLU's two inputs, 4x larger) is opt-in until measured on its own.
+binary elementwise kernel took 13.3 ms against 7.6 ms in the previous session's unstacked run (not
+isolated; strided SwiGLU inputs are the likely cause), so rl-train stacks only q/k/v by default
+(their outputs feed the rotary embedding, 4x smaller than the SwiGLU's) and ``gate_up`` is
+opt-in until measured on its own (``bench/fp8_train_step.py --arms bf16,fp8,fp8-gate-up``).
 """
 
 import weakref
