@@ -125,6 +125,7 @@ def trainer(args, mode: str, run_root: str, to_parent, from_parent) -> None:
         to_parent.put(("ready", v, t_ready, time.monotonic() - t_ready))
     pub.wait()
     assert from_parent.get() == "close"
+    to_parent.put(("trace", dict(getattr(pub, "trace", {}))))
     wire = getattr(torch, args.dtype).itemsize
     to_parent.put(("checksum", checksum(model, args.dtype), sum(p.numel() * wire for p in model.parameters())))
     pub.close()
@@ -161,7 +162,7 @@ def server(args, mode: str, rank: int, run_root: str, to_parent, from_parent) ->
             v, path = msg
             load_from_files(model, path)
         sync(device)
-        to_parent.put(("loaded", rank, v, time.monotonic(), time.monotonic() - t0, t0))
+        to_parent.put(("loaded", rank, v, time.monotonic(), time.monotonic() - t0, t0, dict(receiver.at)))
     to_parent.put(("checksum", checksum(model, args.dtype)))
     receiver.close()
     if mode == "collective":
@@ -211,17 +212,19 @@ def run_mode(args, mode: str) -> dict:
             pending.append(m)
 
     e2e, publish_s, load_s, hops = [], [], [], []
+    at_server: dict[int, list[dict]] = {}  # version -> each server receiver's phase times
+    ready_at: dict[int, float] = {}
     for v in range(1, args.updates + 2):  # update 1 warms up (builds the group), not counted
         t_q.put("go")
         if mode == "collective":  # as rl-sync: order a round as soon as the store shows the version (staging may still run)
             while (p := ctl.published()) is None or p["version"] != v:
-                time.sleep(0.001)
+                time.sleep(0.0002)
             t_seen = time.monotonic()
             r = v - 1
             ctl.order(r, v, "g0", args.servers + 1)
             t_ordered = time.monotonic()
             while (a := ctl.accepted(r)) is None:
-                time.sleep(0.0005)
+                time.sleep(0.0002)
             t_accepted = time.monotonic()
             assert a == "ok", a
             for rank, q in enumerate(s_qs, 1):
@@ -245,6 +248,8 @@ def run_mode(args, mode: str) -> dict:
                              "server loaded": max(a[3] for a in acks) - t_ready,
                              "sender: join group": sender.get("group_s", float("nan")),
                              "sender: send": sender.get("send_s", float("nan"))})
+                at_server[v] = [a[6] for a in acks]
+                ready_at[v] = t_ready
         if v > 1:
             e2e.append(max(a[3] for a in acks) - t_ready)
             publish_s.append(pub_s)
@@ -254,6 +259,7 @@ def run_mode(args, mode: str) -> dict:
     t_q.put("close")
     for q in s_qs:
         q.put("close")
+    trace = wait_for("trace")[1]
     sums = [wait_for("checksum") for _ in procs]
     identical = all(s[1] == sums[0][1] for s in sums)
     nbytes = max(s[2] for s in sums if len(s) > 2)
@@ -276,7 +282,33 @@ def run_mode(args, mode: str) -> dict:
     return {"mode": mode, "bytes": nbytes, "update_s": statistics.median(e2e), "update_min_s": min(e2e),
             "publish_blocks_s": statistics.median(publish_s), "load_s": statistics.median(load_s),
             "floor_s": floor, "ratio": statistics.median(e2e) / floor, "bit_identical": identical,
-            "timeline_s": {k: statistics.median(h[k] for h in hops) for k in hops[0]} if hops else {}}
+            "timeline_s": {k: statistics.median(h[k] for h in hops) for k in hops[0]} if hops else {},
+            "phases_s": phases(ready_at, trace, at_server)}
+
+
+SENDER_PHASES = [("staged", "trainer: staging copies done"), ("posted", "sender: version posted"),
+                 ("accepted", "sender: round accepted"), ("joined", "sender: group joined"),
+                 ("header", "sender: header through"), ("issued", "sender: buckets queued"),
+                 ("sent", "sender: last byte sent")]
+SERVER_PHASES = [("start", "server: order in hand"), ("joined", "server: group joined"),
+                 ("arena", "server: arena built"), ("header", "server: header through"),
+                 ("received", "server: bytes landed"), ("loaded", "server: load returned")]
+
+
+def phases(ready_at: dict, trace: dict, at_server: dict) -> dict[str, float]:
+    """Median moment of each sender and receiver phase after the weights were ready (both
+    processes stamp ``time.monotonic()``, one clock on one host)."""
+    out = {}
+    for key, label in SENDER_PHASES:
+        ts = [trace[v][key] - t for v, t in ready_at.items() if key in trace.get(v, {})]
+        if ts:
+            out[label] = statistics.median(ts)
+    for key, label in SERVER_PHASES:
+        ts = [max(a[key] for a in at_server[v]) - t for v, t in ready_at.items()
+              if all(key in a for a in at_server[v])]
+        if ts:
+            out[label] = statistics.median(ts)
+    return out
 
 
 def file_floor(run_root: Path, nbytes: int, readers: int) -> float:
@@ -306,10 +338,11 @@ def main() -> None:
     ap.add_argument("--model", choices=list(MODELS), default=None)
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--trainer-dtype", default=None,
-                    help="the trainer's parameter dtype (float32: FSDP2-style masters, cast to --dtype when published)")
+                    help="the trainer's parameter dtype (float32: FSDP2-style masters, cast to --dtype when published); "
+                         "a comma list runs each")
     ap.add_argument("--servers", type=int, default=None)
     ap.add_argument("--updates", type=int, default=None)
-    ap.add_argument("--bucket-mb", type=int, default=4)
+    ap.add_argument("--bucket-mb", default="256", help="bucket size in MiB; a comma list runs each")
     ap.add_argument("--modes", default="collective,filesystem,async_filesystem")
     ap.add_argument("--tmp", default=None, help="directory for the filesystem modes (default: the system temp)")
     args = ap.parse_args()
@@ -322,14 +355,22 @@ def main() -> None:
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         assert torch.cuda.device_count() >= 2, "--gpu needs 2 GPUs"
         assert args.servers == 1, "--gpu runs one server (cuda:1)"
-    rows = [run_mode(args, m) for m in args.modes.split(",")]
+    variants = [(int(b), d) for d in args.trainer_dtype.split(",") for b in args.bucket_mb.split(",")]
+    rows = []
+    for mode in args.modes.split(","):
+        for bucket_mb, trainer_dtype in variants:
+            row = run_mode(argparse.Namespace(**{**vars(args), "bucket_mb": bucket_mb, "trainer_dtype": trainer_dtype}),
+                           mode)
+            if len(variants) > 1:
+                row["mode"] = f"{mode} {bucket_mb}M {trainer_dtype.removeprefix('float')}"
+            rows.append(row)
     where = "2x GPU, NCCL" if args.gpu else f"CPU, gloo, {args.servers} servers"
     print(f"\nweight sync, model {args.model} ({rows[0]['bytes'] / 2**30:.2f} GiB), {where}, "
           f"median of {args.updates} updates")
-    print(f"{'mode':<18}{'update s':>10}{'floor s':>10}{'ratio':>8}{'trainer blocked s':>19}{'load s':>9}"
+    print(f"{'mode':<22}{'update s':>10}{'floor s':>10}{'ratio':>8}{'trainer blocked s':>19}{'load s':>9}"
           f"{'GB/s':>8}  bit-identical")
     for r in rows:
-        print(f"{r['mode']:<18}{r['update_s']:>10.4f}{r['floor_s']:>10.4f}{r['ratio']:>8.2f}"
+        print(f"{r['mode']:<22}{r['update_s']:>10.4f}{r['floor_s']:>10.4f}{r['ratio']:>8.2f}"
               f"{r['publish_blocks_s']:>19.4f}{r['load_s']:>9.4f}{r['bytes'] / r['update_s'] / 1e9:>8.2f}  "
               f"{r['bit_identical']}")
     for r in rows:
@@ -337,6 +378,9 @@ def main() -> None:
             print(f"{r['mode']} timeline, ms after the trainer's weights are ready (median):")
             for k, t in r["timeline_s"].items():
                 print(f"  {k:<22}{t * 1e3:>9.2f}")
+            print(f"{r['mode']} phases, ms after the trainer's weights are ready (median), in order:")
+            for k, t in sorted(r["phases_s"].items(), key=lambda kv: kv[1]):
+                print(f"  {k:<32}{t * 1e3:>9.2f}")
     print(json.dumps(rows))
 
 

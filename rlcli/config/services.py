@@ -23,9 +23,10 @@ class CollectiveTransport(WeightTransportBase, tag="collective"):
     """Bucketed broadcasts from the trainer's rank 0 to every server over a standalone
     process group (NCCL on GPU, gloo on CPU); only policy 0 is written to disk."""
 
-    bucket_bytes: int = 4 << 20
-    """Tensors smaller than this are packed into buckets of at most this many bytes; larger
-    ones are broadcast alone, straight into the server's parameter."""
+    bucket_bytes: int = 256 << 20
+    """Bytes per broadcast: tensors smaller than this share buckets of at most this size, a
+    larger one is a bucket alone. Large buckets reach the link's bandwidth; the native engine
+    receives every bucket straight into its parameters whatever the size."""
 
     def __post_init__(self) -> None:
         if self.bucket_bytes < 1024:

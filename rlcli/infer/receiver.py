@@ -1,10 +1,8 @@
 """The engine's side of a weight update: ``WeightReceiver`` for the native engine.
 
-Both paths write straight into the model's parameters, tensor by tensor (a per-expert
-HF tensor lands in its slice of the stacked expert weight), so a load never holds a
-second full copy of the model.
-
-Filesystem: everything that can be checked is checked before the first parameter is
+Filesystem: the tensors are copied straight into the model's parameters, one by one (a
+per-expert HF tensor lands in its slice of the stacked expert weight), so a load never
+holds a second full copy of the model. Everything that can be checked is checked before the first parameter is
 touched: the STABLE marker and its manifest (the size of every file, the checksum of the
 index and config: a torn or truncated shard, a corrupt index or marker fail here), the
 checksum of each shard, hashed through the mapping the tensors are then copied from (the
@@ -13,24 +11,27 @@ file's one read from storage), each file's safetensors header against its size, 
 the tensors cover every parameter exactly once with the right shapes. A failed check
 leaves the engine serving its previous version.
 
-Collective: the tensor list is checked against the model first; a mismatching list is
-still received (into scratch tensors, so the other members' transfer goes on) and then
+Collective: the parameters are views of one flat buffer in the transfer's byte order
+(:class:`Arena`), so every bucket is received straight into them, with no scratch and no
+copy. The tensor list is checked against the model first; a mismatching list is still
+received (into a scratch buffer, so the other members' transfer goes on) and then
 refused with the model untouched. A transfer that breaks midway (a peer died, the
 deadline passed) has overwritten some parameters: the receiver marks the weights torn,
 and the engine generates nothing until a complete load arrives (requests wait, none is
 dropped; rl-sync re-sends in a new group).
 """
 
+import time
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from rlcli.errors import ModelLoadError
-from rlcli.models.hf_io import _ignorable, hf_state_dict
+from rlcli.models.hf_io import _ignorable, hf_entries, hf_state_dict
 from rlcli.models.safetensors_io import SafetensorsFile, weight_files
 from rlcli.transport.atomic import checksums_of, marker_problem, read_marker, verify_dir
-from rlcli.transport.collective import Spec, WeightGroup, connect_store, parse_dtype, receive
+from rlcli.transport.collective import Spec, WeightGroup, connect_store, parse_dtype, receive_flat
 
 
 def destinations(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -100,19 +101,76 @@ def load_from_files(model: torch.nn.Module, path: str | Path) -> None:
         dest.copy_(f.tensor(name))
 
 
+def _parameter(model: torch.nn.Module, name: str) -> torch.nn.Parameter | None:
+    try:
+        return model.get_parameter(name)
+    except AttributeError:  # a buffer
+        return None
+
+
+class Arena:
+    """One flat buffer laid out as a transfer's byte stream (``specs`` back to back) whose
+    views ARE the model's parameters, so a transfer lands in them with no copy.
+
+    Built at a receiver's first collective load (and again if the tensor list changes): the
+    current weights are copied in and each parameter is rebound (``param.data``) to its view.
+    A stacked expert weight is one view over its experts' consecutive tensors. A parameter
+    that cannot be a view (another dtype than it travels in, its tensors not consecutive in
+    the list, a misaligned offset) or a buffer stays where it is and is copied from the
+    arena after each transfer. It costs one extra copy of the model while it is built."""
+
+    def __init__(self, model: torch.nn.Module, specs: Sequence[Spec], device: torch.device):
+        self.specs = list(specs)
+        starts = [0]
+        for s in self.specs:
+            starts.append(starts[-1] + s.nbytes)
+        self.flat = torch.empty(starts[-1], dtype=torch.uint8, device=device)
+        index = {s.name: i for i, s in enumerate(self.specs)}
+        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, its bytes' view in flat)
+        self.num_bound = 0
+        for sd_name, t, names in hf_entries(model):
+            ids = [index[n] for n in names]
+            param = _parameter(model, sd_name)
+            a, b = starts[ids[0]], starts[ids[-1] + 1]
+            if (param is not None and ids == list(range(ids[0], ids[0] + len(ids))) and param.is_contiguous()
+                    and all(self.specs[i].dtype == param.dtype for i in ids) and a % 16 == 0
+                    and b - a == param.numel() * param.dtype.itemsize):
+                view = self.flat[a:b].view(param.dtype).view(param.shape)
+                view.copy_(param.data)
+                param.data = view
+                self.num_bound += 1
+                continue
+            for e, i in enumerate(ids):
+                s = self.specs[i]
+                raw = self.flat[starts[i]:starts[i + 1]]
+                self.copies.append((t if len(names) == 1 else t[e], raw, s))
+
+    def matches(self, specs: Sequence[Spec]) -> bool:
+        return self.specs == list(specs)
+
+    def scatter(self) -> None:
+        """Copy the received bytes of the tensors that are not views into their places."""
+        for dest, raw, s in self.copies:
+            src = raw.view(s.dtype) if raw.storage_offset() % s.dtype.itemsize == 0 else raw.clone().view(s.dtype)
+            dest.copy_(src.view(s.shape))
+
+
 class CollectiveReceiver:
     """This server's membership in the weight-transfer group (kept across updates while
-    the generation stays the same)."""
+    the generation stays the same) and its :class:`Arena`."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.group: WeightGroup | None = None
         self.key: tuple = ()
         self.torn = False
+        self.arena: Arena | None = None
+        self.at: dict[str, float] = {}  # when each phase of the last load ended (time.monotonic())
 
     @torch.no_grad()
     def load(self, model: torch.nn.Module, store: str, group: str, rank: int, world_size: int, version: int,
              specs: Sequence[Spec], bucket_bytes: int, timeout_s: float) -> None:
+        self.at = {"start": time.monotonic()}
         dests = destinations(model)
         problem = next((f"tensor {s.name} is not in the model" if s.name not in dests else
                         f"tensor {s.name} has shape {list(s.shape)}, the model has {list(dests[s.name].shape)}"
@@ -123,16 +181,30 @@ class CollectiveReceiver:
             problem = f"the transfer lacks tensor {missing[0]}" if missing else None
         try:
             self.join(store, group, rank, world_size, timeout_s)
+            self.at["joined"] = time.monotonic()
             if problem is None:
-                self.torn = True  # until the last byte has landed
-                receive(self.group, version, specs, bucket_bytes, lambda i: dests[specs[i].name])
+                if self.arena is None or not self.arena.matches(specs):
+                    self.arena = None  # the old views stay alive as long as parameters use them
+                    self.arena = Arena(model, specs, self.device)
+                    self.at["arena"] = time.monotonic()
+
+                def landing() -> None:  # from the first byte until the last has landed
+                    self.torn = True
+                    self.at["header"] = time.monotonic()
+
+                receive_flat(self.group, version, specs, bucket_bytes, self.arena.flat, landing)
+                self.at["received"] = time.monotonic()
+                self.arena.scatter()
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()
                 self.torn = False
-            else:
-                receive(self.group, version, specs, bucket_bytes,
-                        lambda i: torch.empty(specs[i].shape, dtype=specs[i].dtype, device=self.device))
+            else:  # received all the same (the other members' transfer goes on), then refused
+                receive_flat(self.group, version, specs, bucket_bytes,
+                             torch.empty(sum(s.nbytes for s in specs), dtype=torch.uint8, device=self.device))
         except Exception:
             self.close()  # a broken group is never reused
             raise
+        self.at["loaded"] = time.monotonic()
         if problem is not None:
             raise ModelLoadError(f"weights v{version} do not fit this model: {problem}")
 

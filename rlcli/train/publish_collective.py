@@ -1,12 +1,14 @@
 """The collective ``WeightPublisher``: stage on rank 0, send in a thread (see ``publish``).
 
 Timeline of one update, trainer side:
-1. ``publish(v)`` (every rank, main thread): rank 0 makes ``v`` the version it offers,
-   so the sender thread posts the tensor list to rl-sync's store at once; then every rank
-   gathers each HF tensor (``full_tensor()`` for DTensors) and rank 0 casts it to the
-   model's dtype (``model.dtype``: FSDP2 holds fp32 masters, servers run in the model
-   dtype) straight into the staging buffer, laid out bucket by bucket, marking each
-   bucket ready as its last byte is queued (a CUDA event on GPU); device sync; return.
+1. ``publish(v)`` (every rank, main thread): rank 0 makes ``v`` the version it offers
+   and wakes the sender thread, which posts the tensor list to rl-sync's store at once;
+   then every rank gathers each HF tensor (``full_tensor()`` for DTensors) and rank 0
+   casts it to the model's dtype (``model.dtype``: FSDP2 holds fp32 masters, servers run
+   in the model dtype) straight into the staging buffer, laid out bucket by bucket: one
+   ``_foreach_copy_`` per ~256 MiB, marking each bucket ready once its last byte is
+   queued (a CUDA event on GPU); then it waits for its own stream (not the broadcast of
+   a round already sending) and returns.
 2. The sender thread (rank 0) posts the version, then announces it (the trainer's
    ``WeightsPublished``, which only wakes rl-sync's loop to read the store: rl-sync
    otherwise looks at the store only between its 50 ms waits), and waits for rl-sync's
@@ -30,13 +32,17 @@ import torch
 
 from rlcli.logging import setup_logging
 from rlcli.train.publish import Announce, FilesystemPublisher, Transform, iter_hf_tensors, world
-from rlcli.transport.collective import Spec, WeightGroup, as_bytes, connect_store, dtype_name, plan_buckets, send
+from rlcli.transport.collective import (Spec, WeightGroup, as_bytes, byte_ranges, connect_store, dtype_name,
+                                        plan_buckets, send)
 from rlcli.transport.rendezvous import Control, read_store_file
 
 if TYPE_CHECKING:
     from rlcli.config import RecipeConfig
 
 log = setup_logging("rl-train")
+
+STAGE_FLUSH_BYTES = 256 << 20
+"""Staging copies are queued in groups of about this many bytes (one ``_foreach_copy_`` each)."""
 
 
 def wire_dtype(t_dtype: torch.dtype, dtype: torch.dtype) -> torch.dtype:
@@ -83,6 +89,8 @@ class CollectivePublisher:
         self.staged = 0  # buckets of the offered version that are ready to send
         self.events: list[torch.cuda.Event] = []
         self.stopping = threading.Event()
+        self.wake = threading.Event()  # set by publish: the sender posts the new version at once
+        self.trace: dict[int, dict[str, float]] = {}  # version -> when each phase ended (last 16 versions)
         self.group: WeightGroup | None = None
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.thread = None
@@ -100,7 +108,10 @@ class CollectivePublisher:
                 self.cond.wait_for(lambda: not self.busy)
                 self._plan(model)
                 self.staged, self.version, self.timing = 0, step, {}
+                self.trace = {v: t for v, t in self.trace.items() if v > step - 16}
+                self.trace[step] = {"ready": t0}
                 self.cond.notify_all()
+            self.wake.set()
         try:
             self._stage(model)
         except BaseException:
@@ -111,6 +122,7 @@ class CollectivePublisher:
             return
         with self.cond:
             self.timing = {"gather_s": time.monotonic() - t0}
+            self.trace[step]["staged"] = time.monotonic()
         if step != 0:
             self.announce(step, "", self.timing)
 
@@ -121,10 +133,7 @@ class CollectivePublisher:
             self.specs, self.buckets = specs, plan_buckets(specs, self.bucket_bytes)
             total = sum(s.nbytes for s in specs)
             self.staging = torch.empty(total, dtype=torch.uint8, device=self.device)
-            starts = [0]
-            for s in specs:
-                starts.append(starts[-1] + s.nbytes)
-            self.ranges = [(starts[b[0]], starts[b[-1] + 1]) for b in self.buckets]
+            self.ranges = byte_ranges(specs, self.buckets)
             self.events = [torch.cuda.Event() for _ in self.buckets] if self.device.type == "cuda" else []
 
     def _mark_staged(self, offset: int) -> None:
@@ -140,7 +149,20 @@ class CollectivePublisher:
                 self.cond.notify_all()
 
     def _stage(self, model: torch.nn.Module) -> None:
-        offset = 0
+        """Copy (and cast) every HF tensor into its place in the staging buffer: one
+        ``_foreach_copy_`` per ``STAGE_FLUSH_BYTES``, each marking the buckets it completed.
+        Returns once the copies are done (this stream only: a round in flight is not waited for)."""
+        offset, dsts, srcs, pending = 0, [], [], 0
+
+        def flush() -> None:
+            nonlocal pending
+            if dsts:
+                torch._foreach_copy_(dsts, srcs)
+                dsts.clear()
+                srcs.clear()
+            pending = 0
+            self._mark_staged(offset)
+
         for _, name, t in iter_hf_tensors(model, keep=lambda i: self.rank == 0):
             if t is None:
                 continue
@@ -150,13 +172,17 @@ class CollectivePublisher:
                 n = out.numel() * dtype.itemsize
                 dst = self.staging[offset:offset + n]
                 if offset % dtype.itemsize == 0:  # cast and copy in one kernel
-                    dst.view(dtype).view(out.shape).copy_(out)
+                    dsts.append(dst.view(dtype).view(out.shape))
+                    srcs.append(out)
                 else:
                     dst.copy_(as_bytes(out.to(dtype).contiguous()))
                 offset += n
-            self._mark_staged(offset)
+                pending += n
+            if pending >= STAGE_FLUSH_BYTES:
+                flush()
+        flush()
         if self.rank == 0 and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()
 
     def wait(self) -> None:
         with self.cond:
@@ -198,8 +224,9 @@ class CollectivePublisher:
                     ctl.post_published(version, [[s.name, dtype_name(s.dtype), list(s.shape)] for s in self.specs],
                                        self.bucket_bytes, timing)
                     posted = (version, bool(timing))
+                    self._at(version, "posted")
                     self.announce(version, "", timing)  # wakes rl-sync to read the store now
-                order = ctl.wait(f"round/{r}", 0.2, poll_s=0.0005,
+                order = ctl.wait(f"round/{r}", 0.2, poll_s=0.0003, sleep=self._nap,
                                  stop=lambda: (self.version, bool(self.timing)) != posted)
                 if order is None:
                     continue
@@ -207,6 +234,7 @@ class CollectivePublisher:
                     ok = order["version"] == self.version
                     self.busy = ok
                 ctl.accept(r, ok)
+                self._at(order["version"], "accepted")
                 self.announce(order["version"], "", {})  # likewise: rl-sync sends the loads at once
                 if ok:
                     try:
@@ -232,12 +260,24 @@ class CollectivePublisher:
                 store = connect_store(info["addr"], self.timeout_s)
                 self.group = WeightGroup(store, order["group"], 0, order["world_size"], self.device, self.timeout_s)
             t1 = time.monotonic()
-            send(self.group, order["version"], self.specs, self.buckets, self._ready_buckets())
+            at = send(self.group, order["version"], self.specs, self.buckets, self._ready_buckets())
         except Exception as e:  # a peer died or missed the deadline: the group is unusable
             self._drop_group()
             log.warning("sending v%d to %s failed: %s", order["version"], order["group"], e)
             return f"{type(e).__name__}: {e}", {}
-        return "", {"group_s": t1 - t0, "send_s": time.monotonic() - t1}
+        with self.cond:
+            self.trace.get(order["version"], {}).update(joined=t1, **at)
+        return "", {"group_s": t1 - t0, "send_s": at["sent"] - t1}
+
+    def _at(self, version: int, phase: str) -> None:
+        with self.cond:
+            if version in self.trace:
+                self.trace[version][phase] = time.monotonic()
+
+    def _nap(self, seconds: float) -> None:
+        """The sender's wait between polls of the store; a new publish ends it at once."""
+        if self.wake.wait(seconds):
+            self.wake.clear()
 
     def _ready_buckets(self):
         """Each bucket's bytes once staged (sender thread; on GPU its stream waits for the copy)."""

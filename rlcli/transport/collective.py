@@ -9,10 +9,12 @@ the keys of a dead group never meet a new one. Every op has a deadline (``timeou
 stuck peer makes the op raise instead of hanging its group forever.
 
 Plan. Both ends derive the same bucket plan from the tensor list (name, dtype, shape) and
-``bucket_bytes``, so nothing but that list travels beside the data: a tensor of at least
-``bucket_bytes`` is a bucket alone (broadcast from the sender's storage straight into the
-receiver's parameter, no copy on either side); smaller consecutive tensors are packed
-into flat buckets of at most ``bucket_bytes``. Everything travels as uint8 (gloo cannot
+``bucket_bytes``, so nothing but that list travels beside the data: the transfer is the
+tensors' bytes back to back in list order, cut into buckets (a tensor of at least
+``bucket_bytes`` is a bucket alone; smaller consecutive ones share buckets of at most
+``bucket_bytes``). Each bucket is one contiguous slice of that stream, so a receiver whose
+parameters are views of one flat buffer in stream order (``rlcli.infer.receiver``) takes
+every bucket straight into its parameters. Everything travels as uint8 (gloo cannot
 broadcast float8; the bytes are the same). A 3-int64 header (version, number of buckets,
 total bytes) goes first, so a receiver in the wrong round fails before touching a
 parameter.
@@ -21,9 +23,6 @@ Pipelining. The header is a blocking broadcast with the deadline (it proves ever
 there). The buckets are then all issued without a host wait: on NCCL they queue on the
 communicator's stream back to back, and one wait at the end (bounded by the same
 deadline) covers them all, so a transfer costs one host round trip, not one per bucket.
-A receiver unpacks packed buckets through one scratch buffer: NCCL orders each
-broadcast after the work already queued on the stream, so a reuse never overwrites bytes
-not yet copied out.
 """
 
 import datetime
@@ -172,11 +171,14 @@ def _header(version: int, num_buckets: int, total_bytes: int, device: torch.devi
 
 
 def send(group: WeightGroup, version: int, specs: Sequence[Spec], buckets: Sequence[list[int]],
-         bucket_data: Iterable[torch.Tensor]) -> None:
+         bucket_data: Iterable[torch.Tensor]) -> dict[str, float]:
     """Rank 0: broadcast the header, then each bucket's bytes as yielded by ``bucket_data``
-    (one flat uint8 tensor per bucket, on the group's device)."""
+    (one flat uint8 tensor per bucket, on the group's device). Returns when each phase
+    ended (``time.monotonic()``): ``header`` (every peer is there), ``issued`` (the last
+    bucket is queued), ``sent``."""
     total = sum(s.nbytes for s in specs)
     group.broadcast(_header(version, len(buckets), total, group.device))
+    at = {"header": time.monotonic()}
     n = 0
     for i, data in enumerate(bucket_data):
         expected = sum(specs[j].nbytes for j in buckets[i])
@@ -184,18 +186,10 @@ def send(group: WeightGroup, version: int, specs: Sequence[Spec], buckets: Seque
         group.broadcast(data, block=False)
         n += 1
     assert n == len(buckets), f"sent {n} of {len(buckets)} buckets"
+    at["issued"] = time.monotonic()
     group.synchronize()
-
-
-def pack(tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
-    """The bytes of ``tensors`` back to back (a view of the only tensor when there is one)."""
-    if len(tensors) == 1 and tensors[0].is_contiguous() and out is None:
-        return as_bytes(tensors[0])
-    flats = [as_bytes(t.contiguous()) for t in tensors]
-    if out is None:
-        return torch.cat(flats)
-    torch.cat(flats, out=out)
-    return out
+    at["sent"] = time.monotonic()
+    return at
 
 
 def _receive_header(group: WeightGroup, version: int, specs: Sequence[Spec], bucket_bytes: int) -> list[list[int]]:
@@ -231,32 +225,22 @@ def receive_tensors(group: WeightGroup, version: int, specs: Sequence[Spec], buc
     group.synchronize()
 
 
-def receive(group: WeightGroup, version: int, specs: Sequence[Spec], bucket_bytes: int,
-            destination: Callable[[int], torch.Tensor]) -> None:
-    """Rank > 0: receive a transfer into ``destination(i)``, the tensor spec ``i`` lands in
-    (a parameter or a view of one, already checked for shape). A bucket of one tensor
-    whose destination is contiguous and of the sent dtype is received in place; others go
-    through one scratch buffer and are copied (with dtype conversion) into place."""
+def byte_ranges(specs: Sequence[Spec], buckets: Sequence[list[int]]) -> list[tuple[int, int]]:
+    """Each bucket's [start, end) in the transfer's byte stream (specs back to back, in order)."""
+    starts = [0]
+    for s in specs:
+        starts.append(starts[-1] + s.nbytes)
+    return [(starts[b[0]], starts[b[-1] + 1]) for b in buckets]
+
+
+def receive_flat(group: WeightGroup, version: int, specs: Sequence[Spec], bucket_bytes: int,
+                 flat: torch.Tensor, on_header: Callable[[], None] = lambda: None) -> None:
+    """Rank > 0: receive a transfer's byte stream into ``flat`` (uint8, the total bytes),
+    each bucket straight into its slice: no scratch, no copy. ``on_header`` runs once the
+    header checked out, just before the first byte may land."""
     buckets = _receive_header(group, version, specs, bucket_bytes)
-    scratch: torch.Tensor | None = None
-    for bucket in buckets:
-        if len(bucket) == 1:
-            dest = destination(bucket[0])
-            if dest.is_contiguous() and dest.dtype == specs[bucket[0]].dtype:
-                group.broadcast(as_bytes(dest), block=False)
-                continue
-        nbytes = sum(specs[j].nbytes for j in bucket)
-        if scratch is None or scratch.numel() < nbytes:
-            scratch = torch.empty(max(nbytes, bucket_bytes), dtype=torch.uint8, device=group.device)
-        buf = scratch[:nbytes]
-        group.broadcast(buf, block=False)
-        offset = 0
-        for j in bucket:
-            s, dest = specs[j], destination(j)
-            src = buf[offset:offset + s.nbytes]
-            if dest.is_contiguous() and dest.dtype == s.dtype:
-                as_bytes(dest).copy_(src)
-            else:  # clone: a view as another dtype needs an aligned offset
-                dest.copy_(src.clone().view(s.dtype).view(s.shape))
-            offset += s.nbytes
+    assert flat.dtype == torch.uint8 and flat.numel() == sum(s.nbytes for s in specs)
+    on_header()
+    for a, b in byte_ranges(specs, buckets):
+        group.broadcast(flat[a:b], block=False)
     group.synchronize()

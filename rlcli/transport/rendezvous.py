@@ -61,12 +61,14 @@ class Control:
         return json.loads(self.store.get(f"ctl/{key}"))
 
     def wait(self, key: str, timeout_s: float, poll_s: float = 0.002,
-             stop: Callable[[], bool] = lambda: False) -> Any | None:
+             stop: Callable[[], bool] = lambda: False,
+             sleep: Callable[[float], None] = time.sleep) -> Any | None:
         """The value of ``key`` once set, or None after ``timeout_s`` or as soon as ``stop()``
-        is true. Polls: the store's own blocking wait logs a warning at every timeout."""
+        is true. Polls every ``poll_s`` (``sleep`` may return early: an event the caller
+        sets): the store's own blocking wait logs a warning at every timeout."""
         deadline = time.monotonic() + timeout_s
         while (value := self._get(key)) is None and time.monotonic() < deadline and not stop():
-            time.sleep(poll_s)
+            sleep(poll_s)
         return value
 
     # trainer side

@@ -96,6 +96,11 @@ def test_collective_publisher_to_two_receivers_over_gloo(tmp_path):
             assert same(trainer, servers[1], torch.bfloat16), "bf16 server is not the trainer's weights in bf16"
             assert set(errors) == {2} and isinstance(errors[2], ModelLoadError), errors
             assert receivers[0].group is not None  # the group of the generation is reused by the next round
+            # fp32 server: every parameter is a view of the arena the bytes landed in; bf16: copied out of it
+            flat = receivers[0].arena.flat
+            assert all(p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+                       for p in servers[0].parameters())
+            assert receivers[1].arena.num_bound == 0 and receivers[1].arena.copies
         mine = hf_state_dict(servers[2])["model.layers.0.mlp.experts.3.up_proj.weight"]
         assert torch.equal(mine, before[2]), "a receiver that refused the transfer changed its parameters"
         assert not any(r.torn for r in receivers)
