@@ -364,6 +364,8 @@ def main() -> None:
             if len(variants) > 1:
                 row["mode"] = f"{mode} {bucket_mb}M {trainer_dtype.removeprefix('float')}"
             rows.append(row)
+            print(f"[{row['mode']}] update {row['update_s']:.4f} s, floor {row['floor_s']:.4f} s, "
+                  f"ratio {row['ratio']:.2f}, bit-identical {row['bit_identical']}", flush=True)
     where = "2x GPU, NCCL" if args.gpu else f"CPU, gloo, {args.servers} servers"
     print(f"\nweight sync, model {args.model} ({rows[0]['bytes'] / 2**30:.2f} GiB), {where}, "
           f"median of {args.updates} updates")

@@ -270,9 +270,10 @@ class CollectivePublisher:
         return "", {"group_s": t1 - t0, "send_s": at["sent"] - t1}
 
     def _at(self, version: int, phase: str) -> None:
+        """Stamp the first time ``phase`` ended for ``version`` (a round for a late joiner keeps the first)."""
         with self.cond:
             if version in self.trace:
-                self.trace[version][phase] = time.monotonic()
+                self.trace[version].setdefault(phase, time.monotonic())
 
     def _nap(self, seconds: float) -> None:
         """The sender's wait between polls of the store; a new publish ends it at once."""
