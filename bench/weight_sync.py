@@ -138,7 +138,7 @@ def trainer(args, mode: str, run_root: str, to_parent, from_parent) -> None:
             group.broadcast(flat[:8])  # line up with the receivers
             sync(device)
             t0 = time.monotonic()
-            group.broadcast(flat)
+            group.broadcast(flat, block=False)  # then the same bounded wait a transfer ends with
             group.synchronize()
             to_parent.put(("floor_start", t0, total))
         group.close()
@@ -172,7 +172,7 @@ def server(args, mode: str, rank: int, run_root: str, to_parent, from_parent) ->
         group = WeightGroup(connect_store(addr, 60), "floor", rank, args.servers + 1, device, 300)
         for _ in range(args.updates + 1):
             group.broadcast(flat[:8])
-            group.broadcast(flat)
+            group.broadcast(flat, block=False)
             group.synchronize()
             to_parent.put(("floor_end", time.monotonic()))
         group.close()
@@ -288,7 +288,7 @@ def run_mode(args, mode: str) -> dict:
 
 SENDER_PHASES = [("staged", "trainer: staging copies done"), ("posted", "sender: version posted"),
                  ("accepted", "sender: round accepted"), ("joined", "sender: group joined"),
-                 ("header", "sender: header through"), ("issued", "sender: buckets queued"),
+                 ("header", "sender: header queued"), ("issued", "sender: buckets queued"),
                  ("sent", "sender: last byte sent")]
 SERVER_PHASES = [("start", "server: order in hand"), ("joined", "server: group joined"),
                  ("arena", "server: arena built"), ("header", "server: header through"),

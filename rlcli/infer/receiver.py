@@ -126,8 +126,9 @@ class Arena:
             starts.append(starts[-1] + s.nbytes)
         self.flat = torch.empty(starts[-1], dtype=torch.uint8, device=device)
         index = {s.name: i for i, s in enumerate(self.specs)}
-        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, its bytes' view in flat)
-        self.num_bound = 0
+        self.model = model
+        self.copies: list[tuple[torch.Tensor, torch.Tensor, Spec]] = []  # (destination, its bytes in flat, spec)
+        self.bound: list[tuple[torch.nn.Parameter, int]] = []  # (parameter, the address of its view)
         for sd_name, t, names in hf_entries(model):
             ids = [index[n] for n in names]
             param = _parameter(model, sd_name)
@@ -138,15 +139,22 @@ class Arena:
                 view = self.flat[a:b].view(param.dtype).view(param.shape)
                 view.copy_(param.data)
                 param.data = view
-                self.num_bound += 1
+                self.bound.append((param, view.data_ptr()))
                 continue
             for e, i in enumerate(ids):
                 s = self.specs[i]
                 raw = self.flat[starts[i]:starts[i + 1]]
                 self.copies.append((t if len(names) == 1 else t[e], raw, s))
 
-    def matches(self, specs: Sequence[Spec]) -> bool:
-        return self.specs == list(specs)
+    @property
+    def num_bound(self) -> int:
+        return len(self.bound)
+
+    def fits(self, model: torch.nn.Module, specs: Sequence[Spec]) -> bool:
+        """Built for this model and tensor list, and every bound parameter still is its view
+        (a loader that replaced a parameter's storage unbinds it)."""
+        return (model is self.model and self.specs == list(specs)
+                and all(p.data_ptr() == ptr for p, ptr in self.bound))
 
     def scatter(self) -> None:
         """Copy the received bytes of the tensors that are not views into their places."""
@@ -171,11 +179,12 @@ class CollectiveReceiver:
     def load(self, model: torch.nn.Module, store: str, group: str, rank: int, world_size: int, version: int,
              specs: Sequence[Spec], bucket_bytes: int, timeout_s: float) -> None:
         self.at = {"start": time.monotonic()}
-        dests = destinations(model)
-        problem = next((f"tensor {s.name} is not in the model" if s.name not in dests else
+        fits = self.arena is not None and self.arena.fits(model, specs)  # checked when it was built
+        dests = {} if fits else destinations(model)
+        problem = None if fits else next((f"tensor {s.name} is not in the model" if s.name not in dests else
                         f"tensor {s.name} has shape {list(s.shape)}, the model has {list(dests[s.name].shape)}"
                         for s in specs if s.name not in dests or tuple(dests[s.name].shape) != s.shape), None)
-        if problem is None:
+        if problem is None and not fits:
             covered = {s.name for s in specs}
             missing = [n for n in dests if n not in covered]
             problem = f"the transfer lacks tensor {missing[0]}" if missing else None
@@ -183,7 +192,7 @@ class CollectiveReceiver:
             self.join(store, group, rank, world_size, timeout_s)
             self.at["joined"] = time.monotonic()
             if problem is None:
-                if self.arena is None or not self.arena.matches(specs):
+                if not fits:
                     self.arena = None  # the old views stay alive as long as parameters use them
                     self.arena = Arena(model, specs, self.device)
                     self.at["arena"] = time.monotonic()

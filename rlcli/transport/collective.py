@@ -19,10 +19,11 @@ broadcast float8; the bytes are the same). A 3-int64 header (version, number of 
 total bytes) goes first, so a receiver in the wrong round fails before touching a
 parameter.
 
-Pipelining. The header is a blocking broadcast with the deadline (it proves every peer is
-there). The buckets are then all issued without a host wait: on NCCL they queue on the
-communicator's stream back to back, and one wait at the end (bounded by the same
-deadline) covers them all, so a transfer costs one host round trip, not one per bucket.
+Pipelining. The sender queues the header and every bucket without a host wait: on NCCL
+they run on the communicator's stream back to back, and one wait at the end (bounded by
+the deadline; a missing peer stalls the header and so everything behind it) covers them
+all, so a transfer costs one host round trip, not one per bucket. A receiver waits for
+the header alone first, then queues the buckets the same way.
 """
 
 import datetime
@@ -177,7 +178,9 @@ def send(group: WeightGroup, version: int, specs: Sequence[Spec], buckets: Seque
     ended (``time.monotonic()``): ``header`` (every peer is there), ``issued`` (the last
     bucket is queued), ``sent``."""
     total = sum(s.nbytes for s in specs)
-    group.broadcast(_header(version, len(buckets), total, group.device))
+    # Not waited for: the buckets queue behind it on the stream, and the one bounded wait at
+    # the end covers a missing peer (a host wait here would cost NCCL's 1 ms polling step).
+    group.broadcast(_header(version, len(buckets), total, group.device), block=False)
     at = {"header": time.monotonic()}
     n = 0
     for i, data in enumerate(bucket_data):
@@ -196,7 +199,8 @@ def _receive_header(group: WeightGroup, version: int, specs: Sequence[Spec], buc
     """Receive the header and check it against this end's plan; returns the plan."""
     buckets = plan_buckets(specs, bucket_bytes)
     header = _header(-1, 0, 0, group.device)
-    group.broadcast(header)
+    group.broadcast(header, block=False)
+    group.synchronize()  # bounded, and polls finer than a blocking NCCL wait
     got = header.tolist()
     expected = [version, len(buckets), sum(s.nbytes for s in specs)]
     if got != expected:
