@@ -8,9 +8,10 @@ process and N server processes holding the same model architecture:
   ``WeightPublisher``, servers load with the real receiver (``rlcli.infer.receiver``), and
   this script plays rl-sync's part (orders each round through the store, collects acks);
 - where the time goes (collective): the median moment, after the trainer's weights are
-  ready, of each hop: the trainer's publish returns, the version shows in the store, the
-  round is ordered and accepted, the server gets the order, and its load ends; and the
-  sender's own split (joining the group, sending);
+  ready, of each hop: the trainer's publish returns, the
+  round (kept open for the next version, as rl-sync does) is taken, the server gets the
+  order, and its load ends; the sender's own split (joining the group, sending); and the
+  median moment each sender and receiver phase ended;
 - floor: the same bytes moved by a raw ``torch.distributed`` broadcast of one flat tensor
   in a group of the same members (collective), or a raw write + fsync of one file and its
   read by every server (filesystem);
@@ -215,18 +216,17 @@ def run_mode(args, mode: str) -> dict:
     at_server: dict[int, list[dict]] = {}  # version -> each server receiver's phase times
     ready_at: dict[int, float] = {}
     for v in range(1, args.updates + 2):  # update 1 warms up (builds the group), not counted
-        t_q.put("go")
-        if mode == "collective":  # as rl-sync: order a round as soon as the store shows the version (staging may still run)
-            while (p := ctl.published()) is None or p["version"] != v:
-                time.sleep(0.0002)
-            t_seen = time.monotonic()
+        if mode == "collective":  # as rl-sync: a round stays open for the next version; the trainer takes it
             r = v - 1
             ctl.order(r, v, "g0", args.servers + 1)
-            t_ordered = time.monotonic()
-            while (a := ctl.accepted(r)) is None:
+        t_q.put("go")
+        if mode == "collective":
+            while not isinstance(a := ctl.accepted(r), dict):
                 time.sleep(0.0002)
             t_accepted = time.monotonic()
-            assert a == "ok", a
+            assert a["version"] == v, a
+            p = ctl.published()
+            assert p["version"] == v, p["version"]
             for rank, q in enumerate(s_qs, 1):
                 q.put((v, addr, "g0", args.servers + 1, p["tensors"], p["bucket_bytes"]))
         else:
@@ -242,8 +242,7 @@ def run_mode(args, mode: str) -> dict:
                 time.sleep(0.0005)
             sender = o.get("timing") or {}
             if v > 1:
-                hops.append({"publish returned": pub_s, "version in store": t_seen - t_ready,
-                             "round ordered": t_ordered - t_ready, "round accepted": t_accepted - t_ready,
+                hops.append({"publish returned": pub_s, "round taken": t_accepted - t_ready,
                              "server has order": min(a[5] for a in acks) - t_ready,
                              "server loaded": max(a[3] for a in acks) - t_ready,
                              "sender: join group": sender.get("group_s", float("nan")),
@@ -287,7 +286,7 @@ def run_mode(args, mode: str) -> dict:
 
 
 SENDER_PHASES = [("staged", "trainer: staging copies done"), ("posted", "sender: version posted"),
-                 ("accepted", "sender: round accepted"), ("joined", "sender: group joined"),
+                 ("accepted", "sender: round taken"), ("joined", "sender: group joined"),
                  ("header", "sender: header queued"), ("issued", "sender: buckets queued"),
                  ("sent", "sender: last byte sent")]
 SERVER_PHASES = [("start", "server: order in hand"), ("joined", "server: group joined"),

@@ -3,10 +3,14 @@
 rl-sync hosts the store and writes its address to RUN/sync/store.json. A round moves
 the trainer's staged version to every admitted server at once:
 
-1. order: ``round/<r>`` = (version, group ``gen<g>``, world size = servers + 1);
-2. the trainer accepts (or declines: it staged a newer version, ordered next);
-3. every member gets ``LoadWeights(NcclWeights)`` with its rank, joins the group of
-   generation g (kept across rounds while membership holds) and receives;
+1. order: ``round/<r>`` = (group ``gen<g>``, world size = servers + 1, min_version = the
+   oldest admitted server's version + 1), placed as soon as no round is in flight, so it
+   normally waits for the trainer's next version;
+2. the trainer takes it the moment it holds a version >= min_version (compare-and-set on
+   ``accept/<r>``, then it announces, which wakes this loop); until then rl-sync may
+   withdraw it (same key) when membership changes, and orders a new one;
+3. every member gets ``LoadWeights(NcclWeights)`` for the version taken, with its rank,
+   joins the group of generation g (kept across rounds while membership holds) and receives;
 4. the round ends when every member answered and the trainer reported, or at
    ``ack_timeout_s``: members that did not answer are skipped.
 
@@ -29,9 +33,9 @@ log = setup_logging("rl-sync")
 
 
 class Round:
-    def __init__(self, r: int, version: int, group: str, members: dict[str, int]):
-        self.r, self.version, self.group, self.members = r, version, group, members
-        self.phase = "accept"
+    def __init__(self, r: int, min_version: int, group: str, members: dict[str, int]):
+        self.r, self.version, self.group, self.members = r, min_version, group, members
+        self.phase = "open"  # then "load" once the trainer took it (self.version: the version it took)
         self.started = self.sent_at = time.monotonic()
         self.acks: dict[str, str] = {}  # key -> "" (ok) or the error
         self.outcome: dict | None = None
@@ -54,10 +58,10 @@ class Rounds:
         self.generation += 1
 
     def busy(self) -> bool:
-        return self.current is not None
+        """A transfer is in flight (an open order waits for the trainer's announcement instead)."""
+        return self.current is not None and self.current.phase == "load"
 
-    def step(self) -> None:
-        """Advance the round in flight, or order one when an admitted server is behind."""
+    def read_published(self) -> None:
         pub = self.ctl.published()
         seen = self.published
         if pub is not None and (seen is None or (pub["version"], pub.get("timing")) != (seen["version"],
@@ -67,19 +71,22 @@ class Rounds:
             self.syncer.see_published(pub["version"], pub.get("timing") or {})
             if self.syncer.last_update.get("version") == pub["version"]:  # announced before the timing came
                 self.syncer.last_update.update(pub.get("timing") or {})
+
+    def step(self) -> None:
+        """Advance the round in flight, or order one when no round is open."""
+        self.read_published()
         if self.current is None:
             return self._maybe_order()
         rnd, now = self.current, time.monotonic()
-        if rnd.phase == "accept":
+        if rnd.phase == "open":
             answer = self.ctl.accepted(rnd.r)
-            if answer == "ok":
+            if isinstance(answer, dict):
+                rnd.version, rnd.started = answer["version"], now
+                if self.published is None or self.published["version"] != rnd.version:
+                    self.read_published()  # the trainer posted it before it took the round
                 self._send_loads(rnd)
-            elif answer == "stale" or now - rnd.started > self.cfg.sync.ack_timeout_s:
-                if answer != "stale":
-                    log.warning("the trainer did not take round %d (v%d) within %.0fs", rnd.r, rnd.version,
-                                self.cfg.sync.ack_timeout_s)
-                    self.new_generation()
-                self.current = None
+            elif answer == "withdrawn" or (rnd.group != f"gen{self.generation}" and self.ctl.withdraw(rnd.r)):
+                self.current = None  # membership changed: the next step orders for the new one
             return
         if rnd.outcome is None:
             rnd.outcome = self.ctl.outcome(rnd.r)
@@ -95,14 +102,11 @@ class Rounds:
             self._finish(rnd)
 
     def _maybe_order(self) -> None:
-        pub = self.published
         admitted = sorted(self.syncer.admitted(), key=lambda s: s.entry.key)
-        if pub is None or not any(s.version < pub["version"] for s in admitted):
-            return
-        if any(s.pending for s in admitted) or time.monotonic() < self.not_before:
+        if not admitted or any(s.pending for s in admitted) or time.monotonic() < self.not_before:
             return
         members = {s.entry.key: rank for rank, s in enumerate(admitted, 1)}
-        rnd = Round(self.next_r, pub["version"], f"gen{self.generation}", members)
+        rnd = Round(self.next_r, min(s.version for s in admitted) + 1, f"gen{self.generation}", members)
         self.next_r += 1
         self.ctl.order(rnd.r, rnd.version, rnd.group, len(members) + 1)
         self.current = rnd

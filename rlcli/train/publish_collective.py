@@ -11,11 +11,12 @@ Timeline of one update, trainer side:
    a round already sending) and returns.
 2. The sender thread (rank 0) posts the version, then announces it (the trainer's
    ``WeightsPublished``, which only wakes rl-sync's loop to read the store: rl-sync
-   otherwise looks at the store only between its 50 ms waits), and waits for rl-sync's
-   ``round/<r>``; accepts it (announcing again, for the same reason) if it offers
-   that version, joins (or reuses) the round's group as rank 0 and broadcasts the buckets,
-   each once it is ready: a round ordered while the trainer is still staging sends behind
-   the staging copy instead of after it. It reports the outcome and serves any number of
+   otherwise looks at the store only between its 50 ms waits). rl-sync keeps a round
+   ``round/<r>`` open for the next version its servers want, so the sender normally finds
+   it already there: it takes it at once for the version it holds (announcing again, for
+   the same reason), joins (or reuses) the round's group as rank 0 and broadcasts the
+   buckets, each once it is ready: the round runs while the trainer is still staging and
+   sends behind the staging copy instead of after it. It reports the outcome and serves any number of
    rounds for the offered version (servers that join late), on its own CUDA stream so the
    next step's kernels run beside it.
 3. The next ``publish`` waits only while a round is sending, then restages.
@@ -213,7 +214,7 @@ class CollectivePublisher:
             try:
                 if info and info.get("id") != store_id:  # rl-sync (re)started: a new store
                     ctl = Control(connect_store(info["addr"], max(5.0, self.timeout_s)))
-                    store_id, r, posted = info["id"], ctl.num_rounds(), (-1, False)
+                    store_id, r, posted = info["id"], ctl.open_round(), (-1, False)
                     self._drop_group()
                 if ctl is None:
                     time.sleep(0.2)
@@ -226,24 +227,38 @@ class CollectivePublisher:
                     posted = (version, bool(timing))
                     self._at(version, "posted")
                     self.announce(version, "", timing)  # wakes rl-sync to read the store now
-                order = ctl.wait(f"round/{r}", 0.2, poll_s=0.0003, sleep=self._nap,
+                # rl-sync keeps a round open: normally it is there before the version it will carry.
+                order = ctl.wait(f"round/{r}", 0.2, poll_s=0.002, sleep=self._nap,
                                  stop=lambda: (self.version, bool(self.timing)) != posted)
                 if order is None:
                     continue
                 with self.cond:
-                    ok = order["version"] == self.version
-                    self.busy = ok
-                ctl.accept(r, ok)
-                self._at(order["version"], "accepted")
-                self.announce(order["version"], "", {})  # likewise: rl-sync sends the loads at once
-                if ok:
-                    try:
-                        error, timing = self._send(order)
-                    finally:
-                        with self.cond:
-                            self.busy = False
-                            self.cond.notify_all()
-                    ctl.sent(r, error, timing)
+                    version = self.version
+                    # Taken only for a version already posted: rl-sync reads its tensor list next.
+                    self.busy = version == posted[0] and version >= max(order["min_version"], 0)
+                if not self.busy:  # nothing new enough: wait for a publish, or for rl-sync to withdraw it
+                    if version >= 0 and version != posted[0]:
+                        continue  # post it first
+                    if ctl.withdrawn(r):
+                        r += 1
+                    else:
+                        self._nap(0.05)
+                    continue
+                if not ctl.claim(r, version):  # withdrawn first (its membership changed)
+                    with self.cond:
+                        self.busy = False
+                        self.cond.notify_all()
+                    r += 1
+                    continue
+                self._at(version, "accepted")
+                self.announce(version, "", {})  # likewise: rl-sync sends the loads at once
+                try:
+                    error, timing = self._send({**order, "version": version})
+                finally:
+                    with self.cond:
+                        self.busy = False
+                        self.cond.notify_all()
+                ctl.sent(r, error, timing)
                 r += 1
             except (RuntimeError, ValueError, OSError) as e:  # the store went away: rl-sync restarts
                 log.warning("weight sender lost rl-sync's store (%s); waiting for it", e)

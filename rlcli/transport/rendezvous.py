@@ -8,14 +8,16 @@ protocol between the trainer's sending rank and rl-sync, all JSON values:
 
 - ``ctl/published``: the newest version the trainer holds staged, its tensor list and
   ``bucket_bytes`` (the trainer rewrites it on every publish and after rl-sync restarts);
-- ``ctl/round/<r>``: rl-sync orders round ``r`` (version, group, world size); ``ctl/rounds``
-  counts the rounds ordered so far;
-- ``ctl/accept/<r>``: the trainer takes the round ("ok") or declines it ("stale": it no longer
-  holds that version); servers are told to receive only after "ok";
+- ``ctl/round/<r>``: rl-sync orders round ``r`` (group, world size, ``min_version``: the
+  oldest version its members want); ``ctl/rounds`` counts the rounds ordered so far. An
+  order stays open until the trainer takes it, so rl-sync places the next one as soon as
+  a round ends and the trainer takes it the moment it stages a new version: the order
+  hop is off the update's path;
+- ``ctl/accept/<r>``: written once, by compare-and-set: the trainer takes the round for the
+  version it holds (``{"version": v}``, v >= min_version), or rl-sync withdraws it
+  (``"withdrawn"``: its membership changed first). Servers are told to receive only once
+  the trainer took it;
 - ``ctl/sent/<r>``: the trainer's outcome (ok or the error) and its send time.
-
-A round is the whole membership of one generation: every member receives, so a server
-that joins brings the others into its new group.
 """
 
 import json
@@ -76,11 +78,18 @@ class Control:
         self._set("published", {"version": version, "tensors": tensors, "bucket_bytes": bucket_bytes,
                                 "timing": timing})
 
-    def num_rounds(self) -> int:
-        return int(self._get("rounds") or 0)
+    def open_round(self) -> int:
+        """The round a (re)started sender serves next: the last ordered one while nobody has
+        answered it, else the next."""
+        n = int(self._get("rounds") or 0)
+        return n - 1 if n and self._get(f"accept/{n - 1}") is None else n
 
-    def accept(self, r: int, ok: bool) -> None:
-        self._set(f"accept/{r}", "ok" if ok else "stale")
+    def claim(self, r: int, version: int) -> bool:
+        """Take round ``r`` for ``version``; False if rl-sync withdrew it first."""
+        return self._decide(r, {"version": version})
+
+    def withdrawn(self, r: int) -> bool:
+        return self._get(f"accept/{r}") == "withdrawn"
 
     def sent(self, r: int, error: str, timing: dict[str, float]) -> None:
         self._set(f"sent/{r}", {"error": error, "timing": timing})
@@ -89,12 +98,21 @@ class Control:
     def published(self) -> dict[str, Any] | None:
         return self._get("published")
 
-    def order(self, r: int, version: int, group: str, world_size: int) -> None:
-        self._set(f"round/{r}", {"version": version, "group": group, "world_size": world_size})
+    def order(self, r: int, min_version: int, group: str, world_size: int) -> None:
+        self._set(f"round/{r}", {"min_version": min_version, "group": group, "world_size": world_size})
         self._set("rounds", r + 1)
 
-    def accepted(self, r: int) -> str | None:
+    def withdraw(self, r: int) -> bool:
+        """Withdraw the open round ``r``; False if the trainer took it first."""
+        return self._decide(r, "withdrawn")
+
+    def accepted(self, r: int) -> dict | str | None:
+        """``{"version": v}`` once the trainer took round ``r``, ``"withdrawn"``, or None."""
         return self._get(f"accept/{r}")
 
     def outcome(self, r: int) -> dict[str, Any] | None:
         return self._get(f"sent/{r}")
+
+    def _decide(self, r: int, value: Any) -> bool:
+        want = json.dumps(value)
+        return self.store.compare_set(f"ctl/accept/{r}", "", want).decode() == want

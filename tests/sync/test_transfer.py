@@ -72,13 +72,11 @@ def test_collective_publisher_to_two_receivers_over_gloo(tmp_path):
             if r == 1:  # a loader replaced a parameter's storage: the arena is rebuilt, not written past it
                 p0 = next(servers[0].parameters())
                 p0.data = p0.data.clone()
+            ctl.order(r, version, "gen0", 4)  # open before the version it will carry, as rl-sync keeps it
             pub.publish(version, trainer)
-            assert ctl.wait("published", 30) is not None
-            while ctl.published()["version"] != version:
-                pass
-            ctl.order(r, version, "gen0", 4)
-            assert ctl.wait(f"accept/{r}", 30) == "ok"
+            assert ctl.wait(f"accept/{r}", 30) == {"version": version}
             published = ctl.published()
+            assert published["version"] == version
             specs = [Spec(n, parse_dtype(d), tuple(s)) for n, d, s in published["tensors"]]
             errors: dict[int, Exception] = {}
 
