@@ -136,7 +136,8 @@ def trainer(args, mode: str, run_root: str, to_parent, from_parent) -> None:
         addr = json.loads((Path(run_root) / "sync" / "store.json").read_text())["addr"]
         group = WeightGroup(connect_store(addr, 60), "floor", 0, args.servers + 1, device, 300)
         for _ in range(args.updates + 1):
-            group.broadcast(flat[:8])  # line up with the receivers
+            group.broadcast(flat[:8], block=False)  # line up with the receivers (fine-grained wait)
+            group.synchronize()
             sync(device)
             t0 = time.monotonic()
             group.broadcast(flat, block=False)  # then the same bounded wait a transfer ends with
@@ -172,7 +173,8 @@ def server(args, mode: str, rank: int, run_root: str, to_parent, from_parent) ->
         addr = json.loads((Path(run_root) / "sync" / "store.json").read_text())["addr"]
         group = WeightGroup(connect_store(addr, 60), "floor", rank, args.servers + 1, device, 300)
         for _ in range(args.updates + 1):
-            group.broadcast(flat[:8])
+            group.broadcast(flat[:8], block=False)
+            group.synchronize()
             group.broadcast(flat, block=False)
             group.synchronize()
             to_parent.put(("floor_end", time.monotonic()))
