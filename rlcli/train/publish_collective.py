@@ -24,6 +24,7 @@ Timeline of one update, trainer side:
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from pathlib import Path
@@ -44,6 +45,8 @@ log = setup_logging("rl-train")
 
 STAGE_FLUSH_BYTES = 256 << 20
 """Staging copies are queued in groups of about this many bytes (one ``_foreach_copy_`` each)."""
+SWITCH_INTERVAL_S = 2e-4
+"""The interpreter's thread switch interval on the sending rank (see ``__init__``)."""
 
 
 def wire_dtype(t_dtype: torch.dtype, dtype: torch.dtype) -> torch.dtype:
@@ -96,6 +99,10 @@ class CollectivePublisher:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.thread = None
         if self.rank == 0:
+            # The sender must get the GIL within a fraction of a millisecond of a publish, while the
+            # main thread stages in Python; at the default 5 ms switch interval a waiting thread can
+            # sit out a whole interval. Only matters while threads contend, so training is unaffected.
+            sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
             self.thread = threading.Thread(target=self._serve, name="weight-sender", daemon=True)
             self.thread.start()
 
