@@ -54,6 +54,17 @@ def test_plan_buckets_packs_small_tensors_and_sends_large_ones_alone():
     assert plan_buckets(specs, 0) == [[0], [1], [2], [3], [4]]
 
 
+def test_an_open_round_is_taken_or_withdrawn_exactly_once():
+    ctl = Control(host_store("127.0.0.1"))
+    ctl.order(0, 1, "gen0", 3)
+    assert ctl.open_round() == 0  # a restarted sender resumes at the round nobody answered
+    assert ctl.claim(0, 2) and not ctl.withdraw(0) and ctl.accepted(0) == {"version": 2}
+    assert ctl.open_round() == 1
+    ctl.order(1, 3, "gen1", 2)
+    assert ctl.withdraw(1) and not ctl.claim(1, 3) and ctl.withdrawn(1) and ctl.accepted(1) == "withdrawn"
+    assert ctl.open_round() == 2
+
+
 def test_collective_publisher_to_two_receivers_over_gloo(tmp_path):
     store = host_store("127.0.0.1")
     addr = f"127.0.0.1:{store.port}"
