@@ -175,13 +175,14 @@ class Syncer:
         version = min(s.version for s in admitted)
         if version > self.policy_version:
             self.policy_version = version
-            self.run.write_progress("sync", version=version)
-            self.pub.publish(PolicyUpdated(version=version))
-            self.registration.update(version=version)
             seen, timing = self.published_at.get(version, (None, {}))
             self.last_update = {"version": version, **timing,
                                 "load_s": max((s.load_s for s in admitted), default=0.0),
                                 "total_s": time.monotonic() - seen if seen is not None else None}
+            self.write_status()  # first: whoever learns of v from progress or PolicyUpdated finds it in the status
+            self.run.write_progress("sync", version=version)
+            self.pub.publish(PolicyUpdated(version=version))
+            self.registration.update(version=version)
             total = self.last_update["total_s"]
             log.info("policy v%d live on %d server(s)%s", version, len(admitted),
                      f", {total:.3f}s after rl-sync first saw it" if total is not None else "")

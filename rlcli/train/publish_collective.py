@@ -216,8 +216,11 @@ class CollectivePublisher:
         # posted: (version, whether its gather time was in) as last posted: the version is
         # posted as soon as it is offered, and again once staging has timed it.
         ctl, store_id, r, posted = None, None, 0, (-1, False)
+        next_look = 0.0  # when to read RUN/sync/store.json again (off the path of a publish)
         while not self.stopping.is_set():
-            info = read_store_file(self.run_root)
+            info = None
+            if ctl is None or time.monotonic() >= next_look:
+                info, next_look = read_store_file(self.run_root), time.monotonic() + 0.2
             try:
                 if info and info.get("id") != store_id:  # rl-sync (re)started: a new store
                     ctl = Control(connect_store(info["addr"], max(5.0, self.timeout_s)))
