@@ -363,7 +363,8 @@ def main() -> None:
             row = run_mode(argparse.Namespace(**{**vars(args), "bucket_mb": bucket_mb, "trainer_dtype": trainer_dtype}),
                            mode)
             if len(variants) > 1:
-                row["mode"] = f"{mode} {bucket_mb}M {trainer_dtype.removeprefix('float')}"
+                short = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(trainer_dtype, trainer_dtype)
+                row["mode"] = f"{mode} {bucket_mb}M {short}"
             rows.append(row)
             print(f"[{row['mode']}] update {row['update_s']:.4f} s, floor {row['floor_s']:.4f} s, "
                   f"ratio {row['ratio']:.2f}, bit-identical {row['bit_identical']}", flush=True)
