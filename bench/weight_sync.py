@@ -154,11 +154,13 @@ def server(args, mode: str, rank: int, run_root: str, to_parent, from_parent) ->
     device = device_of(args, 1 if args.gpu else 0)
     model = build(args, device, seed=100 + rank)
     receiver = CollectiveReceiver(device)
+    last_tensors, specs = None, []
     while (msg := from_parent.get()) != "close":
         t0 = time.monotonic()  # the order reached the server
         if mode == "collective":
             v, store, group, world, tensors, bucket_bytes = msg
-            specs = [Spec(n, parse_dtype(d), tuple(s)) for n, d, s in tensors]
+            if tensors != last_tensors:  # parsed once, as rl-infer's WeightReceiver does
+                last_tensors, specs = tensors, [Spec(n, parse_dtype(d), tuple(s)) for n, d, s in tensors]
             receiver.load(model, store, group, rank, world, v, specs, bucket_bytes, 120.0)
         else:
             v, path = msg

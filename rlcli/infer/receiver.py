@@ -237,6 +237,8 @@ class WeightReceiver:
 
     def __init__(self, device: torch.device):
         self.collective = CollectiveReceiver(device)
+        self._tensors: list = []
+        self._specs: list[Spec] = []
 
     @property
     def torn(self) -> bool:
@@ -252,7 +254,10 @@ class WeightReceiver:
                                      "of the newest version can repair them")
             load_from_files(model, ref.path)
         elif isinstance(ref, NcclWeights):
-            specs = [Spec(t.name, parse_dtype(t.dtype), tuple(t.shape)) for t in ref.tensors]
+            if ref.tensors != self._tensors:  # the same list every update: parsed once
+                self._tensors = ref.tensors
+                self._specs = [Spec(t.name, parse_dtype(t.dtype), tuple(t.shape)) for t in ref.tensors]
+            specs = self._specs
             self.collective.load(model, ref.store, ref.group, ref.rank, ref.world_size, version, specs,
                                  ref.bucket_bytes, ref.timeout_s)
         else:

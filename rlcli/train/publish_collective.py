@@ -83,6 +83,8 @@ class CollectivePublisher:
         self.rank, _ = world()
         self.fs = FilesystemPublisher(cfg, self.run_root / "weights", announce)
         self.specs: list[Spec] = []
+        self.planned_for: torch.nn.Module | None = None
+        self.tensor_list: list[list] = []
         self.buckets: list[list[int]] = []
         self.ranges: list[tuple[int, int]] = []
         self.staging: torch.Tensor | None = None
@@ -135,10 +137,16 @@ class CollectivePublisher:
             self.announce(step, "", self.timing)
 
     def _plan(self, model: torch.nn.Module) -> None:
-        """Rank 0: the tensor list, its buckets and the staging buffer (kept while the list is the same)."""
+        """Rank 0: the tensor list, its buckets and the staging buffer, made once per model (a
+        model's tensor list is its architecture; walking it costs a publish ~1 ms before the
+        version can be posted)."""
+        if model is self.planned_for:
+            return
         specs = staged_specs(model, self.transform, self.dtype)
+        self.planned_for = model
         if specs != self.specs:
             self.specs, self.buckets = specs, plan_buckets(specs, self.bucket_bytes)
+            self.tensor_list = [[s.name, dtype_name(s.dtype), list(s.shape)] for s in specs]  # as posted
             total = sum(s.nbytes for s in specs)
             self.staging = torch.empty(total, dtype=torch.uint8, device=self.device)
             self.ranges = byte_ranges(specs, self.buckets)
@@ -189,6 +197,7 @@ class CollectivePublisher:
             if pending >= STAGE_FLUSH_BYTES:
                 flush()
         flush()
+        assert self.rank != 0 or offset == self.staging.numel(), "the model's tensors changed since it was planned"
         if self.rank == 0 and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
@@ -232,8 +241,7 @@ class CollectivePublisher:
                 with self.cond:
                     version, timing = self.version, dict(self.timing)
                 if version >= 0 and (version, bool(timing)) != posted:
-                    ctl.post_published(version, [[s.name, dtype_name(s.dtype), list(s.shape)] for s in self.specs],
-                                       self.bucket_bytes, timing)
+                    ctl.post_published(version, self.tensor_list, self.bucket_bytes, timing)
                     posted = (version, bool(timing))
                     self._at(version, "posted")
                     self.announce(version, "", timing)  # wakes rl-sync to read the store now
