@@ -120,7 +120,7 @@ class Arena:
     arena after each transfer. It costs one extra copy of the model while it is built."""
 
     def __init__(self, model: torch.nn.Module, specs: Sequence[Spec], device: torch.device):
-        self.specs = list(specs)
+        self.given, self.specs = specs, list(specs)  # given: the caller's list, usually passed again as is
         starts = [0]
         for s in self.specs:
             starts.append(starts[-1] + s.nbytes)
@@ -153,7 +153,7 @@ class Arena:
     def fits(self, model: torch.nn.Module, specs: Sequence[Spec]) -> bool:
         """Built for this model and tensor list, and every bound parameter still is its view
         (a loader that replaced a parameter's storage unbinds it)."""
-        return (model is self.model and self.specs == list(specs)
+        return (model is self.model and (specs is self.given or self.specs == list(specs))
                 and all(p.data_ptr() == ptr for p, ptr in self.bound))
 
     def scatter(self) -> None:
