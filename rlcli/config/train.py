@@ -62,6 +62,10 @@ class LossConfig(Config):
     """Weight of an entropy bonus on the completion tokens the loss keeps (keeps small policies
     exploring); 0 disables it."""
 
+    entropy_schedule: Literal["constant", "linear"] = "constant"
+    """constant: entropy_coef at every step; linear: entropy_coef at RL step 1, falling linearly to 0
+    at the recipe's last step (num_steps): explore early, then sharpen on what was learned."""
+
     def __post_init__(self) -> None:
         if not 0 <= self.mask_low < 1 < self.mask_high:
             raise ValueError(

@@ -21,9 +21,11 @@ the one host sync of a step.
 import threading
 import time
 
+import msgspec
 import torch
 
 from rlcli.config import RecipeConfig
+from rlcli.config.train import LossConfig
 from rlcli.errors import ConfigError
 from rlcli.logging import setup_logging
 from rlcli.models import DTYPES, ModelArgs, build_model, load_model
@@ -77,6 +79,15 @@ def make_adamw(params, o, device: torch.device) -> torch.optim.AdamW:
     extra = {"fused": True} if kind == "fused" else {"foreach": True} if kind == "foreach" else {}
     return torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
                              **extra)
+
+
+def loss_config_at(lcfg: LossConfig, step: int, num_steps: int) -> LossConfig:
+    """The loss settings of RL step ``step`` (1-based): ``entropy_schedule = "linear"`` scales the
+    entropy bonus from ``entropy_coef`` at step 1 down to 0 at step ``num_steps``."""
+    if lcfg.entropy_schedule == "constant" or not lcfg.entropy_coef:
+        return lcfg
+    left = max(0.0, 1 - (step - 1) / max(1, num_steps - 1))
+    return msgspec.structs.replace(lcfg, entropy_coef=lcfg.entropy_coef * left)
 
 
 class Trainer:
@@ -219,8 +230,9 @@ class Trainer:
     def train_step(self, batch: TrainingBatch) -> dict[str, float]:
         self.model.train()
         tcfg = self.cfg.train
+        lcfg = loss_config_at(tcfg.loss, self.step + 1, self.cfg.num_steps)
         totals, normalizer = accumulate(self.model, batch.micro_batches, self.dims, self.device, self.loss_fn,
-                                        tcfg.loss, tcfg.logprob_chunk_tokens, self.cfg.r3, tcfg.attention,
+                                        lcfg, tcfg.logprob_chunk_tokens, self.cfg.r3, tcfg.attention,
                                         tcfg.parallel.reshard, tcfg.logprob_keep_logits)
         grad_norm = clip_grad_norm_(self.model.parameters(), tcfg.optim.max_grad_norm)
         self.optimizer.step()
@@ -238,7 +250,7 @@ class Trainer:
         host = dict(zip(sums + maxes + list(load) + ["num_loss_tokens", "grad_norm"], values))
         tokens = {k: host.get(k, 0.0) for k in ("tokens_unique", "tokens_total")}
         return step_metrics(host, host["num_loss_tokens"]) | {k: host[k] for k in load} | tokens | {
-            "grad_norm": host["grad_norm"], "lr": self.scheduler.get_last_lr()[0]}
+            "grad_norm": host["grad_norm"], "lr": self.scheduler.get_last_lr()[0], "entropy_coef": lcfg.entropy_coef}
 
     def _expert_load(self) -> dict[str, torch.Tensor]:
         """Load-balance metrics of this step's MoE routing (empty for a dense model)."""
