@@ -34,9 +34,18 @@ class OptimConfig(Config):
     """AdamW kernel: fused (one kernel over all parameters), foreach (a few kernels per op);
     auto: fused on CUDA, foreach elsewhere."""
 
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning rate after the warm-up: constant, or a linear or cosine decay from lr to
+    min_lr_ratio x lr at the recipe's last step (num_steps)."""
+
+    min_lr_ratio: float = 0.0
+    """Where a decaying schedule ends, as a fraction of lr."""
+
     def __post_init__(self) -> None:
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"train.optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
 
 class LossConfig(Config):

@@ -18,6 +18,7 @@ micro-batch (:mod:`rlcli.train.step`), then clip, step, schedule. The loss norma
 the one host sync of a step.
 """
 
+import math
 import threading
 import time
 
@@ -25,7 +26,7 @@ import msgspec
 import torch
 
 from rlcli.config import RecipeConfig
-from rlcli.config.train import LossConfig
+from rlcli.config.train import LossConfig, OptimConfig
 from rlcli.errors import ConfigError
 from rlcli.logging import setup_logging
 from rlcli.models import DTYPES, ModelArgs, build_model, load_model
@@ -81,6 +82,17 @@ def make_adamw(params, o, device: torch.device) -> torch.optim.AdamW:
                              **extra)
 
 
+def lr_factor(step: int, optim: OptimConfig, num_steps: int) -> float:
+    """Multiplier of ``optim.lr`` for optimizer step ``step`` (0-based): a linear warm-up, then
+    constant or a linear/cosine decay that reaches ``min_lr_ratio`` at step ``num_steps``."""
+    warm = min(1.0, (step + 1) / optim.warmup_steps) if optim.warmup_steps else 1.0
+    if optim.schedule == "constant":
+        return warm
+    done = min(1.0, max(0, step + 1 - optim.warmup_steps) / max(1, num_steps - optim.warmup_steps))
+    decay = 1 - done if optim.schedule == "linear" else 0.5 * (1 + math.cos(math.pi * done))
+    return warm * (optim.min_lr_ratio + (1 - optim.min_lr_ratio) * decay)
+
+
 def loss_config_at(lcfg: LossConfig, step: int, num_steps: int) -> LossConfig:
     """The loss settings of RL step ``step`` (1-based): ``entropy_schedule = "linear"`` scales the
     entropy bonus from ``entropy_coef`` at step 1 down to 0 at step ``num_steps``."""
@@ -125,8 +137,7 @@ class Trainer:
             self.cores.busy(False)  # until a batch arrives (the SFT warm-up was busy)
         o = tcfg.optim
         self.optimizer = make_adamw(self.model.parameters(), o, self.device)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / o.warmup_steps) if o.warmup_steps else 1.0)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, o, cfg.num_steps))
         self.step = 0
         extra = load_latest_checkpoint(run, self.model, self.optimizer, self.scheduler)
         if extra is not None:
