@@ -21,10 +21,12 @@ load from outside the run (smoothed); the busy processes split only the cores it
 at least one thread each. When that count says others are running, the tasks are counted
 again one by one (``/proc/*/task/*/stat``) leaving out those at a lower priority than ours
 (a higher nice value): the scheduler gives a nice-19 background job 15/1024 of a core
-against a nice-0 team, so it does not stall our barriers and must not shrink our teams. It must be called from the thread that runs the compute (torch's
-intra-op thread count is per calling thread): the engine calls it before each step, the
-trainer from hooks between layers (forward and backward), so a change reaches a running
-step within one layer. Files live per host, so processes on other hosts never count.
+against a nice-0 team, so it does not stall our barriers and must not shrink our teams.
+With scheduler autogroups on (``kernel.sched_autogroup_enabled``), nice values only order
+tasks of one session, so there every runnable task counts. It must be called from the
+thread that runs the compute (torch's intra-op thread count is per calling thread): the
+engine calls it before each step, the trainer from hooks between layers (forward and
+backward), so a change reaches a running step within one layer. Files live per host, so processes on other hosts never count.
 """
 
 import mmap
@@ -151,7 +153,14 @@ def _runnable_tasks() -> int | None:
 
 
 def _competing_tasks(proc: str = "/proc") -> int | None:
-    """Runnable tasks of the host at this process's priority or higher (nice <= ours), else None."""
+    """Runnable tasks of the host at this process's priority or higher (nice <= ours); None
+    where that cannot be read or does not decide the shares (scheduler autogroups on)."""
+    try:
+        with open(f"{proc}/sys/kernel/sched_autogroup_enabled") as f:
+            if f.read().strip() != "0":
+                return None
+    except OSError:  # no autogroup support: nice orders all tasks
+        pass
     return sum(competing_tasks_by_pid(proc).values()) if os.path.isdir(f"{proc}/self/task") else None
 
 

@@ -105,3 +105,16 @@ def test_background_jobs_at_lower_priority_do_not_count_as_outside_load():
         same.kill()
         low.wait()
         same.wait()
+
+
+def test_priorities_decide_only_without_scheduler_autogroups(tmp_path):
+    """With autogroups on, nice orders only one session's tasks: the exact count steps aside."""
+    from rlcli.transport.cores import _competing_tasks
+
+    (tmp_path / "sys" / "kernel").mkdir(parents=True)
+    (tmp_path / "self" / "task").mkdir(parents=True)
+    flag = tmp_path / "sys" / "kernel" / "sched_autogroup_enabled"
+    flag.write_text("1\n")
+    assert _competing_tasks(str(tmp_path)) is None
+    flag.write_text("0\n")
+    assert _competing_tasks(str(tmp_path)) == 0  # no task directories here
