@@ -32,7 +32,6 @@ from rlcli.transport.atomic import (
     clean_temporaries,
     is_stable,
     read_checked_json,
-    read_json,
     read_marker,
     verify_dir,
     write_checked_json,
@@ -83,7 +82,8 @@ class RunDir:
         """
         fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
         path = self.root / "run.json"
-        existing = read_json(path)
+        # Another process may be between its O_EXCL create and its write (an empty file): wait.
+        existing = self._read_run_json(path) if path.exists() else None
         if existing is None:
             self.root.mkdir(parents=True, exist_ok=True)
             for sub in ("config", "registry", "rollouts", "weights", "checkpoints", "progress", "metrics", "logs"):

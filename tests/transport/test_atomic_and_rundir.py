@@ -62,6 +62,21 @@ def test_atomic_json(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["p.json"]
 
 
+def test_run_dir_claim_waits_for_a_creator_between_create_and_write(tmp_path):
+    """Processes of one run start together: one creates run.json (O_EXCL, empty for a moment),
+    the others read it; an empty file is waited for, not a JSONDecodeError."""
+    import threading
+
+    first = RunDir(tmp_path / "run")
+    first.claim("reverse", {"model": {"path": "/m"}})
+    content = (tmp_path / "run" / "run.json").read_text()
+    (tmp_path / "run" / "run.json").write_text("")  # the creator's state right after its O_EXCL open
+    writer = threading.Timer(0.2, lambda: (tmp_path / "run" / "run.json").write_text(content))
+    writer.start()
+    RunDir(tmp_path / "run").claim("reverse", {"model": {"path": "/m"}})
+    writer.join()
+
+
 def test_run_dir_refuses_another_recipe(tmp_path):
     run = RunDir(tmp_path / "run")
     run.claim("reverse", {"model": {"path": "/m"}, "env": {"name": "reverse"}})
