@@ -39,16 +39,7 @@ def _main() -> None:
         assert a.shape == b.shape and torch.equal(a, b), what
 
     g = torch.Generator().manual_seed(0)
-    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
-    grid = grid[torch.isfinite(grid)].unique()  # every e4m3 value
-    mids = (grid[1:] + grid[:-1]) / 2
-    specials = torch.cat([grid, mids, mids.nextafter(torch.tensor(1e9)), mids.nextafter(torch.tensor(-1e9)),
-                          torch.tensor([-0.0, 0.0, 2.0 ** -10, -(2.0 ** -10), 3 * 2.0 ** -11, 1e-30])])
-    specials = specials[specials.abs() <= 448]
-    rows = -(-specials.numel() // 127)
-    x_special = torch.zeros(rows * 127)
-    x_special[:specials.numel()] = specials
-    x_special = torch.cat([x_special.view(rows, 127), torch.full((rows, 1), 448.0)], 1)  # scale 1: y == x
+    x_special = quant.rounding_cases()  # every e4m3 value and midpoint; scale 1: y == x
     cases = [x_special]
     for shape in [(200, 300), (128, 256), (5, 130), (256, 128)]:
         x = torch.randn(*shape, generator=g) * torch.exp(torch.randn(*shape, generator=g) * 3)
@@ -74,7 +65,6 @@ def _main() -> None:
     row_map = torch.randperm(520, generator=g)[:300]
     for ue8m0 in (False, True):
         r = quant.quantize_1x128(x, ue8m0)
-        outs = {}
         for impl in ("torch", "triton"):
             runtime.IMPL["name"] = impl
             q, s = runtime.quantize_rows_to(x, ue8m0, row_map, 520)

@@ -115,3 +115,19 @@ def check_fp8_weight(q: torch.Tensor, s: torch.Tensor, name: str) -> None:
     if tuple(s.shape) != want:
         raise ValueError(f"{name}: weight_scale_inv has shape {list(s.shape)}, 128x128 blocks of "
                          f"{list(q.shape)} need {list(want)}")
+
+
+def rounding_cases() -> torch.Tensor:
+    """Rows of 128 (fp32, CPU) holding every finite e4m3 value, every rounding midpoint and its
+    two neighbours, subnormals and signed zeros, each row ending in 448 so its 1x128 scale is 1
+    (the quantized value is the input rounded): the bit-for-bit check of a quantizer."""
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[torch.isfinite(grid)].unique()
+    mids = (grid[1:] + grid[:-1]) / 2
+    vals = torch.cat([grid, mids, mids.nextafter(torch.tensor(1e9)), mids.nextafter(torch.tensor(-1e9)),
+                      torch.tensor([-0.0, 0.0, 2.0 ** -10, -(2.0 ** -10), 3 * 2.0 ** -11, 1e-30])])
+    vals = vals[vals.abs() <= 448]
+    rows = -(-vals.numel() // 127)
+    x = torch.zeros(rows * 127)
+    x[:vals.numel()] = vals
+    return torch.cat([x.view(rows, 127), torch.full((rows, 1), 448.0)], 1)
