@@ -206,7 +206,7 @@ def train(hf: dict, arm: str, backend: str, data: list[torch.Tensor], steps: int
                               ue8m0=False, fuse_siblings={"fp8": ["qkv"], "fp8-gate-up": ["qkv", "gate_up"]}.get(arm, []))
         gemm = make_backend(backend, device)
         convert_to_fp8(model, cfg, device, backend=gemm)
-    if compile_blocks:  # as rl-train --compile: each decoder block compiled in place (FP8 linears break its graph)
+    if compile_blocks:  # as rl-train --compile: each decoder block compiled in place (FP8 linears run eagerly between its pieces)
         for block in model.model.layers:
             block.compile()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0,

@@ -20,6 +20,10 @@ module names and state-dict keys do not change), after activation checkpointing 
 before FSDP2, the order torchtitan uses: the block graph fuses norms, rotary, SiLU and
 the elementwise products around the matmuls; FSDP2's collectives stay outside it. The
 logprob chunk math (cast, logsumexp, softmax gradient over ``[chunk, V]``) is compiled too.
+With ``--fp8`` the FP8 linears and experts run eagerly between the block's compiled pieces
+(``torch.compiler.disable``: their weight caches and sibling stacking are Python state), one
+graph break per call; the pieces after each break are shared by all layers, so the number of
+compiled frames does not grow with depth (tests/parallel/test_compile.py).
 
 Activation checkpointing wraps each block's ``forward`` (module names, and so state-dict
 keys, do not change): "full" recomputes the whole block in backward; "selective" keeps

@@ -30,6 +30,7 @@ class FP8GroupedExperts(GroupedExperts):
     backend: GemmBackend
     ue8m0: bool
 
+    @torch.compiler.disable
     def expert_mm(self, x_RK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
         # One weight cache per projection; under expert parallelism the local shard is quantized.
         cache = self._caches[0 if w_ENK is self.w_gate else 1 if w_ENK is self.w_up else 2]

@@ -24,7 +24,9 @@ sync, token tiles quantized per expert so none straddles two) was several times 
 bf16. That loop remains for fp32 experts and where the kernel is missing.
 
 The weight is quantized once per optimizer step, and activations shared by several linears
-once (see :mod:`rlcli.ops.fp8.runtime`).
+once (see :mod:`rlcli.ops.fp8.runtime`). Under ``torch.compile`` an FP8 linear (and the FP8
+experts' GEMMs) runs eagerly, outside the graph: dynamo tracing into the caches broke the graph
+at every data-pointer and version check and compiled new frames for each layer.
 """
 
 import torch
@@ -143,6 +145,7 @@ class FP8Linear(nn.Linear):
         self.weight = nn.Parameter(q, requires_grad=False)
         self.register_buffer("weight_scale_inv", s)
 
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.is_meta:
             return F.linear(x, self.weight, self.bias)
