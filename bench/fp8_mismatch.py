@@ -10,12 +10,19 @@ sequence, as in training). Reported per mode: the k3 estimate of KL(pi_infer || 
 per completion token (the trainer's mismatch_kl metric) and the largest |logprob gap|.
 Without --model it uses recipes/models/tiny-llama with random weights (std 0.1, so the
 distributions are not flat).
+
+Each mode runs twice: as before (engine: paged SDPA, sampler log_softmax; trainer: one
+``model(ids)`` + log_softmax per sequence) and under ``model.batch_invariant`` (engine and
+trainer both: linears on >= 16 rows, invariant attention, the trainer's chunked-logprob
+formula; the trainer packs a prompt's completions into one row and scores them with
+``chunked_logprobs``, as rl-train does). Decode tokens/s of each engine are printed beside.
 """
 
 import argparse
 import os
 import sys
 import tempfile
+import time
 from types import SimpleNamespace
 
 import torch
@@ -25,6 +32,9 @@ sys.path.insert(0, ROOT)
 
 from rlcli.infer.engine import NativeEngine  # noqa: E402
 from rlcli.models import load_model, save_model  # noqa: E402
+from rlcli.ops.attention import ForwardContext, PackedCausalAttention  # noqa: E402
+from rlcli.ops.batch_invariant import pad_linear_rows  # noqa: E402
+from rlcli.ops.logprobs import chunked_logprobs  # noqa: E402
 from rlcli.protocol import GenerateRequest, SamplingParams  # noqa: E402
 from rlcli.train.loss import token_logprobs  # noqa: E402
 
@@ -34,31 +44,59 @@ MODES = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None), "fp8 (fp
          "fp8 (bf16 master)": (torch.bfloat16, FP8)}
 
 
-def measure(model_dir: str, dtype, fp8, prompts: list[list[int]], n: int, max_tokens: int) -> tuple[float, float, int]:
+def trainer_logprobs(model, prompt: list[int], completions: list[list[int]], invariant: bool) -> list[torch.Tensor]:
+    """The trainer's logprobs of each completion: per sequence ``model(ids)`` + log_softmax
+    (the old arms), or the completions packed into one row, invariant attention and
+    ``chunked_logprobs`` at the completion positions (rl-train's path, batch-invariant arms)."""
+    if not invariant:
+        out = []
+        for c in completions:
+            ids = torch.tensor([prompt + c])
+            lp, _ = token_logprobs(model(ids).float(), ids, 1.0)
+            out.append(lp[0, len(prompt):])
+        return out
+    ids, pos, index, targets = [], [], [], []
+    for c in completions:
+        seq = prompt + c
+        index += [len(ids) + len(prompt) - 1 + j for j in range(len(c))]
+        targets += c
+        ids += seq
+        pos += range(len(seq))
+    ids_t, pos_t = torch.tensor([ids]), torch.tensor([pos])
+    ctx = ForwardContext(attn=PackedCausalAttention(pos_t, backend="invariant"))
+    h = model.hidden_states(ids_t, pos_t, ctx)[0]
+    lp, _ = chunked_logprobs(h.index_select(0, torch.tensor(index)), model.lm_head.weight, torch.tensor(targets),
+                             1.0)
+    return list(lp.split([len(c) for c in completions]))
+
+
+def measure(model_dir: str, dtype, fp8, prompts: list[list[int]], n: int, max_tokens: int,
+            invariant: bool) -> tuple[float, float, int, float]:
     engine_model = load_model(model_dir, dtype=dtype, fp8=fp8, fp8_storage=True)
     trainer_model = load_model(model_dir, dtype=dtype, fp8=fp8).eval()
+    if invariant:
+        pad_linear_rows(trainer_model)
     engine = NativeEngine(engine_model, eos_token_ids=list(engine_model.args.eos_token_id), max_model_len=128,
-                          kv_cache_memory_mb=16, seed=0)
+                          kv_cache_memory_mb=16, seed=0, batch_invariant=invariant)
     for i, p in enumerate(prompts):
         engine.add_request(GenerateRequest(request_id=str(i), prompt_ids=p, sampling=SamplingParams(
             temperature=1.0, max_tokens=max_tokens, n=n, seed=i)))
     responses = []
+    start = time.perf_counter()
     while engine.has_work():
         responses.extend(engine.step())
+    tok_s = engine.counters["num_generated_tokens"] / (time.perf_counter() - start)
     kl_sum, gap, count = 0.0, 0.0, 0
     with torch.no_grad():
         for r in responses:
             prompt = prompts[int(r.request_id)]
-            for c in r.completions:
-                ids = torch.tensor([prompt + c.token_ids])
-                lp, _ = token_logprobs(trainer_model(ids).float(), ids, 1.0)
-                lp_train = lp[0, len(prompt):].double()
-                lp_infer = torch.tensor(c.logprobs, dtype=torch.float64)
-                log_r = lp_train - lp_infer
+            lps = trainer_logprobs(trainer_model, prompt, [c.token_ids for c in r.completions], invariant)
+            for c, lp in zip(r.completions, lps):
+                log_r = lp.double() - torch.tensor(c.logprobs, dtype=torch.float64)
                 kl_sum += float((log_r.exp() - 1 - log_r).sum())
                 gap = max(gap, float(log_r.abs().max()))
                 count += len(c.logprobs)
-    return kl_sum / max(count, 1), gap, count
+    return kl_sum / max(count, 1), gap, count, tok_s
 
 
 def main() -> None:
@@ -68,6 +106,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of: " + ", ".join(MODES))
+    ap.add_argument("--paths", default="default,invariant", help="default, invariant or both (comma-separated)")
     args = ap.parse_args()
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     with tempfile.TemporaryDirectory() as tmp:
@@ -83,13 +122,16 @@ def main() -> None:
         rows = []
         for name in args.modes.split(","):
             dtype, fp8 = MODES[name]
-            kl, gap, count = measure(model_dir, dtype, fp8, prompts, args.n, args.max_tokens)
-            rows.append((name, kl, gap, count))
-            print(f"done {name}", file=sys.stderr, flush=True)
+            for path in args.paths.split(","):
+                kl, gap, count, tok_s = measure(model_dir, dtype, fp8, prompts, args.n, args.max_tokens,
+                                                path == "invariant")
+                rows.append((name, path, kl, gap, count, tok_s))
+                print(f"done {name} {path}", file=sys.stderr, flush=True)
     print(f"\nTrain/inference mismatch, native engine vs trainer forward, same weights ({args.model or 'random tiny-llama'})")
-    print(f"{'numerics (both sides)':22s} {'KL/token (k3)':>14s} {'max |dlogp|':>12s} {'tokens':>7s}")
-    for name, kl, gap, count in rows:
-        print(f"{name:22s} {kl:14.3e} {gap:12.3e} {count:7d}")
+    print(f"{'numerics (both sides)':22s} {'path':10s} {'KL/token (k3)':>14s} {'max |dlogp|':>12s} {'tokens':>7s} "
+          f"{'engine tok/s':>12s}")
+    for name, path, kl, gap, count, tok_s in rows:
+        print(f"{name:22s} {path:10s} {kl:14.3e} {gap:12.3e} {count:7d} {tok_s:12.1f}")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,9 @@ class ModelConfig(Config):
     max_seq_len: int = 1024
     """Longest sequence (prompt + completion) in tokens that either side accepts."""
 
+    batch_invariant: bool = False
+    """Engine and trainer give each token the same logprob bits whatever its batch (native engine, CPU, GQA)."""
+
     def __post_init__(self) -> None:
         if self.max_seq_len < 8:
             raise ValueError(f"model.max_seq_len must be >= 8, got {self.max_seq_len}")

@@ -69,6 +69,12 @@ class RecipeConfig(Config):
         if self.env.max_episode_tokens > self.model.max_seq_len:
             raise ValueError(f"env.max_episode_tokens ({self.env.max_episode_tokens}) must be <= model.max_seq_len "
                              f"({self.model.max_seq_len})")
+        if self.model.batch_invariant and self.train.compile:
+            raise ValueError("model.batch_invariant needs eager kernels (compiled blocks reorder sums): "
+                             "set train.compile = false")
+        if self.model.batch_invariant and self.infer.engine.name != "native":
+            raise ValueError("model.batch_invariant is implemented by the native engine only: "
+                             "set infer.engine.name = native or model.batch_invariant = false")
         if self.train.micro_batch_tokens < self.model.max_seq_len:
             raise ValueError(
                 f"train.micro_batch_tokens ({self.train.micro_batch_tokens}) must be >= model.max_seq_len "

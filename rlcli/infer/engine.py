@@ -25,6 +25,11 @@ blocks before prefill; full blocks are published after a prompt's prefill and wh
 completion finishes (only enqueued: a background thread moves them). ``role`` splits the
 work: a prefill server answers each request with one token once its prompt's blocks are
 stored; a decode server is a mixed one that other servers' prefills feed.
+
+With ``batch_invariant`` (``model.batch_invariant``) a token's numbers do not depend on the
+rest of the step: linears run on at least 16 rows, attention in the fixed order the trainer's
+``invariant`` backend uses, and reported logprobs use the trainer's formula, so the trainer
+recomputes the same bits (:mod:`rlcli.ops.batch_invariant`; GQA models on the CPU).
 """
 
 
@@ -46,6 +51,8 @@ from rlcli.infer.receiver import WeightReceiver
 from rlcli.models import DTYPES, CausalLM, load_model
 from rlcli.models.tokenizer import load_tokenizer
 from rlcli.ops.attention import ForwardContext, PagedAttention, PagedAttentionMetadata, RoutingContext
+from rlcli.ops.batch_invariant import pad_linear_rows
+from rlcli.ops.logprobs import token_logprobs_of
 from rlcli.ops.sampling import sample
 from rlcli.protocol import (
     BlockMeta, Completion, GenerateRequest, GenerateResponse, SamplingParams, WeightsRef, WireTensor,
@@ -107,8 +114,15 @@ class NativeEngine:
 
     def __init__(self, model: CausalLM, *, eos_token_ids: list[int], max_model_len: int, block_size: int = 16,
                  kv_cache_memory_mb: int = 256, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 enable_prefix_caching: bool = True, version: int = 0, seed: int = 0, role: str = "mixed"):
+                 enable_prefix_caching: bool = True, version: int = 0, seed: int = 0, role: str = "mixed",
+                 batch_invariant: bool = False):
         self.model = model.eval()
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            if not all(type(layer.self_attn).__name__ == "Attention" for layer in model.model.layers):
+                raise ConfigError("model.batch_invariant covers grouped-query attention only; this model's "
+                                  "attention is another kind: set model.batch_invariant = false")
+            pad_linear_rows(model)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -150,7 +164,7 @@ class NativeEngine:
                      kv_cache_memory_mb=ecfg.kv_cache_memory_mb, max_num_seqs=icfg.max_num_seqs,
                      max_num_batched_tokens=icfg.max_num_batched_tokens,
                      enable_prefix_caching=icfg.enable_prefix_caching, version=version,
-                     seed=cfg.seed * 1000 + instance, role=icfg.role)
+                     seed=cfg.seed * 1000 + instance, role=icfg.role, batch_invariant=cfg.model.batch_invariant)
         engine.kv = make_kv_connector(icfg.kv_cache, engine.block_meta(), engine.device)
         return engine
 
@@ -393,7 +407,7 @@ class NativeEngine:
             num_decode=num_decode)
         record = self.is_moe and any(seq.req.sampling.return_routing for seq, _ in batch)
         routing = RoutingContext(record=True) if record else None
-        ctx = ForwardContext(attn=PagedAttention(self.kv_caches, meta), routing=routing)
+        ctx = ForwardContext(attn=PagedAttention(self.kv_caches, meta, self.batch_invariant), routing=routing)
         ids_t = torch.tensor([ids], dtype=torch.int64, device=dev)
         pos_t = torch.tensor([pos], dtype=torch.int64, device=dev)
         hidden = self.model.hidden_states(ids_t, pos_t, ctx)[0]
@@ -427,8 +441,11 @@ class NativeEngine:
         if not rows:
             return []
         dev = self.device
-        tokens, logprobs = sample(logits[torch.tensor(rows, device=dev)], torch.tensor(temps, device=dev),
-                                  torch.tensor(top_ps, device=dev), self.generator, row_gens)
+        row_logits = logits[torch.tensor(rows, device=dev)]
+        tokens, logprobs = sample(row_logits, torch.tensor(temps, device=dev), torch.tensor(top_ps, device=dev),
+                                  self.generator, row_gens)
+        if self.batch_invariant:
+            logprobs = self._trainer_logprobs(row_logits, tokens, logprobs, temps, top_ps)
         tokens, logprobs = tokens.tolist(), logprobs.tolist()
         sampled: list[Sequence] = []  # completion sequences that got a token, in order
         j = 0
@@ -444,6 +461,17 @@ class NativeEngine:
                 out.append(GenerateResponse(request_id=r.request_id, completions=list(r.completions),
                                             num_prompt_tokens=len(r.prompt_ids),
                                             num_cached_tokens=r.num_cached_tokens))
+        return out
+
+    @staticmethod
+    def _trainer_logprobs(logits_SV, tokens_S, logprobs_S, temps: list[float], top_ps: list[float]) -> torch.Tensor:
+        """The sampled tokens' logprobs by the trainer's formula, per (temperature, top_p) group
+        (greedy rows keep the sampler's)."""
+        out = logprobs_S.clone()
+        for temp, top_p in {(t, p) for t, p in zip(temps, top_ps) if t > 0}:
+            idx = torch.tensor([i for i, (t, p) in enumerate(zip(temps, top_ps)) if (t, p) == (temp, top_p)],
+                               device=logits_SV.device)
+            out[idx] = token_logprobs_of(logits_SV[idx], tokens_S[idx], temp, top_p)
         return out
 
     def _delta(self, seq: Sequence) -> Delta:

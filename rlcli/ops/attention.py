@@ -15,6 +15,9 @@ are is the backend's business:
 * :class:`PagedAttention` (inference): tokens of many sequences are flattened into one
   row; new keys/values are written into a block-paged KV cache at ``slot_mapping`` and
   each sequence attends over its own blocks (``block_tables``) up to its context length.
+  With ``batch_invariant`` both paths run :func:`rlcli.ops.batch_invariant.invariant_attention`,
+  as the trainer's ``invariant`` backend does, so a token's attention has the same bits in
+  the engine and in the trainer.
 
 The KV cache layout is per layer ``(k_cache, v_cache)`` of shape
 ``[num_blocks, block_size, Hkv, D]``, so K and V may have different head dims (MLA).
@@ -27,6 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from rlcli.ops.batch_invariant import invariant_attention
 from rlcli.ops.document_attention import PackedCausalAttention, _sdpa, doc_ids_from_positions
 
 __all__ = ["ForwardContext", "InnerAttention", "PackedCausalAttention", "PagedAttention", "PagedAttentionMetadata",
@@ -70,12 +74,15 @@ class PagedAttentionMetadata:
 
 
 class PagedAttention(nn.Module):
-    """Reads and writes a block-paged KV cache; see :class:`PagedAttentionMetadata`."""
+    """Reads and writes a block-paged KV cache; see :class:`PagedAttentionMetadata`.
+    ``batch_invariant``: attend in the fixed order of :func:`invariant_attention`."""
 
-    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: PagedAttentionMetadata):
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: PagedAttentionMetadata,
+                 batch_invariant: bool = False):
         super().__init__()
         self.kv_caches = kv_caches
         self.meta = meta
+        self.batch_invariant = batch_invariant
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 scale: float) -> torch.Tensor:
@@ -103,6 +110,8 @@ class PagedAttention(nn.Module):
         t, n = q_i.shape[0], meta.context_lens[i]
         k_i, v_i = self._gather(k_cache, i), self._gather(v_cache, i)
         q, k, v = q_i.transpose(0, 1)[None], k_i.transpose(0, 1)[None], v_i.transpose(0, 1)[None]
+        if self.batch_invariant:
+            return invariant_attention(q, k, v, scale)[0].transpose(0, 1)
         if t > 1 and q_i.is_cuda:
             return prefill_attention(q, k, v, scale)[0].transpose(0, 1)
         # Query j sits at position n - t + j and sees keys 0 .. n - t + j.
@@ -125,6 +134,9 @@ class PagedAttention(nn.Module):
             k = k_flat[slots].masked_fill(~keep, 0)  # [S_b, L_b, H, D]
             v = v_flat[slots].masked_fill(~keep, 0)
             q = q_SHD[rows][:, :, None]
+            if self.batch_invariant:
+                out[rows] = invariant_attention(q, k.transpose(1, 2), v.transpose(1, 2), scale, valid.sum(1))[:, :, 0]
+                continue
             out[rows] = _sdpa(q, k.transpose(1, 2), v.transpose(1, 2), scale, mask=valid[:, None, None, :])[:, :, 0]
         return out
 

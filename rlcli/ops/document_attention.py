@@ -21,6 +21,11 @@ or per-block state:
   prompts and CP queries take the ``sdpa`` code under the same priority. It runs outside
   ``torch.compile`` (compiled blocks break their graph around it).
 
+* ``invariant``: the ``sdpa`` code with each call replaced by
+  :func:`rlcli.ops.batch_invariant.invariant_attention` (fixed key blocks, fixed summation
+  order): the engine's paged attention under ``model.batch_invariant`` gives the same bits.
+  fp32 math, any device, with autograd; slower than the kernels (it builds every score).
+
 ``auto`` picks, on CUDA, ``cudnn`` when every row is one document (where cuDNN's SDPA
 kernel applies), ``flex`` under CP and ``varlen`` otherwise; ``sdpa`` elsewhere.
 
@@ -51,9 +56,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from rlcli.ops.batch_invariant import invariant_attention
 from rlcli.ops.prefix_tree import RowTree
 
-AttentionBackend = Literal["auto", "sdpa", "flex", "varlen", "cudnn"]
+AttentionBackend = Literal["auto", "sdpa", "flex", "varlen", "cudnn", "invariant"]
 
 
 def _sdpa(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, scale: float,
@@ -247,7 +253,9 @@ class PackedCausalAttention(nn.Module):
                     v_i = torch.cat([v[b:b + 1, :, a:z] for a, z in key_spans], dim=2) if len(key_spans) > 1 \
                         else v[b:b + 1, :, key_spans[0][0]:e]
                     t, n = e - s, k_i.shape[2]
-                    if t == n:
+                    if self.backend == "invariant":  # the same bottom-right causal rule
+                        pieces.append(invariant_attention(q_i, k_i, v_i, scale))
+                    elif t == n:
                         pieces.append(_sdpa(q_i, k_i, v_i, scale, is_causal=True))
                     else:
                         mask = torch.ones(t, n, dtype=torch.bool, device=q.device).tril(diagonal=n - t)

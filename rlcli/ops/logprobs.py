@@ -22,6 +22,7 @@ fuses those passes.
 
 import torch
 
+from rlcli.ops.batch_invariant import rows_mm
 from rlcli.ops.sampling import top_p_keep
 
 
@@ -102,7 +103,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         with torch.no_grad():
             stats = _compiled.get("stats", _chunk_stats)
             for s in range(0, N, chunk):
-                z = h_ND[s:s + chunk] @ weight_VD.T
+                z = rows_mm(h_ND[s:s + chunk], weight_VD.T)  # a chunk of few rows: the big-batch kernel
                 lp[s:s + chunk], entropy[s:s + chunk], lse[s:s + chunk] = stats(
                     z, targets_N[s:s + chunk], 1.0 / temperature, top_p)
                 if keep_logits:
@@ -119,7 +120,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad = _compiled.get("grad", _chunk_grad)
 
         def logits(i: int, h: torch.Tensor) -> torch.Tensor:  # forward's, or recomputed
-            return kept[i] if kept else h @ weight_VD.T
+            return kept[i] if kept else rows_mm(h, weight_VD.T)
 
         if h_ND.shape[0] <= chunk and (grad_lp_N is not None or grad_entropy_N is not None):
             # One chunk: the matmuls write the gradients, no fp32 accumulators.
@@ -142,6 +143,14 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 grad_w.addmm_(g_z.T.float(), h.float()) if weight_VD.dtype == torch.float32 \
                     else grad_w.add_((g_z.T @ h).float())
         return grad_h, None if grad_w is None else grad_w.to(weight_VD.dtype), None, None, None, None, None
+
+
+def token_logprobs_of(logits_CV: torch.Tensor, targets_C: torch.Tensor, temperature: float,
+                      top_p: float = 1.0) -> torch.Tensor:
+    """fp32 logprob ``[C]`` of ``targets_C`` under ``softmax(logits / T)`` (the nucleus when
+    ``top_p < 1``), computed exactly as :func:`chunked_logprobs` does: the inference engine
+    reports these under ``model.batch_invariant`` so that both sides round alike."""
+    return _chunk_stats(logits_CV, targets_C.long(), 1.0 / temperature, top_p)[0]
 
 
 def chunked_logprobs(hidden_ND: torch.Tensor, weight_VD: torch.Tensor, targets_N: torch.Tensor,

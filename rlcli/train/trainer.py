@@ -30,6 +30,7 @@ from rlcli.config.train import LossConfig, OptimConfig
 from rlcli.errors import ConfigError
 from rlcli.logging import setup_logging
 from rlcli.models import DTYPES, ModelArgs, build_model, load_model
+from rlcli.ops.batch_invariant import pad_linear_rows
 from rlcli.models.hf_io import has_weights, save_model
 from rlcli.models.tokenizer import load_tokenizer
 from rlcli.parallel import parallelize, resolve_dims
@@ -215,6 +216,8 @@ class Trainer:
             from rlcli.ops.fp8.convert import convert_to_fp8
 
             convert_to_fp8(model, self.cfg.train.fp8, self.device)
+        if self.cfg.model.batch_invariant:  # the engine's rounding (rlcli.ops.batch_invariant)
+            pad_linear_rows(model)
         parallelize(model, self.dims, self.cfg.train, self.dtype)
         model.to_empty(device=self.device)
         if not self.dims.enabled:
@@ -243,7 +246,8 @@ class Trainer:
         tcfg = self.cfg.train
         lcfg = loss_config_at(tcfg.loss, self.step + 1, self.cfg.num_steps)
         totals, normalizer = accumulate(self.model, batch.micro_batches, self.dims, self.device, self.loss_fn,
-                                        lcfg, tcfg.logprob_chunk_tokens, self.cfg.r3, tcfg.attention,
+                                        lcfg, tcfg.logprob_chunk_tokens, self.cfg.r3,
+                                        "invariant" if self.cfg.model.batch_invariant else tcfg.attention,
                                         tcfg.parallel.reshard, tcfg.logprob_keep_logits)
         grad_norm = clip_grad_norm_(self.model.parameters(), tcfg.optim.max_grad_norm)
         self.optimizer.step()

@@ -1,0 +1,157 @@
+"""Batch-invariant numerics: a token's numbers do not depend on what else is in its batch.
+
+The engine computes a token in a step shared with other sequences (one row per decoding
+sequence, a chunk of a prompt), the trainer in one packed forward of whole sequences. The
+same math then rounds differently, because the kernels pick their summation order by shape:
+
+* **GEMMs.** MKL's fp32 sgemm takes other kernels for few rows: below 4 rows on one
+  thread, and below 12 rows (except 4 and 8) on two, where it splits the work otherwise.
+  From 12 rows on, a row's result is the same whatever the row count, the thread count and
+  the column slice (measured for 1..600 rows, 1, 2 and 4 threads, K and N up to 8192; a
+  test checks it on the machine it runs on). :func:`pad_linear_rows` runs every linear of a
+  model on 4, 8, or at least 12 rows (zero rows appended, their outputs dropped). oneDNN's
+  bf16 GEMMs are row-invariant at any row count; FP8 linears quantize per row (1x128 tiles)
+  before their GEMM, so padding leaves each row's quantization alone.
+* **Attention.** SDPA's CPU kernels block queries and keys by sizes that depend on the
+  sequence lengths, and the engine's decode pads each sequence to a bucket, so the softmax
+  sums run in other orders. :func:`invariant_attention` computes each query from its own
+  keys in fixed blocks of :data:`KEY_BLOCK` keys (block ``j`` holds positions ``32j..32j+31`` of
+  the sequence): scores as an elementwise product summed over the head dim, one max (exact in
+  any order), ``exp``, sums inside a block as one fixed-length reduction, then the blocks
+  added one after the other from position 0. A key a query does not see contributes an exact
+  zero, so a query gives the same bits in a ``[T, T]`` causal forward, in a prefill chunk
+  after cached keys and in a decode step next to other sequences.
+* **Logprobs.** The engine's sampler reports ``log_softmax``, the trainer computes
+  ``z[t] - logsumexp(z)`` per chunk; under the flag the engine reports the trainer's formula
+  (:func:`rlcli.ops.logprobs.token_logprobs_of`).
+
+Elementwise work (RMSNorm, rotary tables, SwiGLU, residual adds, casts) and row reductions of
+a fixed length (RMSNorm's mean, the softmax sums over the vocabulary) already give every row
+the same code on the CPU. Two caveats: fp32 SiLU/sigmoid round differently in their vectorized
+and scalar tail loops, which is harmless while a row's width is a multiple of 16 (every model
+here); and ``torch.compile`` fuses and reorders, so the flag refuses ``train.compile``.
+
+Not covered: MoE expert GEMMs (their per-expert row counts follow the batch), MLA attention,
+and CUDA, whose GEMM and attention kernels choose tiles and split-K by shape (a GPU mode needs
+kernels of its own, as vLLM's batch-invariant mode has).
+"""
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+KEY_BLOCK = 32
+"""Keys per block of :func:`invariant_attention`'s fixed summation order."""
+
+
+# ------------------------------------------------------------------------------ GEMM rows
+
+
+def invariant_rows(m: int) -> int:
+    """The row count a GEMM of ``m`` rows runs on: 4, 8, or at least 12 (MKL's row-invariant counts)."""
+    return 4 if m <= 4 else 8 if m <= 8 else max(m, 12)
+
+
+def pad_rows(x_MK: torch.Tensor) -> torch.Tensor:
+    """``x`` with zero rows appended up to :func:`invariant_rows` (unchanged when it has enough)."""
+    pad = invariant_rows(x_MK.shape[0]) - x_MK.shape[0]
+    return F.pad(x_MK, (0, 0) * (x_MK.dim() - 1) + (0, pad)) if pad else x_MK
+
+
+def rows_mm(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
+    """``a @ b``, on :func:`invariant_rows` rows on the CPU, so that a row's result does not
+    depend on how many rows came with it (see module docstring)."""
+    m = a_MK.shape[0]
+    if invariant_rows(m) == m or a_MK.device.type != "cpu":
+        return a_MK @ b_KN
+    return (pad_rows(a_MK) @ b_KN)[:m]
+
+
+def _pad_input(module: nn.Module, args: tuple):
+    x = args[0]
+    rows = x.numel() // max(x.shape[-1], 1)
+    if invariant_rows(rows) == rows or x.device.type != "cpu":
+        return None
+    module._bi_lead_shape = x.shape[:-1]
+    return (pad_rows(x.reshape(rows, x.shape[-1])), *args[1:])
+
+
+def _cut_output(module: nn.Module, args: tuple, out: torch.Tensor):
+    lead = module.__dict__.pop("_bi_lead_shape", None)
+    if lead is None:
+        return None
+    return out[:math.prod(lead)].reshape(*lead, out.shape[-1])
+
+
+def pad_linear_rows(model: nn.Module) -> int:
+    """Hook every ``nn.Linear`` of ``model`` (FP8 linears and the LM head included) to run on
+    :func:`invariant_rows` rows on the CPU; returns how many were hooked. Idempotent."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and not getattr(module, "_bi_hooked", False):
+            module.register_forward_pre_hook(_pad_input)
+            module.register_forward_hook(_cut_output)
+            module._bi_hooked = True
+            count += 1
+    return count
+
+
+# ------------------------------------------------------------------------------ attention
+
+
+def invariant_attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, scale: float,
+                        lens_B: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention in a fixed summation order, ``[B, Hq, T, Dv]`` in ``q``'s dtype.
+
+    Row ``b`` holds ``n_b`` keys (``lens_B``, default all ``S``; keys past ``n_b`` are padding
+    and may hold anything); its ``T`` queries are the last ``T`` of them, so query ``j`` sees
+    keys ``0 .. n_b - T + j`` (bottom-right causal). GQA: query head ``h`` reads key head
+    ``h // (Hq / Hkv)``. Computed in fp32; each query's output depends only on its own query,
+    keys and values (module docstring), so queries may also be computed in chunks (long rows
+    are, to bound memory). Differentiable.
+    """
+    B, Hq, T, D = q_BHTD.shape
+    S, Dv = k_BHSD.shape[2], v_BHSD.shape[-1]
+    lens = torch.full((B,), S, device=q_BHTD.device) if lens_B is None else lens_B.to(q_BHTD.device)
+    per_query = Hq * S * (max(D, Dv) + 1)
+    chunk = max(1, _MAX_ELEMENTS // max(per_query * B, 1))
+    if T <= chunk:
+        return _attend(q_BHTD, k_BHSD, v_BHSD, scale, lens, lens_B is not None)
+    outs = []
+    for s in range(0, T, chunk):  # queries s..e-1 are the last e - s of n_b - (T - e) keys
+        e = min(T, s + chunk)
+        n = lens - (T - e)
+        width = int(n.max())
+        outs.append(_attend(q_BHTD[:, :, s:e], k_BHSD[:, :, :width], v_BHSD[:, :, :width], scale, n, True))
+    return torch.cat(outs, dim=2)
+
+
+_MAX_ELEMENTS = 1 << 24  # largest temporary of one _attend call (64 MiB of fp32)
+
+
+def _attend(q_BHTD, k_BHSD, v_BHSD, scale: float, lens_B: torch.Tensor, padded: bool) -> torch.Tensor:
+    B, Hq, T, D = q_BHTD.shape
+    Hkv, S, Dv = k_BHSD.shape[1], k_BHSD.shape[2], v_BHSD.shape[-1]
+    G, nb = Hq // Hkv, max(1, -(-S // KEY_BLOCK))
+    dev, pad = q_BHTD.device, nb * KEY_BLOCK - S
+    pos = torch.arange(nb * KEY_BLOCK, device=dev)
+    # V gets a column of ones: its sums are the softmax denominators, in the same loop.
+    kv = torch.cat([k_BHSD.float(), v_BHSD.float(), torch.ones_like(v_BHSD[..., :1], dtype=torch.float32)], -1)
+    if pad:
+        kv = F.pad(kv, (0, 0, 0, pad))
+    if padded:  # zero what a row does not hold: a masked score still multiplies its value (0 * NaN = NaN)
+        kv = kv.masked_fill((pos[None] >= lens_B[:, None])[:, None, :, None], 0)
+    k, v = kv.split([D, Dv + 1], dim=-1)
+    last_BT = lens_B[:, None] - T + torch.arange(T, device=dev)[None]  # the last key each query sees
+    hidden = (pos[None, None, :] > last_BT[:, :, None])[:, None, None]  # [B, 1, 1, T, S']
+    q = q_BHTD.float().view(B, Hkv, G, T, 1, D)
+    s = (q * k[:, :, None, None]).sum(-1).mul_(scale).masked_fill_(hidden, float("-inf"))  # [B, Hkv, G, T, S']
+    e = (s - s.amax(-1, keepdim=True)).exp_().view(B, Hkv, G, T, nb, 1, KEY_BLOCK)
+    vt = v.reshape(B, Hkv, 1, 1, nb, KEY_BLOCK, Dv + 1).transpose(-1, -2)  # [B, Hkv, 1, 1, nb, Dv + 1, KEY_BLOCK]
+    parts = (e * vt).sum(-1)  # [B, Hkv, G, T, nb, Dv + 1]: one fixed-length sum per block
+    acc = parts[..., 0, :]
+    for j in range(1, nb):  # block by block from position 0: unseen blocks add exact zeros
+        acc = acc + parts[..., j, :]
+    return (acc[..., :Dv] / acc[..., Dv:]).view(B, Hq, T, Dv).to(q_BHTD.dtype)

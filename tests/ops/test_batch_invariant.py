@@ -1,0 +1,137 @@
+"""model.batch_invariant: linears and attention whose per-token results do not depend on the batch,
+and the engine and trainer giving the same logprob bits (fp32, bf16, FP8 on fp32 and bf16 masters)."""
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rlcli.config import load_recipe
+from rlcli.errors import ConfigError
+from rlcli.infer.engine import NativeEngine
+from rlcli.models import load_model, save_model
+from rlcli.ops.attention import ForwardContext, PackedCausalAttention
+from rlcli.ops.batch_invariant import invariant_attention, pad_linear_rows, rows_mm
+from rlcli.ops.logprobs import chunked_logprobs
+from rlcli.protocol import GenerateRequest, SamplingParams
+
+REPO = Path(__file__).resolve().parents[2]
+FP8 = SimpleNamespace(enabled=True, backend="emulated", include=["*"],
+                      exclude=["*embed_tokens", "lm_head", "*.mlp.gate"], ue8m0=False)
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hooked_linear_rows_do_not_depend_on_the_row_count(dtype, two_threads):
+    g = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(192, 320, bias=False).to(dtype)
+    assert pad_linear_rows(lin) == 1 and pad_linear_rows(lin) == 0  # idempotent
+    x = torch.randn(40, 192, generator=g).to(dtype)
+    w = torch.randn(259, 192, generator=g).to(dtype)
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        with torch.no_grad():
+            ref = lin(x)
+            for m in range(1, 40):
+                assert torch.equal(lin(x[:m]), ref[:m]), (threads, m)
+                assert torch.equal(rows_mm(x[:m], w.T), rows_mm(x, w.T)[:m]), (threads, m)
+            assert lin(x[None, :3]).shape == (1, 3, 320)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_invariant_attention_gives_a_query_the_same_bits_in_every_batch_shape(dtype):
+    """A [T, T] causal forward, prefill chunks after cached keys, and one decode step per query
+    next to other sequences whose padding holds NaN: equal bits; close to SDPA."""
+    g = torch.Generator().manual_seed(0)
+    T, Hq, Hkv, D = 45, 6, 2, 16
+    q, k, v = (torch.randn(1, h, T, D, generator=g).to(dtype) for h in (Hq, Hkv, Hkv))
+    full = invariant_attention(q, k, v, 0.25)
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, scale=0.25, enable_gqa=True)
+    torch.testing.assert_close(full.float(), ref, atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=0)
+    for chunk in (1, 7, 32):
+        parts = [invariant_attention(q[:, :, s:s + chunk], k[:, :, :s + chunk], v[:, :, :s + chunk], 0.25)
+                 for s in range(0, T, chunk)]
+        assert torch.equal(torch.cat(parts, dim=2), full), chunk
+    width = 64
+    for p in (0, 5, 31, 32, 44):
+        kb, vb = (torch.full((3, Hkv, width, D), float("nan"), dtype=dtype) for _ in range(2))
+        kb[1, :, :p + 1], vb[1, :, :p + 1] = k[0, :, :p + 1], v[0, :, :p + 1]
+        kb[0], vb[0], kb[2], vb[2] = 0.5, 0.25, -0.5, 1.0
+        qb = torch.randn(3, Hq, 1, D, generator=g).to(dtype)
+        qb[1] = q[0, :, p:p + 1]
+        out = invariant_attention(qb, kb, vb, 0.25, torch.tensor([7, p + 1, width]))
+        assert torch.equal(out[1, :, 0], full[0, :, p]), p
+        assert torch.isfinite(out).all()
+
+
+def test_invariant_attention_backend_trains():
+    """The trainer's backend: packed documents, gradients close to the sdpa backend's."""
+    g = torch.Generator().manual_seed(1)
+    pos = torch.tensor([list(range(20)) + list(range(13))])
+    q, k, v = (torch.randn(1, 33, h, 16, generator=g, requires_grad=True) for h in (4, 2, 2))
+    outs = {}
+    for backend in ("invariant", "sdpa"):
+        out = PackedCausalAttention(pos, backend=backend)(0, q, k, v, 0.25)
+        grads = torch.autograd.grad(out.pow(2).sum(), (q, k, v))
+        outs[backend] = (out, *grads)
+    for a, b in zip(outs["invariant"], outs["sdpa"]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def _trainer_logprobs(model, prompt: list[int], completions: list[list[int]]) -> list[torch.Tensor]:
+    """rl-train's path: completions packed into one row, invariant attention, chunked_logprobs."""
+    ids, pos, index, targets = [], [], [], []
+    for c in completions:
+        index += [len(ids) + len(prompt) - 1 + j for j in range(len(c))]
+        targets += c
+        ids += prompt + c
+        pos += range(len(prompt) + len(c))
+    ids_t, pos_t = torch.tensor([ids]), torch.tensor([pos])
+    h = model.hidden_states(ids_t, pos_t, ForwardContext(attn=PackedCausalAttention(pos_t, backend="invariant")))[0]
+    lp, _ = chunked_logprobs(h.index_select(0, torch.tensor(index)), model.lm_head.weight, torch.tensor(targets), 1.0)
+    return list(lp.split([len(c) for c in completions]))
+
+
+@pytest.mark.parametrize("dtype,fp8", [(torch.float32, None), (torch.bfloat16, None), (torch.float32, FP8),
+                                       (torch.bfloat16, FP8)], ids=["fp32", "bf16", "fp8-fp32", "fp8-bf16"])
+def test_engine_and_trainer_logprobs_are_bitwise_equal(tmp_path, dtype, fp8):
+    """Several sequences in flight, prompts prefilled in chunks of 16 tokens, n = 2 forks: every
+    logprob the engine reports equals the trainer's recomputation bit for bit."""
+    model = load_model(REPO / "recipes/models/tiny-llama", seed=0)
+    model.init_weights(seed=0, std=0.1)
+    save_model(model, tmp_path)
+    engine_model = load_model(tmp_path, dtype=dtype, fp8=fp8, fp8_storage=True)
+    trainer_model = load_model(tmp_path, dtype=dtype, fp8=fp8).eval()
+    pad_linear_rows(trainer_model)
+    engine = NativeEngine(engine_model, eos_token_ids=[257], max_model_len=64, kv_cache_memory_mb=4, seed=0,
+                          max_num_batched_tokens=16, batch_invariant=True)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 23, 37)]
+    for i, p in enumerate(prompts):
+        engine.add_request(GenerateRequest(request_id=str(i), prompt_ids=p, sampling=SamplingParams(
+            max_tokens=8, n=2, seed=i, ignore_eos=True)))
+    responses = []
+    while engine.has_work():
+        responses.extend(engine.step())
+    assert len(responses) == 3
+    with torch.no_grad():
+        for r in responses:
+            completions = [c.token_ids for c in r.completions]
+            for c, lp in zip(r.completions, _trainer_logprobs(trainer_model, prompts[int(r.request_id)], completions)):
+                assert torch.equal(lp, torch.tensor(c.logprobs, dtype=torch.float32)), (r.request_id, lp, c.logprobs)
+
+
+def test_batch_invariant_refuses_compiled_blocks_and_vllm():
+    with pytest.raises(ConfigError, match="train.compile"):
+        load_recipe(None, {"model.batch_invariant": True, "train.compile": True})
+    with pytest.raises(ConfigError, match="infer.engine.name"):
+        load_recipe(None, {"model.batch_invariant": True, "infer.engine.name": "vllm"})
+    assert load_recipe(None, {"model.batch_invariant": True}).model.batch_invariant
