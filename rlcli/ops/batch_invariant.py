@@ -36,8 +36,6 @@ and CUDA, whose GEMM and attention kernels choose tiles and split-K by shape (a 
 kernels of its own, as vLLM's batch-invariant mode has).
 """
 
-import math
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -69,31 +67,30 @@ def rows_mm(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
     return (pad_rows(a_MK) @ b_KN)[:m]
 
 
-def _pad_input(module: nn.Module, args: tuple):
-    x = args[0]
-    rows = x.numel() // max(x.shape[-1], 1)
-    if invariant_rows(rows) == rows or x.device.type != "cpu":
-        return None
-    module._bi_lead_shape = x.shape[:-1]
-    return (pad_rows(x.reshape(rows, x.shape[-1])), *args[1:])
+class _RowPadded:
+    """Mixin in front of a linear's class: its forward runs on :func:`invariant_rows` rows."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // max(x.shape[-1], 1)
+        if invariant_rows(rows) == rows or x.device.type != "cpu":
+            return super().forward(x)
+        return super().forward(pad_rows(x.reshape(rows, x.shape[-1])))[:rows].view(*x.shape[:-1], -1)
 
 
-def _cut_output(module: nn.Module, args: tuple, out: torch.Tensor):
-    lead = module.__dict__.pop("_bi_lead_shape", None)
-    if lead is None:
-        return None
-    return out[:math.prod(lead)].reshape(*lead, out.shape[-1])
+_PADDED: dict[type, type] = {}
 
 
 def pad_linear_rows(model: nn.Module) -> int:
-    """Hook every ``nn.Linear`` of ``model`` (FP8 linears and the LM head included) to run on
-    :func:`invariant_rows` rows on the CPU; returns how many were hooked. Idempotent."""
+    """Make every ``nn.Linear`` of ``model`` (FP8 linears and the LM head included) run on
+    :func:`invariant_rows` rows on the CPU, by swapping in a subclass (same parameters, same
+    state dict; after ``convert_to_fp8``); returns how many it swapped. Idempotent."""
     count = 0
     for module in model.modules():
-        if isinstance(module, nn.Linear) and not getattr(module, "_bi_hooked", False):
-            module.register_forward_pre_hook(_pad_input)
-            module.register_forward_hook(_cut_output)
-            module._bi_hooked = True
+        cls = type(module)
+        if isinstance(module, nn.Linear) and not issubclass(cls, _RowPadded):
+            if cls not in _PADDED:
+                _PADDED[cls] = type(f"RowPadded{cls.__name__}", (_RowPadded, cls), {})
+            module.__class__ = _PADDED[cls]
             count += 1
     return count
 
