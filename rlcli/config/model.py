@@ -19,7 +19,7 @@ class ModelConfig(Config):
     """Longest sequence (prompt + completion) in tokens that either side accepts."""
 
     batch_invariant: bool = False
-    """Engine and trainer give each token the same logprob bits whatever its batch (native engine, CPU, GQA)."""
+    """Native engine and trainer give each token the same logprob bits whatever its batch (CPU; dense GQA models)."""
 
     def __post_init__(self) -> None:
         if self.max_seq_len < 8:

@@ -119,6 +119,9 @@ class NativeEngine:
         self.model = model.eval()
         self.batch_invariant = batch_invariant
         if batch_invariant:
+            if next(model.parameters()).device.type != "cpu":
+                raise ConfigError("model.batch_invariant is implemented on the CPU only (CUDA GEMMs choose their "
+                                  "summation order by shape): set model.batch_invariant = false or --device cpu")
             if not all(type(layer.self_attn).__name__ == "Attention" for layer in model.model.layers):
                 raise ConfigError("model.batch_invariant covers grouped-query attention only; this model's "
                                   "attention is another kind: set model.batch_invariant = false")

@@ -217,6 +217,9 @@ class Trainer:
 
             convert_to_fp8(model, self.cfg.train.fp8, self.device)
         if self.cfg.model.batch_invariant:  # the engine's rounding (rlcli.ops.batch_invariant)
+            if self.device.type != "cpu":
+                raise ConfigError("model.batch_invariant is implemented on the CPU only: set "
+                                  "model.batch_invariant = false or train on the CPU")
             pad_linear_rows(model)
         parallelize(model, self.dims, self.cfg.train, self.dtype)
         model.to_empty(device=self.device)
