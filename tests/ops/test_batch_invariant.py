@@ -76,6 +76,20 @@ def test_invariant_attention_gives_a_query_the_same_bits_in_every_batch_shape(dt
         assert torch.isfinite(out).all()
 
 
+def test_invariant_attention_chunks_long_rows_over_queries_without_changing_a_bit(monkeypatch):
+    import rlcli.ops.batch_invariant as bi
+
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, h, 50, 8, generator=g) for h in (4, 2, 2))
+    lens = torch.tensor([50, 41])
+    whole = invariant_attention(q, k, v, 0.3, lens)
+    monkeypatch.setattr(bi, "_MAX_ELEMENTS", 2 * 4 * 50 * 9 * 7)  # chunks of 7 queries
+    chunked = invariant_attention(q, k, v, 0.3, lens)
+    # Row 1 holds 41 keys: its first 9 queries see none (NaN, never asked for), the rest are its own.
+    assert torch.equal(chunked[0], whole[0]) and torch.equal(chunked[1, :, 9:], whole[1, :, 9:])
+    assert torch.equal(invariant_attention(q[1:, :, 9:], k[1:], v[1:], 0.3, lens[1:]), whole[1:, :, 9:])
+
+
 def test_invariant_attention_backend_trains():
     """The trainer's backend: packed documents, gradients close to the sdpa backend's."""
     g = torch.Generator().manual_seed(1)
