@@ -34,7 +34,7 @@ def two_threads():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_hooked_linear_rows_do_not_depend_on_the_row_count(dtype, two_threads):
+def test_padded_linear_rows_do_not_depend_on_the_row_count(dtype, two_threads):
     g = torch.Generator().manual_seed(0)
     lin = torch.nn.Linear(192, 320, bias=False).to(dtype)
     assert pad_linear_rows(lin) == 1 and pad_linear_rows(lin) == 0  # idempotent
