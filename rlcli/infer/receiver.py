@@ -76,11 +76,13 @@ def verified_files(path: str | Path) -> tuple[Path, list[SafetensorsFile]]:
 def load_from_files(model: torch.nn.Module, path: str | Path) -> None:
     """Verify, then copy a published directory into ``model`` tensor by tensor."""
     source, files = verified_files(path)
-    if any(n.endswith("weight_scale_inv") for f in files for n in f.keys()):
-        from rlcli.models.hf_io import load_weights  # FP8 + scales: the FP8-aware loader, after the checks above
+    dests = destinations(model)
+    if any(n.endswith("weight_scale_inv") for n in [*dests, *(n for f in files for n in f.keys())]):
+        # FP8 + scales on either side (an FP8 engine loading the trainer's high-precision weights
+        # quantizes them as load_model does): the FP8-aware loader, after the checks above.
+        from rlcli.models.hf_io import load_weights
 
         return load_weights(model, source)
-    dests = destinations(model)
     plan: list[tuple[SafetensorsFile, str, torch.Tensor]] = []
     seen: set[str] = set()
     for f in files:

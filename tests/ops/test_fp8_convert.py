@@ -98,3 +98,22 @@ def test_engine_and_trainer_compute_the_same_function_in_fp8(tmp_path):
                 kl += float((log_r.exp() - 1 - log_r).sum())
                 count += len(c.logprobs)
     assert count == 48 and kl / count < 1e-3
+
+
+def test_fp8_engine_loads_the_trainers_high_precision_weights_in_flight(tmp_path):
+    """rl-train publishes model.dtype weights unless train.fp8.publish; an FP8 engine (rl-infer
+    --fp8) quantizes them on load exactly as load_model does (it refused them: no weight_scale_inv)."""
+    from rlcli.infer.receiver import load_from_files
+    from rlcli.transport.atomic import atomic_dir
+
+    trained = load_model(REPO / "recipes/models/tiny-llama", seed=0)
+    trained.init_weights(seed=1, std=0.1)
+    with atomic_dir(tmp_path / "step_1", {"step": 1}) as tmp:
+        save_model(trained, tmp)
+    engine_model = load_model(REPO / "recipes/models/tiny-llama", seed=0, fp8=CFG, fp8_storage=True)
+    load_from_files(engine_model, tmp_path / "step_1")
+    ref = load_model(tmp_path / "step_1", fp8=CFG, fp8_storage=True).state_dict()
+    got = engine_model.state_dict()
+    assert got.keys() == ref.keys() and any(k.endswith("weight_scale_inv") for k in got)
+    assert all(torch.equal(got[k].view(torch.uint8) if got[k].dtype == torch.float8_e4m3fn else got[k],
+                           ref[k].view(torch.uint8) if ref[k].dtype == torch.float8_e4m3fn else ref[k]) for k in got)
