@@ -104,7 +104,8 @@ def test_invariant_attention_backend_trains():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def _trainer_logprobs(model, prompt: list[int], completions: list[list[int]]) -> list[torch.Tensor]:
+def _trainer_logprobs(model, prompt: list[int], completions: list[list[int]], temperature: float = 1.0,
+                      top_p: float = 1.0) -> list[torch.Tensor]:
     """rl-train's path: completions packed into one row, invariant attention, chunked_logprobs."""
     ids, pos, index, targets = [], [], [], []
     for c in completions:
@@ -114,7 +115,8 @@ def _trainer_logprobs(model, prompt: list[int], completions: list[list[int]]) ->
         pos += range(len(prompt) + len(c))
     ids_t, pos_t = torch.tensor([ids]), torch.tensor([pos])
     h = model.hidden_states(ids_t, pos_t, ForwardContext(attn=PackedCausalAttention(pos_t, backend="invariant")))[0]
-    lp, _ = chunked_logprobs(h.index_select(0, torch.tensor(index)), model.lm_head.weight, torch.tensor(targets), 1.0)
+    lp, _ = chunked_logprobs(h.index_select(0, torch.tensor(index)), model.lm_head.weight, torch.tensor(targets),
+                             temperature, top_p=top_p)
     return list(lp.split([len(c) for c in completions]))
 
 
@@ -154,6 +156,28 @@ def test_engine_and_trainer_logprobs_are_bitwise_equal(tmp_path, dtype, fp8):
         metrics = forward_backward(trainer_model.train(), t, torch.tensor(1.0), LOSSES["icepop"], LossConfig(),
                                    1024, attention="invariant")
         assert metrics["logprob_diff_abs_max"] == 0 and metrics["mismatch_kl"] == 0, (share, metrics)
+
+
+def test_engine_logprobs_match_the_trainer_under_temperature_and_top_p(tmp_path):
+    model = load_model(REPO / "recipes/models/tiny-llama", seed=0)
+    model.init_weights(seed=0, std=0.1)
+    pad_linear_rows(model)
+    engine = NativeEngine(load_model(REPO / "recipes/models/tiny-llama", seed=0), eos_token_ids=[257],
+                          max_model_len=64, kv_cache_memory_mb=4, seed=0, batch_invariant=True)
+    engine.model.load_state_dict(model.state_dict())
+    prompts = {"a": ([5, 6, 7, 8], 0.7, 0.9), "b": ([100, 101, 102, 103, 104, 105], 1.3, 1.0)}
+    for rid, (p, temp, top_p) in prompts.items():
+        engine.add_request(GenerateRequest(request_id=rid, prompt_ids=p, sampling=SamplingParams(
+            max_tokens=8, n=2, seed=1, temperature=temp, top_p=top_p, ignore_eos=True)))
+    responses = []
+    while engine.has_work():
+        responses.extend(engine.step())
+    with torch.no_grad():
+        for r in responses:
+            p, temp, top_p = prompts[r.request_id]
+            lps = _trainer_logprobs(model.eval(), p, [c.token_ids for c in r.completions], temp, top_p)
+            for c, lp in zip(r.completions, lps):
+                assert torch.equal(lp, torch.tensor(c.logprobs, dtype=torch.float32)), (r.request_id, lp, c.logprobs)
 
 
 def test_batch_invariant_refuses_compiled_blocks_and_vllm():
