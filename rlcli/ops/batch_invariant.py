@@ -102,9 +102,9 @@ def invariant_attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torc
                         lens_B: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention in a fixed summation order, ``[B, Hq, T, Dv]`` in ``q``'s dtype.
 
-    Row ``b`` holds ``n_b`` keys (``lens_B``, default all ``S``; keys past ``n_b`` are padding
-    and may hold anything); its ``T`` queries are the last ``T`` of them, so query ``j`` sees
-    keys ``0 .. n_b - T + j`` (bottom-right causal). GQA: query head ``h`` reads key head
+    Row ``b`` holds ``n_b`` keys (``lens_B``, default all ``S``; keys past ``n_b`` are padding,
+    which must be finite: the engine's decode zeroes it); its ``T`` queries are the last ``T``
+    of them, so query ``j`` sees keys ``0 .. n_b - T + j`` (bottom-right causal). GQA: query head ``h`` reads key head
     ``h // (Hq / Hkv)``. Computed in fp32; each query's output depends only on its own query,
     keys and values (module docstring), so queries may also be computed in chunks (long rows
     are, to bound memory). Differentiable.
@@ -115,20 +115,20 @@ def invariant_attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torc
     per_query = Hq * S * (max(D, Dv) + 1)
     chunk = max(1, _MAX_ELEMENTS // max(per_query * B, 1))
     if T <= chunk:
-        return _attend(q_BHTD, k_BHSD, v_BHSD, scale, lens, lens_B is not None)
+        return _attend(q_BHTD, k_BHSD, v_BHSD, scale, lens)
     outs = []
     for s in range(0, T, chunk):  # queries s..e-1 are the last e - s of n_b - (T - e) keys
         e = min(T, s + chunk)
         n = lens - (T - e)
         width = int(n.max())
-        outs.append(_attend(q_BHTD[:, :, s:e], k_BHSD[:, :, :width], v_BHSD[:, :, :width], scale, n, True))
+        outs.append(_attend(q_BHTD[:, :, s:e], k_BHSD[:, :, :width], v_BHSD[:, :, :width], scale, n))
     return torch.cat(outs, dim=2)
 
 
 _MAX_ELEMENTS = 1 << 24  # largest temporary of one _attend call (64 MiB of fp32)
 
 
-def _attend(q_BHTD, k_BHSD, v_BHSD, scale: float, lens_B: torch.Tensor, padded: bool) -> torch.Tensor:
+def _attend(q_BHTD, k_BHSD, v_BHSD, scale: float, lens_B: torch.Tensor) -> torch.Tensor:
     B, Hq, T, D = q_BHTD.shape
     Hkv, S, Dv = k_BHSD.shape[1], k_BHSD.shape[2], v_BHSD.shape[-1]
     G, nb = Hq // Hkv, max(1, -(-S // KEY_BLOCK))
@@ -138,13 +138,14 @@ def _attend(q_BHTD, k_BHSD, v_BHSD, scale: float, lens_B: torch.Tensor, padded: 
     kv = torch.cat([k_BHSD.float(), v_BHSD.float(), torch.ones_like(v_BHSD[..., :1], dtype=torch.float32)], -1)
     if pad:
         kv = F.pad(kv, (0, 0, 0, pad))
-    if padded:  # zero what a row does not hold: a masked score still multiplies its value (0 * NaN = NaN)
-        kv = kv.masked_fill((pos[None] >= lens_B[:, None])[:, None, :, None], 0)
     k, v = kv.split([D, Dv + 1], dim=-1)
     last_BT = lens_B[:, None] - T + torch.arange(T, device=dev)[None]  # the last key each query sees
-    hidden = (pos[None, None, :] > last_BT[:, :, None])[:, None, None]  # [B, 1, 1, T, S']
+    # -inf on the keys a query does not see (added: cheaper than a broadcast masked_fill); their
+    # exp is an exact 0, and 0 times a finite value adds nothing to a block's sum.
+    bias = torch.zeros(B, 1, 1, T, nb * KEY_BLOCK, device=dev).masked_fill_(
+        (pos[None, None, :] > last_BT[:, :, None])[:, None, None], float("-inf"))
     q = q_BHTD.float().view(B, Hkv, G, T, 1, D)
-    s = (q * k[:, :, None, None]).sum(-1).mul_(scale).masked_fill_(hidden, float("-inf"))  # [B, Hkv, G, T, S']
+    s = (q * k[:, :, None, None]).sum(-1).mul_(scale).add_(bias)  # [B, Hkv, G, T, S']
     e = (s - s.amax(-1, keepdim=True)).exp_().view(B, Hkv, G, T, nb, 1, KEY_BLOCK)
     vt = v.reshape(B, Hkv, 1, 1, nb, KEY_BLOCK, Dv + 1).transpose(-1, -2)  # [B, Hkv, 1, 1, nb, Dv + 1, KEY_BLOCK]
     parts = (e * vt).sum(-1)  # [B, Hkv, G, T, nb, Dv + 1]: one fixed-length sum per block
