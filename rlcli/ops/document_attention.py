@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rlcli.ops.batch_invariant import invariant_attention
-from rlcli.ops.prefix_tree import RowTree
+from rlcli.ops.prefix_tree import RowTree, attention_buckets
 
 AttentionBackend = Literal["auto", "sdpa", "flex", "varlen", "cudnn", "invariant"]
 
@@ -164,6 +164,7 @@ class PackedCausalAttention(nn.Module):
         self.query_runs = self._query_runs()
         self._block_mask = None
         self._varlen_plan = None
+        self._batched_plan = None
         self.expand_kv = self.backend == "cudnn" and not _cudnn_gqa(device)
         self.sdpa_kwargs = _cudnn_first_kwargs() if self.backend == "cudnn" else {}
         if self.backend == "flex":
@@ -205,6 +206,8 @@ class PackedCausalAttention(nn.Module):
             return self._varlen(q_BTHD, k_BSHD, v_BSHD, scale)
         if self.backend == "cudnn":
             return self._cudnn(q_BTHD, k_BSHD, v_BSHD, scale)
+        if self.backend == "sdpa" and self.query_index is None and q_BTHD.device.type == "cpu":
+            return self._sdpa_batched(q_BTHD, k_BSHD, v_BSHD, scale)
         return self._sdpa_per_document(q_BTHD, k_BSHD, v_BSHD, scale)
 
     @torch.compiler.disable
@@ -262,6 +265,40 @@ class PackedCausalAttention(nn.Module):
                         pieces.append(_sdpa(q_i, k_i, v_i, scale, mask=mask))
             rows.append(torch.cat(pieces, dim=2))
         return torch.cat(rows, dim=0).transpose(1, 2)
+
+    # ------------------------------------------------------------------ sdpa, segments batched (CPU)
+    def _plan_batched(self, device: torch.device):
+        """Once per forward, shared by every layer: the padded buckets of all segments
+        (:func:`rlcli.ops.prefix_tree.attention_buckets`) as gathers, and the gather that puts
+        the outputs back in row order."""
+        if self._batched_plan is None:
+            buckets, source = attention_buckets(self.trees)
+            plans = []
+            for bk in buckets:
+                mask = None if bk.mask is None else torch.from_numpy(bk.mask).to(device)
+                plans.append((bk.n, bk.Lq, bk.Lk, _GatherPlan(bk.query_index, device),
+                              _GatherPlan(bk.key_index, device), mask))
+            self._batched_plan = (plans, _GatherPlan(source, device))
+        return self._batched_plan
+
+    def _sdpa_batched(self, q_BTHD, k_BSHD, v_BSHD, scale) -> torch.Tensor:
+        """All queries (no context parallelism): a few padded SDPA calls per layer instead
+        of one per segment. Gathers (:class:`_GatherRows`) build each bucket's queries and
+        keys; their backward sums the copies of a shared prompt's keys without atomics. A
+        masked key slot gets probability 0, so padding adds exact zeros to the outputs and
+        to every gradient."""
+        B, T, Hq, _ = q_BTHD.shape
+        plans, back = self._plan_batched(q_BTHD.device)
+        q, k, v = q_BTHD.flatten(0, 1), k_BSHD.flatten(0, 1), v_BSHD.flatten(0, 1)
+        outs = []
+        for n, Lq, Lk, q_plan, k_plan, mask in plans:
+            (q_b,) = _GatherRows.apply(q_plan, q)
+            k_b, v_b = _GatherRows.apply(k_plan, k, v)
+            q_b, k_b, v_b = (x.view(n, L, *x.shape[1:]).transpose(1, 2) for x, L in ((q_b, Lq), (k_b, Lk), (v_b, Lk)))
+            out = _sdpa(q_b, k_b, v_b, scale, mask=mask, is_causal=mask is None)
+            outs.append(out.transpose(1, 2).reshape(n * Lq, Hq, out.shape[-1]))
+        (out,) = _GatherRows.apply(back, outs[0] if len(outs) == 1 else torch.cat(outs))
+        return out.view(B, T, Hq, out.shape[-1])
 
     # ------------------------------------------------------------------ FlexAttention
     def block_mask(self):

@@ -164,3 +164,55 @@ def plan_row(units: list[tuple[int, list[int]]]) -> tuple[list[tuple[int, int, i
 def shared_length(num_shared: int, lengths: list[int]) -> int:
     """Row tokens of one unit under :func:`plan_row`."""
     return sum(lengths) - (len(lengths) - 1) * num_shared if num_shared and len(lengths) > 1 else sum(lengths)
+
+
+@dataclass
+class AttentionBucket:
+    """Segments attended in one padded SDPA call: ``n`` of them, each with ``Lq`` query and
+    ``Lk`` key slots. ``query_index`` [n * Lq] and ``key_index`` [n * Lk] are flat indices
+    into the batch's tokens (``b * T + t``; padding slots repeat a real token), ``mask``
+    [n, 1, Lq, Lk] which key slot each query slot sees (None: one unpadded segment whose
+    keys are its own queries, plain causal)."""
+
+    n: int
+    Lq: int
+    Lk: int
+    query_index: np.ndarray
+    key_index: np.ndarray
+    mask: np.ndarray | None
+
+
+def attention_buckets(trees: list[RowTree], max_padded_keys: int = 256
+                      ) -> tuple[list[AttentionBucket], np.ndarray]:
+    """Every segment of every row as one entry of a batched attention call: its queries, and
+    its ancestors' keys then its own (causal on its own part). Segments with at most
+    ``max_padded_keys`` keys are grouped by their query count rounded up to a power of two
+    and padded to the largest of the group (padding keys are masked out; padding queries
+    see one key and are dropped), so a shared row of 4 groups x 8 completions takes a few
+    calls instead of one per segment. Longer segments get a call each, unpadded. Returns the
+    buckets and ``source`` [B * T]: where each token's output sits in the buckets' outputs
+    concatenated (bucket after bucket, ``[n * Lq]`` each)."""
+    T = trees[0].num_tokens if trees else 0
+    entries: dict[tuple, list] = {}
+    for b, tree in enumerate(trees):
+        for j, (s, e) in enumerate(tree.spans):
+            keys = np.concatenate([np.arange(a, z) for a, z in tree.ancestors(j)] + [np.arange(s, e)]) + b * T
+            q = np.arange(s, e) + b * T
+            key = (len(keys), b, j) if len(keys) > max_padded_keys else (1 << (len(q) - 1).bit_length(),)
+            entries.setdefault(key, []).append((q, keys))
+    buckets, source, offset = [], np.zeros(len(trees) * T, dtype=np.int64), 0
+    for group in entries.values():
+        n, Lq, Lk = len(group), max(len(q) for q, _ in group), max(len(k) for _, k in group)
+        qi, ki = np.zeros((n, Lq), dtype=np.int64), np.zeros((n, Lk), dtype=np.int64)
+        mask = np.zeros((n, 1, Lq, Lk), dtype=bool)
+        for i, (q, keys) in enumerate(group):
+            t, m = len(q), len(keys)
+            qi[i, :t], qi[i, t:] = q, q[0]
+            ki[i, :m], ki[i, m:] = keys, keys[0]
+            mask[i, 0, :t, :m] = np.arange(m)[None, :] <= np.arange(m - t, m)[:, None]
+            mask[i, 0, t:, 0] = True
+            source[q] = offset + i * Lq + np.arange(t)
+        plain = n == 1 and Lq == Lk
+        buckets.append(AttentionBucket(n, Lq, Lk, qi.ravel(), ki.ravel(), None if plain else mask))
+        offset += n * Lq
+    return buckets, source

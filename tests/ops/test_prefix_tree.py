@@ -122,6 +122,45 @@ def test_varlen_shared_rows_gather_each_segments_keys(monkeypatch):
 
 
 
+@pytest.mark.parametrize("max_padded_keys", [256, 6])
+def test_batched_sdpa_matches_dense_mask_and_per_segment_calls(monkeypatch, max_padded_keys):
+    """The CPU path without CP: segments of two rows (a tree, and plain documents) in padded
+    buckets; with ``max_padded_keys`` 6 the longer segments take unpadded calls of their own
+    (a child's ancestors plus itself, and a plain causal root). Values and gradients against
+    the dense mask and against one call per segment."""
+    import functools
+
+    import rlcli.ops.document_attention as da
+    from rlcli.ops.prefix_tree import attention_buckets
+
+    tree, pos = _tree_and_positions()
+    T = tree.num_tokens
+    docs = RowTree([(0, 10), (10, 11), (11, T)], [-1, -1, -1])
+    buckets, _ = attention_buckets([tree, docs], max_padded_keys)
+    long = [b for b in buckets if b.Lk > max_padded_keys]
+    assert all(b.n == 1 for b in long) and {b.mask is None for b in long} == ({True, False} if long else set())
+    assert len(long) == (5 if max_padded_keys == 6 else 0)
+    assert len(buckets) < len(tree.spans) + len(docs.spans)
+    monkeypatch.setattr(da, "attention_buckets", functools.partial(attention_buckets, max_padded_keys=max_padded_keys))
+    g = torch.Generator().manual_seed(2)
+    q, k, v = torch.randn(2, T, 4, 8, generator=g), torch.randn(2, T, 2, 8, generator=g), \
+        torch.randn(2, T, 2, 8, generator=g)
+    pos2 = torch.cat([pos, torch.from_numpy(np.concatenate([np.arange(e - s) for s, e in docs.spans]))[None]])
+    attn = PackedCausalAttention(pos2, backend="sdpa", trees=[tree, docs])
+    masks = torch.stack([torch.from_numpy(dense_mask(t)) for t in (tree, docs)])[:, None]
+    grads = []
+    for run in (lambda *x: attn(0, *x, 0.3), lambda *x: attn._sdpa_per_document(*x, 0.3),
+                lambda *x: F.scaled_dot_product_attention(*(y.transpose(1, 2) for y in x), attn_mask=masks,
+                                                          scale=0.3, enable_gqa=True).transpose(1, 2)):
+        xs = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = run(*xs)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        grads.append([out.detach()] + [x.grad for x in xs])
+    for got in grads[:2]:
+        for a, b in zip(got, grads[2]):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 def test_row_gather_backward_sums_every_copy_without_index_add():
     """The shared-prompt key gather: forward is index_select; backward gives each source row the
     sum of its copies' gradients (copy counts 1, 3 and 8 mixed, one row never read)."""
