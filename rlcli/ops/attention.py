@@ -128,11 +128,9 @@ class PagedAttention(nn.Module):
         out = q_SHD.new_empty(q_SHD.shape[0], q_SHD.shape[1], v_cache.shape[-1])
         k_flat, v_flat = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
         for rows, slots, valid in meta._decode_gather:
-            # Padding slots are masked, but a masked score still multiplies its value: zero them so
-            # stale non-finite cache contents cannot leak into other sequences (0 * NaN = NaN).
-            keep = valid[:, :, None, None]
-            k = k_flat[slots].masked_fill(~keep, 0)  # [S_b, L_b, H, D]
-            v = v_flat[slots].masked_fill(~keep, 0)
+            # Padding slots read the sequence's own first key and value (see _decode_buckets).
+            k = k_flat.index_select(0, slots.flatten()).view(*slots.shape, *k_flat.shape[1:])  # [S_b, L_b, H, D]
+            v = v_flat.index_select(0, slots.flatten()).view(*slots.shape, *v_flat.shape[1:])
             q = q_SHD[rows][:, :, None]
             if self.batch_invariant:
                 out[rows] = invariant_attention(q, k.transpose(1, 2), v.transpose(1, 2), scale, valid.sum(1))[:, :, 0]
@@ -141,7 +139,10 @@ class PagedAttention(nn.Module):
         return out
 
     def _decode_buckets(self, device) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Per bucket: (row indices, cache slots [S_b, L_b], valid mask [S_b, L_b]); shared by all layers."""
+        """Per bucket: (row indices, cache slots [S_b, L_b], valid mask [S_b, L_b]); shared by all layers.
+        A padding position is masked, but a masked score still multiplies its value (0 * NaN =
+        NaN): its slot is the sequence's own first one, written by this sequence, so no stale
+        cache contents of another sequence are read and nothing needs zeroing per layer."""
         meta = self.meta
         lens = meta.context_lens[:meta.num_decode]
         buckets: dict[int, list[int]] = {}
@@ -156,6 +157,7 @@ class PagedAttention(nn.Module):
             blocks = meta.block_tables[rows_t][:, block_idx].clamp(min=0)
             slots = blocks * meta.block_size + (pos % meta.block_size)[None]
             valid = pos[None] < torch.tensor([lens[i] for i in rows], device=device)[:, None]
+            slots = torch.where(valid, slots, slots[:, :1])
             out.append((rows_t, slots, valid))
         return out
 

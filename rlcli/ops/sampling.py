@@ -1,9 +1,13 @@
 """Batched token sampling: temperature, top-p, greedy, per-row seeds, no host sync.
 
-Sampling uses the exponential race (Gumbel-max in another form): ``argmax(p / E)`` with
-``E ~ Exp(1)`` draws from ``p``. The noise is drawn for the whole batch from one
-generator; rows with their own seed overwrite their noise from their own generator, so
-a seeded request samples the same tokens whatever else is in the batch.
+Sampling inverts the CDF: one uniform ``u`` per row, and the token is the first whose
+cumulative probability (summed in float64) exceeds ``u`` times the row's total, which draws
+from ``p`` with one random number per row instead of one per vocabulary entry (the
+exponential race ``argmax(p / E)`` drew ``V`` of them, the largest cost of a CPU decode
+step's sampling). Tokens of probability 0 (outside the top-p nucleus) are never drawn.
+The uniforms are drawn for the whole batch from one generator; rows with their own seed
+overwrite theirs from their own generator, so a seeded request samples the same tokens
+whatever else is in the batch.
 
 The returned logprob of a sampled token is under the distribution it was drawn from:
 ``log_softmax(logits / T)``, truncated to the top-p nucleus and renormalized when
@@ -28,11 +32,12 @@ def sample(logits_SV: torch.Tensor, temperature_S: torch.Tensor, top_p_S: torch.
         keep = top_p_keep(probs, top_p_S.float()[:, None]) | (greedy | (top_p_S >= 1))[:, None]
         probs = probs.masked_fill(~keep, 0.0)
         logprobs = torch.log_softmax(logprobs.masked_fill(~keep, float("-inf")), dim=-1)
-    noise = torch.empty_like(probs).exponential_(generator=generator)
+    u = torch.rand(probs.shape[0], 1, generator=generator, dtype=torch.float64, device=probs.device)
     for row, gen in (row_generators or {}).items():
-        noise[row].exponential_(generator=gen)
-    sampled = (probs / noise).argmax(dim=-1)
-    tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
+        u[row] = torch.rand(1, generator=gen, dtype=torch.float64, device=probs.device)
+    cdf = probs.double().cumsum(dim=-1)
+    sampled = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
+    tokens = torch.where(greedy, logits.argmax(dim=-1), sampled) if bool(greedy.any()) else sampled
     return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
 
 
