@@ -6,8 +6,10 @@ A training row packs several sequences (documents); a document starts where
 131k tokens and rules out flash kernels; the backends here only ever hold per-document
 or per-block state:
 
-* ``sdpa`` (CPU, and the reference): one causal SDPA call per document, so memory is
-  O(doc²) per document, not O(T²). Works everywhere, with autograd.
+* ``sdpa`` (CPU, and the reference): on a CPU without context parallelism, the documents
+  (segments) of all rows in a few padded SDPA calls per layer, bucketed by length
+  (:func:`rlcli.ops.prefix_tree.attention_buckets`); elsewhere one SDPA call per document.
+  Memory is O(doc²) per document, not O(T²). Works everywhere, with autograd.
 * ``flex`` (CUDA): FlexAttention (compiled) with a block mask built from document ids.
   Fully masked blocks are skipped. On CPU FlexAttention has no backward (torch 2.13), so
   there it is used only without grad (tests check it against the dense mask).
@@ -31,8 +33,8 @@ kernel applies), ``flex`` under CP and ``varlen`` otherwise; ``sdpa`` elsewhere.
 
 Shared prompts (:mod:`rlcli.ops.prefix_tree`): a row may be a prefix tree of segments
 instead of independent documents; a segment then also sees its ancestors' segments.
-``sdpa`` runs one call per segment over its ancestors' keys and its own (a bool mask:
-all of the ancestors, causal within its own); ``flex`` uses the tree's mask
+``sdpa`` attends each segment over its ancestors' keys and its own (a bool mask: all of
+the ancestors, causal within its own), batched as above on a CPU; ``flex`` uses the tree's mask
 ``k <= q < reach[k]``; ``varlen`` gives each segment its own key sequence, its ancestors'
 keys and values gathered in front of its own (one gather per layer, :class:`_GatherRows`,
 whose backward sums each shared token's copies without atomics), with flash's causal mask aligned to
