@@ -35,7 +35,7 @@ def sample(logits_SV: torch.Tensor, temperature_S: torch.Tensor, top_p_S: torch.
     u = torch.rand(probs.shape[0], 1, generator=generator, dtype=torch.float64, device=probs.device)
     for row, gen in (row_generators or {}).items():
         u[row] = torch.rand(1, generator=gen, dtype=torch.float64, device=probs.device)
-    cdf = probs.double().cumsum(dim=-1)
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
     sampled = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
     tokens = torch.where(greedy, logits.argmax(dim=-1), sampled) if bool(greedy.any()) else sampled
     return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
