@@ -103,9 +103,9 @@ def invariant_attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torc
     """Causal attention in a fixed summation order, ``[B, Hq, T, Dv]`` in ``q``'s dtype.
 
     Row ``b`` holds ``n_b`` keys (``lens_B``, default all ``S``; keys past ``n_b`` are padding,
-    which must be finite: the engine's decode zeroes it); its ``T`` queries are the last ``T``
-    of them, so query ``j`` sees keys ``0 .. n_b - T + j`` (bottom-right causal). GQA: query head ``h`` reads key head
-    ``h // (Hq / Hkv)``. Computed in fp32; each query's output depends only on its own query,
+    which must be finite: the engine's decode reads the sequence's own first key there); its
+    ``T`` queries are the last ``T`` of them, so query ``j`` sees keys ``0 .. n_b - T + j``
+    (bottom-right causal). GQA: query head ``h`` reads key head ``h // (Hq / Hkv)``. Computed in fp32; each query's output depends only on its own query,
     keys and values (module docstring), so queries may also be computed in chunks (long rows
     are, to bound memory). Differentiable.
     """
