@@ -10,7 +10,14 @@ previous answer. Turns are routed round-robin with no affinity (turn t of conver
 goes to replica (c + t) % 2), so each replica's local prefix cache holds only what it
 computed itself. A real ``rl-cache serve`` process serves the arms that use it. Three
 arms, one run, same requests and seeds (each arm its own cache salt, so no arm reads
-blocks another stored; the replicas' local prefix caches are reset between arms):
+blocks another stored; the replicas' local prefix caches are reset between arms).
+
+``--arrival`` picks when conversations start. ``burst``: all at once, as a synchronous
+RL step dispatches its whole batch after each weight update (the new version's salt
+leaves every cache cold), and as any run starts. ``staggered``: conversation c starts
+``c * --stagger-s`` seconds in, as an asynchronous run dispatches a new group whenever one
+finishes; then a replica can take the shared prefix another replica computed (through
+the store) instead of computing it again. ``burst,staggered`` runs both, one after the other.
 
   mixed         2 mixed replicas, local prefix caches only (the baseline)
   mixed+cache   2 mixed replicas sharing rl-cache (fetch on a local miss, publish after prefill)
@@ -21,13 +28,16 @@ Printed per arm: prefix hit rate (prompt tokens served from a cache), prompt tok
 recomputed, mean and median time to first token (submit -> first generated token back in
 the driver, including the prefill hop for P/D), TTFT per turn, decode tokens/s per request
 (tokens after the first / time after the first), payload bytes moved through the store per
-request, and the replicas' time in fetches (host side); then the TTFT ratios, also over the
-turns after the first (the first is the same cold work in every arm: all conversations
-start together and nothing is stored yet). Every token time is taken after the engine read
-the sampled token back to the host (a device sync), so GPU times are real.
+request, the replicas' fetch threads' time (store round trips and the copy to the device),
+the part of it spent waiting for the store, and the time the engines sat idle because the
+only prompts left were waiting for a fetch; then the TTFT ratios, also over the turns after
+the first (in a burst, the first is the same cold work in every arm: all conversations start
+together and nothing is stored yet). Every token time is taken after the engine read the
+sampled token back to the host (a device sync), so GPU times are real.
 
     python bench/kv_cache.py --smoke                  # CPU, tiny shapes, about a minute
     python bench/kv_cache.py                          # CPU, the docs/benchmarks.md figures
+    python bench/kv_cache.py --arrival staggered      # CPU, conversations starting 3 s apart
     python bench/kv_cache.py --device cuda            # ~1B Llama shape, 16k shared prefix (GPU_RUN.md)
 """
 
@@ -194,7 +204,7 @@ def start_cache(tmp: Path, backend: str) -> tuple[subprocess.Popen, str]:
     return proc, entries[0].endpoints["rpc"]
 
 
-def run_arm(args, reps: Replicas, arm: str, endpoint: str | None) -> dict:
+def run_arm(args, reps: Replicas, arm: str, endpoint: str | None, arrival: str) -> dict:
     from rlcli.protocol import GenerateRequest, SamplingParams
 
     roles = ["prefill", "decode"] if arm == "P/D+cache" else ["mixed", "mixed"]
@@ -211,7 +221,7 @@ def run_arm(args, reps: Replicas, arm: str, endpoint: str | None) -> dict:
     warm = [[256] + torch.randint(0, 256, (longest - 1,), generator=gen).tolist() for _ in range(2)]
     for k, order in enumerate(([0, 1], [1, 0])):
         for i in order:
-            reps.ask(i, "req", GenerateRequest(request_id=f"warm{k}{i}", prompt_ids=warm[k], cache_salt=f"warm-{arm}",
+            reps.ask(i, "req", GenerateRequest(request_id=f"warm{k}{i}", prompt_ids=warm[k], cache_salt=f"warm-{arm}-{arrival}",
                                                sampling=SamplingParams(max_tokens=2, ignore_eos=True)))
             reps.wait("done")
     base = reps.stats()
@@ -221,6 +231,7 @@ def run_arm(args, reps: Replicas, arm: str, endpoint: str | None) -> dict:
     history = {c: prefix + torch.randint(0, 256, (args.context,), generator=gen).tolist()
                for c in range(args.conversations)}
     turn = {c: 0 for c in range(args.conversations)}
+    starts = [c * (args.stagger_s if arrival == "staggered" else 0.0) for c in range(args.conversations)]
     submitted: dict[str, float] = {}
     first: dict[str, float] = {}
     done: dict[str, tuple[float, int]] = {}
@@ -229,17 +240,23 @@ def run_arm(args, reps: Replicas, arm: str, endpoint: str | None) -> dict:
     def submit(c: int) -> None:
         history[c] += torch.randint(0, 256, (args.user,), generator=gen).tolist()
         rid = f"c{c}t{turn[c]}"
-        req = GenerateRequest(request_id=rid, prompt_ids=list(history[c]), cache_salt=arm,  # arms share nothing
+        req = GenerateRequest(request_id=rid, prompt_ids=list(history[c]), cache_salt=f"{arm}-{arrival}",  # arms share nothing
                               sampling=SamplingParams(max_tokens=args.gen, seed=1000 * c + turn[c], ignore_eos=True))
         submitted[rid] = time.perf_counter()
         reps.ask(0 if arm == "P/D+cache" else (c + turn[c]) % 2, "req", req)
         pending[rid] = req
 
     t_start = time.perf_counter()
-    for c in range(args.conversations):
-        submit(c)
-    while pending:
-        kind, name, now, payload = reps.events.get(timeout=900)
+    num_started = 0
+    while pending or num_started < len(starts):
+        while num_started < len(starts) and time.perf_counter() - t_start >= starts[num_started]:
+            submit(num_started)
+            num_started += 1
+        wait = starts[num_started] - (time.perf_counter() - t_start) if num_started < len(starts) else 900
+        try:
+            kind, name, now, payload = reps.events.get(timeout=max(wait, 0.001))
+        except queue.Empty:
+            continue
         if kind not in ("token", "done"):
             continue
         rid = payload if kind == "token" else payload[0]
@@ -270,12 +287,14 @@ def run_arm(args, reps: Replicas, arm: str, endpoint: str | None) -> dict:
     else:
         prompt_tokens, hits = total["num_prompt_tokens"], total["num_cached_tokens"]
     by_turn = [statistics.mean(first[r] - submitted[r] for r in done if r.endswith(f"t{t}")) for t in range(args.turns)]
-    return {"arm": arm, "requests": num_req, "hit_rate": hits / max(prompt_tokens, 1), "ttft_by_turn_s": by_turn,
+    return {"arm": arm, "arrival": arrival, "requests": num_req, "hit_rate": hits / max(prompt_tokens, 1), "ttft_by_turn_s": by_turn,
             "ttft_mean_s": statistics.mean(ttft), "ttft_p50_s": statistics.median(ttft),
             "ttft_later_turns_s": statistics.mean(by_turn[1:]) if args.turns > 1 else by_turn[0],
             "decode_tok_s": statistics.mean(tps) if tps else 0.0,
             "bytes_per_request": (total.get("kv_fetched_bytes", 0) + total.get("kv_published_bytes", 0)) / num_req,
             "fetch_s": total.get("kv_fetch_s", 0.0), "fetched_gb": total.get("kv_fetched_bytes", 0) / 1e9,
+            "fetch_store_s": total.get("kv_fetch_store_s", 0.0), "idle_s": total.get("kv_fetch_idle_s", 0.0),
+            "publish_engine_s": total.get("kv_publish_engine_s", 0.0),
             "recomputed_tokens": prompt_tokens - hits, "wall_s": wall}
 
 
@@ -292,6 +311,8 @@ def main() -> None:
     p.add_argument("--user", type=int, default=None, help="new user tokens per turn")
     p.add_argument("--gen", type=int, default=None, help="generated tokens per turn")
     p.add_argument("--threads", type=int, default=1, help="torch threads per replica (CPU)")
+    p.add_argument("--arrival", default="burst", help="burst, staggered, or both as burst,staggered")
+    p.add_argument("--stagger-s", type=float, default=None, help="seconds between conversation starts (staggered)")
     args = p.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # (timeout): stop the replicas and rl-cache too
     workload = "smoke" if args.smoke else args.device
@@ -299,6 +320,11 @@ def main() -> None:
     for name, value in zip(("conversations", "turns", "prefix", "context", "user", "gen"), WORKLOADS[workload]):
         if getattr(args, name) is None:
             setattr(args, name, value)
+    arrivals = args.arrival.split(",")
+    if not arrivals or any(a not in ("burst", "staggered") for a in arrivals):
+        p.error(f"--arrival: burst, staggered or burst,staggered, got {args.arrival!r}")
+    if args.stagger_s is None:
+        args.stagger_s = {"smoke": 0.5, "cpu": 3.0, "cuda": 1.0}[workload]
     args.dtype = "bfloat16" if args.device == "cuda" else "float32"
     args.block_size = 16
     args.max_len = args.prefix + args.context + args.turns * (args.user + args.gen) + 64
@@ -323,33 +349,48 @@ def main() -> None:
         print(f"# kv_cache bench: device={args.device} shape={args.shape} (hidden {h}, {layers} layers, {kv}x{hd} KV "
               f"heads, {args.dtype}; KV {reps.kv_bytes_per_token} B/token) backend={args.backend} payloads via "
               f"{transfer}; conversations={args.conversations} turns={args.turns} prefix={args.prefix} "
-              f"context={args.context} user={args.user} gen={args.gen}; load average {os.getloadavg()[0]:.1f}",
+              f"context={args.context} user={args.user} gen={args.gen} arrival={args.arrival} (stagger "
+              f"{args.stagger_s:g} s); load average {os.getloadavg()[0]:.1f}",
               flush=True)
         try:
-            for arm in ("mixed", "mixed+cache", "P/D+cache"):
-                rows.append(run_arm(args, reps, arm, endpoint if arm != "mixed" else None))
-                print(json.dumps(rows[-1]), flush=True)  # each arm as it ends (a cut-short run keeps them)
+            for arrival in arrivals:
+                for arm in ("mixed", "mixed+cache", "P/D+cache"):
+                    rows.append(run_arm(args, reps, arm, endpoint if arm != "mixed" else None, arrival))
+                    print(json.dumps(rows[-1]), flush=True)  # each arm as it ends (a cut-short run keeps them)
+                if arrival != arrivals[-1]:
+                    report(rows)
         finally:
             reps.close()
             proc.terminate()
             proc.wait(timeout=30)
     print(f"# total {time.perf_counter() - t0:.0f} s, load average {os.getloadavg()[0]:.1f}")
-    print(f"{'arm':<12} {'hit rate':>8} {'recomputed':>10} {'TTFT mean':>10} {'TTFT p50':>9} {'decode tok/s':>12} "
-          f"{'MB/request':>10} {'fetch s':>7} {'fetch GB/s':>10} {'wall s':>7}")
-    for r in rows:
-        rate = r["fetched_gb"] / r["fetch_s"] if r["fetch_s"] else 0.0
-        print(f"{r['arm']:<12} {r['hit_rate']:>8.3f} {r['recomputed_tokens']:>10.0f} {r['ttft_mean_s'] * 1e3:>8.1f}ms "
-              f"{r['ttft_p50_s'] * 1e3:>7.1f}ms {r['decode_tok_s']:>12.1f} {r['bytes_per_request'] / 2**20:>10.2f} "
-              f"{r['fetch_s']:>7.2f} {rate:>10.2f} {r['wall_s']:>7.1f}")
-    for r in rows:
-        print(f"{r['arm']:<12} TTFT by turn (ms): " + " ".join(f"{t * 1e3:.0f}" for t in r["ttft_by_turn_s"]))
-    base, cache, pd = rows
-    print(f"TTFT mixed / mixed+cache: {base['ttft_mean_s'] / cache['ttft_mean_s']:.2f}x lower with the shared cache "
-          f"(p50 {base['ttft_p50_s'] / cache['ttft_p50_s']:.2f}x; turns after the first, which all arms start cold: "
-          f"{base['ttft_later_turns_s'] / cache['ttft_later_turns_s']:.2f}x); "
-          f"mixed+cache / P/D+cache: {cache['ttft_mean_s'] / pd['ttft_mean_s']:.2f}x; "
-          f"decode tok/s mixed+cache / mixed: {cache['decode_tok_s'] / max(base['decode_tok_s'], 1e-9):.2f}x, "
-          f"P/D / mixed+cache: {pd['decode_tok_s'] / max(cache['decode_tok_s'], 1e-9):.2f}x")
+    report(rows)
+
+
+def report(rows: list[dict]) -> None:
+    """A table per workload (arrival), with the TTFT ratios once its three arms are done."""
+    for arrival in dict.fromkeys(r["arrival"] for r in rows):
+        arms = [r for r in rows if r["arrival"] == arrival]
+        print(f"# arrival: {arrival}")
+        print(f"{'arm':<12} {'hit rate':>8} {'recomputed':>10} {'TTFT mean':>10} {'TTFT p50':>9} {'decode tok/s':>12} "
+              f"{'MB/request':>10} {'fetch s':>7} {'fetch GB/s':>10} {'store s':>7} {'idle s':>6} {'wall s':>7}")
+        for r in arms:
+            rate = r["fetched_gb"] / r["fetch_s"] if r["fetch_s"] else 0.0
+            print(f"{r['arm']:<12} {r['hit_rate']:>8.3f} {r['recomputed_tokens']:>10.0f} "
+                  f"{r['ttft_mean_s'] * 1e3:>8.1f}ms {r['ttft_p50_s'] * 1e3:>7.1f}ms {r['decode_tok_s']:>12.1f} "
+                  f"{r['bytes_per_request'] / 2**20:>10.2f} {r['fetch_s']:>7.2f} {rate:>10.2f} "
+                  f"{r['fetch_store_s']:>7.2f} {r['idle_s']:>6.2f} {r['wall_s']:>7.1f}")
+        for r in arms:
+            print(f"{r['arm']:<12} TTFT by turn (ms): " + " ".join(f"{t * 1e3:.0f}" for t in r["ttft_by_turn_s"]))
+        if len(arms) < 3:
+            continue
+        base, cache, pd = arms
+        print(f"TTFT mixed / mixed+cache: {base['ttft_mean_s'] / cache['ttft_mean_s']:.2f}x lower with the shared "
+              f"cache (p50 {base['ttft_p50_s'] / cache['ttft_p50_s']:.2f}x; turns after the first: "
+              f"{base['ttft_later_turns_s'] / cache['ttft_later_turns_s']:.2f}x); "
+              f"mixed+cache / P/D+cache: {cache['ttft_mean_s'] / pd['ttft_mean_s']:.2f}x; "
+              f"decode tok/s mixed+cache / mixed: {cache['decode_tok_s'] / max(base['decode_tok_s'], 1e-9):.2f}x, "
+              f"P/D / mixed+cache: {pd['decode_tok_s'] / max(cache['decode_tok_s'], 1e-9):.2f}x", flush=True)
 
 
 if __name__ == "__main__":

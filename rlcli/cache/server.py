@@ -1,18 +1,30 @@
 """rl-cache serve: the block store behind a ROUTER socket.
 
-Batch get/put/exists, plus stats, list and prune, answered one message at a time by one
-thread (the store is not shared). Large payloads do not cross ZeroMQ: a put names a
-/dev/shm file the requester wrote (it deletes it once answered), a get with transfer
-"shm" is answered with a /dev/shm file the store wrote (the requester deletes it after
-reading; files a requester never collected are removed after ``ORPHAN_S``) or written
-into the requester's own file (``into``: a reused mailbox, so no fresh pages), and with the
-Mooncake backend ZeroMQ carries only keys and layouts while the payloads move through
-Mooncake's transfer engine. Inline payloads stay accepted for peers on other hosts.
-Malformed requests get an ``ErrorReply``; the loop keeps serving.
+Batch get/put/exists, plus stats, list and prune. The socket thread answers small
+requests itself; those that copy payloads through /dev/shm (puts and gets naming a file)
+go to ``WORKERS`` threads, whose replies the socket thread sends when they are done, so
+a large put being read never holds up another engine's lookup or fetch. The store is
+touched under one lock and payloads are copied outside it (stored payloads are immutable
+bytes); keys of a put still being read count as present for ``exists``, so two engines
+publishing the same prefix do not both send it.
+
+Large payloads do not cross ZeroMQ: a put names a /dev/shm file the requester wrote (it
+deletes it once answered), a get with transfer "shm" is answered with a /dev/shm file the
+store wrote (the requester deletes it after reading; files a requester never collected
+are removed after ``ORPHAN_S``) or written into the requester's own file (``into``: a
+reused mailbox, so no fresh pages), and with the Mooncake backend ZeroMQ carries only keys
+and layouts while the payloads move through Mooncake's transfer engine. Inline payloads
+stay accepted for peers on other hosts. Malformed requests get an ``ErrorReply``; the
+loop keeps serving.
 """
 
 import os
+import queue
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+
+import zmq
 
 from rlcli.cache.store import make_store
 from rlcli.config import RecipeConfig
@@ -31,6 +43,10 @@ log = setup_logging("rl-cache")
 ORPHAN_S = 60.0
 COPY_THREADS = max(1, min(8, (os.cpu_count() or 1) // 4))
 """Threads that copy a large get into a requester's mailbox (one on small hosts)."""
+WORKERS = 4
+"""Requests whose payloads cross /dev/shm served at once (their copies release the GIL)."""
+INLINE_BYTES = 4 << 20
+"""Payload copies up to this size run on the socket thread (a hand-off would cost more)."""
 
 
 class CacheService:
@@ -40,76 +56,128 @@ class CacheService:
         self.store = store
         self.kind = getattr(store, "kind", "memory")
         self.outgoing: dict[str, float] = {}  # shm files written for gets -> when
+        self.lock = threading.Lock()  # the store, outgoing and pending
+        self.pending: dict[bytes, int] = {}  # keys of puts being read -> how many
 
     def handle(self, msg, rid: str):
+        """The reply to one request (any thread)."""
+        reply = self.begin(msg, rid)
+        return reply() if callable(reply) else reply
+
+    def begin(self, msg, rid: str):
+        """The reply, or, for a request that copies payloads through /dev/shm, a function that
+        copies them and returns the reply (``.nbytes``: how many; a worker thread runs it).
+        Lookups happen here, so a miss is answered at once."""
         store = self.store
         if isinstance(msg, CachePut):
-            return CacheReply(request_id=rid, num_stored=self.put(msg))
+            return self.put(msg, rid)
         if isinstance(msg, CacheGet):
             return self.get(msg, rid)
-        if isinstance(msg, CacheExists):
-            return CacheExistsReply(request_id=rid, exists=store.exists(msg.keys))
-        if isinstance(msg, CacheStatsRequest):
-            return CacheStats(request_id=rid, **store.stats())
-        if isinstance(msg, CacheList):
-            return CacheListReply(request_id=rid, entries=store.entries(max(0, min(msg.limit, 100_000))))
-        if isinstance(msg, CachePrune):
-            if msg.tier not in ("", "ram", "disk"):
-                raise ValueError(f"prune: tier must be ram or disk, got {msg.tier!r}")
-            removed, freed = store.prune(msg.fingerprint, msg.tier)
-            return CachePruneReply(request_id=rid, num_removed=removed, bytes_freed=freed)
-        if isinstance(msg, (HealthRequest, Shutdown)):
-            return HealthResponse(request_id=rid, role="cache",
-                                  stats={k: float(v) for k, v in store.stats().items() if isinstance(v, int)})
+        with self.lock:
+            if isinstance(msg, CacheExists):
+                return CacheExistsReply(request_id=rid, exists=[e or k in self.pending for k, e in
+                                                                zip(msg.keys, store.exists(msg.keys))])
+            if isinstance(msg, CacheStatsRequest):
+                return CacheStats(request_id=rid, **store.stats())
+            if isinstance(msg, CacheList):
+                return CacheListReply(request_id=rid, entries=store.entries(max(0, min(msg.limit, 100_000))))
+            if isinstance(msg, CachePrune):
+                if msg.tier not in ("", "ram", "disk"):
+                    raise ValueError(f"prune: tier must be ram or disk, got {msg.tier!r}")
+                removed, freed = store.prune(msg.fingerprint, msg.tier)
+                return CachePruneReply(request_id=rid, num_removed=removed, bytes_freed=freed)
+            if isinstance(msg, (HealthRequest, Shutdown)):
+                return HealthResponse(request_id=rid, role="cache",
+                                      stats={k: float(v) for k, v in store.stats().items() if isinstance(v, int)})
         return ErrorReply(request_id=rid, message=f"rl-cache does not handle {type(msg).__name__}")
 
-    def put(self, msg: CachePut) -> int:
+    def put(self, msg: CachePut, rid: str):
         if msg.mooncake:
             if self.kind != "mooncake" or msg.meta is None:
                 raise ValueError("a mooncake put needs rl-cache --backend mooncake and the blocks' meta")
-            return self.store.record(msg.keys, msg.meta)
-        if msg.shm:
-            if msg.meta is None or msg.values:
-                raise ValueError("a put through shm carries meta and no inline values")
-            values = shm.read_payloads(msg.shm, msg.meta.nbytes, len(msg.keys))
-        else:
-            values = msg.values
-        return self.store.put(msg.keys, values, msg.meta)
+            with self.lock:
+                return CacheReply(request_id=rid, num_stored=self.store.record(msg.keys, msg.meta))
+        if not msg.shm:
+            with self.lock:
+                return CacheReply(request_id=rid, num_stored=self.store.put(msg.keys, msg.values, msg.meta))
+        if msg.meta is None or msg.values:
+            raise ValueError("a put through shm carries meta and no inline values")
+        shm.path_of(msg.shm)  # a bad name is refused here, not on a worker
+        with self.lock:
+            for k in msg.keys:
+                self.pending[k] = self.pending.get(k, 0) + 1
 
-    def get(self, msg: CacheGet, rid: str) -> CacheGetReply:
+        def copy() -> CacheReply:
+            try:
+                values = shm.read_payloads(msg.shm, msg.meta.nbytes, len(msg.keys))  # outside the lock
+                with self.lock:
+                    return CacheReply(request_id=rid, num_stored=self.store.put(msg.keys, values, msg.meta))
+            finally:
+                with self.lock:
+                    for k in msg.keys:
+                        if self.pending[k] == 1:
+                            del self.pending[k]
+                        else:
+                            self.pending[k] -= 1
+        copy.nbytes = msg.meta.nbytes * len(msg.keys)
+        return copy
+
+    def get(self, msg: CacheGet, rid: str):
         if msg.transfer == "mooncake":
             if self.kind != "mooncake":
                 raise ValueError("transfer mooncake needs rl-cache --backend mooncake")
-            return CacheGetReply(request_id=rid, found=self.store.find(msg.keys, msg.meta, msg.prefix))
+            with self.lock:
+                return CacheGetReply(request_id=rid, found=self.store.find(msg.keys, msg.meta, msg.prefix))
         if msg.transfer not in ("", "shm"):
             raise ValueError(f"unknown transfer {msg.transfer!r}")
-        values = self.store.get(msg.keys, msg.meta, msg.prefix)
+        if msg.transfer == "shm" and msg.meta is None:
+            raise ValueError("a get through shm carries the requester's meta")
+        with self.lock:
+            values = self.store.get(msg.keys, msg.meta, msg.prefix)
         found = [v is not None for v in values]
         if msg.transfer == "":
             return CacheGetReply(request_id=rid, values=values, found=found)
-        if msg.meta is None:
-            raise ValueError("a get through shm carries the requester's meta")
-        if msg.into:  # the requester's mailbox: one copy into pages it already holds
-            shm.write_into(msg.into, [v for v in values if v is not None], COPY_THREADS)
-            return CacheGetReply(request_id=rid, found=found, shm=msg.into if any(found) else "")
-        name = shm.write_payloads(v for v in values if v is not None) if any(found) else ""
-        if name:
-            self.outgoing[name] = time.monotonic()
-        return CacheGetReply(request_id=rid, found=found, shm=name)
+        if not any(found):
+            return CacheGetReply(request_id=rid, found=found, shm="")
+        payloads = [v for v in values if v is not None]
+
+        def copy() -> CacheGetReply:
+            if msg.into:  # the requester's mailbox: one copy into pages it already holds
+                shm.write_into(msg.into, payloads, COPY_THREADS)
+                return CacheGetReply(request_id=rid, found=found, shm=msg.into)
+            name = shm.write_payloads(payloads)
+            with self.lock:
+                self.outgoing[name] = time.monotonic()
+            return CacheGetReply(request_id=rid, found=found, shm=name)
+        copy.nbytes = sum(len(v) for v in payloads)
+        return copy
 
     def sweep(self, max_age_s: float = ORPHAN_S) -> None:
         """Delete get payload files no requester collected."""
         now = time.monotonic()
-        for name, t in list(self.outgoing.items()):
+        with self.lock:
+            old = list(self.outgoing.items())
+        for name, t in old:
             if not shm.path_of(name).exists():
-                del self.outgoing[name]
+                self.outgoing.pop(name, None)
             elif now - t > max_age_s:
                 shm.remove(name)
-                del self.outgoing[name]
+                self.outgoing.pop(name, None)
 
     def close(self) -> None:
         self.sweep(0.0)
         self.store.close()
+
+
+def _answer(rid: str, make, *args):
+    """``make(*args)`` as a reply; an error a request caused becomes an ErrorReply."""
+    try:
+        return make(*args)
+    except ValueError as e:
+        return ErrorReply(request_id=rid, message=str(e))
+    except Exception as e:  # a request must never take the store down
+        log.exception("failed to handle a request %s", rid)
+        return ErrorReply(request_id=rid, message=f"{type(e).__name__}: {e}")
 
 
 def serve(cfg: RecipeConfig, run: RunDir | None) -> int:
@@ -119,6 +187,18 @@ def serve(cfg: RecipeConfig, run: RunDir | None) -> int:
     log.info("%s store of %d MiB on %s", cfg.cache.backend.name, cfg.cache.capacity_mb, server.endpoint)
     state = {"stop": False}
     stop_on_signals(lambda: state.update(stop=True))
+    workers = ThreadPoolExecutor(WORKERS, thread_name_prefix="rl-cache-copy")
+    done: queue.SimpleQueue = queue.SimpleQueue()  # (identity, reply) of requests workers served
+    wake_r, wake_w = os.pipe()  # a worker's byte wakes the socket thread's poll
+    os.set_blocking(wake_r, False)
+    poller = zmq.Poller()
+    poller.register(server.sock, zmq.POLLIN)
+    poller.register(wake_r, zmq.POLLIN)
+
+    def work(identity: bytes, rid: str, copy) -> None:
+        done.put((identity, _answer(rid, copy)))
+        os.write(wake_w, b"x")
+
     last_sweep = time.monotonic()
     try:
         while not state["stop"]:
@@ -127,21 +207,38 @@ def serve(cfg: RecipeConfig, run: RunDir | None) -> int:
             if time.monotonic() - last_sweep > 5:
                 service.sweep()
                 last_sweep = time.monotonic()
-            item = server.recv(200)
-            if item is None:
-                continue
-            identity, msg = item
-            rid = getattr(msg, "request_id", "")
+            poller.poll(200)
             try:
-                reply = service.handle(msg, rid)
-            except ValueError as e:
-                reply = ErrorReply(request_id=rid, message=str(e))
-            except Exception as e:  # a request must never take the store down
-                log.exception("failed to handle %s", type(msg).__name__)
-                reply = ErrorReply(request_id=rid, message=f"{type(e).__name__}: {e}")
-            state["stop"] = state["stop"] or isinstance(msg, Shutdown)
-            server.reply(identity, reply)
+                os.read(wake_r, 4096)
+            except BlockingIOError:
+                pass
+            while True:
+                try:
+                    server.reply(*done.get_nowait())
+                except queue.Empty:
+                    break
+            while (item := server.recv(0)) is not None:
+                identity, msg = item
+                rid = getattr(msg, "request_id", "")
+                reply = _answer(rid, service.begin, msg, rid)
+                if callable(reply) and reply.nbytes > INLINE_BYTES:
+                    workers.submit(work, identity, rid, reply)
+                    continue
+                if callable(reply):
+                    reply = _answer(rid, reply)
+                server.reply(identity, reply)
+                if isinstance(msg, Shutdown):
+                    state["stop"] = True
+                    break
     finally:
+        workers.shutdown(wait=True)
+        while True:
+            try:
+                server.reply(*done.get_nowait())
+            except queue.Empty:
+                break
+        os.close(wake_r)
+        os.close(wake_w)
         if registration:
             registration.close()
         server.close()

@@ -20,11 +20,15 @@ waited across a swap, and not when it re-prefills after preemption.
 
 With a :class:`~rlcli.infer.kv_connector.KVConnector` (``--kv-cache``) the prefix cache
 extends to a shared store: a prompt whose next blocks are not cached here fetches the
-longest run the store holds (same keys, so the same salt-and-version rule) into fresh
-blocks before prefill; full blocks are published after a prompt's prefill and when a
-completion finishes (only enqueued: a background thread moves them). ``role`` splits the
-work: a prefill server answers each request with one token once its prompt's blocks are
-stored; a decode server is a mixed one that other servers' prefills feed.
+longest run the store holds (same keys, so the same salt-and-version rule). The fetch
+runs in the background: the prompt stays waiting, holding no blocks, while the engine
+steps every other request (a later prompt whose next block is in that fetch waits for it
+rather than fetching it again); once the fetch is done, the scheduler copies the blocks
+into fresh ones before prefill (a fetch that started under other weights is dropped).
+Full blocks are published after a prompt's prefill and when a completion finishes (only
+enqueued: a background thread moves them). ``role`` splits the work: a prefill server
+answers each request with one token once its prompt's blocks are stored; a decode server
+is a mixed one that other servers' prefills feed.
 
 With ``batch_invariant`` (``model.batch_invariant``) a token's numbers do not depend on the
 rest of the step: linears run on at least 16 rows, attention in the fixed order the trainer's
@@ -33,6 +37,7 @@ recomputes the same bits (:mod:`rlcli.ops.batch_invariant`; GQA models on the CP
 """
 
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +51,7 @@ from rlcli.errors import ConfigError
 from rlcli.infer.base import Delta
 from rlcli.infer.block_manager import BlockManager, chain_hash
 from rlcli.infer import kv_blocks
-from rlcli.infer.kv_connector import KVConnector, make_kv_connector
+from rlcli.infer.kv_connector import FetchTicket, KVConnector, make_kv_connector
 from rlcli.infer.receiver import WeightReceiver
 from rlcli.models import DTYPES, CausalLM, load_model
 from rlcli.models.tokenizer import load_tokenizer
@@ -91,10 +96,22 @@ class Sequence:
     partial_versions: set[int] = field(default_factory=set)  # weights that computed the partial last block
     num_streamed: int = 0  # generated tokens already returned in a Delta
     num_published: int = 0  # leading full blocks already in the shared KV store (or handed to it)
+    fetch: "Fetch | None" = None  # the shared-store fetch this waiting prompt waits for
+    fetched_to: int = 0  # blocks [0, fetched_to) were asked of the shared store since it last held no KV
 
     @property
     def num_generated(self) -> int:
         return len(self.tokens) - len(self.req.prompt_ids)
+
+
+@dataclass
+class Fetch:
+    """A background fetch of ``hashes[start:]`` of a prompt's block hashes, under weights ``version``."""
+
+    ticket: FetchTicket
+    hashes: list[bytes]
+    start: int
+    version: int
 
 
 def resolve_device(name: str) -> torch.device:
@@ -148,9 +165,11 @@ class NativeEngine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.requests: dict[str, Request] = {}
+        self.fetches: list[Fetch] = []  # shared-store fetches in flight
+        self.fetching: dict[bytes, Fetch] = {}  # each of their keys -> its fetch
         self.counters = {"num_generated_tokens": 0, "num_prompt_tokens": 0, "num_cached_tokens": 0,
                          "num_steps": 0, "num_preemptions": 0, "num_requests": 0, "num_aborted": 0,
-                         "num_kv_fetched_tokens": 0}
+                         "num_kv_fetched_tokens": 0, "kv_fetch_idle_s": 0.0, "kv_publish_engine_s": 0.0}
 
     @classmethod
     def from_config(cls, cfg: RecipeConfig, weights: Path, version: int, instance: int = 0) -> "NativeEngine":
@@ -182,30 +201,63 @@ class NativeEngine:
     def _scatter_blocks(self, blocks: list[int], data: torch.Tensor) -> None:
         kv_blocks.scatter(self.kv_caches, blocks, data)
 
-    def _fetch_prefix(self, seq: Sequence, hashes: list[bytes]) -> None:
-        """Extend a local prefix match with the longest run of the next blocks the store holds."""
-        k = len(seq.blocks)
-        limit = min(len(hashes) - k, self.blocks.num_available - 2)  # leave room to compute the rest
-        if limit <= 0:
+    def _start_fetch(self, seq: Sequence, hashes: list[bytes], k: int) -> None:
+        """Wait for the store's run of ``hashes[k:]``: a fetch in flight that holds the next
+        block already, else a new one (at most as many blocks as could be taken in now)."""
+        if (fetch := self.fetching.get(hashes[k])) is None:
+            limit = min(len(hashes) - k, self.blocks.num_available - 2)  # leave room to compute the rest
+            if limit <= 0:
+                seq.fetched_to = len(hashes)
+                return
+            fetch = Fetch(self.kv.fetch_async(hashes[k:k + limit]), hashes[:k + limit], k, self.version)
+            self.fetches.append(fetch)
+            for h in fetch.hashes[k:]:
+                self.fetching.setdefault(h, fetch)
+        end = k  # the blocks this fetch asks for on the prompt's behalf (chains agree up to there)
+        while end < min(len(hashes), len(fetch.hashes)) and hashes[end] == fetch.hashes[end]:
+            end += 1
+        seq.fetch, seq.fetched_to = fetch, end
+
+    def _take_fetches(self) -> None:
+        """Copy the blocks of every done fetch into the local prefix cache, where the prompts
+        that waited for them (or any later one) match them; taken in any case, so neither an
+        aborted waiter nor a weight swap leaves one behind."""
+        if not any(f.ticket.done() for f in self.fetches):
             return
-        data = self.kv.fetch(hashes[k:k + limit])
-        n = data.shape[0]
-        if n == 0:
-            return
-        fresh = [self.blocks.allocate() for _ in range(n)]
-        self._scatter_blocks(fresh, data)
-        for block, h in zip(fresh, hashes[k:k + n]):
-            self.blocks.register(block, h)
-        seq.blocks += fresh
-        self.counters["num_kv_fetched_tokens"] += n * self.block_size
+        for fetch in [f for f in self.fetches if f.ticket.done()]:
+            self.fetches.remove(fetch)
+            for h in fetch.hashes[fetch.start:]:
+                if self.fetching.get(h) is fetch:
+                    del self.fetching[h]
+            self._take_fetch(fetch)
+
+    def _take_fetch(self, fetch: Fetch) -> None:
+        data = fetch.ticket.take()
+        if fetch.version != self.version or data.shape[0] == 0:
+            return  # computed under other weights: its keys can never match now
+        # Extend the longest local match of the fetched chain (blocks may have come or gone since).
+        held = self.blocks.match_prefix(fetch.hashes)
+        skip = len(held) - fetch.start
+        if 0 <= skip < data.shape[0]:
+            n = min(data.shape[0] - skip, self.blocks.num_available - 2)
+            if n > 0:
+                fresh = [self.blocks.allocate() for _ in range(n)]
+                self._scatter_blocks(fresh, data[skip:skip + n])
+                for block, h in zip(fresh, fetch.hashes[fetch.start + skip:]):
+                    self.blocks.register(block, h)
+                held += fresh
+                self.counters["num_kv_fetched_tokens"] += n * self.block_size
+        self.blocks.release(held)  # cached (evictable) until the waiting prompts match them
 
     def _publish(self, seq: Sequence) -> None:
         """Hand the sequence's full blocks not yet in the store to the connector (enqueued only)."""
         start, end = seq.num_published, len(seq.hashes)
         if self.kv is None or end <= start:
             return
+        t0 = time.perf_counter()
         self.kv.publish(seq.hashes[start:end], self._gather_blocks(seq.blocks[start:end]))
         seq.num_published = end
+        self.counters["kv_publish_engine_s"] += time.perf_counter() - t0  # the engine thread's share
 
     # ------------------------------------------------------------------ public API
     def add_request(self, req: GenerateRequest, stream: bool = False) -> None:
@@ -247,7 +299,7 @@ class NativeEngine:
             for seq in [s for s in queue if s.req is r]:
                 self.blocks.release(seq.blocks)
                 queue.remove(seq)
-        return True
+        return True  # a fetch it waited for stays in self.fetching: its blocks serve whoever comes next
 
     def has_work(self) -> bool:
         # Torn weights (a collective load broke midway): hold every request until a full load.
@@ -292,6 +344,7 @@ class NativeEngine:
             return []
         batch = self._schedule()
         if not batch:
+            self._idle_until_fetched()
             return []
         self.counters["num_steps"] += 1
         logits, routes = self._forward(batch)
@@ -299,6 +352,15 @@ class NativeEngine:
         if self.role == "prefill" and self.kv is not None and any(isinstance(o, GenerateResponse) for o in out):
             self.kv.flush(self.kv.timeout_s)  # answer once the decode server can find the blocks
         return out
+
+    def _idle_until_fetched(self, timeout_s: float = 0.02) -> None:
+        """Nothing could run: wait (briefly, so the server stays responsive) for a fetch that
+        a waiting prompt needs."""
+        fetch = next((s.fetch for s in self.waiting if s.fetch is not None), None)
+        if fetch is not None:
+            t0 = time.perf_counter()
+            fetch.ticket.event.wait(timeout_s)
+            self.counters["kv_fetch_idle_s"] += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ scheduling
     def _blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
@@ -310,6 +372,7 @@ class NativeEngine:
         self.running.remove(seq)
         self.blocks.release(seq.blocks)
         seq.blocks, seq.hashes, seq.num_computed, seq.routes, seq.partial_versions = [], [], 0, [], set()
+        seq.fetched_to = 0
         self.waiting.appendleft(seq)
         self.counters["num_preemptions"] += 1
 
@@ -327,6 +390,7 @@ class NativeEngine:
     def _schedule(self) -> list[tuple[Sequence, int]]:
         """(sequence, number of tokens to compute) for this step, single-token decodes first."""
         batch: list[tuple[Sequence, int]] = []
+        self._take_fetches()
         budget = self.max_num_batched_tokens
         reserved = 0  # blocks promised to prompts that fork at the end of this step
         # Running sequences: one decode token each, or the next chunk of a long prompt.
@@ -344,11 +408,14 @@ class NativeEngine:
                 self._allocate(seq, n)
                 batch.append((seq, n))
                 budget -= n
-        # Admit waiting sequences within the token budget.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if seq.num_computed == 0 and not seq.blocks:
-                self._match_prefix(seq)
+        # Admit waiting sequences within the token budget, in order; prompts whose KV is still
+        # being fetched from the shared store are passed over until it is in.
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[i]
+            if seq.num_computed == 0 and not seq.blocks and not self._match_prefix(seq):
+                i += 1
+                continue
             n = min(len(seq.tokens) - seq.num_computed, budget)
             if self._blocks_needed(seq, n) + self._fork_blocks(seq, n) > self.blocks.num_available - reserved:
                 # Waiting sequences hold no blocks: give the matched prefix back (it stays cached).
@@ -359,22 +426,35 @@ class NativeEngine:
                 break
             reserved += self._fork_blocks(seq, n)
             self._allocate(seq, n)
-            self.running.append(self.waiting.popleft())
+            del self.waiting[i]
+            self.running.append(seq)
             batch.append((seq, n))
             budget -= n
         batch.sort(key=lambda item: not (item[1] == 1 and item[0].num_computed > 0))
         return batch
 
-    def _match_prefix(self, seq: Sequence) -> None:
+    def _match_prefix(self, seq: Sequence) -> bool:
+        """Take the longest cached prefix of the prompt (local, then the shared store's); False
+        while the prompt waits for a fetch (it then holds no blocks)."""
+        if seq.fetch is not None:
+            if not seq.fetch.ticket.done():
+                return False
+            self._take_fetches()  # (done since this step began)
+            seq.fetch = None  # its blocks are in the local prefix cache now
         # Never take the whole prompt from cache: the last position must run to give logits.
         # Only blocks computed by the weights served now can match (see _register_full_blocks).
         hashes = self.blocks.block_hashes(seq.tokens[:-1], f"{seq.req.salt}|w{self.version}")
         want_routes = seq.req.sampling.return_routing and self.is_moe
         blocks = self.blocks.match_prefix(hashes, with_routes=want_routes)
+        # Ask the store for what is missing, unless an earlier ask (its own, or one it waited
+        # for) covered these blocks already: the store did not have them then.
+        if self.kv is not None and not want_routes and seq.fetched_to <= len(blocks) < len(hashes):
+            self.blocks.release(blocks)  # a waiting prompt holds no blocks
+            self._start_fetch(seq, hashes, len(blocks))
+            if seq.fetch is not None:
+                return False
+            blocks = self.blocks.match_prefix(hashes)
         seq.blocks = blocks
-        if self.kv is not None and not want_routes and len(blocks) < len(hashes):
-            self._fetch_prefix(seq, hashes)
-            blocks = seq.blocks
         seq.hashes = hashes[:len(blocks)]
         seq.num_published = len(blocks) if self.kv is not None else 0
         seq.num_computed = len(blocks) * self.block_size
@@ -384,6 +464,7 @@ class NativeEngine:
         self.blocks.num_hits += seq.num_computed
         if seq.index < 0:
             seq.req.num_cached_tokens = seq.num_computed
+        return True
 
     # ------------------------------------------------------------------ forward
     def _forward(self, batch: list[tuple[Sequence, int]]):

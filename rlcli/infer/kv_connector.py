@@ -1,18 +1,21 @@
 """The ``KVConnector`` seam: an engine's link to a shared KV-block store (rl-cache).
 
 Before prefill, an engine that misses a prefix locally asks the store for the longest
-run of the prompt's next blocks (:meth:`KVConnector.fetch`, on the engine thread: the
-request waits for it either way): one store request for the whole run, whose bytes land
-in host memory the device can read directly (a memory store on this host writes them into
-the engine's /dev/shm mailbox, registered with CUDA; otherwise pinned staging memory), then
-one asynchronous copy to the device. After prefill, and when a completion finishes, it
-hands the new full blocks (gathered on the device) to :meth:`KVConnector.publish`, which
-only records an event and enqueues them: a background thread copies them out on its own
-CUDA stream into pinned memory (never queued behind, or blocking, the engine's stream)
-and moves them to the store with its own socket, so publishing never delays a decode
-step; when the bounded queue is full a batch is dropped (and counted), never waited for.
-``flush`` waits for what was queued (a prefill server answers only once its blocks are
-stored, so the decode server finds them).
+run of the prompt's next blocks (:meth:`KVConnector.fetch_async`): a background fetch
+thread sends one store request for the whole run, whose bytes land in host memory the
+device can read directly (a memory store on this host writes them into the engine's
+/dev/shm mailbox, registered with CUDA; otherwise pinned staging memory), copies them to
+the device on its own CUDA stream and marks the :class:`FetchTicket` done. The engine
+keeps stepping its other requests meanwhile and admits the waiting one once its ticket
+is done (:meth:`KVConnector.take` hands the payloads over to the engine's stream). After
+prefill, and when a completion finishes, the engine hands the new full blocks (gathered
+on the device) to :meth:`KVConnector.publish`, which only records an event and enqueues
+them: a publishing thread copies them out on its own CUDA stream into pinned memory
+(never queued behind, or blocking, the engine's stream) and moves them to the store with
+its own socket, so publishing never delays a decode step; when the bounded queue is full
+a batch is dropped (and counted), never waited for. ``flush`` waits for what was queued
+(a prefill server answers only once its blocks are stored, so the decode server finds
+them).
 
 Keys are the engine's chain hashes (cache salt, weights version, tokens); every request
 carries the engine's :class:`BlockMeta` (model fingerprint, dtype, shape), so a store
@@ -53,10 +56,13 @@ class KVConnector(Protocol):
     meta: BlockMeta
     """Layout of this engine's blocks; the fingerprint changes with the weights."""
 
+    def fetch_async(self, keys: list[bytes]) -> "FetchTicket":
+        """Start fetching the longest leading run of ``keys`` the store holds (in the background;
+        fetches are served in the order they were asked for)."""
+        ...
+
     def fetch(self, keys: list[bytes]) -> torch.Tensor:
-        """Payloads of the longest leading run of ``keys`` the store holds: ``[n, meta.nbytes]``
-        uint8 (n = 0 on a miss or an unreachable store); for a CUDA engine on its device (copied
-        on its current stream), else on the host, valid until the next fetch."""
+        """:meth:`fetch_async`, waiting for it: its ticket's :meth:`~FetchTicket.take`."""
         ...
 
     def publish(self, keys: list[bytes], payload: torch.Tensor) -> bool:
@@ -120,8 +126,33 @@ def _unregister(device: torch.device, array: np.ndarray) -> None:
     _cudart_call(device, "cudaHostUnregister", array.ctypes.data)
 
 
+class FetchTicket:
+    """One fetch in flight: its keys, then (``event`` set) the payloads of the leading run the store held."""
+
+    def __init__(self, keys: list[bytes]):
+        self.keys = keys
+        self.event = threading.Event()
+        self.data: torch.Tensor | None = None
+        self.wait_s = 0.0  # time the store took to answer (queueing there included)
+
+    def done(self) -> bool:
+        return self.event.is_set()
+
+    def take(self) -> torch.Tensor:
+        """The payloads (once; the engine thread): ``[n, meta.nbytes]`` uint8 (n = 0 on a miss or
+        an unreachable store), on the engine's device, ready for use on the caller's current stream."""
+        assert self.done() and self.data is not None, "take() of a fetch in flight, or taken twice"
+        data, self.data = self.data, None
+        if data.is_cuda:  # made on the fetch stream: the caching allocator must not reuse it early
+            data.record_stream(torch.cuda.current_stream(data.device))
+        return data
+
+
 class _Publisher:
-    """The background publishing thread, the fetch loop and the counters shared by both connectors."""
+    """The background fetch and publishing threads and the counters shared by both connectors."""
+
+    reuses_fetch_buffer = False
+    """Whether :meth:`_fetch` answers in memory the next fetch overwrites (copied out before then)."""
 
     max_fetch_bytes = BATCH_BYTES
     """Most payload bytes one fetch request asks for (payloads that do not cross ZeroMQ: no limit)."""
@@ -133,16 +164,18 @@ class _Publisher:
         self.cuda = self.device.type == "cuda"
         # The publisher's device-to-host copies run on this stream, beside the engine's.
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.last_copy: torch.cuda.Event | None = None  # the last fetch's host-to-device copy
-        self.client = RpcClient(endpoint)  # the engine thread's socket (fetch)
+        self.fetch_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.fetches: queue.Queue = queue.Queue()
         self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self.queued_bytes = 0  # payload bytes queued and not yet copied out
         self.bytes_lock = threading.Lock()
         self.counters = {"kv_fetch_requests": 0, "kv_fetched_blocks": 0, "kv_fetched_bytes": 0, "kv_fetch_s": 0.0,
-                         "kv_fetch_errors": 0, "kv_published_blocks": 0, "kv_published_bytes": 0,
+                         "kv_fetch_store_s": 0.0, "kv_fetch_errors": 0, "kv_published_blocks": 0, "kv_published_bytes": 0,
                          "kv_publish_skipped": 0, "kv_publish_dropped": 0, "kv_publish_errors": 0, "kv_publish_s": 0.0}
         self.thread = threading.Thread(target=self._work, name="kv-publish", daemon=True)
         self.thread.start()
+        self.fetcher = threading.Thread(target=self._fetch_work, name="kv-fetch", daemon=True)
+        self.fetcher.start()
 
     def publish(self, keys: list[bytes], payload: torch.Tensor) -> bool:
         if not keys:
@@ -241,36 +274,67 @@ class _Publisher:
             dst[i] = np.frombuffer(v, dtype=np.uint8)
         return out
 
+    def fetch_async(self, keys: list[bytes]) -> FetchTicket:
+        ticket = FetchTicket(list(keys))
+        self.fetches.put(ticket)
+        return ticket
+
     def fetch(self, keys: list[bytes]) -> torch.Tensor:
+        ticket = self.fetch_async(keys)
+        ticket.event.wait()
+        return ticket.take()
+
+    def _fetch_work(self) -> None:
+        client = RpcClient(self.endpoint)  # this thread's own socket
+        try:
+            while (ticket := self.fetches.get()) is not None:
+                try:
+                    ticket.data = self._fetch_run(client, ticket)
+                except Exception as e:  # never leave the engine waiting on a ticket
+                    self.counters["kv_fetch_errors"] += 1
+                    log.warning("KV fetch failed (a miss): %s", e)
+                    ticket.data = torch.empty(0, self.meta.nbytes, dtype=torch.uint8, device=self.device)
+                ticket.event.set()
+        finally:
+            client.close()
+
+    def _fetch_run(self, client: RpcClient, ticket: FetchTicket) -> torch.Tensor:
+        """The leading run of the ticket's keys, on the engine's device (fetch thread)."""
         t0 = time.monotonic()
-        if self.last_copy is not None:  # the previous fetch's copy has read its host buffer
-            self.last_copy.synchronize()
-            self.last_copy = None
+        keys = ticket.keys
         parts, step = [], max(1, self.max_fetch_bytes // self.meta.nbytes)
         for a in range(0, len(keys), step):
             self.counters["kv_fetch_requests"] += 1
+            t1 = time.monotonic()
             try:
-                data = self._fetch(keys[a:a + step])
+                data = self._fetch(client, keys[a:a + step])
             except (PeerUnreachable, OSError) as e:  # OSError: no room in /dev/shm for the mailbox
                 self.counters["kv_fetch_errors"] += 1
                 log.warning("KV fetch failed (a miss): %s", e)
                 break
+            finally:
+                ticket.wait_s += time.monotonic() - t1
             parts.append(data)
             if data.shape[0] < min(step, len(keys) - a):
                 break  # the run ended inside this batch
         data = parts[0] if len(parts) == 1 else (torch.cat(parts) if parts else self._host_buffer(0))
+        if self.cuda:  # one copy to the device on this thread's stream; the host buffer is free after it
+            with torch.cuda.stream(self.fetch_stream):
+                dev = torch.empty(data.shape, dtype=torch.uint8, device=self.device)
+                dev.copy_(data, non_blocking=True)
+            self.fetch_stream.synchronize()
+            data = dev
+        elif self.reuses_fetch_buffer and data.numel():
+            data = data.clone()
         self.counters["kv_fetched_blocks"] += data.shape[0]
         self.counters["kv_fetched_bytes"] += data.numel()
+        self.counters["kv_fetch_store_s"] += ticket.wait_s
         self.counters["kv_fetch_s"] += time.monotonic() - t0
-        if self.cuda and data.numel():
-            data = data.to(self.device, non_blocking=True)
-            self.last_copy = torch.cuda.Event()
-            self.last_copy.record(torch.cuda.current_stream(self.device))
         return data
 
-    def _fetch(self, keys: list[bytes]) -> torch.Tensor:
+    def _fetch(self, client: RpcClient, keys: list[bytes]) -> torch.Tensor:
         """One store request: the leading run of ``keys`` it holds, ``[n, meta.nbytes]`` uint8 on
-        the host, valid until the next fetch's host-to-device copy is queued."""
+        the host, valid until the next fetch (fetch thread)."""
         raise NotImplementedError
 
     def stats(self) -> dict[str, float]:
@@ -279,8 +343,9 @@ class _Publisher:
     def close(self) -> None:
         self.flush(self.timeout_s)
         self.queue.put(None)
+        self.fetches.put(None)
         self.thread.join(timeout=self.timeout_s)
-        self.client.close()
+        self.fetcher.join(timeout=self.timeout_s)
 
 
 class StoreConnector(_Publisher):
@@ -293,7 +358,7 @@ class StoreConnector(_Publisher):
 
     def __init__(self, endpoint: str, meta: BlockMeta, queue_size: int, timeout_s: float, via_shm: bool,
                  device: torch.device | None = None):
-        self.via_shm = via_shm
+        self.via_shm = self.reuses_fetch_buffer = via_shm
         if via_shm:
             self.max_fetch_bytes = 1 << 62  # one request per fetch or publish: only keys cross ZeroMQ
             cuda = device is not None and device.type == "cuda"
@@ -301,12 +366,12 @@ class StoreConnector(_Publisher):
             self.fetch_box, self.publish_box = shm.Mailbox(*hooks), shm.Mailbox(*hooks)
         super().__init__(endpoint, meta, queue_size, timeout_s, device)
 
-    def _fetch(self, keys: list[bytes]) -> torch.Tensor:
+    def _fetch(self, client: RpcClient, keys: list[bytes]) -> torch.Tensor:
         nbytes = self.meta.nbytes
         into = self.fetch_box.view(len(keys) * nbytes) if self.via_shm else None
         msg = CacheGet(request_id=new_request_id(), keys=keys, meta=self.meta, prefix=True,
                        transfer="shm" if self.via_shm else "", into=self.fetch_box.name if self.via_shm else "")
-        reply = _call(self.client, msg, CacheGetReply, self.timeout_s)
+        reply = _call(client, msg, CacheGetReply, self.timeout_s)
         n = _run_length(reply.found)
         if not self.via_shm:
             return self._rows(reply.values[:n])
@@ -353,13 +418,13 @@ class MooncakeConnector(_Publisher):
         master_host = master.rpartition(":")[0]
         local = "127.0.0.1" if master_host in ("127.0.0.1", "localhost") else socket.gethostbyname(socket.gethostname())
         self.pool = MooncakePool(host=local, master=master, metadata_server=metadata_server)
-        self.lock = threading.Lock()  # fetch (engine thread) and publish (worker) share the pool client
+        self.lock = threading.Lock()  # the fetch and publish threads share the pool client
         self.max_fetch_bytes = 1 << 62  # payloads move through Mooncake: one request per fetch
         super().__init__(endpoint, meta, queue_size, timeout_s, device)
 
-    def _fetch(self, keys: list[bytes]) -> torch.Tensor:
+    def _fetch(self, client: RpcClient, keys: list[bytes]) -> torch.Tensor:
         msg = CacheGet(request_id=new_request_id(), keys=keys, meta=self.meta, prefix=True, transfer="mooncake")
-        n = _run_length(_call(self.client, msg, CacheGetReply, self.timeout_s).found)
+        n = _run_length(_call(client, msg, CacheGetReply, self.timeout_s).found)
         with self.lock:
             values = self.pool.get(keys[:n], [self.meta.nbytes] * n)
         run = _run_length([v is not None for v in values])

@@ -1,11 +1,14 @@
 """The engine's KVConnector against a real rl-cache process: fetch on a local miss, publish
 off the decode path, prefill/decode roles, and other weights never sharing KV."""
 
+import signal
+
 import pytest
 import torch
 from kvstore import PREFIX, TAILS, engine, requests, run, start_cache
 
 from rlcli.models import load_model
+from rlcli.protocol import GenerateRequest, SamplingParams
 
 
 @pytest.fixture
@@ -90,3 +93,42 @@ def test_unreachable_store_is_a_miss_not_a_crash(tiny_model_dir, tmp_path):
     out = run(e, requests(PREFIX, TAILS[:2], max_tokens=3))
     assert len(out) == 2 and e.stats()["kv_fetch_errors"] >= 1
     e.close()
+
+
+def test_a_fetch_in_flight_never_stalls_other_requests(tiny_model_dir, tmp_path):
+    """The store is stopped (SIGSTOP) while a prompt's fetch is in flight: another request
+    keeps decoding; once the store answers, the prompt runs on the fetched blocks and its
+    output equals a server's that never shared KV. A waiter aborted mid-fetch leaves the
+    fetched blocks to the next prompt."""
+    proc, endpoint = start_cache(tmp_path)
+    model = load_model(tiny_model_dir, seed=1)
+    a, b, solo = engine(model, endpoint), engine(model, endpoint), engine(model, None)
+    run(a, requests(PREFIX, TAILS[:1]))
+    assert a.kv.flush(10)
+    b.kv.timeout_s = 120.0
+    short = GenerateRequest(request_id="short", prompt_ids=[256, 5, 6], cache_salt="3",  # no full block: no fetch
+                            sampling=SamplingParams(max_tokens=40, seed=1, ignore_eos=True))
+    b.add_request(short)
+    b.step()  # short is decoding now
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        waiter = requests(PREFIX, TAILS)[1]
+        b.add_request(waiter)
+        before = b.stats()["num_generated_tokens"]
+        for _ in range(5):
+            b.step()
+        assert len(b.fetches) == 1 and not b.fetches[0].ticket.done()
+        assert [s.req.request_id for s in b.waiting] == ["1"] and b.stats()["num_generated_tokens"] == before + 5
+        b.abort("1")  # the fetch stays in flight; its blocks go to the local prefix cache
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    out = run(b, requests(PREFIX, TAILS[1:2]))  # the same prompt again, request id "0"
+    assert not b.fetches and b.stats()["num_kv_fetched_tokens"] == 40 and b.stats()["kv_fetch_requests"] == 1
+    assert out["0"].num_cached_tokens == 40 and len(out["short"].completions[0].token_ids) == 40
+    ref = run(solo, requests(PREFIX, TAILS[1:2]))
+    assert out["0"].completions[0].token_ids == ref["0"].completions[0].token_ids
+    torch.testing.assert_close(out["0"].completions[0].logprobs, ref["0"].completions[0].logprobs, rtol=0, atol=1e-5)
+    for e in (a, b, solo):
+        e.close()
+    proc.terminate()
+    proc.wait(timeout=10)
