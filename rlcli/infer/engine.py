@@ -299,7 +299,7 @@ class NativeEngine:
             for seq in [s for s in queue if s.req is r]:
                 self.blocks.release(seq.blocks)
                 queue.remove(seq)
-        return True  # a fetch it waited for stays in self.fetching: its blocks serve whoever comes next
+        return True  # a fetch it waited for is still taken into the local prefix cache
 
     def has_work(self) -> bool:
         # Torn weights (a collective load broke midway): hold every request until a full load.
@@ -440,6 +440,8 @@ class NativeEngine:
             if not seq.fetch.ticket.done():
                 return False
             self._take_fetches()  # (done since this step began)
+            if seq.fetch.version != self.version:
+                seq.fetched_to = 0  # dropped: its keys name other weights; ask again under these
             seq.fetch = None  # its blocks are in the local prefix cache now
         # Never take the whole prompt from cache: the last position must run to give logits.
         # Only blocks computed by the weights served now can match (see _register_full_blocks).

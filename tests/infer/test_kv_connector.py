@@ -7,8 +7,9 @@ import pytest
 import torch
 from kvstore import PREFIX, TAILS, engine, requests, run, start_cache
 
-from rlcli.models import load_model
-from rlcli.protocol import GenerateRequest, SamplingParams
+from rlcli.models import load_model, save_model
+from rlcli.protocol import FsWeights, GenerateRequest, SamplingParams
+from rlcli.transport.atomic import write_marker
 
 
 @pytest.fixture
@@ -128,6 +129,40 @@ def test_a_fetch_in_flight_never_stalls_other_requests(tiny_model_dir, tmp_path)
     ref = run(solo, requests(PREFIX, TAILS[1:2]))
     assert out["0"].completions[0].token_ids == ref["0"].completions[0].token_ids
     torch.testing.assert_close(out["0"].completions[0].logprobs, ref["0"].completions[0].logprobs, rtol=0, atol=1e-5)
+    for e in (a, b, solo):
+        e.close()
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def test_a_fetch_in_flight_across_a_swap_is_dropped(tiny_model_dir, tmp_path):
+    """Blocks fetched under the old weights are never used after a swap: the prompt asks
+    again under the new ones and its output is the new weights' own."""
+    proc, endpoint = start_cache(tmp_path)
+    model, new_model = load_model(tiny_model_dir, seed=1), load_model(tiny_model_dir, seed=2)
+    save_model(new_model, tmp_path / "v1")
+    write_marker(tmp_path / "v1")
+    a, b = engine(model, endpoint), engine(load_model(tiny_model_dir, seed=1), endpoint)
+    solo = engine(new_model, None)
+    run(a, requests(PREFIX, TAILS[:1]))
+    assert a.kv.flush(10)
+    b.kv.timeout_s = 120.0
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        b.add_request(requests(PREFIX, TAILS)[1])
+        b.step()
+        assert len(b.fetches) == 1 and not b.fetches[0].ticket.done()
+        b.load_weights(FsWeights(path=str(tmp_path / "v1")), version=1)
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    out = run(b, [])
+    stats = b.stats()
+    assert stats["kv_fetched_blocks"] == 10 and stats["num_kv_fetched_tokens"] == 0  # fetched, then dropped
+    assert stats["kv_fetch_requests"] == 2 and out["1"].num_cached_tokens == 0  # asked again under v1: a miss
+    ref = run(solo, requests(PREFIX, TAILS)[1:2])
+    assert out["1"].completions[0].token_ids == ref["1"].completions[0].token_ids
+    assert out["1"].completions[0].versions == [1] * len(ref["1"].completions[0].token_ids)
+    torch.testing.assert_close(out["1"].completions[0].logprobs, ref["1"].completions[0].logprobs, rtol=0, atol=1e-5)
     for e in (a, b, solo):
         e.close()
     proc.terminate()
