@@ -12,7 +12,7 @@ from rlcli.cache.disk import DiskStore, TieredStore
 from rlcli.cache.server import CacheService
 from rlcli.cache.store import MemoryStore
 from rlcli.infer.block_manager import chain_hash
-from rlcli.protocol import BlockMeta, CacheGet, CacheGetReply, CachePut, ErrorReply
+from rlcli.protocol import BlockMeta, CacheExists, CacheGet, CacheGetReply, CachePut, ErrorReply
 from rlcli.transport import shm
 from rlcli.transport.registry import list_entries
 from rlcli.transport.zmq import RpcClient
@@ -195,3 +195,28 @@ def test_serve_shm_ls_prune_commands(tmp_path):
         proc.terminate()
         proc.wait(timeout=10)
     assert proc.returncode == 0
+
+
+def test_a_put_being_copied_holds_up_no_lookup():
+    """A put through /dev/shm is split into its lookup part (socket thread) and its copy (a
+    worker): while the copy has not run, its keys count as present for ``exists`` (another
+    publisher skips them), gets of them are misses answered at once, and other blocks are
+    served; once it has run they are stored bit for bit."""
+    keys, values = blocks(3)
+    service = CacheService(MemoryStore(1 << 20))
+    assert service.handle(CachePut(keys=keys[:1], values=values[:1], meta=META), "r").num_stored == 1
+    box, into = shm.Mailbox(), shm.Mailbox()
+    box.view(2 * META.nbytes)[:] = np.frombuffer(b"".join(values[1:]), dtype=np.uint8)
+    into.view(3 * META.nbytes)
+    copy = service.begin(CachePut(keys=keys[1:], meta=META, shm=box.name), "put")
+    assert callable(copy) and copy.nbytes == 2 * META.nbytes
+    assert service.handle(CacheExists(keys=keys), "e").exists == [True, True, True]
+    miss = service.begin(CacheGet(keys=keys[1:], meta=META, transfer="shm", prefix=True, into=into.name), "m")
+    assert isinstance(miss, CacheGetReply) and miss.found == [False, False] and miss.shm == ""
+    assert copy().num_stored == 2
+    assert service.handle(CacheExists(keys=keys + [b"nope"]), "e").exists == [True, True, True, False]
+    reply = service.handle(CacheGet(keys=keys, meta=META, transfer="shm", prefix=True, into=into.name), "g")
+    assert reply.found == [True] * 3 and into.view(3 * META.nbytes).tobytes() == b"".join(values)
+    assert not service.pending
+    box.close()
+    into.close()
