@@ -42,7 +42,7 @@ from rlcli.transport.zmq import RpcServer
 log = setup_logging("rl-cache")
 ORPHAN_S = 60.0
 COPY_THREADS = max(1, min(8, (os.cpu_count() or 1) // 4))
-"""Threads that copy a large get into a requester's mailbox (one on small hosts)."""
+"""Threads that copy one large get or put between a requester's mailbox and the store (one on small hosts)."""
 WORKERS = 4
 """Requests whose payloads cross /dev/shm served at once (their copies release the GIL)."""
 INLINE_BYTES = 4 << 20
@@ -109,7 +109,7 @@ class CacheService:
 
         def copy() -> CacheReply:
             try:
-                values = shm.read_payloads(msg.shm, msg.meta.nbytes, len(msg.keys))  # outside the lock
+                values = shm.read_payloads(msg.shm, msg.meta.nbytes, len(msg.keys), COPY_THREADS)  # unlocked
                 with self.lock:
                     return CacheReply(request_id=rid, num_stored=self.store.put(msg.keys, values, msg.meta))
             finally:

@@ -220,3 +220,19 @@ def test_a_put_being_copied_holds_up_no_lookup():
     assert not service.pending
     box.close()
     into.close()
+
+
+def test_parallel_copies_are_bit_exact(monkeypatch):
+    """Large puts and gets are copied by several threads (on hosts with the cores): each
+    thread's share lands where a single copy would put it."""
+    monkeypatch.setattr(shm, "PARALLEL_BYTES", META.nbytes)  # every payload is "large" here
+    keys, values = blocks(7)
+    name = shm.write_payloads(values)
+    assert shm.read_payloads(name, META.nbytes, 7, threads=3) == values
+    assert shm.read_payloads(name, META.nbytes, 5, threads=4) == values[:5]
+    shm.remove(name)
+    box = shm.Mailbox()
+    box.view(8 * META.nbytes)
+    shm.write_into(box.name, values, threads=3)
+    assert box.view(7 * META.nbytes).tobytes() == b"".join(values)
+    box.close()
