@@ -222,7 +222,8 @@ def run_arm(args, reps: Replicas, arm: str, endpoint: str | None, arrival: str) 
     warm = [[256] + torch.randint(0, 256, (longest - 1,), generator=gen).tolist() for _ in range(2)]
     for k, order in enumerate(([0, 1], [1, 0])):
         for i in order:
-            reps.ask(i, "req", GenerateRequest(request_id=f"warm{k}{i}", prompt_ids=warm[k], cache_salt=f"warm-{arm}-{arrival}",
+            reps.ask(i, "req", GenerateRequest(request_id=f"warm{k}{i}", prompt_ids=warm[k],
+                                               cache_salt=f"warm-{arm}-{arrival}",
                                                sampling=SamplingParams(max_tokens=2, ignore_eos=True)))
             reps.wait("done")
     base = reps.stats()
@@ -241,7 +242,8 @@ def run_arm(args, reps: Replicas, arm: str, endpoint: str | None, arrival: str) 
     def submit(c: int) -> None:
         history[c] += torch.randint(0, 256, (args.user,), generator=gen).tolist()
         rid = f"c{c}t{turn[c]}"
-        req = GenerateRequest(request_id=rid, prompt_ids=list(history[c]), cache_salt=f"{arm}-{arrival}",  # arms share nothing
+        req = GenerateRequest(request_id=rid, prompt_ids=list(history[c]),
+                              cache_salt=f"{arm}-{arrival}",  # arms (and workloads) share nothing
                               sampling=SamplingParams(max_tokens=args.gen, seed=1000 * c + turn[c], ignore_eos=True))
         submitted[rid] = time.perf_counter()
         reps.ask(0 if arm == "P/D+cache" else (c + turn[c]) % 2, "req", req)
@@ -288,7 +290,8 @@ def run_arm(args, reps: Replicas, arm: str, endpoint: str | None, arrival: str) 
     else:
         prompt_tokens, hits = total["num_prompt_tokens"], total["num_cached_tokens"]
     by_turn = [statistics.mean(first[r] - submitted[r] for r in done if r.endswith(f"t{t}")) for t in range(args.turns)]
-    return {"arm": arm, "arrival": arrival, "requests": num_req, "hit_rate": hits / max(prompt_tokens, 1), "ttft_by_turn_s": by_turn,
+    return {"arm": arm, "arrival": arrival, "requests": num_req, "hit_rate": hits / max(prompt_tokens, 1),
+            "ttft_by_turn_s": by_turn,
             "ttft_mean_s": statistics.mean(ttft), "ttft_p50_s": statistics.median(ttft),
             "ttft_later_turns_s": statistics.mean(by_turn[1:]) if args.turns > 1 else by_turn[0],
             "decode_tok_s": statistics.mean(tps) if tps else 0.0,

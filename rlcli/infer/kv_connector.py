@@ -7,7 +7,7 @@ device can read directly (a memory store on this host writes them into the engin
 /dev/shm mailbox, registered with CUDA; otherwise pinned staging memory), copies them to
 the device on its own CUDA stream and marks the :class:`FetchTicket` done. The engine
 keeps stepping its other requests meanwhile and admits the waiting one once its ticket
-is done (:meth:`KVConnector.take` hands the payloads over to the engine's stream). After
+is done (:meth:`FetchTicket.take` hands the payloads over to the engine's stream). After
 prefill, and when a completion finishes, the engine hands the new full blocks (gathered
 on the device) to :meth:`KVConnector.publish`, which only records an event and enqueues
 them: a publishing thread copies them out on its own CUDA stream into pinned memory
@@ -170,7 +170,8 @@ class _Publisher:
         self.queued_bytes = 0  # payload bytes queued and not yet copied out
         self.bytes_lock = threading.Lock()
         self.counters = {"kv_fetch_requests": 0, "kv_fetched_blocks": 0, "kv_fetched_bytes": 0, "kv_fetch_s": 0.0,
-                         "kv_fetch_store_s": 0.0, "kv_fetch_errors": 0, "kv_published_blocks": 0, "kv_published_bytes": 0,
+                         "kv_fetch_store_s": 0.0, "kv_fetch_errors": 0, "kv_published_blocks": 0,
+                         "kv_published_bytes": 0,
                          "kv_publish_skipped": 0, "kv_publish_dropped": 0, "kv_publish_errors": 0, "kv_publish_s": 0.0}
         self.thread = threading.Thread(target=self._work, name="kv-publish", daemon=True)
         self.thread.start()
