@@ -30,8 +30,8 @@ recomputed, mean and median time to first token (submit -> first generated token
 the driver, including the prefill hop for P/D), TTFT per turn, decode tokens/s per request
 (tokens after the first / time after the first), payload bytes moved through the store per
 request, the replicas' fetch threads' time (store round trips and the copy to the device),
-the part of it spent waiting for the store, and the time the engines sat idle because the
-only prompts left were waiting for a fetch; then the TTFT ratios, also over the turns after
+the part of it spent waiting for the store, and the time the engine threads waited for
+fetches (a short wait for a small one, or a step with nothing else to run); then the TTFT ratios, also over the turns after
 the first (in a burst, the first is the same cold work in every arm: all conversations start
 together and nothing is stored yet). Every token time is taken after the engine read the
 sampled token back to the host (a device sync), so GPU times are real.

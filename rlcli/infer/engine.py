@@ -25,6 +25,8 @@ runs in the background: the prompt stays waiting, holding no blocks, while the e
 steps every other request (a later prompt whose next block is in that fetch waits for it
 rather than fetching it again); once the fetch is done, the scheduler copies the blocks
 into fresh ones before prefill (a fetch that started under other weights is dropped).
+A fetch small enough to be done within ``FETCH_GRACE_S`` is waited for, so its prompt
+joins the step being scheduled rather than the next one.
 Full blocks are published after a prompt's prefill and when a completion finishes (only
 enqueued: a background thread moves them). ``role`` splits the work: a prefill server
 answers each request with one token once its prompt's blocks are stored; a decode server
@@ -98,10 +100,17 @@ class Sequence:
     num_published: int = 0  # leading full blocks already in the shared KV store (or handed to it)
     fetch: "Fetch | None" = None  # the shared-store fetch this waiting prompt waits for
     fetched_to: int = 0  # blocks [0, fetched_to) were asked of the shared store since it last held no KV
+    pending_hashes: tuple[int, list[bytes]] | None = None  # (version, block hashes) while a fetch is pending
 
     @property
     def num_generated(self) -> int:
         return len(self.tokens) - len(self.req.prompt_ids)
+
+
+FETCH_GRACE_S = 0.02
+"""How long scheduling waits for a fetch it just started before running the step without it."""
+FETCH_BYTES_PER_S = 4e9
+"""Fetch speed assumed to pick the fetches worth that wait (by the bytes they ask for)."""
 
 
 @dataclass
@@ -166,6 +175,7 @@ class NativeEngine:
         self.running: list[Sequence] = []
         self.requests: dict[str, Request] = {}
         self.fetches: list[Fetch] = []  # shared-store fetches in flight
+        self.new_fetches: list[Fetch] = []  # of which started by this step's scheduling
         self.fetching: dict[bytes, Fetch] = {}  # each of their keys -> its fetch
         self.counters = {"num_generated_tokens": 0, "num_prompt_tokens": 0, "num_cached_tokens": 0,
                          "num_steps": 0, "num_preemptions": 0, "num_requests": 0, "num_aborted": 0,
@@ -211,6 +221,7 @@ class NativeEngine:
                 return
             fetch = Fetch(self.kv.fetch_async(hashes[k:k + limit]), hashes[:k + limit], k, self.version)
             self.fetches.append(fetch)
+            self.new_fetches.append(fetch)
             for h in fetch.hashes[k:]:
                 self.fetching.setdefault(h, fetch)
         end = k  # the blocks this fetch asks for on the prompt's behalf (chains agree up to there)
@@ -408,8 +419,26 @@ class NativeEngine:
                 self._allocate(seq, n)
                 batch.append((seq, n))
                 budget -= n
-        # Admit waiting sequences within the token budget, in order; prompts whose KV is still
-        # being fetched from the shared store are passed over until it is in.
+        self.new_fetches = []
+        budget, reserved = self._admit(batch, budget, reserved)
+        # A fetch started now is often done in a few ms (a miss, or a few blocks): wait for the
+        # ones expected within FETCH_GRACE_S, so their prompts join this step instead of the next
+        # one (a whole forward later); larger ones stay in the background.
+        quick = [f for f in self.new_fetches
+                 if 0.002 + len(f.ticket.keys) * self.kv.meta.nbytes / FETCH_BYTES_PER_S <= FETCH_GRACE_S]
+        if quick and budget > 0:
+            t0 = time.perf_counter()
+            deadline = t0 + FETCH_GRACE_S
+            for fetch in quick:
+                fetch.ticket.event.wait(max(0.0, deadline - time.perf_counter()))
+            self.counters["kv_fetch_idle_s"] += time.perf_counter() - t0
+            budget, reserved = self._admit(batch, budget, reserved)
+        batch.sort(key=lambda item: not (item[1] == 1 and item[0].num_computed > 0))
+        return batch
+
+    def _admit(self, batch: list[tuple[Sequence, int]], budget: int, reserved: int) -> tuple[int, int]:
+        """Admit waiting sequences within the token budget, in order; prompts whose KV is still
+        being fetched from the shared store are passed over until it is in."""
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
@@ -430,8 +459,7 @@ class NativeEngine:
             self.running.append(seq)
             batch.append((seq, n))
             budget -= n
-        batch.sort(key=lambda item: not (item[1] == 1 and item[0].num_computed > 0))
-        return batch
+        return budget, reserved
 
     def _match_prefix(self, seq: Sequence) -> bool:
         """Take the longest cached prefix of the prompt (local, then the shared store's); False
@@ -445,7 +473,11 @@ class NativeEngine:
             seq.fetch = None  # its blocks are in the local prefix cache now
         # Never take the whole prompt from cache: the last position must run to give logits.
         # Only blocks computed by the weights served now can match (see _register_full_blocks).
-        hashes = self.blocks.block_hashes(seq.tokens[:-1], f"{seq.req.salt}|w{self.version}")
+        if seq.pending_hashes is not None and seq.pending_hashes[0] == self.version:
+            hashes = seq.pending_hashes[1]  # (the tokens of a waiting prompt do not change)
+        else:
+            hashes = self.blocks.block_hashes(seq.tokens[:-1], f"{seq.req.salt}|w{self.version}")
+        seq.pending_hashes = None
         want_routes = seq.req.sampling.return_routing and self.is_moe
         blocks = self.blocks.match_prefix(hashes, with_routes=want_routes)
         # Ask the store for what is missing, unless an earlier ask (its own, or one it waited
@@ -454,6 +486,7 @@ class NativeEngine:
             self.blocks.release(blocks)  # a waiting prompt holds no blocks
             self._start_fetch(seq, hashes, len(blocks))
             if seq.fetch is not None:
+                seq.pending_hashes = (self.version, hashes)
                 return False
             blocks = self.blocks.match_prefix(hashes)
         seq.blocks = blocks
