@@ -2,20 +2,21 @@
 
 Before prefill, an engine that misses a prefix locally asks the store for the longest
 run of the prompt's next blocks (:meth:`KVConnector.fetch_async`): a background fetch
-thread sends one store request for the whole run, whose bytes land in host memory the
-device can read directly (a memory store on this host writes them into the engine's
-/dev/shm mailbox, registered with CUDA; otherwise pinned staging memory), copies them to
-the device on its own CUDA stream and marks the :class:`FetchTicket` done. The engine
-keeps stepping its other requests meanwhile and admits the waiting one once its ticket
-is done (:meth:`FetchTicket.take` hands the payloads over to the engine's stream). After
-prefill, and when a completion finishes, the engine hands the new full blocks (gathered
-on the device) to :meth:`KVConnector.publish`, which only records an event and enqueues
-them: a publishing thread copies them out on its own CUDA stream into pinned memory
-(never queued behind, or blocking, the engine's stream) and moves them to the store with
-its own socket, so publishing never delays a decode step; when the bounded queue is full
-a batch is dropped (and counted), never waited for. ``flush`` waits for what was queued
-(a prefill server answers only once its blocks are stored, so the decode server finds
-them).
+thread (one for fetches of up to ``EXPRESS_BYTES``, another for larger ones, so a small
+fetch never queues behind a large transfer) sends one store request for the whole run,
+whose bytes land in host memory the device can read directly (a memory store on this
+host writes them into the engine's /dev/shm mailbox, registered with CUDA; otherwise
+pinned staging memory), copies them to the device on its own CUDA stream and marks the
+:class:`FetchTicket` done. The engine keeps stepping its other requests meanwhile and
+admits the waiting one once its ticket is done (:meth:`FetchTicket.take` hands the
+payloads over to the engine's stream). After prefill, and when a completion finishes,
+the engine hands the new full blocks (gathered on the device) to
+:meth:`KVConnector.publish`, which only records an event and enqueues them: a publishing
+thread copies them out on its own CUDA stream into pinned memory (never queued behind,
+or blocking, the engine's stream) and moves them to the store with its own socket, so
+publishing never delays a decode step; when the bounded queue is full a batch is dropped
+(and counted), never waited for. ``flush`` waits for what was queued (a prefill server
+answers only once its blocks are stored, so the decode server finds them).
 
 Keys are the engine's chain hashes (cache salt, weights version, tokens); every request
 carries the engine's :class:`BlockMeta` (model fingerprint, dtype, shape), so a store
@@ -50,6 +51,9 @@ BATCH_BYTES = 32 << 20
 """Most payload bytes in one store request (rl-cache refuses messages past 256 MiB)."""
 QUEUE_BYTES = 2 << 30
 """Most payload bytes waiting to be published (they hold device memory until copied out)."""
+EXPRESS_BYTES = 64 << 20
+"""Fetches asking for at most this many bytes take the express lane: a second fetch thread, so
+they never queue behind a large transfer (each lane has its own socket, stream and mailbox)."""
 
 
 class KVConnector(Protocol):
@@ -164,8 +168,9 @@ class _Publisher:
         self.cuda = self.device.type == "cuda"
         # The publisher's device-to-host copies run on this stream, beside the engine's.
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.fetch_stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.fetches: queue.Queue = queue.Queue()
+        # Fetch lanes: 0 for fetches of up to EXPRESS_BYTES, 1 for larger ones.
+        self.fetch_streams = [torch.cuda.Stream(self.device) if self.cuda else None for _ in range(2)]
+        self.fetches: list[queue.Queue] = [queue.Queue(), queue.Queue()]
         self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self.queued_bytes = 0  # payload bytes queued and not yet copied out
         self.bytes_lock = threading.Lock()
@@ -175,8 +180,10 @@ class _Publisher:
                          "kv_publish_skipped": 0, "kv_publish_dropped": 0, "kv_publish_errors": 0, "kv_publish_s": 0.0}
         self.thread = threading.Thread(target=self._work, name="kv-publish", daemon=True)
         self.thread.start()
-        self.fetcher = threading.Thread(target=self._fetch_work, name="kv-fetch", daemon=True)
-        self.fetcher.start()
+        self.fetchers = [threading.Thread(target=self._fetch_work, args=(lane,), name=f"kv-fetch-{lane}",
+                                          daemon=True) for lane in range(2)]
+        for t in self.fetchers:
+            t.start()
 
     def publish(self, keys: list[bytes], payload: torch.Tensor) -> bool:
         if not keys:
@@ -277,7 +284,7 @@ class _Publisher:
 
     def fetch_async(self, keys: list[bytes]) -> FetchTicket:
         ticket = FetchTicket(list(keys))
-        self.fetches.put(ticket)
+        self.fetches[int(len(keys) * self.meta.nbytes > EXPRESS_BYTES)].put(ticket)
         return ticket
 
     def fetch(self, keys: list[bytes]) -> torch.Tensor:
@@ -285,12 +292,12 @@ class _Publisher:
         ticket.event.wait()
         return ticket.take()
 
-    def _fetch_work(self) -> None:
+    def _fetch_work(self, lane: int) -> None:
         client = RpcClient(self.endpoint)  # this thread's own socket
         try:
-            while (ticket := self.fetches.get()) is not None:
+            while (ticket := self.fetches[lane].get()) is not None:
                 try:
-                    ticket.data = self._fetch_run(client, ticket)
+                    ticket.data = self._fetch_run(lane, client, ticket)
                 except Exception as e:  # never leave the engine waiting on a ticket
                     self.counters["kv_fetch_errors"] += 1
                     log.warning("KV fetch failed (a miss): %s", e)
@@ -299,8 +306,8 @@ class _Publisher:
         finally:
             client.close()
 
-    def _fetch_run(self, client: RpcClient, ticket: FetchTicket) -> torch.Tensor:
-        """The leading run of the ticket's keys, on the engine's device (fetch thread)."""
+    def _fetch_run(self, lane: int, client: RpcClient, ticket: FetchTicket) -> torch.Tensor:
+        """The leading run of the ticket's keys, on the engine's device (the lane's fetch thread)."""
         t0 = time.monotonic()
         keys = ticket.keys
         parts, step = [], max(1, self.max_fetch_bytes // self.meta.nbytes)
@@ -308,7 +315,7 @@ class _Publisher:
             self.counters["kv_fetch_requests"] += 1
             t1 = time.monotonic()
             try:
-                data = self._fetch(client, keys[a:a + step])
+                data = self._fetch(lane, client, keys[a:a + step])
             except (PeerUnreachable, OSError) as e:  # OSError: no room in /dev/shm for the mailbox
                 self.counters["kv_fetch_errors"] += 1
                 log.warning("KV fetch failed (a miss): %s", e)
@@ -320,10 +327,11 @@ class _Publisher:
                 break  # the run ended inside this batch
         data = parts[0] if len(parts) == 1 else (torch.cat(parts) if parts else self._host_buffer(0))
         if self.cuda:  # one copy to the device on this thread's stream; the host buffer is free after it
-            with torch.cuda.stream(self.fetch_stream):
+            stream = self.fetch_streams[lane]
+            with torch.cuda.stream(stream):
                 dev = torch.empty(data.shape, dtype=torch.uint8, device=self.device)
                 dev.copy_(data, non_blocking=True)
-            self.fetch_stream.synchronize()
+            stream.synchronize()
             data = dev
         elif self.reuses_fetch_buffer and data.numel():
             data = data.clone()
@@ -333,9 +341,9 @@ class _Publisher:
         self.counters["kv_fetch_s"] += time.monotonic() - t0
         return data
 
-    def _fetch(self, client: RpcClient, keys: list[bytes]) -> torch.Tensor:
-        """One store request: the leading run of ``keys`` it holds, ``[n, meta.nbytes]`` uint8 on
-        the host, valid until the next fetch (fetch thread)."""
+    def _fetch(self, lane: int, client: RpcClient, keys: list[bytes]) -> torch.Tensor:
+        """One store request, on fetch lane ``lane``'s thread: the leading run of ``keys`` the
+        store holds, ``[n, meta.nbytes]`` uint8 on the host, valid until the lane's next fetch."""
         raise NotImplementedError
 
     def stats(self) -> dict[str, float]:
@@ -344,18 +352,21 @@ class _Publisher:
     def close(self) -> None:
         self.flush(self.timeout_s)
         self.queue.put(None)
-        self.fetches.put(None)
+        for q in self.fetches:
+            q.put(None)
         self.thread.join(timeout=self.timeout_s)
-        self.fetcher.join(timeout=self.timeout_s)
+        for t in self.fetchers:
+            t.join(timeout=self.timeout_s)
 
 
 class StoreConnector(_Publisher):
     """rl-cache's memory (RAM/disk) store; payloads through /dev/shm (``via_shm``) or inline.
 
-    Through /dev/shm each side keeps two :class:`~rlcli.transport.shm.Mailbox` files (fetch,
-    publish), registered with CUDA for a CUDA engine: the store writes a fetched run into the
-    fetch mailbox (one copy), the device reads it from there; a published payload is copied
-    from the device straight into the publish mailbox, the store reads it (one copy)."""
+    Through /dev/shm the engine keeps three :class:`~rlcli.transport.shm.Mailbox` files (one
+    per fetch lane, the express one sized up front, and one to publish), registered with CUDA
+    for a CUDA engine: the store writes a fetched run into the lane's mailbox (one copy), the
+    device reads it from there; a published payload is copied from the device straight into
+    the publish mailbox, the store reads it (one copy)."""
 
     def __init__(self, endpoint: str, meta: BlockMeta, queue_size: int, timeout_s: float, via_shm: bool,
                  device: torch.device | None = None):
@@ -364,19 +375,22 @@ class StoreConnector(_Publisher):
             self.max_fetch_bytes = 1 << 62  # one request per fetch or publish: only keys cross ZeroMQ
             cuda = device is not None and device.type == "cuda"
             hooks = (partial(_register, device), partial(_unregister, device)) if cuda else (None, None)
-            self.fetch_box, self.publish_box = shm.Mailbox(*hooks), shm.Mailbox(*hooks)
+            self.fetch_boxes = [shm.Mailbox(*hooks), shm.Mailbox(*hooks)]  # one per fetch lane
+            self.fetch_boxes[0].view(EXPRESS_BYTES)  # mapped (and registered) now, not on a first small fetch
+            self.publish_box = shm.Mailbox(*hooks)
         super().__init__(endpoint, meta, queue_size, timeout_s, device)
 
-    def _fetch(self, client: RpcClient, keys: list[bytes]) -> torch.Tensor:
+    def _fetch(self, lane: int, client: RpcClient, keys: list[bytes]) -> torch.Tensor:
         nbytes = self.meta.nbytes
-        into = self.fetch_box.view(len(keys) * nbytes) if self.via_shm else None
+        box = self.fetch_boxes[lane] if self.via_shm else None
+        into = box.view(len(keys) * nbytes) if self.via_shm else None
         msg = CacheGet(request_id=new_request_id(), keys=keys, meta=self.meta, prefix=True,
-                       transfer="shm" if self.via_shm else "", into=self.fetch_box.name if self.via_shm else "")
+                       transfer="shm" if self.via_shm else "", into=box.name if self.via_shm else "")
         reply = _call(client, msg, CacheGetReply, self.timeout_s)
         n = _run_length(reply.found)
         if not self.via_shm:
             return self._rows(reply.values[:n])
-        if n and reply.shm != self.fetch_box.name:
+        if n and reply.shm != box.name:
             raise PeerUnreachable("rl-cache did not write into this engine's /dev/shm mailbox")
         return torch.from_numpy(into[:n * nbytes]).view(n, nbytes)
 
@@ -404,7 +418,8 @@ class StoreConnector(_Publisher):
     def close(self) -> None:
         super().close()
         if self.via_shm:
-            self.fetch_box.close()
+            for box in self.fetch_boxes:
+                box.close()
             self.publish_box.close()
 
 
@@ -423,7 +438,7 @@ class MooncakeConnector(_Publisher):
         self.max_fetch_bytes = 1 << 62  # payloads move through Mooncake: one request per fetch
         super().__init__(endpoint, meta, queue_size, timeout_s, device)
 
-    def _fetch(self, client: RpcClient, keys: list[bytes]) -> torch.Tensor:
+    def _fetch(self, lane: int, client: RpcClient, keys: list[bytes]) -> torch.Tensor:
         msg = CacheGet(request_id=new_request_id(), keys=keys, meta=self.meta, prefix=True, transfer="mooncake")
         n = _run_length(_call(client, msg, CacheGetReply, self.timeout_s).found)
         with self.lock:
