@@ -39,6 +39,7 @@ sampled token back to the host (a device sync), so GPU times are real.
     python bench/kv_cache.py --smoke                  # CPU, tiny shapes, about a minute
     python bench/kv_cache.py                          # CPU, the docs/benchmarks.md figures
     python bench/kv_cache.py --arrival staggered      # CPU, conversations starting 3 s apart
+    python bench/kv_cache.py --baseline-last          # the mixed arm after the cache arms (order check)
     python bench/kv_cache.py --device cuda            # ~1B Llama shape, 16k shared prefix (GPU_RUN.md)
 """
 
@@ -66,6 +67,7 @@ SHAPES = {  # hidden, intermediate, layers, heads, kv heads, head dim
     "0.5b": (1024, 4096, 24, 16, 4, 64),  # ~0.4B parameters, 24 KiB of bf16 KV per token
     "1b": (2048, 5632, 16, 16, 4, 128),  # ~0.9B parameters (TinyLlama-1.1B's body), 32 KiB of bf16 KV per token
 }
+ARMS = ("mixed", "mixed+cache", "P/D+cache")  # as reported; run in this order unless --baseline-last
 # conversations, turns, shared prefix, own context, user tokens per turn, generated tokens per turn
 WORKLOADS = {"smoke": (2, 3, 128, 64, 16, 8), "cpu": (4, 4, 1024, 512, 128, 16),
              "cuda": (8, 4, 16384, 8192, 256, 32)}
@@ -317,6 +319,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per replica (CPU)")
     p.add_argument("--arrival", default="burst", help="burst, staggered, or both as burst,staggered")
     p.add_argument("--stagger-s", type=float, default=None, help="seconds between conversation starts (staggered)")
+    p.add_argument("--baseline-last", action="store_true",
+                   help="run the mixed arm after the cache arms (does arm order matter?)")
     args = p.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # (timeout): stop the replicas and rl-cache too
     workload = "smoke" if args.smoke else args.device
@@ -358,8 +362,10 @@ def main() -> None:
               flush=True)
         try:
             for arrival in arrivals:
-                for arm in ("mixed", "mixed+cache", "P/D+cache"):
+                order = ("mixed+cache", "P/D+cache", "mixed") if args.baseline_last else ARMS
+                for arm in order:
                     rows.append(run_arm(args, reps, arm, endpoint if arm != "mixed" else None, arrival))
+                    rows[-1]["baseline_last"] = args.baseline_last
                     print(json.dumps(rows[-1]), flush=True)  # each arm as it ends (a cut-short run keeps them)
                 if arrival != arrivals[-1]:
                     report(rows)
@@ -374,8 +380,9 @@ def main() -> None:
 def report(rows: list[dict]) -> None:
     """A table per workload (arrival), with the TTFT ratios once its three arms are done."""
     for arrival in dict.fromkeys(r["arrival"] for r in rows):
-        arms = [r for r in rows if r["arrival"] == arrival]
-        print(f"# arrival: {arrival}")
+        arms = sorted((r for r in rows if r["arrival"] == arrival), key=lambda r: ARMS.index(r["arm"]))
+        order = " (arms run: mixed+cache, P/D+cache, mixed)" if arms[0]["baseline_last"] else ""
+        print(f"# arrival: {arrival}{order}")
         print(f"{'arm':<12} {'hit rate':>8} {'recomputed':>10} {'TTFT mean':>10} {'TTFT p50':>9} {'decode tok/s':>12} "
               f"{'MB/request':>10} {'fetch s':>7} {'fetch GB/s':>10} {'store s':>7} {'idle s':>6} {'wall s':>7}")
         for r in arms:
