@@ -33,7 +33,7 @@ answers each request with one token once its prompt's blocks are stored; a decod
 is a mixed one that other servers' prefills feed.
 
 With ``batch_invariant`` (``model.batch_invariant``) a token's numbers do not depend on the
-rest of the step: linears run on at least 16 rows, attention in the fixed order the trainer's
+rest of the step: linears run on row counts that round every row alike, attention in the fixed order the trainer's
 ``invariant`` backend uses, and reported logprobs use the trainer's formula, so the trainer
 recomputes the same bits (:mod:`rlcli.ops.batch_invariant`; GQA models on the CPU).
 """
@@ -52,8 +52,8 @@ from rlcli.config import RecipeConfig
 from rlcli.errors import ConfigError
 from rlcli.infer.base import Delta
 from rlcli.infer.block_manager import BlockManager, chain_hash
-from rlcli.infer import kv_blocks
-from rlcli.infer.kv_connector import FetchTicket, KVConnector, make_kv_connector
+from rlcli.infer.kv_connector import KVConnector, make_kv_connector
+from rlcli.infer.shared_kv import FETCH_BYTES_PER_S, FETCH_GRACE_S, Fetch, SharedKVMixin
 from rlcli.infer.receiver import WeightReceiver
 from rlcli.models import DTYPES, CausalLM, load_model
 from rlcli.models.tokenizer import load_tokenizer
@@ -62,7 +62,7 @@ from rlcli.ops.batch_invariant import pad_linear_rows
 from rlcli.ops.logprobs import token_logprobs_of
 from rlcli.ops.sampling import sample
 from rlcli.protocol import (
-    BlockMeta, Completion, GenerateRequest, GenerateResponse, SamplingParams, WeightsRef, WireTensor,
+    Completion, GenerateRequest, GenerateResponse, SamplingParams, WeightsRef, WireTensor,
 )
 from rlcli.transport.atomic import checksums_of
 
@@ -107,22 +107,6 @@ class Sequence:
         return len(self.tokens) - len(self.req.prompt_ids)
 
 
-FETCH_GRACE_S = 0.02
-"""How long scheduling waits for a fetch it just started before running the step without it."""
-FETCH_BYTES_PER_S = 4e9
-"""Fetch speed assumed to pick the fetches worth that wait (by the bytes they ask for)."""
-
-
-@dataclass
-class Fetch:
-    """A background fetch of ``hashes[start:]`` of a prompt's block hashes, under weights ``version``."""
-
-    ticket: FetchTicket
-    hashes: list[bytes]
-    start: int
-    version: int
-
-
 def resolve_device(name: str) -> torch.device:
     """``infer.device`` as a torch device, refusing a CUDA device torch cannot see."""
     device = torch.device(name)
@@ -135,7 +119,7 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-class NativeEngine:
+class NativeEngine(SharedKVMixin):
     """The native implementation of :class:`rlcli.infer.base.Engine`."""
 
     def __init__(self, model: CausalLM, *, eos_token_ids: list[int], max_model_len: int, block_size: int = 16,
@@ -199,76 +183,6 @@ class NativeEngine:
                      seed=cfg.seed * 1000 + instance, role=icfg.role, batch_invariant=cfg.model.batch_invariant)
         engine.kv = make_kv_connector(icfg.kv_cache, engine.block_meta(), engine.device)
         return engine
-
-    # ------------------------------------------------------------------ shared KV store
-    def block_meta(self) -> BlockMeta:
-        """The layout of this engine's blocks in a shared store (fingerprinted with the weights now served)."""
-        return kv_blocks.block_meta(self.model, self.block_size, self.dtype)
-
-    def _gather_blocks(self, blocks: list[int]) -> torch.Tensor:
-        return kv_blocks.gather(self.kv_caches, blocks)
-
-    def _scatter_blocks(self, blocks: list[int], data: torch.Tensor) -> None:
-        kv_blocks.scatter(self.kv_caches, blocks, data)
-
-    def _start_fetch(self, seq: Sequence, hashes: list[bytes], k: int) -> None:
-        """Wait for the store's run of ``hashes[k:]``: a fetch in flight that holds the next
-        block already, else a new one (at most as many blocks as could be taken in now)."""
-        if (fetch := self.fetching.get(hashes[k])) is None:
-            limit = min(len(hashes) - k, self.blocks.num_available - 2)  # leave room to compute the rest
-            if limit <= 0:
-                seq.fetched_to = len(hashes)
-                return
-            fetch = Fetch(self.kv.fetch_async(hashes[k:k + limit]), hashes[:k + limit], k, self.version)
-            self.fetches.append(fetch)
-            self.new_fetches.append(fetch)
-            for h in fetch.hashes[k:]:
-                self.fetching.setdefault(h, fetch)
-        end = k  # the blocks this fetch asks for on the prompt's behalf (chains agree up to there)
-        while end < min(len(hashes), len(fetch.hashes)) and hashes[end] == fetch.hashes[end]:
-            end += 1
-        seq.fetch, seq.fetched_to = fetch, end
-
-    def _take_fetches(self) -> None:
-        """Copy the blocks of every done fetch into the local prefix cache, where the prompts
-        that waited for them (or any later one) match them; taken in any case, so neither an
-        aborted waiter nor a weight swap leaves one behind."""
-        if not any(f.ticket.done() for f in self.fetches):
-            return
-        for fetch in [f for f in self.fetches if f.ticket.done()]:
-            self.fetches.remove(fetch)
-            for h in fetch.hashes[fetch.start:]:
-                if self.fetching.get(h) is fetch:
-                    del self.fetching[h]
-            self._take_fetch(fetch)
-
-    def _take_fetch(self, fetch: Fetch) -> None:
-        data = fetch.ticket.take()
-        if fetch.version != self.version or data.shape[0] == 0:
-            return  # computed under other weights: its keys can never match now
-        # Extend the longest local match of the fetched chain (blocks may have come or gone since).
-        held = self.blocks.match_prefix(fetch.hashes)
-        skip = len(held) - fetch.start
-        if 0 <= skip < data.shape[0]:
-            n = min(data.shape[0] - skip, self.blocks.num_available - 2)
-            if n > 0:
-                fresh = [self.blocks.allocate() for _ in range(n)]
-                self._scatter_blocks(fresh, data[skip:skip + n])
-                for block, h in zip(fresh, fetch.hashes[fetch.start + skip:]):
-                    self.blocks.register(block, h)
-                held += fresh
-                self.counters["num_kv_fetched_tokens"] += n * self.block_size
-        self.blocks.release(held)  # cached (evictable) until the waiting prompts match them
-
-    def _publish(self, seq: Sequence) -> None:
-        """Hand the sequence's full blocks not yet in the store to the connector (enqueued only)."""
-        start, end = seq.num_published, len(seq.hashes)
-        if self.kv is None or end <= start:
-            return
-        t0 = time.perf_counter()
-        self.kv.publish(seq.hashes[start:end], self._gather_blocks(seq.blocks[start:end]))
-        seq.num_published = end
-        self.counters["kv_publish_engine_s"] += time.perf_counter() - t0  # the engine thread's share
 
     # ------------------------------------------------------------------ public API
     def add_request(self, req: GenerateRequest, stream: bool = False) -> None:
@@ -363,15 +277,6 @@ class NativeEngine:
         if self.role == "prefill" and self.kv is not None and any(isinstance(o, GenerateResponse) for o in out):
             self.kv.flush(self.kv.timeout_s)  # answer once the decode server can find the blocks
         return out
-
-    def _idle_until_fetched(self, timeout_s: float = 0.02) -> None:
-        """Nothing could run: wait (briefly, so the server stays responsive) for a fetch that
-        a waiting prompt needs."""
-        fetch = next((s.fetch for s in self.waiting if s.fetch is not None), None)
-        if fetch is not None:
-            t0 = time.perf_counter()
-            fetch.ticket.event.wait(timeout_s)
-            self.counters["kv_fetch_idle_s"] += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ scheduling
     def _blocks_needed(self, seq: Sequence, num_tokens: int) -> int:

@@ -1,0 +1,118 @@
+"""The native engine's side of the shared KV store (``--kv-cache``): fetches and publishing.
+
+A mixin of :class:`rlcli.infer.engine.NativeEngine`, split out of it to keep the engine's
+scheduling readable; it reads and writes the engine's state (``blocks``, ``kv``, ``fetches``,
+``fetching``, ``new_fetches``, ``version``, ``counters``, ``waiting``, ``kv_caches``). The rules
+(what is fetched, when a waiting prompt is admitted, why a fetch of other weights is dropped)
+are in the engine's module docstring.
+"""
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from rlcli.infer import kv_blocks
+from rlcli.infer.kv_connector import FetchTicket
+from rlcli.protocol import BlockMeta
+
+if TYPE_CHECKING:
+    from rlcli.infer.engine import Sequence
+
+FETCH_GRACE_S = 0.02
+"""How long scheduling waits for a fetch it just started before running the step without it."""
+FETCH_BYTES_PER_S = 4e9
+"""Fetch speed assumed to pick the fetches worth that wait (by the bytes they ask for)."""
+
+
+@dataclass
+class Fetch:
+    """A background fetch of ``hashes[start:]`` of a prompt's block hashes, under weights ``version``."""
+
+    ticket: FetchTicket
+    hashes: list[bytes]
+    start: int
+    version: int
+
+
+class SharedKVMixin:
+    """Fetch from and publish to the shared store; see the module docstring."""
+
+    def block_meta(self) -> BlockMeta:
+        """The layout of this engine's blocks in a shared store (fingerprinted with the weights now served)."""
+        return kv_blocks.block_meta(self.model, self.block_size, self.dtype)
+
+    def _gather_blocks(self, blocks: list[int]) -> torch.Tensor:
+        return kv_blocks.gather(self.kv_caches, blocks)
+
+    def _scatter_blocks(self, blocks: list[int], data: torch.Tensor) -> None:
+        kv_blocks.scatter(self.kv_caches, blocks, data)
+
+    def _start_fetch(self, seq: "Sequence", hashes: list[bytes], k: int) -> None:
+        """Wait for the store's run of ``hashes[k:]``: a fetch in flight that holds the next
+        block already, else a new one (at most as many blocks as could be taken in now)."""
+        if (fetch := self.fetching.get(hashes[k])) is None:
+            limit = min(len(hashes) - k, self.blocks.num_available - 2)  # leave room to compute the rest
+            if limit <= 0:
+                seq.fetched_to = len(hashes)
+                return
+            fetch = Fetch(self.kv.fetch_async(hashes[k:k + limit]), hashes[:k + limit], k, self.version)
+            self.fetches.append(fetch)
+            self.new_fetches.append(fetch)
+            for h in fetch.hashes[k:]:
+                self.fetching.setdefault(h, fetch)
+        end = k  # the blocks this fetch asks for on the prompt's behalf (chains agree up to there)
+        while end < min(len(hashes), len(fetch.hashes)) and hashes[end] == fetch.hashes[end]:
+            end += 1
+        seq.fetch, seq.fetched_to = fetch, end
+
+    def _take_fetches(self) -> None:
+        """Copy the blocks of every done fetch into the local prefix cache, where the prompts
+        that waited for them (or any later one) match them; taken in any case, so neither an
+        aborted waiter nor a weight swap leaves one behind."""
+        if not any(f.ticket.done() for f in self.fetches):
+            return
+        for fetch in [f for f in self.fetches if f.ticket.done()]:
+            self.fetches.remove(fetch)
+            for h in fetch.hashes[fetch.start:]:
+                if self.fetching.get(h) is fetch:
+                    del self.fetching[h]
+            self._take_fetch(fetch)
+
+    def _take_fetch(self, fetch: Fetch) -> None:
+        data = fetch.ticket.take()
+        if fetch.version != self.version or data.shape[0] == 0:
+            return  # computed under other weights: its keys can never match now
+        # Extend the longest local match of the fetched chain (blocks may have come or gone since).
+        held = self.blocks.match_prefix(fetch.hashes)
+        skip = len(held) - fetch.start
+        if 0 <= skip < data.shape[0]:
+            n = min(data.shape[0] - skip, self.blocks.num_available - 2)
+            if n > 0:
+                fresh = [self.blocks.allocate() for _ in range(n)]
+                self._scatter_blocks(fresh, data[skip:skip + n])
+                for block, h in zip(fresh, fetch.hashes[fetch.start + skip:]):
+                    self.blocks.register(block, h)
+                held += fresh
+                self.counters["num_kv_fetched_tokens"] += n * self.block_size
+        self.blocks.release(held)  # cached (evictable) until the waiting prompts match them
+
+    def _publish(self, seq: "Sequence") -> None:
+        """Hand the sequence's full blocks not yet in the store to the connector (enqueued only)."""
+        start, end = seq.num_published, len(seq.hashes)
+        if self.kv is None or end <= start:
+            return
+        t0 = time.perf_counter()
+        self.kv.publish(seq.hashes[start:end], self._gather_blocks(seq.blocks[start:end]))
+        seq.num_published = end
+        self.counters["kv_publish_engine_s"] += time.perf_counter() - t0  # the engine thread's share
+
+    def _idle_until_fetched(self, timeout_s: float = 0.02) -> None:
+        """Nothing could run: wait (briefly, so the server stays responsive) for a fetch that
+        a waiting prompt needs."""
+        fetch = next((s.fetch for s in self.waiting if s.fetch is not None), None)
+        if fetch is not None:
+            t0 = time.perf_counter()
+            fetch.ticket.event.wait(timeout_s)
+            self.counters["kv_fetch_idle_s"] += time.perf_counter() - t0
