@@ -467,7 +467,7 @@ class NativeEngine(SharedKVMixin):
         dev = self.device
         row_logits = logits[torch.tensor(rows, device=dev)]
         tokens, logprobs = sample(row_logits, torch.tensor(temps, device=dev), torch.tensor(top_ps, device=dev),
-                                  self.generator, row_gens)
+                                  self.generator, row_gens, any_top_p=any(p < 1 for p in top_ps))
         if self.batch_invariant:
             logprobs = self._trainer_logprobs(row_logits, tokens, logprobs, temps, top_ps)
         tokens, logprobs = tokens.tolist(), logprobs.tolist()

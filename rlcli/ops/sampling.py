@@ -1,4 +1,4 @@
-"""Batched token sampling: temperature, top-p, greedy, per-row seeds, no host sync.
+"""Batched token sampling: temperature, top-p, greedy, per-row seeds, no host sync (given ``any_top_p``).
 
 Sampling inverts the CDF: one uniform ``u`` per row, and the token is the first whose
 cumulative probability (summed in float64) exceeds ``u`` times the row's total, which draws
@@ -21,14 +21,17 @@ import torch
 
 def sample(logits_SV: torch.Tensor, temperature_S: torch.Tensor, top_p_S: torch.Tensor,
            generator: torch.Generator | None = None,
-           row_generators: dict[int, torch.Generator] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens [S] (int64) and their logprobs [S] (float32)."""
+           row_generators: dict[int, torch.Generator] | None = None,
+           any_top_p: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens [S] (int64) and their logprobs [S] (float32). ``any_top_p``: whether some row has
+    ``top_p < 1`` (the caller knows it from the requests); left None, it is read from ``top_p_S``,
+    which costs one host sync."""
     logits = logits_SV.float()
     greedy = temperature_S <= 0
     temp = torch.where(greedy, torch.ones_like(temperature_S), temperature_S).float()
     logprobs = torch.log_softmax(logits / temp[:, None], dim=-1)
     probs = logprobs.exp()
-    if bool((top_p_S < 1).any()):
+    if any_top_p if any_top_p is not None else bool((top_p_S < 1).any()):
         keep = top_p_keep(probs, top_p_S.float()[:, None]) | (greedy | (top_p_S >= 1))[:, None]
         probs = probs.masked_fill(~keep, 0.0)
         logprobs = torch.log_softmax(logprobs.masked_fill(~keep, float("-inf")), dim=-1)
@@ -37,7 +40,7 @@ def sample(logits_SV: torch.Tensor, temperature_S: torch.Tensor, top_p_S: torch.
         u[row] = torch.rand(1, generator=gen, dtype=torch.float64, device=probs.device)
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)
     sampled = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
-    tokens = torch.where(greedy, logits.argmax(dim=-1), sampled) if bool(greedy.any()) else sampled
+    tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
     return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
 
 

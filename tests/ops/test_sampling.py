@@ -41,3 +41,26 @@ def test_row_generators_make_rows_independent_of_the_batch():
     a, _ = sample(logits, temp, top_p, torch.Generator().manual_seed(1), {2: torch.Generator().manual_seed(9)})
     b, _ = sample(logits, temp, top_p, torch.Generator().manual_seed(2), {2: torch.Generator().manual_seed(9)})
     assert a[2] == b[2]
+
+
+def test_sampling_never_reads_a_tensor_value_on_the_host():
+    """The module's "no host sync" (the caller says whether any row uses top-p): no op that copies a
+    tensor's value to Python (``.item()``, ``bool(t)``, ``.tolist()``: ``aten::_local_scalar_dense``)
+    runs, with greedy, top-p and seeded rows mixed."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    logits = torch.randn(4, 50)
+    with Ops() as ops:
+        sample(logits, torch.tensor([0.0, 1.0, 0.7, 1.0]), torch.tensor([1.0, 0.9, 1.0, 1.0]),
+               torch.Generator().manual_seed(0), {3: torch.Generator().manual_seed(1)}, any_top_p=True)
+    assert "_local_scalar_dense" not in ops.names
+    assert "searchsorted" in ops.names  # the ops were seen
