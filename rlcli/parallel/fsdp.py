@@ -134,18 +134,20 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     meshes (dense ones over dp x cp, experts over ("edp", "ep")): each mesh's norm is
     reduced on its own mesh, the squares are summed, then every gradient is scaled.
     Returns the total norm as a plain tensor (no host sync)."""
-    params = [p for p in parameters if p.grad is not None]
     by_mesh: dict[int, list[torch.Tensor]] = {}
-    for p in params:
-        by_mesh.setdefault(id(getattr(p.grad, "device_mesh", None)), []).append(p.grad)
+    for p in parameters:
+        if p.grad is not None:
+            by_mesh.setdefault(id(getattr(p.grad, "device_mesh", None)), []).append(p)
     total_sq = None
-    for grads in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+    for params in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         total_sq = norm.float() ** 2 if total_sq is None else total_sq + norm.float() ** 2
     if total_sq is None:
         return torch.zeros(())
     total = total_sq.sqrt()
     if max_norm:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        # Per mesh: one foreach op over DTensors of two meshes is refused ("different meshes").
+        for params in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total

@@ -67,8 +67,11 @@ def epcp_main(rank: int, world: int) -> None:
         loss = step(model, batch, dims)
         grads = {k: full(p.grad) for k, p in model.named_parameters()}
         norm = clip_grad_norm_(model.parameters(), 0.0)
+        # Clipping to half the norm scales every gradient, dense (dp x cp mesh) and experts (ep mesh) alike.
+        clip_grad_norm_(model.parameters(), float(norm) / 2)
+        clipped = {k: full(p.grad) for k, p in model.named_parameters()}
         if rank == 0:
-            torch.save({"loss": loss, "grads": grads, "norm": norm}, OUT / f"grads_{name}_epcp.pt")
+            torch.save({"loss": loss, "grads": grads, "norm": norm, "clipped": clipped}, OUT / f"grads_{name}_epcp.pt")
 
 
 def main() -> None:

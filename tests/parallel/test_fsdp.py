@@ -149,6 +149,9 @@ def test_fsdp_with_context_and_expert_parallelism_matches_one_process(tmp_path):
     _torchrun(tmp_path, 4, "epcp")
     for name in CONFIGS:
         _check_step(tmp_path, refs, name, "epcp")
+        got = torch.load(tmp_path / f"grads_{name}_epcp.pt")
+        for k, g in got["grads"].items():  # clipped to half the norm, on every mesh
+            torch.testing.assert_close(got["clipped"][k], g / 2, rtol=1e-5, atol=1e-7, msg=k)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
