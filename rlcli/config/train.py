@@ -207,3 +207,11 @@ class TrainConfig(Config):
 
     wait_timeout_s: float = 0.0
     """Give up if no rollout batch arrives for this long; 0 waits forever."""
+
+    profile_step: int = 0
+    """Run this RL step under torch.profiler (0: none): a Chrome trace per rank under
+    RUN/profiles/ and the step's collective time by kind in its metrics (rlcli.train.profile)."""
+
+    def __post_init__(self) -> None:
+        if self.profile_step < 0:
+            raise ValueError(f"train.profile_step must be >= 0 (0: no profiled step), got {self.profile_step}")

@@ -43,6 +43,7 @@ from rlcli.protocol.batch import TrainingBatch
 from rlcli.train.checkpoint import load_latest_checkpoint, save_checkpoint
 from rlcli.train.data import BatchCorrupt, wait_for_batch
 from rlcli.train.loss import LOSSES
+from rlcli.train.profile import peak_gib, reduce_max, reset_peak, step_profile
 from rlcli.train.publish import make_publisher
 from rlcli.train.sft import run_sft
 from rlcli.train.step import accumulate
@@ -307,7 +308,11 @@ class Trainer:
             self.beat(busy_s=self.busy_s)
             if self.cores is not None:
                 self.cores.busy(True)
-            metrics = self.train_step(batch)
+            reset_peak(self.device)
+            with step_profile(run.root / "profiles", step, self.dist.rank, self.device,
+                              step == cfg.train.profile_step) as profiled:
+                metrics = self.train_step(batch)
+            metrics |= reduce_max(profiled | peak_gib(self.device), self.device)
             if self.cores is not None:
                 metrics["threads"] = self.cores.threads  # the share at the end of the step
                 self.cores.busy(False)

@@ -1,0 +1,199 @@
+"""rl-train alone on one node: `rl-train --ep E --cp C`, FP8 against bf16, side by side.
+
+#16's first run (`rl-train --fp8 --ep 8 --cp 4` on 8 GPUs, a DeepSeek-V3-style MoE of 2-8B
+parameters at 32k context), at whatever size the machine allows. Each arm is the real
+trainer: this script writes --steps synthetic RL batches (rows of --seq tokens, a
+--prompt-token prompt and one completion of random tokens, advantages +-1, inference
+logprobs -ln V: what a random-weight model gives, so the importance ratios stay near 1)
+into a fresh run directory with a config-only model (random weights from the seed), then
+runs `python -m rlcli.cli.train run --nproc-per-node W --ep E --cp C [--fp8]` over them with
+the collective weight backend (no rl-sync is started: each step stages its weights in
+host memory and nothing is written after policy 0), full activation checkpointing and
+step --steps profiled (train.profile_step). From the trainer's own metrics it prints per
+arm: tokens/s (trained row tokens over the median compute time of the steps after the
+first two), MFU against --peak-tflops (bf16 dense; the FP8 arm against the same peak),
+peak memory per GPU, and the profiled step's collective time by kind as a share of the
+step (device kernel time on GPUs; it overlaps compute, so it bounds the cost from above).
+
+    python bench/trainer_node.py --nproc 2 --ep 2 --cp 2                    # two H200s
+    python bench/trainer_node.py --nproc 8 --ep 8 --cp 4                    # one 8-GPU node
+    python bench/trainer_node.py --smoke                                     # CPU, gloo, tiny
+
+Model FLOPs per token: 6 x (matmul parameters a token passes through: attention, dense and
+shared MLPs, top-k of the routed experts, the router and LM head) + causal attention,
+6 x layers x heads x (qk_head_dim + v_head_dim) x seq / 2.
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+DSV3_4B = dict(model_type="deepseek_v3", vocab_size=32768, hidden_size=2048, intermediate_size=10944,
+               num_hidden_layers=8, first_k_dense_replace=1, num_attention_heads=16, q_lora_rank=1536,
+               kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+               n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2, moe_intermediate_size=1408,
+               n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True, scoring_func="sigmoid",
+               topk_method="noaux_tc", rope_theta=10000.0, max_position_embeddings=163840, rms_norm_eps=1e-6,
+               tie_word_embeddings=False)
+"""A DeepSeek-V3-style MoE (MLA, 64 routed experts top-6 + 2 shared, sigmoid routing), ~4.2B parameters."""
+SMOKE = dict(DSV3_4B, vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+             v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+             moe_intermediate_size=32)
+
+
+def model_flops_per_token(hf: dict, seq: int) -> tuple[float, int, int]:
+    """(training FLOPs per token, total parameters, parameters a token's matmuls use)."""
+    import torch
+
+    from rlcli.models import ModelArgs, build_model
+
+    with torch.device("meta"):
+        model = build_model(ModelArgs.from_hf(hf), materialize=False)
+    total = sum(p.numel() for p in model.parameters())
+    expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    embed = sum(p.numel() for n, p in model.named_parameters() if n.endswith("embed_tokens.weight"))
+    active = total - embed - expert + expert * hf["num_experts_per_tok"] / hf["n_routed_experts"]
+    qk = hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"]
+    attn = 6 * hf["num_hidden_layers"] * hf["num_attention_heads"] * (qk + hf["v_head_dim"]) * seq / 2
+    return 6 * active + attn, total, int(active)
+
+
+def write_run(root: Path, hf: dict, seq: int, prompt: int, rows: int, steps: int, world: int, ep: int, cp: int,
+              profile_step: int, threads: int) -> Path:
+    """Model dir, recipe and the --steps batches of one arm; returns the recipe's path."""
+    import torch
+
+    from rlcli.config import dump_toml
+    from rlcli.envs import Task
+    from rlcli.orchestrate.rollouts import Group, write_batch
+    from rlcli.protocol import Completion
+    from rlcli.transport.rundir import RunDir
+
+    model_dir, run_dir = root / "model", root / "run"
+    model_dir.mkdir(parents=True)
+    (model_dir / "config.json").write_text(json.dumps(hf))
+    dp = world // cp
+    tree = {
+        "name": "trainer-node", "seed": 0, "num_steps": steps, "run_dir": str(run_dir),
+        "model": {"path": str(model_dir), "max_seq_len": seq},
+        "train": {"micro_batch_tokens": seq, "activation_checkpointing": "full", "profile_step": profile_step,
+                  "num_threads": threads, "threads": "fixed",
+                  "optim": {"lr": 1e-5}, "loss": {"kind": "tis"}, "checkpoint": {"interval": 10**6},
+                  "parallel": {"ep": ep, "cp": cp}},
+        "orchestrate": {"num_train_ranks": dp, "batch_size": rows * dp, "group_size": 1},
+        "sync": {"backend": {"kind": "collective"}},
+    }
+    recipe = root / "recipe.toml"
+    recipe.write_text(dump_toml(tree))
+    run = RunDir(run_dir)
+    V, n = hf["vocab_size"], seq - prompt
+    gen = torch.Generator().manual_seed(0)
+    for step in range(1, steps + 1):
+        groups = []
+        for r in range(rows * dp):
+            ids = torch.randint(0, V, (seq,), generator=gen).tolist()
+            g = Group(Task(f"s{step}r{r}"), ids[:prompt], step - 1)
+            g.completions = [Completion(token_ids=ids[prompt:], logprobs=[-math.log(V)] * n, versions=[step - 1] * n,
+                                        finish_reason="length")]
+            g.rewards, g.advantages = [0.0], [1.0 if r % 2 else -1.0]
+            groups.append(g)
+        write_batch(run, step, groups, dp, seq, 1.0)
+    return recipe
+
+
+def run_arm(recipe: Path, world: int, fp8: bool, timeout_s: int) -> tuple[list[dict], str]:
+    cmd = [sys.executable, "-m", "rlcli.cli.train", "run", "--config", str(recipe), "--nproc-per-node", str(world)]
+    if fp8:
+        cmd.append("--fp8")
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "NCCL_NVLS_ENABLE": "0"}
+    t0 = time.monotonic()
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    if out.returncode != 0:
+        return [], f"failed (rc {out.returncode}) after {time.monotonic() - t0:.0f} s:\n{out.stderr[-3000:]}"
+    metrics = recipe.parent / "run" / "metrics" / "train.jsonl"
+    return [json.loads(line) for line in metrics.read_text().splitlines()], ""
+
+
+def summarize(rows: list[dict], tokens_per_step: int, flops_per_token: float, peak_tflops: float,
+              world: int, profile_step: int) -> dict:
+    timed = [r["compute_s"] for r in rows[2:]] or [r["compute_s"] for r in rows]
+    step_s = statistics.median(timed)
+    tok_s = tokens_per_step / step_s
+    prof = next((r for r in rows if r["step"] == profile_step), {})
+    out = {"step_s": step_s, "tokens_s": tok_s, "mfu": tok_s * flops_per_token / (world * peak_tflops * 1e12),
+           "peak_gib": max((r.get("peak_mem_gib", float("nan")) for r in rows), default=float("nan")),
+           "loss_first": rows[0]["loss"], "loss_last": rows[-1]["loss"]}
+    for kind in ("all_to_all", "all_gather", "reduce_scatter", "all_reduce"):
+        out[kind] = prof.get(f"comm_{kind}_s", float("nan")) / prof.get("compute_s", float("nan"))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--nproc", type=int, default=2, help="GPUs (ranks) for rl-train")
+    ap.add_argument("--ep", type=int, default=2)
+    ap.add_argument("--cp", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=32768, help="tokens per row (the context length)")
+    ap.add_argument("--prompt", type=int, default=4096, help="prompt tokens of each row (no loss)")
+    ap.add_argument("--rows", type=int, default=1, help="rows per data-parallel rank per step")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--layers", type=int, default=0, help="decoder layers (0: the model's 8)")
+    ap.add_argument("--arms", default="bf16,fp8")
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="per GPU, dense bf16 (H200 SXM: 989)")
+    ap.add_argument("--timeout", type=int, default=540, help="seconds per arm")
+    ap.add_argument("--smoke", action="store_true", help="tiny model, CPU (gloo), 256-token rows")
+    ap.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
+    a = ap.parse_args()
+    hf = dict(SMOKE if a.smoke else DSV3_4B)
+    if a.layers:
+        hf["num_hidden_layers"] = a.layers
+    if a.smoke:
+        a.seq, a.prompt, a.steps = 256, 64, max(3, min(a.steps, 4))
+    flops, total, active = model_flops_per_token(hf, a.seq)
+    dp = a.nproc // a.cp
+    tokens_per_step = a.rows * dp * a.seq
+    import torch
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() and not a.smoke else "cpu (gloo)"
+    print(f"# rl-train on {a.nproc} ranks ({device}), --ep {a.ep} --cp {a.cp} (dp {dp}); DeepSeek-V3-style MoE "
+          f"{total / 1e9:.2f}B parameters ({active / 1e9:.2f}B in a token's matmuls), {hf['num_hidden_layers']} "
+          f"layers, {hf['n_routed_experts']} experts top-{hf['num_experts_per_tok']}; rows of {a.seq} tokens "
+          f"({a.prompt} prompt), {tokens_per_step} tokens per step, {a.steps} steps, full activation "
+          f"checkpointing, torch {torch.__version__}", flush=True)
+    results = {}
+    base = a.keep or Path(tempfile.mkdtemp(prefix="trainer-node-"))
+    for arm in a.arms.split(","):
+        root = base / arm
+        recipe = write_run(root, hf, a.seq, a.prompt, a.rows, a.steps, a.nproc, a.ep, a.cp, a.steps,
+                           1 if a.smoke else 0)
+        t0 = time.monotonic()
+        rows, err = run_arm(recipe, a.nproc, arm == "fp8", a.timeout)
+        if err:
+            print(f"{arm}: {err}", flush=True)
+            continue
+        results[arm] = summarize(rows, tokens_per_step, flops, a.peak_tflops, a.nproc, a.steps)
+        print(f"{arm}: {json.dumps(results[arm])} ({time.monotonic() - t0:.0f} s)", flush=True)
+    print(f"{'arm':<6} {'step s':>8} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} {'a2a':>6} {'gather':>7} "
+          f"{'scatter':>8} {'loss first/last':>16}")
+    for arm, r in results.items():
+        print(f"{arm:<6} {r['step_s']:>8.3f} {r['tokens_s']:>10.0f} {r['mfu']:>6.1%} {r['peak_gib']:>9.1f} "
+              f"{r['all_to_all']:>6.1%} {r['all_gather']:>7.1%} {r['reduce_scatter']:>8.1%} "
+              f"{r['loss_first']:>+8.4f}/{r['loss_last']:+.4f}")
+    if "bf16" in results and "fp8" in results:
+        print(f"fp8 / bf16 tokens/s: {results['fp8']['tokens_s'] / results['bf16']['tokens_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
