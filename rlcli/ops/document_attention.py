@@ -113,6 +113,14 @@ def _cudnn_first_kwargs() -> dict:
 _CUDNN_ORDER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+def flex_kernel_options(head_dim: int) -> dict | None:
+    """FlexAttention options for the head size (None: torch's defaults). Triton pads a head
+    dim above 128 (MLA's 192 = 128 + 64 rope) to 256, and torch's Hopper default for it (3
+    pipeline stages of 64 x 64 blocks) then needs 273 KiB of shared memory, beyond the
+    H200's 227 KiB: two stages fit."""
+    return {"fwd_num_stages": 2} if head_dim > 128 else None
+
+
 @functools.cache
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
@@ -325,7 +333,8 @@ class PackedCausalAttention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q_BTHD, k_BSHD, v_BSHD))
         gqa = q.shape[1] != k.shape[1]
         if q.device.type == "cuda":
-            out = _compiled_flex()(q, k, v, block_mask=self.block_mask(), scale=scale, enable_gqa=gqa)
+            out = _compiled_flex()(q, k, v, block_mask=self.block_mask(), scale=scale, enable_gqa=gqa,
+                                   kernel_options=flex_kernel_options(q.shape[-1]))
         else:  # unfused (materializes scores): CPU tests only
             from torch.nn.attention.flex_attention import flex_attention
             with warnings.catch_warnings():
