@@ -114,6 +114,10 @@ class CheckpointConfig(Config):
     keep: int = 2
     """Keep this many newest checkpoints; older ones are deleted."""
 
+    background: bool = True
+    """Write each checkpoint on a background thread from a host copy taken in the step (one in
+    flight; flushed at exit). Single-process trainers only: under torchrun they are written in the step."""
+
 
 class ParallelConfig(Config):
     """How rl-train's ranks split the work (torchrun's WORLD_SIZE = dp * cp).

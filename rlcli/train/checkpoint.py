@@ -109,6 +109,13 @@ def save_checkpoint(run: RunDir, step: int, model: torch.nn.Module, optimizer: t
     """Every rank calls this; ``mesh`` (dp/cp/ep) is recorded in the STABLE marker."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "extra": extra}
+    write_checkpoint(run, step, state, keep, mesh)
+
+
+def write_checkpoint(run: RunDir, step: int, state: dict, keep: int, mesh: dict | None = None) -> None:
+    """Write ``state`` ({"model", "optim", "scheduler", "extra"}) as checkpoint ``step``, commit it
+    (rename, then STABLE) and delete all but the newest ``keep``: the live state
+    (:func:`save_checkpoint`) or a host snapshot of it (``rlcli.train.async_checkpoint``)."""
     with pdist.shared_atomic_dir(run.checkpoint_dir(step), {"step": step, "parallel": mesh},
                                  own_files="__{rank}_*") as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "torch.distributed is disabled ... single process"

@@ -40,6 +40,7 @@ from rlcli.parallel.loading import load_sharded
 from rlcli.process import stop_on_signals
 from rlcli.protocol import WeightsPublished
 from rlcli.protocol.batch import TrainingBatch
+from rlcli.train.async_checkpoint import AsyncCheckpointer
 from rlcli.train.checkpoint import load_latest_checkpoint, save_checkpoint
 from rlcli.train.data import BatchCorrupt, wait_for_batch
 from rlcli.train.loss import LOSSES
@@ -156,6 +157,9 @@ class Trainer:
                 log.info("checkpoint written with %s; resharded to %s", saved, self._mesh_record())
             log.info("resumed from checkpoint step %d", self.step)
         self.loss_fn = LOSSES[tcfg.loss.kind]
+        # Checkpoints behind the step (rlcli.train.async_checkpoint); under torchrun, in it.
+        self.checkpointer = AsyncCheckpointer(run, tcfg.checkpoint.keep, self._mesh_record()) \
+            if tcfg.checkpoint.background and not pdist.enabled() else None
         if cfg.r3 and not self.args.is_moe:
             raise ConfigError(f"r3 = true needs a mixture-of-experts model; {cfg.model.path} is dense: set r3 = false")
 
@@ -322,12 +326,13 @@ class Trainer:
             self.step = step
             t1 = time.monotonic()
             self.publish(step)
+            publish_s = time.monotonic() - t1
             if step % cfg.train.checkpoint.interval == 0 or step == cfg.num_steps:
-                save_checkpoint(run, step, self.model, self.optimizer, self.scheduler,
-                                {"step": step}, cfg.train.checkpoint.keep, self._mesh_record())
+                self.checkpoint(step)
             save_s = time.monotonic() - t1
             self.busy_s = max(60.0, 3 * (compute_s + save_s))
             record = {"step": step, **metrics, "wait_s": wait_s, "compute_s": compute_s, "save_s": save_s,
+                      "publish_s": publish_s, "checkpoint_s": save_s - publish_s,
                       "num_loss_tokens": batch.num_loss_tokens, "num_samples": batch.num_samples,
                       "min_version": batch.min_version, "max_version": batch.max_version,
                       "off_policy_lag": step - 1 - batch.min_version, "time": time.time()}
@@ -345,6 +350,14 @@ class Trainer:
                      record["off_policy_lag"], metrics["tokens_unique"], metrics["tokens_total"], wait_s, compute_s,
                      save_s)
         return 0
+
+    def checkpoint(self, step: int) -> None:
+        """Checkpoint ``step``: snapshot and write behind (``train.checkpoint.background``), or in the step."""
+        state = (self.model, self.optimizer, self.scheduler, {"step": step})
+        if self.checkpointer is not None:
+            self.checkpointer.save(step, *state)
+        else:
+            save_checkpoint(self.run, step, *state, self.cfg.train.checkpoint.keep, self._mesh_record())
 
     def next_batch(self, step: int) -> TrainingBatch | None:
         """This rank's batch of ``step`` (None on timeout or stop). A batch that any rank finds
@@ -368,7 +381,11 @@ class Trainer:
 
     def close(self) -> None:
         try:
-            self.weights.close()  # an in-flight write finishes (and its error surfaces) before exit
+            try:
+                self.weights.close()  # an in-flight write finishes (and its error surfaces) before exit
+            finally:
+                if getattr(self, "checkpointer", None) is not None:
+                    self.checkpointer.close()  # the pending checkpoint is committed before exit
         finally:
             if self.registration is not None:
                 self.registration.close()
