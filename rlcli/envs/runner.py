@@ -2,7 +2,7 @@
 
 The orchestrator's loop dispatches requests and polls replies every 20 ms; a verifier
 that takes a second per completion, run inline, would stall both. :class:`EnvRunner` runs
-each ``reward`` / ``respond`` call on its own worker thread, at most ``env.num_workers``
+each ``reward`` / ``respond`` call on a worker thread, at most ``env.num_workers``
 at a time (the rest queue), and hands back results from :meth:`EnvRunner.poll` as they
 finish. Threads, not processes: a user's environment need not be picklable, and the
 calls that are slow in practice (sandboxed subprocesses, HTTP judges, sleeps) release
@@ -22,6 +22,7 @@ import inspect
 import logging
 import math
 import numbers
+import os
 import queue
 import threading
 import time
@@ -79,11 +80,18 @@ def describe(e: BaseException) -> str:
 
 
 class EnvRunner:
-    """Calls into one environment, run by ``num_workers`` threads with a per-call deadline."""
+    """Calls into one environment, run by ``num_workers`` threads with a per-call deadline.
+
+    A worker that finishes a call takes the next waiting one itself, so a queue of short calls
+    (256 rewards of one step) drains at the speed of the calls, not one ``poll`` per call. A
+    worker whose call ran past its deadline loses its slot (``poll`` starts a new worker in
+    its place) and exits when the call returns, its result ignored. Each result also writes a
+    byte to :attr:`wake_fd`, so a caller blocked on a poller wakes for it at once."""
 
     def __init__(self, name: str, num_workers: int, timeout_s: float):
         self.name, self.num_workers, self.timeout_s = name, num_workers, timeout_s
-        self.results: queue.SimpleQueue = queue.SimpleQueue()
+        self.results: queue.SimpleQueue = queue.SimpleQueue()  # (key, Outcome) of calls the workers finished
+        self.lock = threading.Lock()  # guards waiting and running, shared with the workers
         self.waiting: deque = deque()
         self.running: dict[int, tuple[Hashable, float, str, Any]] = {}  # job -> (key, started, what, fallback)
         self.done: list[tuple[Hashable, Outcome]] = []
@@ -91,6 +99,14 @@ class EnvRunner:
         self.num_errors = 0
         self.num_timeouts = 0
         self.busy_s = 0.0  # summed seconds of finished calls
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+
+    @property
+    def wake_fd(self) -> int:
+        """Readable when a call has finished since the last :meth:`poll` (a file descriptor to poll on)."""
+        return self._wake_r
 
     def submit(self, key: Hashable, what: str, fn: Callable, args: tuple, check: Callable, fallback: Any) -> None:
         """Run ``check(fn(*args))``; :meth:`poll` later returns ``(key, Outcome)``. ``what`` names the
@@ -105,26 +121,51 @@ class EnvRunner:
             self.busy_s += outcome.seconds
             self.done.append((key, outcome))
             return
-        self.waiting.append((key, what, fn, args, check, fallback))
+        with self.lock:
+            self.waiting.append((key, what, fn, args, check, fallback))
         self._start()
 
     @property
     def num_pending(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.done)
+        return len(self.waiting) + len(self.running) + len(self.done) + self.results.qsize()
+
+    def _take(self) -> tuple | None:
+        """The next waiting call, registered as running (caller holds the lock)."""
+        if not self.waiting or len(self.running) >= self.num_workers:
+            return None
+        key, what, fn, args, check, fallback = self.waiting.popleft()
+        job, self.next_job = self.next_job, self.next_job + 1
+        self.running[job] = (key, time.monotonic(), what, fallback)
+        return job, fn, args, check
 
     def _start(self) -> None:
-        while self.waiting and len(self.running) < self.num_workers:
-            key, what, fn, args, check, fallback = self.waiting.popleft()
-            job, self.next_job = self.next_job, self.next_job + 1
-            self.running[job] = (key, time.monotonic(), what, fallback)
-            threading.Thread(target=self._work, args=(job, fn, args, check), daemon=True,
-                             name=f"env-{self.name}-{job}").start()
+        while True:
+            with self.lock:
+                work = self._take()
+            if work is None:
+                return
+            threading.Thread(target=self._work, args=work, daemon=True, name=f"env-{self.name}-{work[0]}").start()
 
     def _work(self, job: int, fn: Callable, args: tuple, check: Callable) -> None:
-        try:
-            self.results.put((job, call(fn, args, check), None))
-        except BaseException as e:  # reported by poll() with the environment's name
-            self.results.put((job, None, describe(e)))
+        while True:
+            try:
+                value, error = call(fn, args, check), None
+            except BaseException as e:  # reported by poll() with the environment's name
+                value, error = None, describe(e)
+            with self.lock:
+                entry = self.running.pop(job, None)
+                if entry is None:
+                    return  # it timed out: poll() answered it and gave its slot to a new worker
+                key, started, what, fallback = entry
+                self.results.put((key, what, fallback, value, error, time.monotonic() - started))
+                work = self._take()
+            try:
+                os.write(self._wake_w, b"\0")
+            except (BlockingIOError, OSError):  # full (the caller will poll anyway) or closed
+                pass
+            if work is None:
+                return
+            job, fn, args, check = work
 
     def _failed(self, what: str, fallback: Any, error: str) -> Outcome:
         self.num_errors += 1
@@ -133,26 +174,30 @@ class EnvRunner:
 
     def poll(self) -> list[tuple[Hashable, Outcome]]:
         """Calls that finished, failed or ran out of time since the last poll."""
-        now = time.monotonic()
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
         while True:
             try:
-                job, value, error = self.results.get_nowait()
+                key, what, fallback, value, error, seconds = self.results.get_nowait()
             except queue.Empty:
                 break
-            if job not in self.running:
-                continue  # it timed out earlier and was already answered
-            key, started, what, fallback = self.running.pop(job)
             outcome = self._failed(what, fallback, error) if error else Outcome(value, None, 0.0)
-            outcome.seconds = now - started
-            self.busy_s += outcome.seconds
+            outcome.seconds = seconds
+            self.busy_s += seconds
             self.done.append((key, outcome))
-        for job, (key, started, what, fallback) in list(self.running.items()):
-            if now - started > self.timeout_s:
+        now = time.monotonic()
+        with self.lock:
+            late = [(job, entry) for job, entry in self.running.items() if now - entry[1] > self.timeout_s]
+            for job, _ in late:
                 del self.running[job]
-                self.num_timeouts += 1
-                outcome = self._failed(what, fallback, f"no result within env.reward_timeout_s={self.timeout_s}")
-                outcome.seconds = now - started
-                self.done.append((key, outcome))
+        for job, (key, started, what, fallback) in late:
+            self.num_timeouts += 1
+            outcome = self._failed(what, fallback, f"no result within env.reward_timeout_s={self.timeout_s}")
+            outcome.seconds = now - started
+            self.done.append((key, outcome))
         self._start()
         done, self.done = self.done, []
         return done
@@ -164,3 +209,10 @@ class EnvRunner:
         while (self.waiting or self.running) and time.monotonic() < deadline:
             time.sleep(0.005)
             self.done = self.poll()
+
+    def close(self) -> None:
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass

@@ -362,7 +362,8 @@ class Orchestrator:
             self.dispatch()
             idle = not self.inflight and not (self.http is not None and self.http.pending)
             t0 = time.monotonic()
-            for request, reply in self.pool.poll(20):
+            # Woken at once by a reply, a finished reward or a new policy (none waits out the 20 ms).
+            for request, reply in self.pool.poll(20, wake=(self.sub.sock, self.episodes.runner.wake_fd)):
                 self.on_reply(request, reply)
             self.collect()
             if idle:
@@ -377,6 +378,7 @@ class Orchestrator:
         return 0
 
     def close(self) -> None:
+        self.episodes.runner.close()
         if self.http is not None:
             self.http.close()
         self.pool.close()

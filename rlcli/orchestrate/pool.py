@@ -166,16 +166,19 @@ class InferPool:
                 return True
         return False
 
-    def poll(self, timeout_ms: int) -> list[tuple[GenerateRequest, GenerateResponse | ErrorReply]]:
-        """Replies that arrived within ``timeout_ms``, paired with their requests."""
+    def poll(self, timeout_ms: int, wake: tuple = ()) -> list[tuple[GenerateRequest, GenerateResponse | ErrorReply]]:
+        """Replies that arrived within ``timeout_ms``, paired with their requests; the wait also
+        ends when one of ``wake`` (sockets or file descriptors the caller reads) is readable."""
         for request in [o.request for o in self.outstanding.values() if o.server == HANDOFF]:
             self._hand_off(request)
-        if not self.servers:
-            time.sleep(timeout_ms / 1000)
-            return []
         poller = zmq.Poller()
         for s in self.servers.values():
             poller.register(s.client.sock, zmq.POLLIN)
+        for w in wake:
+            poller.register(w, zmq.POLLIN)
+        if not self.servers and not wake:
+            time.sleep(timeout_ms / 1000)
+            return []
         poller.poll(timeout_ms)
         out = []
         for s in self.servers.values():

@@ -77,3 +77,18 @@ def test_turns_are_strings_dicts_or_none():
     assert check_turn({"role": "tool", "content": "7"}) == {"role": "tool", "content": "7"}
     with pytest.raises(TypeError):
         check_turn(3)
+
+
+def test_workers_drain_the_queue_without_waiting_for_poll():
+    """The workers take the next call themselves: 50 queued calls all run before any poll()."""
+    ran = []
+    runner = EnvRunner("e", num_workers=2, timeout_s=10)
+    for i in range(50):
+        runner.submit(i, "reward", lambda x: ran.append(x) or x, (float(i),), check_reward, 0.0)
+    deadline = time.monotonic() + 30
+    while len(ran) < 50 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(ran) == 50, f"only {len(ran)} of 50 calls ran before the first poll"
+    out = dict(runner.poll())
+    assert {k: o.value for k, o in out.items()} == {i: float(i) for i in range(50)}
+    assert len({t.name for t in threading.enumerate() if t.name.startswith("env-e-")}) <= 2
