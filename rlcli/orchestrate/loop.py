@@ -50,11 +50,11 @@ from rlcli.orchestrate.episodes import Episodes
 from rlcli.orchestrate.http_groups import HttpGroups, uses_http
 from rlcli.orchestrate.pool import InferPool
 from rlcli.orchestrate.rollouts import Group, write_batch
-from rlcli.protocol import ErrorReply, GenerateRequest, PolicyUpdated, SamplingParams
+from rlcli.protocol import BatchWritten, ErrorReply, GenerateRequest, PolicyUpdated, SamplingParams
 from rlcli.transport.atomic import clean_temporaries, is_stable, remove_dir
 from rlcli.transport.registry import Registration, list_entries
 from rlcli.transport.rundir import RunDir
-from rlcli.transport.zmq import Subscriber
+from rlcli.transport.zmq import Publisher, Subscriber
 
 log = setup_logging("rl-orchestrate")
 
@@ -76,7 +76,8 @@ class Orchestrator:
         if self.ocfg.connect:
             self.pool.check_reachable()
         self.sub = Subscriber()
-        self.registration = Registration(run.registry_dir(), "orchestrate", 0, {})
+        self.pub = Publisher(cfg.infer.host, 0)  # BatchWritten wakes the trainer (the STABLE marker is the truth)
+        self.registration = Registration(run.registry_dir(), "orchestrate", 0, {"pub": self.pub.endpoint})
         clean_temporaries(run.root / "rollouts")
         done = max(int(run.read_progress("orchestrate").get("step", 0)), run.latest_stable("rollouts") or 0)
         self.next_step = done + 1
@@ -286,6 +287,7 @@ class Orchestrator:
         self.buffer = [g for g in self.buffer if id(g) not in taken]
         info = write_batch(self.run, step, groups, self.ocfg.num_train_ranks, self.cfg.train.micro_batch_tokens,
                            self.ocfg.sampling.temperature, self.ocfg.sampling.top_p)
+        self.pub.publish(BatchWritten(step=step))
         self.run.append_metrics("orchestrate", {**self._metrics(step, groups, info), "rewritten": True})
         self.rewrite.pop(0)
         return True
@@ -301,6 +303,7 @@ class Orchestrator:
         step = self.next_step
         info = write_batch(self.run, step, groups, self.ocfg.num_train_ranks, self.cfg.train.micro_batch_tokens,
                            self.ocfg.sampling.temperature, self.ocfg.sampling.top_p, self.ocfg.share_prompts)
+        self.pub.publish(BatchWritten(step=step))
         self.run.write_progress("orchestrate", step=step)
         self.registration.update(step=step, policy=self.policy_version)
         self.run.append_metrics("orchestrate", self._metrics(step, groups, info))
@@ -383,4 +386,5 @@ class Orchestrator:
             self.http.close()
         self.pool.close()
         self.sub.close()
+        self.pub.close()
         self.registration.close()

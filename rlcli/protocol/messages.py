@@ -19,7 +19,7 @@ PROTOCOL_VERSION = 1
 __all__ = [
     "PROTOCOL_VERSION", "WireTensor", "Envelope", "Message", "SamplingParams", "GenerateRequest",
     "Completion", "GenerateResponse", "TensorSpec", "FsWeights", "NcclWeights", "WeightsRef", "LoadWeights", "WeightsLoaded", "HealthRequest",
-    "HealthResponse", "ErrorReply", "WeightsPublished", "PolicyUpdated", "CachePut", "CacheGet",
+    "HealthResponse", "ErrorReply", "WeightsPublished", "PolicyUpdated", "BatchWritten", "CachePut", "CacheGet",
     "CacheExists", "CacheStatsRequest", "CacheReply", "CacheGetReply", "CacheExistsReply",
     "CacheStats", "BlockMeta", "CacheList", "CacheListReply", "CachePrune", "CachePruneReply", "CacheEntry",
     "Shutdown", "AbortRequests", "AnyMessage", "encode", "decode", "decode_envelope",
@@ -263,6 +263,11 @@ class PolicyUpdated(Message, tag="policy_updated", kw_only=True):
     """Every live rl-infer server now serves this version (new requests use it as salt)."""
 
 
+class BatchWritten(Message, tag="batch_written", kw_only=True):
+    step: int
+    """RUN/rollouts/step_<step> is STABLE: the trainer waiting for it may read it now."""
+
+
 # ---------------------------------------------------------------- rl-cache
 
 
@@ -441,7 +446,7 @@ class CacheStats(Message, tag="cache_stats_reply", kw_only=True):
 
 AnyMessage = Union[
     GenerateRequest, GenerateResponse, LoadWeights, WeightsLoaded, HealthRequest, HealthResponse,
-    ErrorReply, Shutdown, AbortRequests, WeightsPublished, PolicyUpdated, CachePut, CacheGet, CacheExists,
+    ErrorReply, Shutdown, AbortRequests, WeightsPublished, PolicyUpdated, BatchWritten, CachePut, CacheGet, CacheExists,
     CacheStatsRequest, CacheReply, CacheGetReply, CacheExistsReply, CacheStats, CacheList, CacheListReply,
     CachePrune, CachePruneReply,
 ]

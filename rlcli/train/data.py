@@ -29,15 +29,17 @@ def batch_path(run: RunDir, step: int, rank: int) -> Path:
 
 
 def wait_for_batch(run: RunDir, step: int, rank: int, timeout_s: float = 0.0, poll_s: float = 0.05,
-                   should_stop=lambda: False) -> TrainingBatch | None:
+                   should_stop=lambda: False, sleep=time.sleep) -> TrainingBatch | None:
     """Block until RUN/rollouts/step_<step> is STABLE, then read and verify this rank's file.
-    Returns None on timeout or when ``should_stop()`` turns true."""
+    Returns None on timeout or when ``should_stop()`` turns true. Between two looks at the marker
+    it calls ``sleep(poll_s)``, which may return early (the trainer's wakes on rl-orchestrate's
+    ``BatchWritten``)."""
     start = time.monotonic()
     directory = run.rollouts_dir(step)
     while not is_stable(directory):
         if should_stop() or (timeout_s and time.monotonic() - start > timeout_s):
             return None
-        time.sleep(poll_s)
+        sleep(poll_s)
     path = batch_path(run, step, rank)
     bad_marker = marker_problem(directory)
     if bad_marker is not None:

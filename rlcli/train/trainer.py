@@ -1,7 +1,9 @@
 """The RL training loop.
 
 Step N reads RUN/rollouts/step_N (written by rl-orchestrate from policies >= N - 1 -
-max_async), takes one optimizer step, writes RUN/weights/step_N and announces it.
+max_async; its ``BatchWritten`` wakes the wait, the STABLE marker is the truth), takes one
+optimizer step, writes RUN/weights/step_N and announces it, and checkpoints (behind the
+step: ``rlcli.train.async_checkpoint``).
 Policy version N is the weights after step N; version 0 is the starting policy (the
 base model, or the SFT warm-up's result), written before step 1.
 
@@ -50,9 +52,9 @@ from rlcli.train.sft import run_sft
 from rlcli.train.step import accumulate
 from rlcli.transport.atomic import atomic_dir, clean_temporaries, is_stable, remove_dir, verify_files
 from rlcli.transport.cores import CoreShare, hook_layers
-from rlcli.transport.registry import Registration
+from rlcli.transport.registry import Registration, list_entries
 from rlcli.transport.rundir import RunDir
-from rlcli.transport.zmq import Publisher
+from rlcli.transport.zmq import Publisher, Subscriber
 
 log = setup_logging("rl-train")
 
@@ -134,6 +136,8 @@ class Trainer:
         main = self.dist.is_main
         self.publisher = Publisher(cfg.infer.host, tcfg.pub_port) if main else None
         self._pub_lock = threading.Lock()  # announcements also come from the weight publisher's thread
+        self.batch_news = Subscriber()  # rl-orchestrate's BatchWritten: wakes the wait for a batch
+        self._next_scan = 0.0
         self.registration = Registration(run.registry_dir(), "train", 0, {"pub": self.publisher.endpoint}) \
             if main else None
         self.beat(busy_s=self.busy_s)  # building, warm-up, loading the checkpoint: the loop starts after
@@ -365,7 +369,7 @@ class Trainer:
         while True:
             try:
                 batch = wait_for_batch(self.run, step, self.dp_rank, self.cfg.train.wait_timeout_s,
-                                       should_stop=lambda: self.beat() or self.stopping)
+                                       should_stop=lambda: self.beat() or self.stopping, sleep=self._sleep)
                 problem = ""
             except BatchCorrupt as e:
                 batch, problem = None, str(e)
@@ -379,7 +383,17 @@ class Trainer:
                 remove_dir(self.run.rollouts_dir(step))
             pdist.barrier()
 
+    def _sleep(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for a batch, woken at once by rl-orchestrate's announcement."""
+        if time.monotonic() >= self._next_scan:
+            for entry in list_entries(self.run.registry_dir(), "orchestrate"):
+                if "pub" in entry.endpoints:
+                    self.batch_news.connect(entry.endpoints["pub"])
+            self._next_scan = time.monotonic() + 1.0
+        self.batch_news.recv(int(timeout_s * 1000))
+
     def close(self) -> None:
+        self.batch_news.close()
         try:
             try:
                 self.weights.close()  # an in-flight write finishes (and its error surfaces) before exit
