@@ -6,9 +6,11 @@ max_async = k (default: the recipe's own). Time is measured from the first RL ba
 each run (the SFT warm-up and process start-up are the same in both and excluded). It
 prints the final reward of each (mean of the last 5 steps), the time the asynchronous
 run took to first reach the synchronous run's final reward (5-step moving mean), and the
-ratio of that time to the synchronous run's total.
+ratio of that time to the synchronous run's total. With several seeds (``--seeds 0,1,2``)
+each seed runs both arms in turn (sync, then async), and the per-seed ratios are printed
+with their median.
 
-    python bench/reward_vs_time.py [--recipe recipes/reverse.toml] [--seed 0] [--max-async 1] [--keep DIR]
+    python bench/reward_vs_time.py [--recipe recipes/reverse.toml] [--seeds 0,1,2] [--max-async 1] [--keep DIR]
 """
 
 import argparse
@@ -45,33 +47,69 @@ def curve(run_dir: Path) -> list[tuple[float, float]]:
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--recipe", type=Path, default=Path(__file__).resolve().parent.parent / "recipes" / "reverse.toml")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-async", type=int, default=None, help="The asynchronous run's max_async [recipe's].")
-    p.add_argument("--steps", type=int, default=None, help="RL steps [recipe's num_steps].")
-    p.add_argument("--keep", type=Path, default=None, help="Keep the two run directories under this folder.")
-    args = p.parse_args()
-    base = args.keep or Path(tempfile.mkdtemp(prefix="rlcli-reward-"))
+def breakdown(run_dir: Path) -> dict[str, float]:
+    """Median seconds per step after the first 20 (start-up excluded): the orchestrator's step and the
+    trainer's wait for its batch, compute, weight publish and checkpoint (on the trainer's thread)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics" / "train.jsonl").read_text().splitlines()]
+    orch = [json.loads(line) for line in (run_dir / "metrics" / "orchestrate.jsonl").read_text().splitlines()]
+    rows, orch = rows[20:] or rows, orch[20:] or orch
+    out = {"step": statistics.median(m["step_s"] for m in orch)}
+    for key in ("wait_s", "compute_s", "publish_s", "checkpoint_s", "save_s"):
+        if key in rows[0]:
+            out[key.removesuffix("_s")] = statistics.median(m[key] for m in rows)
+    return out
+
+
+def compare(args, seed: int, base: Path) -> dict:
+    """Both arms of one seed: their table rows and the ratio."""
     curves = {}
     for name, k in (("sync", 0), ("async", args.max_async)):
-        print(f"running {name} ...", file=sys.stderr, flush=True)
-        run_mode(args.recipe, args.seed, k, base / name, args.steps)
+        print(f"seed {seed}: running {name} ...", file=sys.stderr, flush=True)
+        run_mode(args.recipe, seed, k, base / name, args.steps)
         curves[name] = curve(base / name)
     sync, asyn = curves["sync"], curves["async"]
     target, sync_total = sync[-1][1], sync[-1][0]
     reached = next((t for t, r in asyn if r >= target), None)
+    print(f"seed {seed}")
     print(f"{'mode':<8}{'steps':>7}{'wall s':>9}{'first reward':>14}{'final reward':>14}")
     for name, c in curves.items():
-        print(f"{name:<8}{len(c):>7}{c[-1][0]:>9.1f}{c[WINDOW - 1][1]:>14.3f}{c[-1][1]:>14.3f}")
+        print(f"{name:<8}{len(c):>7}{c[-1][0]:>9.1f}{c[min(WINDOW, len(c)) - 1][1]:>14.3f}{c[-1][1]:>14.3f}")
+    parts = {name: breakdown(base / name) for name in curves}
+    for name, b in parts.items():
+        print(f"  {name} median s/step: " + ", ".join(f"{k} {v:.3f}" for k, v in b.items()))
+    ratio = reached / sync_total if reached is not None else None
     if reached is None:
         print(f"async never reached sync's final reward {target:.3f}")
     else:
         print(f"async reached sync's final reward {target:.3f} after {reached:.1f}s = "
-              f"{reached / sync_total:.2f}x of sync's {sync_total:.1f}s (goal <= 0.5x)")
-    print(json.dumps({"target": target, "sync_s": sync_total, "async_reached_s": reached,
-                      "curves": {k: [[round(t, 2), round(r, 4)] for t, r in c] for k, c in curves.items()}}))
+              f"{ratio:.2f}x of sync's {sync_total:.1f}s (goal <= 0.5x)")
+    return {"seed": seed, "target": target, "sync_s": sync_total, "async_s": asyn[-1][0], "async_reached_s": reached,
+            "ratio": ratio, "breakdown": parts, "curves": {k: [[round(t, 2), round(r, 4)] for t, r in c] for k, c in curves.items()}}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--recipe", type=Path, default=Path(__file__).resolve().parent.parent / "recipes" / "reverse.toml")
+    p.add_argument("--seeds", default=None, help="Comma-separated seeds, e.g. 0,1,2 [--seed].")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-async", type=int, default=None, help="The asynchronous run's max_async [recipe's].")
+    p.add_argument("--steps", type=int, default=None, help="RL steps [recipe's num_steps].")
+    p.add_argument("--keep", type=Path, default=None, help="Keep the run directories under this folder.")
+    args = p.parse_args()
+    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
+    base = args.keep or Path(tempfile.mkdtemp(prefix="rlcli-reward-"))
+    results = [compare(args, seed, base if len(seeds) == 1 else base / f"seed{seed}") for seed in seeds]
+    ratios = [r["ratio"] for r in results]
+    if len(seeds) > 1:
+        print(f"{'seed':<6}{'sync s':>9}{'async s':>9}{'target':>9}{'reached s':>11}{'ratio':>8}")
+        for r in results:
+            reached = f"{r['async_reached_s']:.1f}" if r["async_reached_s"] is not None else "never"
+            ratio = f"{r['ratio']:.2f}" if r["ratio"] is not None else "-"
+            print(f"{r['seed']:<6}{r['sync_s']:>9.1f}{r['async_s']:>9.1f}{r['target']:>9.3f}{reached:>11}{ratio:>8}")
+        # A seed whose async arm never reached the target counts as infinitely slow.
+        med = statistics.median([x if x is not None else float("inf") for x in ratios])
+        print(f"median ratio over seeds {','.join(map(str, seeds))}: {med:.2f}x (goal <= 0.5x)")
+    print(json.dumps({"seeds": results} if len(seeds) > 1 else results[0]))
 
 
 if __name__ == "__main__":
