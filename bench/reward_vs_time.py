@@ -12,6 +12,7 @@ each seed runs both arms in turn (sync, then async), and the per-seed ratios are
 with their median.
 
     python bench/reward_vs_time.py [--recipe recipes/reverse.toml] [--seeds 0,1,2] [--max-async 1] [--keep DIR]
+                                   [recipe overrides for both arms, e.g. --sync.backend.kind async_filesystem]
 """
 
 import argparse
@@ -25,13 +26,15 @@ from pathlib import Path
 WINDOW = 5
 
 
-def run_mode(recipe: Path, seed: int, max_async: int | None, run_dir: Path, steps: int | None) -> None:
+def run_mode(recipe: Path, seed: int, max_async: int | None, run_dir: Path, steps: int | None,
+             extra: list[str] = ()) -> None:
     cmd = [sys.executable, "-m", "rlcli.cli.orchestrate", "up", str(recipe), "--run-dir", str(run_dir),
            "--seed", str(seed), "--no-plot"]
     if max_async is not None:
         cmd += ["--max-async", str(max_async)]
     if steps:
         cmd += ["--steps", str(steps)]
+    cmd += list(extra)
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         sys.exit(f"max_async={max_async} failed:\n{out.stderr[-3000:]}")
@@ -67,7 +70,7 @@ def compare(args, seed: int, base: Path) -> dict:
     curves = {}
     for name, k in (("sync", 0), ("async", args.max_async)):
         print(f"seed {seed}: running {name} ...", file=sys.stderr, flush=True)
-        run_mode(args.recipe, seed, k, base / name, args.steps)
+        run_mode(args.recipe, seed, k, base / name, args.steps, args.extra)
         curves[name] = curve(base / name)
     sync, asyn = curves["sync"], curves["async"]
     target, sync_total = sync[-1][1], sync[-1][0]
@@ -97,7 +100,7 @@ def main() -> None:
     p.add_argument("--max-async", type=int, default=None, help="The asynchronous run's max_async [recipe's].")
     p.add_argument("--steps", type=int, default=None, help="RL steps [recipe's num_steps].")
     p.add_argument("--keep", type=Path, default=None, help="Keep the run directories under this folder.")
-    args = p.parse_args()
+    args, args.extra = p.parse_known_args()  # the rest (recipe overrides: --sync.backend.kind ...) goes to both arms
     seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
     base = args.keep or Path(tempfile.mkdtemp(prefix="rlcli-reward-"))
     results = [compare(args, seed, base if len(seeds) == 1 else base / f"seed{seed}") for seed in seeds]
