@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.tensor import DTensor
 
 from rlcli.errors import RLCLIError
 from rlcli.train.checkpoint import write_checkpoint
@@ -79,6 +80,7 @@ class AsyncCheckpointer:
     def _copy(self, obj: Any, path: str) -> Any:
         """``obj`` with every tensor copied into this checkpointer's host buffer for ``path``."""
         if isinstance(obj, torch.Tensor):
+            assert not isinstance(obj, DTensor), "sharded (torchrun) trainers checkpoint synchronously"
             buf = self._buffers.get(path)
             if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
                 buf = torch.empty(obj.shape, dtype=obj.dtype, device="cpu", pin_memory=obj.is_cuda)
