@@ -22,7 +22,9 @@ lower bound on its oldest token, not an upper one.
 Rewards and environment turns never run in this loop: replies go to
 :class:`~rlcli.orchestrate.episodes.Episodes`, which runs each completion's episode (tool turns,
 then the reward) on worker threads and hands back the next turns' requests and the groups
-whose episodes are all scored. A group counts as in flight until then.
+whose episodes are all scored. A group counts as in flight until then. The loop's wait wakes
+at once for a reply, a finished environment call or a ``PolicyUpdated``; each batch written is
+announced (``BatchWritten``) on this process's PUB socket, which wakes the waiting trainer.
 
 Restarts: the step counter resumes at ``max(progress, newest STABLE batch) + 1`` (a batch
 is written before progress, so none is written twice). A batch at or past the step the
