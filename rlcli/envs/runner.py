@@ -90,7 +90,7 @@ class EnvRunner:
 
     def __init__(self, name: str, num_workers: int, timeout_s: float):
         self.name, self.num_workers, self.timeout_s = name, num_workers, timeout_s
-        self.results: queue.SimpleQueue = queue.SimpleQueue()  # (key, Outcome) of calls the workers finished
+        self.results: queue.SimpleQueue = queue.SimpleQueue()  # (key, what, fallback, value, error, seconds)
         self.lock = threading.Lock()  # guards waiting and running, shared with the workers
         self.waiting: deque = deque()
         self.running: dict[int, tuple[Hashable, float, str, Any]] = {}  # job -> (key, started, what, fallback)
