@@ -17,11 +17,13 @@ trained completion tokens, and the ratio. Imports only torch, numpy and rlcli's 
 
 Default (CPU): the SmolLM2-135M recipe scaled to 4 prompts x 8 completions (strings of
 5-12 characters, 24 new tokens, lr 1e-5) run for ``--steps`` RL steps with
-``rl-orchestrate up`` several times, side by side: unshared packing with fixed threads
-(one core each for engine and trainer: the recipe before shared packing), and shared
-packing with adaptive threads (and the two mixed arms with ``--all-arms``). Reported: RL
-steps per minute, trainer time per step, unique vs total trained tokens, mean reward per
-step, and the ratio to the first arm.
+``rl-orchestrate up`` several times, side by side (``--arms``): ``filing``, the code as it was
+when #15 was filed (``--baseline-ref``, default f7fdc5e, unpacked with ``git archive`` and run
+from its own tree with its own recipe format and threads: one each for engine and trainer);
+``unshared`` (this tree's code, unshared packing, one thread each); ``shared`` (shared packing,
+adaptive threads); and the two mixed arms with ``--all-arms``. Reported: RL steps per minute,
+trainer time per step, unique vs total trained tokens (not logged by the filing code), mean
+reward per step, and the ratios to the filing arm (or the first arm run).
 """
 
 import argparse
@@ -230,10 +232,14 @@ def main() -> None:
     p.add_argument("--all-arms", action="store_true", help="CPU: also shared+fixed and unshared+adaptive")
     p.add_argument("--keep", type=Path, default=None, help="CPU: keep the run directories under this folder")
     p.add_argument("--baseline-steps", type=int, default=None,
-                   help="CPU: RL steps of the unshared+fixed arm (default: --steps); its rate is per step")
-    p.add_argument("--new-first", action="store_true", help="CPU: run the baseline arm last")
-    p.add_argument("--arms", nargs="+", choices=list(ARMS), default=None,
-                   help="CPU: these arms, in this order (one must be unshared+fixed)")
+                   help="CPU: RL steps of the filing and unshared+fixed arms (default: --steps); rates are per step")
+    p.add_argument("--new-first", action="store_true", help="CPU: run the baseline arms last")
+    p.add_argument("--arms", nargs="+", default=None,
+                   help="CPU: these arms, in this order, comma or space separated: filing (the code at "
+                        "--baseline-ref), unshared (= unshared+fixed), shared (= shared+adaptive), shared+fixed, "
+                        "unshared+adaptive (default: filing,unshared,shared)")
+    p.add_argument("--baseline-ref", default="f7fdc5e",
+                   help="CPU: git ref of the filing arm's code (default f7fdc5e: main when #15 was filed)")
     a = p.parse_args()
     if a.gpu:
         if a.smoke:
@@ -249,12 +255,25 @@ def main() -> None:
 
 # ------------------------------------------------------------------ CPU: RL steps per minute
 
-ARMS = {  # name: (orchestrate.share_prompts, threads, num_threads)
-    "unshared+fixed": (False, "fixed", 1),  # the recipe before shared packing: one thread each
+ARMS = {  # name: (orchestrate.share_prompts, threads, num_threads) on this tree's code
+    "unshared+fixed": (False, "fixed", 1),  # today's code, shared packing off, one thread each
     "shared+adaptive": (True, "adaptive", 0),
     "shared+fixed": (True, "fixed", 1),
     "unshared+adaptive": (False, "adaptive", 0),
 }
+FILING = "filing"  # the code of --baseline-ref (when #15 was filed), run from its own source tree
+ALIASES = {"unshared": "unshared+fixed", "shared": "shared+adaptive"}
+
+
+def parse_arms(names: list[str]) -> list[str]:
+    """--arms a,b c -> canonical arm names, in order."""
+    out = []
+    for name in (n for x in names for n in x.split(",") if n):
+        name = ALIASES.get(name, name)
+        if name != FILING and name not in ARMS:
+            raise SystemExit(f"--arms: unknown arm {name!r} (pick from {FILING}, {', '.join([*ALIASES, *ARMS])})")
+        out.append(name)
+    return out
 
 
 def smollm2_dir(out: Path) -> Path:
@@ -266,51 +285,71 @@ def smollm2_dir(out: Path) -> Path:
     return out
 
 
-def arm_recipe(base: Path, model_dir: Path, run_dir: Path, arm: str, steps: int, smoke: bool) -> Path:
+def source_tree(ref: str, out: Path) -> Path:
+    """The repository's files at ``ref`` (git archive), unpacked under ``out`` once."""
+    import subprocess
+
+    if not (out / "rlcli" / "__init__.py").exists():
+        out.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", ref], capture_output=True, check=True)
+        subprocess.run(["tar", "-x", "-C", str(out)], input=archive.stdout, check=True)
+    return out
+
+
+def arm_recipe(tree_root: Path, model_dir: Path, run_dir: Path, arm: str, steps: int, smoke: bool) -> Path:
+    """The scaled recipe (#15): 4 prompts x 8 completions, strings of 5-12 characters, 24 new tokens,
+    lr 1e-5, written from ``tree_root``'s own smollm2-reverse.toml. The filing arm keeps that
+    recipe's threads (one each for engine and trainer in f7fdc5e) and sets no key its code lacks."""
     import tomllib
 
     from rlcli.config import dump_toml
 
-    share, threads, num_threads = ARMS[arm]
-    tree = tomllib.loads((REPO / "recipes" / "smollm2-reverse.toml").read_text())
+    tree = tomllib.loads((tree_root / "recipes" / "smollm2-reverse.toml").read_text())
     tree.update(run_dir=str(run_dir), num_steps=steps)
     tree["model"]["path"] = str(model_dir)
-    tree["env"].update(min_len=5, max_len=12)
-    tree["orchestrate"].update(batch_size=2 if smoke else 4, group_size=2 if smoke else 8, share_prompts=share)
+    tree["env"].get("args", tree["env"]).update(min_len=5, max_len=12)
+    tree["orchestrate"].update(batch_size=2 if smoke else 4, group_size=2 if smoke else 8)
     tree["orchestrate"]["sampling"]["max_tokens"] = 24
     tree["infer"]["max_num_seqs"] = 32
     tree["train"]["optim"]["lr"] = 1e-5
     tree["train"]["checkpoint"].update(interval=steps, keep=1)
     tree["sync"]["keep_weights"] = 1
-    tree["infer"]["engine"].update(threads=threads, num_threads=num_threads)
-    tree["train"].update(threads=threads, num_threads=num_threads)
+    if arm != FILING:
+        share, threads, num_threads = ARMS[arm]
+        tree["orchestrate"]["share_prompts"] = share
+        tree["infer"]["engine"].update(threads=threads, num_threads=num_threads)
+        tree["train"].update(threads=threads, num_threads=num_threads)
     recipe = run_dir.with_suffix(".toml")
     recipe.write_text(dump_toml(tree))
     return recipe
 
 
-def run_arm(recipe: Path, run_dir: Path, warmup: int) -> dict:
+def run_arm(recipe: Path, run_dir: Path, warmup: int, code: Path) -> dict:
+    """``rl-orchestrate up`` of ``code``'s rlcli (PYTHONPATH first, so also its child processes)."""
     import subprocess
 
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(code), os.environ.get("PYTHONPATH", "")])}
     t0 = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "rlcli.cli.orchestrate", "up", str(recipe), "--no-plot"],
-                         capture_output=True, text=True)
+                         capture_output=True, text=True, env=env, cwd=code)
     if out.returncode != 0:
         raise SystemExit(f"{recipe} failed:\n{out.stderr[-3000:]}")
     return {"wall_s": time.monotonic() - t0, **summarize(run_dir, warmup)}
 
 
 def summarize(run_dir: Path, warmup: int) -> dict:
+    """Per-arm figures from the run's metrics (the filing code logs no unique/total token counts)."""
     read = lambda name: [json.loads(x) for x in (run_dir / "metrics" / f"{name}.jsonl").read_text().splitlines()]  # noqa: E731
     train, orch = read("train"), read("orchestrate")
     timed = train[warmup:]
     span = timed[-1]["time"] - timed[0]["time"]
+    mean = lambda rows, key: float(np.mean([m[key] for m in rows])) if key in rows[0] else float("nan")  # noqa: E731
     return {"steps_per_min": 60 * (len(timed) - 1) / span,
-            "train_compute_s": float(np.mean([m["compute_s"] for m in timed])),
-            "tokens_unique": float(np.mean([m["tokens_unique"] for m in train])),
-            "tokens_total": float(np.mean([m["tokens_total"] for m in train])),
-            "us_per_unique_token": float(np.mean([m["compute_us_per_unique_token"] for m in timed])),
-            "completion_len": float(np.mean([m["completion_len_mean"] for m in orch])),
+            "train_compute_s": mean(timed, "compute_s"),
+            "tokens_unique": mean(train, "tokens_unique"),
+            "tokens_total": mean(train, "tokens_total"),
+            "us_per_unique_token": mean(timed, "compute_us_per_unique_token"),
+            "completion_len": mean(orch, "completion_len_mean"),
             "rewards": [round(m["reward_mean"], 4) for m in orch]}
 
 
@@ -320,22 +359,27 @@ def rl_main(a) -> None:
     base = Path(a.keep or tempfile.mkdtemp(prefix="rlcli-trainer-throughput-"))
     base.mkdir(parents=True, exist_ok=True)
     model_dir = smollm2_dir(REPO / "models" / "smollm2-135m-instruct")
-    arms = a.arms or (list(ARMS) if a.all_arms else list(ARMS)[:2])
-    if a.new_first:  # the slow baseline last, so that a shortened baseline still leaves the new arm whole
-        arms = arms[1:] + arms[:1]
+    if a.arms:
+        arms = parse_arms(a.arms)
+    else:
+        arms = [FILING, *ARMS] if a.all_arms else [FILING, "unshared+fixed", "shared+adaptive"]
+    if a.new_first:  # the slow baselines last, so that shortened baselines still leave the new arm whole
+        arms = [x for x in arms if x not in (FILING, "unshared+fixed")] + [x for x in arms if x in (FILING, "unshared+fixed")]
     warmup = 1 if a.smoke else a.warmup
     results = {}
     for arm in arms:
         run_dir = base / arm
-        steps = a.baseline_steps if a.baseline_steps and arm == "unshared+fixed" else a.steps
-        print(f"{arm}: {steps} RL steps ...", file=sys.stderr, flush=True)
-        results[arm] = run_arm(arm_recipe(base, model_dir, run_dir, arm, steps, a.smoke), run_dir, warmup)
-        print(json.dumps({"arm": arm, **results[arm]}), flush=True)
-    print_table(results)
+        code = source_tree(a.baseline_ref, base / f"src-{a.baseline_ref}") if arm == FILING else REPO
+        steps = a.baseline_steps if a.baseline_steps and arm in (FILING, "unshared+fixed") else a.steps
+        print(f"{arm}: {steps} RL steps ({'code at ' + a.baseline_ref if arm == FILING else 'this tree'}) ...",
+              file=sys.stderr, flush=True)
+        results[arm] = run_arm(arm_recipe(code, model_dir, run_dir, arm, steps, a.smoke), run_dir, warmup, code)
+        print(json.dumps({"arm": arm, **({"ref": a.baseline_ref} if arm == FILING else {}), **results[arm]}), flush=True)
+    print_table(results, a.baseline_ref)
 
 
-def print_table(results: dict) -> None:
-    ref = results["unshared+fixed"]
+def print_table(results: dict, ref_name: str) -> None:
+    ref = results[FILING] if FILING in results else next(iter(results.values()))
     print(f"\n{'arm':<18} {'steps':>5} {'steps/min':>9} {'ratio':>6} {'train s':>8} {'tokens uniq/total':>18} "
           f"{'us/uniq tok':>11} {'len':>5} {'reward 1st/2nd/3rd third':>26}")
     for arm, r in results.items():
@@ -345,6 +389,11 @@ def print_table(results: dict) -> None:
               f"{r['train_compute_s']:>8.2f} {r['tokens_unique']:>8.0f}/{r['tokens_total']:<9.0f} "
               f"{r['us_per_unique_token']:>11.0f} {r['completion_len']:>5.1f} "
               f"{' / '.join(f'{x:.3f}' for x in thirds):>26}")
+    new = results.get("shared+adaptive")
+    for base, label in ((FILING, f"the code at {ref_name}"), ("unshared+fixed", "today's code unshared, fixed threads")):
+        if new is not None and base in results:
+            print(f"shared+adaptive / {base} ({label}): {new['steps_per_min'] / results[base]['steps_per_min']:.2f}x "
+                  "RL steps/min")
 
 
 if __name__ == "__main__":
