@@ -82,6 +82,10 @@ class InferServer:
 
     def _start(self, cfg: RecipeConfig, run: RunDir, instance: int, version: int) -> None:
         icfg = cfg.infer
+        if icfg.device == "cpu":  # a decode step's large temporaries reuse the last step's pages
+            from rlcli.transport.host_memory import keep_freed_memory
+
+            keep_freed_memory()
         weights = run.resolve_weights(version)
         t0 = time.monotonic()
         self.engine: Engine = make_engine(cfg, weights, version, instance)

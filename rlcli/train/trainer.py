@@ -52,6 +52,7 @@ from rlcli.train.sft import run_sft
 from rlcli.train.step import accumulate
 from rlcli.transport.atomic import atomic_dir, clean_temporaries, is_stable, remove_dir, verify_files
 from rlcli.transport.cores import CoreShare, hook_layers
+from rlcli.transport.host_memory import keep_freed_memory
 from rlcli.transport.registry import Registration, list_entries
 from rlcli.transport.rundir import RunDir
 from rlcli.transport.zmq import Publisher, Subscriber
@@ -123,6 +124,8 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.dist = pdist.init_distributed()
         self.device = self.dist.device
+        if self.device.type == "cpu":  # a step's large temporaries reuse the last step's pages
+            keep_freed_memory()
         self.cores = None  # adaptive threads on a CPU: a share of the cores by who computes (rlcli.transport.cores)
         if tcfg.threads == "adaptive" and self.device.type == "cpu":
             self.cores = CoreShare(run.root, "train", self.dist.rank, tcfg.num_threads)
