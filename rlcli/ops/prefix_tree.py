@@ -20,6 +20,12 @@ every prediction stays inside one segment, its hidden state is computed from the
 keys as in the unshared row, and a row can still be cut anywhere (context parallelism).
 The cost is one token per completion.
 
+Groups whose prompts begin alike (a chat template's system message) share that beginning
+too: it becomes one more segment, the parent of each group's own prompt segment (a tree of
+depth three; ``plan_row``'s ``common``). Only completion tokens carry a loss, so the
+prompt segments' last targets, which the row's shift takes from the next segment, are
+never trained.
+
 Segments are laid out in pre-order (a parent, then each child's whole subtree), so the
 queries that see key ``k`` are one contiguous range ``[k, reach[k])``, where ``reach[k]``
 is the end of the subtree of k's segment: the whole mask is ``k <= q < reach[k]``. A plain
@@ -130,34 +136,55 @@ def dense_mask(tree: RowTree) -> np.ndarray:
     return (k <= q) & (q < reach[None, :])
 
 
-def plan_row(units: list[tuple[int, list[int]]]) -> tuple[list[tuple[int, int, int]], RowTree]:
+def plan_row(units: list[tuple[int, list[int]]], common: list[tuple[int, int, int]] = ()
+             ) -> tuple[list[tuple[int, int, int]], RowTree]:
     """Where each sample's tokens go in a row. ``units``: ``(num_shared, lengths)`` per unit,
     a unit being samples whose first ``num_shared`` tokens are identical (a group's prompt
-    minus its last token; 0 or one sample: nothing shared). Returns the pieces ``(sample,
-    start, end)`` (samples numbered across units in order) to concatenate, and the tree."""
+    minus its last token; 0 or one sample: nothing shared). ``common``: runs ``(first unit,
+    end unit, num_common)`` of consecutive units whose samples all share their first
+    ``num_common`` tokens (groups whose prompts begin alike: a system message); each run's
+    common tokens are one segment, the parent of its units' own segments, and every unit of a
+    run must have ``num_shared > num_common`` and more than one sample. Returns the pieces
+    ``(sample, start, end)`` (samples numbered across units in order) to concatenate, and the
+    tree."""
     pieces, spans, parents = [], [], []
     offset = sample = 0
-    for num_shared, lengths in units:
-        if num_shared and len(lengths) > 1:
-            root = len(spans)
-            pieces.append((sample, 0, num_shared))
-            spans.append((offset, offset + num_shared))
+    runs = {first: (end, n) for first, end, n in common}
+    u = 0
+    while u < len(units):
+        end, start, top = u + 1, 0, -1
+        if u in runs:
+            end, start = runs[u]
+            assert end - u > 1 and start > 0, (u, end, start)
+            top = len(spans)
+            pieces.append((sample, 0, start))
+            spans.append((offset, offset + start))
             parents.append(-1)
-            offset += num_shared
-            for n in lengths:
-                assert n > num_shared, (n, num_shared)
-                pieces.append((sample, num_shared, n))
-                spans.append((offset, offset + n - num_shared))
-                parents.append(root)
-                offset += n - num_shared
-                sample += 1
-        else:
-            for n in lengths:
-                pieces.append((sample, 0, n))
-                spans.append((offset, offset + n))
-                parents.append(-1)
-                offset += n
-                sample += 1
+            offset += start
+        for num_shared, lengths in units[u:end]:
+            if num_shared and len(lengths) > 1:
+                assert num_shared > start, (num_shared, start)
+                root = len(spans)
+                pieces.append((sample, start, num_shared))
+                spans.append((offset, offset + num_shared - start))
+                parents.append(top)
+                offset += num_shared - start
+                for n in lengths:
+                    assert n > num_shared, (n, num_shared)
+                    pieces.append((sample, num_shared, n))
+                    spans.append((offset, offset + n - num_shared))
+                    parents.append(root)
+                    offset += n - num_shared
+                    sample += 1
+            else:
+                assert top == -1, "a unit of a common run shares its own prompt"
+                for n in lengths:
+                    pieces.append((sample, 0, n))
+                    spans.append((offset, offset + n))
+                    parents.append(-1)
+                    offset += n
+                    sample += 1
+        u = end
     return pieces, RowTree(spans, parents)
 
 

@@ -8,7 +8,8 @@ all ranks, so each rank can normalize the token-level loss globally without a co
 
 Shared prompts (``share_prompts``): consecutive samples with the same prompt (a group)
 are packed as a prefix tree, the prompt once and each completion after it, continuing its
-positions (layout and why: :mod:`rlcli.ops.prefix_tree`). Such a row carries
+positions (layout and why: :mod:`rlcli.ops.prefix_tree`); consecutive groups of a row whose
+prompts begin alike share that beginning once more (:func:`common_prefixes`). Such a row carries
 ``segment_ids`` and ``segment_parents``; a row without them (and every batch file written
 before them) is plain document packing, read as before.
 """
@@ -171,6 +172,40 @@ def _same_prompt(a: Sample, b: Sample) -> bool:
     return a.routed_experts is None or (a.routed_experts.numpy()[:p - 1] == b.routed_experts.numpy()[:p - 1]).all()
 
 
+def common_prefixes(samples: list[Sample], units: list[tuple[int, list[int]]]) -> list[tuple[int, int, int]]:
+    """Runs ``(first unit, end unit, num_common)`` of consecutive shared units (groups) whose
+    prompts begin with the same ``num_common`` tokens (and, with R3, the same routes there),
+    for :func:`rlcli.ops.prefix_tree.plan_row`. A run grows while its common part stays at
+    least one token and shorter than each group's shared part."""
+    import numpy as np
+
+    def lcp(a: Sample, b: Sample, limit: int) -> int:
+        x, y = np.asarray(a.token_ids[:limit]), np.asarray(b.token_ids[:limit])
+        n = min(len(x), len(y))
+        diff = np.flatnonzero(x[:n] != y[:n])
+        n = int(diff[0]) if len(diff) else n
+        if (a.routed_experts is None) != (b.routed_experts is None):
+            return 0
+        if a.routed_experts is not None and n:
+            ra, rb = a.routed_experts.numpy()[:n], b.routed_experts.numpy()[:n]
+            bad = np.flatnonzero((ra != rb).reshape(n, -1).any(axis=1))
+            n = int(bad[0]) if len(bad) else n
+        return n
+
+    runs: list[tuple[int, int, int]] = []
+    first, num = None, 0
+    for u, (shared, idx) in enumerate(units + [(0, [])]):
+        if first is not None and shared > 1 and len(idx) > 1:
+            n = min(num, lcp(samples[units[first][1][0]], samples[idx[0]], num), shared - 1)
+            if n >= 1:
+                num = n
+                continue
+        if first is not None and u - first > 1:
+            runs.append((first, u, num))
+        first, num = (u, shared - 1) if shared > 1 and len(idx) > 1 else (None, 0)
+    return runs
+
+
 def pack_samples(samples: list[Sample], capacity: int, num_ranks: int, share_prompts: bool
                  ) -> tuple[list[list[list[int]]], int]:
     """Sample indices of each row of each rank (first-fit decreasing over whole groups when
@@ -216,7 +251,8 @@ def build_micro_batch(samples: list[Sample], temperature: float, top_p: float = 
 
     units = prompt_units(samples) if share_prompts else [(0, [i]) for i in range(len(samples))]
     order = [i for _, idx in units for i in idx]
-    pieces, tree = plan_row([(n, [len(samples[i].token_ids) for i in idx]) for n, idx in units])
+    common = common_prefixes(samples, units) if share_prompts else []
+    pieces, tree = plan_row([(n, [len(samples[i].token_ids) for i in idx]) for n, idx in units], common)
     arrays = [_sample_arrays(samples[i]) for i in order]
     names = [k for k in arrays[0] if all(k in a for a in arrays)] if arrays else []
     row = {k: np.concatenate([arrays[i][k][s:e] for i, s, e in pieces]) for k in names}

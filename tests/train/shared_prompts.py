@@ -40,20 +40,28 @@ def make_model(hf: dict, seed: int, directory: Path | None = None) -> torch.nn.M
     return model
 
 
-def make_samples(model, seed: int, prompts=(9, 5, 14, 7), group_sizes=(4, 3, 5, 2), r3: bool = False
-                 ) -> list[Sample]:
+def make_samples(model, seed: int, prompts=(9, 5, 14, 7), group_sizes=(4, 3, 5, 2), r3: bool = False,
+                 common: int = 0) -> list[Sample]:
     """Groups of completions, siblings adjacent. Inference logprobs are the model's own, perturbed
     (ratios stay near 1); with ``r3`` random routes, the prompt's shared by the group (as the
-    engine's n-way fork records them)."""
+    engine's n-way fork records them). ``common``: every prompt begins with the same tokens
+    (and routes) for that many tokens, then differs at the next one."""
     rng = np.random.default_rng(seed)
     args = model.args
     V = args.vocab_size
+    L, k = len(args.moe_layers), args.num_experts_per_tok
+    head = rng.integers(0, V, common).tolist()
+    head_routes = np.stack([rng.permutation(args.num_experts)[:k] for _ in range(common * L)]).reshape(
+        common, L, k) if r3 and common else None
     out = []
-    for p, g in zip(prompts, group_sizes):
+    for j, (p, g) in enumerate(zip(prompts, group_sizes)):
         prompt = rng.integers(0, V, p).tolist()
+        if common:
+            prompt[:common + 1] = head + [(j * 7 + 1) % V]  # alike up to common, different after
         if r3:
-            L, k = len(args.moe_layers), args.num_experts_per_tok
             prompt_routes = np.stack([rng.permutation(args.num_experts)[:k] for _ in range(p * L)]).reshape(p, L, k)
+            if common:
+                prompt_routes[:common] = head_routes
         for _ in range(g):
             c = int(rng.integers(1, 9))
             ids = prompt + rng.integers(0, V, c).tolist()

@@ -57,6 +57,34 @@ def test_shared_packing_matches_unshared(name):
         torch.testing.assert_close(g_s[k], g, rtol=1e-4, atol=1e-6, msg=k)
 
 
+@pytest.mark.parametrize("name", ["dense", "moe"])
+def test_groups_whose_prompts_begin_alike_share_that_beginning(name):
+    """Three groups whose prompts start with the same 5 tokens (a system message): those once, as
+    the parent of each group's own prompt segment, and still exact."""
+    r3 = name == "moe"
+    model = make_model(CONFIGS[name], seed=1)
+    samples = make_samples(model, seed=6, prompts=(9, 7, 12), group_sizes=(3, 2, 4), r3=r3, common=5)
+    one = {share: build_micro_batch(samples, 1.0, share_prompts=share) for share in (False, True)}
+    tree = one[True].tree()
+    assert tree.spans[0] == (0, 5) and tree.parents[0] == -1 and tree.parents.count(0) == 3
+    assert tree.num_unshared_tokens() == len(one[False].input_ids.numpy())
+    assert len(one[True].input_ids.numpy()) == sum(len(s.token_ids) for s in samples) - (8 * 2 + 6 + 11 * 3) - 5 * 2
+    lp_u, lp_s = (_completion_logprobs(model, one[s], r3) for s in (False, True))
+    torch.testing.assert_close(lp_s, lp_u, rtol=1e-5, atol=1e-5)
+    (tot_u, n_u, g_u), (tot_s, n_s, g_s) = (train_step(model, [one[s]], r3) for s in (False, True))
+    for key in ("loss", "entropy", "mismatch_kl"):
+        torch.testing.assert_close(tot_s[key], tot_u[key], rtol=1e-5, atol=1e-6)
+    for k, g in g_u.items():
+        torch.testing.assert_close(g_s[k], g, rtol=1e-4, atol=1e-6, msg=k)
+    # Routes that differ inside the common part end it there.
+    if r3:
+        r = samples[3].routed_experts.numpy().copy()
+        r[2] = (r[2] + 1) % model.args.num_experts
+        for s in samples[3:5]:
+            s.routed_experts = type(s.routed_experts).from_numpy(r)
+        assert build_micro_batch(samples, 1.0, share_prompts=True).tree().spans[0] == (0, 2)
+
+
 def _shared(shared_rows) -> float:
     """Tokens the shared rows do not repeat: each shared prompt token once, not once per completion."""
     n = 0
