@@ -78,7 +78,8 @@ class OrchestrateConfig(Config):
 
     share_prompts: bool = True
     """Pack each group's prompt once, its completions after it (a prefix-tree attention mask),
-    so the trainer computes the prompt once instead of group_size times; false repeats it."""
+    so the trainer computes the prompt once instead of group_size times, and the beginning
+    that a row's groups' prompts have in common once per row; false repeats it."""
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.group_size < 1:
