@@ -364,7 +364,8 @@ def rl_main(a) -> None:
     else:
         arms = [FILING, *ARMS] if a.all_arms else [FILING, "unshared+fixed", "shared+adaptive"]
     if a.new_first:  # the slow baselines last, so that shortened baselines still leave the new arm whole
-        arms = [x for x in arms if x not in (FILING, "unshared+fixed")] + [x for x in arms if x in (FILING, "unshared+fixed")]
+        slow = (FILING, "unshared+fixed")
+        arms = [x for x in arms if x not in slow] + [x for x in arms if x in slow]
     warmup = 1 if a.smoke else a.warmup
     results = {}
     for arm in arms:
@@ -374,7 +375,8 @@ def rl_main(a) -> None:
         print(f"{arm}: {steps} RL steps ({'code at ' + a.baseline_ref if arm == FILING else 'this tree'}) ...",
               file=sys.stderr, flush=True)
         results[arm] = run_arm(arm_recipe(code, model_dir, run_dir, arm, steps, a.smoke), run_dir, warmup, code)
-        print(json.dumps({"arm": arm, **({"ref": a.baseline_ref} if arm == FILING else {}), **results[arm]}), flush=True)
+        ref = {"ref": a.baseline_ref} if arm == FILING else {}
+        print(json.dumps({"arm": arm, **ref, **results[arm]}), flush=True)
     print_table(results, a.baseline_ref)
 
 
@@ -390,7 +392,8 @@ def print_table(results: dict, ref_name: str) -> None:
               f"{r['us_per_unique_token']:>11.0f} {r['completion_len']:>5.1f} "
               f"{' / '.join(f'{x:.3f}' for x in thirds):>26}")
     new = results.get("shared+adaptive")
-    for base, label in ((FILING, f"the code at {ref_name}"), ("unshared+fixed", "today's code unshared, fixed threads")):
+    for base, label in ((FILING, f"the code at {ref_name}"),
+                        ("unshared+fixed", "today's code unshared, fixed threads")):
         if new is not None and base in results:
             print(f"shared+adaptive / {base} ({label}): {new['steps_per_min'] / results[base]['steps_per_min']:.2f}x "
                   "RL steps/min")
