@@ -42,6 +42,7 @@ sampled token back to the host (a device sync), so GPU times are real.
     python bench/kv_cache.py                          # CPU, the docs/benchmarks.md figures
     python bench/kv_cache.py --arrival staggered      # CPU, conversations starting 3 s apart
     python bench/kv_cache.py --baseline-last          # the mixed arm after the cache arms (order check)
+    python bench/kv_cache.py --transfer shm           # payloads through /dev/shm mailboxes, not the arena
     python bench/kv_cache.py --device cuda            # ~1B Llama shape, 16k shared prefix (GPU_RUN.md)
 """
 
@@ -50,6 +51,7 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import signal
 import statistics
 import subprocess
@@ -127,7 +129,8 @@ def replica(name: str, cfg: dict, model_dir: str, device: str, seed: int, inbox,
                 engine.role = role
                 engine.reset_prefix_cache()
                 if endpoint:
-                    engine.kv = make_kv_connector(KVCacheConfig(endpoint=endpoint), engine.block_meta(), engine.device)
+                    engine.kv = make_kv_connector(KVCacheConfig(endpoint=endpoint, transfer=cfg["transfer"]),
+                                                  engine.block_meta(), engine.device)
                 events.put(("armed", name, 0.0, engine.kv.meta.fingerprint if engine.kv else ""))
             elif item[0] == "stats":
                 events.put(("stats", name, 0.0, engine.stats()))
@@ -156,7 +159,7 @@ class Replicas:
         if args.device == "cuda":
             devices = [f"cuda:{i % torch.cuda.device_count()}" for i in range(2)]
         cfg = {k: getattr(args, k) for k in ("threads", "dtype", "max_len", "block_size", "kv_cache_mb",
-                                             "max_batched_tokens")}
+                                             "max_batched_tokens", "transfer")}
         self.events = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(2)]
         self.procs = [ctx.Process(target=replica, args=(f"r{i}", cfg, str(model_dir), devices[i], i, self.inboxes[i],
@@ -195,12 +198,12 @@ class Replicas:
                 p.terminate()
 
 
-def start_cache(tmp: Path, backend: str) -> tuple[subprocess.Popen, str]:
+def start_cache(tmp: Path, backend: str, capacity_mb: int) -> tuple[subprocess.Popen, str]:
     from rlcli.transport.registry import list_entries
 
     run_dir = tmp / f"cache-{backend}"
     proc = subprocess.Popen([sys.executable, "-m", "rlcli.cli.cache", "serve", "--run-dir", str(run_dir),
-                             "--capacity-mb", "16384", "--backend", backend], stderr=subprocess.DEVNULL)
+                             "--capacity-mb", str(capacity_mb), "--backend", backend], stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while not (entries := list_entries(run_dir / "registry", "cache")):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -321,6 +324,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per replica (CPU)")
     p.add_argument("--arrival", default="burst", help="burst, staggered, or both as burst,staggered")
     p.add_argument("--stagger-s", type=float, default=None, help="seconds between conversation starts (staggered)")
+    p.add_argument("--transfer", default="auto", choices=["auto", "arena", "shm", "inline"],
+                   help="how payloads reach a memory store (auto: rl-cache's shared arena where it has one)")
+    p.add_argument("--cache-mb", type=int, default=None, help="rl-cache's RAM capacity (its arena in /dev/shm)")
     p.add_argument("--baseline-last", action="store_true",
                    help="run the mixed arm after the cache arms (does arm order matter?)")
     args = p.parse_args()
@@ -339,6 +345,9 @@ def main() -> None:
     args.block_size = 16
     args.max_len = args.prefix + args.context + args.turns * (args.user + args.gen) + 64
     args.kv_cache_mb = {"smoke": 16, "cpu": 512, "cuda": 32768}[workload]
+    if args.cache_mb is None:  # what the workload stores, within what /dev/shm has room for
+        free_mb = shutil.disk_usage("/dev/shm").free >> 20 if os.path.isdir("/dev/shm") else 1 << 20
+        args.cache_mb = max(64, min({"smoke": 256, "cpu": 2048, "cuda": 8192}[workload], free_mb * 3 // 4))
     args.max_batched_tokens = 2048 if args.device == "cpu" else 8192
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
@@ -346,16 +355,23 @@ def main() -> None:
         raise SystemExit("--device cuda: torch sees no CUDA device")
     args.threads = args.threads if args.device == "cpu" else 0
 
+    from rlcli.cache.client import CacheClient
     from rlcli.transport import shm
 
     rows = []
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model(Path(tmp) / "model", args.shape, args.max_len)
-        proc, endpoint = start_cache(Path(tmp), args.backend)
+        proc, endpoint = start_cache(Path(tmp), args.backend, args.cache_mb)
         reps = Replicas(args, model_dir)
         h, inter, layers, heads, kv, hd = SHAPES[args.shape]
-        transfer = args.backend if args.backend == "mooncake" else ("shm" if shm.available() else "inline (no /dev/shm)")
+        client = CacheClient(endpoint, timeout_s=60)
+        arena = client.stats().get("arena", "")
+        client.close()
+        transfer = args.backend if args.backend == "mooncake" else (
+            "arena" if arena and args.transfer in ("auto", "arena") else
+            "inline" if args.transfer == "inline" or not shm.available() else "shm mailboxes")
+        transfer += f" (rl-cache {args.cache_mb} MiB{', no arena' if not arena else ''})"
         print(f"# kv_cache bench: device={args.device} shape={args.shape} (hidden {h}, {layers} layers, {kv}x{hd} KV "
               f"heads, {args.dtype}; KV {reps.kv_bytes_per_token} B/token) backend={args.backend} payloads via "
               f"{transfer}; conversations={args.conversations} turns={args.turns} prefix={args.prefix} "

@@ -143,9 +143,15 @@ class TieredStore:
     Puts go to RAM; RAM evictions are written to disk (``evictions`` counts blocks leaving
     either tier). A get reads RAM, then disk, and moves a disk hit back into RAM."""
 
-    def __init__(self, ram_capacity_bytes: int, disk_dir: str | Path, disk_capacity_bytes: int):
+    def __init__(self, ram_capacity_bytes: int, disk_dir: str | Path, disk_capacity_bytes: int, arena: bool = False):
         self.disk = DiskStore(disk_dir, disk_capacity_bytes)
-        self.ram = MemoryStore(ram_capacity_bytes, spill=self.disk.write)
+        if arena:  # a shared-memory arena where /dev/shm has the room
+            from rlcli.cache.arena import ram_tier
+
+            self.ram = ram_tier(ram_capacity_bytes, spill=self.disk.write)
+        else:
+            self.ram = MemoryStore(ram_capacity_bytes, spill=self.disk.write)
+        self.arena = getattr(self.ram, "arena", None)
 
     def put(self, keys: list[bytes], values: list[bytes], meta: BlockMeta | None = None) -> int:
         return self.ram.put(keys, values, meta)
@@ -167,7 +173,31 @@ class TieredStore:
         return out
 
     def exists(self, keys: list[bytes]) -> list[bool]:
-        return [k in self.ram.blocks or k in self.disk.index for k in keys]
+        return [e or k in self.disk.index for k, e in zip(keys, self.ram.exists(keys))]
+
+    def lease(self, keys: list[bytes], meta: BlockMeta | None = None, prefix: bool = False) -> tuple[int, list]:
+        """The arena's lease (:meth:`ArenaStore.lease`), disk hits moved up into RAM first."""
+        for key in keys:
+            if key not in self.ram.blocks and key in self.disk.index:
+                value, matched = self.disk.read(key, meta)
+                self.ram.counters["rejected"] += not matched
+                if value is not None and self.ram.insert(key, value, self.disk.index[key][1]):
+                    continue
+            if prefix and key not in self.ram.blocks:
+                break
+        return self.ram.lease(keys, meta, prefix)
+
+    def reserve(self, keys: list[bytes], meta: BlockMeta) -> tuple[int, list[int]]:
+        return self.ram.reserve(keys, meta, present=self.disk.index.__contains__)
+
+    def commit(self, lease: int, keys: list[bytes]) -> int:
+        return self.ram.commit(lease, keys)
+
+    def release(self, lease: int) -> bool:
+        return self.ram.release(lease)
+
+    def expire(self) -> int:
+        return self.ram.expire()
 
     def entries(self, limit: int) -> list[CacheEntry]:
         out = self.ram.entries(limit)
@@ -199,6 +229,6 @@ class TieredStore:
 
     def close(self) -> None:
         # RAM contents go down to disk, so a restarted store serves them.
-        for key, (value, meta) in list(self.ram.blocks.items()):
+        for key, value, meta in self.ram.items():
             self.disk.write(key, value, meta)
         self.ram.close()

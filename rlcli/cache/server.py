@@ -13,7 +13,12 @@ deletes it once answered), a get with transfer "shm" is answered with a /dev/shm
 store wrote (the requester deletes it after reading; files a requester never collected
 are removed after ``ORPHAN_S``) or written into the requester's own file (``into``: a
 reused mailbox, so no fresh pages), and with the Mooncake backend ZeroMQ carries only keys
-and layouts while the payloads move through Mooncake's transfer engine. Inline payloads
+and layouts while the payloads move through Mooncake's transfer engine. With the memory
+backend's shared arena (:mod:`rlcli.cache.arena`) no payload byte crosses this process: a get
+with transfer "arena" answers leased slot offsets, a put reserves slots (``CacheReserve``), the
+requester writes them and commits (a ``CachePut`` naming the reservation), and
+``CacheRelease`` ends a lease; gets through /dev/shm files are copied from leased slots
+outside the lock. Inline payloads
 stay accepted for peers on other hosts. Malformed requests get an ``ErrorReply``; the
 loop keeps serving.
 """
@@ -32,7 +37,8 @@ from rlcli.logging import setup_logging
 from rlcli.process import stop_on_signals
 from rlcli.protocol import (
     CacheExists, CacheExistsReply, CacheGet, CacheGetReply, CacheList, CacheListReply, CachePrune, CachePruneReply,
-    CachePut, CacheReply, CacheStats, CacheStatsRequest, ErrorReply, HealthRequest, HealthResponse, Shutdown,
+    CachePut, CacheRelease, CacheReply, CacheReserve, CacheReserveReply, CacheStats, CacheStatsRequest, ErrorReply,
+    HealthRequest, HealthResponse, Shutdown,
 )
 from rlcli.transport import shm
 from rlcli.transport.registry import Registration
@@ -58,6 +64,7 @@ class CacheService:
         self.outgoing: dict[str, float] = {}  # shm files written for gets -> when
         self.lock = threading.Lock()  # the store, outgoing and pending
         self.pending: dict[bytes, int] = {}  # keys of puts being read -> how many
+        self.arena = getattr(store, "arena", None)  # the RAM tier's shared arena, if it has one
 
     def handle(self, msg, rid: str):
         """The reply to one request (any thread)."""
@@ -73,7 +80,15 @@ class CacheService:
             return self.put(msg, rid)
         if isinstance(msg, CacheGet):
             return self.get(msg, rid)
+        if isinstance(msg, (CacheReserve, CacheRelease)) and self.arena is None:
+            raise ValueError(f"{type(msg).__name__} needs rl-cache's shared arena (memory backend, room in /dev/shm)")
         with self.lock:
+            if isinstance(msg, CacheReserve):
+                lease, offsets = store.reserve(msg.keys, msg.meta)
+                return CacheReserveReply(request_id=rid, arena=self.arena.name, offsets=offsets, lease=lease,
+                                         lease_s=self.arena.lease_s)
+            if isinstance(msg, CacheRelease):
+                return CacheReply(request_id=rid, num_stored=int(store.release(msg.lease)))
             if isinstance(msg, CacheExists):
                 return CacheExistsReply(request_id=rid, exists=[e or k in self.pending for k, e in
                                                                 zip(msg.keys, store.exists(msg.keys))])
@@ -97,6 +112,11 @@ class CacheService:
                 raise ValueError("a mooncake put needs rl-cache --backend mooncake and the blocks' meta")
             with self.lock:
                 return CacheReply(request_id=rid, num_stored=self.store.record(msg.keys, msg.meta))
+        if msg.lease:
+            if self.arena is None or msg.values or msg.shm:
+                raise ValueError("a put naming a reservation needs the shared arena and carries no payloads")
+            with self.lock:
+                return CacheReply(request_id=rid, num_stored=self.store.commit(msg.lease, msg.keys))
         if not msg.shm:
             with self.lock:
                 return CacheReply(request_id=rid, num_stored=self.store.put(msg.keys, msg.values, msg.meta))
@@ -128,10 +148,14 @@ class CacheService:
                 raise ValueError("transfer mooncake needs rl-cache --backend mooncake")
             with self.lock:
                 return CacheGetReply(request_id=rid, found=self.store.find(msg.keys, msg.meta, msg.prefix))
-        if msg.transfer not in ("", "shm"):
+        if msg.transfer not in ("", "shm", "arena"):
             raise ValueError(f"unknown transfer {msg.transfer!r}")
-        if msg.transfer == "shm" and msg.meta is None:
-            raise ValueError("a get through shm carries the requester's meta")
+        if msg.transfer in ("shm", "arena") and msg.meta is None:
+            raise ValueError(f"a get through {msg.transfer} carries the requester's meta")
+        if msg.transfer == "arena" and self.arena is None:
+            raise ValueError("transfer arena needs rl-cache's shared arena (memory backend, room in /dev/shm)")
+        if self.arena is not None and msg.transfer:
+            return self.get_leased(msg, rid)
         with self.lock:
             values = self.store.get(msg.keys, msg.meta, msg.prefix)
         found = [v is not None for v in values]
@@ -152,8 +176,41 @@ class CacheService:
         copy.nbytes = sum(len(v) for v in payloads)
         return copy
 
+    def get_leased(self, msg: CacheGet, rid: str):
+        """A get from the arena: the leased slots' offsets ("arena"), or (through a /dev/shm file)
+        a copy of the leased slots made outside the lock, then released."""
+        with self.lock:
+            lease, offsets = self.store.lease(msg.keys, msg.meta, msg.prefix)
+        found = [o is not None for o in offsets]
+        held = [o for o in offsets if o is not None]
+        if msg.transfer == "arena":
+            return CacheGetReply(request_id=rid, found=found, arena=self.arena.name, offsets=held, lease=lease,
+                                 lease_s=self.arena.lease_s)
+        if not held:
+            return CacheGetReply(request_id=rid, found=found, shm="")
+        n = msg.meta.nbytes
+
+        def copy() -> CacheGetReply:
+            try:
+                payloads = [self.arena.view(o, n) for o in held]
+                if msg.into:
+                    shm.write_into(msg.into, payloads, COPY_THREADS)
+                    return CacheGetReply(request_id=rid, found=found, shm=msg.into)
+                name = shm.write_payloads(payloads)
+                with self.lock:
+                    self.outgoing[name] = time.monotonic()
+                return CacheGetReply(request_id=rid, found=found, shm=name)
+            finally:
+                with self.lock:
+                    self.store.release(lease)
+        copy.nbytes = n * len(held)
+        return copy
+
     def sweep(self, max_age_s: float = ORPHAN_S) -> None:
-        """Delete get payload files no requester collected."""
+        """Delete get payload files no requester collected; take back expired leases."""
+        if self.arena is not None:
+            with self.lock:
+                self.store.expire()
         now = time.monotonic()
         with self.lock:
             old = list(self.outgoing.items())

@@ -8,7 +8,8 @@ not have the size its meta names is refused, and a get from a requester with ano
 layout is answered as a miss (both counted as ``rejected``).
 
 A store is a small interface (:class:`BlockStore`); :func:`make_store` picks the backend
-named by ``cache.backend``. The embedded :class:`MemoryStore` is a byte-bounded LRU: a
+named by ``cache.backend``; the memory backend's RAM tier is a shared-memory arena
+(:mod:`rlcli.cache.arena`) where /dev/shm has the room. :class:`MemoryStore` is a byte-bounded LRU: a
 put that would exceed the capacity evicts the least recently used blocks first (handing
 them to ``spill``, the disk tier, when there is one), and a single block larger than the
 whole capacity is refused.
@@ -121,6 +122,11 @@ class MemoryStore:
     def exists(self, keys: list[bytes]) -> list[bool]:
         return [key in self.blocks for key in keys]
 
+    def items(self):
+        """(key, payload, meta) of every block, least recently used first."""
+        for key, (value, meta) in list(self.blocks.items()):
+            yield key, value, meta
+
     def entries(self, limit: int) -> list[CacheEntry]:
         out = []
         for key in reversed(self.blocks):
@@ -155,5 +161,9 @@ def make_store(cfg: CacheConfig) -> BlockStore:
     if backend.disk_dir:
         from rlcli.cache.disk import TieredStore
 
-        return TieredStore(capacity, backend.disk_dir, backend.disk_capacity_mb * 2**20)
-    return MemoryStore(capacity)
+        return TieredStore(capacity, backend.disk_dir, backend.disk_capacity_mb * 2**20, arena=backend.arena)
+    if not backend.arena:
+        return MemoryStore(capacity)
+    from rlcli.cache.arena import ram_tier
+
+    return ram_tier(capacity)

@@ -80,9 +80,10 @@ class KVCacheConfig(Config):
     endpoint: str = ""
     """rl-cache endpoint (tcp://host:port), "registry" to find it in the run directory, or empty: off."""
 
-    transfer: Literal["auto", "shm", "inline"] = "auto"
-    """How payloads reach a memory store: shm (/dev/shm files, same host), inline (inside the
-    ZeroMQ message), auto (shm when the store is on this host); mooncake stores use Mooncake."""
+    transfer: Literal["auto", "arena", "shm", "inline"] = "auto"
+    """How payloads reach a memory store: arena (the store's shared-memory arena, mapped here: same
+    host), shm (/dev/shm mailboxes the store copies through), inline (inside the ZeroMQ message),
+    auto (arena, else shm, when the store is on this host); mooncake stores use Mooncake."""
 
     publish_queue: int = 64
     """Batches of blocks waiting to be published; past this, new ones are dropped (and counted)."""

@@ -76,6 +76,10 @@ class MemoryCacheBackend(CacheBackendBase, tag="memory"):
     disk_capacity_mb: int = 8192
     """Byte capacity of the disk tier."""
 
+    arena: bool = True
+    """Keep the RAM tier in one shared-memory arena that same-host engines map (falls back to
+    Python bytes, reached through copies, where /dev/shm lacks the room or this is false)."""
+
     def __post_init__(self) -> None:
         if self.disk_capacity_mb < 1:
             raise ValueError(f"cache.backend.disk_capacity_mb must be >= 1, got {self.disk_capacity_mb}")

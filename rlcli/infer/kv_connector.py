@@ -21,8 +21,10 @@ answers only once its blocks are stored, so the decode server finds them).
 Keys are the engine's chain hashes (cache salt, weights version, tokens); every request
 carries the engine's :class:`BlockMeta` (model fingerprint, dtype, shape), so a store
 never hands back another model's KV. ZeroMQ carries keys and layouts; payloads move
-through the store backend's path: /dev/shm files for a memory store on this host (inline
-in the message otherwise), Mooncake's transfer engine for a mooncake store.
+through the store backend's path: the store's shared arena for a memory store on this host
+(``rlcli.infer.arena_connector``: one copy each way, none in the store), else /dev/shm
+mailboxes (``transfer = "shm"``) or inline in the message (another host), Mooncake's transfer
+engine for a mooncake store.
 :func:`make_kv_connector` asks the store which backend it runs and builds the connector.
 """
 
@@ -138,6 +140,7 @@ class FetchTicket:
         self.event = threading.Event()
         self.data: torch.Tensor | None = None
         self.wait_s = 0.0  # time the store took to answer (queueing there included)
+        self.on_release = None  # set when ``data`` is a view of store memory leased until :meth:`release`
 
     def done(self) -> bool:
         return self.event.is_set()
@@ -150,6 +153,12 @@ class FetchTicket:
         if data.is_cuda:  # made on the fetch stream: the caching allocator must not reuse it early
             data.record_stream(torch.cuda.current_stream(data.device))
         return data
+
+    def release(self) -> None:
+        """The taken payloads are copied (or dropped): memory the store leased for them may go."""
+        release, self.on_release = self.on_release, None
+        if release is not None:
+            release()
 
 
 class _Publisher:
@@ -177,7 +186,7 @@ class _Publisher:
         self.counters = {"kv_fetch_requests": 0, "kv_fetched_blocks": 0, "kv_fetched_bytes": 0, "kv_fetch_s": 0.0,
                          "kv_fetch_store_s": 0.0, "kv_fetch_errors": 0, "kv_published_blocks": 0,
                          "kv_published_bytes": 0,
-                         "kv_publish_skipped": 0, "kv_publish_dropped": 0, "kv_publish_errors": 0, "kv_publish_s": 0.0}
+                         "kv_publish_skipped": 0, "kv_publish_dropped": 0, "kv_publish_refused": 0, "kv_publish_errors": 0, "kv_publish_s": 0.0}
         self.thread = threading.Thread(target=self._work, name="kv-publish", daemon=True)
         self.thread.start()
         self.fetchers = [threading.Thread(target=self._fetch_work, args=(lane,), name=f"kv-fetch-{lane}",
@@ -218,35 +227,46 @@ class _Publisher:
         try:
             while (item := self.queue.get()) is not None:
                 keys, payload, ready, meta = item
-                nbytes = payload.numel()
+                left = [payload.numel()]  # queued bytes not yet copied out of the payload
                 t0 = time.monotonic()
                 try:
-                    rows = self._to_host(payload, ready)
-                    del payload, item
-                    with self.bytes_lock:
-                        self.queued_bytes -= nbytes
-                        nbytes = 0
-                    present = _call(client, CacheExists(request_id=new_request_id(), keys=keys), CacheExistsReply,
-                                    self.timeout_s).exists
-                    missing = [i for i, p in enumerate(present) if not p]
-                    self.counters["kv_publish_skipped"] += len(keys) - len(missing)
-                    step = max(1, self.max_fetch_bytes // meta.nbytes)
-                    for a in range(0, len(missing), step):
-                        chunk = missing[a:a + step]
-                        stored = self._store(client, [keys[i] for i in chunk], rows, chunk, meta)
-                        self.counters["kv_published_blocks"] += stored
-                        self.counters["kv_published_bytes"] += stored * meta.nbytes
+                    del item
+                    self._publish_batch(client, keys, payload, ready, meta, left)
                 except Exception as e:  # the store being down must not stop the engine
                     self.counters["kv_publish_errors"] += len(keys)
                     log.warning("could not publish %d KV blocks: %s", len(keys), e)
                 finally:
-                    with self.bytes_lock:
-                        self.queued_bytes -= nbytes
+                    del payload
+                    self._copied_out(left)
                     self.counters["kv_publish_s"] += time.monotonic() - t0
                     self.queue.task_done()
         finally:
             client.close()
             self.queue.task_done()
+
+    def _copied_out(self, left: list[int]) -> None:
+        """A batch's payload is copied out of the engine's memory: its bytes leave the queue's count."""
+        with self.bytes_lock:
+            self.queued_bytes -= left[0]
+        left[0] = 0
+
+    def _publish_batch(self, client: RpcClient, keys: list[bytes], payload: torch.Tensor, ready, meta: BlockMeta,
+                       left: list[int]) -> None:
+        """Move one queued batch to the store (the publishing thread): to the host, skip what the
+        store holds, store the rest (:meth:`_copied_out` once the payload is on the host)."""
+        rows = self._to_host(payload, ready)
+        del payload
+        self._copied_out(left)
+        present = _call(client, CacheExists(request_id=new_request_id(), keys=keys), CacheExistsReply,
+                        self.timeout_s).exists
+        missing = [i for i, p in enumerate(present) if not p]
+        self.counters["kv_publish_skipped"] += len(keys) - len(missing)
+        step = max(1, self.max_fetch_bytes // meta.nbytes)
+        for a in range(0, len(missing), step):
+            chunk = missing[a:a + step]
+            stored = self._store(client, [keys[i] for i in chunk], rows, chunk, meta)
+            self.counters["kv_published_blocks"] += stored
+            self.counters["kv_published_bytes"] += stored * meta.nbytes
 
     def _to_host(self, payload: torch.Tensor, ready) -> torch.Tensor:
         """The payload in host memory: for a device tensor, one copy on the publisher's stream
@@ -290,12 +310,19 @@ class _Publisher:
     def fetch(self, keys: list[bytes]) -> torch.Tensor:
         ticket = self.fetch_async(keys)
         ticket.event.wait()
-        return ticket.take()
+        data = ticket.take()
+        if ticket.on_release is not None:
+            data = data.clone()
+            ticket.release()
+        return data
 
     def _fetch_work(self, lane: int) -> None:
         client = RpcClient(self.endpoint)  # this thread's own socket
         try:
             while (ticket := self.fetches[lane].get()) is not None:
+                if callable(ticket):  # a store request queued for this lane's socket (a lease release)
+                    ticket(client)
+                    continue
                 try:
                     ticket.data = self._fetch_run(lane, client, ticket)
                 except Exception as e:  # never leave the engine waiting on a ticket
@@ -483,12 +510,25 @@ def make_kv_connector(cfg: KVCacheConfig, meta: BlockMeta, device: torch.device 
         raise PeerUnreachable(f"no rl-cache at --kv-cache {cfg.endpoint}: {e}") from None
     finally:
         probe.close()
+    conn: KVConnector | None = None
+    local = _is_local(cfg.endpoint)
     if info.backend == "mooncake":
-        conn: KVConnector = MooncakeConnector(cfg.endpoint, meta, cfg.publish_queue, cfg.timeout_s,
-                                              info.mooncake_master, info.mooncake_metadata, device)
-    else:
-        via_shm = cfg.transfer == "shm" or (cfg.transfer == "auto" and _is_local(cfg.endpoint) and shm.available())
+        conn = MooncakeConnector(cfg.endpoint, meta, cfg.publish_queue, cfg.timeout_s, info.mooncake_master,
+                                 info.mooncake_metadata, device)
+    elif info.arena and cfg.transfer in ("auto", "arena") and local:
+        from rlcli.infer.arena_connector import ArenaConnector
+
+        try:
+            conn = ArenaConnector(cfg.endpoint, meta, cfg.publish_queue, cfg.timeout_s, info.arena, device)
+        except ValueError as e:  # its /dev/shm is not this one (another container)
+            log.warning("cannot map rl-cache's arena (%s): payloads through copies", e)
+    if conn is None and cfg.transfer == "arena":
+        raise ConfigError(f"infer.kv_cache.transfer is arena but rl-cache at {cfg.endpoint} has no arena this "
+                          "process can map (same host, memory backend, room in /dev/shm): use auto")
+    if conn is None:
+        via_shm = cfg.transfer == "shm" or (cfg.transfer == "auto" and local and shm.available())
         conn = StoreConnector(cfg.endpoint, meta, cfg.publish_queue, cfg.timeout_s, via_shm, device)
-    log.info("KV blocks shared through rl-cache at %s (%s backend, payloads via %s)", cfg.endpoint, info.backend,
-             "mooncake" if info.backend == "mooncake" else ("shm" if conn.via_shm else "zeromq"))
+    via = "mooncake" if info.backend == "mooncake" else getattr(conn, "via", "") or (
+        "shm" if conn.via_shm else "zeromq")
+    log.info("KV blocks shared through rl-cache at %s (%s backend, payloads via %s)", cfg.endpoint, info.backend, via)
     return conn

@@ -81,7 +81,12 @@ class SharedKVMixin:
             self._take_fetch(fetch)
 
     def _take_fetch(self, fetch: Fetch) -> None:
-        data = fetch.ticket.take()
+        try:
+            self._take_fetched(fetch, fetch.ticket.take())
+        finally:
+            fetch.ticket.release()  # the payloads are copied into KV blocks (or dropped)
+
+    def _take_fetched(self, fetch: Fetch, data: torch.Tensor) -> None:
         if fetch.version != self.version or data.shape[0] == 0:
             return  # computed under other weights: its keys can never match now
         # Extend the longest local match of the fetched chain (blocks may have come or gone since).

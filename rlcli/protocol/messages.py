@@ -22,6 +22,7 @@ __all__ = [
     "HealthResponse", "ErrorReply", "WeightsPublished", "PolicyUpdated", "BatchWritten", "CachePut", "CacheGet",
     "CacheExists", "CacheStatsRequest", "CacheReply", "CacheGetReply", "CacheExistsReply",
     "CacheStats", "BlockMeta", "CacheList", "CacheListReply", "CachePrune", "CachePruneReply", "CacheEntry",
+    "CacheReserve", "CacheReserveReply", "CacheRelease",
     "Shutdown", "AbortRequests", "AnyMessage", "encode", "decode", "decode_envelope",
 ]
 
@@ -309,6 +310,8 @@ class CachePut(Message, tag="cache_put", kw_only=True):
     """Name of a file in /dev/shm holding the payloads back to back (same host only)."""
     mooncake: bool = False
     """The payloads are already in the store's Mooncake pool under their keys; record them."""
+    lease: int = 0
+    """Commit of a :class:`CacheReserve`: the payloads of ``keys`` (those it reserved) are in its arena slots."""
 
 
 class CacheGet(Message, tag="cache_get", kw_only=True):
@@ -321,8 +324,10 @@ class CacheGet(Message, tag="cache_get", kw_only=True):
     prefix: bool = False
     """Stop at the first miss: answer the longest run of leading keys held."""
     transfer: str = ""
-    """Where the found payloads go: "" inline in the reply, "shm" a /dev/shm file, "mooncake"
-    nowhere (the requester reads them from the Mooncake pool; the reply says which exist)."""
+    """Where the found payloads go: "" inline in the reply, "shm" a /dev/shm file, "arena"
+    nowhere (they stay in the store's shared arena, leased to the requester, who reads the slots
+    the reply names and sends :class:`CacheRelease`), "mooncake" nowhere (the requester reads them
+    from the Mooncake pool; the reply says which exist)."""
     into: str = ""
     """With transfer "shm": the requester's own /dev/shm file (at least as large as the
     payloads asked for) to write the found ones into, from its start, instead of a new file."""
@@ -373,6 +378,43 @@ class CacheGetReply(Message, tag="cache_get_reply", kw_only=True):
     shm: str = ""
     """With transfer "shm": the /dev/shm file holding the found payloads back to back, in key
     order; the requester deletes it."""
+    arena: str = ""
+    """With transfer "arena": the /dev/shm file of the store's arena."""
+    offsets: list[int] = msgspec.field(default_factory=list)
+    """With transfer "arena": the byte offset in the arena of each found block, in key order."""
+    lease: int = 0
+    """With transfer "arena": the lease holding those slots (0: none, nothing was found)."""
+    lease_s: float = 0.0
+    """Seconds after which the store may reuse leased slots unreleased."""
+
+
+class CacheReserve(Message, tag="cache_reserve", kw_only=True):
+    request_id: str = ""
+    """Caller-chosen id."""
+    keys: list[bytes]
+    """Keys of the blocks the requester will write into the arena."""
+    meta: BlockMeta
+    """Layout of every block (its size is the slot size)."""
+
+
+class CacheReserveReply(Message, tag="cache_reserve_reply", kw_only=True):
+    request_id: str = ""
+    """Id of the reservation answered."""
+    arena: str
+    """The /dev/shm file of the store's arena."""
+    offsets: list[int]
+    """Per key: the slot's byte offset to write, -1 held already (or being written), -2 no room."""
+    lease: int = 0
+    """The reservation, committed by a :class:`CachePut` with this ``lease`` (0: no slot reserved)."""
+    lease_s: float = 0.0
+    """Seconds after which uncommitted slots are taken back."""
+
+
+class CacheRelease(Message, tag="cache_release", kw_only=True):
+    request_id: str = ""
+    """Caller-chosen id."""
+    lease: int
+    """A get's lease (its slots are read) or a reservation (abandoned)."""
 
 
 class CacheExistsReply(Message, tag="cache_exists_reply", kw_only=True):
@@ -442,13 +484,19 @@ class CacheStats(Message, tag="cache_stats_reply", kw_only=True):
     """host:port of the Mooncake master (backend mooncake), for clients of the pool."""
     mooncake_metadata: str = ""
     """URL of the Mooncake metadata server (backend mooncake)."""
+    arena: str = ""
+    """The /dev/shm file of the RAM tier's shared arena (empty: none; same-host engines map it)."""
+    leased: int = 0
+    """Slots leased to readers or reserved by writers now."""
+    refused: int = 0
+    """Blocks a reservation found no room for (every slot leased)."""
 
 
 AnyMessage = Union[
     GenerateRequest, GenerateResponse, LoadWeights, WeightsLoaded, HealthRequest, HealthResponse,
     ErrorReply, Shutdown, AbortRequests, WeightsPublished, PolicyUpdated, BatchWritten, CachePut, CacheGet, CacheExists,
     CacheStatsRequest, CacheReply, CacheGetReply, CacheExistsReply, CacheStats, CacheList, CacheListReply,
-    CachePrune, CachePruneReply,
+    CachePrune, CachePruneReply, CacheReserve, CacheReserveReply, CacheRelease,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

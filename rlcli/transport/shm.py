@@ -198,3 +198,47 @@ class Mailbox:
         self._mm = None
         remove(self.name)
         self.name, self.size = "", 0
+
+
+class Mapping:
+    """Another process's /dev/shm file (rl-cache's arena) mapped whole, read-write, here.
+
+    The pages are populated at map time (they are already in memory: the owner faulted them
+    in), so no transfer takes page faults; ``on_map`` / ``on_unmap`` as for :class:`Mailbox`.
+    ValueError for a name that is not ours or a file that does not exist."""
+
+    def __init__(self, name: str, on_map: Callable[[np.ndarray], None] | None = None,
+                 on_unmap: Callable[[np.ndarray], None] | None = None):
+        path = path_of(name)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            raise ValueError(f"shared-memory file {name} does not exist") from None
+        try:
+            self.size = os.fstat(fd).st_size
+            if not self.size:
+                raise ValueError(f"shared-memory file {name} is empty")
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self._mm = mmap.mmap(fd, self.size, flags=flags)
+        finally:
+            os.close(fd)
+        self.name, self.on_unmap = name, on_unmap
+        self.array = np.frombuffer(self._mm, dtype=np.uint8)
+        if on_map is not None:
+            on_map(self.array)
+
+    def alive(self) -> bool:
+        """Whether the file is still there (its owner removes it when it exits)."""
+        return path_of(self.name).exists()
+
+    def close(self) -> None:
+        if self._mm is None:
+            return
+        if self.on_unmap is not None:
+            self.on_unmap(self.array)
+        self.array = np.empty(0, dtype=np.uint8)
+        try:
+            self._mm.close()
+        except BufferError:  # a view still lives somewhere: the mapping goes when it does
+            pass
+        self._mm = None
