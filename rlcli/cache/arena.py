@@ -92,6 +92,8 @@ class ArenaStore:
 
     # -- slots
     def _alloc(self, nbytes: int) -> int | None:
+        if not 0 < nbytes <= self.unit * len(self.units):
+            return None  # (never fits: evict nothing for it)
         while True:
             for slab in self.classes.get(nbytes, ()):
                 if slab.free:
@@ -171,8 +173,6 @@ class ArenaStore:
 
     # -- the BlockStore interface (payloads as bytes: inline requests, the disk tier)
     def insert(self, key: bytes, value: bytes, meta: BlockMeta | None) -> bool:
-        if not 0 < len(value) <= self.unit * len(self.units):
-            return False
         offset = self._alloc(len(value))
         if offset is None:
             self.counters["refused"] += 1

@@ -20,7 +20,7 @@ def cache(tmp_path):
     proc.wait(timeout=10)
 
 
-@pytest.mark.parametrize("transfer", ["shm", "inline"])
+@pytest.mark.parametrize("transfer", ["arena", "shm", "inline"])
 def test_second_replica_fetches_the_prefix_and_matches(tiny_model_dir, cache, transfer):
     model = load_model(tiny_model_dir, seed=1)
     a, b, solo = engine(model, cache, transfer=transfer), engine(model, cache, transfer=transfer), engine(model, None)
