@@ -42,7 +42,7 @@ sampled token back to the host (a device sync), so GPU times are real.
     python bench/kv_cache.py                          # CPU, the docs/benchmarks.md figures
     python bench/kv_cache.py --arrival staggered      # CPU, conversations starting 3 s apart
     python bench/kv_cache.py --baseline-last          # the mixed arm after the cache arms (order check)
-    python bench/kv_cache.py --transfer shm           # payloads through /dev/shm mailboxes, not the arena
+    python bench/kv_cache.py --transfer shm           # the path before the arena: bytes in rl-cache, /dev/shm mailboxes
     python bench/kv_cache.py --device cuda            # ~1B Llama shape, 16k shared prefix (GPU_RUN.md)
 """
 
@@ -198,12 +198,14 @@ class Replicas:
                 p.terminate()
 
 
-def start_cache(tmp: Path, backend: str, capacity_mb: int) -> tuple[subprocess.Popen, str]:
+def start_cache(tmp: Path, backend: str, capacity_mb: int, arena: bool) -> tuple[subprocess.Popen, str]:
     from rlcli.transport.registry import list_entries
 
     run_dir = tmp / f"cache-{backend}"
+    extra = [] if backend == "mooncake" else ["--cache.backend.arena", str(arena).lower()]
     proc = subprocess.Popen([sys.executable, "-m", "rlcli.cli.cache", "serve", "--run-dir", str(run_dir),
-                             "--capacity-mb", str(capacity_mb), "--backend", backend], stderr=subprocess.DEVNULL)
+                             "--capacity-mb", str(capacity_mb), "--backend", backend, *extra],
+                            stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while not (entries := list_entries(run_dir / "registry", "cache")):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -325,7 +327,8 @@ def main() -> None:
     p.add_argument("--arrival", default="burst", help="burst, staggered, or both as burst,staggered")
     p.add_argument("--stagger-s", type=float, default=None, help="seconds between conversation starts (staggered)")
     p.add_argument("--transfer", default="auto", choices=["auto", "arena", "shm", "inline"],
-                   help="how payloads reach a memory store (auto: rl-cache's shared arena where it has one)")
+                   help="how payloads reach a memory store (auto: rl-cache's shared arena where it has one; "
+                   "shm, inline: the store keeps Python bytes, as before the arena)")
     p.add_argument("--cache-mb", type=int, default=None, help="rl-cache's RAM capacity (its arena in /dev/shm)")
     p.add_argument("--baseline-last", action="store_true",
                    help="run the mixed arm after the cache arms (does arm order matter?)")
@@ -362,7 +365,7 @@ def main() -> None:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model(Path(tmp) / "model", args.shape, args.max_len)
-        proc, endpoint = start_cache(Path(tmp), args.backend, args.cache_mb)
+        proc, endpoint = start_cache(Path(tmp), args.backend, args.cache_mb, args.transfer in ("auto", "arena"))
         reps = Replicas(args, model_dir)
         h, inter, layers, heads, kv, hd = SHAPES[args.shape]
         client = CacheClient(endpoint, timeout_s=60)

@@ -46,7 +46,7 @@ def start_cache(tmp: Path, capacity_mb: int, arena: bool) -> tuple[subprocess.Po
 
 def measure(conn, device: torch.device, num_blocks: int, rounds: int, fetches: int, seed: int) -> dict:
     nbytes = conn.meta.nbytes
-    dst = torch.empty(num_blocks, nbytes, dtype=torch.uint8, device=device)
+    dst = torch.zeros(num_blocks, nbytes, dtype=torch.uint8, device=device)  # faulted in, as KV blocks are
     puts, gets = [], []
     for r in range(rounds):
         gen = torch.Generator().manual_seed(seed + r)

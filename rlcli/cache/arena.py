@@ -50,7 +50,7 @@ LEASE_S = 60.0
 """Seconds a get's lease or a put's reservation holds its slots unless released or committed."""
 
 
-@dataclass
+@dataclass(eq=False)  # slabs are told apart by identity
 class _Slab:
     start: int  # byte offset in the arena
     units: int
