@@ -77,7 +77,8 @@ def probe(conn, device: torch.device, mb: int) -> str:
     n = mb << 20
     dev = torch.empty(n, dtype=torch.uint8, device=device)
     out = []
-    for name, src in (("arena mapping", conn.slots[:n]), ("pinned", torch.empty(n, dtype=torch.uint8, pin_memory=True))):
+    pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    for name, src in (("arena mapping", conn.slots[:n]), ("pinned", pinned)):
         rates = []
         for _ in range(5):
             torch.cuda.synchronize()

@@ -280,7 +280,7 @@ class ArenaStore:
     def expire(self) -> int:
         """Take back leases and reservations past their deadline; returns how many."""
         now = time.monotonic()
-        old = [k for k, v in self.leases.items() if v[0] < now] + [k for k, v in self.reservations.items() if v[0] < now]
+        old = [k for held in (self.leases, self.reservations) for k, v in held.items() if v[0] < now]
         for lease in old:
             self.release(lease)
         return len(old)

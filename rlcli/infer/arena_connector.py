@@ -21,13 +21,15 @@ from functools import partial
 
 import torch
 
-from rlcli.infer.kv_connector import FetchTicket, _call, _Publisher, _register, _run_length, _unregister, log
 from rlcli.errors import PeerUnreachable
-from rlcli.protocol import BlockMeta, CacheGet, CacheGetReply, CachePut, CacheRelease, CacheReply, CacheReserve, CacheReserveReply
+from rlcli.infer.kv_connector import FetchTicket, _call, _Publisher, _register, _run_length, _unregister, log
+from rlcli.protocol import (
+    BlockMeta, CacheGet, CacheGetReply, CachePut, CacheRelease, CacheReply, CacheReserve, CacheReserveReply,
+)
 from rlcli.transport import shm
 from rlcli.transport.zmq import RpcClient, new_request_id
 
-_MAPPED: dict[str, list] = {}  # arena name -> [Mapping, connectors using it]: one mapping (and registration) per process
+_MAPPED: dict[str, list] = {}  # arena name -> [Mapping, connectors using it]: one mapping, one registration
 _MAPPED_LOCK = threading.Lock()
 
 

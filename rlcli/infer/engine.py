@@ -53,7 +53,7 @@ from rlcli.errors import ConfigError
 from rlcli.infer.base import Delta
 from rlcli.infer.block_manager import BlockManager, chain_hash
 from rlcli.infer.kv_connector import KVConnector, make_kv_connector
-from rlcli.infer.shared_kv import FETCH_BYTES_PER_S, FETCH_GRACE_S, Fetch, SharedKVMixin
+from rlcli.infer.shared_kv import FETCH_GRACE_S, Fetch, SharedKVMixin
 from rlcli.infer.receiver import WeightReceiver
 from rlcli.models import DTYPES, CausalLM, load_model
 from rlcli.models.tokenizer import load_tokenizer
@@ -330,7 +330,7 @@ class NativeEngine(SharedKVMixin):
         # ones expected within FETCH_GRACE_S, so their prompts join this step instead of the next
         # one (a whole forward later); larger ones stay in the background.
         quick = [f for f in self.new_fetches
-                 if 0.002 + len(f.ticket.keys) * self.kv.meta.nbytes / FETCH_BYTES_PER_S <= FETCH_GRACE_S]
+                 if 0.002 + len(f.ticket.keys) * self.kv.meta.nbytes / self.kv.fetch_bytes_per_s <= FETCH_GRACE_S]
         if quick and budget > 0:
             t0 = time.perf_counter()
             deadline = t0 + FETCH_GRACE_S

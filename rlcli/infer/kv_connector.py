@@ -61,6 +61,8 @@ they never queue behind a large transfer (each lane has its own socket, stream a
 class KVConnector(Protocol):
     meta: BlockMeta
     """Layout of this engine's blocks; the fingerprint changes with the weights."""
+    fetch_bytes_per_s: float
+    """Speed of recent large fetches (request to payloads on the device), to predict a fetch's time."""
 
     def fetch_async(self, keys: list[bytes]) -> "FetchTicket":
         """Start fetching the longest leading run of ``keys`` the store holds (in the background;
@@ -186,7 +188,9 @@ class _Publisher:
         self.counters = {"kv_fetch_requests": 0, "kv_fetched_blocks": 0, "kv_fetched_bytes": 0, "kv_fetch_s": 0.0,
                          "kv_fetch_store_s": 0.0, "kv_fetch_errors": 0, "kv_published_blocks": 0,
                          "kv_published_bytes": 0,
-                         "kv_publish_skipped": 0, "kv_publish_dropped": 0, "kv_publish_refused": 0, "kv_publish_errors": 0, "kv_publish_s": 0.0}
+                         "kv_publish_skipped": 0, "kv_publish_dropped": 0, "kv_publish_refused": 0,
+                         "kv_publish_errors": 0, "kv_publish_s": 0.0}
+        self.fetch_bytes_per_s = 4e9  # until measured
         self.thread = threading.Thread(target=self._work, name="kv-publish", daemon=True)
         self.thread.start()
         self.fetchers = [threading.Thread(target=self._fetch_work, args=(lane,), name=f"kv-fetch-{lane}",
@@ -324,7 +328,11 @@ class _Publisher:
                     ticket(client)
                     continue
                 try:
+                    t0 = time.monotonic()
                     ticket.data = self._fetch_run(lane, client, ticket)
+                    if ticket.data.numel() >= 8 << 20:  # large enough to measure the path's speed
+                        rate = ticket.data.numel() / max(time.monotonic() - t0, 1e-6)
+                        self.fetch_bytes_per_s = 0.7 * self.fetch_bytes_per_s + 0.3 * rate
                 except Exception as e:  # never leave the engine waiting on a ticket
                     self.counters["kv_fetch_errors"] += 1
                     log.warning("KV fetch failed (a miss): %s", e)

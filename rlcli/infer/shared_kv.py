@@ -21,9 +21,8 @@ if TYPE_CHECKING:
     from rlcli.infer.engine import Sequence
 
 FETCH_GRACE_S = 0.02
-"""How long scheduling waits for a fetch it just started before running the step without it."""
-FETCH_BYTES_PER_S = 4e9
-"""Fetch speed assumed to pick the fetches worth that wait (by the bytes they ask for)."""
+"""How long scheduling waits for a fetch it just started before running the step without it (the
+fetches worth it are picked by their bytes and the connector's measured ``fetch_bytes_per_s``)."""
 
 
 @dataclass
