@@ -33,6 +33,13 @@ VALID = [
     {"type": "cache_get", "request_id": "q", "keys": [b"k1", b"zz"]},
     {"type": "cache_exists", "request_id": "e", "keys": [b"k1"]},
     {"type": "cache_stats", "request_id": "c"},
+    {"type": "cache_get", "request_id": "a", "keys": [b"k1"], "transfer": "arena",
+     "meta": {"fingerprint": "f", "dtype": "float32", "shape": [2, 2]}},
+    {"type": "cache_reserve", "request_id": "rv", "keys": [b"k4"],
+     "meta": {"fingerprint": "f", "dtype": "float32", "shape": [2, 2]}},
+    {"type": "cache_put", "request_id": "cm", "keys": [b"k4"], "lease": 1,
+     "meta": {"fingerprint": "f", "dtype": "float32", "shape": [2, 2]}},
+    {"type": "cache_release", "request_id": "rl", "lease": 2},
     {"type": "generate_response", "request_id": "r", "completions": [], "num_prompt_tokens": 1},
     {"type": "policy_updated", "version": 1},
 ]
