@@ -2,11 +2,13 @@
 off the decode path, prefill/decode roles, and other weights never sharing KV."""
 
 import signal
+import time
 
 import pytest
 import torch
 from kvstore import PREFIX, TAILS, engine, requests, run, start_cache
 
+from rlcli.cache.client import CacheClient
 from rlcli.models import load_model, save_model
 from rlcli.protocol import FsWeights, GenerateRequest, SamplingParams
 from rlcli.transport.atomic import write_marker
@@ -41,6 +43,13 @@ def test_second_replica_fetches_the_prefix_and_matches(tiny_model_dir, cache, tr
     blocks_a = [a.blocks.hash_to_block[h] for h in hashes]
     blocks_b = [b.blocks.hash_to_block[h] for h in hashes]
     assert torch.equal(a._gather_blocks(blocks_a), b._gather_blocks(blocks_b))
+    if transfer == "arena":  # B copied the leased slots into its blocks and released them
+        client = CacheClient(cache)
+        deadline = time.monotonic() + 10
+        while client.stats()["leased"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.stats()["leased"] == 0 and b.stats()["kv_fetch_errors"] == 0
+        client.close()
     for e in (a, b, solo):
         e.close()
 
