@@ -143,8 +143,9 @@ class ArenaConnector(_Publisher):
         self.counters["kv_fetch_s"] += time.monotonic() - t0
         return data
 
-    def _publish_batch(self, client: RpcClient, keys: list[bytes], payload: torch.Tensor, ready, meta: BlockMeta,
-                       left: list[int]) -> None:
+    def _publish_batch(self, client: RpcClient, batch: list, left: list[int]) -> None:
+        keys, payload, ready, meta = batch
+        batch.clear()
         t0 = time.monotonic()
         reply = _call(client, CacheReserve(request_id=new_request_id(), keys=keys, meta=meta), CacheReserveReply,
                       self.timeout_s)
@@ -167,6 +168,7 @@ class ArenaConnector(_Publisher):
             else:
                 for a, b, o in runs:
                     slots[o:o + (b - a) * nbytes].view(b - a, nbytes).copy_(payload[a:b])
+            del payload
             self._copied_out(left)
             msg = CachePut(request_id=new_request_id(), keys=[keys[i] for i in rows], meta=meta, lease=reply.lease)
             stored = _call(client, msg, CacheReply, self.timeout_s).num_stored

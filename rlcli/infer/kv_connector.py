@@ -230,17 +230,17 @@ class _Publisher:
         client = RpcClient(self.endpoint)  # sockets are not shared between threads
         try:
             while (item := self.queue.get()) is not None:
-                keys, payload, ready, meta = item
-                left = [payload.numel()]  # queued bytes not yet copied out of the payload
+                keys, batch = item[0], list(item)
+                left = [item[1].numel()]  # queued bytes not yet copied out of the payload
+                del item
                 t0 = time.monotonic()
                 try:
-                    del item
-                    self._publish_batch(client, keys, payload, ready, meta, left)
+                    self._publish_batch(client, batch, left)
                 except Exception as e:  # the store being down must not stop the engine
                     self.counters["kv_publish_errors"] += len(keys)
                     log.warning("could not publish %d KV blocks: %s", len(keys), e)
                 finally:
-                    del payload
+                    batch.clear()
                     self._copied_out(left)
                     self.counters["kv_publish_s"] += time.monotonic() - t0
                     self.queue.task_done()
@@ -254,10 +254,12 @@ class _Publisher:
             self.queued_bytes -= left[0]
         left[0] = 0
 
-    def _publish_batch(self, client: RpcClient, keys: list[bytes], payload: torch.Tensor, ready, meta: BlockMeta,
-                       left: list[int]) -> None:
-        """Move one queued batch to the store (the publishing thread): to the host, skip what the
-        store holds, store the rest (:meth:`_copied_out` once the payload is on the host)."""
+    def _publish_batch(self, client: RpcClient, batch: list, left: list[int]) -> None:
+        """Move one queued batch (``[keys, payload, ready, meta]``, emptied here so the payload's
+        device memory goes once it is copied out) to the store, on the publishing thread: to the
+        host, skip what the store holds, store the rest (:meth:`_copied_out` once on the host)."""
+        keys, payload, ready, meta = batch
+        batch.clear()
         rows = self._to_host(payload, ready)
         del payload
         self._copied_out(left)
