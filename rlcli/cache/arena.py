@@ -7,7 +7,9 @@ the engines map: a get answers slot offsets and the engine copies straight from 
 its device (or its KV blocks), a put writes straight into slots the store reserved for it.
 The store moves no payload bytes on those paths.
 
-Layout: one file of the store's capacity, faulted in at start, split into units
+Layout: one file of the store's capacity (``rlcli-arena-*``: never accepted as a request's
+payload file; one a killed store left behind is removed by the next store on the host),
+faulted in at start, split into units
 (:data:`UNIT_BYTES`, smaller on small stores). A size class (one block size: the blocks of one
 model all have one) takes a slab of one or more contiguous free units and carves it into slots
 of exactly its block size, back to back; slots are handed out lowest address first, so blocks
@@ -66,8 +68,7 @@ class ArenaStore:
 
     def __init__(self, capacity_bytes: int, spill: Spill | None = None, lease_s: float = LEASE_S):
         self.spill, self.lease_s = spill, lease_s
-        self.box = shm.Mailbox()
-        self.box.view(capacity_bytes)  # created, mapped and faulted in now
+        self.box = shm.Arena(capacity_bytes)  # created, mapped and faulted in now
         self.array, self.name, self.capacity = self.box.array, self.box.name, capacity_bytes
         self.unit = min(UNIT_BYTES, max(4096, capacity_bytes // 16 // 4096 * 4096))
         self.units: list[_Slab | None] = [None] * (capacity_bytes // self.unit)
@@ -315,7 +316,10 @@ def ram_tier(capacity_bytes: int, spill: Spill | None = None) -> "ArenaStore | M
     (containers often mount 64 MiB), an LRU of bytes that engines reach through copies."""
     if shm.available(capacity_bytes + (64 << 20)):
         try:
-            return ArenaStore(capacity_bytes, spill)
+            store = ArenaStore(capacity_bytes, spill)
+            log.info("RAM tier: shared arena /dev/shm/%s (%d MiB, slabs of %d KiB)", store.name,
+                     capacity_bytes >> 20, store.unit >> 10)
+            return store
         except OSError as e:
             log.warning("no shared-memory arena (%s): RAM tier kept as bytes", e)
     else:

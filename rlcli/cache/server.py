@@ -152,6 +152,8 @@ class CacheService:
             raise ValueError(f"unknown transfer {msg.transfer!r}")
         if msg.transfer in ("shm", "arena") and msg.meta is None:
             raise ValueError(f"a get through {msg.transfer} carries the requester's meta")
+        if msg.into:
+            shm.path_of(msg.into)  # a bad name (an arena's included) is refused here, before any lookup
         if msg.transfer == "arena" and self.arena is None:
             raise ValueError("transfer arena needs rl-cache's shared arena (memory backend, room in /dev/shm)")
         if self.arena is not None and msg.transfer:

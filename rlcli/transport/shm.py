@@ -13,6 +13,7 @@ copy itself), the peer reads or writes it with one copy, and its owner can regis
 mapping with CUDA so the device reads and writes it directly.
 """
 
+import fcntl
 import mmap
 import os
 import re
@@ -25,6 +26,8 @@ import numpy as np
 
 SHM_DIR = Path(os.environ.get("RLCLI_SHM_DIR", "/dev/shm"))
 NAME_RE = re.compile(r"rlcli-kv-[0-9a-f]{32}")
+ARENA_RE = re.compile(r"rlcli-arena-[0-9a-f]{32}")
+"""rl-cache's arena files: never a payload file (a request naming one as its file is refused)."""
 PARALLEL_BYTES = 32 << 20
 """Fewest bytes per thread of a parallel :func:`write_into`."""
 
@@ -200,16 +203,82 @@ class Mailbox:
         self.name, self.size = "", 0
 
 
+def arena_path_of(name: str) -> Path:
+    """The file of an arena name from a message; ValueError for anything else."""
+    if not ARENA_RE.fullmatch(name):
+        raise ValueError(f"not an rlcli shared-memory arena name: {name[:80]!r}")
+    return SHM_DIR / name
+
+
+def remove_stale_arenas() -> int:
+    """Remove arena files whose owner died without removing them (no process holds their lock);
+    returns how many."""
+    removed = 0
+    for path in SHM_DIR.glob("rlcli-arena-*"):
+        if not ARENA_RE.fullmatch(path.name):
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # granted only when no owner holds it
+            path.unlink(missing_ok=True)
+            removed += 1
+        except BlockingIOError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
+
+
+class Arena:
+    """A /dev/shm file of ``size`` bytes that this process owns (rl-cache's RAM tier), mapped and
+    faulted in. Its owner holds a shared ``flock`` on it while alive, so the next owner on the
+    host removes one whose process died (SIGKILL) instead of leaving its memory taken. OSError
+    when /dev/shm has no room."""
+
+    def __init__(self, size: int):
+        remove_stale_arenas()
+        self.name = f"rlcli-arena-{uuid.uuid4().hex}"
+        tmp = SHM_DIR / f".{self.name}.tmp"  # (locked before a stale-arena scan can see it)
+        self._fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_SH)
+            os.posix_fallocate(self._fd, 0, size)  # OSError (no space) now, not SIGBUS on first touch
+            self._mm = mmap.mmap(self._fd, size)
+            os.replace(tmp, SHM_DIR / self.name)
+        except OSError:
+            os.close(self._fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        self.size = size
+        self.array = np.frombuffer(self._mm, dtype=np.uint8)
+        self.array[:] = 0  # fault every page in now, not during a transfer
+
+    def close(self) -> None:
+        if self._fd < 0:
+            return
+        self.array = np.empty(0, dtype=np.uint8)
+        try:
+            self._mm.close()
+        except BufferError:  # a view still lives somewhere: the mapping goes when it does
+            pass
+        (SHM_DIR / self.name).unlink(missing_ok=True)
+        os.close(self._fd)
+        self._fd = -1
+
+
 class Mapping:
     """Another process's /dev/shm file (rl-cache's arena) mapped whole, read-write, here.
 
     The pages are populated at map time (they are already in memory: the owner faulted them
     in), so no transfer takes page faults; ``on_map`` / ``on_unmap`` as for :class:`Mailbox`.
-    ValueError for a name that is not ours or a file that does not exist."""
+    ValueError for a name that is not an arena's or a file that does not exist."""
 
     def __init__(self, name: str, on_map: Callable[[np.ndarray], None] | None = None,
                  on_unmap: Callable[[np.ndarray], None] | None = None):
-        path = path_of(name)
+        path = arena_path_of(name)
         try:
             fd = os.open(path, os.O_RDWR)
         except FileNotFoundError:
@@ -229,7 +298,7 @@ class Mapping:
 
     def alive(self) -> bool:
         """Whether the file is still there (its owner removes it when it exits)."""
-        return path_of(self.name).exists()
+        return arena_path_of(self.name).exists()
 
     def close(self) -> None:
         if self._mm is None:

@@ -39,7 +39,7 @@ def arena():
     yield store
     name = store.name
     store.close()
-    assert not shm.path_of(name).exists()  # the arena file goes with the store
+    assert not shm.arena_path_of(name).exists()  # the arena file goes with the store
 
 
 def test_blocks_round_trip_bit_exact_and_leases_name_their_slots(arena):
@@ -147,10 +147,21 @@ def test_malformed_arena_requests_are_refused_and_the_store_keeps_serving(arena)
     assert reply.found == [True, True] and reply.arena == arena.name and reply.lease
     assert [arena.view(o, N).tobytes() for o in reply.offsets] == values
     assert service.handle(CacheRelease(lease=reply.lease), "r").num_stored == 1
+    into = CacheGet(keys=keys, meta=META, transfer="shm", into=arena.name)  # "write into the arena"
     with pytest.raises(ValueError):
-        shm.Mapping("../../etc/passwd")
-    with pytest.raises(ValueError):
-        shm.Mapping("rlcli-kv-" + "0" * 32)  # stale: no such arena
+        service.handle(into, "r")
+    assert arena.get(keys, META) == values and not arena.pins
+    for name in ("../../etc/passwd", "rlcli-kv-" + "0" * 32, "rlcli-arena-" + "0" * 32):  # not an arena; stale
+        with pytest.raises(ValueError):
+            shm.Mapping(name)
+
+
+def test_an_arena_left_by_a_killed_store_is_removed_by_the_next(arena):
+    stale = shm.SHM_DIR / ("rlcli-arena-" + "1" * 32)  # no live owner holds its lock
+    stale.write_bytes(b"\0" * 4096)
+    second = ArenaStore(4096)
+    assert not stale.exists() and shm.arena_path_of(arena.name).exists()  # the live one stays
+    second.close()
 
 
 def test_a_store_without_arena_refuses_arena_requests():
