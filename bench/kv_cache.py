@@ -308,6 +308,9 @@ def run_arm(args, reps: Replicas, arm: str, endpoint: str | None, arrival: str, 
             "fetch_s": total.get("kv_fetch_s", 0.0), "fetched_gb": total.get("kv_fetched_bytes", 0) / 1e9,
             "fetch_store_s": total.get("kv_fetch_store_s", 0.0), "idle_s": total.get("kv_fetch_idle_s", 0.0),
             "publish_engine_s": total.get("kv_publish_engine_s", 0.0),
+            "steps": total.get("num_steps", 0.0), "step_s": total.get("step_s", 0.0),
+            "fetches": total.get("kv_fetches_taken", 0.0), "fetch_ready_s": total.get("kv_fetch_ready_s", 0.0),
+            "fetch_taken_after_s": total.get("kv_fetch_taken_after_s", 0.0),
             "recomputed_tokens": prompt_tokens - hits, "wall_s": wall}
 
 
@@ -421,6 +424,11 @@ def report(rows: list[dict]) -> None:
                   f"{r['fetch_store_s']:>7.2f} {r['idle_s']:>6.2f} {r['wall_s']:>7.1f}")
         for r in arms:
             print(f"{r['arm']:<12} TTFT by turn (ms): " + " ".join(f"{t * 1e3:.0f}" for t in r["ttft_by_turn_s"]))
+        for r in arms:  # where a fetching prompt's time goes: the fetch, then the wait for a step to take it
+            n, steps = max(r.get("fetches", 0), 1), r.get("steps", 0)
+            print(f"{r['arm']:<12} engine steps {steps:.0f}, mean {r.get('step_s', 0) / max(steps, 1) * 1e3:.1f} ms; "
+                  f"fetches taken {r.get('fetches', 0):.0f}: asked -> in {r.get('fetch_ready_s', 0) / n * 1e3:.1f} ms, "
+                  f"in -> taken {r.get('fetch_taken_after_s', 0) / n * 1e3:.1f} ms (means)")
         if len(arms) < 3:
             continue
         base, cache, pd = arms

@@ -163,7 +163,8 @@ class NativeEngine(SharedKVMixin):
         self.fetching: dict[bytes, Fetch] = {}  # each of their keys -> its fetch
         self.counters = {"num_generated_tokens": 0, "num_prompt_tokens": 0, "num_cached_tokens": 0,
                          "num_steps": 0, "num_preemptions": 0, "num_requests": 0, "num_aborted": 0,
-                         "num_kv_fetched_tokens": 0, "kv_fetch_idle_s": 0.0, "kv_publish_engine_s": 0.0}
+                         "num_kv_fetched_tokens": 0, "kv_fetch_idle_s": 0.0, "kv_publish_engine_s": 0.0,
+                         "step_s": 0.0, "kv_fetches_taken": 0, "kv_fetch_ready_s": 0.0, "kv_fetch_taken_after_s": 0.0}
 
     @classmethod
     def from_config(cls, cfg: RecipeConfig, weights: Path, version: int, instance: int = 0) -> "NativeEngine":
@@ -272,10 +273,12 @@ class NativeEngine(SharedKVMixin):
             self._idle_until_fetched()
             return []
         self.counters["num_steps"] += 1
+        t0 = time.perf_counter()
         logits, routes = self._forward(batch)
         out = self._postprocess(batch, logits, routes)
         if self.role == "prefill" and self.kv is not None and any(isinstance(o, GenerateResponse) for o in out):
             self.kv.flush(self.kv.timeout_s)  # answer once the decode server can find the blocks
+        self.counters["step_s"] += time.perf_counter() - t0  # forward + sampling, the host sync included
         return out
 
     # ------------------------------------------------------------------ scheduling

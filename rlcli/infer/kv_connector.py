@@ -143,6 +143,7 @@ class FetchTicket:
         self.data: torch.Tensor | None = None
         self.wait_s = 0.0  # time the store took to answer (queueing there included)
         self.on_release = None  # set when ``data`` is a view of store memory leased until :meth:`release`
+        self.t_done = 0.0  # perf_counter when ``event`` was set
 
     def done(self) -> bool:
         return self.event.is_set()
@@ -339,6 +340,7 @@ class _Publisher:
                     self.counters["kv_fetch_errors"] += 1
                     log.warning("KV fetch failed (a miss): %s", e)
                     ticket.data = torch.empty(0, self.meta.nbytes, dtype=torch.uint8, device=self.device)
+                ticket.t_done = time.perf_counter()
                 ticket.event.set()
         finally:
             client.close()

@@ -33,6 +33,7 @@ class Fetch:
     hashes: list[bytes]
     start: int
     version: int
+    t_start: float = 0.0  # perf_counter when it was asked for
 
 
 class SharedKVMixin:
@@ -56,7 +57,8 @@ class SharedKVMixin:
             if limit <= 0:
                 seq.fetched_to = len(hashes)
                 return
-            fetch = Fetch(self.kv.fetch_async(hashes[k:k + limit]), hashes[:k + limit], k, self.version)
+            fetch = Fetch(self.kv.fetch_async(hashes[k:k + limit]), hashes[:k + limit], k, self.version,
+                          time.perf_counter())
             self.fetches.append(fetch)
             self.new_fetches.append(fetch)
             for h in fetch.hashes[k:]:
@@ -80,6 +82,10 @@ class SharedKVMixin:
             self._take_fetch(fetch)
 
     def _take_fetch(self, fetch: Fetch) -> None:
+        now, ticket = time.perf_counter(), fetch.ticket
+        self.counters["kv_fetches_taken"] += 1
+        self.counters["kv_fetch_ready_s"] += ticket.t_done - fetch.t_start  # asked -> payloads in (lane queue included)
+        self.counters["kv_fetch_taken_after_s"] += now - ticket.t_done  # in -> taken at a step's start
         try:
             self._take_fetched(fetch, fetch.ticket.take())
         finally:
