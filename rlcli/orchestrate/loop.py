@@ -288,7 +288,7 @@ class Orchestrator:
         taken = {id(g) for g in groups}
         self.buffer = [g for g in self.buffer if id(g) not in taken]
         info = write_batch(self.run, step, groups, self.ocfg.num_train_ranks, self.cfg.train.micro_batch_tokens,
-                           self.ocfg.sampling.temperature, self.ocfg.sampling.top_p)
+                           self.ocfg.sampling.temperature, self.ocfg.sampling.top_p, self.ocfg.share_prompts)
         self.pub.publish(BatchWritten(step=step))
         self.run.append_metrics("orchestrate", {**self._metrics(step, groups, info), "rewritten": True})
         self.rewrite.pop(0)

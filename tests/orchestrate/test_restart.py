@@ -12,7 +12,7 @@ from rlcli.envs import Task
 from rlcli.infer.server import InferServer
 from rlcli.orchestrate.pool import InferPool
 from rlcli.orchestrate.rollouts import Group
-from rlcli.protocol import GenerateRequest, HealthRequest, HealthResponse, SamplingParams
+from rlcli.protocol import BatchWritten, GenerateRequest, HealthRequest, HealthResponse, SamplingParams
 from rlcli.protocol.batch import decode_batch
 from rlcli.transport.atomic import atomic_dir, remove_dir
 from rlcli.transport.rundir import RunDir
@@ -43,7 +43,7 @@ def test_retention_keeps_every_batch_after_the_newest_checkpoint(tmp_path):
 def test_a_missing_batch_is_written_again(tmp_path):
     run = RunDir(tmp_path)
     o = bare_orchestrator(1, 2, 30)
-    o.run, o.next_step, o.rewrite = run, 6, []
+    o.run, o.next_step, o.rewrite, o.pub = run, 6, [], Announced()
     mark(run, "rollouts", [1, 2, 3, 4, 5])
     run.write_progress("train", step=3)
     remove_dir(run.rollouts_dir(4))  # the trainer found it corrupt
@@ -56,6 +56,14 @@ def test_a_missing_batch_is_written_again(tmp_path):
     assert o.try_rewrite()
     batch = decode_batch((run.rollouts_dir(4) / "0.msgpack").read_bytes())
     assert batch.step == 4 and batch.num_samples == 4 and o.rewrite == [] and o.next_step == 6
+    assert o.pub == [BatchWritten(step=4)]  # the rewrite wakes the waiting trainer too
+
+
+class Announced(list):
+    """What the orchestrator's PUB socket was given to send."""
+
+    def publish(self, msg) -> None:
+        self.append(msg)
 
 
 @pytest.fixture
