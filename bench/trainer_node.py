@@ -7,8 +7,8 @@ trainer: this script writes --steps synthetic RL batches (rows of --seq tokens, 
 logprobs -ln V: what a random-weight model gives, so the importance ratios stay near 1)
 into a fresh run directory with a config-only model (random weights from the seed), then
 runs `python -m rlcli.cli.train run --nproc-per-node W --ep E --cp C [--fp8]` over them with
-the collective weight backend (no rl-sync is started: each step stages its weights in
-host memory and nothing is written after policy 0), full activation checkpointing and
+the collective weight backend (no rl-sync is started: each step stages its weights for a
+broadcast nobody asks for, and only policy 0 is written to disk), full activation checkpointing and
 step --steps profiled (train.profile_step). From the trainer's own metrics it prints per
 arm: tokens/s (trained row tokens over the median compute time of the steps after the
 first two), MFU against --peak-tflops (bf16 dense; the FP8 arm against the same peak),
