@@ -168,15 +168,20 @@ class CacheService:
         payloads = [v for v in values if v is not None]
 
         def copy() -> CacheGetReply:
-            if msg.into:  # the requester's mailbox: one copy into pages it already holds
-                shm.write_into(msg.into, payloads, COPY_THREADS)
-                return CacheGetReply(request_id=rid, found=found, shm=msg.into)
-            name = shm.write_payloads(payloads)
-            with self.lock:
-                self.outgoing[name] = time.monotonic()
-            return CacheGetReply(request_id=rid, found=found, shm=name)
+            return self.deliver(msg, rid, found, payloads)
         copy.nbytes = sum(len(v) for v in payloads)
         return copy
+
+    def deliver(self, msg: CacheGet, rid: str, found: list[bool], payloads) -> CacheGetReply:
+        """A get's payloads through /dev/shm, outside the lock: into the requester's mailbox (one
+        copy into pages it already holds) or a new file the requester deletes."""
+        if msg.into:
+            shm.write_into(msg.into, payloads, COPY_THREADS)
+            return CacheGetReply(request_id=rid, found=found, shm=msg.into)
+        name = shm.write_payloads(payloads)
+        with self.lock:
+            self.outgoing[name] = time.monotonic()
+        return CacheGetReply(request_id=rid, found=found, shm=name)
 
     def get_leased(self, msg: CacheGet, rid: str):
         """A get from the arena: the leased slots' offsets ("arena"), or (through a /dev/shm file)
@@ -194,14 +199,7 @@ class CacheService:
 
         def copy() -> CacheGetReply:
             try:
-                payloads = [self.arena.view(o, n) for o in held]
-                if msg.into:
-                    shm.write_into(msg.into, payloads, COPY_THREADS)
-                    return CacheGetReply(request_id=rid, found=found, shm=msg.into)
-                name = shm.write_payloads(payloads)
-                with self.lock:
-                    self.outgoing[name] = time.monotonic()
-                return CacheGetReply(request_id=rid, found=found, shm=name)
+                return self.deliver(msg, rid, found, [self.arena.view(o, n) for o in held])
             finally:
                 with self.lock:
                     self.store.release(lease)
