@@ -4,14 +4,18 @@ The engine computes a token in a step shared with other sequences (one row per d
 sequence, a chunk of a prompt), the trainer in one packed forward of whole sequences. The
 same math then rounds differently, because the kernels pick their summation order by shape:
 
-* **GEMMs.** MKL's fp32 sgemm takes other kernels for few rows: below 4 rows on one
-  thread, and below 12 rows (except 4 and 8) on two, where it splits the work otherwise.
-  From 12 rows on, a row's result is the same whatever the row count, the thread count and
-  the column slice (measured for 1..600 rows, 1, 2 and 4 threads, K and N up to 8192; a
-  test checks it on the machine it runs on). :func:`pad_linear_rows` runs every linear of a
-  model on 4, 8, or at least 12 rows (zero rows appended, their outputs dropped). oneDNN's
-  bf16 GEMMs are row-invariant at any row count; FP8 linears quantize per row (1x128 tiles)
-  before their GEMM, so padding leaves each row's quantization alone.
+* **GEMMs.** The CPU GEMM libraries pick kernels and thread splits by shape. MKL's fp32
+  sgemm on AVX2 takes other kernels below 12 rows; on AVX-512 with two threads it gives a
+  row other bits at every row count once K reaches about 1024 (it splits the reduction
+  across the threads), and oneDNN's bf16 GEMMs change kernels from about 33 rows. What does
+  hold on both: a GEMM of one fixed shape, on one thread, computes each of its rows the same
+  way whichever row of the block it is and whatever the other rows hold. So under the flag
+  every linear (:func:`pad_linear_rows`, :func:`rows_mm`) runs as GEMMs of exactly
+  :data:`ROW_BLOCK` rows (zero rows appended to the last block, their outputs dropped), each
+  on one thread; the tests check this on the machine they run on. It costs up to ~3x in
+  GEMM time against one big GEMM (the weight is packed once per block, and one core works).
+  FP8 linears quantize per row (1x128 tiles) before their GEMM, so blocking leaves each
+  row's quantization alone.
 * **Attention.** SDPA's CPU kernels block queries and keys by sizes that depend on the
   sequence lengths, and the engine's decode pads each sequence to a bucket, so the softmax
   sums run in other orders. :func:`invariant_attention` computes each query from its own
@@ -36,6 +40,8 @@ and CUDA, whose GEMM and attention kernels choose tiles and split-K by shape (a 
 kernels of its own, as vLLM's batch-invariant mode has).
 """
 
+import contextlib
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -46,10 +52,13 @@ KEY_BLOCK = 32
 
 # ------------------------------------------------------------------------------ GEMM rows
 
+ROW_BLOCK = 16
+"""Rows of every GEMM under batch-invariant numerics (see module docstring)."""
+
 
 def invariant_rows(m: int) -> int:
-    """The row count a GEMM of ``m`` rows runs on: 4, 8, or at least 12 (MKL's row-invariant counts)."""
-    return 4 if m <= 4 else 8 if m <= 8 else max(m, 12)
+    """The row count ``m`` rows are padded to: a whole number of :data:`ROW_BLOCK` blocks."""
+    return max(1, -(-m // ROW_BLOCK)) * ROW_BLOCK
 
 
 def pad_rows(x_MK: torch.Tensor) -> torch.Tensor:
@@ -58,31 +67,55 @@ def pad_rows(x_MK: torch.Tensor) -> torch.Tensor:
     return F.pad(x_MK, (0, 0) * (x_MK.dim() - 1) + (0, pad)) if pad else x_MK
 
 
+@contextlib.contextmanager
+def _one_thread():
+    """Run the block on one intra-op thread (the caller's count is restored: setting it costs
+    about as little as one small GEMM)."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def blocked_rows(fn, x_MK: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` for a row-wise ``fn`` (a linear), computed as ``fn`` of :data:`ROW_BLOCK`-row
+    blocks on one thread, so that a row's result does not depend on how many rows came with it."""
+    m = x_MK.shape[0]
+    x_MK = pad_rows(x_MK)
+    with _one_thread():
+        out = torch.cat([fn(x_MK[i:i + ROW_BLOCK]) for i in range(0, x_MK.shape[0], ROW_BLOCK)])
+    return out[:m]
+
+
 def rows_mm(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
-    """``a @ b``, on :func:`invariant_rows` rows on the CPU, so that a row's result does not
-    depend on how many rows came with it (see module docstring)."""
-    m = a_MK.shape[0]
-    if invariant_rows(m) == m or a_MK.device.type != "cpu":
+    """``a @ b``, in :func:`blocked_rows` on the CPU (see module docstring)."""
+    if a_MK.device.type != "cpu":
         return a_MK @ b_KN
-    return (pad_rows(a_MK) @ b_KN)[:m]
+    return blocked_rows(lambda block: block @ b_KN, a_MK)
 
 
 class _RowPadded:
-    """Mixin in front of a linear's class: its forward runs on :func:`invariant_rows` rows."""
+    """Mixin in front of a linear's class: on the CPU its forward runs in :func:`blocked_rows`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // max(x.shape[-1], 1)
-        if invariant_rows(rows) == rows or x.device.type != "cpu":
+        if x.device.type != "cpu":
             return super().forward(x)
-        return super().forward(pad_rows(x.reshape(rows, x.shape[-1])))[:rows].view(*x.shape[:-1], -1)
+        rows = x.numel() // max(x.shape[-1], 1)
+        out = blocked_rows(super().forward, x.reshape(rows, x.shape[-1]))
+        return out.view(*x.shape[:-1], out.shape[-1])
 
 
 _PADDED: dict[type, type] = {}
 
 
 def pad_linear_rows(model: nn.Module) -> int:
-    """Make every ``nn.Linear`` of ``model`` (FP8 linears and the LM head included) run on
-    :func:`invariant_rows` rows on the CPU, by swapping in a subclass (same parameters, same
+    """Make every ``nn.Linear`` of ``model`` (FP8 linears and the LM head included) run in
+    :func:`blocked_rows` on the CPU, by swapping in a subclass (same parameters, same
     state dict; after ``convert_to_fp8``); returns how many it swapped. Idempotent."""
     count = 0
     for module in model.modules():

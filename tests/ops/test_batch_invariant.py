@@ -40,14 +40,18 @@ def test_padded_linear_rows_do_not_depend_on_the_row_count(dtype, two_threads):
     assert pad_linear_rows(lin) == 1 and pad_linear_rows(lin) == 0  # idempotent
     x = torch.randn(40, 192, generator=g).to(dtype)
     w = torch.randn(259, 192, generator=g).to(dtype)
+    refs = []
     for threads in (1, 2):
         torch.set_num_threads(threads)
         with torch.no_grad():
             ref = lin(x)
+            refs.append((ref, rows_mm(x, w.T)))
             for m in range(1, 40):
                 assert torch.equal(lin(x[:m]), ref[:m]), (threads, m)
+                assert torch.equal(lin(x[m // 2:m]), ref[m // 2:m]), (threads, m)  # another place in its block
                 assert torch.equal(rows_mm(x[:m], w.T), rows_mm(x, w.T)[:m]), (threads, m)
             assert lin(x[None, :3]).shape == (1, 3, 320)
+    assert torch.equal(refs[0][0], refs[1][0]) and torch.equal(refs[0][1], refs[1][1])  # whatever the thread count
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

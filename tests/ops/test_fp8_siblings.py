@@ -1,6 +1,6 @@
 """q/k/v and gate/up stacked into one FP8 GEMM (rlcli.ops.fp8.siblings) compute what the separate
-FP8 linears compute: same logits and weight gradients (the stacked blocks are the members' blocks),
-input gradients up to fp32 summation order, with fewer GEMMs; a member called alone falls back."""
+FP8 linears compute: same logits, gradients up to fp32 summation order (and the FP8 rounding of a
+gradient that carries it), with fewer GEMMs; a member called alone falls back."""
 
 from types import SimpleNamespace
 
@@ -64,7 +64,12 @@ def test_stacked_siblings_equal_separate_fp8_linears_with_fewer_gemms():
         (ls, gs), (lf, gf) = _step(sep, ids), _step(fused, ids)
         torch.testing.assert_close(lf, ls, rtol=1e-5, atol=1e-5)
         for name in gs:
-            torch.testing.assert_close(gf[name], gs[name], rtol=1e-4, atol=1e-6, msg=f"{name} step {step}")
+            # A stacked GEMM's input gradient sums over its members in another order; where that
+            # gradient flows on into an FP8 linear (o_proj below gate_up) its 1x128 quantization can
+            # round an element to the neighbouring FP8 value, so bound the error by the gradient's scale
+            # (6.9e-4 of it measured on AVX-512; a wrong block or scale is off by the whole gradient).
+            bound = 2e-3 * gs[name].abs().max().item()
+            torch.testing.assert_close(gf[name], gs[name], rtol=0, atol=bound, msg=f"{name} step {step}")
         assert (be_sep.calls, be_fused.calls) == (2 * 7 * 3, 2 * 4 * 3)  # fwd, dgrad, wgrad: 7 -> 4 a layer
         opt.step()
         with torch.no_grad():  # the same new weights in both (FP8 rounding would amplify any difference)
