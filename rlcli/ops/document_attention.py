@@ -363,32 +363,61 @@ class PackedCausalAttention(nn.Module):
         return self._varlen_plan
 
     def _varlen(self, q_BTHD, k_BSHD, v_BSHD, scale) -> torch.Tensor:
-        varlen_attn = _varlen_attn()
         B, T = q_BTHD.shape[:2]
         cu_q, cu_k, max_q, max_k, gather = self._plan_varlen(T, q_BTHD.device)
-        params = _varlen_params()
-        causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
-        gqa = {}
-        if q_BTHD.shape[2] != k_BSHD.shape[2]:
-            if "enable_gqa" in params:
-                gqa = {"enable_gqa": True}
-            else:
-                rep = q_BTHD.shape[2] // k_BSHD.shape[2]
-                k_BSHD, v_BSHD = k_BSHD.repeat_interleave(rep, dim=2), v_BSHD.repeat_interleave(rep, dim=2)
         pad = q_BTHD.shape[-1] - v_BSHD.shape[-1]
         if pad > 0:  # flash needs one head size for q, k and v (MLA: 192 vs 128): pad v, cut the output
             v_BSHD = torch.nn.functional.pad(v_BSHD, (0, pad))
-        if "scale" in params:
-            extra = {"scale": scale}
-        else:  # torch 2.10 has no scale argument: fold ours into q over the default 1/sqrt(D)
-            extra, q_BTHD = {}, q_BTHD * (scale * q_BTHD.shape[-1] ** 0.5)
         k, v = k_BSHD.flatten(0, 1), v_BSHD.flatten(0, 1)
         if gather is not None:  # shared prompts: each segment's ancestors' keys in front of its own
             k, v = _GatherRows.apply(gather, k, v)
-        out = varlen_attn(q_BTHD.flatten(0, 1), k, v, cu_q, cu_q if cu_k is None else cu_k, max_q, max_k,
-                          **extra, **causal, **gqa)
+        out = varlen_causal(q_BTHD.flatten(0, 1), k, v, cu_q, cu_q if cu_k is None else cu_k, max_q, max_k, scale)
         out = out.view(B, T, *out.shape[1:])
         return out[..., :out.shape[-1] - pad] if pad > 0 else out
+
+
+def varlen_causal(q_NHD: torch.Tensor, k_MHD: torch.Tensor, v_MHD: torch.Tensor, cu_q: torch.Tensor,
+                  cu_k: torch.Tensor, max_q: int, max_k: int, scale: float) -> torch.Tensor:
+    """Flash varlen attention of sequences flattened along dim 0 (sequence ``i``: queries
+    ``cu_q[i]:cu_q[i+1]``, keys ``cu_k[i]:cu_k[i+1]``), causal aligned to the bottom right:
+    a sequence's last query sees all of its keys, so a chunk of queries after cached keys, or
+    one decode query, needs no mask. Grouped K/V heads and the softmax scale are passed the
+    way this torch's ``varlen_attn`` takes them (torch 2.10 has neither argument: heads are
+    repeated and the scale folded into ``q``)."""
+    params = _varlen_params()
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    gqa = {}
+    if q_NHD.shape[1] != k_MHD.shape[1]:
+        if "enable_gqa" in params:
+            gqa = {"enable_gqa": True}
+        elif not _varlen_takes_grouped_heads(q_NHD.device):
+            rep = q_NHD.shape[1] // k_MHD.shape[1]
+            k_MHD, v_MHD = k_MHD.repeat_interleave(rep, dim=1), v_MHD.repeat_interleave(rep, dim=1)
+    if "scale" in params:
+        extra = {"scale": scale}
+    else:  # fold ours into q over the default 1/sqrt(D)
+        extra, q_NHD = {}, q_NHD * (scale * q_NHD.shape[-1] ** 0.5)
+    return _varlen_attn()(q_NHD, k_MHD, v_MHD, cu_q, cu_k, max_q, max_k, **extra, **causal, **gqa)
+
+
+@functools.cache
+def _varlen_takes_grouped_heads(device: torch.device) -> bool:
+    """Whether this torch's ``varlen_attn``, lacking an ``enable_gqa`` argument, still takes
+    fewer K/V heads than query heads (flash's kernel reads each K/V head for its group of
+    query heads) and gives what repeated heads give: probed once on tiny tensors. Repeating
+    the heads instead copies K and V once per group, which in the engine's decode step cost
+    more device time than the attention itself."""
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(6, 4, 64, device=device, dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(6, 2, 64, device=device, dtype=torch.bfloat16, generator=g) for _ in range(2))
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32, device=device)
+    varlen_attn = _varlen_attn()
+    try:
+        grouped = varlen_attn(q, k, v, cu, cu, 4, 4)
+    except (RuntimeError, ValueError):
+        return False
+    repeated = varlen_attn(q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), cu, cu, 4, 4)
+    return bool(torch.equal(grouped, repeated))
 
 
 class _GatherPlan:

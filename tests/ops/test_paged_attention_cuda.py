@@ -1,0 +1,78 @@
+"""The engine's paged attention on CUDA in half precision (one varlen flash call per layer
+for decodes and prefill chunks together) equals a dense fp32 reference per sequence:
+scattered blocks, grouped heads, a whole prompt, a chunk after cached KV and decodes of
+different context lengths in one step. Needs a GPU (skipped elsewhere)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rlcli.ops.attention import PagedAttention, PagedAttentionMetadata
+from rlcli.ops.document_attention import _varlen_attn
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or _varlen_attn() is None,
+                                reason="needs CUDA and torch.nn.attention.varlen")
+
+BLOCK, NUM_BLOCKS, HQ, HKV, D = 16, 64, 8, 2, 64
+
+
+def reference(q_THD, k_SHD, v_SHD, scale):
+    t, s = q_THD.shape[0], k_SHD.shape[0]
+    q, k, v = (x.float().transpose(0, 1)[None] for x in (q_THD, k_SHD, v_SHD))
+    k, v = k.repeat_interleave(HQ // HKV, dim=1), v.repeat_interleave(HQ // HKV, dim=1)
+    mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(diagonal=s - t)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_varlen_paged_attention_matches_the_dense_reference(dtype):
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    k_cache = torch.randn(NUM_BLOCKS, BLOCK, HKV, D, device=dev, dtype=dtype, generator=g)
+    v_cache = torch.randn(NUM_BLOCKS, BLOCK, HKV, D, device=dev, dtype=dtype, generator=g)
+    # (tokens already cached, new tokens): two decodes first, then a chunk after cached KV and a whole prompt.
+    seqs = [(70, 1), (5, 1), (33, 20), (0, 41)]
+    perm = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(1)).tolist()
+    tables, slots, query_start, lens = [], [], [0], []
+    for cached, new in seqs:
+        n = cached + new
+        table = [perm.pop() for _ in range((n + BLOCK - 1) // BLOCK)]
+        tables.append(table)
+        slots += [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(cached, n)]
+        query_start.append(query_start[-1] + new)
+        lens.append(n)
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables], device=dev)
+    meta = PagedAttentionMetadata(slot_mapping=torch.tensor(slots, device=dev), query_start=query_start,
+                                  context_lens=lens, block_tables=block_tables, block_size=BLOCK, num_decode=2)
+    N = query_start[-1]
+    q = torch.randn(1, N, HQ, D, device=dev, dtype=dtype, generator=g)
+    k = torch.randn(1, N, HKV, D, device=dev, dtype=dtype, generator=g)
+    v = torch.randn(1, N, HKV, D, device=dev, dtype=dtype, generator=g)
+    attn = PagedAttention([(k_cache, v_cache)], meta)
+    assert attn._use_varlen(q[0], k_cache, v_cache)
+    out = attn(0, q, k, v, 0.125)[0]
+    assert out.shape == (N, HQ, D)
+    for i, table in enumerate(tables):
+        pos = torch.arange(lens[i], device=dev)
+        idx = torch.tensor(table, device=dev)[pos // BLOCK] * BLOCK + pos % BLOCK
+        k_i, v_i = k_cache.flatten(0, 1)[idx], v_cache.flatten(0, 1)[idx]  # the new keys were written in place
+        a, b = query_start[i], query_start[i + 1]
+        torch.testing.assert_close(out[a:b].float(), reference(q[0, a:b], k_i, v_i, 0.125), rtol=0, atol=2e-2)
+
+
+def test_varlen_causal_with_grouped_heads_equals_repeated_heads():
+    """Whichever way this torch takes grouped K/V heads (its own argument, the kernel's
+    native support, or repeated heads), the result is that of repeated heads."""
+    from rlcli.ops.document_attention import varlen_causal
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(2)
+    q = torch.randn(40, HQ, D, device=dev, dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(90, HKV, D, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2))
+    cu_q = torch.tensor([0, 1, 2, 40], dtype=torch.int32, device=dev)  # two decodes, then a chunk of 38
+    cu_k = torch.tensor([0, 30, 31, 90], dtype=torch.int32, device=dev)
+    got = varlen_causal(q, k, v, cu_q, cu_k, 38, 59, 0.125)
+    rep = HQ // HKV
+    want = varlen_causal(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), cu_q, cu_k, 38, 59, 0.125)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
