@@ -253,3 +253,27 @@ def test_grouped_gemm_from_high_precision_rows_equals_quantize_then_grouped():
     (xq, xs), (wq, ws) = quantize_1x128(x), quantize_128x128(w)
     ref = be.grouped_gemm(xq, xs, wq, ws, offs, torch.float32)
     assert torch.equal(be.grouped_gemm_x(x, False, wq, ws, offs, torch.float32), ref)
+
+
+def _deep_gemm_sm90():
+    from rlcli.ops.fp8.backends import _is_sm90, import_deep_gemm
+
+    return torch.cuda.is_available() and _is_sm90(torch.device("cuda")) and import_deep_gemm() is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _deep_gemm_sm90(), reason="needs DeepGEMM on an SM90 GPU")
+def test_deep_gemm_wgrad_kernel_is_measured_once_for_every_shape():
+    """The first weight gradient times DeepGEMM's 1D1D kernel against scaled_mm; later shapes take the
+    winner without a measurement of their own (each one cost a DeepGEMM JIT compile and host syncs)."""
+    from rlcli.ops.fp8.backends import DeepGemmBackend, import_deep_gemm
+
+    be, ref = DeepGemmBackend(import_deep_gemm(), strict=True), EmulatedBackend()
+    for n, k in [(256, 384), (512, 256), (384, 640)]:
+        (aq, sa) = quantize_1x128(data(n, 1024, seed=n).cuda())
+        (bq, sb) = quantize_1x128(data(k, 1024, seed=k).cuda())
+        out = be.gemm_1x128(aq, sa, bq, sb, torch.float32)
+        expected = ref.gemm_1x128(aq, sa, bq, sb, torch.float32)
+        assert ((out - expected).norm() / expected.norm()).item() < 1e-2, (n, k)
+    assert len(be.wgrad_ms) == 1 and len(be.wgrad_choice) == 3
+    assert set(be.wgrad_choice.values()) == {be.wgrad_kernel}

@@ -19,8 +19,11 @@ needs every group's rows aligned to 128, which is built on the device (padding r
 -1) so it needs no host sync; ``grouped_gemm_x`` quantizes high-precision rows straight into
 that padded buffer (the quantizer writes row m to its padded row), the training path. Weight
 gradients (1x128 x 1x128) go through ``scaled_mm``'s ``BlockWise1x128`` pair, or, with
-deep_gemm, through DeepGEMM's SM90 1D1D kernel for the shapes where the first call measured
-it faster (both run once on the same operands and must agree).
+deep_gemm, through DeepGEMM's SM90 1D1D kernel if the first weight gradient measured it faster
+(both run once on the same operands and must agree). That one measurement decides for every
+shape: DeepGEMM compiles a kernel per shape on first use, so timing each new shape (every
+linear of a model, each expert group of a per-expert loop) put a JIT compile and host syncs
+into the first step once per shape, whichever kernel then won.
 
 Kernels want K a multiple of 128: the FP8 data is zero padded along K, which adds zeros
 to every dot product (see the quantization note on edge blocks).
@@ -163,8 +166,9 @@ class DeepGemmBackend:
         self.torch = TorchScaledMMBackend()
         self.failed: set[str] = set()
         self._last = self._last_x = None
-        self.wgrad_choice: dict[tuple, str] = {}  # (a.shape, b.shape) -> "deep_gemm" | "torch"
-        self.wgrad_ms: dict[tuple, dict[str, float]] = {}
+        self.wgrad_kernel: str | None = None  # "deep_gemm" | "torch", measured on the first weight gradient
+        self.wgrad_choice: dict[tuple, str] = {}  # (a.shape, b.shape) -> the kernel each wgrad shape ran on
+        self.wgrad_ms: dict[tuple, dict[str, float]] = {}  # the shape that was measured -> ms per kernel
         try:
             self.align = int(dg.get_mk_alignment_for_contiguous_layout())
         except AttributeError:
@@ -191,13 +195,17 @@ class DeepGemmBackend:
 
     def gemm_1x128(self, a, sa, b, sb, out_dtype):
         """Weight gradients: DeepGEMM's SM90 1D1D kernel (fp32 out) or cuBLASLt's blockwise pair,
-        whichever the first call of this shape measured faster (after checking they agree)."""
+        whichever the first weight gradient measured faster (after checking they agree), for
+        every shape (module docstring)."""
         key = (tuple(a.shape), tuple(b.shape))
-        choice = self.wgrad_choice.get(key)
-        if choice is None:
-            if "fp8_gemm_nt 1d1d" in self.failed or not a.is_cuda or torch.cuda.is_current_stream_capturing():
+        choice = self.wgrad_kernel
+        if "fp8_gemm_nt 1d1d" in self.failed or not a.is_cuda:
+            choice = "torch"
+        elif choice is None:
+            if torch.cuda.is_current_stream_capturing():
                 return self.torch.gemm_1x128(a, sa, b, sb, out_dtype)
-            choice = self.wgrad_choice[key] = self._choose_wgrad(a, sa, b, sb, key)
+            choice = self.wgrad_kernel = self._choose_wgrad(a, sa, b, sb, key)
+        self.wgrad_choice.setdefault(key, choice)
         if choice == "deep_gemm":
             return self._guarded("fp8_gemm_nt 1d1d", lambda: _as(self._wgrad_1d1d(a, sa, b, sb), out_dtype),
                                  lambda: self.torch.gemm_1x128(a, sa, b, sb, out_dtype))
@@ -209,7 +217,7 @@ class DeepGemmBackend:
         return d
 
     def _choose_wgrad(self, a, sa, b, sb, key) -> str:
-        """Run both kernels on these operands (host syncs: first call of a shape only), keep the faster
+        """Run both kernels on these operands (host syncs: the first weight gradient only), keep the faster
         one if they agree to 1e-2 relative; DeepGEMM's is dropped for good when it raises or disagrees."""
         ref = self.torch.gemm_1x128(a, sa, b, sb, torch.float32)
         try:
@@ -226,7 +234,8 @@ class DeepGemmBackend:
         ms = {"deep_gemm": _cuda_ms(lambda: self._wgrad_1d1d(a, sa, b, sb)),
               "torch": _cuda_ms(lambda: self.torch.gemm_1x128(a, sa, b, sb, torch.float32))}
         choice = min(ms, key=ms.get)
-        log.info("fp8 wgrad %s: deep_gemm %.3f ms, scaled_mm %.3f ms -> %s", key, ms["deep_gemm"], ms["torch"], choice)
+        log.info("fp8 wgrad kernel, measured at %s: deep_gemm %.3f ms, scaled_mm %.3f ms -> %s for every shape",
+                 key, ms["deep_gemm"], ms["torch"], choice)
         self.wgrad_ms[key] = ms
         return choice
 
