@@ -9,7 +9,10 @@ into a fresh run directory with a config-only model (random weights from the see
 runs `python -m rlcli.cli.train run --nproc-per-node W --ep E --cp C [--fp8]` over them with
 the collective weight backend (no rl-sync is started: each step stages its weights for a
 broadcast nobody asks for, and only policy 0 is written to disk), full activation checkpointing and
-step --steps profiled (train.profile_step). From the trainer's own metrics it prints per
+step --profile-step (default: the last) profiled (train.profile_step). Per step it prints the
+compute time, the graphs torch.compile built in it (a recompile, after the first steps) and the
+frames it gave up on (they run eagerly from then on); after the profiled step, its largest device kernels (host
+ops on a CPU) from rank 0's trace. From the trainer's own metrics it prints per
 arm: tokens/s (trained row tokens over the median compute time of the steps after the
 first two), MFU against --peak-tflops (bf16 dense; the FP8 arm against the same peak),
 peak memory per GPU, and the profiled step's collective time by kind over the median
@@ -19,6 +22,7 @@ overlaps compute, so it bounds the cost from above).
     python bench/trainer_node.py --nproc 2 --ep 2 --cp 2                    # two H200s
     python bench/trainer_node.py --nproc 8 --ep 8 --cp 4                    # one 8-GPU node
     python bench/trainer_node.py --smoke                                     # CPU, gloo, tiny
+    python bench/trainer_node.py --smoke --seq 4096 --steps 4                # CPU, longer rows
 
 Model FLOPs per token: 6 x (matmul parameters a token passes through: attention, dense and
 shared MLPs, top-k of the routed experts, the router and LM head) + causal attention,
@@ -157,15 +161,32 @@ def summarize(rows: list[dict], tokens_per_step: int, flops_per_token: float, pe
     return out
 
 
+def top_events(trace: Path, device: bool, n: int = 12) -> list[tuple[str, float, int]]:
+    """(name, seconds, calls) of the ``n`` names with the most time in a Chrome trace: device kernels
+    (and GPU memcpy/memset), or, with ``device`` False, host ops (nested ones count again inside their callers)."""
+    total: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    for e in json.loads(trace.read_text()).get("traceEvents", []):
+        if e.get("ph") != "X" or (e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")) != device:
+            continue
+        if not device and e.get("cat") not in ("cpu_op", "user_annotation"):
+            continue
+        total[e["name"]] = total.get(e["name"], 0.0) + e.get("dur", 0) / 1e6
+        calls[e["name"]] = calls.get(e["name"], 0) + 1
+    return [(k, total[k], calls[k]) for k in sorted(total, key=total.get, reverse=True)[:n]]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--nproc", type=int, default=2, help="GPUs (ranks) for rl-train")
     ap.add_argument("--ep", type=int, default=2)
     ap.add_argument("--cp", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=32768, help="tokens per row (the context length)")
-    ap.add_argument("--prompt", type=int, default=4096, help="prompt tokens of each row (no loss)")
+    ap.add_argument("--seq", type=int, default=None, help="tokens per row (the context length; default 32768, "
+                    "--smoke 256)")
+    ap.add_argument("--prompt", type=int, default=None, help="prompt tokens of each row (no loss; default seq / 8)")
     ap.add_argument("--rows", type=int, default=1, help="rows per data-parallel rank per step")
-    ap.add_argument("--steps", type=int, default=6, help="RL steps; the last is profiled, 1-2 and it are not timed")
+    ap.add_argument("--steps", type=int, default=6, help="RL steps; 1-2 and the profiled one are not timed")
+    ap.add_argument("--profile-step", type=int, default=0, help="the step run under torch.profiler (0: the last)")
     ap.add_argument("--layers", type=int, default=0, help="decoder layers (0: the model's 8)")
     ap.add_argument("--arms", default="bf16,fp8")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="per GPU, dense bf16 (H200 SXM: 989)")
@@ -177,7 +198,10 @@ def main() -> None:
     if a.layers:
         hf["num_hidden_layers"] = a.layers
     if a.smoke:
-        a.seq, a.prompt, a.steps = 256, 64, max(3, min(a.steps, 4))
+        a.steps = max(3, min(a.steps, 4))
+    a.seq = a.seq or (256 if a.smoke else 32768)
+    a.prompt = a.seq // 8 if a.prompt is None else a.prompt
+    a.profile_step = a.profile_step or a.steps
     flops, total, active = model_flops_per_token(hf, a.seq)
     dp = a.nproc // a.cp
     tokens_per_step = a.rows * dp * a.seq
@@ -193,16 +217,24 @@ def main() -> None:
     base = a.keep or Path(tempfile.mkdtemp(prefix="trainer-node-"))
     for arm in a.arms.split(","):
         root = base / arm
-        recipe = write_run(root, hf, a.seq, a.prompt, a.rows, a.steps, a.nproc, a.ep, a.cp, a.steps,
+        recipe = write_run(root, hf, a.seq, a.prompt, a.rows, a.steps, a.nproc, a.ep, a.cp, a.profile_step,
                            1 if a.smoke else 0)
         t0 = time.monotonic()
         rows, err = run_arm(recipe, a.nproc, arm == "fp8", a.timeout)
         print(f"{arm}: compute s per step " + " ".join(f"{r['compute_s']:.2f}" for r in rows), flush=True)
+        print(f"{arm}: graphs compiled / frames run eagerly per step " + " ".join(
+            f"{r.get('compile_graphs', float('nan')):.0f}/{r.get('compile_fallbacks', float('nan')):.0f}" for r in rows),
+            flush=True)
+        trace = root / "run" / "profiles" / f"train-step{a.profile_step}-rank0.json"
+        if trace.exists():
+            print(f"{arm}: step {a.profile_step}, rank 0, largest {'host ops' if a.smoke else 'device kernels'} "
+                  "(s, calls):\n" + "\n".join(f"  {t:8.3f} {n:6d}  {name[:100]}"
+                                                 for name, t, n in top_events(trace, device=not a.smoke)), flush=True)
         if err:
             print(f"{arm}: {err}", flush=True)
             if len(rows) < 3:
                 continue
-        results[arm] = summarize(rows, tokens_per_step, flops, a.peak_tflops, a.nproc, a.steps)
+        results[arm] = summarize(rows, tokens_per_step, flops, a.peak_tflops, a.nproc, a.profile_step)
         print(f"{arm}: {json.dumps(results[arm])} ({time.monotonic() - t0:.0f} s)", flush=True)
     print(f"{'arm':<6} {'step s':>8} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} {'a2a':>6} {'gather':>7} "
           f"{'scatter':>8} {'loss first/last':>16}")

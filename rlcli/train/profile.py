@@ -11,10 +11,15 @@ share of the step is an upper bound on what they cost it); on a CPU, the time gl
 collectives were in flight.
 
 On CUDA every step also records ``peak_mem_gib``: the largest
-``torch.cuda.max_memory_allocated`` of any rank during the step.
+``torch.cuda.max_memory_allocated`` of any rank during the step. Every step records
+``compile_graphs`` (graphs torch.compile built during the step: FlexAttention, its block mask,
+compiled blocks; after the first steps of a shape, a non-zero count is a recompile) and
+``compile_fallbacks`` (frames torch.compile gave up on during the step: a recompile limit reached,
+or code it cannot trace; such a frame runs eagerly from then on and is counted once), largest over the ranks (:func:`compile_counts`).
 """
 
 import os
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -100,3 +105,16 @@ def peak_gib(device: torch.device) -> dict[str, float]:
     if device.type != "cuda":
         return {}
     return {"peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30}
+
+
+def compile_counts() -> dict[str, float]:
+    """This process's torch.compile totals so far: ``compile_graphs`` (graphs built) and
+    ``compile_fallbacks`` (frames it gave up on; each runs eagerly from then on). Zero
+    while torch._dynamo was never imported: nothing was compiled, and reading its counters
+    must not import it."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:
+        return {"compile_graphs": 0.0, "compile_fallbacks": 0.0}
+    frames = utils.counters["frames"]
+    return {"compile_graphs": float(utils.counters["stats"]["unique_graphs"]),
+            "compile_fallbacks": float(frames["total"] - frames["ok"])}

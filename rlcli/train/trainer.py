@@ -46,7 +46,7 @@ from rlcli.train.async_checkpoint import AsyncCheckpointer
 from rlcli.train.checkpoint import load_latest_checkpoint, save_checkpoint
 from rlcli.train.data import BatchCorrupt, wait_for_batch
 from rlcli.train.loss import LOSSES
-from rlcli.train.profile import peak_gib, reduce_max, reset_peak, step_profile
+from rlcli.train.profile import compile_counts, peak_gib, reduce_max, reset_peak, step_profile
 from rlcli.train.publish import make_publisher
 from rlcli.train.sft import run_sft
 from rlcli.train.step import accumulate
@@ -320,10 +320,12 @@ class Trainer:
             if self.cores is not None:
                 self.cores.busy(True)
             reset_peak(self.device)
+            compiled = compile_counts()
             with step_profile(run.root / "profiles", step, self.dist.rank, self.device,
                               step == cfg.train.profile_step) as profiled:
                 metrics = self.train_step(batch)
-            metrics |= reduce_max(profiled | peak_gib(self.device), self.device)
+            compiled = {k: v - compiled[k] for k, v in compile_counts().items()}  # this step's (re)compiles
+            metrics |= reduce_max(profiled | peak_gib(self.device) | compiled, self.device)
             if self.cores is not None:
                 metrics["threads"] = self.cores.threads  # the share at the end of the step
                 self.cores.busy(False)

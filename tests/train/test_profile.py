@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from rlcli.train.profile import comm_kind
+from rlcli.train.profile import comm_kind, compile_counts
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,6 +30,22 @@ def test_collective_names_map_to_their_kind(name, kind):
     assert comm_kind(name) == kind
 
 
+def test_compile_counts_see_each_recompile_and_each_eager_fallback():
+    """A string argument is guarded by value: each new one compiles a new graph, until the recompile
+    limit sends the frame to eager (counted once: the frame then runs eagerly without another attempt)."""
+    torch._dynamo.reset()
+    f = torch.compile(lambda x, s: x * len(s), backend="eager")
+    seen = [compile_counts()]
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for s in ("a", "a", "ab", "abc", "abc"):
+            f(torch.ones(2), s)
+            seen.append(compile_counts())
+    torch._dynamo.reset()
+    steps = [{k: b[k] - a[k] for k in a} for a, b in zip(seen, seen[1:])]
+    assert [d["compile_graphs"] for d in steps] == [1, 0, 1, 0, 0]
+    assert [d["compile_fallbacks"] for d in steps] == [0, 0, 0, 1, 0]  # past the limit: eager from then on
+
+
 @pytest.mark.timeout(300)
 def test_rl_train_with_ep_and_cp_records_the_profiled_steps_all_to_all(tmp_path):
     out = subprocess.run([sys.executable, str(REPO / "bench" / "trainer_node.py"), "--smoke", "--arms", "bf16",
@@ -41,6 +58,7 @@ def test_rl_train_with_ep_and_cp_records_the_profiled_steps_all_to_all(tmp_path)
     assert [r["step"] for r in profiled] == [last]  # only train.profile_step
     assert profiled[0]["comm_all_to_all_s"] > 0  # the experts' dispatch and combine over --ep 2
     assert profiled[0]["comm_all_gather_s"] > 0  # FSDP2 gathers, CP's K/V
+    assert all(r["compile_graphs"] == 0 and r["compile_fallbacks"] == 0 for r in rows)  # nothing compiles on a CPU
     for rank in (0, 1):
         trace = json.loads((run / "profiles" / f"train-step{last}-rank{rank}.json").read_text())
         assert any(e.get("name") == "gloo:all_to_all" for e in trace["traceEvents"])
