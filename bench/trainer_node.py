@@ -76,7 +76,7 @@ def model_flops_per_token(hf: dict, seq: int) -> tuple[float, int, int]:
 
 
 def write_run(root: Path, hf: dict, seq: int, prompt: int, rows: int, steps: int, world: int, ep: int, cp: int,
-              profile_step: int, threads: int) -> Path:
+              profile_step: int, threads: int, attention: str = "auto") -> Path:
     """Model dir, recipe and the --steps batches of one arm; returns the recipe's path."""
     import torch
 
@@ -94,6 +94,7 @@ def write_run(root: Path, hf: dict, seq: int, prompt: int, rows: int, steps: int
         "name": "trainer-node", "seed": 0, "num_steps": steps, "run_dir": str(run_dir),
         "model": {"path": str(model_dir), "max_seq_len": seq},
         "train": {"micro_batch_tokens": seq, "activation_checkpointing": "full", "profile_step": profile_step,
+                  "attention": attention,
                   "num_threads": threads, "threads": "fixed",
                   "optim": {"lr": 1e-5}, "loss": {"kind": "tis"}, "checkpoint": {"interval": 10**6},
                   "parallel": {"ep": ep, "cp": cp}},
@@ -189,6 +190,7 @@ def main() -> None:
     ap.add_argument("--profile-step", type=int, default=0, help="the step run under torch.profiler (0: the last)")
     ap.add_argument("--layers", type=int, default=0, help="decoder layers (0: the model's 8)")
     ap.add_argument("--arms", default="bf16,fp8")
+    ap.add_argument("--attention", default="auto", help="train.attention (auto: flex under --cp, cudnn without)")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="per GPU, dense bf16 (H200 SXM: 989)")
     ap.add_argument("--timeout", type=int, default=540, help="seconds per arm")
     ap.add_argument("--smoke", action="store_true", help="tiny model, CPU (gloo), 256-token rows")
@@ -218,7 +220,7 @@ def main() -> None:
     for arm in a.arms.split(","):
         root = base / arm
         recipe = write_run(root, hf, a.seq, a.prompt, a.rows, a.steps, a.nproc, a.ep, a.cp, a.profile_step,
-                           1 if a.smoke else 0)
+                           1 if a.smoke else 0, a.attention)
         t0 = time.monotonic()
         rows, err = run_arm(recipe, a.nproc, arm == "fp8", a.timeout)
         print(f"{arm}: compute s per step " + " ".join(f"{r['compute_s']:.2f}" for r in rows), flush=True)

@@ -11,8 +11,12 @@ or per-block state:
   (:func:`rlcli.ops.prefix_tree.attention_buckets`); elsewhere one SDPA call per document.
   Memory is O(doc²) per document, not O(T²). Works everywhere, with autograd.
 * ``flex`` (CUDA): FlexAttention (compiled) with a block mask built from document ids.
-  Fully masked blocks are skipped. On CPU FlexAttention has no backward (torch 2.13), so
-  there it is used only without grad (tests check it against the dense mask).
+  Fully masked blocks are skipped. It is compiled whole (``fullgraph``): uncompiled,
+  ``flex_attention`` runs an unfused implementation that materializes the ``[T, S]`` scores
+  (32 GiB per layer for a 32k row at 16 heads under --cp 2), so where torch.compile would give
+  up on it (its recompile limit, a graph break) it raises instead of silently taking that path.
+  On CPU FlexAttention has no backward (torch 2.13), so there it is used only without grad
+  (tests check it against the dense mask).
 * ``varlen`` (CUDA, no CP): ``torch.nn.attention.varlen.varlen_attn`` (flash) over
   ``cu_seqlens`` of all documents of the batch flattened; fp32 inputs take ``sdpa``.
 * ``cudnn``: one causal SDPA call per document with cuDNN's kernel first in SDPA's
@@ -123,8 +127,10 @@ def flex_kernel_options(head_dim: int) -> dict | None:
 
 @functools.cache
 def _compiled_flex():
+    """FlexAttention compiled whole (module docstring: fullgraph, never the unfused path). Row lengths
+    vary: dynamo goes dynamic after the first shape."""
     from torch.nn.attention.flex_attention import flex_attention
-    return torch.compile(flex_attention)  # row lengths vary: let dynamo go dynamic after the first shape
+    return torch.compile(flex_attention, fullgraph=True)
 
 
 def _varlen_attn():

@@ -59,6 +59,23 @@ def test_queries_subset_against_full_keys(backend):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_compiled_flex_raises_where_torch_compile_would_run_it_unfused():
+    """Past dynamo's recompile limit a compiled function runs eagerly, and an eager flex_attention
+    materializes every score: the CUDA path's compiled FlexAttention raises there instead."""
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    from rlcli.ops.document_attention import _compiled_flex
+
+    pos = _positions(ROWS)
+    q, k, v = (t.transpose(1, 2) for t in _qkv(2, 22, 22, hkv=4))
+    mask = PackedCausalAttention(pos, backend="flex").block_mask()
+    try:
+        with torch._dynamo.config.patch(recompile_limit=0), pytest.raises(FailOnRecompileLimitHit):
+            _compiled_flex()(q, k, v, block_mask=mask, scale=0.3)
+    finally:
+        torch._dynamo.reset()  # forget the frame given up on
+
+
 def test_sdpa_backend_gradients_match_dense_mask():
     pos = _positions(ROWS)
     q, k, v = (t.requires_grad_() for t in _qkv(2, 22, 22, seed=2))
