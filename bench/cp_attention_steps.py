@@ -7,7 +7,8 @@ sizes by default (16 heads, q/k 192, v 128, bf16), through a
 row (as rl-train builds one per row), --layers layers each under activation checkpointing
 (recomputed in the backward pass, as `train.activation_checkpointing = "full"` does). The
 baseline is what `--cp 1` runs on the same row: every query, backend `auto` (cuDNN for rows of
-one document). Per step and arm it prints the block-mask build, forward + backward, the graphs
+one document); arm `flex-row` runs FlexAttention on every query (the mask and kernel without the
+CP query subset). Per step and arm it prints the block-mask build, forward + backward, the graphs
 torch.compile built during the step, the frames it gave up on (they run eagerly from then on),
 whether FlexAttention warned that it ran unfused (materializing the scores), and the peak memory; then the median of the steps
 after the first and the ratio CP / row (the CP rank does 1/C of the row's causal work: ~1/C
@@ -89,7 +90,8 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--qk-dim", type=int, default=192, help="MLA: 128 nope + 64 rope")
     ap.add_argument("--v-dim", type=int, default=128)
-    ap.add_argument("--arms", default="cp,row", help="cp: the CP rank's queries (flex on CUDA); row: all queries")
+    ap.add_argument("--arms", default="cp,row", help="cp: the CP rank's queries (flex on CUDA); row: all queries "
+                    "(cuDNN on CUDA); flex-row: all queries through FlexAttention")
     ap.add_argument("--smoke", action="store_true", help="CPU, fp32, tiny")
     a = ap.parse_args()
     device = torch.device("cpu" if a.smoke or not torch.cuda.is_available() else "cuda")
@@ -105,11 +107,12 @@ def main() -> None:
         medians = {}
         for arm in a.arms.split(","):
             index = cp_query_index(seq, a.rank, a.cp) if arm == "cp" else None
+            backend = "flex" if arm == "flex-row" else "auto"
             steps = []
             for step in range(1, a.steps + 1):
                 try:
                     r = one_step(row_positions(seq, a.docs, gen), index, a.layers, a.heads, a.qk_dim, a.v_dim,
-                                 device, dtype, "auto")
+                                 device, dtype, backend)
                 except Exception as e:  # noqa: BLE001 -- report and go on to the next arm
                     print(f"seq {seq} {arm}: step {step} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
                     break
@@ -119,11 +122,12 @@ def main() -> None:
                       f"unfused {r['unfused']}  peak {r['peak_gib']:.1f} GiB", flush=True)
             if len(steps) > 1:
                 medians[arm] = statistics.median(s["mask_ms"] + s["step_ms"] for s in steps[1:])
-        if "cp" in medians and "row" in medians:
-            summary.append((seq, medians["cp"], medians["row"]))
-    print(f"{'seq':>7} {'cp ms':>10} {'row ms':>10} {'cp / row':>9}  (ideal ~1/{a.cp})")
-    for seq, cp_ms, row_ms in summary:
-        print(f"{seq:>7} {cp_ms:>10.1f} {row_ms:>10.1f} {cp_ms / row_ms:>9.2f}")
+        summary.append((seq, medians))
+    arms = a.arms.split(",")
+    print(f"{'seq':>7} " + " ".join(f"{arm + ' ms':>12}" for arm in arms) + f" {'cp / row':>9}  (ideal ~1/{a.cp})")
+    for seq, medians in summary:
+        ratio = medians["cp"] / medians["row"] if "cp" in medians and "row" in medians else float("nan")
+        print(f"{seq:>7} " + " ".join(f"{medians.get(arm, float('nan')):>12.1f}" for arm in arms) + f" {ratio:>9.2f}")
 
 
 if __name__ == "__main__":
