@@ -2,7 +2,8 @@
 
 What `rl-train --cp C` runs in each attention layer on CUDA, without the collectives: rank
 --rank's queries (chunks r and 2C-1-r of the row), the whole row's keys and values, MLA's head
-sizes by default (16 heads, q/k 192, v 128, bf16), through a
+sizes by default (16 heads, q/k 192, v 128, bf16; --dtype float32 is what rl-train computes in
+with its default model.dtype), through a
 ``rlcli.ops.document_attention.PackedCausalAttention`` built anew every step from that step's
 row (as rl-train builds one per row), --layers layers each under activation checkpointing
 (recomputed in the backward pass, as `train.activation_checkpointing = "full"` does). The
@@ -92,10 +93,12 @@ def main() -> None:
     ap.add_argument("--v-dim", type=int, default=128)
     ap.add_argument("--arms", default="cp,row", help="cp: the CP rank's queries (flex on CUDA); row: all queries "
                     "(cuDNN on CUDA); flex-row: all queries through FlexAttention")
+    ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                    help="q/k/v dtype (default: bfloat16 on CUDA, float32 on a CPU); rl-train computes in model.dtype")
     ap.add_argument("--smoke", action="store_true", help="CPU, fp32, tiny")
     a = ap.parse_args()
     device = torch.device("cpu" if a.smoke or not torch.cuda.is_available() else "cuda")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = getattr(torch, a.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     if a.smoke:
         a.seq, a.layers, a.heads, a.qk_dim, a.v_dim, a.steps = "256,512", 2, 2, 24, 16, 3
     print(f"# {device.type} {torch.cuda.get_device_name() if device.type == 'cuda' else ''} torch {torch.__version__}; "

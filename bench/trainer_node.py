@@ -5,7 +5,8 @@ parameters at 32k context), at whatever size the machine allows. Each arm is the
 trainer: this script writes --steps synthetic RL batches (rows of --seq tokens, a
 --prompt-token prompt and one completion of random tokens, advantages +-1, inference
 logprobs -ln V: what a random-weight model gives, so the importance ratios stay near 1)
-into a fresh run directory with a config-only model (random weights from the seed), then
+into a fresh run directory with a config-only model (random weights from the seed; compute in
+--dtype, model.dtype: bfloat16 unless --smoke), then
 runs `python -m rlcli.cli.train run --nproc-per-node W --ep E --cp C [--fp8]` over them with
 the collective weight backend (no rl-sync is started: each step stages its weights for a
 broadcast nobody asks for, and only policy 0 is written to disk), full activation checkpointing and
@@ -76,8 +77,10 @@ def model_flops_per_token(hf: dict, seq: int) -> tuple[float, int, int]:
 
 
 def write_run(root: Path, hf: dict, seq: int, prompt: int, rows: int, steps: int, world: int, ep: int, cp: int,
-              profile_step: int, threads: int, attention: str = "auto") -> Path:
-    """Model dir, recipe and the --steps batches of one arm; returns the recipe's path."""
+              profile_step: int, threads: int, attention: str = "auto", dtype: str = "bfloat16") -> Path:
+    """Model dir, recipe and the --steps batches of one arm; returns the recipe's path. ``dtype`` is
+    model.dtype, the compute dtype (FSDP2 keeps fp32 masters either way): its default in a recipe is
+    float32, in which the sixth session's H200 "bf16" arm ran, slowly (FlexAttention's fp32 kernels)."""
     import torch
 
     from rlcli.config import dump_toml
@@ -92,7 +95,7 @@ def write_run(root: Path, hf: dict, seq: int, prompt: int, rows: int, steps: int
     dp = world // cp
     tree = {
         "name": "trainer-node", "seed": 0, "num_steps": steps, "run_dir": str(run_dir),
-        "model": {"path": str(model_dir), "max_seq_len": seq},
+        "model": {"path": str(model_dir), "max_seq_len": seq, "dtype": dtype},
         "train": {"micro_batch_tokens": seq, "activation_checkpointing": "full", "profile_step": profile_step,
                   "attention": attention,
                   "num_threads": threads, "threads": "fixed",
@@ -191,6 +194,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=0, help="decoder layers (0: the model's 8)")
     ap.add_argument("--arms", default="bf16,fp8")
     ap.add_argument("--attention", default="auto", help="train.attention (auto: flex under --cp, cudnn without)")
+    ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                    help="model.dtype, the compute dtype of both arms (default bfloat16; --smoke: float32)")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="per GPU, dense bf16 (H200 SXM: 989)")
     ap.add_argument("--timeout", type=int, default=540, help="seconds per arm")
     ap.add_argument("--smoke", action="store_true", help="tiny model, CPU (gloo), 256-token rows")
@@ -204,6 +209,7 @@ def main() -> None:
     a.seq = a.seq or (256 if a.smoke else 32768)
     a.prompt = a.seq // 8 if a.prompt is None else a.prompt
     a.profile_step = a.profile_step or a.steps
+    a.dtype = a.dtype or ("float32" if a.smoke else "bfloat16")
     flops, total, active = model_flops_per_token(hf, a.seq)
     dp = a.nproc // a.cp
     tokens_per_step = a.rows * dp * a.seq
@@ -214,13 +220,13 @@ def main() -> None:
           f"{total / 1e9:.2f}B parameters ({active / 1e9:.2f}B in a token's matmuls), {hf['num_hidden_layers']} "
           f"layers, {hf['n_routed_experts']} experts top-{hf['num_experts_per_tok']}; rows of {a.seq} tokens "
           f"({a.prompt} prompt), {tokens_per_step} tokens per step, {a.steps} steps, full activation "
-          f"checkpointing, torch {torch.__version__}", flush=True)
+          f"checkpointing, compute in {a.dtype} (model.dtype), torch {torch.__version__}", flush=True)
     results = {}
     base = a.keep or Path(tempfile.mkdtemp(prefix="trainer-node-"))
     for arm in a.arms.split(","):
         root = base / arm
         recipe = write_run(root, hf, a.seq, a.prompt, a.rows, a.steps, a.nproc, a.ep, a.cp, a.profile_step,
-                           1 if a.smoke else 0, a.attention)
+                           1 if a.smoke else 0, a.attention, a.dtype)
         t0 = time.monotonic()
         rows, err = run_arm(recipe, a.nproc, arm == "fp8", a.timeout)
         print(f"{arm}: compute s per step " + " ".join(f"{r['compute_s']:.2f}" for r in rows), flush=True)

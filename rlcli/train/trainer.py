@@ -134,6 +134,11 @@ class Trainer:
                                  cfg.orchestrate.num_train_ranks, tcfg.micro_batch_tokens).build(self.device.type)
         self.dp_rank, self.cp_rank = self.dims.coords(self.dist.rank)
         self.dtype = DTYPES[cfg.model.dtype]
+        if self.device.type == "cuda" and self.dtype == torch.float32 and self.dist.is_main:
+            # The recipe default, right on a CPU; on a GPU FlexAttention's fp32 kernels (--cp) and the
+            # experts' per-expert fp32 loop (no fp32 grouped GEMM there) are many times slower than bf16.
+            log.warning("model.dtype = float32 on CUDA: the trainer computes in fp32; set model.dtype = "
+                        "\"bfloat16\" to compute in bf16")
         self.stopping = False
         self.busy_s = 600.0  # the promised bound on one step (train + publish + checkpoint); measured after one
         main = self.dist.is_main

@@ -46,6 +46,21 @@ def test_compile_counts_see_each_recompile_and_each_eager_fallback():
     assert [d["compile_fallbacks"] for d in steps] == [0, 0, 0, 1, 0]  # past the limit: eager from then on
 
 
+def test_trainer_node_arms_compute_in_bf16_unless_told(tmp_path):
+    """The GPU arms set model.dtype: the recipe default (float32) made the sixth session's H200 "bf16" arm
+    an fp32 run."""
+    import importlib.util
+
+    from rlcli.config.load import load_recipe
+
+    spec = importlib.util.spec_from_file_location("trainer_node", REPO / "bench" / "trainer_node.py")
+    node = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(node)
+    for dtype, kw in (("bfloat16", {}), ("float32", {"dtype": "float32"})):
+        recipe = node.write_run(tmp_path / dtype, node.SMOKE, 64, 8, 1, 1, 1, 1, 1, 1, 0, **kw)
+        assert load_recipe(recipe).model.dtype == dtype
+
+
 @pytest.mark.timeout(300)
 def test_rl_train_with_ep_and_cp_records_the_profiled_steps_all_to_all(tmp_path):
     out = subprocess.run([sys.executable, str(REPO / "bench" / "trainer_node.py"), "--smoke", "--arms", "bf16",
