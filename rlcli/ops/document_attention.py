@@ -120,8 +120,9 @@ _CUDNN_ORDER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBacke
 def flex_kernel_options(head_dim: int) -> dict | None:
     """FlexAttention options for the head size (None: torch's defaults). Triton pads a head
     dim above 128 (MLA's 192 = 128 + 64 rope) to 256, and torch's Hopper default for it (3
-    pipeline stages of 64 x 64 blocks) then needs 273 KiB of shared memory, beyond the
-    H200's 227 KiB: two stages fit."""
+    pipeline stages of 64 x 64 blocks) needed 273 KiB of shared memory with fp32 inputs, beyond
+    the H200's 227 KiB: two stages fit. bf16 tiles take half as much; two stages are kept for
+    them too (not measured with three)."""
     return {"fwd_num_stages": 2} if head_dim > 128 else None
 
 
