@@ -1,11 +1,12 @@
-"""The native engine's paged attention on a GPU: one varlen flash call per layer against SDPA.
+"""The native engine's paged attention on a GPU: varlen flash calls against SDPA.
 
 Both arms run the same engine (``NativeEngine``, 1B Llama shape of ``bench/kv_cache.py``,
 bf16, random weights) over the same requests, one after the other in one process: ``sdpa``
 is the path the engine takes off CUDA (a batched, padded SDPA call for the decodes, one call
 per prefill chunk; with grouped heads and a padding mask the decode call lands in cuDNN,
-which builds a plan per new key length), ``varlen`` the CUDA path (every sequence of the
-step in one flash varlen call over its gathered context). Printed per arm: the prefill time
+which builds a plan per new key length), ``varlen`` the CUDA path (flash varlen calls over
+the gathered contexts: one for the decodes, their grouped heads folded into query rows, one
+for the prefill chunks). Printed per arm: the prefill time
 of all prompts (chunked, ``--chunk`` tokens a step, until every sequence has its first
 token), the median decode step, and the ratios; then how many sequences' first (greedy)
 token is the same in both arms and, over those, the largest gap between its logprobs (bf16

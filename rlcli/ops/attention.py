@@ -61,8 +61,8 @@ class PagedAttentionMetadata:
     ``query_start[i]:query_start[i+1]``, ends at position ``context_lens[i] - 1`` and keeps
     its KV in blocks ``block_tables[i]``. The first ``num_decode`` sequences have exactly
     one query token each and are attended in one batched call; the rest (prefill chunks)
-    one by one. On CUDA in half precision all of them share one varlen flash call instead
-    (:meth:`PagedAttention._varlen`).
+    one by one. On CUDA in half precision the decodes share one varlen flash call and the
+    prefill chunks another (:meth:`PagedAttention._varlen`).
     """
 
     slot_mapping: torch.Tensor  # int64 [N]: cache slot (block * block_size + offset) per new token
@@ -111,35 +111,58 @@ class PagedAttention(nn.Module):
                 and q_NHD.shape[-1] == k_cache.shape[-1] == v_cache.shape[-1] and _varlen_attn() is not None)
 
     def _varlen(self, q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        """Every sequence of the step, decodes and prefill chunks alike, in one varlen flash call
-        over its whole context gathered from the cache (one gather per K and V, at slots built
-        once per step for all layers). Flash's causal mask is aligned to the bottom right, so a
-        chunk after cached KV and a single decode query need no mask. SDPA's per-shape kernels
-        are what this replaces on the GPU: with grouped heads and a padding mask the decode call
-        went to cuDNN, which builds an execution plan for every new key length, about 3 ms of
-        host time per layer and step on an H200 (a decode step of a 1B model took 62 ms, 7.5 ms
-        of it on the device)."""
+        """Every sequence of the step in varlen flash calls over its whole context gathered from
+        the cache (one gather per K and V, at slots built once per step for all layers). Flash's
+        causal mask is aligned to the bottom right, so a chunk after cached KV needs no mask.
+        Decodes take their own call with grouped heads folded into the query rows: the query
+        heads of one K/V head become that sequence's rows (no mask: one position sees all its
+        keys), so a kernel block reads each K/V head once for its whole group instead of once
+        per query head. SDPA's per-shape kernels are what this replaces on the GPU: with
+        grouped heads and a padding mask the decode call went to cuDNN, which builds an
+        execution plan for every new key length, about 3 ms of host time per layer and step on
+        an H200 (a decode step of a 1B model took 62 ms, 7.5 ms of it on the device)."""
         meta = self.meta
         if meta._varlen_plan is None:
-            meta._varlen_plan = self._plan_varlen(q_NHD.device)
-        slots, cu_q, cu_k, max_q, max_k = meta._varlen_plan
+            meta._varlen_plan = self._plan_varlen(q_NHD.device, q_NHD.shape[1] // k_cache.shape[2])
+        slots, decodes, prefills = meta._varlen_plan
         k = k_cache.view(-1, *k_cache.shape[2:]).index_select(0, slots)
         v = v_cache.view(-1, *v_cache.shape[2:]).index_select(0, slots)
-        return varlen_causal(q_NHD, k, v, cu_q, cu_k, max_q, max_k, scale)
+        outs = []
+        if decodes is not None:
+            nd, groups, cu_q, cu_k, max_k = decodes
+            Hkv = k.shape[1]
+            q_dec = q_NHD[:nd].view(nd, Hkv, groups, -1).transpose(1, 2).reshape(nd * groups, Hkv, -1)
+            out = varlen_causal(q_dec, k, v, cu_q, cu_k, groups, max_k, scale, causal=False)
+            outs.append(out.view(nd, groups, Hkv, -1).transpose(1, 2).reshape(nd, Hkv * groups, -1))
+        if prefills is not None:
+            first_q, first_k, cu_q, cu_k, max_q, max_k = prefills
+            outs.append(varlen_causal(q_NHD[first_q:], k[first_k:], v[first_k:], cu_q, cu_k, max_q, max_k, scale))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def _plan_varlen(self, device: torch.device) -> tuple:
+    def _plan_varlen(self, device: torch.device, groups: int) -> tuple:
+        """(context slots of every sequence, the decodes' call, the prefill chunks' call);
+        ``groups``: query heads per K/V head."""
         meta = self.meta
-        lens = meta.context_lens
+        lens, starts = meta.context_lens, meta.query_start
         total = sum(lens)
         lens_t = torch.tensor(lens, dtype=torch.int64, device=device)
-        cu_k = torch.zeros(len(lens) + 1, dtype=torch.int32, device=device)
+        cu_k = torch.zeros(len(lens) + 1, dtype=torch.int64, device=device)
         cu_k[1:] = torch.cumsum(lens_t, 0)
         seq = torch.repeat_interleave(torch.arange(len(lens), device=device), lens_t, output_size=total)
-        pos = torch.arange(total, device=device) - cu_k[:-1].long().repeat_interleave(lens_t, output_size=total)
+        pos = torch.arange(total, device=device) - cu_k[:-1].repeat_interleave(lens_t, output_size=total)
         slots = meta.block_tables[seq, pos // meta.block_size] * meta.block_size + pos % meta.block_size
-        cu_q = torch.tensor(meta.query_start, dtype=torch.int32, device=device)
-        max_q = max(b - a for a, b in zip(meta.query_start, meta.query_start[1:]))
-        return slots, cu_q, cu_k, max_q, max(lens)
+        cu_k = cu_k.to(torch.int32)
+        nd = meta.num_decode
+        decodes = prefills = None
+        if nd:
+            cu_q = torch.arange(nd + 1, dtype=torch.int32, device=device) * groups
+            decodes = (nd, groups, cu_q, cu_k[:nd + 1], max(lens[:nd]))
+        if nd < len(lens):
+            first_k = sum(lens[:nd])
+            cu_q = torch.tensor([q - starts[nd] for q in starts[nd:]], dtype=torch.int32, device=device)
+            max_q = max(b - a for a, b in zip(starts[nd:], starts[nd + 1:]))
+            prefills = (starts[nd], first_k, cu_q, cu_k[nd:] - first_k, max_q, max(lens[nd:]))
+        return slots, decodes, prefills
 
     def _gather(self, cache: torch.Tensor, i: int) -> torch.Tensor:
         meta = self.meta

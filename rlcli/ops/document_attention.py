@@ -384,47 +384,61 @@ class PackedCausalAttention(nn.Module):
 
 
 def varlen_causal(q_NHD: torch.Tensor, k_MHD: torch.Tensor, v_MHD: torch.Tensor, cu_q: torch.Tensor,
-                  cu_k: torch.Tensor, max_q: int, max_k: int, scale: float) -> torch.Tensor:
+                  cu_k: torch.Tensor, max_q: int, max_k: int, scale: float, causal: bool = True) -> torch.Tensor:
     """Flash varlen attention of sequences flattened along dim 0 (sequence ``i``: queries
     ``cu_q[i]:cu_q[i+1]``, keys ``cu_k[i]:cu_k[i+1]``), causal aligned to the bottom right:
     a sequence's last query sees all of its keys, so a chunk of queries after cached keys, or
-    one decode query, needs no mask. Grouped K/V heads and the softmax scale are passed the
+    one decode query, needs no mask (``causal=False``: every query sees all of its keys). Grouped K/V heads and the softmax scale are passed the
     way this torch's ``varlen_attn`` takes them (torch 2.10 has neither argument: heads are
     repeated and the scale folded into ``q``)."""
     params = _varlen_params()
-    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    window = (-1, 0) if causal else (-1, -1)
+    mask = {"window_size": window} if "window_size" in params else {"is_causal": causal}
     gqa = {}
     if q_NHD.shape[1] != k_MHD.shape[1]:
         if "enable_gqa" in params:
             gqa = {"enable_gqa": True}
-        elif not _varlen_takes_grouped_heads(q_NHD.device):
+        elif not _varlen_takes_grouped_heads(q_NHD.device, torch.is_grad_enabled() and (
+                q_NHD.requires_grad or k_MHD.requires_grad or v_MHD.requires_grad)):
             rep = q_NHD.shape[1] // k_MHD.shape[1]
             k_MHD, v_MHD = k_MHD.repeat_interleave(rep, dim=1), v_MHD.repeat_interleave(rep, dim=1)
     if "scale" in params:
         extra = {"scale": scale}
     else:  # fold ours into q over the default 1/sqrt(D)
         extra, q_NHD = {}, q_NHD * (scale * q_NHD.shape[-1] ** 0.5)
-    return _varlen_attn()(q_NHD, k_MHD, v_MHD, cu_q, cu_k, max_q, max_k, **extra, **causal, **gqa)
+    return _varlen_attn()(q_NHD, k_MHD, v_MHD, cu_q, cu_k, max_q, max_k, **extra, **mask, **gqa)
 
 
 @functools.cache
-def _varlen_takes_grouped_heads(device: torch.device) -> bool:
+def _varlen_takes_grouped_heads(device: torch.device, backward: bool = False) -> bool:
     """Whether this torch's ``varlen_attn``, lacking an ``enable_gqa`` argument, still takes
     fewer K/V heads than query heads (flash's kernel reads each K/V head for its group of
-    query heads) and gives what repeated heads give: probed once on tiny tensors. Repeating
-    the heads instead copies K and V once per group, which in the engine's decode step cost
-    more device time than the attention itself."""
+    query heads) and gives what repeated heads give, with ``backward`` also the gradients
+    (those of K and V summed over each group): probed once on tiny tensors. Repeating the
+    heads instead copies K and V once per group, which in the engine's decode step cost more
+    device time than the attention itself."""
     g = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(6, 4, 64, device=device, dtype=torch.bfloat16, generator=g)
     k, v = (torch.randn(6, 2, 64, device=device, dtype=torch.bfloat16, generator=g) for _ in range(2))
     cu = torch.tensor([0, 2, 6], dtype=torch.int32, device=device)
     varlen_attn = _varlen_attn()
-    try:
-        grouped = varlen_attn(q, k, v, cu, cu, 4, 4)
-    except (RuntimeError, ValueError):
-        return False
-    repeated = varlen_attn(q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), cu, cu, 4, 4)
-    return bool(torch.equal(grouped, repeated))
+    with torch.enable_grad():
+        leaves = [x.clone().requires_grad_(backward) for x in (q, k, v, q, k, v)]
+        try:
+            grouped = varlen_attn(*leaves[:3], cu, cu, 4, 4)
+            if backward:
+                grouped.float().square().sum().backward()
+        except (RuntimeError, ValueError):
+            return False
+        qr, kr, vr = leaves[3], leaves[4].repeat_interleave(2, dim=1), leaves[5].repeat_interleave(2, dim=1)
+        repeated = varlen_attn(qr, kr, vr, cu, cu, 4, 4)
+        if not torch.equal(grouped, repeated):
+            return False
+        if not backward:
+            return True
+        repeated.float().square().sum().backward()
+    return all(a.grad is not None and a.grad.shape == b.grad.shape and torch.allclose(a.grad, b.grad, atol=1e-2, rtol=0)
+               for a, b in zip(leaves[:3], leaves[3:]))
 
 
 class _GatherPlan:
