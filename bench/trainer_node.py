@@ -34,6 +34,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -229,6 +230,8 @@ def main() -> None:
                            1 if a.smoke else 0, a.attention, a.dtype)
         t0 = time.monotonic()
         rows, err = run_arm(recipe, a.nproc, arm == "fp8", a.timeout)
+        if a.keep is None:  # rl-train's last checkpoint is the whole trainer state (~50 GB at 4B): one arm's at a time
+            shutil.rmtree(root / "run" / "checkpoints", ignore_errors=True)
         print(f"{arm}: compute s per step " + " ".join(f"{r['compute_s']:.2f}" for r in rows), flush=True)
         print(f"{arm}: graphs compiled / frames run eagerly per step " + " ".join(
             f"{r.get('compile_graphs', float('nan')):.0f}/{r.get('compile_fallbacks', float('nan')):.0f}" for r in rows),

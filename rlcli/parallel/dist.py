@@ -135,9 +135,9 @@ def shared_atomic_dir(final: str | Path, marker: dict[str, Any] | None = None,
             commit_dir(tmp, final, marker, sums)
         barrier()
     except BaseException as e:
+        full = storage_full(e, final, written=tmp)  # before the temporary's space is freed
         if not enabled() or dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        full = storage_full(e, final)
         if full is not None:
             raise full from None
         raise

@@ -59,16 +59,47 @@ _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
 _FULL_TEXT = ("No space left on device", "Disk quota exceeded", "File too large", "Read-only file system")
 
 
-def storage_full(exc: BaseException, target: str | Path) -> StorageFull | None:
-    """The user-facing error for ``exc`` if it is a full (or read-only) disk, else None."""
-    if isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS:
-        reason = exc.strerror
-    else:
-        reason = next((t for t in _FULL_TEXT if t in str(exc)), None)
+_FULL_MARGIN = 64 << 20
+"""Bytes still free on a filesystem under which a failed write counts as a full disk."""
+
+
+def storage_full(exc: BaseException, target: str | Path, written: str | Path | None = None) -> StorageFull | None:
+    """The user-facing error for ``exc`` if it is a full (or read-only) disk, else None.
+
+    The reason is looked for in ``exc``, in the exceptions it wraps (``__cause__``,
+    ``__context__``, DCP's per-rank ``CheckpointException.failures``), and, when none names
+    it, on the filesystem of ``written`` (what the failed write was writing, checked before
+    it is removed): fewer than 64 MiB free there is a full disk. Some writers report a short
+    write only by its effect, as torch's zip writer does under DCP ("unexpected pos 704 vs
+    598"), which a full disk behind a checkpoint of the whole trainer state raised on a GPU
+    machine."""
+    reason = None
+    seen, todo = set(), [exc]
+    while todo and reason is None:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _FULL_ERRNOS:
+            reason = e.strerror
+        else:
+            reason = next((t for t in _FULL_TEXT if t in str(e)), None)
+        todo += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+    if reason is None and written is not None:
+        try:
+            st = os.statvfs(written)
+        except OSError:
+            st = None
+        if st is not None and st.f_bavail * st.f_frsize < _FULL_MARGIN:
+            reason = f"No space left on device ({st.f_bavail * st.f_frsize >> 20} MiB free after: {exc})"
     if reason is None:
         return None
     return StorageFull(f"cannot write {target}: {reason}; free space on that filesystem (or pass another "
                        "--run-dir) and restart: the last STABLE state is intact")
+
 
 _HOST = socket.gethostname().replace("/", "_")
 _TEMP_RE = re.compile(r"\.(?:tmp|old)-(?P<host>.+)-r(?P<rank>\d+)-(?P<pid>\d+)(?:-[0-9a-f]{8})?$")
@@ -312,8 +343,8 @@ def atomic_dir(final: str | Path, marker: dict[str, Any] | None = None,
         yield tmp
         commit_dir(tmp, final, marker, checksums)
     except BaseException as e:
+        full = storage_full(e, final, written=tmp)  # before the temporary's space is freed
         shutil.rmtree(tmp, ignore_errors=True)
-        full = storage_full(e, final)
         if full is not None:
             raise full from None
         raise

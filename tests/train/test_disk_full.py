@@ -61,3 +61,29 @@ def test_a_full_disk_stops_the_trainer_cleanly(tmp_path, tiny_model_dir):
     train_in_process(recipe, 2)
     assert [m["step"] for m in read_jsonl(run_dir / "metrics" / "train.jsonl")] == [1, 2]
     assert temporaries(run_dir) == []
+
+
+def test_a_full_disk_behind_a_checkpoint_writer_error_is_named(tmp_path, monkeypatch):
+    """DCP wraps each rank's error in a CheckpointException, and torch's zip writer reports a
+    short write only as "unexpected pos": both are a full disk when the cause says so or the
+    filesystem of what was being written has (almost) no space left; else the error stands."""
+    import errno
+    import os
+    from types import SimpleNamespace
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from rlcli.transport.atomic import storage_full
+
+    enospc = OSError(errno.ENOSPC, "No space left on device")
+    wrapped = CheckpointException("save", {0: (enospc, None)})
+    assert "No space left on device; free space" in str(storage_full(wrapped, tmp_path / "ckpt"))
+    short = CheckpointException("save", {0: (RuntimeError("[enforce fail at inline_container.cc:672] . "
+                                                          "unexpected pos 704 vs 598"), None)})
+    assert storage_full(short, tmp_path / "ckpt", written=tmp_path) is None  # this disk has room
+    real = os.statvfs
+    monkeypatch.setattr(os, "statvfs", lambda p: SimpleNamespace(f_bavail=3, f_frsize=4096) if str(p) == str(tmp_path)
+                        else real(p))
+    full = storage_full(short, tmp_path / "ckpt", written=tmp_path)
+    assert full is not None and str(full).startswith(f"cannot write {tmp_path / 'ckpt'}: No space left on device (0 MiB")
+    assert storage_full(short, tmp_path / "ckpt") is None  # nothing written to look at
