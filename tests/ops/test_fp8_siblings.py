@@ -65,10 +65,11 @@ def test_stacked_siblings_equal_separate_fp8_linears_with_fewer_gemms():
         torch.testing.assert_close(lf, ls, rtol=1e-5, atol=1e-5)
         for name in gs:
             # A stacked GEMM's input gradient sums over its members in another order; where that
-            # gradient flows on into an FP8 linear (o_proj below gate_up) its 1x128 quantization can
-            # round an element to the neighbouring FP8 value, so bound the error by the gradient's scale
-            # (6.9e-4 of it measured on AVX-512; a wrong block or scale is off by the whole gradient).
-            bound = 2e-3 * gs[name].abs().max().item()
+            # gradient flows on into an FP8 linear its 1x128 quantization can round an element to the
+            # neighbouring FP8 value (an e4m3 step is 1/8 of it), so bound the error by the gradient's
+            # scale: up to 9.4e-3 of it measured with MKL/ATen on AVX-512, AVX2 and SSE4.2 kernels;
+            # a wrong block or scale is off by the order of the gradient itself.
+            bound = 3e-2 * gs[name].abs().max().item()
             torch.testing.assert_close(gf[name], gs[name], rtol=0, atol=bound, msg=f"{name} step {step}")
         assert (be_sep.calls, be_fused.calls) == (2 * 7 * 3, 2 * 4 * 3)  # fwd, dgrad, wgrad: 7 -> 4 a layer
         opt.step()
