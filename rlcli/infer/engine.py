@@ -24,7 +24,10 @@ longest run the store holds (same keys, so the same salt-and-version rule). The 
 runs in the background: the prompt stays waiting, holding no blocks, while the engine
 steps every other request (a later prompt whose next block is in that fetch waits for it
 rather than fetching it again); once the fetch is done, the scheduler copies the blocks
-into fresh ones before prefill (a fetch that started under other weights is dropped).
+into fresh ones just before the prompt's admission, once they fit beside what runs (several
+fetches taken at once would evict one another's blocks in a full cache; a fetch nobody waits
+for any more, or done ``FETCH_HOLD_S`` ago, is taken at a step's start; one that started under
+other weights is dropped).
 A fetch small enough to be done within ``FETCH_GRACE_S`` is waited for, so its prompt
 joins the step being scheduled rather than the next one.
 Full blocks are published after a prompt's prefill and when a completion finishes (only
@@ -373,9 +376,8 @@ class NativeEngine(SharedKVMixin):
         """Take the longest cached prefix of the prompt (local, then the shared store's); False
         while the prompt waits for a fetch (it then holds no blocks)."""
         if seq.fetch is not None:
-            if not seq.fetch.ticket.done():
+            if not seq.fetch.ticket.done() or not self._take_for(seq.fetch):
                 return False
-            self._take_fetches()  # (done since this step began)
             if seq.fetch.version != self.version:
                 seq.fetched_to = 0  # dropped: its keys name other weights; ask again under these
             seq.fetch = None  # its blocks are in the local prefix cache now

@@ -23,6 +23,10 @@ if TYPE_CHECKING:
 FETCH_GRACE_S = 0.02
 """How long scheduling waits for a fetch it just started before running the step without it (the
 fetches worth it are picked by their bytes and the connector's measured ``fetch_bytes_per_s``)."""
+FETCH_HOLD_S = 1.0
+"""How long a done fetch waits, untaken, for room to take in its blocks when its prompt is next
+considered for admission (meanwhile it holds store slots or device memory); then its blocks go to
+the local prefix cache as far as they fit, whether its prompt runs next or not."""
 
 
 @dataclass
@@ -34,6 +38,7 @@ class Fetch:
     start: int
     version: int
     t_start: float = 0.0  # perf_counter when it was asked for
+    taken: bool = False  # its blocks went to the local prefix cache (or were dropped)
 
 
 class SharedKVMixin:
@@ -69,17 +74,37 @@ class SharedKVMixin:
         seq.fetch, seq.fetched_to = fetch, end
 
     def _take_fetches(self) -> None:
-        """Copy the blocks of every done fetch into the local prefix cache, where the prompts
-        that waited for them (or any later one) match them; taken in any case, so neither an
-        aborted waiter nor a weight swap leaves one behind."""
+        """Copy into the local prefix cache the blocks of every done fetch that no waiting prompt
+        waits for (its waiter was aborted, or the weights changed) or that has waited
+        ``FETCH_HOLD_S``, so none is left behind. A fetch a prompt waits for is taken just before
+        that prompt's admission (:meth:`_take_for`): taken all at once at a step's start, the
+        blocks of several fetches evicted one another when the cache could not hold them all,
+        and their prompts recomputed what had just been fetched."""
         if not any(f.ticket.done() for f in self.fetches):
             return
+        waited = {id(s.fetch) for s in self.waiting if s.fetch is not None}
+        now = time.perf_counter()
         for fetch in [f for f in self.fetches if f.ticket.done()]:
-            self.fetches.remove(fetch)
-            for h in fetch.hashes[fetch.start:]:
-                if self.fetching.get(h) is fetch:
-                    del self.fetching[h]
-            self._take_fetch(fetch)
+            if id(fetch) not in waited or fetch.version != self.version or now - fetch.ticket.t_done > FETCH_HOLD_S:
+                self._take(fetch)
+
+    def _take_for(self, fetch: Fetch) -> bool:
+        """Take a waiting prompt's done fetch now, unless its blocks do not fit beside what is
+        running (then False: the prompt keeps waiting, holding no blocks, for up to ``FETCH_HOLD_S``)."""
+        if not fetch.taken:
+            rows = fetch.ticket.data.shape[0] if fetch.ticket.data is not None else 0
+            if rows + 2 > self.blocks.num_available and time.perf_counter() - fetch.ticket.t_done <= FETCH_HOLD_S:
+                return False
+            self._take(fetch)
+        return True
+
+    def _take(self, fetch: Fetch) -> None:
+        self.fetches.remove(fetch)
+        fetch.taken = True
+        for h in fetch.hashes[fetch.start:]:
+            if self.fetching.get(h) is fetch:
+                del self.fetching[h]
+        self._take_fetch(fetch)
 
     def _take_fetch(self, fetch: Fetch) -> None:
         now, ticket = time.perf_counter(), fetch.ticket
@@ -121,7 +146,7 @@ class SharedKVMixin:
     def _idle_until_fetched(self, timeout_s: float = 0.02) -> None:
         """Nothing could run: wait (briefly, so the server stays responsive) for a fetch that
         a waiting prompt needs."""
-        fetch = next((s.fetch for s in self.waiting if s.fetch is not None), None)
+        fetch = next((s.fetch for s in self.waiting if s.fetch is not None and not s.fetch.ticket.done()), None)
         if fetch is not None:
             t0 = time.perf_counter()
             fetch.ticket.event.wait(timeout_s)

@@ -9,6 +9,10 @@ import torch
 from kvstore import PREFIX, TAILS, engine, requests, run, start_cache
 
 from rlcli.cache.client import CacheClient
+from rlcli.config.infer import KVCacheConfig
+from rlcli.infer import shared_kv
+from rlcli.infer.engine import NativeEngine
+from rlcli.infer.kv_connector import make_kv_connector
 from rlcli.models import load_model, save_model
 from rlcli.protocol import FsWeights, GenerateRequest, SamplingParams
 from rlcli.transport.atomic import write_marker
@@ -173,6 +177,41 @@ def test_a_fetch_in_flight_across_a_swap_is_dropped(tiny_model_dir, tmp_path):
     assert out["1"].completions[0].versions == [1] * len(ref["1"].completions[0].token_ids)
     torch.testing.assert_close(out["1"].completions[0].logprobs, ref["1"].completions[0].logprobs, rtol=0, atol=1e-5)
     for e in (a, b, solo):
+        e.close()
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def test_fetches_done_together_do_not_evict_one_another(tiny_model_dir, tmp_path, monkeypatch):
+    """Three prompts' histories are in the store and B's cache holds two of them at a time:
+    each prompt runs on the blocks fetched for it (taken just before its admission), none
+    recomputes what the store held. Taken together at one step's start, the third fetch's
+    blocks evicted the first's, and the first prompt recomputed them."""
+    monkeypatch.setattr(shared_kv, "FETCH_HOLD_S", 600.0)  # a slow machine must not expire the third's wait
+    proc, endpoint = start_cache(tmp_path)
+    model = load_model(tiny_model_dir, seed=1)
+    a = engine(model, endpoint)
+    prompts = [GenerateRequest(request_id=str(i), prompt_ids=[256] + [20 + 50 * i + j for j in range(43)],
+                               cache_salt="3", sampling=SamplingParams(max_tokens=4, seed=i, ignore_eos=True))
+               for i in range(3)]
+    run(a, prompts)  # 44 tokens each: 10 full blocks of 4 to fetch (the last one holds the prompt's end)
+    assert a.kv.flush(10)
+    b = NativeEngine(model, eos_token_ids=[], max_model_len=256, block_size=4, kv_cache_memory_mb=25 * 2048 / 2**20)
+    b.kv = make_kv_connector(KVCacheConfig(endpoint=endpoint), b.block_meta(), b.device)
+    assert b.blocks.num_blocks == 25
+    for r in prompts:
+        b.add_request(r)
+    b.step()  # asks the store for each prompt's 10 blocks
+    deadline = time.monotonic() + 30
+    while not all(f.ticket.done() for f in b.fetches) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    out = run(b, [])
+    assert {rid: r.num_cached_tokens for rid, r in out.items()} == {"0": 40, "1": 40, "2": 40}
+    assert b.stats()["num_kv_fetched_tokens"] == 120
+    ref = run(engine(model, None), prompts)
+    for rid, resp in ref.items():
+        assert out[rid].completions[0].token_ids == resp.completions[0].token_ids
+    for e in (a, b):
         e.close()
     proc.terminate()
     proc.wait(timeout=10)
