@@ -183,16 +183,11 @@ class ArenaStore:
         return True
 
     def put(self, keys: list[bytes], values: list[bytes], meta: BlockMeta | None = None) -> int:
-        if len(keys) != len(values):
-            raise ValueError(f"put: {len(keys)} keys but {len(values)} values")
-        stored = 0
-        for key, value in zip(keys, values):
-            if meta is not None and len(value) != meta.nbytes:
-                self.counters["rejected"] += 1
-            elif key not in self.reserved:  # (else being written: it will be there)
-                stored += self.insert(key, value, meta)
-        self.counters["puts"] += stored
-        return stored
+        return MemoryStore.put(self, keys, values, meta)
+
+    def writable(self, key: bytes) -> bool:
+        """Not a key being written through a reservation (it will be there)."""
+        return key not in self.reserved
 
     def _find(self, key: bytes, meta: BlockMeta | None) -> tuple[int, int] | None:
         item = self.blocks.get(key)
