@@ -149,7 +149,28 @@ def remove(name: str) -> None:
         pass
 
 
-class Mailbox:
+class _Mapped:
+    """A mapped /dev/shm file: ``_mm`` (None once unmapped), its bytes as ``array``."""
+
+    _mm: mmap.mmap | None = None
+    on_unmap: Callable[[np.ndarray], None] | None = None
+
+    def _unmap(self) -> bool:
+        """Run ``on_unmap``, drop ``array`` and the mapping; False when there was none."""
+        if self._mm is None:
+            return False
+        if self.on_unmap is not None:
+            self.on_unmap(self.array)
+        self.array = np.empty(0, dtype=np.uint8)
+        try:
+            self._mm.close()
+        except BufferError:  # a view still lives somewhere: the mapping goes when it does
+            pass
+        self._mm = None
+        return True
+
+
+class Mailbox(_Mapped):
     """A reusable payload file in /dev/shm, mapped here and grown on demand (its owner deletes it).
 
     ``on_map(array)`` / ``on_unmap(array)`` run when a mapping is made or dropped (a CUDA
@@ -189,18 +210,9 @@ class Mailbox:
             self.on_map(self.array)
 
     def close(self) -> None:
-        if self._mm is None:
-            return
-        if self.on_unmap is not None:
-            self.on_unmap(self.array)
-        self.array = np.empty(0, dtype=np.uint8)
-        try:
-            self._mm.close()
-        except BufferError:  # a view still lives somewhere: the mapping goes when it does
-            pass
-        self._mm = None
-        remove(self.name)
-        self.name, self.size = "", 0
+        if self._unmap():
+            remove(self.name)
+            self.name, self.size = "", 0
 
 
 def arena_path_of(name: str) -> Path:
@@ -232,7 +244,7 @@ def remove_stale_arenas() -> int:
     return removed
 
 
-class Arena:
+class Arena(_Mapped):
     """A /dev/shm file of ``size`` bytes that this process owns (rl-cache's RAM tier), mapped and
     faulted in. Its owner holds a shared ``flock`` on it while alive, so the next owner on the
     host removes one whose process died (SIGKILL) instead of leaving its memory taken. OSError
@@ -259,17 +271,13 @@ class Arena:
     def close(self) -> None:
         if self._fd < 0:
             return
-        self.array = np.empty(0, dtype=np.uint8)
-        try:
-            self._mm.close()
-        except BufferError:  # a view still lives somewhere: the mapping goes when it does
-            pass
+        self._unmap()
         (SHM_DIR / self.name).unlink(missing_ok=True)
         os.close(self._fd)
         self._fd = -1
 
 
-class Mapping:
+class Mapping(_Mapped):
     """Another process's /dev/shm file (rl-cache's arena) mapped whole, read-write, here.
 
     The pages are populated at map time (they are already in memory: the owner faulted them
@@ -301,13 +309,4 @@ class Mapping:
         return arena_path_of(self.name).exists()
 
     def close(self) -> None:
-        if self._mm is None:
-            return
-        if self.on_unmap is not None:
-            self.on_unmap(self.array)
-        self.array = np.empty(0, dtype=np.uint8)
-        try:
-            self._mm.close()
-        except BufferError:  # a view still lives somewhere: the mapping goes when it does
-            pass
-        self._mm = None
+        self._unmap()
