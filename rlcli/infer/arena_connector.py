@@ -22,7 +22,8 @@ from functools import partial
 import torch
 
 from rlcli.errors import PeerUnreachable
-from rlcli.infer.kv_connector import FetchTicket, _call, _Publisher, _register, _run_length, _unregister, log
+from rlcli.infer.kv_connector import FetchTicket, _call, _run_length, log
+from rlcli.infer.kv_transfer import _Publisher, _register, _unregister
 from rlcli.protocol import (
     BlockMeta, CacheGet, CacheGetReply, CachePut, CacheRelease, CacheReply, CacheReserve, CacheReserveReply,
 )

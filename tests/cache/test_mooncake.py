@@ -44,7 +44,7 @@ def test_blocks_round_trip_bit_exact_through_the_pool(mooncake_cache):
 
 
 def test_engines_share_kv_through_mooncake(tiny_model_dir, mooncake_cache):
-    from rlcli.infer.kv_connector import MooncakeConnector
+    from rlcli.infer.store_connector import MooncakeConnector
     from rlcli.models import load_model
 
     model = load_model(tiny_model_dir, seed=1)
