@@ -25,18 +25,39 @@ moves (a new version is a new cache salt, so every cache is cold). ``staggered``
 conversation c starts ``c * --stagger-s`` seconds in, as a dispatcher refilling one episode
 at a time would; then a replica can take the shared prefix another replica computed
 (through the store) instead of computing it again. ``burst,staggered`` runs both, one
-after the other.
+after the other. ``--think-s`` (default 0) waits between a turn's answer and the next turn,
+as a tool call or an environment step would (each wait 0.5x to 1.5x of it, the same in every
+arm); then fewer conversations are in flight at once than there are conversations.
 
-Printed per arm: prefix hit rate (prompt tokens served from a cache), prompt tokens
-recomputed, mean and median time to first token (submit -> first generated token back in
-the driver, including the prefill hop for P/D), TTFT per turn, decode tokens/s per request
-(tokens after the first / time after the first), payload bytes moved through the store per
-request, the replicas' fetch threads' time (store round trips and the copy to the device),
-the part of it spent waiting for the store, and the time the engine threads waited for
-fetches (a short wait for a small one, or a step with nothing else to run); then the TTFT ratios, also over the turns after
-the first (in a burst, the first is the same cold work in every arm: all conversations start
-together and nothing is stored yet). Every token time is taken after the engine read the
-sampled token back to the host (a device sync), so GPU times are real.
+Two regimes. By default each replica's local KV cache holds the whole working set (the shared
+prefix and every conversation's whole history: what a replica would keep to serve every turn
+from its own cache) several times over; then a replica misses only what the other one computed
+since it last saw the conversation (turns t and t + 2 land on the same replica), and the first
+turn, the same cold work in every arm, bounds the gain. ``--kv-share F`` (or ``--kv-cache-mb``)
+sizes each replica's local KV cache to a share F of the working set instead: the regime of long
+contexts and many concurrent rollouts, where an engine's GPU memory holds the requests it is
+running but not every conversation's history between turns, so its prefix cache evicts a
+history before the conversation comes back and only the store (host RAM, disk, other machines)
+still has it. Give it a ``--think-s`` long enough that the requests in flight fit in that share
+(else both arms mostly queue for KV blocks), e.g.
+``--conversations 16 --kv-share 0.33 --think-s 5`` on the CPU. The header line prints the
+working set and the share.
+
+Printed per arm: prefix hit rate (prompt tokens served from a cache), the part of it fetched
+from the store, prompt tokens recomputed, preemptions, mean and median time to first token
+(submit -> first generated token back in the driver, including the prefill hop for P/D), TTFT
+per turn, decode tokens/s per request (tokens after the first / time after the first),
+payload bytes moved through the store per request, the replicas' fetch threads' time (store
+round trips and the copy to the device), the part of it spent waiting for the store, and the
+time the engine threads waited for fetches (a short wait for a small one, or a step with nothing else to run); each turn's TTFT
+split, in the replica that produced its first token, into waiting for a store fetch, waiting to
+be admitted (no token budget or KV blocks), admitted (the steps that prefilled it, the one that
+admitted it and any short wait in it for small fetches included) and the rest (mostly the step
+the replica was running when the request arrived, which it ends before taking new requests;
+for P/D, the prefill hop); then the TTFT ratios, also over the turns after the first (in a
+burst, the first is the same cold work in every arm: all conversations start together and
+nothing is stored yet). Every token time is taken after the engine read the sampled token back
+to the host (a device sync), so GPU times are real.
 
     python bench/kv_cache.py --smoke                  # CPU, tiny shapes, about a minute
     python bench/kv_cache.py                          # CPU, the docs/benchmarks.md figures
@@ -44,13 +65,16 @@ sampled token back to the host (a device sync), so GPU times are real.
     python bench/kv_cache.py --baseline-last          # the mixed arm after the cache arms (order check)
     python bench/kv_cache.py --transfer shm           # the path before the arena: bytes in rl-cache, /dev/shm mailboxes
     python bench/kv_cache.py --device cuda            # ~1B Llama shape, 16k shared prefix (GPU_RUN.md)
+    python bench/kv_cache.py --conversations 16 --kv-share 0.33 --think-s 5   # CPU, histories evicted locally
 """
 
 import argparse
+import heapq
 import json
 import multiprocessing as mp
 import os
 import queue
+import random
 import shutil
 import signal
 import statistics
@@ -109,6 +133,10 @@ def replica(name: str, cfg: dict, model_dir: str, device: str, seed: int, inbox,
             cache.fill_(0)
     events.put(("ready", name, 0.0, engine.block_meta().nbytes // cfg["block_size"]))
     streamed: set[str] = set()
+    # Until its first token, where each request's time goes, attributed step by step by its state
+    # after the step: waiting for a store fetch, waiting (no budget or blocks), or admitted (its
+    # prefill steps, the one that admitted it included): [fetch s, queued s, admitted s, last time].
+    spent: dict[str, list[float]] = {}
     parent = os.getppid()
     while os.getppid() == parent:  # the driver is gone: stop
         items = []
@@ -121,6 +149,7 @@ def replica(name: str, cfg: dict, model_dir: str, device: str, seed: int, inbox,
         for item in items:
             if item[0] == "req":
                 engine.add_request(item[1], stream=True)
+                spent[item[1].request_id] = [0.0, 0.0, 0.0, time.perf_counter()]
             elif item[0] == "arm":
                 _, role, endpoint = item
                 if engine.kv is not None:
@@ -140,11 +169,17 @@ def replica(name: str, cfg: dict, model_dir: str, device: str, seed: int, inbox,
                 return
         if not engine.has_work():
             continue
-        for out in engine.step():
-            now = time.perf_counter()  # CLOCK_MONOTONIC: the same clock in every process of the host
+        outs = engine.step()
+        now = time.perf_counter()  # CLOCK_MONOTONIC: the same clock in every process of the host
+        state = {s.req.request_id: 0 if s.fetch is not None and not s.fetch.ticket.done() else 1
+                 for s in engine.waiting}  # (read, not changed: the bench's view of the scheduler)
+        for rid, acc in spent.items():
+            acc[state.get(rid, 2)] += now - acc[3]
+            acc[3] = now
+        for out in outs:
             if isinstance(out, Delta) and out.token_ids and out.request_id not in streamed:
                 streamed.add(out.request_id)
-                events.put(("token", name, now, out.request_id))
+                events.put(("token", name, now, (out.request_id, spent.pop(out.request_id, [0.0] * 3)[:3])))
             elif isinstance(out, GenerateResponse):
                 streamed.discard(out.request_id)
                 events.put(("done", name, now, (out.request_id, out.completions[0].token_ids)))
@@ -242,14 +277,18 @@ def run_arm(args, reps: Replicas, arm: str, endpoint: str | None, arrival: str, 
     history = {c: prefix + torch.randint(0, 256, (args.context,), generator=gen).tolist()
                for c in range(args.conversations)}
     turn = {c: 0 for c in range(args.conversations)}
-    starts = [c * (args.stagger_s if arrival == "staggered" else 0.0) for c in range(args.conversations)]
+    # (seconds after the start, conversation) of the turns not yet submitted: first turns by
+    # --arrival, each later one --think-s (jittered, the same in every arm) after the previous answer
+    due = [(c * (args.stagger_s if arrival == "staggered" else 0.0), c) for c in range(args.conversations)]
     submitted: dict[str, float] = {}
     first: dict[str, float] = {}
     done: dict[str, tuple[float, int]] = {}
     pending: dict[str, GenerateRequest] = {}
+    split: dict[str, list[float]] = {}  # request -> [fetch, queued, admitted] seconds before its first token
 
     def submit(c: int) -> None:
-        history[c] += torch.randint(0, 256, (args.user,), generator=gen).tolist()
+        user = torch.Generator().manual_seed(1 + 1000 * c + turn[c])  # the same tokens in every arm
+        history[c] += torch.randint(0, 256, (args.user,), generator=user).tolist()
         rid = f"c{c}t{turn[c]}"
         req = GenerateRequest(request_id=rid, prompt_ids=list(history[c]),
                               cache_salt=f"{tag}{arm}-{arrival}",  # arms (and workloads) share nothing
@@ -259,25 +298,24 @@ def run_arm(args, reps: Replicas, arm: str, endpoint: str | None, arrival: str, 
         pending[rid] = req
 
     t_start = time.perf_counter()
-    num_started = 0
-    while pending or num_started < len(starts):
-        while num_started < len(starts) and time.perf_counter() - t_start >= starts[num_started]:
-            submit(num_started)
-            num_started += 1
-        wait = starts[num_started] - (time.perf_counter() - t_start) if num_started < len(starts) else 900
+    while pending or due:
+        while due and time.perf_counter() - t_start >= due[0][0]:
+            submit(heapq.heappop(due)[1])
+        wait = due[0][0] - (time.perf_counter() - t_start) if due else 900
         try:
             kind, name, now, payload = reps.events.get(timeout=max(wait, 0.001))
         except queue.Empty:
             continue
         if kind not in ("token", "done"):
             continue
-        rid = payload if kind == "token" else payload[0]
+        rid = payload[0]
         if arm == "P/D+cache" and name == "r0":
             if kind == "done":  # prefilled and stored: the decode server generates
                 reps.ask(1, "req", pending[rid])
             continue
         if kind == "token":
             first.setdefault(rid, now)
+            split.setdefault(rid, payload[1])
         else:
             c = int(rid[1:].split("t")[0])
             done[rid] = (now, len(payload[1]))
@@ -285,7 +323,8 @@ def run_arm(args, reps: Replicas, arm: str, endpoint: str | None, arrival: str, 
             del pending[rid]
             turn[c] += 1
             if turn[c] < args.turns:
-                submit(c)
+                think = args.think_s * (0.5 + random.Random(1000 * c + turn[c]).random())  # 0.5x to 1.5x
+                heapq.heappush(due, (now - t_start + think, c))
     wall = time.perf_counter() - t_start
     stats = reps.stats()
     delta = [{k: s.get(k, 0.0) - b.get(k, 0.0) for k in s} for s, b in zip(stats, base)]
@@ -294,13 +333,13 @@ def run_arm(args, reps: Replicas, arm: str, endpoint: str | None, arrival: str, 
     ttft = [first[r] - submitted[r] for r in done]
     tps = [(n - 1) / (t - first[r]) for r, (t, n) in done.items() if n > 1 and t > first[r]]
     num_req = len(done)
-    if arm == "P/D+cache":  # each turn was prefilled twice (once per server); count the prefill server's
-        prompt_tokens, hits = delta[0]["num_prompt_tokens"], delta[0]["num_cached_tokens"]
-    else:
-        prompt_tokens, hits = total["num_prompt_tokens"], total["num_cached_tokens"]
+    counted = delta[0] if arm == "P/D+cache" else total  # P/D: each turn is prefilled twice; the prefill server's
+    prompt_tokens, hits = counted["num_prompt_tokens"], counted["num_cached_tokens"]
     by_turn = [statistics.mean(first[r] - submitted[r] for r in done if r.endswith(f"t{t}")) for t in range(args.turns)]
+    split_by_turn = [[statistics.mean(split[r][k] for r in done if r.endswith(f"t{t}")) for k in range(3)]
+                     for t in range(args.turns)]
     return {"arm": arm, "arrival": arrival, "requests": num_req, "hit_rate": hits / max(prompt_tokens, 1),
-            "ttft_by_turn_s": by_turn,
+            "ttft_by_turn_s": by_turn, "ttft_split_by_turn_s": split_by_turn,
             "ttft_mean_s": statistics.mean(ttft), "ttft_p50_s": statistics.median(ttft),
             "ttft_later_turns_s": statistics.mean(by_turn[1:]) if args.turns > 1 else by_turn[0],
             "decode_tok_s": statistics.mean(tps) if tps else 0.0,
@@ -311,7 +350,9 @@ def run_arm(args, reps: Replicas, arm: str, endpoint: str | None, arrival: str, 
             "steps": total.get("num_steps", 0.0), "step_s": total.get("step_s", 0.0),
             "fetches": total.get("kv_fetches_taken", 0.0), "fetch_ready_s": total.get("kv_fetch_ready_s", 0.0),
             "fetch_taken_after_s": total.get("kv_fetch_taken_after_s", 0.0),
-            "recomputed_tokens": prompt_tokens - hits, "wall_s": wall}
+            "recomputed_tokens": prompt_tokens - hits, "wall_s": wall,
+            "store_hit_rate": counted.get("num_kv_fetched_tokens", 0.0) / max(prompt_tokens, 1),
+            "preemptions": total.get("num_preemptions", 0.0)}
 
 
 def main() -> None:
@@ -329,10 +370,18 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per replica (CPU)")
     p.add_argument("--arrival", default="burst", help="burst, staggered, or both as burst,staggered")
     p.add_argument("--stagger-s", type=float, default=None, help="seconds between conversation starts (staggered)")
+    p.add_argument("--think-s", type=float, default=0.0,
+                   help="mean seconds between a turn's answer and the next turn (tool or environment time; "
+                   "each wait drawn from 0.5x to 1.5x of it, the same in every arm)")
     p.add_argument("--transfer", default="auto", choices=["auto", "arena", "shm", "inline"],
                    help="how payloads reach a memory store (auto: rl-cache's shared arena where it has one; "
                    "shm, inline: the store keeps Python bytes, as before the arena)")
     p.add_argument("--cache-mb", type=int, default=None, help="rl-cache's RAM capacity (its arena in /dev/shm)")
+    p.add_argument("--kv-cache-mb", type=float, default=None,
+                   help="each replica's local KV cache (default by device: the working set fits several times)")
+    p.add_argument("--kv-share", type=float, default=None,
+                   help="size each replica's local KV cache to this share of the working set instead (e.g. 0.33: "
+                   "histories are evicted between turns; the module docstring says what this models)")
     p.add_argument("--baseline-last", action="store_true",
                    help="run the mixed arm after the cache arms (does arm order matter?)")
     args = p.parse_args()
@@ -350,7 +399,23 @@ def main() -> None:
     args.dtype = "bfloat16" if args.device == "cuda" else "float32"
     args.block_size = 16
     args.max_len = args.prefix + args.context + args.turns * (args.user + args.gen) + 64
-    args.kv_cache_mb = {"smoke": 16, "cpu": 512, "cuda": 32768}[workload]
+    h, inter, layers, heads, kv, hd = SHAPES[args.shape]
+    kv_bytes_per_token = layers * 2 * kv * hd * (2 if args.dtype == "bfloat16" else 4)
+    # What one replica's local cache would hold to serve every turn itself: the shared prefix and
+    # every conversation's whole history (each conversation comes back every other turn).
+    working_set = (args.prefix + args.conversations * (args.context + args.turns * (args.user + args.gen))) \
+        * kv_bytes_per_token
+    if args.kv_share is not None and args.kv_cache_mb is not None:
+        p.error("--kv-share and --kv-cache-mb both size the local KV cache: pass one")
+    if args.kv_share is not None:
+        if args.kv_share <= 0:
+            p.error(f"--kv-share must be > 0, got {args.kv_share}")
+        args.kv_cache_mb = args.kv_share * working_set / 2**20
+    elif args.kv_cache_mb is None:
+        args.kv_cache_mb = {"smoke": 16, "cpu": 512, "cuda": 32768}[workload]
+    if args.max_len * kv_bytes_per_token > args.kv_cache_mb * 2**20:
+        p.error(f"a replica's local KV cache ({args.kv_cache_mb:.3g} MiB) cannot hold one conversation's last turn "
+                f"({args.max_len * kv_bytes_per_token / 2**20:.3g} MiB): raise --kv-share or --kv-cache-mb")
     if args.cache_mb is None:  # what the workload stores, within what /dev/shm has room for
         free_mb = shutil.disk_usage("/dev/shm").free >> 20 if os.path.isdir("/dev/shm") else 1 << 20
         args.cache_mb = max(64, min({"smoke": 256, "cpu": 2048, "cuda": 8192}[workload], free_mb * 3 // 4))
@@ -370,7 +435,6 @@ def main() -> None:
         model_dir = write_model(Path(tmp) / "model", args.shape, args.max_len)
         proc, endpoint = start_cache(Path(tmp), args.backend, args.cache_mb, args.transfer in ("auto", "arena"))
         reps = Replicas(args, model_dir)
-        h, inter, layers, heads, kv, hd = SHAPES[args.shape]
         client = CacheClient(endpoint, timeout_s=60)
         arena = client.stats().get("arena", "")
         client.close()
@@ -381,9 +445,10 @@ def main() -> None:
         print(f"# kv_cache bench: device={args.device} shape={args.shape} (hidden {h}, {layers} layers, {kv}x{hd} KV "
               f"heads, {args.dtype}; KV {reps.kv_bytes_per_token} B/token) backend={args.backend} payloads via "
               f"{transfer}; conversations={args.conversations} turns={args.turns} prefix={args.prefix} "
-              f"context={args.context} user={args.user} gen={args.gen} arrival={args.arrival} (stagger "
-              f"{args.stagger_s:g} s); load average {os.getloadavg()[0]:.1f}",
-              flush=True)
+              f"context={args.context} user={args.user} gen={args.gen} think={args.think_s:g} s arrival={args.arrival} "
+              f"(stagger {args.stagger_s:g} s); local KV {args.kv_cache_mb:.4g} MiB per replica = "
+              f"{args.kv_cache_mb * 2**20 / working_set:.2f}x the working set ({working_set / 2**20:.4g} MiB); "
+              f"load average {os.getloadavg()[0]:.1f}", flush=True)
         try:
             # One unmeasured pass of the whole workload first: fresh processes pay one-off costs
             # (kernel and GEMM heuristics for every prefill and decode shape, allocator growth,
@@ -414,16 +479,22 @@ def report(rows: list[dict]) -> None:
         arms = sorted((r for r in rows if r["arrival"] == arrival), key=lambda r: ARMS.index(r["arm"]))
         order = " (arms run: mixed+cache, P/D+cache, mixed)" if arms[0]["baseline_last"] else ""
         print(f"# arrival: {arrival}{order}")
-        print(f"{'arm':<12} {'hit rate':>8} {'recomputed':>10} {'TTFT mean':>10} {'TTFT p50':>9} {'decode tok/s':>12} "
+        print(f"{'arm':<12} {'hit rate':>8} {'of it store':>11} {'recomputed':>10} {'preempted':>9} "
+              f"{'TTFT mean':>10} {'TTFT p50':>9} {'decode tok/s':>12} "
               f"{'MB/request':>10} {'fetch s':>7} {'fetch GB/s':>10} {'store s':>7} {'idle s':>6} {'wall s':>7}")
         for r in arms:
             rate = r["fetched_gb"] / r["fetch_s"] if r["fetch_s"] else 0.0
-            print(f"{r['arm']:<12} {r['hit_rate']:>8.3f} {r['recomputed_tokens']:>10.0f} "
+            print(f"{r['arm']:<12} {r['hit_rate']:>8.3f} {r['store_hit_rate']:>11.3f} {r['recomputed_tokens']:>10.0f} "
+                  f"{r['preemptions']:>9.0f} "
                   f"{r['ttft_mean_s'] * 1e3:>8.1f}ms {r['ttft_p50_s'] * 1e3:>7.1f}ms {r['decode_tok_s']:>12.1f} "
                   f"{r['bytes_per_request'] / 2**20:>10.2f} {r['fetch_s']:>7.2f} {rate:>10.2f} "
                   f"{r['fetch_store_s']:>7.2f} {r['idle_s']:>6.2f} {r['wall_s']:>7.1f}")
         for r in arms:
             print(f"{r['arm']:<12} TTFT by turn (ms): " + " ".join(f"{t * 1e3:.0f}" for t in r["ttft_by_turn_s"]))
+        for r in arms:  # where each turn's TTFT went, in the replica that generated its first token
+            print(f"{r['arm']:<12} by turn, fetch / queued / admitted / rest (ms): " + ", ".join(
+                "/".join(f"{x * 1e3:.0f}" for x in (*parts, total - sum(parts)))
+                for parts, total in zip(r["ttft_split_by_turn_s"], r["ttft_by_turn_s"])))
         for r in arms:  # where a fetching prompt's time goes: the fetch, then the wait for a step to take it
             n, steps = max(r.get("fetches", 0), 1), r.get("steps", 0)
             print(f"{r['arm']:<12} engine steps {steps:.0f}, mean {r.get('step_s', 0) / max(steps, 1) * 1e3:.1f} ms; "
