@@ -61,7 +61,7 @@ from rlcli.infer.receiver import WeightReceiver
 from rlcli.models import DTYPES, CausalLM, load_model
 from rlcli.models.tokenizer import load_tokenizer
 from rlcli.ops.attention import ForwardContext, PagedAttention, PagedAttentionMetadata, RoutingContext
-from rlcli.ops.batch_invariant import pad_linear_rows
+from rlcli.ops.batch_invariant import pad_linear_rows, pin_threads
 from rlcli.ops.logprobs import token_logprobs_of
 from rlcli.ops.sampling import sample
 from rlcli.protocol import (
@@ -139,6 +139,7 @@ class NativeEngine(SharedKVMixin):
                 raise ConfigError("model.batch_invariant covers grouped-query attention only; this model's "
                                   "attention is another kind: set model.batch_invariant = false")
             pad_linear_rows(model)
+            pin_threads()  # the trainer's thread count (rlcli.ops.batch_invariant)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.eos_token_ids = frozenset(eos_token_ids)

@@ -105,7 +105,8 @@ class InferServer:
         self.stopping = False
         self.cores = None  # adaptive threads (rlcli.transport.cores): the native engine on a CPU
         ecfg = icfg.engine
-        if ecfg.name == "native" and ecfg.threads == "adaptive" and icfg.device == "cpu":
+        if ecfg.name == "native" and ecfg.threads == "adaptive" and icfg.device == "cpu" \
+                and not cfg.model.batch_invariant:  # batch-invariant numerics run on one thread
             from rlcli.transport.cores import CoreShare
 
             self.cores = CoreShare(run.root, "infer", instance, ecfg.num_threads)

@@ -32,7 +32,7 @@ from rlcli.config.train import LossConfig, OptimConfig
 from rlcli.errors import ConfigError
 from rlcli.logging import setup_logging
 from rlcli.models import DTYPES, ModelArgs, build_model, load_model
-from rlcli.ops.batch_invariant import pad_linear_rows
+from rlcli.ops.batch_invariant import pad_linear_rows, pin_threads
 from rlcli.models.hf_io import has_weights, save_model
 from rlcli.models.tokenizer import load_tokenizer
 from rlcli.parallel import parallelize, resolve_dims
@@ -127,7 +127,7 @@ class Trainer:
         if self.device.type == "cpu":  # a step's large temporaries reuse the last step's pages
             keep_freed_memory()
         self.cores = None  # adaptive threads on a CPU: a share of the cores by who computes (rlcli.transport.cores)
-        if tcfg.threads == "adaptive" and self.device.type == "cpu":
+        if tcfg.threads == "adaptive" and self.device.type == "cpu" and not cfg.model.batch_invariant:
             self.cores = CoreShare(run.root, "train", self.dist.rank, tcfg.num_threads)
         self.args = ModelArgs.from_dir(cfg.model.path)
         self.dims = resolve_dims(tcfg.parallel, self.dist.world_size, self.args.num_experts,
@@ -245,6 +245,7 @@ class Trainer:
                 raise ConfigError("model.batch_invariant is implemented on the CPU only: set "
                                   "model.batch_invariant = false or train on the CPU")
             pad_linear_rows(model)
+            pin_threads()  # the engine's thread count (rlcli.ops.batch_invariant)
         parallelize(model, self.dims, self.cfg.train, self.dtype)
         model.to_empty(device=self.device)
         if not self.dims.enabled:

@@ -40,18 +40,65 @@ def test_padded_linear_rows_do_not_depend_on_the_row_count(dtype, two_threads):
     assert pad_linear_rows(lin) == 1 and pad_linear_rows(lin) == 0  # idempotent
     x = torch.randn(40, 192, generator=g).to(dtype)
     w = torch.randn(259, 192, generator=g).to(dtype)
-    refs = []
-    for threads in (1, 2):
-        torch.set_num_threads(threads)
-        with torch.no_grad():
-            ref = lin(x)
-            refs.append((ref, rows_mm(x, w.T)))
-            for m in range(1, 40):
-                assert torch.equal(lin(x[:m]), ref[:m]), (threads, m)
-                assert torch.equal(lin(x[m // 2:m]), ref[m // 2:m]), (threads, m)  # another place in its block
-                assert torch.equal(rows_mm(x[:m], w.T), rows_mm(x, w.T)[:m]), (threads, m)
-            assert lin(x[None, :3]).shape == (1, 3, 320)
-    assert torch.equal(refs[0][0], refs[1][0]) and torch.equal(refs[0][1], refs[1][1])  # whatever the thread count
+    # At this process's thread count; the one-thread case (what the engine and the trainer pin)
+    # runs in a child below, which leaves this process's count alone.
+    with torch.no_grad():
+        ref = lin(x)
+        for m in range(1, 40):
+            assert torch.equal(lin(x[:m]), ref[:m]), m
+            assert torch.equal(lin(x[m // 2:m]), ref[m // 2:m]), m  # another place in its block
+            assert torch.equal(rows_mm(x[:m], w.T), rows_mm(x, w.T)[:m]), m
+        assert lin(x[None, :3]).shape == (1, 3, 320)
+
+
+_ONE_THREAD_CHILD = """
+import sys, torch
+sys.path.insert(0, sys.argv[2])
+from procs import write_recipe
+from rlcli.config import load_recipe
+from rlcli.infer.engine import NativeEngine
+from rlcli.models import load_model
+from rlcli.ops.batch_invariant import pad_linear_rows
+from rlcli.train.trainer import Trainer
+from rlcli.transport.rundir import RunDir
+
+model_dir, tmp = sys.argv[1], sys.argv[3]
+torch.set_num_threads(2)
+NativeEngine(load_model(model_dir, device=torch.device("cpu"), dtype=torch.float32, seed=0), eos_token_ids=[],
+             max_model_len=64, batch_invariant=True)
+assert torch.get_num_threads() == 1, "engine"
+torch.set_num_threads(2)
+recipe = write_recipe(__import__("pathlib").Path(tmp) / "r.toml", model_dir, tmp + "/run",
+                      model={"batch_invariant": True}, train={"threads": "adaptive", "num_threads": 2})
+cfg = load_recipe(recipe)
+trainer = Trainer(cfg, RunDir(cfg.run_dir))
+assert torch.get_num_threads() == 1 and trainer.cores is None, "trainer"
+trainer.close()
+g = torch.Generator().manual_seed(0)
+for dtype in (torch.float32, torch.bfloat16):
+    lin = torch.nn.Linear(1024, 512, bias=False).to(dtype)  # K of 1024: where MKL splits over threads
+    pad_linear_rows(lin)
+    x = torch.randn(70, 1024, generator=g).to(dtype)
+    with torch.no_grad():
+        ref = lin(x)
+        for m in range(1, 70, 3):
+            assert torch.equal(lin(x[:m]), ref[:m]) and torch.equal(lin(x[m // 2:m]), ref[m // 2:m]), (dtype, m)
+print("ok")
+"""
+
+
+def test_engine_and_trainer_run_on_one_thread_under_the_flag(tiny_model_dir, tmp_path):
+    """Two thread counts split a GEMM's reduction differently (MKL on AVX-512), so both sides
+    pin one thread when their model is made batch-invariant (adaptive threads off), and on one
+    thread the blocked linears give a row the same bits whatever rows come with it. In a child
+    process: the thread count of this one stays as it is."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _ONE_THREAD_CHILD, str(tiny_model_dir),
+                          str(Path(__file__).resolve().parents[1]), str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -61,6 +108,10 @@ def test_invariant_attention_gives_a_query_the_same_bits_in_every_batch_shape(dt
     g = torch.Generator().manual_seed(0)
     T, Hq, Hkv, D = 45, 6, 2, 16
     q, k, v = (torch.randn(1, h, T, D, generator=g).to(dtype) for h in (Hq, Hkv, Hkv))
+    # Known exception (module docstring of rlcli.ops.batch_invariant): the process's first exp after
+    # the tests before was seen to round differently, about 1 time in 5 (torch 2.13, AVX-512). One
+    # call first, so that what is tested is this function's order, not that.
+    invariant_attention(q, k, v, 0.25)
     full = invariant_attention(q, k, v, 0.25)
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, scale=0.25, enable_gqa=True)
     torch.testing.assert_close(full.float(), ref, atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=0)
