@@ -32,7 +32,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from rlcli.ops.batch_invariant import invariant_attention
 from rlcli.ops.document_attention import (PackedCausalAttention, _sdpa, _varlen_attn, doc_ids_from_positions,
-                                          varlen_causal)
+                                          varlen_attention)
 
 __all__ = ["ForwardContext", "InnerAttention", "PackedCausalAttention", "PagedAttention", "PagedAttentionMetadata",
            "RoutingContext", "doc_ids_from_positions"]
@@ -132,11 +132,11 @@ class PagedAttention(nn.Module):
             nd, groups, cu_q, cu_k, max_k = decodes
             Hkv = k.shape[1]
             q_dec = q_NHD[:nd].view(nd, Hkv, groups, -1).transpose(1, 2).reshape(nd * groups, Hkv, -1)
-            out = varlen_causal(q_dec, k, v, cu_q, cu_k, groups, max_k, scale, causal=False)
+            out = varlen_attention(q_dec, k, v, cu_q, cu_k, groups, max_k, scale, causal=False)
             outs.append(out.view(nd, groups, Hkv, -1).transpose(1, 2).reshape(nd, Hkv * groups, -1))
         if prefills is not None:
             first_q, first_k, cu_q, cu_k, max_q, max_k = prefills
-            outs.append(varlen_causal(q_NHD[first_q:], k[first_k:], v[first_k:], cu_q, cu_k, max_q, max_k, scale))
+            outs.append(varlen_attention(q_NHD[first_q:], k[first_k:], v[first_k:], cu_q, cu_k, max_q, max_k, scale))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _plan_varlen(self, device: torch.device, groups: int) -> tuple:

@@ -378,12 +378,12 @@ class PackedCausalAttention(nn.Module):
         k, v = k_BSHD.flatten(0, 1), v_BSHD.flatten(0, 1)
         if gather is not None:  # shared prompts: each segment's ancestors' keys in front of its own
             k, v = _GatherRows.apply(gather, k, v)
-        out = varlen_causal(q_BTHD.flatten(0, 1), k, v, cu_q, cu_q if cu_k is None else cu_k, max_q, max_k, scale)
+        out = varlen_attention(q_BTHD.flatten(0, 1), k, v, cu_q, cu_q if cu_k is None else cu_k, max_q, max_k, scale)
         out = out.view(B, T, *out.shape[1:])
         return out[..., :out.shape[-1] - pad] if pad > 0 else out
 
 
-def varlen_causal(q_NHD: torch.Tensor, k_MHD: torch.Tensor, v_MHD: torch.Tensor, cu_q: torch.Tensor,
+def varlen_attention(q_NHD: torch.Tensor, k_MHD: torch.Tensor, v_MHD: torch.Tensor, cu_q: torch.Tensor,
                   cu_k: torch.Tensor, max_q: int, max_k: int, scale: float, causal: bool = True) -> torch.Tensor:
     """Flash varlen attention of sequences flattened along dim 0 (sequence ``i``: queries
     ``cu_q[i]:cu_q[i+1]``, keys ``cu_k[i]:cu_k[i+1]``), causal aligned to the bottom right:

@@ -70,10 +70,10 @@ def test_varlen_paged_attention_matches_the_dense_reference(dtype, step, hq):
         torch.testing.assert_close(out[a:b].float(), reference(q[0, a:b], k_i, v_i, 0.125), rtol=0, atol=2e-2)
 
 
-def test_varlen_causal_with_grouped_heads_equals_repeated_heads():
+def test_varlen_attention_with_grouped_heads_equals_repeated_heads():
     """Whichever way this torch takes grouped K/V heads (its own argument, the kernel's
     native support, or repeated heads), the result is that of repeated heads."""
-    from rlcli.ops.document_attention import varlen_causal
+    from rlcli.ops.document_attention import varlen_attention
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(2)
@@ -81,16 +81,16 @@ def test_varlen_causal_with_grouped_heads_equals_repeated_heads():
     k, v = (torch.randn(90, HKV, D, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2))
     cu_q = torch.tensor([0, 1, 2, 40], dtype=torch.int32, device=dev)  # two decodes, then a chunk of 38
     cu_k = torch.tensor([0, 30, 31, 90], dtype=torch.int32, device=dev)
-    got = varlen_causal(q, k, v, cu_q, cu_k, 38, 59, 0.125)
+    got = varlen_attention(q, k, v, cu_q, cu_k, 38, 59, 0.125)
     rep = HQ // HKV
-    want = varlen_causal(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), cu_q, cu_k, 38, 59, 0.125)
+    want = varlen_attention(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), cu_q, cu_k, 38, 59, 0.125)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_varlen_causal_gradients_with_grouped_heads_equal_repeated_heads():
+def test_varlen_attention_gradients_with_grouped_heads_equal_repeated_heads():
     """The trainer's varlen path under autograd: whichever way grouped heads are taken, the
     gradients are those of repeated heads (K/V gradients summed over each group)."""
-    from rlcli.ops.document_attention import varlen_causal
+    from rlcli.ops.document_attention import varlen_attention
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(3)
@@ -101,7 +101,7 @@ def test_varlen_causal_gradients_with_grouped_heads_equal_repeated_heads():
     for repeat in (False, True):
         q, k, v = (x.clone().requires_grad_() for x in (q0, k0, v0))
         kk, vv = (k.repeat_interleave(HQ // HKV, dim=1), v.repeat_interleave(HQ // HKV, dim=1)) if repeat else (k, v)
-        varlen_causal(q, kk, vv, cu, cu, 27, 27, 0.125).float().square().sum().backward()
+        varlen_attention(q, kk, vv, cu, cu, 27, 27, 0.125).float().square().sum().backward()
         grads.append([q.grad.float(), k.grad.float(), v.grad.float()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
