@@ -23,7 +23,9 @@ again one by one (``/proc/*/task/*/stat``) leaving out those at a lower priority
 (a higher nice value): the scheduler gives a nice-19 background job 15/1024 of a core
 against a nice-0 team, so it does not stall our barriers and must not shrink our teams.
 With scheduler autogroups on (``kernel.sched_autogroup_enabled``), nice values only order
-tasks of one session, so there every runnable task counts. It must be called from the
+tasks of one session, so there every runnable task counts. Only tasks on the cores this process
+may run on count (its CPU affinity): under a Slurm cpuset, or `taskset`, the jobs beside ours on
+the node's other cores take nothing from our teams. It must be called from the
 thread that runs the compute (torch's intra-op thread count is per calling thread): the
 engine calls it before each step, the trainer from hooks between layers (forward and
 backward), so a change reaches a running step within one layer. Files live per host, so processes on other hosts never count.
@@ -153,21 +155,32 @@ def _runnable_tasks() -> int | None:
 
 
 def _competing_tasks(proc: str = "/proc") -> int | None:
-    """Runnable tasks of the host at this process's priority or higher (nice <= ours); None
-    where that cannot be read or does not decide the shares (scheduler autogroups on)."""
+    """Runnable tasks on this process's cores at its priority or higher (nice <= ours), or at
+    any priority with scheduler autogroups on (nice then orders only one session's tasks); None
+    where /proc cannot be read."""
+    by_nice = True
     try:
         with open(f"{proc}/sys/kernel/sched_autogroup_enabled") as f:
-            if f.read().strip() != "0":
-                return None
+            by_nice = f.read().strip() == "0"
     except OSError:  # no autogroup support: nice orders all tasks
         pass
-    return sum(competing_tasks_by_pid(proc).values()) if os.path.isdir(f"{proc}/self/task") else None
+    if not os.path.isdir(f"{proc}/self/task"):
+        return None
+    return sum(competing_tasks_by_pid(proc, by_nice=by_nice).values())
 
 
-def competing_tasks_by_pid(proc: str = "/proc") -> dict[int, int]:
+def competing_tasks_by_pid(proc: str = "/proc", cpus: set[int] | None = None,
+                           by_nice: bool = True) -> dict[int, int]:
     """Per process: its tasks that are running or ready to run (state R) at a nice value no
-    higher than this process's. Tasks that vanish while being read are skipped."""
-    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    higher than this process's (any, without ``by_nice``), on one of ``cpus`` (default: the cores this process may run on;
+    a runnable task sits on one core's run queue, and a task pinned elsewhere never reaches
+    ours). Tasks that vanish while being read are skipped."""
+    mine = os.getpriority(os.PRIO_PROCESS, 0) if by_nice else 40  # nice values run from -20 to 19
+    if cpus is None:
+        try:
+            cpus = os.sched_getaffinity(0)
+        except AttributeError:  # not Linux
+            cpus = None
     out: dict[int, int] = {}
     for pid in os.listdir(proc):
         if not pid.isdigit():
@@ -181,7 +194,8 @@ def competing_tasks_by_pid(proc: str = "/proc") -> dict[int, int]:
                 with open(f"{proc}/{pid}/task/{tid}/stat", "rb") as f:
                     stat = f.read()
                 fields = stat[stat.rindex(b")") + 2:].split()  # the name may hold spaces
-                if fields[0] == b"R" and int(fields[16]) <= mine:  # fields 3 (state) and 19 (nice)
+                # Fields 3 (state), 19 (nice) and 39 (the core whose run queue holds the task).
+                if fields[0] == b"R" and int(fields[16]) <= mine and (cpus is None or int(fields[36]) in cpus):
                     out[int(pid)] = out.get(int(pid), 0) + 1
             except (OSError, ValueError, IndexError):
                 continue

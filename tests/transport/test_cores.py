@@ -112,14 +112,61 @@ def test_background_jobs_at_lower_priority_do_not_count_as_outside_load():
         same.wait()
 
 
+def _fake_task(proc, pid: int, state: str, nice: int, cpu: int) -> None:
+    """A /proc/<pid>/task/<pid>/stat line with the fields the counter reads (3, 19, 39)."""
+    fields = [state] + ["0"] * 15 + [str(nice)] + ["0"] * 19 + [str(cpu)] + ["0"] * 13
+    task = proc / str(pid) / "task" / str(pid)
+    task.mkdir(parents=True)
+    (task / "stat").write_text(f"{pid} (a name) " + " ".join(fields) + "\n")
+
+
 def test_priorities_decide_only_without_scheduler_autogroups(tmp_path):
-    """With autogroups on, nice orders only one session's tasks: the exact count steps aside."""
+    """With autogroups on, nice orders only one session's tasks: a nice-19 task counts too."""
     from rlcli.transport.cores import _competing_tasks
 
     (tmp_path / "sys" / "kernel").mkdir(parents=True)
     (tmp_path / "self" / "task").mkdir(parents=True)
+    cpu = min(os.sched_getaffinity(0))
+    _fake_task(tmp_path, 101, "R", 19, cpu)
+    _fake_task(tmp_path, 102, "R", -5, cpu)
+    _fake_task(tmp_path, 103, "S", -5, cpu)
     flag = tmp_path / "sys" / "kernel" / "sched_autogroup_enabled"
     flag.write_text("1\n")
-    assert _competing_tasks(str(tmp_path)) is None
+    assert _competing_tasks(str(tmp_path)) == 2
     flag.write_text("0\n")
-    assert _competing_tasks(str(tmp_path)) == 0  # no task directories here
+    assert _competing_tasks(str(tmp_path)) == (1 if os.getpriority(os.PRIO_PROCESS, 0) < 19 else 2)
+
+
+def test_tasks_on_cores_outside_our_affinity_do_not_compete(tmp_path):
+    """Jobs pinned beside ours (a Slurm cpuset, taskset) run on other cores: not outside load."""
+    from rlcli.transport.cores import competing_tasks_by_pid
+
+    _fake_task(tmp_path, 201, "R", 0, 0)
+    _fake_task(tmp_path, 202, "R", 0, 1)
+    _fake_task(tmp_path, 203, "R", 0, 1)
+    assert competing_tasks_by_pid(str(tmp_path), cpus={0}, by_nice=False) == {201: 1}
+    assert competing_tasks_by_pid(str(tmp_path), cpus={1}, by_nice=False) == {202: 1, 203: 1}
+    assert competing_tasks_by_pid(str(tmp_path), cpus={0, 1}, by_nice=False) == {201: 1, 202: 1, 203: 1}
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_a_spinner_pinned_to_another_core_is_not_counted():
+    """The real /proc: a busy process pinned to core B counts for core B's runs only."""
+    import time
+
+    from rlcli.transport.cores import competing_tasks_by_pid
+
+    a, b = sorted(os.sched_getaffinity(0))[:2]
+    spin = f"import os, time\nos.sched_setaffinity(0, {{{b}}})\nend = time.time() + 60\nwhile time.time() < end: pass"
+    proc = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        seen_b = seen_a = 0
+        time.sleep(0.2)  # past its start-up, pinned
+        for _ in range(20):
+            seen_b += proc.pid in competing_tasks_by_pid(cpus={b}, by_nice=False)
+            seen_a += proc.pid in competing_tasks_by_pid(cpus={a}, by_nice=False)
+            time.sleep(0.05)
+        assert seen_b >= 10 and seen_a == 0
+    finally:
+        proc.kill()
+        proc.wait()
