@@ -30,8 +30,9 @@ for any more, or done ``FETCH_HOLD_S`` ago, is taken at a step's start; one that
 other weights is dropped).
 A fetch small enough to be done within ``FETCH_GRACE_S`` is waited for, so its prompt
 joins the step being scheduled rather than the next one.
-Full blocks are published after a prompt's prefill and when a completion finishes (only
-enqueued: a background thread moves them). ``role`` splits the work: a prefill server
+Full blocks are published after each prefill chunk and when a completion finishes (only
+enqueued: a background thread moves them; in pieces, and what the publish queue has no room
+for is offered again at the next chunk). ``role`` splits the work: a prefill server
 answers each request with one token once its prompt's blocks are stored; a decode server
 is a mixed one that other servers' prefills feed.
 
@@ -165,10 +166,12 @@ class NativeEngine(SharedKVMixin):
         self.fetches: list[Fetch] = []  # shared-store fetches in flight
         self.new_fetches: list[Fetch] = []  # of which started by this step's scheduling
         self.fetching: dict[bytes, Fetch] = {}  # each of their keys -> its fetch
+        # Finished sequences' block runs the publish queue had no room for: (hashes, blocks).
+        self.publish_backlog: list[tuple[list[bytes], list[int]]] = []
         self.counters = {"num_generated_tokens": 0, "num_prompt_tokens": 0, "num_cached_tokens": 0,
                          "num_steps": 0, "num_preemptions": 0, "num_requests": 0, "num_aborted": 0,
                          "num_kv_fetched_tokens": 0, "kv_fetch_idle_s": 0.0, "kv_publish_engine_s": 0.0,
-                         "step_s": 0.0, "kv_fetches_taken": 0, "kv_fetch_ready_s": 0.0, "kv_fetch_taken_after_s": 0.0}
+                         "kv_publish_deferred": 0, "step_s": 0.0, "kv_fetches_taken": 0, "kv_fetch_ready_s": 0.0, "kv_fetch_taken_after_s": 0.0}
 
     @classmethod
     def from_config(cls, cfg: RecipeConfig, weights: Path, version: int, instance: int = 0) -> "NativeEngine":
@@ -241,6 +244,7 @@ class NativeEngine(SharedKVMixin):
         load leaves the previous version serving (see ``rlcli.infer.receiver``)."""
         self.receiver.load(self.model, ref, version)
         self.version = version
+        self.publish_backlog.clear()  # KV of the old weights: published now it would carry the new layout
         if self.kv is not None:
             self.kv.meta = self.block_meta()
 
@@ -272,6 +276,8 @@ class NativeEngine(SharedKVMixin):
         """Run one forward pass; return streamed deltas and the requests that finished in it."""
         if self.receiver.torn:
             return []
+        if self.publish_backlog:
+            self.publish_pending()
         batch = self._schedule()
         if not batch:
             self._idle_until_fetched()
@@ -457,6 +463,7 @@ class NativeEngine(SharedKVMixin):
             seq.num_computed += n
             self._register_full_blocks(seq)
             if seq.num_computed < len(seq.tokens):
+                self._publish(seq)  # a long prompt's blocks reach the store chunk by chunk
                 continue  # a prefill chunk: nothing to sample yet
             if seq.index < 0:
                 self._publish(seq)  # the prompt's blocks, before the fork shares them
@@ -576,7 +583,7 @@ class NativeEngine(SharedKVMixin):
             self._finish(seq, reason)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        self._publish(seq)  # the completion's blocks serve the next turn of a conversation
+        self._publish(seq, finished=True)  # the completion's blocks serve the next turn of a conversation
         self.running.remove(seq)
         self.blocks.release(seq.blocks)
         seq.blocks = []

@@ -70,6 +70,10 @@ class KVConnector(Protocol):
         and the batch was dropped."""
         ...
 
+    def publish_room(self) -> int:
+        """Payload bytes :meth:`publish` would take now without dropping them."""
+        ...
+
     def flush(self, timeout_s: float) -> bool:
         """Wait until every queued batch is stored; False on timeout."""
         ...

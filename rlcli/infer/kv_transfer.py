@@ -93,6 +93,11 @@ class _Publisher:
         for t in self.fetchers:
             t.start()
 
+    def publish_room(self) -> int:
+        """Payload bytes the publish queue takes now (0 when it holds its most batches)."""
+        with self.bytes_lock:
+            return 0 if self.queue.full() else max(QUEUE_BYTES - self.queued_bytes, 0)
+
     def publish(self, keys: list[bytes], payload: torch.Tensor) -> bool:
         if not keys:
             return True

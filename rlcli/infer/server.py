@@ -19,6 +19,7 @@ from rlcli.config import RecipeConfig
 from rlcli.errors import CorruptFile, PeerUnreachable, RLCLIError
 from rlcli.infer.base import Delta, Engine
 from rlcli.infer.factory import make_engine
+from rlcli.infer.shared_kv import SharedKVMixin
 from rlcli.logging import setup_logging
 from rlcli.process import stop_on_signals
 from rlcli.protocol import (
@@ -222,6 +223,8 @@ class InferServer:
                 if self.cores is not None:
                     self.cores.busy(False)
                 poller.poll(50)
+                if isinstance(self.engine, SharedKVMixin):
+                    self.engine.publish_pending()  # what finished sequences left for the store
             self.drain()
             if self.engine.has_work():
                 if self.cores is not None:

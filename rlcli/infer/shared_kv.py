@@ -28,6 +28,10 @@ FETCH_HOLD_S = 1.0
 considered for admission (meanwhile it holds store slots or device memory); then its blocks go to
 the local prefix cache as far as they fit, whether its prompt runs next or not."""
 
+PUBLISH_PIECE_BYTES = 256 << 20
+"""Most payload bytes one publish hands the connector: a long prompt's KV goes in pieces, several of
+which fit its queue (``kv_transfer.QUEUE_BYTES``), each gathered on the device only once it fits."""
+
 
 @dataclass
 class Fetch:
@@ -133,15 +137,58 @@ class SharedKVMixin:
                 self.counters["num_kv_fetched_tokens"] += n * self.block_size
         self.blocks.release(held)  # cached (evictable) until the waiting prompts match them
 
-    def _publish(self, seq: "Sequence") -> None:
-        """Hand the sequence's full blocks not yet in the store to the connector (enqueued only)."""
+    def _publish(self, seq: "Sequence", finished: bool = False) -> None:
+        """Hand the sequence's full blocks not yet in the store to the connector (enqueued only),
+        in chain order, as far as its queue has room (:meth:`_publish_run`). What does not fit
+        is offered again at the next call (the next prefill chunk, the end of the completion),
+        and after the end from the backlog (:meth:`publish_pending`) while the local prefix cache
+        still holds the blocks. A prefill server waits for room instead: it answers once the
+        prompt's blocks are stored."""
         start, end = seq.num_published, len(seq.hashes)
         if self.kv is None or end <= start:
             return
         t0 = time.perf_counter()
-        self.kv.publish(seq.hashes[start:end], self._gather_blocks(seq.blocks[start:end]))
-        seq.num_published = end
+        n = self._publish_run(seq.hashes[start:end], seq.blocks[start:end], wait=self.role == "prefill")
+        seq.num_published = start + n
+        if finished and start + n < end:
+            self.publish_backlog.append((seq.hashes[start + n:end], seq.blocks[start + n:end]))
         self.counters["kv_publish_engine_s"] += time.perf_counter() - t0  # the engine thread's share
+
+    def _publish_run(self, hashes: list[bytes], blocks: list[int], wait: bool = False) -> int:
+        """Publish the leading blocks of a chain run in pieces of at most ``PUBLISH_PIECE_BYTES``
+        while the connector's queue has room for them (with ``wait``, flushing it when it has
+        none); returns how many went. A block after one that did not go could never be fetched (a
+        fetch takes the longest leading run the store holds), and one publish of a long prompt's
+        whole KV (2 GiB at 64k tokens of a 1B model) would not fit the queue at all."""
+        nbytes = self.kv.meta.nbytes
+        piece, done = max(1, PUBLISH_PIECE_BYTES // nbytes), 0
+        while done < len(hashes):
+            n = min(len(hashes) - done, piece, self.kv.publish_room() // nbytes)
+            if n <= 0 and wait and self.kv.flush(self.kv.timeout_s):
+                continue
+            if n <= 0 or not self.kv.publish(hashes[done:done + n], self._gather_blocks(blocks[done:done + n])):
+                self.counters["kv_publish_deferred"] += 1
+                break
+            done += n
+        return done
+
+    def publish_pending(self) -> None:
+        """Publish what finished sequences left unpublished (the queue was full then), oldest
+        first and as far as the queue has room, while the local prefix cache still holds each
+        block under its hash (an evicted block ends its run)."""
+        if self.kv is None:
+            self.publish_backlog.clear()
+            return
+        while self.publish_backlog:
+            hashes, blocks = self.publish_backlog[0]
+            held = 0
+            while held < len(hashes) and self.blocks.hash_to_block.get(hashes[held]) == blocks[held]:
+                held += 1
+            n = self._publish_run(hashes[:held], blocks[:held])
+            if n < held:
+                self.publish_backlog[0] = (hashes[n:], blocks[n:])
+                return
+            self.publish_backlog.pop(0)
 
     def _idle_until_fetched(self, timeout_s: float = 0.02) -> None:
         """Nothing could run: wait (briefly, so the server stays responsive) for a fetch that

@@ -215,3 +215,41 @@ def test_fetches_done_together_do_not_evict_one_another(tiny_model_dir, tmp_path
         e.close()
     proc.terminate()
     proc.wait(timeout=10)
+
+
+def test_a_prompt_whose_kv_exceeds_the_publish_queue_reaches_the_store(tiny_model_dir, tmp_path, monkeypatch):
+    """A long prompt's KV larger than the connector's whole publish queue (2 GiB: 64k tokens of
+    a 1B model) goes in pieces, chunk by chunk, as the queue has room; published in one batch
+    after the prefill, it was dropped whole and another replica recomputed all of it."""
+    from rlcli.infer import kv_transfer
+
+    proc, endpoint = start_cache(tmp_path)
+    model = load_model(tiny_model_dir, seed=1)
+    a = NativeEngine(model, eos_token_ids=[], max_model_len=256, block_size=4, kv_cache_memory_mb=2,
+                     max_num_batched_tokens=16)  # prefill chunks of 4 blocks
+    a.kv = make_kv_connector(KVCacheConfig(endpoint=endpoint), a.block_meta(), a.device)
+    nbytes = a.block_meta().nbytes
+    monkeypatch.setattr(kv_transfer, "QUEUE_BYTES", 12 * nbytes)  # the prompt's 40 blocks never fit at once
+    monkeypatch.setattr(shared_kv, "PUBLISH_PIECE_BYTES", 2 * nbytes)
+    prompt = [GenerateRequest(request_id="0", prompt_ids=[256] + [20 + j for j in range(163)], cache_salt="3",
+                              sampling=SamplingParams(max_tokens=4, seed=0, ignore_eos=True))]
+    run(a, prompt)  # 164 tokens: 41 full blocks, the last one the prompt's end
+    deadline = time.monotonic() + 30
+    while a.publish_backlog and time.monotonic() < deadline:  # what the full queue left at the end
+        assert a.kv.flush(10)
+        a.publish_pending()
+    assert a.kv.flush(10)
+    stats = a.stats()
+    assert stats["kv_publish_dropped"] == 0 and stats["kv_published_blocks"] == 41
+    a.publish_backlog.append(([b"\0" * 16], [0]))  # a run whose block the local cache evicted
+    a.publish_pending()
+    assert not a.publish_backlog and a.kv.flush(10) and a.stats()["kv_published_blocks"] == 41
+    b = engine(model, endpoint)
+    out = run(b, prompt)
+    assert b.stats()["num_kv_fetched_tokens"] == 160  # all but the block that holds the prompt's last token
+    ref = run(engine(model, None), prompt)
+    assert out["0"].completions[0].token_ids == ref["0"].completions[0].token_ids
+    for e in (a, b):
+        e.close()
+    proc.terminate()
+    proc.wait(timeout=10)
