@@ -63,6 +63,23 @@ def test_dry_run_places_each_command(tmp_path, tiny_model_dir):
     assert bad.returncode == 2 and "TRAIN_NODES=4 + INFER_NODES=0" in bad.stderr
 
 
+def test_dry_run_on_one_gpu_node_shares_gpu_0(tmp_path, tiny_model_dir):
+    """GPUS_PER_NODE=1: rl-infer gets GPU 0 beside rl-train (it once got an empty CUDA_VISIBLE_DEVICES,
+    i.e. no GPU); a TRAIN_GPUS that leaves rl-infer no GPU is refused, naming TRAIN_GPUS."""
+    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, tmp_path / "run")
+    env = slurm_env(tmp_path, ["10.0.0.9"], GPUS_PER_NODE="1")
+    out = subprocess.run(["bash", str(SLURM / "single-node.sbatch"), str(recipe), "--dry-run"], env=env,
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    cmds = {name: cmd for _, name, cmd in (line.split("\t") for line in out.splitlines())}
+    assert "env CUDA_VISIBLE_DEVICES=0 rl-train " in cmds["train"] and "--nproc-per-node 1 " in cmds["train"]
+    assert "env CUDA_VISIBLE_DEVICES=0 rl-infer " in cmds["infer-0"]
+    for gpus, train in (("1", "2"), ("8", "8")):
+        bad = subprocess.run(["bash", str(SLURM / "single-node.sbatch"), str(recipe), "--dry-run"],
+                             env={**env, "GPUS_PER_NODE": gpus, "TRAIN_GPUS": train}, capture_output=True,
+                             text=True, timeout=60)
+        assert bad.returncode == 2 and f"TRAIN_GPUS={train} does not fit GPUS_PER_NODE={gpus}" in bad.stderr
+
+
 @pytest.mark.parametrize("script,hosts", [("single-node.sbatch", ["127.0.0.1"]),
                                           ("multi-node.sbatch", ["127.0.0.1", "127.0.0.2"])])
 def test_a_run_starts_coordinates_and_ends(script, hosts, tmp_path, tiny_model_dir):

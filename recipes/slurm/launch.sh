@@ -8,7 +8,8 @@
 #   trainer nodes    rl-train under torchrun: TRAIN_NODES nodes x GPUS_PER_NODE ranks, rendezvous on the
 #                    first trainer node
 #   inference nodes  one rl-infer per node (INFER_NODES of them), or, on a single node, one rl-infer on
-#                    the GPUs the trainer does not use
+#                    the GPUs the trainer does not use; on a one-GPU node (GPUS_PER_NODE=1) rl-infer and
+#                    rl-train share GPU 0 (size the engine's KV cache to leave the trainer room)
 # Every process reads the same recipe and meets the others in RUN_DIR, which must be on a shared
 # filesystem. Logs: RUN_DIR/logs/<process>.log. The job ends 0 when rl-train and rl-orchestrate have
 # both finished; if any process dies first, it names it, stops the rest and exits with its code.
@@ -52,7 +53,14 @@ PLAN+=("cache|$HEAD|rl-cache serve ${COMMON[*]} --cache.host $BIND_HOST")
 PLAN+=("sync|$HEAD|rl-sync ${COMMON[*]}")
 if [ "$NUM_NODES" -eq 1 ]; then
   TRAIN_GPUS=${TRAIN_GPUS:-$(( GPUS_PER_NODE > 1 ? GPUS_PER_NODE / 2 : 1 ))}
-  INFER_GPUS=$(seq -s, "$TRAIN_GPUS" $(( GPUS_PER_NODE > 1 ? GPUS_PER_NODE - 1 : 0 )))
+  if [ "$GPUS_PER_NODE" -eq 1 ] && [ "$TRAIN_GPUS" -eq 1 ]; then
+    INFER_GPUS=0  # one GPU: rl-infer shares it with rl-train
+  elif [ "$TRAIN_GPUS" -ge 1 ] && [ "$TRAIN_GPUS" -lt "$GPUS_PER_NODE" ]; then
+    INFER_GPUS=$(seq -s, "$TRAIN_GPUS" $(( GPUS_PER_NODE - 1 )))
+  else
+    echo "rlcli-slurm: error: TRAIN_GPUS=$TRAIN_GPUS does not fit GPUS_PER_NODE=$GPUS_PER_NODE with a GPU left for rl-infer; set TRAIN_GPUS between 1 and $(( GPUS_PER_NODE > 1 ? GPUS_PER_NODE - 1 : 1 ))" >&2
+    exit 2
+  fi
   TRAIN_VISIBLE=$(seq -s, 0 $(( TRAIN_GPUS - 1 )))
   PLAN+=("train|$HEAD|env CUDA_VISIBLE_DEVICES=$TRAIN_VISIBLE rl-train ${COMMON[*]} --nproc-per-node $TRAIN_GPUS --nnodes 1 --node-rank 0 --rdzv-endpoint $HEAD:$RDZV_PORT")
   PLAN+=("infer-0|$HEAD|env CUDA_VISIBLE_DEVICES=$INFER_GPUS rl-infer ${COMMON[*]} --id 0")
