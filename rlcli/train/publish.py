@@ -25,9 +25,10 @@ The trainer's ranks hold the weights, so they publish them; rl-sync only coordin
   so a server that (re)joins later is brought up to date from it. The next ``publish``
   waits only for a round in progress, never for a version nobody asked for.
 
-FP8 hook: the collective backend takes ``transform(name, tensor) -> [(name, tensor), ...]``
-applied to every HF tensor before it is staged (e.g. a weight into FP8 data + its
-``weight_scale_inv``); the tensor list sent to the servers is derived from its output.
+FP8: when the servers run ``infer.fp8`` (FP8 linears held as FP8 data + ``weight_scale_inv``), the
+collective backend applies ``transform(name, tensor) -> [(name, tensor), ...]`` to every HF tensor
+before it is staged (``publish_collective.fp8_transform``: each such weight into its FP8 data and
+scales); the tensor list sent to the servers is derived from its output.
 """
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ from rlcli.transport.rendezvous import Control, read_store_file
 
 if TYPE_CHECKING:
     from rlcli.config import RecipeConfig
+    from rlcli.config.model import Fp8Config
 
 log = setup_logging("rl-train")
 
@@ -71,10 +72,36 @@ def staged_specs(model: torch.nn.Module, transform: Transform | None, dtype: tor
     return specs
 
 
+def fp8_transform(model: torch.nn.Module, fp8: Fp8Config) -> Transform | None:
+    """What a server with ``infer.fp8`` on holds: the engine keeps every linear that ``fp8`` selects
+    (``rlcli.ops.fp8.convert``, FP8 storage) as FP8 data + ``weight_scale_inv``, and its collective
+    receive lands bytes straight in its parameters, so those weights travel quantized (128x128 blocks,
+    as the filesystem publisher writes them with ``train.fp8.publish``); experts and the rest travel
+    in the model's dtype. None when no linear is selected."""
+    from rlcli.models.fp8_io import SCALE_SUFFIX
+    from rlcli.ops.fp8.convert import _matches
+    from rlcli.ops.fp8.quant import quantize_128x128
+
+    names = {f"{n}.weight" for n, m in model.named_modules()
+             if n and isinstance(m, torch.nn.Linear) and _matches(n, fp8.include, fp8.exclude)}
+    if not names:
+        return None
+
+    def transform(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        if name not in names:
+            return [(name, t)]
+        q, scale = quantize_128x128(t, fp8.ue8m0)
+        return [(name, q), (name + SCALE_SUFFIX, scale)]
+
+    return transform
+
+
 class CollectivePublisher:
-    def __init__(self, cfg: RecipeConfig, run_root: Path, announce: Announce, device: torch.device,
-                 transform: Transform | None = None):
-        self.run_root, self.announce, self.device, self.transform = Path(run_root), announce, device, transform
+    def __init__(self, cfg: RecipeConfig, run_root: Path, announce: Announce, device: torch.device):
+        self.run_root, self.announce, self.device = Path(run_root), announce, device
+        # Servers with infer.fp8 hold FP8 linears: those weights are quantized on the way (fp8_transform).
+        self.fp8 = cfg.infer.fp8 if cfg.infer.fp8.enabled else None
+        self.transform: Transform | None = None
         from rlcli.models import DTYPES
 
         self.bucket_bytes = cfg.sync.backend.bucket_bytes
@@ -142,6 +169,7 @@ class CollectivePublisher:
         version can be posted)."""
         if model is self.planned_for:
             return
+        self.transform = fp8_transform(model, self.fp8) if self.fp8 is not None else None
         specs = staged_specs(model, self.transform, self.dtype)
         self.planned_for = model
         if specs != self.specs:

@@ -59,7 +59,8 @@ def rank_main(rank: int, port: int, root: str) -> None:
     assert any(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
     cfg = SimpleNamespace(sync=SimpleNamespace(backend=SimpleNamespace(bucket_bytes=4096), ack_timeout_s=30.0),
                           model=SimpleNamespace(path=root, dtype="float32"),
-                          train=SimpleNamespace(fp8=SimpleNamespace(enabled=False, publish=False)))
+                          train=SimpleNamespace(fp8=SimpleNamespace(enabled=False, publish=False)),
+                          infer=SimpleNamespace(fp8=SimpleNamespace(enabled=False)))
     FilesystemPublisher(cfg, os.path.join(root, "weights"), lambda *a: None).publish(3, model)
     cfg8 = SimpleNamespace(model=cfg.model, train=SimpleNamespace(fp8=FP8))
     FilesystemPublisher(cfg8, os.path.join(root, "weights_fp8"), lambda *a: None).publish(3, sharded(fp8=True))

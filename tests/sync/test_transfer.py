@@ -38,10 +38,11 @@ def same(a, b, dtype=None) -> bool:
     return sa.keys() == sb.keys() and all(torch.equal(sa[k].to(dtype or sa[k].dtype), sb[k]) for k in sa)
 
 
-def cfg(tmp_path, bucket_bytes=4096):
+def cfg(tmp_path, bucket_bytes=4096, infer_fp8=None):
     return SimpleNamespace(sync=SimpleNamespace(backend=SimpleNamespace(bucket_bytes=bucket_bytes), ack_timeout_s=60.0),
                            model=SimpleNamespace(path=str(tmp_path), dtype="float32"),
-                           train=SimpleNamespace(fp8=SimpleNamespace(enabled=False, publish=False)))
+                           train=SimpleNamespace(fp8=SimpleNamespace(enabled=False, publish=False)),
+                           infer=SimpleNamespace(fp8=infer_fp8 or SimpleNamespace(enabled=False)))
 
 
 def test_plan_buckets_packs_small_tensors_and_sends_large_ones_alone():
@@ -120,6 +121,48 @@ def test_collective_publisher_to_two_receivers_over_gloo(tmp_path):
         pub.close()
         for r in receivers:
             r.close()
+
+
+def test_collective_publish_to_a_server_holding_fp8_linears(tmp_path):
+    """A server with infer.fp8 keeps its linears as FP8 data + weight_scale_inv: the trainer's
+    high-precision weights reach it quantized (128x128 blocks, bit for bit what the filesystem
+    path writes), the experts and the rest in the model's dtype. Before, the transfer was
+    refused: it lacked the scales."""
+    from rlcli.config.model import Fp8Config
+    from rlcli.models.fp8_io import SCALE_SUFFIX
+    from rlcli.ops.fp8.convert import convert_to_fp8
+    from rlcli.ops.fp8.quant import FP8_DTYPE, quantize_128x128
+
+    fp8 = Fp8Config(enabled=True, backend="emulated")
+    store = host_store("127.0.0.1")
+    addr = f"127.0.0.1:{store.port}"
+    write_store_file(tmp_path, addr)
+    ctl = Control(store)
+    trainer, server = model(1), model(2)
+    convert_to_fp8(server, fp8, device="cpu", fp8_storage=True)
+    pub = CollectivePublisher(cfg(tmp_path, infer_fp8=fp8), tmp_path, lambda *a: None, torch.device("cpu"))
+    receiver = CollectiveReceiver(torch.device("cpu"))
+    try:
+        ctl.order(0, 1, "gen0", 2)
+        pub.publish(1, trainer)
+        assert ctl.wait("accept/0", 30) == {"version": 1}
+        published = ctl.published()
+        specs = [Spec(n, parse_dtype(d), tuple(s)) for n, d, s in published["tensors"]]
+        receiver.load(server, addr, "gen0", 1, 2, 1, specs, published["bucket_bytes"], 30)
+        assert ctl.wait("sent/0", 30)["error"] == ""
+        want, got = hf_state_dict(trainer), hf_state_dict(server)
+        quantized = [n for n, t in got.items() if t.dtype == FP8_DTYPE]
+        assert "model.layers.0.self_attn.q_proj.weight" in quantized and not any(".experts." in n for n in quantized)
+        for name, t in got.items():
+            if name in quantized:
+                q, scale = quantize_128x128(want[name])
+                assert torch.equal(t.view(torch.uint8), q.view(torch.uint8)), name
+                assert torch.equal(got[name + SCALE_SUFFIX], scale), name
+            elif not name.endswith(SCALE_SUFFIX):
+                assert torch.equal(t, want[name]), name
+    finally:
+        pub.close()
+        receiver.close()
 
 
 @pytest.mark.parametrize("publisher", [FilesystemPublisher, AsyncFilesystemPublisher])
