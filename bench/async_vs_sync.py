@@ -16,22 +16,18 @@ were faster by training shorter completions would show it in the length ratio.
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from run_metrics import read_metrics as read
+from run_metrics import run_up
+
 
 def run_mode(recipe: Path, max_async: int, steps: int, run_dir: Path) -> None:
-    cmd = [sys.executable, "-m", "rlcli.cli.orchestrate", "up", str(recipe), "--run-dir", str(run_dir),
-           "--steps", str(steps), "--max-async", str(max_async), "--no-plot"]
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    if out.returncode != 0:
-        sys.exit(f"max_async={max_async} failed:\n{out.stderr[-3000:]}")
-
-
-def read(run_dir: Path, name: str) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics" / f"{name}.jsonl").read_text().splitlines()]
+    err = run_up(recipe, run_dir, ["--steps", str(steps), "--max-async", str(max_async)])
+    if err:
+        sys.exit(f"max_async={max_async} failed: {err}")
 
 
 def summarize(run_dir: Path, warmup: int) -> dict:

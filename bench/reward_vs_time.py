@@ -18,31 +18,30 @@ with their median.
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from run_metrics import read_metrics, run_up
 
 WINDOW = 5
 
 
 def run_mode(recipe: Path, seed: int, max_async: int | None, run_dir: Path, steps: int | None,
              extra: list[str] = ()) -> None:
-    cmd = [sys.executable, "-m", "rlcli.cli.orchestrate", "up", str(recipe), "--run-dir", str(run_dir),
-           "--seed", str(seed), "--no-plot"]
+    args = ["--seed", str(seed)]
     if max_async is not None:
-        cmd += ["--max-async", str(max_async)]
+        args += ["--max-async", str(max_async)]
     if steps:
-        cmd += ["--steps", str(steps)]
-    cmd += list(extra)
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    if out.returncode != 0:
-        sys.exit(f"max_async={max_async} failed:\n{out.stderr[-3000:]}")
+        args += ["--steps", str(steps)]
+    err = run_up(recipe, run_dir, args + list(extra))
+    if err:
+        sys.exit(f"max_async={max_async} failed: {err}")
 
 
 def curve(run_dir: Path) -> list[tuple[float, float]]:
     """(seconds since the first batch's requests went out, 5-step moving mean reward) per step."""
-    rows = [json.loads(line) for line in (run_dir / "metrics" / "orchestrate.jsonl").read_text().splitlines()]
+    rows = read_metrics(run_dir, "orchestrate")
     # The first step's wait_s is the start-up (servers, SFT warm-up, policy 0) before its first dispatch.
     t0 = rows[0]["time"] - (rows[0]["step_s"] - rows[0]["wait_s"])
     out = []
@@ -55,8 +54,7 @@ def curve(run_dir: Path) -> list[tuple[float, float]]:
 def breakdown(run_dir: Path) -> dict[str, float]:
     """Median seconds per step after the first 20 (start-up excluded): the orchestrator's step and the
     trainer's wait for its batch, compute, weight publish and checkpoint (on the trainer's thread)."""
-    rows = [json.loads(line) for line in (run_dir / "metrics" / "train.jsonl").read_text().splitlines()]
-    orch = [json.loads(line) for line in (run_dir / "metrics" / "orchestrate.jsonl").read_text().splitlines()]
+    rows, orch = read_metrics(run_dir, "train"), read_metrics(run_dir, "orchestrate")
     rows, orch = rows[20:] or rows, orch[20:] or orch
     out = {"step": statistics.median(m["step_s"] for m in orch)}
     for key in ("wait_s", "compute_s", "publish_s", "checkpoint_s", "save_s"):

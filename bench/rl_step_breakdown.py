@@ -13,22 +13,11 @@ GPU_RUN.md of the vllm branch; it runs ``rl-orchestrate up`` and then this scrip
 """
 
 import argparse
-import json
-import re
 import statistics
 import tomllib
 from pathlib import Path
 
-
-def jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-
-
-def load_times(run: Path) -> list[float]:
-    times = []
-    for log in sorted((run / "logs").glob("infer-*.log")):
-        times += [float(m.group(1)) for m in re.finditer(r"loaded policy v\d+ in ([0-9.]+)s", log.read_text())]
-    return times
+from run_metrics import infer_load_times, jsonl
 
 
 def row(name: str, values: list[float], unit: str = "s") -> str:
@@ -44,7 +33,7 @@ def main() -> None:
     a = ap.parse_args()
     orch = [r for r in jsonl(a.run / "metrics" / "orchestrate.jsonl") if r["step"] > a.skip]
     train = [r for r in jsonl(a.run / "metrics" / "train.jsonl") if r["step"] > a.skip]
-    loads = load_times(a.run)[a.skip:]
+    loads = infer_load_times(a.run)[a.skip:]
     engine = "?"
     cfg = a.run / "config" / "infer-0.toml"
     if cfg.is_file():
