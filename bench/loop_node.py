@@ -19,7 +19,7 @@ tokens/s; mismatch KL (trainer's, mean and max; router disagreement with R3); me
 completion length (asynchrony must not buy speed by dropping long completions). Then the ratio
 of each, async over sync. An arm past --timeout is stopped and summarized from the steps it finished.
 
-    python bench/loop_node.py --device cuda                       # one H200: both on cuda:0
+    python bench/loop_node.py --device cuda                       # one H200: both on cuda:0; two: one each
     python bench/loop_node.py --device cuda --fp8                 # FP8 GEMMs in trainer and engine
     python bench/loop_node.py --device cpu --steps 6              # tiny model, CPU
     python bench/loop_node.py ... --train.micro_batch_tokens 8192 # recipe overrides go to both arms
@@ -44,7 +44,7 @@ CPU_OVERRIDES = ["--model.dtype", "float32", "--model.max_seq_len", "144", "--in
                  "--infer.engine.kv_cache_memory_mb", "64", "--train.micro_batch_tokens", "512",
                  "--env.args.median_tokens", "16", "--env.args.max_tokens", "128",
                  "--orchestrate.sampling.max_tokens", "128", "--orchestrate.batch_size", "8"]
-"""--device cpu: a workload a 2-core machine runs in about a second a step (a tail of 128 tokens)."""
+"""--device cpu: a workload a 2-core machine runs in well under a second a step (a tail of 128 tokens)."""
 
 
 def placement(device: str, train_gpus: int, infer_gpus: int, sync: str) -> tuple[list[str], str, str]:
