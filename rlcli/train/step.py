@@ -54,7 +54,8 @@ def prepare(mb: MicroBatch, device: torch.device, empty: bool = False) -> dict[s
         host_mask[0, :-1] = torch.from_numpy(mb.loss_mask.numpy()[1:].copy())
     t["host_loss_mask"] = host_mask
     # A sample's last token was never run by the engine (its route is a filler): leaf segment ends.
-    counted = torch.ones(tree.num_tokens, dtype=torch.bool)
+    # A padding pass counts no route (its row is counted where it is not padding).
+    counted = torch.full((tree.num_tokens,), not empty, dtype=torch.bool)
     counted[[tree.spans[j][1] - 1 for j in tree.leaves()]] = False
     t["route_counted"] = counted[None].to(device, non_blocking=True)
     t["temperature"] = mb.temperature
@@ -147,6 +148,8 @@ def accumulate(model: torch.nn.Module, micro_batches: list[MicroBatch], dims, de
         if reshard == "step":
             sync_gradients_on(model, last=i == len(rows) - 1)
         t, attn = prepare(mb, device, empty=padding), None
+        if padding and r3 and "routed_experts" not in t:  # this rank holds no row: the filler has no routes
+            t["routed_experts"] = filler_routes(model.args, t["input_ids"].shape[1], device)
         if dims.cp > 1:
             from rlcli.parallel.context import shard_batch_for_cp
 
@@ -183,6 +186,14 @@ def padded_micro_batches(micro_batches: list[MicroBatch]) -> list[tuple[MicroBat
         filler = micro_batches[0] if micro_batches else _tiny_row()
         out += [(filler, True)] * (n - len(out))
     return out
+
+
+def filler_routes(args, num_tokens: int, device: torch.device) -> torch.Tensor:
+    """Routes for a padding pass under R3 (``[tokens, MoE layers, k]``: experts 0..k-1 everywhere), for
+    a rank that holds no row: under r3 every pass replays (and reports the router keys that the step
+    all-reduces with the other ranks'); its loss mask is empty and it counts no route."""
+    k = args.num_experts_per_tok
+    return torch.arange(k, device=device).expand(num_tokens, args.num_moe_layers, k).contiguous()
 
 
 def _tiny_row() -> MicroBatch:
