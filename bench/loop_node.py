@@ -183,7 +183,7 @@ def main() -> None:
                    help="weight transport (auto: collective unless rl-infer and rl-train share a GPU)")
     p.add_argument("--fp8", action="store_true", help="FP8 GEMMs in rl-train and rl-infer")
     p.add_argument("--r3", action=argparse.BooleanOptionalAction, default=None, help="routing replay [recipe's]")
-    p.add_argument("--timeout", type=float, default=210.0, help="seconds per arm before it is stopped")
+    p.add_argument("--timeout", type=float, default=230.0, help="seconds per arm before it is stopped")
     p.add_argument("--keep", type=Path, default=None, help="keep both run directories under this folder (their "
                    "metrics, logs and configs: weights and checkpoints are deleted after each arm)")
     args, extra = p.parse_known_args()  # the rest: recipe overrides for both arms

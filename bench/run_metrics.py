@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 def run_up(recipe: Path, run_dir: Path, args: list[str] = (), timeout_s: float | None = None) -> str:
     """`rl-orchestrate up RECIPE --run-dir RUN_DIR --no-plot ARGS`; returns what went wrong ("" when it
     exited 0). Past ``timeout_s`` it gets SIGTERM (it stops its children by pid), then SIGKILL after
-    60 s; the steps finished by then stay in RUN_DIR/metrics."""
+    30 s; the steps finished by then stay in RUN_DIR/metrics."""
     cmd = [sys.executable, "-m", "rlcli.cli.orchestrate", "up", str(recipe), "--run-dir", str(run_dir), "--no-plot",
            *args]
     env = {"NCCL_NVLS_ENABLE": "0",  # NVLink multicast stays off on the GPU machines
@@ -30,7 +30,7 @@ def run_up(recipe: Path, run_dir: Path, args: list[str] = (), timeout_s: float |
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGTERM)
         try:
-            _, err = proc.communicate(timeout=60)
+            _, err = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             _, err = proc.communicate()
