@@ -158,7 +158,8 @@ def replica(name: str, cfg: dict, model_dir: str, device: str, seed: int, inbox,
                 engine.role = role
                 engine.reset_prefix_cache()
                 if endpoint:
-                    engine.kv = make_kv_connector(KVCacheConfig(endpoint=endpoint, transfer=cfg["transfer"]),
+                    engine.kv = make_kv_connector(KVCacheConfig(endpoint=endpoint, transfer=cfg["transfer"],
+                                                                  publish_queue_mb=cfg["publish_queue_mb"]),
                                                   engine.block_meta(), engine.device)
                 events.put(("armed", name, 0.0, engine.kv.meta.fingerprint if engine.kv else ""))
             elif item[0] == "stats":
@@ -194,7 +195,7 @@ class Replicas:
         if args.device == "cuda":
             devices = [f"cuda:{i % torch.cuda.device_count()}" for i in range(2)]
         cfg = {k: getattr(args, k) for k in ("threads", "dtype", "max_len", "block_size", "kv_cache_mb",
-                                             "max_batched_tokens", "transfer")}
+                                             "max_batched_tokens", "transfer", "publish_queue_mb")}
         self.events = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(2)]
         self.procs = [ctx.Process(target=replica, args=(f"r{i}", cfg, str(model_dir), devices[i], i, self.inboxes[i],
@@ -385,6 +386,8 @@ def main() -> None:
     p.add_argument("--kv-share", type=float, default=None,
                    help="size each replica's local KV cache to this share of the working set instead (e.g. 0.33: "
                    "histories are evicted between turns; the module docstring says what this models)")
+    p.add_argument("--publish-queue-mb", type=float, default=2048.0,
+                   help="each replica's infer.kv_cache.publish_queue_mb (payload MiB waiting to be published)")
     p.add_argument("--arms", default=None,
                    help="the arms to run, comma-separated (default: all three: mixed,mixed+cache,P/D+cache)")
     p.add_argument("--baseline-last", action="store_true",

@@ -88,12 +88,21 @@ class KVCacheConfig(Config):
     publish_queue: int = 64
     """Batches of blocks waiting to be published; past this, new ones are dropped (and counted)."""
 
+    publish_queue_mb: float = 2048.0
+    """Payload MiB waiting to be published at most (device memory on a GPU engine: gathered blocks wait
+    there until the publishing thread has copied them out). A long prompt's blocks go in pieces as
+    this leaves room; what has none waits for a later step. The engine hands blocks over between
+    steps, so when KV is computed faster than this per step, publishing lags behind and another
+    replica finds less of a history in the store (docs/benchmarks.md, eighth session)."""
+
     timeout_s: float = 10.0
     """Deadline of each store request; a fetch that times out is a miss."""
 
     def __post_init__(self) -> None:
         if self.publish_queue < 1:
             raise ValueError(f"infer.kv_cache.publish_queue must be >= 1, got {self.publish_queue}")
+        if self.publish_queue_mb <= 0:
+            raise ValueError(f"infer.kv_cache.publish_queue_mb must be > 0, got {self.publish_queue_mb}")
         if self.timeout_s <= 0:
             raise ValueError(f"infer.kv_cache.timeout_s must be > 0, got {self.timeout_s}")
 

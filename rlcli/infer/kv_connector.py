@@ -172,6 +172,7 @@ def make_kv_connector(cfg: KVCacheConfig, meta: BlockMeta, device: torch.device 
     if conn is None:
         via_shm = cfg.transfer == "shm" or (cfg.transfer == "auto" and local and shm.available())
         conn = StoreConnector(cfg.endpoint, meta, cfg.publish_queue, cfg.timeout_s, via_shm, device)
+    conn.queue_bytes = int(cfg.publish_queue_mb * 2**20)
     via = "mooncake" if info.backend == "mooncake" else getattr(conn, "via", "") or (
         "shm" if conn.via_shm else "zeromq")
     log.info("KV blocks shared through rl-cache at %s (%s backend, payloads via %s)", cfg.endpoint, info.backend, via)

@@ -22,7 +22,8 @@ from rlcli.transport.zmq import RpcClient, new_request_id
 BATCH_BYTES = 32 << 20
 """Most payload bytes in one store request (rl-cache refuses messages past 256 MiB)."""
 QUEUE_BYTES = 2 << 30
-"""Most payload bytes waiting to be published (they hold device memory until copied out)."""
+"""Most payload bytes waiting to be published by default (``infer.kv_cache.publish_queue_mb``; they
+hold device memory until copied out)."""
 EXPRESS_BYTES = 64 << 20
 """Fetches asking for at most this many bytes take the express lane: a second fetch thread, so
 they never queue behind a large transfer (each lane has its own socket, stream and mailbox)."""
@@ -79,6 +80,7 @@ class _Publisher:
         self.fetches: list[queue.Queue] = [queue.Queue(), queue.Queue()]
         self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self.queued_bytes = 0  # payload bytes queued and not yet copied out
+        self.queue_bytes = QUEUE_BYTES  # at most (make_kv_connector sets the config's)
         self.bytes_lock = threading.Lock()
         self.counters = {"kv_fetch_requests": 0, "kv_fetched_blocks": 0, "kv_fetched_bytes": 0, "kv_fetch_s": 0.0,
                          "kv_fetch_store_s": 0.0, "kv_fetch_errors": 0, "kv_published_blocks": 0,
@@ -96,7 +98,7 @@ class _Publisher:
     def publish_room(self) -> int:
         """Payload bytes the publish queue takes now (0 when it holds its most batches)."""
         with self.bytes_lock:
-            return 0 if self.queue.full() else max(QUEUE_BYTES - self.queued_bytes, 0)
+            return 0 if self.queue.full() else max(self.queue_bytes - self.queued_bytes, 0)
 
     def publish(self, keys: list[bytes], payload: torch.Tensor) -> bool:
         if not keys:
@@ -108,7 +110,7 @@ class _Publisher:
             ready.record(torch.cuda.current_stream(payload.device))
         with self.bytes_lock:
             try:
-                if self.queued_bytes + nbytes > QUEUE_BYTES:
+                if self.queued_bytes + nbytes > self.queue_bytes:
                     raise queue.Full
                 # meta: the layout of the weights that computed them
                 self.queue.put_nowait((list(keys), payload, ready, self.meta))

@@ -30,7 +30,7 @@ the local prefix cache as far as they fit, whether its prompt runs next or not."
 
 PUBLISH_PIECE_BYTES = 256 << 20
 """Most payload bytes one publish hands the connector: a long prompt's KV goes in pieces, several of
-which fit its queue (``kv_transfer.QUEUE_BYTES``), each gathered on the device only once it fits."""
+which fit its queue (``infer.kv_cache.publish_queue_mb``), each gathered on the device only once it fits."""
 
 
 @dataclass

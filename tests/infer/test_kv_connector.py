@@ -221,15 +221,13 @@ def test_a_prompt_whose_kv_exceeds_the_publish_queue_reaches_the_store(tiny_mode
     """A long prompt's KV larger than the connector's whole publish queue (2 GiB: 64k tokens of
     a 1B model) goes in pieces, chunk by chunk, as the queue has room; published in one batch
     after the prefill, it was dropped whole and another replica recomputed all of it."""
-    from rlcli.infer import kv_transfer
-
     proc, endpoint = start_cache(tmp_path)
     model = load_model(tiny_model_dir, seed=1)
     a = NativeEngine(model, eos_token_ids=[], max_model_len=256, block_size=4, kv_cache_memory_mb=2,
                      max_num_batched_tokens=16)  # prefill chunks of 4 blocks
-    a.kv = make_kv_connector(KVCacheConfig(endpoint=endpoint), a.block_meta(), a.device)
-    nbytes = a.block_meta().nbytes
-    monkeypatch.setattr(kv_transfer, "QUEUE_BYTES", 12 * nbytes)  # the prompt's 40 blocks never fit at once
+    nbytes = a.block_meta().nbytes  # the queue never holds the prompt's 41 blocks at once:
+    a.kv = make_kv_connector(KVCacheConfig(endpoint=endpoint, publish_queue_mb=12 * nbytes / 2**20),
+                             a.block_meta(), a.device)
     monkeypatch.setattr(shared_kv, "PUBLISH_PIECE_BYTES", 2 * nbytes)
     prompt = [GenerateRequest(request_id="0", prompt_ids=[256] + [20 + j for j in range(163)], cache_salt="3",
                               sampling=SamplingParams(max_tokens=4, seed=0, ignore_eos=True))]
