@@ -230,8 +230,12 @@ class Replicas:
             self.ask(i, "stop")
         for p in self.procs:
             p.join(timeout=30)
-            if p.is_alive():
+            if p.is_alive():  # mid-step (a timed-out run): SIGTERM, then SIGKILL; never wait on it forever
                 p.terminate()
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=10)
 
 
 def start_cache(tmp: Path, backend: str, capacity_mb: int, arena: bool) -> tuple[subprocess.Popen, str]:
