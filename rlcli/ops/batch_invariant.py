@@ -15,9 +15,9 @@ same math then rounds differently, because the kernels pick their summation orde
   the engine and the trainer both run on one intra-op thread, set once at their start
   (:func:`pin_threads`; adaptive threads are off under the flag): two thread counts would
   split the reduction differently. The tests check this on the machine they run on. It is
-  slow: the weight is packed once per block, one core works, and the backward runs per block
-  too (``bench/batch_invariant_speed.py`` on an AVX-512 VM: a trainer forward + backward of a
-  1024-token row 6x the default's CPU time, engine decode 0.44-0.58x the tokens/s).
+  slow: the weight is packed once per block and one core works (``bench/batch_invariant_speed.py``).
+  The backward of a plain linear needs no invariance and runs as whole-matrix GEMMs
+  (:class:`_BlockedLinearFn`); FP8 linears keep their own backward.
   FP8 linears quantize per row (1x128 tiles) before their GEMM, so blocking leaves each
   row's quantization alone.
 * **Attention.** SDPA's CPU kernels block queries and keys by sizes that depend on the
@@ -95,14 +95,41 @@ def rows_mm(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
     return blocked_rows(lambda block: block @ b_KN, a_MK)
 
 
+class _BlockedLinearFn(torch.autograd.Function):
+    """``F.linear`` whose forward runs in :func:`blocked_rows` and whose backward is two
+    whole-matrix GEMMs: only the forward's numbers must not depend on the batch (they make the
+    logprobs); blocked by autograd, the weight gradient was a sum of one 16-row product per block."""
+
+    @staticmethod
+    def forward(ctx, x_MK, weight_NK, bias_N):
+        ctx.save_for_backward(x_MK, weight_NK)
+        ctx.has_bias = bias_N is not None
+        return blocked_rows(lambda block: F.linear(block, weight_NK, bias_N), x_MK)
+
+    @staticmethod
+    def backward(ctx, dy_MN):
+        x_MK, weight_NK = ctx.saved_tensors
+        dx = dy_MN @ weight_NK if ctx.needs_input_grad[0] else None
+        dw = dy_MN.t() @ x_MK if ctx.needs_input_grad[1] else None
+        db = dy_MN.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, dw, db
+
+
 class _RowPadded:
-    """Mixin in front of a linear's class: on the CPU its forward runs in :func:`blocked_rows`."""
+    """Mixin in front of a linear's class: on the CPU its forward runs in :func:`blocked_rows`
+    (a plain ``nn.Linear`` through :class:`_BlockedLinearFn`, FP8 linears by their own autograd)."""
+
+    plain_linear = False  # the class's forward is nn.Linear's (set by pad_linear_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
             return super().forward(x)
         rows = x.numel() // max(x.shape[-1], 1)
-        out = blocked_rows(super().forward, x.reshape(rows, x.shape[-1]))
+        x_MK = x.reshape(rows, x.shape[-1])
+        if self.plain_linear:
+            out = _BlockedLinearFn.apply(x_MK, self.weight, self.bias)
+        else:
+            out = blocked_rows(super().forward, x_MK)
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
@@ -118,7 +145,8 @@ def pad_linear_rows(model: nn.Module) -> int:
         cls = type(module)
         if isinstance(module, nn.Linear) and not issubclass(cls, _RowPadded):
             if cls not in _PADDED:
-                _PADDED[cls] = type(f"RowPadded{cls.__name__}", (_RowPadded, cls), {})
+                _PADDED[cls] = type(f"RowPadded{cls.__name__}", (_RowPadded, cls),
+                                    {"plain_linear": cls.forward is nn.Linear.forward})
             module.__class__ = _PADDED[cls]
             count += 1
     return count

@@ -87,6 +87,28 @@ print("ok")
 """
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_padded_linear_backward_is_the_plain_linear_backward(bias):
+    """Only the forward runs in row blocks: a plain linear's gradients are whole-matrix GEMMs,
+    the same numbers as nn.Linear's (an FP8 linear keeps its own autograd)."""
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(64, 48, bias=bias)
+    padded = torch.nn.Linear(64, 48, bias=bias)
+    padded.load_state_dict(plain.state_dict())
+    assert pad_linear_rows(padded) == 1 and type(padded).plain_linear
+    x = torch.randn(3, 37, 64)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    dy = torch.randn(3, 37, 48)
+    plain(x1).backward(dy)
+    padded(x2).backward(dy)
+    torch.testing.assert_close(x2.grad, x1.grad, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(padded.weight.grad, plain.weight.grad, rtol=1e-6, atol=1e-6)
+    if bias:
+        torch.testing.assert_close(padded.bias.grad, plain.bias.grad, rtol=1e-6, atol=1e-6)
+    view = padded(x).grad_fn  # [rows, N] -> [3, 37, N]
+    assert view.next_functions[0][0].name().startswith("_BlockedLinearFn")
+
+
 def test_engine_and_trainer_run_on_one_thread_under_the_flag(tiny_model_dir, tmp_path):
     """Two thread counts split a GEMM's reduction differently (MKL on AVX-512), so both sides
     pin one thread when their model is made batch-invariant (adaptive threads off), and on one
