@@ -100,7 +100,7 @@ def main() -> None:
         if dg is not None:
             backends.append(DeepGemmBackend(dg, strict=True))
         else:
-            print("deep_gemm: not importable (put DeepGEMM in .dg/, see GPU_RUN.md)", file=sys.stderr)
+            print("deep_gemm: not importable (put DeepGEMM in .dg/, see bench/README.md)", file=sys.stderr)
         backends.append(TorchScaledMMBackend())
     else:
         backends.append(EmulatedBackend())

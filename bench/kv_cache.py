@@ -64,7 +64,7 @@ to the host (a device sync), so GPU times are real.
     python bench/kv_cache.py --arrival staggered      # CPU, conversations starting 3 s apart
     python bench/kv_cache.py --baseline-last          # the mixed arm after the cache arms (order check)
     python bench/kv_cache.py --transfer shm           # the path before the arena: bytes in rl-cache, /dev/shm mailboxes
-    python bench/kv_cache.py --device cuda            # ~1B Llama shape, 16k shared prefix (GPU_RUN.md)
+    python bench/kv_cache.py --device cuda            # ~1B Llama shape, 16k shared prefix (bench/README.md)
     python bench/kv_cache.py --conversations 16 --kv-share 0.33 --think-s 5   # CPU, histories evicted locally
 """
 

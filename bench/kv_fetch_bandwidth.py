@@ -13,7 +13,7 @@ mapping and from torch's pinned memory.
 
     python bench/kv_fetch_bandwidth.py --smoke          # seconds
     python bench/kv_fetch_bandwidth.py                  # CPU, 128 MiB of 96 KiB blocks (docs/benchmarks.md)
-    python bench/kv_fetch_bandwidth.py --device cuda    # GPU_RUN.md
+    python bench/kv_fetch_bandwidth.py --device cuda    # bench/README.md
 """
 
 import argparse

@@ -8,8 +8,9 @@ the steps after ``--skip`` warm-up steps; also reward first/last 5 and the engin
 
     python bench/rl_step_breakdown.py RUN_DIR [--skip 2]
 
-The GPU run (SmolLM2-shaped policy, rl-infer on vLLM and rl-train on one GPU) is in
-GPU_RUN.md of the vllm branch; it runs ``rl-orchestrate up`` and then this script.
+On the GPU (SmolLM2-shaped policy, rl-infer on vLLM and rl-train on one GPU; bench/README.md
+says how vLLM gets there): ``rl-orchestrate up recipes/smollm2-reverse.toml --engine vllm``, then
+this script on its run directory.
 """
 
 import argparse
