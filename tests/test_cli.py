@@ -50,6 +50,20 @@ def test_print_config_writes_toml_to_stdout(tmp_path, tiny_model_dir):
     assert not (tmp_path / "run").exists()  # printing the config touches nothing
 
 
+def test_up_train_nproc_sets_one_rollout_file_per_data_parallel_rank(tmp_path, tiny_model_dir):
+    """rl-orchestrate up --train-nproc 4 --train.parallel.cp 2: two data-parallel ranks read rollout
+    files (the context-parallel pairs share theirs); rl-train refuses any other count."""
+    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, tmp_path / "run")
+    ranks = {}
+    for extra in ([], ["--train.parallel.cp", "2"], ["--train.parallel.cp", "2", "--orchestrate.num_train_ranks", "3"]):
+        out = cli("rlcli.cli.orchestrate", "up", str(recipe), "--train-nproc", "4", *extra, "--print-config", "--json")
+        assert out.returncode == 0, out.stderr
+        tree = json.loads(out.stdout)
+        assert tree["up"]["train_nproc_per_node"] == 4
+        ranks[len(extra)] = tree["orchestrate"]["num_train_ranks"]
+    assert ranks == {0: 4, 2: 2, 4: 3}  # an explicit override still wins
+
+
 def test_unknown_recipe_key(tmp_path, tiny_model_dir):
     recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, tmp_path / "run", train={"learning_rate": 1})
     one_line_error(cli("rlcli.cli.train", "--config", str(recipe)), 2, "unknown key 'train.learning_rate'")

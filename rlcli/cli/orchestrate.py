@@ -65,19 +65,24 @@ def up_cmd(
     seed: SeedOpt = None,
     r3: R3Opt = None,
     train_nproc: Annotated[Optional[int], typer.Option(help="rl-train ranks (torchrun --nproc-per-node); also sets "
-                                                       "orchestrate.num_train_ranks.")] = None,
+                                                       "orchestrate.num_train_ranks to its data-parallel ranks "
+                                                       "(train.parallel.dp, or these over train.parallel.cp).")] = None,
     print_config_: PrintConfigOpt = False,
     json_: Annotated[bool, typer.Option("--json", help="The summary is always JSON; with --print-config, the "
                                         "recipe as JSON too.")] = False,
 ) -> None:
     """Launch every process of a recipe on this machine, show the live dashboard, stop them all at the end."""
     on = True if fp8 else None
-    cfg = resolve_config(ctx, recipe, {"run_dir": str(run_dir) if run_dir else None, "num_steps": steps,
-                                       "orchestrate.max_async": max_async, "up.num_infer": num_infer,
-                                       "up.plot": plot, "infer.engine.name": engine.value if engine else None,
-                                       "train.fp8.enabled": on, "infer.fp8.enabled": on, "seed": seed,
-                                       "r3": r3, "up.train_nproc_per_node": train_nproc,
-                                       "orchestrate.num_train_ranks": train_nproc})
+    flags = {"run_dir": str(run_dir) if run_dir else None, "num_steps": steps,
+             "orchestrate.max_async": max_async, "up.num_infer": num_infer,
+             "up.plot": plot, "infer.engine.name": engine.value if engine else None,
+             "train.fp8.enabled": on, "infer.fp8.enabled": on, "seed": seed,
+             "r3": r3, "up.train_nproc_per_node": train_nproc}
+    cfg = resolve_config(ctx, recipe, flags)
+    if train_nproc:  # one rollout file per data-parallel rank; context-parallel ranks share theirs
+        p = cfg.train.parallel
+        dp = p.dp if p.dp > 0 else max(train_nproc // p.cp, 1)
+        cfg = resolve_config(ctx, recipe, {**flags, "orchestrate.num_train_ranks": dp})
     if print_config_:
         return print_config(cfg, json_)
     run = open_run(cfg, "up")
