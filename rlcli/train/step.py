@@ -143,7 +143,7 @@ def accumulate(model: torch.nn.Module, micro_batches: list[MicroBatch], dims, de
     normalizer = global_loss_tokens(micro_batches, device, dp_group)
     cp_rank = dims.coords(torch.distributed.get_rank())[1] if dims.enabled else 0
     totals: dict[str, torch.Tensor] = {}
-    rows = padded_micro_batches(micro_batches)
+    rows = padded_micro_batches(micro_batches, min_tokens=2 * dims.cp if dims.enabled else 2)
     for i, (mb, padding) in enumerate(rows):
         if reshard == "step":
             sync_gradients_on(model, last=i == len(rows) - 1)
@@ -178,12 +178,14 @@ def global_loss_tokens(micro_batches: list[MicroBatch], device: torch.device, gr
     return pdist.all_reduce_sum(n, group=group).clamp(min=1.0)
 
 
-def padded_micro_batches(micro_batches: list[MicroBatch]) -> list[tuple[MicroBatch, bool]]:
-    """(row, is_padding) pairs: as many as the busiest rank holds (one small collective)."""
+def padded_micro_batches(micro_batches: list[MicroBatch], min_tokens: int = 2) -> list[tuple[MicroBatch, bool]]:
+    """(row, is_padding) pairs: as many as the busiest rank holds (one small collective). A rank
+    that holds no row repeats a filler of ``min_tokens`` tokens (context parallelism cuts a row into
+    2 x cp chunks: 2 x cp at least; every rank of a context-parallel group builds the same one)."""
     n = pdist.all_reduce_max_int(len(micro_batches))
     out = [(mb, False) for mb in micro_batches]
     if len(out) < n:
-        filler = micro_batches[0] if micro_batches else _tiny_row()
+        filler = micro_batches[0] if micro_batches else _tiny_row(max(2, min_tokens))
         out += [(filler, True)] * (n - len(out))
     return out
 
@@ -196,13 +198,13 @@ def filler_routes(args, num_tokens: int, device: torch.device) -> torch.Tensor:
     return torch.arange(k, device=device).expand(num_tokens, args.num_moe_layers, k).contiguous()
 
 
-def _tiny_row() -> MicroBatch:
+def _tiny_row(n: int = 2) -> MicroBatch:
     import numpy as np
 
     from rlcli.protocol.messages import WireTensor
 
     T = WireTensor.from_numpy
-    z = np.zeros(2, dtype=np.int32)
-    return MicroBatch(input_ids=T(z), position_ids=T(np.arange(2, dtype=np.int32)),
-                      loss_mask=T(np.zeros(2, dtype=np.bool_)), advantages=T(np.zeros(2, dtype=np.float32)),
-                      inference_logprobs=T(np.zeros(2, dtype=np.float32)), versions=T(z))
+    z = np.zeros(n, dtype=np.int32)
+    return MicroBatch(input_ids=T(z), position_ids=T(np.arange(n, dtype=np.int32)),
+                      loss_mask=T(np.zeros(n, dtype=np.bool_)), advantages=T(np.zeros(n, dtype=np.float32)),
+                      inference_logprobs=T(np.zeros(n, dtype=np.float32)), versions=T(z))

@@ -1,7 +1,8 @@
-"""Run by tests/train/test_r3.py under torchrun (gloo, 2 data-parallel ranks): rl-train's
-accumulation with r3 on, where rank 1 holds fewer rows than rank 0 (or none) and pads. For each
-scenario in OUT/batches/<scenario>/<rank>.msgpack it writes this rank's metric sums to
-OUT/<scenario>_<rank>.pt, after all-reducing them stacked in key order as the trainer does."""
+"""Run by tests/train/test_r3.py under torchrun (gloo, 2 data-parallel ranks, each CP context-parallel
+ranks: argv[3], default 1): rl-train's accumulation with r3 on, where data-parallel rank 1 holds
+fewer rows than rank 0 (or none) and pads. For each scenario in OUT/batches/<scenario>/<dp rank>.msgpack
+it writes this rank's metric sums to OUT/<scenario>_<rank>.pt, after all-reducing them stacked in key
+order as the trainer does."""
 
 import sys
 from pathlib import Path
@@ -17,14 +18,20 @@ from rlcli.train.loss import LOSSES
 from rlcli.train.step import accumulate
 
 OUT, MODEL = Path(sys.argv[1]), Path(sys.argv[2])
+CP = int(sys.argv[3]) if len(sys.argv) > 3 else 1
 
 
 def main() -> None:
     info = pdist.init_distributed()
-    dims = resolve_dims(ParallelConfig(dp=2), info.world_size).build("cpu")
+    dims = resolve_dims(ParallelConfig(dp=2, cp=CP), info.world_size).build("cpu")
+    dp_rank = dims.coords(info.rank)[0]
     model = load_model(MODEL, seed=3)
+    if CP > 1:  # what parallelize does for --cp: each layer's attention all-gathers k and v
+        from rlcli.parallel.context import apply_cp
+
+        apply_cp(model, dims.mesh["cp"])
     for scenario in sorted(p.name for p in (OUT / "batches").iterdir()):
-        batch = decode_batch((OUT / "batches" / scenario / f"{info.rank}.msgpack").read_bytes())
+        batch = decode_batch((OUT / "batches" / scenario / f"{dp_rank}.msgpack").read_bytes())
         totals, _ = accumulate(model, batch.micro_batches, dims, torch.device("cpu"), LOSSES["tis"], LossConfig(),
                                1024, r3=True)
         model.zero_grad(set_to_none=True)

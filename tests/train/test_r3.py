@@ -128,11 +128,9 @@ def test_r3_mismatch_between_orchestrator_and_trainer_is_a_config_error(moe):
         trainer_for(moe, r3=True).forward_backward(build_micro_batch(plain, 1.0), num_loss_tokens=20)
 
 
-def test_a_rank_with_fewer_rows_pads_under_r3(tmp_path):
-    """Two data-parallel ranks (gloo): rank 0 holds two rows, rank 1 one or none. A rank with no
-    row pads with a filler that carries no routes; under r3 it was refused ("no routes"), so a
-    step whose rows all fit on rank 0 ended rl-train. Now its padding pass replays filler routes and
-    reports the same metric keys; a padding pass counts no route (it counted its row's again)."""
+def _padding_run(tmp_path, cp: int, scenarios: dict) -> dict:
+    """The padding worker under torchrun: 2 data-parallel ranks x ``cp``; each scenario's rows per
+    data-parallel rank. Returns {(scenario, rank): that rank's metric sums}."""
     import os
     import subprocess
     import sys
@@ -144,25 +142,45 @@ def test_a_rank_with_fewer_rows_pads_under_r3(tmp_path):
            "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16, "num_hidden_layers": 3,
            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "num_experts": NUM_EXPERTS,
            "num_experts_per_tok": TOP_K, "norm_topk_prob": True, "mlp_only_layers": [1]}
-    (tmp_path / "model").mkdir()
+    (tmp_path / "model").mkdir(exist_ok=True)
     (tmp_path / "model" / "config.json").write_text(json.dumps(cfg))
-    rng = np.random.default_rng(4)
-    a, b, c = (build_micro_batch(samples(rng), 1.0) for _ in range(3))
-    for scenario, rows in (("empty", ([a, b], [])), ("fewer", ([a, b], [c]))):
+    for scenario, rows in scenarios.items():
         (tmp_path / "batches" / scenario).mkdir(parents=True)
         for rank, mbs in enumerate(rows):
             batch = TrainingBatch(step=1, rank=rank, micro_batches=mbs, num_loss_tokens=0, num_samples=0,
                                   min_version=0, max_version=0)
             (tmp_path / "batches" / scenario / f"{rank}.msgpack").write_bytes(encode_batch(batch))
     repo = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          str(Path(__file__).with_name("r3_padding_worker.py")), str(tmp_path), str(tmp_path / "model")],
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                          str(2 * cp), str(Path(__file__).with_name("r3_padding_worker.py")), str(tmp_path),
+                          str(tmp_path / "model"), str(cp)],
                          env={**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-4000:]
-    got = {(s, r): torch.load(tmp_path / f"{s}_{r}.pt") for s in ("empty", "fewer") for r in (0, 1)}
+    return {(s, r): torch.load(tmp_path / f"{s}_{r}.pt") for s in scenarios for r in range(2 * cp)}
+
+
+def test_a_rank_with_fewer_rows_pads_under_r3(tmp_path):
+    """Two data-parallel ranks (gloo): rank 0 holds two rows, rank 1 one or none. A rank with no
+    row pads with a filler that carries no routes; under r3 it was refused ("no routes"), so a
+    step whose rows all fit on rank 0 ended rl-train. Now its padding pass replays filler routes and
+    reports the same metric keys; a padding pass counts no route (it counted its row's again)."""
+    rng = np.random.default_rng(4)
+    a, b, c = (build_micro_batch(samples(rng), 1.0) for _ in range(3))
+    got = _padding_run(tmp_path, 1, {"empty": ([a, b], []), "fewer": ([a, b], [c])})
     for s in ("empty", "fewer"):
         assert got[s, 0].keys() == got[s, 1].keys() and "router_pairs" in got[s, 1]
     assert got["empty", 1]["router_pairs"].item() == 0 and got["empty", 1]["loss"].item() == 0
     one_row = trainer_for(load_model(tmp_path / "model", seed=3), r3=True).forward_backward(c, num_loss_tokens=20)
     assert got["fewer", 1]["router_pairs"].item() == one_row["router_pairs"].item() > 0
+
+
+def test_a_context_parallel_pair_with_no_row_pads_with_a_row_it_can_split(tmp_path):
+    """2 data-parallel x 2 context-parallel ranks: the pair of data-parallel rank 1 holds no row. Its
+    filler had 2 tokens, and --cp 2 cuts a row into 4 chunks: rl-train stopped on the padding pass
+    ("a row holds only 2 tokens"). The filler now has 2 x cp tokens; the pair pads alike."""
+    rng = np.random.default_rng(5)
+    a, b = (build_micro_batch(samples(rng), 1.0) for _ in range(2))
+    got = _padding_run(tmp_path, 2, {"empty": ([a, b], [])})
+    assert all(got["empty", r].keys() == got["empty", 0].keys() for r in range(4))
+    assert all(got["empty", r]["router_pairs"].item() == 0 and got["empty", r]["loss"].item() == 0 for r in (2, 3))
