@@ -64,6 +64,37 @@ def test_up_train_nproc_sets_one_rollout_file_per_data_parallel_rank(tmp_path, t
     assert ranks == {0: 4, 2: 2, 4: 3}  # an explicit override still wins
 
 
+_RANK_ERROR = """
+import sys, typer
+from rlcli.cli._errors import handle_errors
+from rlcli.errors import ConfigError
+app = typer.Typer()
+@app.command()
+@handle_errors("rl-train")
+def run():
+    raise ConfigError(sys.argv[1])
+app(sys.argv[2:])
+"""
+
+
+def test_a_usage_error_under_torchrun_is_said_once_even_when_only_some_ranks_hit_it(tmp_path):
+    """Every rank hitting one config error: one line, from the first. An error only ranks 2 and 3
+    hit (a context-parallel pair holding no row) was said by nobody (only rank 0 spoke), and the
+    user saw rank 0's 'connection closed by peer' instead."""
+    import os
+    import uuid
+
+    run_id = uuid.uuid4().hex
+    said = []
+    for rank, message in ((2, "lower --cp"), (3, "lower --cp"), (0, "same for all"), (1, "same for all")):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "TORCHELASTIC_RUN_ID": run_id}
+        out = subprocess.run([sys.executable, "-c", _RANK_ERROR, message], env=env, capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 2
+        said += [line for line in out.stderr.splitlines() if line.strip()]
+    assert said == ["rl-train: error: lower --cp", "rl-train: error: same for all"]
+
+
 def test_unknown_recipe_key(tmp_path, tiny_model_dir):
     recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, tmp_path / "run", train={"learning_rate": 1})
     one_line_error(cli("rlcli.cli.train", "--config", str(recipe)), 2, "unknown key 'train.learning_rate'")

@@ -5,8 +5,10 @@ get the traceback instead.
 """
 
 import functools
+import hashlib
 import os
 import sys
+import tempfile
 from typing import Callable
 
 import typer
@@ -30,6 +32,25 @@ def _describe(exc: BaseException) -> tuple[str, int]:
     return f"{type(exc).__name__}: {exc} (set RLCLI_DEBUG=1 for the traceback)", EXIT_FAILURE
 
 
+def first_to_say(message: str) -> bool:
+    """Whether this process should print a usage error: always, except under torchrun, where
+    every rank of a node often hits the same one and only the first of them says it (an empty
+    file per message and torchrun agent, created exclusively in the temp directory). An error
+    that only some ranks hit (a rank holding no row) still shows, from one of them."""
+    if "RANK" not in os.environ or "LOCAL_RANK" not in os.environ:
+        return True
+    agent = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}|{os.getppid()}|{os.environ.get('MASTER_PORT', '')}"
+    key = hashlib.sha1(f"{agent}\0{message}".encode()).hexdigest()[:20]
+    try:
+        os.close(os.open(os.path.join(tempfile.gettempdir(), f"rlcli-error-{key}"),
+                         os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        return True
+    except FileExistsError:
+        return False
+    except OSError:  # no writable temp directory: rank 0 speaks, as before
+        return os.environ.get("RANK", "0") == "0"
+
+
 def handle_errors(command: str) -> Callable:
     """Decorate a typer command so errors print one line on stderr and set the exit code."""
 
@@ -46,8 +67,7 @@ def handle_errors(command: str) -> Callable:
                 if os.environ.get("RLCLI_DEBUG"):
                     raise
                 message, code = _describe(exc)
-                # Under torchrun every rank hits the same config error: rank 0 says it once.
-                if code != EXIT_USAGE or os.environ.get("RANK", "0") == "0":
+                if code != EXIT_USAGE or first_to_say(message):
                     print(f"{command}: error: {message}", file=sys.stderr, flush=True)
                 raise typer.Exit(code) from None
 
