@@ -22,6 +22,7 @@ of each, async over sync. An arm past --timeout is stopped and summarized from t
     python bench/loop_node.py --device cuda                       # one H200: both on cuda:0; two: one each
     python bench/loop_node.py --device cuda --fp8                 # FP8 GEMMs in trainer and engine
     python bench/loop_node.py --device cpu --steps 6              # tiny model, CPU
+    python bench/loop_node.py --device cpu --dsa --train-gpus 2 --train.parallel.cp 2   # DSA under CP
     python bench/loop_node.py ... --train.micro_batch_tokens 8192 # recipe overrides go to both arms
 """
 
@@ -77,6 +78,26 @@ def placement(device: str, train_gpus: int, infer_gpus: int, sync: str) -> tuple
              + (" (shared with rl-train)" if shared else ""))
     args = ["--infer.device", infer_dev] + (["--train-nproc", str(train_gpus)] if train_gpus > 1 else [])
     return args, where, kind
+
+
+DSA = {"cpu": dict(index_topk=16, index_n_heads=4, index_head_dim=16),
+       "cuda": dict(index_topk=2048, index_n_heads=64, index_head_dim=128)}
+"""--dsa: DeepSeek Sparse Attention's indexer on the same model (cuda: DeepSeek-V3.2's; cpu: top-16 of
+the toy's rows, so it drops keys)."""
+
+
+def write_dsa_model(base: Path, src: Path, device: str) -> Path:
+    """``src`` (a config-only model directory) as a DeepSeek-V3.2 with DSA: its files, the config's
+    architecture switched and the indexer added."""
+    model = base / "model-dsa"
+    model.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.name != "config.json":
+            shutil.copy(f, model / f.name)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", **DSA[device])
+    (model / "config.json").write_text(json.dumps(cfg, indent=1))
+    return model
 
 
 def write_cpu_model(base: Path) -> Path:
@@ -182,6 +203,7 @@ def main() -> None:
     p.add_argument("--sync", choices=["auto", "collective", "filesystem", "async_filesystem"], default="auto",
                    help="weight transport (auto: collective unless rl-infer and rl-train share a GPU)")
     p.add_argument("--fp8", action="store_true", help="FP8 GEMMs in rl-train and rl-infer")
+    p.add_argument("--dsa", action="store_true", help="the model with DeepSeek Sparse Attention (V3.2's indexer)")
     p.add_argument("--r3", action=argparse.BooleanOptionalAction, default=None, help="routing replay [recipe's]")
     p.add_argument("--timeout", type=float, default=230.0, help="seconds per arm before it is stopped")
     p.add_argument("--keep", type=Path, default=None, help="keep both run directories under this folder (their "
@@ -195,12 +217,19 @@ def main() -> None:
     if args.device == "cpu":
         model_dir = write_cpu_model(base)
         common += ["--model.path", str(model_dir), *CPU_OVERRIDES]
+    if args.dsa:
+        from rlcli.config import load_recipe
+
+        src = model_dir or Path(load_recipe(args.recipe, {}).model.path)
+        model_dir = write_dsa_model(base, src, args.device)
+        common += ["--model.path", str(model_dir), "--orchestrate.share_prompts", "false"]  # (rl-train refuses them)
     common += (["--steps", str(args.steps)] if args.steps else []) + (["--fp8"] if args.fp8 else [])
     common += ([] if args.r3 is None else ["--r3" if args.r3 else "--no-r3"]) + extra
     from rlcli.config import load_recipe
 
     cfg = load_recipe(args.recipe, {"model.path": str(model_dir)} if model_dir else {})
-    print(f"# loop_node: {args.recipe.name}, {model_size(Path(cfg.model.path))}; {where}; rl-sync {kind}"
+    print(f"# loop_node: {args.recipe.name}{' with DSA' if args.dsa else ''}, {model_size(Path(cfg.model.path))}; "
+          f"{where}; rl-sync {kind}"
           f"{'; fp8' if args.fp8 else ''}; r3 {cfg.r3 if args.r3 is None else args.r3}; "
           f"{args.steps or cfg.num_steps} steps per arm, first {args.warmup} left out", flush=True)
     results, failed = {}, {}

@@ -174,6 +174,9 @@ class Trainer:
             if tcfg.checkpoint.background and not pdist.enabled() else None
         if cfg.r3 and not self.args.is_moe:
             raise ConfigError(f"r3 = true needs a mixture-of-experts model; {cfg.model.path} is dense: set r3 = false")
+        if self.args.is_dsa and cfg.orchestrate.share_prompts:  # (rlcli.ops.mla: its top-k window is one document)
+            raise ConfigError(f"{cfg.model.path} has DSA sparse attention, which does not take shared-prompt rows "
+                              "yet: set orchestrate.share_prompts = false")
 
     def _mesh_record(self) -> dict:
         return {"dp": self.dims.dp, "cp": self.dims.cp, "ep": self.dims.ep}
