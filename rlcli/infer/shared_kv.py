@@ -164,8 +164,8 @@ class SharedKVMixin:
         piece, done = max(1, PUBLISH_PIECE_BYTES // nbytes), 0
         while done < len(hashes):
             n = min(len(hashes) - done, piece, self.kv.publish_room() // nbytes)
-            if n <= 0 and wait and self.kv.flush(self.kv.timeout_s):
-                continue
+            if n <= 0 and wait and self.kv.flush(self.kv.timeout_s):  # the queue is empty now
+                n = min(len(hashes) - done, piece, self.kv.publish_room() // nbytes)
             if n <= 0 or not self.kv.publish(hashes[done:done + n], self._gather_blocks(blocks[done:done + n])):
                 self.counters["kv_publish_deferred"] += 1
                 break
