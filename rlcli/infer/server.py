@@ -101,6 +101,7 @@ class InferServer:
             endpoints["http"] = self.http.endpoint
         self.registration = Registration(run.registry_dir(), "infer", instance, endpoints,
                                          {"version": version, "role": icfg.role})
+        self.registration.take_long_op_notices()  # a kernel's first-use compile inside a step (fp8 backends)
         self.clients: dict[str, bytes] = {}  # request_id -> ZeroMQ client identity
         self.sinks: dict[str, Sink] = {}  # request_id -> HTTP handler
         self.stopping = False

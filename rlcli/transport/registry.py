@@ -7,6 +7,9 @@ iteration calls :meth:`Registration.beat`, which rewrites the file with a new
 a deadlock, SIGSTOP) stops beating like a dead process does. Before an operation that
 blocks the loop for long (a weight load, a trainer step, a checkpoint) the loop beats
 with ``busy_s``: the entry promises its next beat by then, and peers wait that long.
+An operation deep inside a step that the loop cannot foresee (a JIT compile on a GEMM
+shape's first use) calls :func:`expect_long`, which extends the promise of the process's
+registration, if it took such notices (:meth:`Registration.take_long_op_notices`).
 
 Peers discover each other here; an entry whose heartbeat is older than ``stale_after``
 seconds (and past any promised ``busy_until``) marks the process dead or stopped, and a
@@ -20,7 +23,7 @@ import socket
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 
@@ -66,6 +69,17 @@ class Entry(msgspec.Struct, kw_only=True):
         return f"{self.role}-{self.id}"
 
 
+_long_op_notice: Callable[[float], None] | None = None  # the registration that takes expect_long's notices
+
+
+def expect_long(seconds: float) -> None:
+    """Say, from inside the work loop's thread, that the operation about to run may block the loop
+    for up to ``seconds`` (a kernel's JIT compile): the process's registration, if it took such
+    notices, extends its promised next beat so peers do not call the process dead meanwhile."""
+    if _long_op_notice is not None:
+        _long_op_notice(seconds)
+
+
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(Entry)
 
@@ -101,6 +115,23 @@ class Registration:
         except OSError:
             pass  # the run directory may be briefly unavailable (NFS); the next beat retries
 
+    def extend(self, busy_s: float) -> None:
+        """Promise the next beat within ``busy_s`` from now, unless the standing promise still has half
+        of that left (so a run of announcements writes the entry once per ``busy_s / 2``, not each)."""
+        now = time.time()
+        if self.entry.busy_until - now < busy_s / 2:
+            self.entry.busy_until = now + busy_s
+            try:
+                self._write()
+            except OSError:
+                pass
+
+    def take_long_op_notices(self) -> None:
+        """Make :func:`expect_long` extend this registration (call from the thread of the work loop, which
+        is where the operations that announce themselves run)."""
+        global _long_op_notice
+        _long_op_notice = self.extend
+
     def update(self, **info: Any) -> None:
         """Merge ``info`` into the entry and write it now (also a beat)."""
         self.entry.info.update(info)
@@ -111,6 +142,9 @@ class Registration:
         atomic_write_bytes(self.path, _encoder.encode(self.entry), fsync=False)
 
     def close(self) -> None:
+        global _long_op_notice
+        if _long_op_notice == self.extend:
+            _long_op_notice = None
         try:
             current = read_entry(self.path)
             if current is not None and current.incarnation == self.entry.incarnation:

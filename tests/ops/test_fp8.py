@@ -277,3 +277,38 @@ def test_deep_gemm_wgrad_kernel_is_measured_once_for_every_shape():
         assert ((out - expected).norm() / expected.norm()).item() < 1e-2, (n, k)
     assert len(be.wgrad_ms) == 1 and len(be.wgrad_choice) == 3
     assert set(be.wgrad_choice.values()) == {be.wgrad_kernel}
+
+
+def test_a_deep_gemm_call_on_a_new_shape_keeps_the_process_alive_to_its_peers(tmp_path):
+    """DeepGEMM compiles a kernel on a shape's first use (tens of seconds with nvcc), inside an engine or
+    trainer step, where the work loop cannot beat: the H200 loop run saw rl-infer called dead seven
+    times in its first minutes, and its requests re-dispatched. The first call of each shape extends the
+    registration's promise before it runs; calls of a shape already run leave the entry alone."""
+    import time
+    from types import SimpleNamespace
+
+    from rlcli.ops.fp8.backends import JIT_COMPILE_S, DeepGemmBackend
+    from rlcli.transport.registry import Registration, list_entries, read_entry
+
+    reg = Registration(tmp_path, "infer", 0, {"rpc": "tcp://h:1"})
+    seen = []
+
+    def fp8_gemm_nt(a, b, out, c=None, recipe=None):  # where the compile would run: what peers see now
+        seen.append([e.busy_until for e in list_entries(tmp_path, "infer", stale_after=0.0)])
+
+    be = DeepGemmBackend(SimpleNamespace(fp8_gemm_nt=fp8_gemm_nt), strict=True)
+    (aq, sa), (bq, sb) = quantize_1x128(data(4, 256)), quantize_128x128(data(256, 256, seed=1))
+    be.gemm(aq, sa, bq, sb, torch.float32)  # no registration takes notices yet: nothing is promised
+    assert seen == [[]]
+    reg.take_long_op_notices()
+    (aq8, sa8) = quantize_1x128(data(8, 256, seed=2))
+    t0 = time.time()
+    be.gemm(aq8, sa8, bq, sb, torch.float32)  # a new M: alive to a peer with no patience at all
+    assert len(seen[1]) == 1 and seen[1][0] >= t0 + JIT_COMPILE_S - 1
+    reg.beat()  # the loop's next ordinary beat withdraws the promise
+    written = read_entry(tmp_path / "infer-0.json").heartbeat
+    be.gemm(aq8, sa8, bq, sb, torch.float32)  # that shape again: no compile, no promise, no write
+    assert seen[2] == [] and read_entry(tmp_path / "infer-0.json").heartbeat == written
+    reg.close()
+    be.gemm(*quantize_1x128(data(16, 256, seed=3)), bq, sb, torch.float32)  # a closed registration takes none
+    assert seen[3] == []

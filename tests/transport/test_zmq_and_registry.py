@@ -109,6 +109,30 @@ def test_registry_heartbeat_comes_from_the_work_loop(tmp_path):
     assert not (tmp_path / "infer-2.json").exists()
 
 
+def test_a_long_operation_extends_the_promise_and_never_shortens_it(tmp_path):
+    """expect_long (a kernel's first-use compile deep in a step) extends the registration that took its
+    notices; a standing promise with half the window left is kept as it is (no write), and a longer one
+    announced by the loop is never cut short."""
+    from rlcli.transport.registry import expect_long
+
+    reg = Registration(tmp_path, "train", 0, {})
+    expect_long(60)  # nobody takes notices yet
+    assert read_entry(tmp_path / "train-0.json").busy_until == 0
+    reg.take_long_op_notices()
+    t0 = time.time()
+    expect_long(60)
+    first = read_entry(tmp_path / "train-0.json")
+    assert t0 + 60 <= first.busy_until <= time.time() + 60
+    expect_long(60)  # 30 s or more left: the entry is not rewritten
+    assert read_entry(tmp_path / "train-0.json").heartbeat == first.heartbeat
+    reg.beat(busy_s=3600)  # the trainer's step promise
+    expect_long(60)
+    assert read_entry(tmp_path / "train-0.json").busy_until >= t0 + 3600
+    reg.close()
+    expect_long(7200)  # a closed registration takes no notices
+    assert reg.entry.busy_until < t0 + 7200
+
+
 def test_registry_updates_race_each_other(tmp_path):
     """Regression: two writers of one entry once shared a temporary file name."""
     reg = Registration(tmp_path, "infer", 0, {"rpc": "tcp://h:1"}, interval=0.0001)

@@ -25,6 +25,10 @@ shape: DeepGEMM compiles a kernel per shape on first use, so timing each new sha
 linear of a model, each expert group of a per-expert loop) put a JIT compile and host syncs
 into the first step once per shape, whichever kernel then won.
 
+A DeepGEMM call with a shape it has not run in this process first says so to the process's
+registry entry (:func:`rlcli.transport.registry.expect_long`): on a cold JIT cache that call
+compiles a kernel with nvcc (tens of seconds on a busy host), longer than peers wait for a beat.
+
 Kernels want K a multiple of 128: the FP8 data is zero padded along K, which adds zeros
 to every dot product (see the quantization note on edge blocks).
 """
@@ -37,11 +41,15 @@ import torch
 import torch.nn.functional as F
 
 from rlcli.ops.fp8 import runtime
+from rlcli.transport.registry import expect_long
 from rlcli.ops.fp8.quant import BLOCK, FP8_DTYPE, ceil_div, dequantize_1x128, dequantize_128x128
 
 log = logging.getLogger("rlcli.fp8")
 
 BackendName = Literal["auto", "deep_gemm", "torch", "emulated"]
+
+JIT_COMPILE_S = 180.0
+"""How long a DeepGEMM call on a new shape may take (its JIT compile): what the process promises peers."""
 
 
 class GemmBackend(Protocol):
@@ -169,6 +177,7 @@ class DeepGemmBackend:
         self.wgrad_kernel: str | None = None  # "deep_gemm" | "torch", measured on the first weight gradient
         self.wgrad_choice: dict[tuple, str] = {}  # (a.shape, b.shape) -> the kernel each wgrad shape ran on
         self.wgrad_ms: dict[tuple, dict[str, float]] = {}  # the shape that was measured -> ms per kernel
+        self.shapes_run: set[tuple] = set()  # (op, M, N, K): what may need no JIT compile any more
         try:
             self.align = int(dg.get_mk_alignment_for_contiguous_layout())
         except AttributeError:
@@ -186,9 +195,19 @@ class DeepGemmBackend:
             self.failed.add(op)
             return fallback()
 
+    def _new_shape(self, op: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Before a DeepGEMM call: the first with these shapes (module docstring) announces a possible compile.
+        Keyed by the exact M, which DeepGEMM's kernel choice depends on; a shape that turns out to need no
+        compile costs one registry write."""
+        key = (op, a.shape[0], *b.shape)
+        if key not in self.shapes_run:
+            self.shapes_run.add(key)
+            expect_long(JIT_COMPILE_S)
+
     def gemm(self, a, sa, b, sb, out_dtype):
         def kernel():
             out = torch.empty(a.shape[0], b.shape[0], dtype=torch.bfloat16, device=a.device)
+            self._new_shape("gemm", a, b)
             self.dg.fp8_gemm_nt((_pad_k(a), sa), (_pad_k(b), sb), out)
             return _as(out, out_dtype)
         return self._guarded("fp8_gemm_nt", kernel, lambda: self.torch.gemm(a, sa, b, sb, out_dtype))
@@ -213,6 +232,7 @@ class DeepGemmBackend:
 
     def _wgrad_1d1d(self, a, sa, b, sb):
         d = torch.zeros(a.shape[0], b.shape[0], dtype=torch.float32, device=a.device)  # the kernel adds c = d
+        self._new_shape("wgrad", a, b)
         self.dg.fp8_gemm_nt((_pad_k(a), sa), (_pad_k(b), sb), d, c=d, recipe=(1, 1, 128))
         return d
 
@@ -296,6 +316,7 @@ class DeepGemmBackend:
 
     def _run_grouped(self, a_pad, sa_pad, b, sb, layout, dst, M_pad, out_dtype):
         out = torch.empty(M_pad, b.shape[1], dtype=torch.bfloat16, device=a_pad.device)
+        self._new_shape("grouped", a_pad, b)
         self.dg.m_grouped_fp8_gemm_nt_contiguous((_pad_k(a_pad), sa_pad), (_pad_k(b), sb), out, layout)
         return _as(out.index_select(0, dst), out_dtype)
 
