@@ -9,17 +9,22 @@ prints the final reward of each (mean of the last 5 steps), the time the asynchr
 run took to first reach the synchronous run's final reward (5-step moving mean), and the
 ratio of that time to the synchronous run's total. With several seeds (``--seeds 0,1,2``)
 each seed runs both arms in turn (sync, then async), and the per-seed ratios are printed
-with their median.
+with their median. ``--parallel`` runs every (seed, arm) at once instead, each pinned to its own
+equal slice of the cores this process may use (at least 3 each): on a many-core host the arms
+then neither wait for nor compete with each other, and the processes of one run (rl-infer,
+rl-train, the orchestrator) do not share a core as they do on two.
 
-    python bench/reward_vs_time.py [--recipe recipes/reverse.toml] [--seeds 0,1,2] [--max-async 1] [--keep DIR]
+    python bench/reward_vs_time.py [--recipe recipes/reverse.toml] [--seeds 0,1,2] [--max-async 1] [--keep DIR] [--parallel]
                                    [recipe overrides for both arms, e.g. --sync.backend.kind async_filesystem]
 """
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from run_metrics import read_metrics, run_up
@@ -27,16 +32,53 @@ from run_metrics import read_metrics, run_up
 WINDOW = 5
 
 
+ARMS = ("sync", "async")
+MIN_CORES = 3  # rl-infer and rl-train one each, the orchestrator and rl-sync the third
+
+
 def run_mode(recipe: Path, seed: int, max_async: int | None, run_dir: Path, steps: int | None,
-             extra: list[str] = ()) -> None:
+             extra: list[str] = ()) -> str:
+    """One arm's run; what went wrong ("" when nothing did)."""
     args = ["--seed", str(seed)]
     if max_async is not None:
         args += ["--max-async", str(max_async)]
     if steps:
         args += ["--steps", str(steps)]
     err = run_up(recipe, run_dir, args + list(extra))
-    if err:
-        sys.exit(f"max_async={max_async} failed: {err}")
+    return f"seed {seed}, max_async={max_async} failed: {err}" if err else ""
+
+
+def run_dir_of(base: Path, seed: int, arm: str, several: bool) -> Path:
+    return (base / f"seed{seed}" if several else base) / arm
+
+
+def run_all_parallel(args, seeds: list[int], base: Path) -> None:
+    """Every (seed, arm) at once, each on its own slice of this process's cores."""
+    runs = [(seed, arm) for seed in seeds for arm in ARMS]
+    cores = sorted(os.sched_getaffinity(0))
+    per = len(cores) // len(runs)
+    if per < MIN_CORES:
+        sys.exit(f"--parallel needs {MIN_CORES} cores per run: {len(runs)} runs, {len(cores)} cores; "
+                 f"give fewer --seeds or drop --parallel")
+    errors: list[str] = []
+
+    def one(i: int, seed: int, arm: str) -> None:
+        # CPU affinity is per thread on Linux and a child inherits its forking thread's: this thread's
+        # run, and every process it starts, stays on these cores.
+        os.sched_setaffinity(0, cores[i * per:(i + 1) * per])
+        k = 0 if arm == "sync" else args.max_async
+        err = run_mode(args.recipe, seed, k, run_dir_of(base, seed, arm, len(seeds) > 1), args.steps, args.extra)
+        if err:
+            errors.append(err)
+
+    print(f"running {len(runs)} runs at once, {per} cores each ...", file=sys.stderr, flush=True)
+    threads = [threading.Thread(target=one, args=(i, *r)) for i, r in enumerate(runs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        sys.exit("\n".join(errors))
 
 
 def curve(run_dir: Path) -> list[tuple[float, float]]:
@@ -63,12 +105,16 @@ def breakdown(run_dir: Path) -> dict[str, float]:
     return out
 
 
-def compare(args, seed: int, base: Path) -> dict:
-    """Both arms of one seed: their table rows and the ratio."""
+def compare(args, seed: int, base: Path, ran: bool = False) -> dict:
+    """Both arms of one seed (run here in turn unless ``ran``): their table rows and the ratio."""
     curves = {}
-    for name, k in (("sync", 0), ("async", args.max_async)):
-        print(f"seed {seed}: running {name} ...", file=sys.stderr, flush=True)
-        run_mode(args.recipe, seed, k, base / name, args.steps, args.extra)
+    for name in ARMS:
+        if not ran:
+            print(f"seed {seed}: running {name} ...", file=sys.stderr, flush=True)
+            err = run_mode(args.recipe, seed, 0 if name == "sync" else args.max_async, base / name, args.steps,
+                           args.extra)
+            if err:
+                sys.exit(err)
         curves[name] = curve(base / name)
     sync, asyn = curves["sync"], curves["async"]
     target, sync_total = sync[-1][1], sync[-1][0]
@@ -98,10 +144,15 @@ def main() -> None:
     p.add_argument("--max-async", type=int, default=None, help="The asynchronous run's max_async [recipe's].")
     p.add_argument("--steps", type=int, default=None, help="RL steps [recipe's num_steps].")
     p.add_argument("--keep", type=Path, default=None, help="Keep the run directories under this folder.")
+    p.add_argument("--parallel", action="store_true",
+                   help=f"Run every seed and arm at once, each pinned to its own slice of the cores (>= {MIN_CORES} each).")
     args, args.extra = p.parse_known_args()  # the rest (recipe overrides: --sync.backend.kind ...) goes to both arms
     seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
     base = args.keep or Path(tempfile.mkdtemp(prefix="rlcli-reward-"))
-    results = [compare(args, seed, base if len(seeds) == 1 else base / f"seed{seed}") for seed in seeds]
+    if args.parallel:
+        run_all_parallel(args, seeds, base)
+    results = [compare(args, seed, base if len(seeds) == 1 else base / f"seed{seed}", ran=args.parallel)
+               for seed in seeds]
     ratios = [r["ratio"] for r in results]
     if len(seeds) > 1:
         print(f"{'seed':<6}{'sync s':>9}{'async s':>9}{'target':>9}{'reached s':>11}{'ratio':>8}")
