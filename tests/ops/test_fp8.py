@@ -312,3 +312,30 @@ def test_a_deep_gemm_call_on_a_new_shape_keeps_the_process_alive_to_its_peers(tm
     reg.close()
     be.gemm(*quantize_1x128(data(16, 256, seed=3)), bq, sb, torch.float32)  # a closed registration takes none
     assert seen[3] == []
+
+
+def test_deep_gemm_weight_gradients_leave_the_token_count_out_of_the_compiled_kernel():
+    """A weight gradient's K is the micro-batch's token count, new at almost every micro-batch of an RL
+    step: DeepGEMM is asked to compile M and N only (K a runtime argument), and a build whose
+    fp8_gemm_nt takes no compiled_dims still computes them (compiling per K, as before)."""
+    from types import SimpleNamespace
+
+    from rlcli.ops.fp8.backends import DeepGemmBackend
+
+    calls = []
+
+    def new_api(a, b, d, c=None, recipe=None, compiled_dims="nk"):
+        calls.append(compiled_dims)
+        d += 1
+
+    def old_api(a, b, d, c=None, recipe=None):
+        calls.append("old")
+        d += 2
+
+    (aq, sa), (bq, sb) = quantize_1x128(data(256, 384)), quantize_1x128(data(128, 384, seed=1))
+    be = DeepGemmBackend(SimpleNamespace(fp8_gemm_nt=new_api), strict=True)
+    assert torch.equal(be._wgrad_1d1d(aq, sa, bq, sb), torch.ones(256, 128))
+    be = DeepGemmBackend(SimpleNamespace(fp8_gemm_nt=old_api), strict=True)
+    assert torch.equal(be._wgrad_1d1d(aq, sa, bq, sb), torch.full((256, 128), 2.0))
+    be._wgrad_1d1d(aq, sa, bq, sb)  # asked once, then called the old way directly
+    assert calls == ["mn", "old", "old"]

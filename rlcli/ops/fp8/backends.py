@@ -178,6 +178,7 @@ class DeepGemmBackend:
         self.wgrad_choice: dict[tuple, str] = {}  # (a.shape, b.shape) -> the kernel each wgrad shape ran on
         self.wgrad_ms: dict[tuple, dict[str, float]] = {}  # the shape that was measured -> ms per kernel
         self.shapes_run: set[tuple] = set()  # (op, M, N, K): what may need no JIT compile any more
+        self.wgrad_dims_kw = {"compiled_dims": "mn"}  # (_wgrad_1d1d)
         try:
             self.align = int(dg.get_mk_alignment_for_contiguous_layout())
         except AttributeError:
@@ -231,9 +232,21 @@ class DeepGemmBackend:
         return self.torch.gemm_1x128(a, sa, b, sb, out_dtype)
 
     def _wgrad_1d1d(self, a, sa, b, sb):
+        """``a`` [out features, tokens] . ``b`` [in features, tokens]^T. DeepGEMM compiles N and K into a
+        kernel unless told otherwise (``compiled_dims="nk"``); here K is the micro-batch's token count,
+        new at almost every micro-batch of an RL step, so M and N are compiled and K is a runtime
+        argument (a build whose ``fp8_gemm_nt`` lacks the argument compiles per K)."""
         d = torch.zeros(a.shape[0], b.shape[0], dtype=torch.float32, device=a.device)  # the kernel adds c = d
         self._new_shape("wgrad", a, b)
-        self.dg.fp8_gemm_nt((_pad_k(a), sa), (_pad_k(b), sb), d, c=d, recipe=(1, 1, 128))
+        args = ((_pad_k(a), sa), (_pad_k(b), sb), d)
+        if self.wgrad_dims_kw:
+            try:
+                self.dg.fp8_gemm_nt(*args, c=d, recipe=(1, 1, 128), **self.wgrad_dims_kw)
+                return d
+            except TypeError:  # an older signature: nothing ran
+                log.info("deep_gemm fp8_gemm_nt takes no compiled_dims: weight gradients compile per token count")
+                self.wgrad_dims_kw = {}
+        self.dg.fp8_gemm_nt(*args, c=d, recipe=(1, 1, 128))
         return d
 
     def _choose_wgrad(self, a, sa, b, sb, key) -> str:
