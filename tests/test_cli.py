@@ -95,6 +95,31 @@ def test_a_usage_error_under_torchrun_is_said_once_even_when_only_some_ranks_hit
     assert said == ["rl-train: error: lower --cp", "rl-train: error: same for all"]
 
 
+def test_first_to_say_removes_markers_older_than_an_hour(tmp_path, monkeypatch):
+    """Each distinct usage error under torchrun leaves an empty marker in the temp directory; the
+    process that creates one removes those past SAID_KEEP_S, whose jobs have ended."""
+    import os
+    import tempfile
+    import time
+
+    from rlcli.cli import _errors
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    old, recent = tmp_path / "rlcli-error-old", tmp_path / "rlcli-error-recent"
+    other = tmp_path / "not-ours"
+    for f in (old, recent, other):
+        f.touch()
+    past = time.time() - _errors.SAID_KEEP_S - 10
+    os.utime(old, (past, past))
+    os.utime(other, (past, past))
+    assert _errors.first_to_say("a new message")
+    assert not _errors.first_to_say("a new message")  # the marker it left says it was said
+    assert not old.exists() and recent.exists() and other.exists()
+    assert len(list(tmp_path.glob("rlcli-error-*"))) == 2
+
+
 def test_a_dsa_model_with_shared_prompts_is_refused_at_start(tmp_path, tiny_model_dir):
     """DSA's top-k window is one document: shared-prompt rows stopped rl-train at its first step
     with a ValueError from inside the attention; now it refuses at start, naming the setting."""

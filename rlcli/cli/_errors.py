@@ -32,18 +32,42 @@ def _describe(exc: BaseException) -> tuple[str, int]:
     return f"{type(exc).__name__}: {exc} (set RLCLI_DEBUG=1 for the traceback)", EXIT_FAILURE
 
 
+_SAID = "rlcli-error-"
+SAID_KEEP_S = 3600.0
+"""How long a marker of first_to_say stays: the ranks of one torchrun job hit their errors within it."""
+
+
+def _prune_said(tmp: str) -> None:
+    """Remove first_to_say's markers older than SAID_KEEP_S (their jobs have ended)."""
+    import time
+
+    old = time.time() - SAID_KEEP_S
+    try:
+        for entry in os.scandir(tmp):
+            if entry.name.startswith(_SAID):
+                try:
+                    if entry.stat().st_mtime < old:
+                        os.unlink(entry.path)
+                except OSError:
+                    pass  # another rank removed it, or it is not ours
+    except OSError:
+        pass
+
+
 def first_to_say(message: str) -> bool:
     """Whether this process should print a usage error: always, except under torchrun, where
     every rank of a node often hits the same one and only the first of them says it (an empty
-    file per message and torchrun agent, created exclusively in the temp directory). An error
-    that only some ranks hit (a rank holding no row) still shows, from one of them."""
+    file per message and torchrun agent, created exclusively in the temp directory; the one that
+    creates a marker removes those older than an hour). An error that only some ranks hit (a rank
+    holding no row) still shows, from one of them."""
     if "RANK" not in os.environ or "LOCAL_RANK" not in os.environ:
         return True
     agent = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}|{os.getppid()}|{os.environ.get('MASTER_PORT', '')}"
     key = hashlib.sha1(f"{agent}\0{message}".encode()).hexdigest()[:20]
+    tmp = tempfile.gettempdir()
     try:
-        os.close(os.open(os.path.join(tempfile.gettempdir(), f"rlcli-error-{key}"),
-                         os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        os.close(os.open(os.path.join(tmp, f"{_SAID}{key}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        _prune_said(tmp)
         return True
     except FileExistsError:
         return False
