@@ -18,6 +18,8 @@ load, the trainer's wait for a batch, the orchestrator's wait on the policy gate
 tokens/s; mismatch KL (trainer's, mean and max; router disagreement with R3); mean trained
 completion length (asynchrony must not buy speed by dropping long completions). Then the ratio
 of each, async over sync. An arm past --timeout is stopped and summarized from the steps it finished.
+With --device cuda --fp8 (or --jit-warmup), 2 untimed steps at max_async = 0 run first: DeepGEMM
+compiles each new kernel shape on first use, minutes of a fresh machine's first step.
 
     python bench/loop_node.py --device cuda                       # one H200: both on cuda:0; two: one each
     python bench/loop_node.py --device cuda --fp8                 # FP8 GEMMs in trainer and engine
@@ -206,6 +208,9 @@ def main() -> None:
     p.add_argument("--dsa", action="store_true", help="the model with DeepSeek Sparse Attention (V3.2's indexer)")
     p.add_argument("--r3", action=argparse.BooleanOptionalAction, default=None, help="routing replay [recipe's]")
     p.add_argument("--timeout", type=float, default=230.0, help="seconds per arm before it is stopped")
+    p.add_argument("--jit-warmup", action=argparse.BooleanOptionalAction, default=None,
+                   help="first run 2 untimed steps at max_async = 0, so that the timed arms find the JIT caches "
+                        "(DeepGEMM's kernels) warm [on with --device cuda --fp8]")
     p.add_argument("--keep", type=Path, default=None, help="keep both run directories under this folder (their "
                    "metrics, logs and configs: weights and checkpoints are deleted after each arm)")
     args, extra = p.parse_known_args()  # the rest: recipe overrides for both arms
@@ -232,6 +237,15 @@ def main() -> None:
           f"{where}; rl-sync {kind}"
           f"{'; fp8' if args.fp8 else ''}; r3 {cfg.r3 if args.r3 is None else args.r3}; "
           f"{args.steps or cfg.num_steps} steps per arm, first {args.warmup} left out", flush=True)
+    if args.jit_warmup if args.jit_warmup is not None else (args.device == "cuda" and args.fp8):
+        # DeepGEMM compiles a kernel per new shape (minutes for a model's first step on a fresh machine),
+        # into DG_JIT_CACHE_DIR (~/.deep_gemm): paid here, not inside the first arm's timeout.
+        run_dir = base / "jit_warmup"
+        t0 = time.monotonic()
+        err = run_up(args.recipe, run_dir, [*common, "--max-async", "0", "--steps", "2"], args.timeout)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        print(f"jit warm-up (2 steps, not timed): {time.monotonic() - t0:.0f} s wall{'; ' + err if err else ''}",
+              flush=True)
     results, failed = {}, {}
     for k in (0, args.max_async):
         run_dir = base / f"max_async_{k}"
