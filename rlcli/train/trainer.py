@@ -148,10 +148,9 @@ class Trainer:
         self._next_scan = 0.0
         self.registration = Registration(run.registry_dir(), "train", 0, {"pub": self.publisher.endpoint}) \
             if main else None
-        if main:
-            self.registration.take_long_op_notices()  # a kernel's first-use compile inside a step (fp8 backends)
         self.beat(busy_s=self.busy_s)  # building, warm-up, loading the checkpoint: the loop starts after
         if main:
+            self.registration.take_long_op_notices()  # a kernel's first-use compile inside a step (fp8 backends)
             clean_temporaries(run.root / "weights")
         self.weights = make_publisher(cfg, run.root, self.announce, self.device)  # every rank: sync.backend
         self.model = self._build_model(self._policy_zero())

@@ -41,8 +41,8 @@ import torch
 import torch.nn.functional as F
 
 from rlcli.ops.fp8 import runtime
-from rlcli.transport.registry import expect_long
 from rlcli.ops.fp8.quant import BLOCK, FP8_DTYPE, ceil_div, dequantize_1x128, dequantize_128x128
+from rlcli.transport.registry import expect_long
 
 log = logging.getLogger("rlcli.fp8")
 
@@ -199,7 +199,7 @@ class DeepGemmBackend:
     def _new_shape(self, op: str, a: torch.Tensor, b: torch.Tensor) -> None:
         """Before a DeepGEMM call: the first with these shapes (module docstring) announces a possible compile.
         Keyed by the exact M, which DeepGEMM's kernel choice depends on; a shape that turns out to need no
-        compile costs one registry write."""
+        compile costs at most one registry write."""
         key = (op, a.shape[0], *b.shape)
         if key not in self.shapes_run:
             self.shapes_run.add(key)
