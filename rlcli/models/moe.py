@@ -151,8 +151,7 @@ class MoE(nn.Module):
                 own = self.gate.select(scores.detach())
                 differs = (own.sort(-1)[0] != idx.sort(-1)[0]).any(-1)
                 counted = routing.counted if routing.counted is not None else torch.ones_like(differs)
-                routing.num_disagree = routing.num_disagree + (differs & counted).sum()
-                routing.num_pairs = routing.num_pairs + counted.sum()
+                routing.tally.add((differs & counted).sum(), counted.sum())
         else:
             idx = self.gate.select(scores)
         if routing is not None and routing.record:

@@ -244,24 +244,49 @@ def prefill_attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.
     return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, attn_mask=causal_lower_right(t, s), scale=scale)
 
 
+class RouterTally:
+    """Router disagreement under replay, summed over a forward's MoE layers (device scalars).
+
+    Its own class, not fields of :class:`RoutingContext`: FSDP2 moves and casts a module's inputs
+    with ``torch.distributed.utils._apply_to_tensors``, which rebuilds every dataclass it meets
+    (``dataclasses.replace``), so each sharded layer saw a copy of the context and counts added to
+    the copy's fields never reached the caller's. An object of another class passes through as is.
+    """
+
+    def __init__(self) -> None:
+        self.disagree: torch.Tensor | int = 0
+        self.pairs: torch.Tensor | int = 0
+
+    def add(self, disagree: torch.Tensor, pairs: torch.Tensor) -> None:
+        self.disagree = self.disagree + disagree
+        self.pairs = self.pairs + pairs
+
+
 @dataclass
 class RoutingContext:
     """R3 routing: record the experts each token was sent to, or replay given ones.
 
     ``replay`` is ``[N, num_moe_layers, top_k]`` expert ids for the N flattened tokens of
     the forward pass. Recorded routes are appended per MoE layer as ``[N, top_k]``. Under
-    replay each MoE layer also counts, on device, the tokens whose own top-k (what this
-    router would pick) differs from the replayed set: ``num_disagree`` of ``num_pairs``
-    token-layer pairs, over the tokens ``counted`` marks (bool [N]; a sequence's last
-    token has no recorded route of its own) or all of them.
+    replay each MoE layer also counts in ``tally``, on device, the tokens whose own top-k
+    (what this router would pick) differs from the replayed set: ``num_disagree`` of
+    ``num_pairs`` token-layer pairs, over the tokens ``counted`` marks (bool [N]; a sequence's
+    last token has no recorded route of its own) or all of them.
     """
 
     replay: torch.Tensor | None = None
     record: bool = False
     recorded: list[torch.Tensor] = field(default_factory=list)
     counted: torch.Tensor | None = None
-    num_disagree: torch.Tensor | int = 0
-    num_pairs: torch.Tensor | int = 0
+    tally: RouterTally = field(default_factory=RouterTally)
+
+    @property
+    def num_disagree(self) -> torch.Tensor | int:
+        return self.tally.disagree
+
+    @property
+    def num_pairs(self) -> torch.Tensor | int:
+        return self.tally.pairs
 
     def stacked(self) -> torch.Tensor:
         """Recorded routes as ``[N, num_moe_layers, top_k]``."""

@@ -92,6 +92,29 @@ def test_packed_routes_reach_the_moe_layers_token_by_token(moe):
     assert metrics["router_disagree"].item() > 0.5 * metrics["router_pairs"].item()
 
 
+def test_router_disagreement_is_counted_through_fsdp2(moe, tmp_path):
+    """FSDP2 rebuilds the dataclasses among a layer's inputs as it moves and casts them, so each
+    sharded layer saw a copy of the routing context: with more than one trainer rank (any of dp,
+    cp, ep) rl-train reported a router disagreement of exactly 0 whatever the routes (the loop on
+    the CPU: 0.0000 at 2 ranks, 0.0097 at 1, same batches). rl-train's FSDP2 wrap, one gloo rank."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from rlcli.parallel.fsdp import apply_fsdp
+
+    rng = np.random.default_rng(0)
+    ss = samples(rng)
+    mb = build_micro_batch(ss, temperature=1.0)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        apply_fsdp(moe, init_device_mesh("cpu", (1,)), torch.float32)  # as rl-train wraps its model
+        metrics = trainer_for(moe, r3=True).forward_backward(mb, num_loss_tokens=20)
+    finally:
+        dist.destroy_process_group()
+    assert metrics["router_pairs"].item() == NUM_MOE_LAYERS * (mb.input_ids.numpy().size - len(ss))
+    assert metrics["router_disagree"].item() > 0.5 * metrics["router_pairs"].item()  # random routes
+
+
 def test_router_disagreement_is_zero_when_replaying_its_own_routes(moe):
     rng = np.random.default_rng(1)
     s = samples(rng, lengths=(10,))[0]
