@@ -48,8 +48,9 @@ def run_mode(recipe: Path, seed: int, max_async: int | None, run_dir: Path, step
     return f"seed {seed}, max_async={max_async} failed: {err}" if err else ""
 
 
-def run_dir_of(base: Path, seed: int, arm: str, several: bool) -> Path:
-    return (base / f"seed{seed}" if several else base) / arm
+def seed_dir(base: Path, seed: int, several: bool) -> Path:
+    """Where one seed's two arms run: ``base`` itself for a single seed, ``base/seed<N>`` for several."""
+    return base / f"seed{seed}" if several else base
 
 
 def run_all_parallel(args, seeds: list[int], base: Path) -> None:
@@ -67,7 +68,7 @@ def run_all_parallel(args, seeds: list[int], base: Path) -> None:
         # run, and every process it starts, stays on these cores.
         os.sched_setaffinity(0, cores[i * per:(i + 1) * per])
         k = 0 if arm == "sync" else args.max_async
-        err = run_mode(args.recipe, seed, k, run_dir_of(base, seed, arm, len(seeds) > 1), args.steps, args.extra)
+        err = run_mode(args.recipe, seed, k, seed_dir(base, seed, len(seeds) > 1) / arm, args.steps, args.extra)
         if err:
             errors.append(err)
 
@@ -151,8 +152,7 @@ def main() -> None:
     base = args.keep or Path(tempfile.mkdtemp(prefix="rlcli-reward-"))
     if args.parallel:
         run_all_parallel(args, seeds, base)
-    results = [compare(args, seed, base if len(seeds) == 1 else base / f"seed{seed}", ran=args.parallel)
-               for seed in seeds]
+    results = [compare(args, seed, seed_dir(base, seed, len(seeds) > 1), ran=args.parallel) for seed in seeds]
     ratios = [r["ratio"] for r in results]
     if len(seeds) > 1:
         print(f"{'seed':<6}{'sync s':>9}{'async s':>9}{'target':>9}{'reached s':>11}{'ratio':>8}")
