@@ -23,6 +23,7 @@ compiles each new kernel shape on first use, minutes of a fresh machine's first 
 
     python bench/loop_node.py --device cuda                       # one H200: both on cuda:0; two: one each
     python bench/loop_node.py --device cuda --fp8                 # FP8 GEMMs in trainer and engine
+    python bench/loop_node.py --device cuda --fp8 --only-warmup   # fill DeepGEMM's JIT cache, then stop
     python bench/loop_node.py --device cpu --steps 6              # tiny model, CPU
     python bench/loop_node.py --device cpu --dsa --train-gpus 2 --train.parallel.cp 2   # DSA under CP
     python bench/loop_node.py ... --train.micro_batch_tokens 8192 # recipe overrides go to both arms
@@ -211,6 +212,8 @@ def main() -> None:
     p.add_argument("--jit-warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="first run 2 untimed steps at max_async = 0, so that the timed arms find the JIT caches "
                         "(DeepGEMM's kernels) warm [on with --device cuda --fp8]")
+    p.add_argument("--only-warmup", action="store_true",
+                   help="run the JIT warm-up and stop: fills DG_JIT_CACHE_DIR for a later call's timed arms")
     p.add_argument("--keep", type=Path, default=None, help="keep both run directories under this folder (their "
                    "metrics, logs and configs: weights and checkpoints are deleted after each arm)")
     args, extra = p.parse_known_args()  # the rest: recipe overrides for both arms
@@ -237,15 +240,18 @@ def main() -> None:
           f"{where}; rl-sync {kind}"
           f"{'; fp8' if args.fp8 else ''}; r3 {cfg.r3 if args.r3 is None else args.r3}; "
           f"{args.steps or cfg.num_steps} steps per arm, first {args.warmup} left out", flush=True)
-    if args.jit_warmup if args.jit_warmup is not None else (args.device == "cuda" and args.fp8):
+    if args.only_warmup or (args.jit_warmup if args.jit_warmup is not None else (args.device == "cuda" and args.fp8)):
         # DeepGEMM compiles a kernel per new shape (minutes for a model's first step on a fresh machine),
         # into DG_JIT_CACHE_DIR (~/.deep_gemm): paid here, not inside the first arm's timeout.
         run_dir = base / "jit_warmup"
         t0 = time.monotonic()
         err = run_up(args.recipe, run_dir, [*common, "--max-async", "0", "--steps", "2"], args.timeout)
-        shutil.rmtree(run_dir, ignore_errors=True)
+        for big in (("checkpoints", "weights") if args.keep else ("",)):  # --keep: its logs and metrics stay
+            shutil.rmtree(run_dir / big, ignore_errors=True)
         print(f"jit warm-up (2 steps, not timed): {time.monotonic() - t0:.0f} s wall{'; ' + err if err else ''}",
               flush=True)
+        if args.only_warmup:
+            sys.exit(1 if err else 0)
     results, failed = {}, {}
     for k in (0, args.max_async):
         run_dir = base / f"max_async_{k}"

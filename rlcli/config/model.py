@@ -53,5 +53,9 @@ class Fp8Config(Config):
     fuse_siblings: list[Literal["qkv", "gate_up"]] = msgspec.field(default_factory=lambda: ["qkv"])
     """Sibling linears run as one stacked FP8 GEMM per pass: qkv (q/k/v_proj) and/or gate_up (gate/up_proj)."""
 
+    jit_warmup: bool = True
+    """With DeepGEMM: before the first step, compile every kernel the process's token counts can pick, in
+    parallel processes (``rlcli.ops.fp8.warmup``; kept on disk in ``$DG_JIT_CACHE_DIR``)."""
+
     publish: bool = False
     """rl-train: write policy weights as FP8 + weight_scale_inv (DeepSeek-V3 layout) instead of model.dtype."""

@@ -183,6 +183,11 @@ class NativeEngine(SharedKVMixin):
         # infer.fp8: FP8 weights + scales (as published, or quantized on load as the trainer's forward does)
         model = load_model(weights, device=device, dtype=DTYPES[icfg.dtype or cfg.model.dtype], seed=cfg.seed,
                            fp8=icfg.fp8, fp8_storage=True, checksums=checksums_of(weights))
+        if icfg.fp8.enabled and icfg.fp8.jit_warmup:  # DeepGEMM's kernels for every batch size (rlcli.ops.fp8.warmup)
+            from rlcli.ops.fp8.warmup import warm_up_model
+
+            warm_up_model(model, max_tokens=icfg.max_num_batched_tokens + icfg.max_num_seqs,
+                          top_k=model.args.num_experts_per_tok, backward=False, device=device, ue8m0=icfg.fp8.ue8m0)
         eos = sorted(set(load_tokenizer(weights).eos_token_ids) | set(model.args.eos_token_id))
         engine = cls(model, eos_token_ids=eos, max_model_len=cfg.model.max_seq_len, block_size=ecfg.block_size,
                      kv_cache_memory_mb=ecfg.kv_cache_memory_mb, max_num_seqs=icfg.max_num_seqs,

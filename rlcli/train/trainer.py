@@ -235,6 +235,16 @@ class Trainer:
         with atomic_dir(self.run.weights_dir(step), {"step": step}) as tmp:
             save_model(model, tmp, source_dir=self.cfg.model.path)
 
+    def _warm_up_fp8(self, model) -> None:
+        """DeepGEMM's kernels for every micro-batch size, compiled before the first step by one rank per
+        host (the JIT cache is a directory on the host) while the others wait (rlcli.ops.fp8.warmup)."""
+        from rlcli.ops.fp8.warmup import warm_up_model
+
+        if self.dist.local_rank == 0:
+            warm_up_model(model, max_tokens=self.cfg.train.micro_batch_tokens, top_k=self.args.num_experts_per_tok,
+                          ep=self.dims.ep, backward=True, device=self.device, ue8m0=self.cfg.train.fp8.ue8m0)
+        pdist.barrier()
+
     def _build_model(self, weights_dir):
         """Meta device -> parallelize -> materialize -> each rank loads its own slices. Under
         FSDP2 the parameters are fp32 master weights and compute runs in model.dtype."""
@@ -244,6 +254,8 @@ class Trainer:
             from rlcli.ops.fp8.convert import convert_to_fp8
 
             convert_to_fp8(model, self.cfg.train.fp8, self.device)
+            if self.cfg.train.fp8.jit_warmup:
+                self._warm_up_fp8(model)
         if self.cfg.model.batch_invariant:  # the engine's rounding (rlcli.ops.batch_invariant)
             if self.device.type != "cpu":
                 raise ConfigError("model.batch_invariant is implemented on the CPU only: set "

@@ -310,7 +310,7 @@ class DeepGemmBackend:
         row = torch.arange(M, device=dev)
         group = torch.searchsorted(offs64, row, right=True)
         dst = row - (offs64 - counts)[group] + pad_starts[group]
-        M_pad = ceil_div(M + G * (self.align - 1), self.align) * self.align  # static bound: no host sync
+        M_pad = padded_rows(M, G, self.align)
         layout = torch.full((M_pad,), -1, dtype=torch.int32, device=dev)
         layout[dst] = group.to(torch.int32)
         value = (dst, layout, M_pad)
@@ -332,6 +332,12 @@ class DeepGemmBackend:
         self._new_shape("grouped", a_pad, b)
         self.dg.m_grouped_fp8_gemm_nt_contiguous((_pad_k(a_pad), sa_pad), (_pad_k(b), sb), out, layout)
         return _as(out.index_select(0, dst), out_dtype)
+
+
+def padded_rows(rows: int, groups: int, align: int) -> int:
+    """The grouped GEMM's M for ``rows`` expert rows over ``groups`` experts, each padded to ``align``:
+    a bound that depends on the total alone (no host sync on the per-expert counts)."""
+    return ceil_div(rows + groups * (align - 1), align) * align
 
 
 def grouped_gemm_x(backend: GemmBackend, x, ue8m0: bool, b, sb, offs, out_dtype):

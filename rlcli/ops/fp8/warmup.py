@@ -1,0 +1,261 @@
+"""DeepGEMM's JIT warm-up: compile, before the first step, every kernel the process's token counts can pick.
+
+DeepGEMM compiles one kernel per GEMM kind, N, K (and expert count) and *tile configuration*,
+on first use, and keeps it on disk (``$DG_JIT_CACHE_DIR``, default ``~/.deep_gemm``). The
+configuration is chosen from M, the micro-batch's token count (expert rows for grouped GEMMs),
+which changes from one RL step to the next: on one H200 a 1.7B MoE's FP8 loop met new
+configurations for its first ten steps, 40-50 s of compiles inside each such step
+(docs/benchmarks.md, tenth session).
+
+:func:`warm_up` runs every FP8 GEMM shape of a converted model at every M up to the process's
+bound on a grid fine enough that no M in between picks another configuration. DeepGEMM 2.5's SM90
+heuristic sees a dense M through tile counts ``ceil(M / block_m)`` (block_m 16, 32, 64, 128, 256)
+and through comparisons of M with multiples of 8 (``M <= 16``, ``block_m <= M``, multicast from
+``M >= 512``), so every M in ``(8j - 8, 8j]`` picks what ``8j`` picks: the dense grid is every
+multiple of 8. A grouped GEMM's M is its padded row count (a multiple of the contiguous layout's
+alignment): one call per padded total. It calls the backend's own methods, so the warm-up
+runs exactly the kernels (layouts, scale formats, padding) a step will. Shapes are spread over
+worker processes, one shape per worker at a time: DeepGEMM's Python entry points hold the GIL
+while nvcc runs, so threads would compile one kernel at a time. With a warm cache a sweep costs
+seconds. The sweep's effect is checked: :class:`WarmupReport` counts the kernels compiled and
+those a few off-grid token counts compiled afterwards (``missed``, expected 0).
+
+    python -m rlcli.ops.fp8.warmup JOBS.json   # a worker: runs the jobs, prints one JSON line
+"""
+
+import json
+import logging
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from rlcli.ops.fp8 import runtime
+from rlcli.ops.fp8.backends import padded_rows
+from rlcli.ops.fp8.quant import BLOCK, ceil_div
+from rlcli.transport.registry import expect_long
+
+log = logging.getLogger("rlcli.fp8")
+
+M_STEP = 8
+"""Grid of dense token counts: every multiple of this (DeepGEMM's tile sizes along M and the thresholds
+it compares M with are all multiples of it)."""
+
+
+@dataclass(frozen=True)
+class GemmShape:
+    """One FP8 GEMM of a model: ``op`` "gemm" (``[M, k] . [n, k]^T``) or "grouped" (``groups`` experts)."""
+
+    op: str
+    n: int
+    k: int
+    groups: int = 0
+
+
+@dataclass
+class WarmupReport:
+    shapes: int = 0
+    calls: int = 0
+    compiled: int = 0  # new kernels in the JIT cache during the sweep
+    missed: int = 0  # new cache entries while off-grid token counts ran after it (the grid's check; another
+    # process compiling into the same cache at that time, e.g. rl-train's warm-up beside rl-infer's, counts too)
+    seconds: float = 0.0
+    workers: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DG_JIT_CACHE_DIR") or Path.home() / ".deep_gemm") / "cache"
+
+
+def cached_kernels() -> int:
+    d = cache_dir()
+    return sum(1 for _ in d.iterdir()) if d.is_dir() else 0
+
+
+def model_shapes(model: nn.Module, backward: bool, ep: int = 1) -> list[GemmShape]:
+    """The distinct FP8 GEMMs ``model``'s converted modules run: forward, and with ``backward`` the input
+    gradient's too (weights transposed). Stacked sibling sets run as one GEMM over their stacked outputs;
+    experts are split over ``ep`` ranks. Shapes are read from the modules' declared (global) shapes, so a
+    model on the meta device, before parallelization, will do.
+    Weight gradients are left out: cuBLASLt's or DeepGEMM's 1D1D kernel, picked by a measurement on the
+    first step (:meth:`DeepGemmBackend.gemm_1x128`), one compile per shape."""
+    from rlcli.ops.fp8.convert import FP8GroupedExperts
+    from rlcli.ops.fp8.linear import FP8Linear
+
+    shapes: dict[GemmShape, None] = {}
+    for module in model.modules():
+        if isinstance(module, FP8Linear):
+            group = module.sibling_group
+            if group is not None and module is not group.members[0]:
+                continue
+            n = sum(group.splits) if group is not None else module.out_features
+            shapes[GemmShape("gemm", n, module.in_features)] = None
+            if backward:
+                shapes[GemmShape("gemm", module.in_features, n)] = None
+        elif isinstance(module, FP8GroupedExperts):
+            for w in (module.w_gate, module.w_up, module.w_down):
+                g, n, k = w.shape  # a DTensor's shape is the global one
+                g //= ep
+                shapes[GemmShape("grouped", n, k, g)] = None
+                if backward:
+                    shapes[GemmShape("grouped", k, n, g)] = None
+    return list(shapes)
+
+
+def m_grid(max_m: int, step: int = M_STEP) -> list[int]:
+    """Dense token counts to sweep: every multiple of ``step`` up to ``max_m`` rounded up to one."""
+    return list(range(step, ceil_div(max_m, step) * step + 1, step))
+
+
+def grouped_grid(max_rows: int, groups: int, align: int) -> list[int]:
+    """Expert-row counts, one per padded total (:func:`padded_rows`, the grouped GEMM's M) that 1 to
+    ``max_rows`` rows can give: the fewest rows giving each."""
+    extra = groups * (align - 1)
+    lo, hi = padded_rows(1, groups, align) // align, padded_rows(max_rows, groups, align) // align
+    ms = [max(1, align * (c - 1) - extra + 1) for c in range(lo, hi + 1)]
+    assert all(padded_rows(m, groups, align) == align * c for m, c in zip(ms, range(lo, hi + 1)))
+    return ms
+
+
+def _run_job(backend, shape: GemmShape, ms: list[int], device: torch.device, ue8m0: bool) -> int:
+    """Every M of ``ms`` through the backend's own entry point for ``shape``; returns the calls made."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    w = (torch.randn((shape.groups or 1) * shape.n, shape.k, generator=gen) * 0.02).to(device, torch.bfloat16)
+    if shape.op == "grouped":
+        wq, ws = runtime.quantize_weight(w.view(shape.groups, shape.n, shape.k), ue8m0)
+    else:
+        wq, ws = runtime.quantize_weight(w, ue8m0)
+    x_max = torch.randn(max(ms), shape.k, generator=gen).to(device, torch.bfloat16)
+    for m in ms:
+        x = x_max[:m].contiguous()
+        if shape.op == "grouped":  # rows spread evenly over the experts (the padded total depends on M only)
+            counts = torch.full((shape.groups,), m // shape.groups, dtype=torch.int64)
+            counts[: m % shape.groups] += 1
+            offs = torch.cumsum(counts, 0).to(device=device, dtype=torch.int32)
+            backend.grouped_gemm_x(x, ue8m0, wq, ws, offs, torch.bfloat16)
+        else:
+            xq, xs = runtime.quantize_act(x, ue8m0)
+            backend.gemm(xq, xs, wq, ws, torch.bfloat16)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return len(ms)
+
+
+def _jobs(shapes: list[GemmShape], max_tokens: int, max_rows: int, align: int) -> list[tuple[GemmShape, list[int]]]:
+    return [(s, grouped_grid(max_rows, s.groups, align) if s.op == "grouped" else m_grid(max_tokens))
+            for s in shapes]
+
+
+def run_jobs(jobs: list[tuple[GemmShape, list[int]]], device: torch.device, ue8m0: bool) -> tuple[int, list[str]]:
+    """Run ``jobs`` in this process on a strict DeepGEMM backend: (calls made, one error line per failed shape)."""
+    from rlcli.ops.fp8.backends import DeepGemmBackend, import_deep_gemm
+
+    dg = import_deep_gemm()
+    if dg is None:
+        return 0, ["deep_gemm does not import"]
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = DeepGemmBackend(dg, strict=True)
+    calls, errors = 0, []
+    for shape, ms in jobs:
+        try:
+            calls += _run_job(backend, shape, ms, device, ue8m0)
+        except (RuntimeError, AssertionError, TypeError) as e:
+            errors.append(f"{shape}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+    return calls, errors
+
+
+def _spawn(jobs: list[tuple[GemmShape, list[int]]], device: torch.device, ue8m0: bool, workdir: Path, i: int):
+    spec = workdir / f"jobs-{i}.json"
+    spec.write_text(json.dumps({"device": str(device), "ue8m0": ue8m0,
+                                "jobs": [[asdict(s), ms] for s, ms in jobs]}))
+    return subprocess.Popen([sys.executable, "-m", "rlcli.ops.fp8.warmup", str(spec)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def warm_up(shapes: list[GemmShape], *, max_tokens: int, max_rows: int, device: torch.device | str,
+            ue8m0: bool = False, workers: int | None = None, align: int = BLOCK, check: int = 4) -> WarmupReport:
+    """Sweep ``shapes`` (dense M up to ``max_tokens``, expert rows up to ``max_rows``) in ``workers``
+    processes (default: one per shape, at most the host's cores less two, at most 16; 0 runs them here).
+    Then ``check`` random off-grid M per shape run here and count what they compile (``missed``). The
+    registry hears this process is busy while it waits (``expect_long``)."""
+    device = torch.device(device)
+    report = WarmupReport(shapes=len(shapes))
+    if not shapes:
+        return report
+    t0, before = time.monotonic(), cached_kernels()
+    jobs = _jobs(shapes, max_tokens, max_rows, align)
+    if workers is None:
+        workers = min(len(jobs), max(1, (os.cpu_count() or 2) - 2), 16)
+    report.workers = workers
+    if workers == 0:
+        report.calls, report.errors = run_jobs(jobs, device, ue8m0)
+    else:
+        jobs.sort(key=lambda j: -len(j[1]) * j[0].n * j[0].k * max(1, j[0].groups))  # longest first
+        parts = [jobs[i::workers] for i in range(workers)]
+        with tempfile.TemporaryDirectory(prefix="rlcli-dg-warmup-") as tmp:
+            procs = [_spawn(p, device, ue8m0, Path(tmp), i) for i, p in enumerate(parts) if p]
+            while any(p.poll() is None for p in procs):
+                expect_long(60.0)
+                time.sleep(1.0)
+            for p in procs:
+                out, err = p.communicate()
+                try:
+                    res = json.loads(out.strip().splitlines()[-1])
+                    report.calls += res["calls"]
+                    report.errors += res["errors"]
+                except (IndexError, ValueError, KeyError):
+                    report.errors.append(f"a warm-up worker exited {p.returncode}: {err.strip()[-300:]}")
+    report.compiled = cached_kernels() - before
+    if check and not report.errors:
+        rng = random.Random(0)
+        checks = [(s, sorted(rng.sample(range(1, (max_rows if s.op == "grouped" else max_tokens) + 1),
+                                        min(check, max_rows if s.op == "grouped" else max_tokens))))
+                  for s in shapes]
+        after = cached_kernels()
+        calls, errors = run_jobs(checks, device, ue8m0)
+        report.calls += calls
+        report.errors += errors
+        report.missed = cached_kernels() - after
+    report.seconds = time.monotonic() - t0
+    return report
+
+
+def warm_up_model(model: nn.Module, *, max_tokens: int, top_k: int = 1, ep: int = 1, backward: bool,
+                  device: torch.device | str, ue8m0: bool = False, workers: int | None = None) -> WarmupReport | None:
+    """:func:`warm_up` for the FP8 GEMMs of ``model`` when its backend is DeepGEMM (None otherwise).
+    ``max_tokens`` bounds a micro-batch's tokens on this rank; expert rows are bounded by
+    ``max_tokens * top_k * ep`` (under expert parallelism every rank may send this one all its rows)."""
+    from rlcli.ops.fp8.backends import DeepGemmBackend
+
+    backend = next((m.backend for m in model.modules() if isinstance(getattr(m, "backend", None), DeepGemmBackend)),
+                   None)
+    if backend is None:
+        return None
+    shapes = model_shapes(model, backward, ep)
+    report = warm_up(shapes, max_tokens=max_tokens, max_rows=max_tokens * max(1, top_k) * max(1, ep),
+                     device=device, ue8m0=ue8m0, workers=workers, align=backend.align)
+    log.info("fp8 JIT warm-up (deep_gemm): %d shapes, %d calls in %d processes, %d kernels compiled, "
+             "%d missed by the grid, %.1f s (cache %s)%s", report.shapes, report.calls, report.workers,
+             report.compiled, report.missed, report.seconds, cache_dir(),
+             "; errors: " + "; ".join(report.errors[:3]) if report.errors else "")
+    return report
+
+
+def _worker(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    jobs = [(GemmShape(**s), ms) for s, ms in spec["jobs"]]
+    calls, errors = run_jobs(jobs, torch.device(spec["device"]), spec["ue8m0"])
+    print(json.dumps({"calls": calls, "errors": errors}), flush=True)
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])
