@@ -101,7 +101,9 @@ def write_run(root: Path, hf: dict, seq: int, prompt: int, rows: int, steps: int
                   "attention": attention,
                   "num_threads": threads, "threads": "fixed",
                   "optim": {"lr": 1e-5}, "loss": {"kind": "tis"}, "checkpoint": {"interval": 10**6},
-                  "parallel": {"ep": ep, "cp": cp}},
+                  "parallel": {"ep": ep, "cp": cp},
+                  # every micro-batch is one row: DeepGEMM's kernels for that size alone (rlcli.ops.fp8.warmup)
+                  "fp8": {"jit_warmup_tokens": [seq // cp]}},
         "orchestrate": {"num_train_ranks": dp, "batch_size": rows * dp, "group_size": 1},
         "sync": {"backend": {"kind": "collective"}},
     }

@@ -57,5 +57,14 @@ class Fp8Config(Config):
     """With DeepGEMM: before the first step, compile every kernel the process's token counts can pick, in
     parallel processes (``rlcli.ops.fp8.warmup``; kept on disk in ``$DG_JIT_CACHE_DIR``)."""
 
+    jit_warmup_tokens: list[int] = msgspec.field(default_factory=list)
+    """The only token counts a micro-batch will have on one rank (under context parallelism, its share),
+    where known (e.g. rows all of one length): the warm-up compiles for these instead of every count up
+    to the bound. Empty: every count."""
+
     publish: bool = False
     """rl-train: write policy weights as FP8 + weight_scale_inv (DeepSeek-V3 layout) instead of model.dtype."""
+
+    def __post_init__(self) -> None:
+        if any(t < 1 for t in self.jit_warmup_tokens):
+            raise ValueError(f"fp8.jit_warmup_tokens must be token counts >= 1, got {self.jit_warmup_tokens}")

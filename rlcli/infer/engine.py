@@ -187,7 +187,8 @@ class NativeEngine(SharedKVMixin):
             from rlcli.ops.fp8.warmup import warm_up_model
 
             warm_up_model(model, max_tokens=icfg.max_num_batched_tokens + icfg.max_num_seqs,
-                          top_k=model.args.num_experts_per_tok, backward=False, device=device, ue8m0=icfg.fp8.ue8m0)
+                          top_k=model.args.num_experts_per_tok, backward=False, device=device, ue8m0=icfg.fp8.ue8m0,
+                          tokens=icfg.fp8.jit_warmup_tokens or None)
         eos = sorted(set(load_tokenizer(weights).eos_token_ids) | set(model.args.eos_token_id))
         engine = cls(model, eos_token_ids=eos, max_model_len=cfg.model.max_seq_len, block_size=ecfg.block_size,
                      kv_cache_memory_mb=ecfg.kv_cache_memory_mb, max_num_seqs=icfg.max_num_seqs,

@@ -242,7 +242,8 @@ class Trainer:
 
         if self.dist.local_rank == 0:
             warm_up_model(model, max_tokens=self.cfg.train.micro_batch_tokens, top_k=self.args.num_experts_per_tok,
-                          ep=self.dims.ep, backward=True, device=self.device, ue8m0=self.cfg.train.fp8.ue8m0)
+                          ep=self.dims.ep, backward=True, device=self.device, ue8m0=self.cfg.train.fp8.ue8m0,
+                          tokens=self.cfg.train.fp8.jit_warmup_tokens or None)
         pdist.barrier()
 
     def _build_model(self, weights_dir):

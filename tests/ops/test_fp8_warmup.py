@@ -179,3 +179,30 @@ def test_warm_up_model_skips_other_backends_and_reports_for_deep_gemm(fake_dg, c
     assert report.shapes == 7 and report.errors == [] and report.missed == 0 and report.compiled > 0
     assert "fp8 JIT warm-up (deep_gemm): 7 shapes" in caplog.text
 
+
+
+def test_known_token_counts_warm_only_those_and_their_expert_rows(fake_dg, caplog):
+    from rlcli.ops.fp8.backends import DeepGemmBackend
+
+    model = _moe_model(DeepGemmBackend(fake_dg))
+    with caplog.at_level("INFO", logger="rlcli.fp8"):
+        report = warmup.warm_up_model(model, max_tokens=4096, top_k=2, backward=False, device="cpu", workers=0,
+                                      tokens=[1000, 1000, 640])
+    assert report.calls == report.shapes * 2 and report.missed == 0 and report.errors == []
+    assert "token counts [640, 1000]" in caplog.text
+    be = DeepGemmBackend(fake_dg, strict=True)
+    before = warmup.cached_kernels()
+    warmup.run_jobs([(s, [1000] if s.op == "gemm" else [2000]) for s in warmup.model_shapes(model, False)],
+                    torch.device("cpu"), False)
+    assert warmup.cached_kernels() == before  # the step's own M: already compiled
+    jobs = dict(warmup._jobs(warmup.model_shapes(model, False), 4096, 8192, be.align, [640], None))
+    assert jobs[GemmShape("gemm", 512, 256)] == [640]
+    assert len(jobs[GemmShape("grouped", 128, 256, 4)]) > 1  # rows not given (expert parallelism): the grid
+
+
+def test_a_token_count_below_one_is_refused():
+    from rlcli.config import load_recipe
+    from rlcli.config.load import ConfigError
+
+    with pytest.raises(ConfigError, match="jit_warmup_tokens must be token counts >= 1"):
+        load_recipe(None, {"train.fp8.jit_warmup_tokens": [0]})

@@ -149,8 +149,10 @@ def _run_job(backend, shape: GemmShape, ms: list[int], device: torch.device, ue8
     return len(ms)
 
 
-def _jobs(shapes: list[GemmShape], max_tokens: int, max_rows: int, align: int) -> list[tuple[GemmShape, list[int]]]:
-    return [(s, grouped_grid(max_rows, s.groups, align) if s.op == "grouped" else m_grid(max_tokens))
+def _jobs(shapes: list[GemmShape], max_tokens: int, max_rows: int, align: int,
+          tokens: list[int] | None = None, rows: list[int] | None = None) -> list[tuple[GemmShape, list[int]]]:
+    dense = sorted(set(tokens)) if tokens else m_grid(max_tokens)
+    return [(s, (sorted(set(rows)) if rows else grouped_grid(max_rows, s.groups, align)) if s.op == "grouped" else dense)
             for s in shapes]
 
 
@@ -182,8 +184,10 @@ def _spawn(jobs: list[tuple[GemmShape, list[int]]], device: torch.device, ue8m0:
 
 
 def warm_up(shapes: list[GemmShape], *, max_tokens: int, max_rows: int, device: torch.device | str,
-            ue8m0: bool = False, workers: int | None = None, align: int = BLOCK, check: int = 4) -> WarmupReport:
-    """Sweep ``shapes`` (dense M up to ``max_tokens``, expert rows up to ``max_rows``) in ``workers``
+            ue8m0: bool = False, workers: int | None = None, align: int = BLOCK, check: int = 4,
+            tokens: list[int] | None = None, rows: list[int] | None = None) -> WarmupReport:
+    """Sweep ``shapes`` (dense M up to ``max_tokens``, expert rows up to ``max_rows``; or exactly the dense
+    token counts ``tokens`` and expert row counts ``rows``, where given, and then no check) in ``workers``
     processes (default: one per shape, at most the host's cores less two, at most 16; 0 runs them here).
     Then ``check`` random off-grid M per shape run here and count what they compile (``missed``). The
     registry hears this process is busy while it waits (``expect_long``)."""
@@ -192,7 +196,7 @@ def warm_up(shapes: list[GemmShape], *, max_tokens: int, max_rows: int, device: 
     if not shapes:
         return report
     t0, before = time.monotonic(), cached_kernels()
-    jobs = _jobs(shapes, max_tokens, max_rows, align)
+    jobs = _jobs(shapes, max_tokens, max_rows, align, tokens, rows)
     if workers is None:
         workers = min(len(jobs), max(1, (os.cpu_count() or 2) - 2), 16)
     report.workers = workers
@@ -215,7 +219,7 @@ def warm_up(shapes: list[GemmShape], *, max_tokens: int, max_rows: int, device: 
                 except (IndexError, ValueError, KeyError):
                     report.errors.append(f"a warm-up worker exited {p.returncode}: {err.strip()[-300:]}")
     report.compiled = cached_kernels() - before
-    if check and not report.errors:
+    if check and not report.errors and not (tokens or rows):
         rng = random.Random(0)
         checks = [(s, sorted(rng.sample(range(1, (max_rows if s.op == "grouped" else max_tokens) + 1),
                                         min(check, max_rows if s.op == "grouped" else max_tokens))))
@@ -230,10 +234,14 @@ def warm_up(shapes: list[GemmShape], *, max_tokens: int, max_rows: int, device: 
 
 
 def warm_up_model(model: nn.Module, *, max_tokens: int, top_k: int = 1, ep: int = 1, backward: bool,
-                  device: torch.device | str, ue8m0: bool = False, workers: int | None = None) -> WarmupReport | None:
+                  device: torch.device | str, ue8m0: bool = False, workers: int | None = None,
+                  tokens: list[int] | None = None) -> WarmupReport | None:
     """:func:`warm_up` for the FP8 GEMMs of ``model`` when its backend is DeepGEMM (None otherwise).
     ``max_tokens`` bounds a micro-batch's tokens on this rank; expert rows are bounded by
-    ``max_tokens * top_k * ep`` (under expert parallelism every rank may send this one all its rows)."""
+    ``max_tokens * top_k * ep`` (under expert parallelism every rank may send this one all its rows).
+    ``tokens``: the only token counts a micro-batch can have, where known (rows of one length); the
+    experts' rows are then ``top_k`` times those, except under expert parallelism, where routing
+    decides them (their whole grid is swept)."""
     from rlcli.ops.fp8.backends import DeepGemmBackend
 
     backend = next((m.backend for m in model.modules() if isinstance(getattr(m, "backend", None), DeepGemmBackend)),
@@ -241,11 +249,13 @@ def warm_up_model(model: nn.Module, *, max_tokens: int, top_k: int = 1, ep: int 
     if backend is None:
         return None
     shapes = model_shapes(model, backward, ep)
+    rows = [t * max(1, top_k) for t in tokens] if tokens and ep <= 1 else None
     report = warm_up(shapes, max_tokens=max_tokens, max_rows=max_tokens * max(1, top_k) * max(1, ep),
-                     device=device, ue8m0=ue8m0, workers=workers, align=backend.align)
-    log.info("fp8 JIT warm-up (deep_gemm): %d shapes, %d calls in %d processes, %d kernels compiled, "
-             "%d missed by the grid, %.1f s (cache %s)%s", report.shapes, report.calls, report.workers,
-             report.compiled, report.missed, report.seconds, cache_dir(),
+                     device=device, ue8m0=ue8m0, workers=workers, align=backend.align, tokens=tokens, rows=rows)
+    log.info("fp8 JIT warm-up (deep_gemm): %d shapes, %d calls in %d processes, %d kernels compiled, %s, "
+             "%.1f s (cache %s)%s", report.shapes, report.calls, report.workers, report.compiled,
+             f"token counts {sorted(set(tokens))}" if tokens else f"{report.missed} missed by the grid",
+             report.seconds, cache_dir(),
              "; errors: " + "; ".join(report.errors[:3]) if report.errors else "")
     return report
 
