@@ -202,7 +202,7 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="per GPU, dense bf16 (H200 SXM: 989)")
     ap.add_argument("--timeout", type=int, default=540, help="seconds per arm")
     ap.add_argument("--smoke", action="store_true", help="tiny model, CPU (gloo), 256-token rows")
-    ap.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
+    ap.add_argument("--keep", type=Path, default=None, help="keep the run directories here (checkpoints are deleted)")
     a = ap.parse_args()
     hf = dict(SMOKE if a.smoke else DSV3_4B)
     if a.layers:
@@ -232,8 +232,9 @@ def main() -> None:
                            1 if a.smoke else 0, a.attention, a.dtype)
         t0 = time.monotonic()
         rows, err = run_arm(recipe, a.nproc, arm == "fp8", a.timeout)
-        if a.keep is None:  # rl-train's last checkpoint is the whole trainer state (~50 GB at 4B): one arm's at a time
-            shutil.rmtree(root / "run" / "checkpoints", ignore_errors=True)
+        # rl-train's last checkpoint is the whole trainer state (~52 GB at 4.3B): one arm's at a time, --keep or
+        # not (a kept bf16 arm's filled the GPU machine's 64 GiB disk under the FP8 arm, eleventh session)
+        shutil.rmtree(root / "run" / "checkpoints", ignore_errors=True)
         print(f"{arm}: compute s per step " + " ".join(f"{r['compute_s']:.2f}" for r in rows), flush=True)
         print(f"{arm}: graphs compiled / frames run eagerly per step " + " ".join(
             f"{r.get('compile_graphs', float('nan')):.0f}/{r.get('compile_fallbacks', float('nan')):.0f}" for r in rows),

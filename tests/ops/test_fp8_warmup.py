@@ -61,8 +61,12 @@ def get_mk_alignment_for_contiguous_layout():
 
 
 def fp8_gemm_nt(a, b, out, c=None, recipe=None, compiled_dims="nk"):
-    m, n = a[0].shape[0], b[0].shape[0]
-    _kernel("gemm", n, a[0].shape[1], *_config(m, n))
+    (m, k), n = a[0].shape, b[0].shape[0]
+    assert k % 128 == 0
+    if compiled_dims == "mn":  # a weight gradient: K (the tokens) at run time, but its last stages compiled
+        _kernel("1d1d", m, n, *_config(m, n), math.ceil(k / 128) % 5)
+    else:
+        _kernel("gemm", n, k, *_config(m, n))
     out.zero_()
 
 
@@ -112,7 +116,9 @@ def test_the_shapes_are_each_converted_gemm_forward_and_for_training_its_input_g
     assert infer == {GemmShape("gemm", 512, 256), GemmShape("gemm", 256, 256), GemmShape("gemm", 384, 256),
                      GemmShape("gemm", 256, 384), GemmShape("grouped", 128, 256, 4), GemmShape("grouped", 256, 128, 4)}
     train = set(warmup.model_shapes(model, backward=True))
-    assert train == infer | {GemmShape("gemm", 256, 512)}  # dgrads: the transposed shapes (most already there)
+    wgrads = {GemmShape("wgrad", 512, 256), GemmShape("wgrad", 256, 256), GemmShape("wgrad", 384, 256),
+              GemmShape("wgrad", 256, 384)}  # the linears' (the experts' weight gradients are bf16)
+    assert train == infer | {GemmShape("gemm", 256, 512)} | wgrads  # dgrads: the transposed shapes
     under_ep = set(warmup.model_shapes(model, backward=True, ep=2))  # each rank holds half the experts
     assert GemmShape("grouped", 128, 256, 2) in under_ep and GemmShape("grouped", 128, 256, 4) not in under_ep
     unfused = set(warmup.model_shapes(_moe_model(DeepGemmBackend(fake_dg), fuse=()), backward=False))
@@ -125,7 +131,8 @@ def test_after_the_warm_up_no_token_count_compiles_a_kernel(fake_dg):
     from rlcli.ops.fp8 import runtime
     from rlcli.ops.fp8.backends import DeepGemmBackend
 
-    shapes = [GemmShape("gemm", 4096, 256), GemmShape("gemm", 256, 4096), GemmShape("grouped", 256, 128, 4)]
+    shapes = [GemmShape("gemm", 4096, 256), GemmShape("gemm", 256, 4096), GemmShape("grouped", 256, 128, 4),
+              GemmShape("wgrad", 4096, 256)]
     report = warmup.warm_up(shapes, max_tokens=700, max_rows=1400, device="cpu", workers=2)
     assert report.errors == [] and report.workers == 2
     assert report.compiled > len(shapes) and report.missed == 0
@@ -139,6 +146,10 @@ def test_after_the_warm_up_no_token_count_compiles_a_kernel(fake_dg):
     for rows in rng.sample(range(1, 1401), 40):
         offs = torch.tensor([rows // 4, rows // 2, 3 * rows // 4, rows], dtype=torch.int32)  # uneven experts
         be.grouped_gemm_x(torch.randn(rows, 128, dtype=torch.bfloat16), False, *wg, offs, torch.bfloat16)
+    dy = torch.randn(700, 4096, dtype=torch.bfloat16)
+    for m in range(1, 701):  # weight gradients of every token count, as rlcli.ops.fp8.linear.wgrad quantizes them
+        be._wgrad_1d1d(*runtime.quantize_act(dy[:m], False, rows=False, cols=True),
+                       *runtime.quantize_act(torch.randn(m, 256, dtype=torch.bfloat16), False, rows=False, cols=True))
     assert warmup.cached_kernels() == before
     again = warmup.warm_up(shapes, max_tokens=700, max_rows=1400, device="cpu", workers=0)
     assert again.compiled == 0 and again.missed == 0
@@ -176,8 +187,8 @@ def test_warm_up_model_skips_other_backends_and_reports_for_deep_gemm(fake_dg, c
     with caplog.at_level("INFO", logger="rlcli.fp8"):
         report = warmup.warm_up_model(_moe_model(DeepGemmBackend(fake_dg)), max_tokens=128, top_k=2, backward=True,
                                       device="cpu", workers=2)
-    assert report.shapes == 7 and report.errors == [] and report.missed == 0 and report.compiled > 0
-    assert "fp8 JIT warm-up (deep_gemm): 7 shapes" in caplog.text
+    assert report.shapes == 11 and report.errors == [] and report.missed == 0 and report.compiled > 0
+    assert "fp8 JIT warm-up (deep_gemm): 11 shapes" in caplog.text
 
 
 

@@ -13,7 +13,9 @@ heuristic sees a dense M through tile counts ``ceil(M / block_m)`` (block_m 16, 
 and through comparisons of M with multiples of 8 (``M <= 16``, ``block_m <= M``, multicast from
 ``M >= 512``), so every M in ``(8j - 8, 8j]`` picks what ``8j`` picks: the dense grid is every
 multiple of 8. A grouped GEMM's M is its padded row count (a multiple of the contiguous layout's
-alignment): one call per padded total. It calls the backend's own methods, so the warm-up
+alignment): one call per padded total. The linears' weight gradients (DeepGEMM's 1D1D kernel,
+whose K is the token count, padded to 128) run at every multiple of 128. It calls the backend's own
+methods, so the warm-up
 runs exactly the kernels (layouts, scale formats, padding) a step will. Shapes are spread over
 worker processes, one shape per worker at a time: DeepGEMM's Python entry points hold the GIL
 while nvcc runs, so threads would compile one kernel at a time. With a warm cache a sweep costs
@@ -51,7 +53,8 @@ it compares M with are all multiples of it)."""
 
 @dataclass(frozen=True)
 class GemmShape:
-    """One FP8 GEMM of a model: ``op`` "gemm" (``[M, k] . [n, k]^T``) or "grouped" (``groups`` experts)."""
+    """One FP8 GEMM of a model: ``op`` "gemm" (``[M, k] . [n, k]^T``), "grouped" (``groups`` experts) or
+    "wgrad" (a weight gradient ``[n, M] . [k, M]^T`` on DeepGEMM's 1D1D kernel, M the tokens)."""
 
     op: str
     n: int
@@ -82,11 +85,11 @@ def cached_kernels() -> int:
 
 def model_shapes(model: nn.Module, backward: bool, ep: int = 1) -> list[GemmShape]:
     """The distinct FP8 GEMMs ``model``'s converted modules run: forward, and with ``backward`` the input
-    gradient's too (weights transposed). Stacked sibling sets run as one GEMM over their stacked outputs;
-    experts are split over ``ep`` ranks. Shapes are read from the modules' declared (global) shapes, so a
-    model on the meta device, before parallelization, will do.
-    Weight gradients are left out: cuBLASLt's or DeepGEMM's 1D1D kernel, picked by a measurement on the
-    first step (:meth:`DeepGemmBackend.gemm_1x128`), one compile per shape."""
+    gradient's (weights transposed) and the linears' weight gradients (DeepGEMM's 1D1D kernel, compiled
+    whether or not the first step's measurement then picks it over cuBLASLt's: :meth:`DeepGemmBackend.gemm_1x128`;
+    the experts' weight gradients are bf16). Stacked sibling sets run as one GEMM over their stacked
+    outputs; experts are split over ``ep`` ranks. Shapes are read from the modules' declared (global)
+    shapes, so a model on the meta device, before parallelization, will do."""
     from rlcli.ops.fp8.convert import FP8GroupedExperts
     from rlcli.ops.fp8.linear import FP8Linear
 
@@ -100,6 +103,7 @@ def model_shapes(model: nn.Module, backward: bool, ep: int = 1) -> list[GemmShap
             shapes[GemmShape("gemm", n, module.in_features)] = None
             if backward:
                 shapes[GemmShape("gemm", module.in_features, n)] = None
+                shapes[GemmShape("wgrad", n, module.in_features)] = None
         elif isinstance(module, FP8GroupedExperts):
             for w in (module.w_gate, module.w_up, module.w_down):
                 g, n, k = w.shape  # a DTensor's shape is the global one
@@ -113,6 +117,12 @@ def model_shapes(model: nn.Module, backward: bool, ep: int = 1) -> list[GemmShap
 def m_grid(max_m: int, step: int = M_STEP) -> list[int]:
     """Dense token counts to sweep: every multiple of ``step`` up to ``max_m`` rounded up to one."""
     return list(range(step, ceil_div(max_m, step) * step + 1, step))
+
+
+def k_grid(max_tokens: int) -> list[int]:
+    """Token counts for weight gradients, where the tokens are the GEMM's K, padded to a multiple of 128:
+    one per padded K."""
+    return list(range(BLOCK, ceil_div(max_tokens, BLOCK) * BLOCK + 1, BLOCK))
 
 
 def grouped_grid(max_rows: int, groups: int, align: int) -> list[int]:
@@ -134,6 +144,7 @@ def _run_job(backend, shape: GemmShape, ms: list[int], device: torch.device, ue8
     else:
         wq, ws = runtime.quantize_weight(w, ue8m0)
     x_max = torch.randn(max(ms), shape.k, generator=gen).to(device, torch.bfloat16)
+    dy_max = torch.randn(max(ms), shape.n, generator=gen).to(device, torch.bfloat16) if shape.op == "wgrad" else None
     for m in ms:
         x = x_max[:m].contiguous()
         if shape.op == "grouped":  # rows spread evenly over the experts (the padded total depends on M only)
@@ -141,6 +152,10 @@ def _run_job(backend, shape: GemmShape, ms: list[int], device: torch.device, ue8
             counts[: m % shape.groups] += 1
             offs = torch.cumsum(counts, 0).to(device=device, dtype=torch.int32)
             backend.grouped_gemm_x(x, ue8m0, wq, ws, offs, torch.bfloat16)
+        elif shape.op == "wgrad":  # as rlcli.ops.fp8.linear.wgrad quantizes, on DeepGEMM's kernel
+            aq, sa = runtime.quantize_act(dy_max[:m].contiguous(), ue8m0, rows=False, cols=True)
+            bq, sb = runtime.quantize_act(x, ue8m0, rows=False, cols=True)
+            backend._wgrad_1d1d(aq, sa, bq, sb)
         else:
             xq, xs = runtime.quantize_act(x, ue8m0)
             backend.gemm(xq, xs, wq, ws, torch.bfloat16)
@@ -152,8 +167,10 @@ def _run_job(backend, shape: GemmShape, ms: list[int], device: torch.device, ue8
 def _jobs(shapes: list[GemmShape], max_tokens: int, max_rows: int, align: int,
           tokens: list[int] | None = None, rows: list[int] | None = None) -> list[tuple[GemmShape, list[int]]]:
     dense = sorted(set(tokens)) if tokens else m_grid(max_tokens)
-    return [(s, (sorted(set(rows)) if rows else grouped_grid(max_rows, s.groups, align)) if s.op == "grouped" else dense)
-            for s in shapes]
+    ks = sorted({ceil_div(t, BLOCK) * BLOCK for t in tokens}) if tokens else k_grid(max_tokens)
+    grouped = sorted(set(rows)) if rows else None
+    return [(s, ks if s.op == "wgrad" else (grouped or grouped_grid(max_rows, s.groups, align))
+             if s.op == "grouped" else dense) for s in shapes]
 
 
 def run_jobs(jobs: list[tuple[GemmShape, list[int]]], device: torch.device, ue8m0: bool) -> tuple[int, list[str]]:
