@@ -72,6 +72,13 @@ def cp_query_index(T: int, cp_rank: int, cp_size: int) -> torch.Tensor:
     return torch.cat([torch.arange(first, first + C), torch.arange(second, second + C)])
 
 
+def rank_tokens(num_tokens: int, cp_size: int) -> int:
+    """Tokens a CP rank holds of a row of ``num_tokens`` (:func:`shard_batch_for_cp`: padded to a multiple
+    of 2*cp, two chunks each), its GEMMs' M; with ``num_tokens`` a micro-batch's bound, this rank's.
+    Without CP (``cp_size`` 1) the row is not cut: all of it."""
+    return num_tokens if cp_size == 1 else -(-num_tokens // (2 * cp_size)) * 2
+
+
 def check_cp(cp_size: int, num_tokens: int) -> None:
     """A row must give every CP rank at least one token of each of its two chunks."""
     if num_tokens < 2 * cp_size:

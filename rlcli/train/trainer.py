@@ -239,9 +239,11 @@ class Trainer:
         """DeepGEMM's kernels for every micro-batch size, compiled before the first step by one rank per
         host (the JIT cache is a directory on the host) while the others wait (rlcli.ops.fp8.warmup)."""
         from rlcli.ops.fp8.warmup import warm_up_model
+        from rlcli.parallel.context import rank_tokens
 
-        if self.dist.local_rank == 0:
-            warm_up_model(model, max_tokens=self.cfg.train.micro_batch_tokens, top_k=self.args.num_experts_per_tok,
+        if self.dist.local_rank == 0:  # under CP a rank's GEMMs see its share of a row
+            warm_up_model(model, max_tokens=rank_tokens(self.cfg.train.micro_batch_tokens, self.dims.cp),
+                          top_k=self.args.num_experts_per_tok,
                           ep=self.dims.ep, backward=True, device=self.device, ue8m0=self.cfg.train.fp8.ue8m0,
                           tokens=self.cfg.train.fp8.jit_warmup_tokens or None)
         pdist.barrier()

@@ -6,7 +6,7 @@ import torch
 from rlcli.errors import ConfigError
 from rlcli.models import ModelArgs, build_model
 from rlcli.ops.grouped_gemm import grouped_mm, grouped_mm_loop
-from rlcli.parallel.context import check_cp, cp_query_index, next_token_targets, shard_batch_for_cp
+from rlcli.parallel.context import check_cp, cp_query_index, next_token_targets, rank_tokens, shard_batch_for_cp
 from rlcli.parallel.expert import expert_load_metrics, source_major_to_expert_major
 
 
@@ -92,6 +92,17 @@ def test_trainer_reports_expert_load_of_its_step_and_nothing_for_a_dense_model()
                                                 num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                                                 head_dim=8)))
     assert Trainer._expert_load(SimpleNamespace(model=dense, dims=None)) == {}
+
+
+@pytest.mark.parametrize("T, cp", [(13, 2), (16, 2), (17, 4), (8, 4), (1000, 3)])
+def test_rank_tokens_is_the_length_of_each_cp_shard(T, cp):
+    """The bound rl-train's FP8 warm-up sweeps to under CP (rlcli.ops.fp8.warmup): each rank's GEMMs see M =
+    its shard's tokens, never more."""
+    t = {"input_ids": torch.arange(T)[None], "position_ids": torch.arange(T)[None]}
+    for r in range(cp):
+        local, _ = shard_batch_for_cp(t, r, cp)
+        assert local["input_ids"].shape[1] == rank_tokens(T, cp)
+    assert rank_tokens(T, 1) == T
 
 
 def test_cp_shards_cover_the_padded_row_with_causal_load_balance():

@@ -3,9 +3,9 @@
 DeepGEMM compiles one kernel per GEMM kind, N, K (and expert count) and *tile configuration*,
 on first use, and keeps it on disk (``$DG_JIT_CACHE_DIR``, default ``~/.deep_gemm``). The
 configuration is chosen from M, the micro-batch's token count (expert rows for grouped GEMMs),
-which changes from one RL step to the next: on one H200 a 1.7B MoE's FP8 loop met new
-configurations for its first ten steps, 40-50 s of compiles inside each such step
-(docs/benchmarks.md, tenth session).
+which changes from one RL step to the next: on one H200 a 1.7B MoE's FP8 loop spent 37-50 s
+compiling inside each step whose micro-batches met a new token count (docs/benchmarks.md, tenth
+session).
 
 :func:`warm_up` runs every FP8 GEMM shape of a converted model at every M up to the process's
 bound on a grid fine enough that no M in between picks another configuration. DeepGEMM 2.5's SM90
@@ -14,13 +14,18 @@ and through comparisons of M with multiples of 8 (``M <= 16``, ``block_m <= M``,
 ``M >= 512``), so every M in ``(8j - 8, 8j]`` picks what ``8j`` picks: the dense grid is every
 multiple of 8. A grouped GEMM's M is its padded row count (a multiple of the contiguous layout's
 alignment): one call per padded total. The linears' weight gradients (DeepGEMM's 1D1D kernel,
-whose K is the token count, padded to 128) run at every multiple of 128. It calls the backend's own
-methods, so the warm-up
-runs exactly the kernels (layouts, scale formats, padding) a step will. Shapes are spread over
-worker processes, one shape per worker at a time: DeepGEMM's Python entry points hold the GIL
-while nvcc runs, so threads would compile one kernel at a time. With a warm cache a sweep costs
-seconds. The sweep's effect is checked: :class:`WarmupReport` counts the kernels compiled and
-those a few off-grid token counts compiled afterwards (``missed``, expected 0).
+whose K is the token count, padded to 128) run at every multiple of 128. It calls the backend's
+own methods, so the warm-up runs exactly the kernels (layouts, scale formats, padding) a step will.
+
+Shapes are spread over worker processes, one shape per worker at a time: DeepGEMM's Python entry
+points hold the GIL while nvcc runs, so threads would compile one kernel at a time. Every grid M
+runs a real GEMM, so a sweep's device time grows with the square of its bound: the 1.7B MoE's
+rl-train at 8,192 tokens took 166 s with a cold cache (6,974 calls, 278 kernels) and 33 s warm
+(7,298 calls, with the weight gradients). Under expert parallelism the experts' bound is ``ep``
+times a rank's rows, so a large ``ep`` with long micro-batches makes the sweep long;
+``fp8.jit_warmup_tokens`` and a cache kept from an earlier run shorten it. The sweep's effect is
+checked: :class:`WarmupReport` counts the kernels compiled and those a few off-grid token counts
+compiled afterwards (``missed``, expected 0).
 
     python -m rlcli.ops.fp8.warmup JOBS.json   # a worker: runs the jobs, prints one JSON line
 """
