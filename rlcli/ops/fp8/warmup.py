@@ -8,11 +8,14 @@ compiling inside each step whose micro-batches met a new token count (docs/bench
 session).
 
 :func:`warm_up` runs every FP8 GEMM shape of a converted model at every M up to the process's
-bound on a grid fine enough that no M in between picks another configuration. DeepGEMM 2.5's SM90
-heuristic sees a dense M through tile counts ``ceil(M / block_m)`` (block_m 16, 32, 64, 128, 256)
-and through comparisons of M with multiples of 8 (``M <= 16``, ``block_m <= M``, multicast from
-``M >= 512``), so every M in ``(8j - 8, 8j]`` picks what ``8j`` picks: the dense grid is every
-multiple of 8. A grouped GEMM's M is its padded row count (a multiple of the contiguous layout's
+bound on a grid fine enough that no M in between picks another configuration. DeepGEMM's SM90
+heuristic, as its public source reads, sees a dense M through tile counts ``ceil(M / block_m)``
+(block_m 16, 32, 64, 128, 256) and through comparisons of M with multiples of 8 (``M <= 16``,
+``block_m <= M``, multicast from ``M >= 512``), so every M in ``(8j - 8, 8j]`` picks what ``8j``
+picks: the dense grid is every multiple of 8. On the H200 this grid left no checked M uncovered,
+while a coarser one that the same reading allows (multiples of 64, and 15, 31, 63, ...) missed
+M = 1, so the 2.5 build differs from that reading somewhere below 16 (docs/benchmarks.md, eleventh
+session). A grouped GEMM's M is its padded row count (a multiple of the contiguous layout's
 alignment): one call per padded total. The linears' weight gradients (DeepGEMM's 1D1D kernel,
 whose K is the token count, padded to 128) run at every multiple of 128. It calls the backend's
 own methods, so the warm-up runs exactly the kernels (layouts, scale formats, padding) a step will.
@@ -185,7 +188,7 @@ def run_jobs(jobs: list[tuple[GemmShape, list[int]]], device: torch.device, ue8m
     dg = import_deep_gemm()
     if dg is None:
         return 0, ["deep_gemm does not import"]
-    if device.type == "cuda":
+    if device.type == "cuda" and device.index is not None:  # "cuda" alone: the current device
         torch.cuda.set_device(device)
     backend = DeepGemmBackend(dg, strict=True)
     calls, errors = 0, []
