@@ -26,7 +26,7 @@ from rlcli.ops.fp8.warmup import GemmShape
 
 FAKE_DG = '''
 """A CPU stand-in for deep_gemm (tests/ops/test_fp8_warmup.py)."""
-import math, os
+import math, os, sys
 from pathlib import Path
 
 __version__ = "stand-in"
@@ -53,6 +53,9 @@ def _config(m, n):
 def _kernel(*key):
     d = Path(os.environ["DG_JIT_CACHE_DIR"]) / "cache" / ("kernel." + ".".join(map(str, key)))
     if not d.exists():
+        if os.environ.get("FAKE_DG_CRASH"):
+            os._exit(3)
+        sys.stderr.write("compiler output " * 16384 * int(os.environ.get("FAKE_DG_NOISE", "0")))  # 256 KiB each
         d.mkdir(parents=True, exist_ok=True)
 
 
@@ -217,3 +220,19 @@ def test_a_token_count_below_one_is_refused():
 
     with pytest.raises(ConfigError, match="jit_warmup_tokens must be token counts >= 1"):
         load_recipe(None, {"train.fp8.jit_warmup_tokens": [0]})
+
+
+def test_a_worker_that_writes_much_or_dies_neither_hangs_the_warm_up_nor_goes_unreported(fake_dg, monkeypatch):
+    import threading
+
+    shapes = [GemmShape("gemm", 4096, 256), GemmShape("gemm", 256, 4096)]
+    monkeypatch.setenv("FAKE_DG_NOISE", "1")  # 256 KiB of stderr per compile: more than a pipe holds
+    box = []
+    t = threading.Thread(target=lambda: box.append(warmup.warm_up(shapes, max_tokens=256, max_rows=128,
+                                                                  device="cpu", workers=2)), daemon=True)
+    t.start()
+    t.join(120)
+    assert box and box[0].errors == [] and box[0].compiled > 0
+    monkeypatch.setenv("FAKE_DG_CRASH", "1")
+    report = warmup.warm_up([GemmShape("gemm", 512, 256)], max_tokens=64, max_rows=128, device="cpu", workers=1)
+    assert len(report.errors) == 1 and report.errors[0].startswith("a warm-up worker exited 3")

@@ -146,11 +146,9 @@ def grouped_grid(max_rows: int, groups: int, align: int) -> list[int]:
 def _run_job(backend, shape: GemmShape, ms: list[int], device: torch.device, ue8m0: bool) -> int:
     """Every M of ``ms`` through the backend's own entry point for ``shape``; returns the calls made."""
     gen = torch.Generator(device="cpu").manual_seed(0)
-    w = (torch.randn((shape.groups or 1) * shape.n, shape.k, generator=gen) * 0.02).to(device, torch.bfloat16)
-    if shape.op == "grouped":
-        wq, ws = runtime.quantize_weight(w.view(shape.groups, shape.n, shape.k), ue8m0)
-    else:
-        wq, ws = runtime.quantize_weight(w, ue8m0)
+    if shape.op != "wgrad":  # a weight gradient's operands are both activations
+        w = (torch.randn((shape.groups or 1) * shape.n, shape.k, generator=gen) * 0.02).to(device, torch.bfloat16)
+        wq, ws = runtime.quantize_weight(w.view(shape.groups, shape.n, shape.k) if shape.op == "grouped" else w, ue8m0)
     x_max = torch.randn(max(ms), shape.k, generator=gen).to(device, torch.bfloat16)
     dy_max = torch.randn(max(ms), shape.n, generator=gen).to(device, torch.bfloat16) if shape.op == "wgrad" else None
     for m in ms:
@@ -201,11 +199,13 @@ def run_jobs(jobs: list[tuple[GemmShape, list[int]]], device: torch.device, ue8m
 
 
 def _spawn(jobs: list[tuple[GemmShape, list[int]]], device: torch.device, ue8m0: bool, workdir: Path, i: int):
+    """A worker process on ``jobs``; its stdout and stderr go to files in ``workdir`` (a pipe nobody reads
+    while it runs would stop a worker that writes more than the pipe holds)."""
     spec = workdir / f"jobs-{i}.json"
     spec.write_text(json.dumps({"device": str(device), "ue8m0": ue8m0,
                                 "jobs": [[asdict(s), ms] for s, ms in jobs]}))
-    return subprocess.Popen([sys.executable, "-m", "rlcli.ops.fp8.warmup", str(spec)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    with (workdir / f"out-{i}").open("w") as out, (workdir / f"err-{i}").open("w") as err:
+        return subprocess.Popen([sys.executable, "-m", "rlcli.ops.fp8.warmup", str(spec)], stdout=out, stderr=err)
 
 
 def warm_up(shapes: list[GemmShape], *, max_tokens: int, max_rows: int, device: torch.device | str,
@@ -231,17 +231,18 @@ def warm_up(shapes: list[GemmShape], *, max_tokens: int, max_rows: int, device: 
         jobs.sort(key=lambda j: -len(j[1]) * j[0].n * j[0].k * max(1, j[0].groups))  # longest first
         parts = [jobs[i::workers] for i in range(workers)]
         with tempfile.TemporaryDirectory(prefix="rlcli-dg-warmup-") as tmp:
-            procs = [_spawn(p, device, ue8m0, Path(tmp), i) for i, p in enumerate(parts) if p]
-            while any(p.poll() is None for p in procs):
+            procs = {i: _spawn(p, device, ue8m0, Path(tmp), i) for i, p in enumerate(parts) if p}
+            while any(p.poll() is None for p in procs.values()):
                 expect_long(60.0)
                 time.sleep(1.0)
-            for p in procs:
-                out, err = p.communicate()
+            for i, p in procs.items():
+                out = (Path(tmp) / f"out-{i}").read_text()
                 try:
                     res = json.loads(out.strip().splitlines()[-1])
                     report.calls += res["calls"]
                     report.errors += res["errors"]
                 except (IndexError, ValueError, KeyError):
+                    err = (Path(tmp) / f"err-{i}").read_text(errors="replace")
                     report.errors.append(f"a warm-up worker exited {p.returncode}: {err.strip()[-300:]}")
     report.compiled = cached_kernels() - before
     if check and not report.errors and not (tokens or rows):
