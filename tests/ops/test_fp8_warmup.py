@@ -13,6 +13,7 @@ import os
 import random
 import sys
 import textwrap
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,7 +27,7 @@ from rlcli.ops.fp8.warmup import GemmShape
 
 FAKE_DG = '''
 """A CPU stand-in for deep_gemm (tests/ops/test_fp8_warmup.py)."""
-import math, os, sys
+import math, os, sys, time
 from pathlib import Path
 
 __version__ = "stand-in"
@@ -51,6 +52,7 @@ def _config(m, n):
 
 
 def _kernel(*key):
+    time.sleep(float(os.environ.get("FAKE_DG_CALL_S", "0")))
     d = Path(os.environ["DG_JIT_CACHE_DIR"]) / "cache" / ("kernel." + ".".join(map(str, key)))
     if not d.exists():
         if os.environ.get("FAKE_DG_CRASH"):
@@ -236,3 +238,35 @@ def test_a_worker_that_writes_much_or_dies_neither_hangs_the_warm_up_nor_goes_un
     monkeypatch.setenv("FAKE_DG_CRASH", "1")
     report = warmup.warm_up([GemmShape("gemm", 512, 256)], max_tokens=64, max_rows=128, device="cpu", workers=1)
     assert len(report.errors) == 1 and report.errors[0].startswith("a warm-up worker exited 3")
+
+
+def test_the_check_counts_no_kernel_another_warm_up_compiles_beside_it(fake_dg, tmp_path, monkeypatch):
+    """rl-infer and rl-train warm up at once on one host, into one cache: a check that ran while the other
+    still compiled counted the other's kernels as its own misses (3-4 on the H200, docs/benchmarks.md)."""
+    import subprocess
+
+    monkeypatch.setenv("FAKE_DG_CALL_S", "0.03")  # every call takes a while, so the two overlap
+    done = tmp_path / "other-done"  # when the other's warm-up returned (its lock released)
+    other = subprocess.Popen([sys.executable, "-c", "import time\nfrom rlcli.ops.fp8 import warmup\n"
+                              "from rlcli.ops.fp8.warmup import GemmShape\n"
+                              "warmup.warm_up([GemmShape('gemm', 4096, 512)], max_tokens=800, max_rows=128, "
+                              "device='cpu', workers=0, check=0)\n"
+                              f"open({str(done)!r}, 'w').write(repr(time.time()))"])
+    deadline = time.monotonic() + 60
+    while warmup.cached_kernels() == 0 and time.monotonic() < deadline:  # the other is sweeping
+        time.sleep(0.05)
+    assert other.poll() is None, "the other warm-up ended before this one started"
+    report = warmup.warm_up([GemmShape("gemm", 256, 128)], max_tokens=64, max_rows=128, device="cpu", workers=0,
+                            check=16)
+    ended = time.time()
+    assert other.wait() == 0
+    assert float(done.read_text()) < ended  # this check waited for the other's sweep to end
+    assert report.missed == 0 and report.compiled > 0 and report.errors == []
+
+
+def test_the_cache_lock_gives_way_where_no_lock_file_can_be_made(fake_dg, tmp_path, monkeypatch):
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("")  # DG_JIT_CACHE_DIR's parent is a file: the lock file cannot be created
+    monkeypatch.setenv("DG_JIT_CACHE_DIR", str(blocked / "jit"))
+    with warmup.cache_lock(exclusive=True):
+        pass

@@ -28,11 +28,15 @@ rl-train at 8,192 tokens took 166 s with a cold cache (6,974 calls, 278 kernels)
 times a rank's rows, so a large ``ep`` with long micro-batches makes the sweep long;
 ``fp8.jit_warmup_tokens`` and a cache kept from an earlier run shorten it. The sweep's effect is
 checked: :class:`WarmupReport` counts the kernels compiled and those a few off-grid token counts
-compiled afterwards (``missed``, expected 0).
+compiled afterwards (``missed``, expected 0). Warm-ups on one host share the cache (rl-infer's and
+rl-train's start together), so each sweeps under a shared lock beside it and checks under an
+exclusive one (:func:`cache_lock`): a check waits for the other sweeps, and counts only its own misses.
 
     python -m rlcli.ops.fp8.warmup JOBS.json   # a worker: runs the jobs, prints one JSON line
 """
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -43,6 +47,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.nn as nn
@@ -74,9 +79,8 @@ class GemmShape:
 class WarmupReport:
     shapes: int = 0
     calls: int = 0
-    compiled: int = 0  # new kernels in the JIT cache during the sweep
-    missed: int = 0  # new cache entries while off-grid token counts ran after it (the grid's check; another
-    # process compiling into the same cache at that time, e.g. rl-train's warm-up beside rl-infer's, counts too)
+    compiled: int = 0  # new kernels in the JIT cache during the sweep (another warm-up's beside it included)
+    missed: int = 0  # new kernels while off-grid token counts ran after it (the grid's check, alone on the cache)
     seconds: float = 0.0
     workers: int = 0
     errors: list[str] = field(default_factory=list)
@@ -84,6 +88,34 @@ class WarmupReport:
 
 def cache_dir() -> Path:
     return Path(os.environ.get("DG_JIT_CACHE_DIR") or Path.home() / ".deep_gemm") / "cache"
+
+
+@contextlib.contextmanager
+def cache_lock(exclusive: bool) -> Iterator[None]:
+    """``flock`` on a file beside the JIT cache: warm-ups hold it shared while they sweep and exclusive while
+    they check, so no other warm-up on the host compiles into the cache while one counts its misses. The
+    registry hears this process is busy while it waits (``expect_long``). Where the file cannot be made
+    (a read-only cache), nothing is locked."""
+    path = cache_dir().parent / "rlcli-warmup.lock"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = path.open("a")
+    except OSError as e:  # a read-only cache (compiled elsewhere): nothing compiles into it, nothing to order
+        log.debug("no warm-up lock at %s (%s)", path, e)
+        yield
+        return
+    with f:
+        while True:
+            try:
+                fcntl.flock(f, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                expect_long(60.0)
+                time.sleep(0.2)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def cached_kernels() -> int:
@@ -208,6 +240,30 @@ def _spawn(jobs: list[tuple[GemmShape, list[int]]], device: torch.device, ue8m0:
         return subprocess.Popen([sys.executable, "-m", "rlcli.ops.fp8.warmup", str(spec)], stdout=out, stderr=err)
 
 
+def _sweep(jobs: list[tuple[GemmShape, list[int]]], workers: int, device: torch.device, ue8m0: bool,
+           report: WarmupReport) -> None:
+    """Run ``jobs`` here (``workers`` 0) or over ``workers`` processes, adding calls and errors to ``report``."""
+    if workers == 0:
+        report.calls, report.errors = run_jobs(jobs, device, ue8m0)
+        return
+    jobs = sorted(jobs, key=lambda j: -len(j[1]) * j[0].n * j[0].k * max(1, j[0].groups))  # longest first
+    parts = [jobs[i::workers] for i in range(workers)]
+    with tempfile.TemporaryDirectory(prefix="rlcli-dg-warmup-") as tmp:
+        procs = {i: _spawn(p, device, ue8m0, Path(tmp), i) for i, p in enumerate(parts) if p}
+        while any(p.poll() is None for p in procs.values()):
+            expect_long(60.0)
+            time.sleep(1.0)
+        for i, p in procs.items():
+            out = (Path(tmp) / f"out-{i}").read_text()
+            try:
+                res = json.loads(out.strip().splitlines()[-1])
+                report.calls += res["calls"]
+                report.errors += res["errors"]
+            except (IndexError, ValueError, KeyError):
+                err = (Path(tmp) / f"err-{i}").read_text(errors="replace")
+                report.errors.append(f"a warm-up worker exited {p.returncode}: {err.strip()[-300:]}")
+
+
 def warm_up(shapes: list[GemmShape], *, max_tokens: int, max_rows: int, device: torch.device | str,
             ue8m0: bool = False, workers: int | None = None, align: int = BLOCK, check: int = 4,
             tokens: list[int] | None = None, rows: list[int] | None = None) -> WarmupReport:
@@ -220,41 +276,26 @@ def warm_up(shapes: list[GemmShape], *, max_tokens: int, max_rows: int, device: 
     report = WarmupReport(shapes=len(shapes))
     if not shapes:
         return report
-    t0, before = time.monotonic(), cached_kernels()
+    t0 = time.monotonic()
     jobs = _jobs(shapes, max_tokens, max_rows, align, tokens, rows)
     if workers is None:
         workers = min(len(jobs), max(1, (os.cpu_count() or 2) - 2), 16)
     report.workers = workers
-    if workers == 0:
-        report.calls, report.errors = run_jobs(jobs, device, ue8m0)
-    else:
-        jobs.sort(key=lambda j: -len(j[1]) * j[0].n * j[0].k * max(1, j[0].groups))  # longest first
-        parts = [jobs[i::workers] for i in range(workers)]
-        with tempfile.TemporaryDirectory(prefix="rlcli-dg-warmup-") as tmp:
-            procs = {i: _spawn(p, device, ue8m0, Path(tmp), i) for i, p in enumerate(parts) if p}
-            while any(p.poll() is None for p in procs.values()):
-                expect_long(60.0)
-                time.sleep(1.0)
-            for i, p in procs.items():
-                out = (Path(tmp) / f"out-{i}").read_text()
-                try:
-                    res = json.loads(out.strip().splitlines()[-1])
-                    report.calls += res["calls"]
-                    report.errors += res["errors"]
-                except (IndexError, ValueError, KeyError):
-                    err = (Path(tmp) / f"err-{i}").read_text(errors="replace")
-                    report.errors.append(f"a warm-up worker exited {p.returncode}: {err.strip()[-300:]}")
-    report.compiled = cached_kernels() - before
+    with cache_lock(exclusive=False):  # other processes' sweeps may run beside this one
+        before = cached_kernels()
+        _sweep(jobs, workers, device, ue8m0, report)
+        report.compiled = cached_kernels() - before
     if check and not report.errors and not (tokens or rows):
         rng = random.Random(0)
         checks = [(s, sorted(rng.sample(range(1, (max_rows if s.op == "grouped" else max_tokens) + 1),
                                         min(check, max_rows if s.op == "grouped" else max_tokens))))
                   for s in shapes]
-        after = cached_kernels()
-        calls, errors = run_jobs(checks, device, ue8m0)
+        with cache_lock(exclusive=True):  # no other warm-up compiles into the cache meanwhile: the count is ours
+            after = cached_kernels()
+            calls, errors = run_jobs(checks, device, ue8m0)
+            report.missed = cached_kernels() - after
         report.calls += calls
         report.errors += errors
-        report.missed = cached_kernels() - after
     report.seconds = time.monotonic() - t0
     return report
 
