@@ -88,6 +88,7 @@ def write_run(root: Path, hf: dict, seq: int, prompt: int, rows: int, steps: int
     from rlcli.envs import Task
     from rlcli.orchestrate.rollouts import Group, write_batch
     from rlcli.protocol import Completion
+    from rlcli.parallel.context import rank_tokens
     from rlcli.transport.rundir import RunDir
 
     model_dir, run_dir = root / "model", root / "run"
@@ -103,7 +104,7 @@ def write_run(root: Path, hf: dict, seq: int, prompt: int, rows: int, steps: int
                   "optim": {"lr": 1e-5}, "loss": {"kind": "tis"}, "checkpoint": {"interval": 10**6},
                   "parallel": {"ep": ep, "cp": cp},
                   # every micro-batch is one row: DeepGEMM's kernels for that size alone (rlcli.ops.fp8.warmup)
-                  "fp8": {"jit_warmup_tokens": [seq // cp]}},
+                  "fp8": {"jit_warmup_tokens": [rank_tokens(seq, cp)]}},
         "orchestrate": {"num_train_ranks": dp, "batch_size": rows * dp, "group_size": 1},
         "sync": {"backend": {"kind": "collective"}},
     }

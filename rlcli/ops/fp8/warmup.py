@@ -287,9 +287,8 @@ def warm_up(shapes: list[GemmShape], *, max_tokens: int, max_rows: int, device: 
         report.compiled = cached_kernels() - before
     if check and not report.errors and not (tokens or rows):
         rng = random.Random(0)
-        checks = [(s, sorted(rng.sample(range(1, (max_rows if s.op == "grouped" else max_tokens) + 1),
-                                        min(check, max_rows if s.op == "grouped" else max_tokens))))
-                  for s in shapes]
+        bound = {s: max_rows if s.op == "grouped" else max_tokens for s in shapes}
+        checks = [(s, sorted(rng.sample(range(1, bound[s] + 1), min(check, bound[s])))) for s in shapes]
         with cache_lock(exclusive=True):  # no other warm-up compiles into the cache meanwhile: the count is ours
             after = cached_kernels()
             calls, errors = run_jobs(checks, device, ue8m0)
