@@ -42,7 +42,11 @@ class InnerAttention(nn.Module):
     """The attention call of one layer, as a module of the model: ``forward(q, k, v, scale,
     ctx)`` runs the forward pass's backend, ``ctx.attn``. It holds no weights; it exists so
     that parallelism applied from outside can hook every layer's attention (context
-    parallelism all-gathers ``k`` and ``v`` in a forward pre-hook)."""
+    parallelism all-gathers ``k`` and ``v`` in a forward pre-hook).
+
+    In a compiled block, a backend whose ``in_graph`` is False runs eagerly: a graph break
+    here, whose call carries only tensors, the scale and the context (passing ``layer_idx``
+    across the break would make it a constant of the graph, one frame per layer)."""
 
     def __init__(self, layer_idx: int):
         super().__init__()
@@ -50,6 +54,12 @@ class InnerAttention(nn.Module):
 
     def forward(self, q_BTHD: torch.Tensor, k_BSHD: torch.Tensor, v_BSHD: torch.Tensor, scale: float,
                 ctx: "ForwardContext") -> torch.Tensor:
+        if getattr(ctx.attn, "in_graph", True):
+            return ctx.attn(self.layer_idx, q_BTHD, k_BSHD, v_BSHD, scale)
+        return self._eager(q_BTHD, k_BSHD, v_BSHD, scale, ctx)
+
+    @torch.compiler.disable
+    def _eager(self, q_BTHD, k_BSHD, v_BSHD, scale, ctx) -> torch.Tensor:
         return ctx.attn(self.layer_idx, q_BTHD, k_BSHD, v_BSHD, scale)
 
 

@@ -214,6 +214,15 @@ class PackedCausalAttention(nn.Module):
                 runs[-1][1] = g + 1
         return [tuple(r) for r in runs]
 
+    @property
+    def in_graph(self) -> bool:
+        """Whether a compiled block may trace this attention (:class:`rlcli.ops.attention.InnerAttention`).
+        Only ``flex``: the other backends plan on the host over this batch's segments (Python loops,
+        tensors built from lists), which dynamo would trace into the block's graph, guard on, and
+        trace again for every new document structure, i.e. at every RL step (and on a CPU with
+        shared-prompt rows inductor generated a mask kernel g++ rejected)."""
+        return self.backend == "flex"
+
     def forward(self, layer_idx: int, q_BTHD: torch.Tensor, k_BSHD: torch.Tensor, v_BSHD: torch.Tensor,
                 scale: float) -> torch.Tensor:
         assert k_BSHD.shape[1] == self.num_keys, (k_BSHD.shape, self.num_keys)

@@ -12,6 +12,7 @@ from rlcli.models.hf_io import build_model
 from rlcli.ops import logprobs
 from rlcli.ops.attention import ForwardContext, PackedCausalAttention
 from rlcli.ops.fp8.convert import convert_to_fp8
+from rlcli.ops.prefix_tree import RowTree
 from rlcli.parallel.fsdp import apply_compile
 
 TINY = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -111,3 +112,50 @@ def test_compiled_logprob_math_matches_eager(top_p=1.0):
         results.append((lp.detach(), entropy.detach(), h.grad, w.grad))
     for eager, fused in zip(*results):
         torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-4)
+
+
+def _shared_prompt_rows(step: int) -> tuple[torch.Tensor, list[RowTree]]:
+    """A row of two prompts with 2 and 3 completions each, completion lengths varying with ``step``:
+    a different document structure every step, as in RL."""
+    spans, parents, pos, start = [], [], [], 0
+    for prompt_len, lens in ((11, (5 + step, 7)), (9, (4, 6 + 2 * step, 3))):
+        root = len(spans)
+        spans.append((start, start + prompt_len))
+        parents.append(-1)
+        pos += list(range(prompt_len))
+        start += prompt_len
+        for n in lens:
+            spans.append((start, start + n))
+            parents.append(root)
+            pos += list(range(prompt_len, prompt_len + n))
+            start += n
+    return torch.tensor(pos)[None], [RowTree(spans, parents)]
+
+
+def test_compiled_blocks_keep_attention_planning_out_of_the_graph():
+    """Attention over packed rows plans on the host from the row's document structure, which changes every RL
+    step: inside a compiled block that planning was traced (a recompile per new structure) and, on a CPU with
+    shared-prompt rows, inductor generated a mask kernel g++ rejected (rl-train --compile died at its first RL
+    step). Compiled and eager agree on shared-prompt rows, and a new structure compiles nothing new."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    eager = build_model(ModelArgs.from_hf(TINY), device="cpu", dtype=torch.float32)
+    eager.init_weights(0)
+    compiled = copy.deepcopy(eager)
+    apply_compile(compiled)
+    frames = []
+    for step in range(3):
+        pos, trees = _shared_prompt_rows(step)
+        ids = torch.randint(0, 256, pos.shape)
+        outs = []
+        for model in (eager, compiled):
+            model.zero_grad()
+            h = model.hidden_states(ids, pos, ForwardContext(attn=PackedCausalAttention(pos, trees=trees)))
+            (h.float() ** 2).mean().backward()
+            outs.append(h)
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+        for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+        frames.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert frames[2] == frames[1], frames
