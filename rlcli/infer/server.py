@@ -99,8 +99,10 @@ class InferServer:
 
             self.http = HttpFrontDoor(cfg, weights)
             endpoints["http"] = self.http.endpoint
+        # "receivers": members this server puts in a collective weight update (vLLM: one per tensor-parallel worker).
         self.registration = Registration(run.registry_dir(), "infer", instance, endpoints,
-                                         {"version": version, "role": icfg.role})
+                                         {"version": version, "role": icfg.role,
+                                          "receivers": getattr(self.engine, "weight_receivers", 1)})
         self.registration.take_long_op_notices()  # a kernel's first-use compile inside a step (fp8 backends)
         self.clients: dict[str, bytes] = {}  # request_id -> ZeroMQ client identity
         self.sinks: dict[str, Sink] = {}  # request_id -> HTTP handler

@@ -103,14 +103,30 @@ class _Seq:
         return out + [version_now] * (num_tokens - len(out))
 
 
-def _setup_environment(device: str, cpu_kvcache_space_gb: float) -> None:
-    """Environment vLLM reads at import/engine start (see the module docstring)."""
+def _setup_environment(device: str, cpu_kvcache_space_gb: float, tp: int = 1) -> None:
+    """Environment vLLM reads at import/engine start (see the module docstring). ``tp`` workers: on CUDA the
+    devices from infer.device's index on; on the CPU, one core set per worker in VLLM_CPU_OMP_THREADS_BIND."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core steps in this process
     if device == "cpu":
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(cpu_kvcache_space_gb)))  # whole GiB only
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max((os.cpu_count() or 1) - 1, 0)}")
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_core_sets(sorted(os.sched_getaffinity(0)), tp))
+        bind = os.environ["VLLM_CPU_OMP_THREADS_BIND"]
+        if bind not in ("auto", "nobind") and len(bind.split("|")) != tp:
+            raise ConfigError(f"VLLM_CPU_OMP_THREADS_BIND={bind!r} gives {len(bind.split('|'))} core set(s) but "
+                              f"infer.engine.tensor_parallel_size is {tp}: give one per worker, separated by '|' "
+                              "(e.g. 0-3|4-7), or unset it")
     elif device.startswith("cuda:"):
-        os.environ.setdefault("CUDA_VISIBLE_DEVICES", device.split(":", 1)[1])
+        first = int(device.split(":", 1)[1])
+        os.environ.setdefault("CUDA_VISIBLE_DEVICES", ",".join(str(first + i) for i in range(tp)))
+
+
+def cpu_core_sets(cores: list[int], workers: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for ``workers`` CPU workers: ``cores`` split into contiguous sets, one per
+    worker, separated by "|" (with fewer cores than workers, workers share them in turn)."""
+    if workers > len(cores):
+        return "|".join(str(cores[i % len(cores)]) for i in range(workers))
+    bounds = [len(cores) * i // workers for i in range(workers + 1)]
+    return "|".join(",".join(map(str, cores[a:b])) for a, b in zip(bounds, bounds[1:]))
 
 
 def _client_errors() -> tuple[type[Exception], ...]:
@@ -124,8 +140,9 @@ class VllmEngine:
     """The vLLM implementation of :class:`rlcli.infer.base.Engine`."""
 
     def __init__(self, llm, *, eos_token_ids: list[int], max_model_len: int, vocab_size: int, version: int = 0,
-                 record_routes: bool = False):
+                 record_routes: bool = False, weight_receivers: int = 1):
         self.llm = llm  # vllm.LLMEngine
+        self.weight_receivers = weight_receivers  # vLLM workers, each a member of a collective weight update
         self.carried: list[GenerateResponse | Delta] = []  # results of batches settled by a swap
         self.eos_token_ids = sorted(set(eos_token_ids))
         self.max_model_len = max_model_len
@@ -143,7 +160,8 @@ class VllmEngine:
     def from_config(cls, cfg: RecipeConfig, weights: Path, version: int, instance: int = 0) -> "VllmEngine":
         """Start vLLM on ``weights`` (an HF-layout directory) as policy ``version``."""
         icfg, ecfg = cfg.infer, cfg.infer.engine
-        _setup_environment(icfg.device, ecfg.cpu_kvcache_space_gb)
+        tp = ecfg.tensor_parallel_size
+        _setup_environment(icfg.device, ecfg.cpu_kvcache_space_gb, tp)
         from vllm import EngineArgs, LLMEngine
         from vllm.platforms import current_platform
 
@@ -171,11 +189,12 @@ class VllmEngine:
             enforce_eager=ecfg.enforce_eager or on_cpu,
             gpu_memory_utilization=ecfg.gpu_memory_utilization, worker_extension_cls=WORKER_EXTENSION,
             async_scheduling=ecfg.async_scheduling and not on_cpu, enable_return_routed_experts=record_routes,
-            disable_log_stats=True)
+            tensor_parallel_size=tp, enable_expert_parallel=ecfg.expert_parallel,
+            distributed_executor_backend="mp" if tp > 1 else None, disable_log_stats=True)
         llm = LLMEngine.from_engine_args(engine_args)
         eos = set(args.eos_token_id) | set(load_tokenizer(weights).eos_token_ids)
         return cls(llm, eos_token_ids=sorted(eos), max_model_len=cfg.model.max_seq_len, vocab_size=args.vocab_size,
-                   version=version, record_routes=record_routes)
+                   version=version, record_routes=record_routes, weight_receivers=tp)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req: GenerateRequest, stream: bool = False) -> None:

@@ -11,8 +11,9 @@ repacked for oneDNN), and it exists with that signature in vLLM 0.26 and 0.32.
   tensor at a time: the engine never holds a second full copy of the model.
 - ``rlcli_load_weights(weights)`` takes any iterable of ``(hf_name, tensor)``.
 - ``rlcli_receive_collective(...)`` (``NcclWeights``) joins the round's weight-transfer
-  group as its rank (NCCL on GPU, gloo on CPU; the group is kept across updates while the
-  round's key is the same) and feeds ``rlcli_load_weights`` the tensors as each broadcast
+  group (NCCL on GPU, gloo on CPU; the group is kept across updates while the round's key
+  is the same) as the server's rank plus the worker's own (tensor parallelism: each
+  worker is a member, receives every tensor, and vLLM's loader keeps its shard) and feeds ``rlcli_load_weights`` the tensors as each broadcast
   bucket arrives (:func:`rlcli.transport.collective.receive_tensors`). A transfer that
   breaks midway closes the group and raises: the engine then holds torn weights.
 
@@ -83,7 +84,8 @@ class WeightsExtension:
             device = next(self.model_runner.get_model().parameters()).device
             receiver = self._rlcli_receiver = CollectiveReceiver(device)
         try:
-            g = receiver.join(store, group, rank, world_size, timeout_s)
+            # ``rank`` is the server's first; its tensor-parallel workers take the ranks from there in order.
+            g = receiver.join(store, group, rank + self.rank, world_size, timeout_s)
             received = receive_tensors(g, version, specs, bucket_bytes)
             return self.rlcli_load_weights((specs[i].name, t) for i, t in received)
         except Exception:

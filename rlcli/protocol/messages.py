@@ -178,9 +178,10 @@ class NcclWeights(msgspec.Struct, tag="nccl", kw_only=True):
     store: str = ""
     """host:port of rl-sync's rendezvous store the group is built from."""
     rank: int = 0
-    """The receiver's rank in the group (the trainer's sending rank is 0)."""
+    """The server's rank in the group (the trainer's sending rank is 0); a server with several receivers
+    (vLLM's tensor-parallel workers) gives them ``rank``, ``rank + 1``, ... in worker order."""
     world_size: int = 0
-    """Members of the group: the trainer plus every server of this generation."""
+    """Members of the group: the trainer plus every receiver of every server of this generation."""
     timeout_s: float = 120.0
     """Deadline of each collective op; a missed one fails the load instead of hanging it."""
 

@@ -3,9 +3,11 @@
 rl-sync hosts the store and writes its address to RUN/sync/store.json. A round moves
 the trainer's staged version to every admitted server at once:
 
-1. order: ``round/<r>`` = (group ``gen<g>``, world size = servers + 1, min_version = the
-   oldest admitted server's version + 1), placed as soon as no round is in flight, so it
-   normally waits for the trainer's next version;
+1. order: ``round/<r>`` = (group ``gen<g>``, world size = 1 + the servers' receivers,
+   min_version = the oldest admitted server's version + 1), placed as soon as no round is in
+   flight, so it normally waits for the trainer's next version. A server has one receiver
+   per process that joins the group (a vLLM engine: one per tensor-parallel worker, which
+   take consecutive ranks from the server's first);
 2. the trainer takes it the moment it holds a version >= min_version (compare-and-set on
    ``accept/<r>``, then it announces, which wakes this loop); until then rl-sync may
    withdraw it (same key) when membership changes, and orders a new one;
@@ -32,9 +34,20 @@ from rlcli.transport.zmq import new_request_id
 log = setup_logging("rl-sync")
 
 
+def member_ranks(servers: list[tuple[str, int]]) -> tuple[dict[str, int], int]:
+    """(each server's first rank, the group's world size) for (key, receivers) pairs in order; the
+    trainer's sending rank is 0."""
+    members, rank = {}, 1
+    for key, receivers in servers:
+        members[key] = rank
+        rank += receivers
+    return members, rank
+
+
 class Round:
-    def __init__(self, r: int, min_version: int, group: str, members: dict[str, int]):
-        self.r, self.version, self.group, self.members = r, min_version, group, members
+    def __init__(self, r: int, min_version: int, group: str, members: dict[str, int], world_size: int):
+        self.r, self.version, self.group, self.members = r, min_version, group, members  # key -> first rank
+        self.world_size = world_size
         self.phase = "open"  # then "load" once the trainer took it (self.version: the version it took)
         self.started = self.sent_at = time.monotonic()
         self.acks: dict[str, str] = {}  # key -> "" (ok) or the error
@@ -105,10 +118,10 @@ class Rounds:
         admitted = sorted(self.syncer.admitted(), key=lambda s: s.entry.key)
         if not admitted or any(s.pending for s in admitted) or time.monotonic() < self.not_before:
             return
-        members = {s.entry.key: rank for rank, s in enumerate(admitted, 1)}
-        rnd = Round(self.next_r, min(s.version for s in admitted) + 1, f"gen{self.generation}", members)
+        members, world_size = member_ranks([(s.entry.key, s.receivers) for s in admitted])
+        rnd = Round(self.next_r, min(s.version for s in admitted) + 1, f"gen{self.generation}", members, world_size)
         self.next_r += 1
-        self.ctl.order(rnd.r, rnd.version, rnd.group, len(members) + 1)
+        self.ctl.order(rnd.r, rnd.version, rnd.group, world_size)
         self.current = rnd
 
     def _send_loads(self, rnd: Round) -> None:
@@ -122,7 +135,7 @@ class Rounds:
                 continue
             rid = new_request_id()
             ref = NcclWeights(group=rnd.group, tensors=tensors, bucket_bytes=pub["bucket_bytes"], store=self.addr,
-                              rank=rank, world_size=len(rnd.members) + 1,
+                              rank=rank, world_size=rnd.world_size,
                               timeout_s=self.cfg.sync.ack_timeout_s / 2)
             if s.client.send(LoadWeights(request_id=rid, version=rnd.version, weights=ref)):
                 s.pending = (rid, rnd.version, rnd.sent_at)

@@ -44,6 +44,7 @@ class Server:
         self.entry = entry
         self.client = RpcClient(entry.endpoints["rpc"])
         self.version = int(entry.info.get("version", -1))
+        self.receivers = max(1, int(entry.info.get("receivers", 1)))  # its ranks in a collective round
         self.pending: tuple[str, int, float] | None = None  # (request_id, version, sent at)
         self.skipped = False
         self.last_error = ""

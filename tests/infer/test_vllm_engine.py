@@ -187,7 +187,8 @@ def test_bad_requests_raise_and_leave_the_engine_unchanged(serving):
     assert serving.version == 0
 
 
-def _send_in_thread(addr: str, group: str, version: int, tensors: list, bucket_bytes: int, buckets_to_send=None):
+def _send_in_thread(addr: str, group: str, version: int, tensors: list, bucket_bytes: int, buckets_to_send=None,
+                    world_size: int = 2):
     """Rank 0 of a weight-transfer group (the trainer's side), in a thread; ``buckets_to_send``
     stops after that many buckets (a trainer that dies midway)."""
     import threading
@@ -199,7 +200,7 @@ def _send_in_thread(addr: str, group: str, version: int, tensors: list, bucket_b
     data = [torch.cat([as_bytes(tensors[j][1].contiguous()) for j in b]) for b in buckets]
 
     def run():
-        g = WeightGroup(connect_store(addr, 30), group, 0, 2, torch.device("cpu"), 30)
+        g = WeightGroup(connect_store(addr, 30), group, 0, world_size, torch.device("cpu"), 30)
         try:
             if buckets_to_send is None:
                 send(g, version, specs, buckets, iter(data))

@@ -244,3 +244,13 @@ def test_async_filesystem_updates_skip_a_stuck_server(tmp_path, tiny_model_dir):
     finally:
         driver.stop()
         procs.stop_all()
+
+
+def test_round_ranks_count_every_receiver_of_a_server():
+    """A vLLM server with tensor-parallel workers is several members of a collective round: its workers take
+    consecutive ranks from the server's first, and the group's world size counts them all."""
+    from rlcli.sync.rounds import member_ranks
+
+    assert member_ranks([("infer-0", 1), ("infer-1", 4), ("infer-2", 2)]) == ({"infer-0": 1, "infer-1": 2,
+                                                                                "infer-2": 6}, 8)
+    assert member_ranks([]) == ({}, 1)
