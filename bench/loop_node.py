@@ -51,6 +51,10 @@ CPU_OVERRIDES = ["--model.dtype", "float32", "--model.max_seq_len", "144", "--in
 """--device cpu: a workload a 2-core machine runs in well under a second a step (a tail of 128 tokens)."""
 
 
+WARMUP_TIMEOUT_S = 420.0
+"""The untimed JIT warm-up run's limit: a cold DeepGEMM cache took 190 s of warm-ups on one H200 (twelfth session)."""
+
+
 def placement(device: str, train_gpus: int, infer_gpus: int, sync: str) -> tuple[list[str], str, str]:
     """(overrides for both arms, a line saying where each process runs, the weight transport)."""
     if infer_gpus != 1:
@@ -245,7 +249,9 @@ def main() -> None:
         # into DG_JIT_CACHE_DIR (~/.deep_gemm): paid here, not inside the first arm's timeout.
         run_dir = base / "jit_warmup"
         t0 = time.monotonic()
-        err = run_up(args.recipe, run_dir, [*common, "--max-async", "0", "--steps", "2"], args.timeout)
+        # Cold, the warm-ups alone take ~3 minutes (rl-infer's check waits for rl-train's sweep): not an arm's limit.
+        err = run_up(args.recipe, run_dir, [*common, "--max-async", "0", "--steps", "2"],
+                     max(args.timeout, WARMUP_TIMEOUT_S))
         for big in (("checkpoints", "weights") if args.keep else ("",)):  # --keep: its logs and metrics stay
             shutil.rmtree(run_dir / big, ignore_errors=True)
         print(f"jit warm-up (2 steps, not timed): {time.monotonic() - t0:.0f} s wall{'; ' + err if err else ''}",
