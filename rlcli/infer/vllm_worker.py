@@ -12,10 +12,11 @@ repacked for oneDNN), and it exists with that signature in vLLM 0.26 and 0.32.
 - ``rlcli_load_weights(weights)`` takes any iterable of ``(hf_name, tensor)``.
 - ``rlcli_receive_collective(...)`` (``NcclWeights``) joins the round's weight-transfer
   group (NCCL on GPU, gloo on CPU; the group is kept across updates while the round's key
-  is the same) as the server's rank plus the worker's own (tensor parallelism: each
-  worker is a member, receives every tensor, and vLLM's loader keeps its shard) and feeds ``rlcli_load_weights`` the tensors as each broadcast
-  bucket arrives (:func:`rlcli.transport.collective.receive_tensors`). A transfer that
-  breaks midway closes the group and raises: the engine then holds torn weights.
+  is the same) as the server's rank plus the worker's own (tensor parallelism: each worker
+  is a member, receives every tensor, and vLLM's loader keeps its shard), and feeds
+  ``rlcli_load_weights`` the tensors as each broadcast bucket arrives
+  (:func:`rlcli.transport.collective.receive_tensors`). A transfer that breaks midway
+  closes the group and raises: the engine then holds torn weights.
 
 This module imports no vLLM at import time; vLLM imports it by name in its workers.
 """
