@@ -1,5 +1,6 @@
 import ast
 import inspect
+import os
 import tomllib
 from pathlib import Path
 
@@ -73,6 +74,8 @@ def test_config_package_does_not_import_torch():
     (["--infer.engine.name", "tpu"], "infer.engine.name"),
     (["--infer.engine.name", "vllm", "--infer.engine.block_size", "16"], "infer.engine.block_size"),
     (["--infer.http_port", "70000"], "infer.http_port"),
+    (["--infer.engine.name", "vllm", "--infer.engine.tensor_parallel_size", "0"], "infer.engine.tensor_parallel_size"),
+    (["--infer.engine.name", "vllm", "--infer.engine.expert_parallel", "true"], "infer.engine.expert_parallel"),
 ])
 def test_bad_values_name_the_key(overrides, expected):
     with pytest.raises(ConfigError) as e:
@@ -129,3 +132,20 @@ def test_switching_the_engine_drops_the_other_engines_recipe_keys():
     native = load_recipe(recipe, {"infer.engine.name": "native", "infer.device": "cuda:1"})
     assert isinstance(native.infer.engine, NativeEngineConfig) and native.infer.engine.kv_cache_memory_mb == 64
     assert native.infer.engine.name == "native" and native.infer.device == "cuda:1"
+
+
+def test_vllm_cpu_core_sets_must_match_its_workers(monkeypatch):
+    """vLLM binds CPU worker k to the k-th "|"-separated core set; a count that does not match the tensor-parallel
+    size is one clear error naming the variable (vLLM itself would fail an assert inside a worker)."""
+    from rlcli.infer.vllm_engine import _setup_environment
+
+    for key in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE"):  # it sets them; restored after
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
+    with pytest.raises(ConfigError, match="VLLM_CPU_OMP_THREADS_BIND='0' gives 1 core set") as e:
+        _setup_environment("cpu", 1.0, tp=2)
+    assert "\n" not in str(e.value)
+    _setup_environment("cpu", 1.0, tp=1)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
+    _setup_environment("cpu", 1.0, tp=2)
+    assert len(os.environ["VLLM_CPU_OMP_THREADS_BIND"].split("|")) == 2
