@@ -114,8 +114,10 @@ class InferServer:
             from rlcli.transport.cores import CoreShare
 
             self.cores = CoreShare(run.root, "infer", instance, ecfg.num_threads)
-        log.info("serving policy v%d from %s with the %s engine on %s (%s, role %s) in %.1fs", version, weights,
-                 icfg.engine.name, icfg.device, ", ".join(endpoints.values()), icfg.role, time.monotonic() - t0)
+        workers = getattr(self.engine, "weight_receivers", 1)
+        log.info("serving policy v%d from %s with the %s engine on %s%s (%s, role %s) in %.1fs", version, weights,
+                 icfg.engine.name, icfg.device, f" x{workers} (tensor parallel)" if workers > 1 else "",
+                 ", ".join(endpoints.values()), icfg.role, time.monotonic() - t0)
 
     def handle(self, identity: bytes, msg) -> None:
         if isinstance(msg, GenerateRequest):
