@@ -58,6 +58,9 @@ class Delta:
 class Engine(Protocol):
     version: int
     """Policy version of the weights the engine serves now."""
+    weight_receivers: int
+    """Members this engine puts in a collective weight update: one per process that holds weights (vLLM's
+    tensor-parallel workers take ranks ``NcclWeights.rank`` onward)."""
 
     def add_request(self, req: GenerateRequest, stream: bool = False) -> None:
         """Queue a request; ``stream`` makes ``step`` also return its :class:`Delta` s."""

@@ -126,6 +126,8 @@ def resolve_device(name: str) -> torch.device:
 class NativeEngine(SharedKVMixin):
     """The native implementation of :class:`rlcli.infer.base.Engine`."""
 
+    weight_receivers = 1  # one process, one device
+
     def __init__(self, model: CausalLM, *, eos_token_ids: list[int], max_model_len: int, block_size: int = 16,
                  kv_cache_memory_mb: int = 256, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  enable_prefix_caching: bool = True, version: int = 0, seed: int = 0, role: str = "mixed",

@@ -99,10 +99,9 @@ class InferServer:
 
             self.http = HttpFrontDoor(cfg, weights)
             endpoints["http"] = self.http.endpoint
-        # "receivers": members this server puts in a collective weight update (vLLM: one per tensor-parallel worker).
+        workers = self.engine.weight_receivers  # rl-sync gives each a rank in collective updates
         self.registration = Registration(run.registry_dir(), "infer", instance, endpoints,
-                                         {"version": version, "role": icfg.role,
-                                          "receivers": getattr(self.engine, "weight_receivers", 1)})
+                                         {"version": version, "role": icfg.role, "receivers": workers})
         self.registration.take_long_op_notices()  # a kernel's first-use compile inside a step (fp8 backends)
         self.clients: dict[str, bytes] = {}  # request_id -> ZeroMQ client identity
         self.sinks: dict[str, Sink] = {}  # request_id -> HTTP handler
@@ -114,7 +113,6 @@ class InferServer:
             from rlcli.transport.cores import CoreShare
 
             self.cores = CoreShare(run.root, "infer", instance, ecfg.num_threads)
-        workers = getattr(self.engine, "weight_receivers", 1)
         log.info("serving policy v%d from %s with the %s engine on %s%s (%s, role %s) in %.1fs", version, weights,
                  icfg.engine.name, icfg.device, f" x{workers} (tensor parallel)" if workers > 1 else "",
                  ", ".join(endpoints.values()), icfg.role, time.monotonic() - t0)

@@ -206,9 +206,15 @@ def _jobs(shapes: list[GemmShape], max_tokens: int, max_rows: int, align: int,
           tokens: list[int] | None = None, rows: list[int] | None = None) -> list[tuple[GemmShape, list[int]]]:
     dense = sorted(set(tokens)) if tokens else m_grid(max_tokens)
     ks = sorted({ceil_div(t, BLOCK) * BLOCK for t in tokens}) if tokens else k_grid(max_tokens)
-    grouped = sorted(set(rows)) if rows else None
-    return [(s, ks if s.op == "wgrad" else (grouped or grouped_grid(max_rows, s.groups, align))
-             if s.op == "grouped" else dense) for s in shapes]
+
+    def ms(s: GemmShape) -> list[int]:
+        if s.op == "wgrad":
+            return ks
+        if s.op == "grouped":
+            return sorted(set(rows)) if rows else grouped_grid(max_rows, s.groups, align)
+        return dense
+
+    return [(s, ms(s)) for s in shapes]
 
 
 def run_jobs(jobs: list[tuple[GemmShape, list[int]]], device: torch.device, ue8m0: bool) -> tuple[int, list[str]]:
