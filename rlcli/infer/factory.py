@@ -19,11 +19,9 @@ def make_engine(cfg: RecipeConfig, weights: str | Path, version: int, instance: 
 
         return NativeEngine.from_config(cfg, Path(weights), version, instance)
     if name == "vllm":
-        if cfg.infer.kv_cache.endpoint or cfg.infer.role != "mixed":
-            # vLLM's hook for this is its own KVConnectorBase_V1 (scheduler + worker halves inside
-            # vLLM's processes, keyed by vLLM's block hashes); rl-cache has no such connector yet.
-            raise ConfigError("--kv-cache and --role prefill|decode need --engine native; vLLM shares KV through "
-                              "its own --kv-transfer-config connectors")
+        if cfg.infer.role != "mixed":
+            raise ConfigError("--role prefill|decode needs --engine native; the vLLM engine shares KV through "
+                              "rl-cache (--kv-cache) as a mixed server")
         try:
             import vllm  # noqa: F401
         except (ImportError, OSError) as e:

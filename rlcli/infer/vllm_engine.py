@@ -181,6 +181,11 @@ class VllmEngine:
             raise ConfigError(f"model.max_seq_len {cfg.model.max_seq_len} exceeds the model's max_position_embeddings "
                               f"{args.max_position_embeddings}, which vLLM refuses; lower --model.max_seq_len")
         record_routes = args.is_moe and not on_cpu
+        kv = {}
+        if icfg.kv_cache.endpoint:  # rl-cache as vLLM's KV connector (rlcli.infer.vllm_kv)
+            from rlcli.infer.vllm_kv import transfer_config
+
+            kv = {"kv_transfer_config": transfer_config(icfg.kv_cache)}
         engine_args = EngineArgs(
             model=str(weights), skip_tokenizer_init=True, dtype=icfg.dtype or cfg.model.dtype,
             max_model_len=cfg.model.max_seq_len, max_num_seqs=icfg.max_num_seqs,
@@ -190,8 +195,10 @@ class VllmEngine:
             gpu_memory_utilization=ecfg.gpu_memory_utilization, worker_extension_cls=WORKER_EXTENSION,
             async_scheduling=ecfg.async_scheduling and not on_cpu, enable_return_routed_experts=record_routes,
             tensor_parallel_size=tp, enable_expert_parallel=ecfg.expert_parallel,
-            distributed_executor_backend="mp" if tp > 1 else None, disable_log_stats=True)
+            distributed_executor_backend="mp" if tp > 1 else None, disable_log_stats=True, **kv)
         llm = LLMEngine.from_engine_args(engine_args)
+        if kv:
+            llm.collective_rpc("rlcli_kv_fingerprint")
         eos = set(args.eos_token_id) | set(load_tokenizer(weights).eos_token_ids)
         return cls(llm, eos_token_ids=sorted(eos), max_model_len=cfg.model.max_seq_len, vocab_size=args.vocab_size,
                    version=version, record_routes=record_routes, weight_receivers=tp)
@@ -396,7 +403,14 @@ class VllmEngine:
                 "num_waiting": float(num_waiting),
                 "prefix_cache_hit_rate": c["num_cached_tokens"] / c["num_prompt_tokens"] if c["num_prompt_tokens"]
                 else 0.0,
-                "kv_cache_usage": float(self._scheduler().kv_cache_manager.usage)}
+                "kv_cache_usage": float(self._scheduler().kv_cache_manager.usage),
+                **self._connector_stats()}
+
+    def _connector_stats(self) -> dict[str, float]:
+        """rl-cache's scheduler-side counters (``--kv-cache``): prompt tokens looked up in the store, tokens
+        loaded from it, blocks offered to it, blocks whose load missed (recomputed)."""
+        connector = getattr(self._scheduler(), "connector", None)
+        return {k: float(v) for k, v in getattr(connector, "counters", {}).items()}
 
     def close(self) -> None:
         if self.seqs:

