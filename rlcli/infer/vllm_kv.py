@@ -23,7 +23,9 @@ Worker half (vLLM's worker: in-process on one device, a process per worker other
 - **Load.** ``start_load_kv`` starts one background fetch per planned load (the connector of
   :func:`rlcli.infer.kv_connector.make_kv_connector`: the store's arena, /dev/shm mailboxes,
   inline bytes or Mooncake); ``get_finished`` copies each done fetch into its blocks and
-  reports the request received. Blocks the store no longer had, or holds for other weights
+  reports the request received (a step in which vLLM scheduled nothing waits up to
+  ``IDLE_WAIT_S`` for a fetch instead of spinning, which would starve the fetch thread of the
+  interpreter lock). Blocks the store no longer had, or holds for other weights
   (the payload layout's fingerprint differs), are reported as load errors, and vLLM recomputes
   from the first of them (``kv_load_failure_policy = "recompute"``).
 - **Publish.** ``wait_for_save`` (after the step's forward) gathers the planned blocks from
@@ -76,6 +78,8 @@ log = setup_logging("rl-infer")
 CONNECTOR = "RlCacheConnector"
 EXTRA_KEY = "rlcli_kv_cache"
 MAX_FAILED_KEYS = 65536
+IDLE_WAIT_S = 0.01
+"""Longest a step with no tokens scheduled waits in the worker for a fetch in flight."""
 SCHEDULER_COUNTERS = ("kv_lookup_tokens", "kv_load_tokens", "kv_save_blocks", "kv_load_error_blocks")
 WORKER_COUNTERS = ("kv_fetched_blocks", "kv_load_error_blocks", "kv_published_blocks", "kv_publish_dropped_blocks")
 
@@ -166,6 +170,7 @@ class RlCacheConnector(KVConnectorBase_V1):
         self.layout: list[list[int]] = []
         self.conn = None
         self.loading: dict[str, tuple[Any, list[int]]] = {}
+        self.idle_step = False
         self.load_errors: set[int] = set()
         self.lock = threading.Lock()
 
@@ -329,6 +334,8 @@ class RlCacheConnector(KVConnectorBase_V1):
             offset += k
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        # No attention metadata: vLLM scheduled no tokens this step (its requests wait for their loads).
+        self.idle_step = getattr(forward_context, "attn_metadata", None) is None
         meta = self._get_connector_metadata()
         for load in meta.loads:
             if self.conn is None:  # no fingerprint yet: recompute
@@ -355,6 +362,12 @@ class RlCacheConnector(KVConnectorBase_V1):
                 self.counters["kv_publish_dropped_blocks"] += len(save.keys)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self.idle_step and self.loading:
+            # Nothing else to run: wait (briefly, GIL released) for a fetch rather than spin through empty
+            # steps, which starve the fetch thread of the interpreter lock.
+            ticket = next((t for t, _ in self.loading.values() if t is not None and not t.done()), None)
+            if ticket is not None:
+                ticket.event.wait(IDLE_WAIT_S)
         done = set()
         for req_id, (ticket, block_ids) in list(self.loading.items()):
             if ticket is not None:

@@ -179,3 +179,30 @@ def test_tensor_parallel_workers_each_store_and_fetch_their_share(engine, weight
             os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
         else:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = old
+
+
+def test_a_step_with_nothing_scheduled_waits_for_the_fetch_in_flight():
+    """With every request waiting for its load, the worker waits (GIL released) for a fetch to land and
+    reports it in the same step, instead of returning at once and spinning through empty steps."""
+    import threading
+    from collections import Counter
+
+    from rlcli.infer.kv_connector import FetchTicket
+    from rlcli.infer.vllm_kv import RlCacheConnector
+
+    worker = object.__new__(RlCacheConnector)  # the worker half's state, without a vLLM around it
+    worker.loading, worker.load_errors, worker.counters = {}, set(), Counter()
+    ticket = FetchTicket([b"k"])
+    worker.loading["r"] = (ticket, [7])
+
+    def land():
+        ticket.data = torch.empty(0, 8, dtype=torch.uint8)  # a miss: nothing to copy, block 7 recomputed
+        ticket.t_done = time.perf_counter()
+        ticket.event.set()
+
+    worker.idle_step = False
+    assert worker.get_finished(set()) == (None, None)  # a step that ran a forward never waits
+    worker.idle_step = True
+    threading.Timer(0.002, land).start()
+    assert worker.get_finished(set()) == (None, {"r"})
+    assert worker.get_block_ids_with_load_errors() == {7}
