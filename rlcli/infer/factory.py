@@ -19,9 +19,6 @@ def make_engine(cfg: RecipeConfig, weights: str | Path, version: int, instance: 
 
         return NativeEngine.from_config(cfg, Path(weights), version, instance)
     if name == "vllm":
-        if cfg.infer.role != "mixed":
-            raise ConfigError("--role prefill|decode needs --engine native; the vLLM engine shares KV through "
-                              "rl-cache (--kv-cache) as a mixed server")
         try:
             import vllm  # noqa: F401
         except (ImportError, OSError) as e:

@@ -53,6 +53,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 import numpy as np
 
 from rlcli.config import RecipeConfig
@@ -140,8 +141,11 @@ class VllmEngine:
     """The vLLM implementation of :class:`rlcli.infer.base.Engine`."""
 
     def __init__(self, llm, *, eos_token_ids: list[int], max_model_len: int, vocab_size: int, version: int = 0,
-                 record_routes: bool = False, weight_receivers: int = 1):
+                 record_routes: bool = False, weight_receivers: int = 1, role: str = "mixed",
+                 kv_timeout_s: float = 10.0):
         self.llm = llm  # vllm.LLMEngine
+        self.role = role  # prefill: one token per request, answered once the prompt's KV is in rl-cache
+        self.kv_timeout_s = kv_timeout_s
         self.weight_receivers = weight_receivers  # vLLM workers, each a member of a collective weight update
         self.carried: list[GenerateResponse | Delta] = []  # results of batches settled by a swap
         self.eos_token_ids = sorted(set(eos_token_ids))
@@ -185,7 +189,7 @@ class VllmEngine:
         if icfg.kv_cache.endpoint:  # rl-cache as vLLM's KV connector (rlcli.infer.vllm_kv)
             from rlcli.infer.vllm_kv import transfer_config
 
-            kv = {"kv_transfer_config": transfer_config(icfg.kv_cache)}
+            kv = {"kv_transfer_config": transfer_config(icfg.kv_cache, icfg.role)}
         engine_args = EngineArgs(
             model=str(weights), skip_tokenizer_init=True, dtype=icfg.dtype or cfg.model.dtype,
             max_model_len=cfg.model.max_seq_len, max_num_seqs=icfg.max_num_seqs,
@@ -201,10 +205,13 @@ class VllmEngine:
             llm.collective_rpc("rlcli_kv_fingerprint")
         eos = set(args.eos_token_id) | set(load_tokenizer(weights).eos_token_ids)
         return cls(llm, eos_token_ids=sorted(eos), max_model_len=cfg.model.max_seq_len, vocab_size=args.vocab_size,
-                   version=version, record_routes=record_routes, weight_receivers=tp)
+                   version=version, record_routes=record_routes, weight_receivers=tp, role=icfg.role,
+                   kv_timeout_s=icfg.kv_cache.timeout_s)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req: GenerateRequest, stream: bool = False) -> None:
+        if self.role == "prefill":  # compute the prompt's KV and one token; a decode server generates
+            req = msgspec.structs.replace(req, sampling=msgspec.structs.replace(req.sampling, n=1, max_tokens=1))
         sp = req.sampling
         if not req.prompt_ids:
             raise ValueError("prompt_ids is empty")
@@ -265,7 +272,12 @@ class VllmEngine:
         carried, self.carried = self.carried, []
         if not self.seqs or self.torn:
             return carried
-        return carried + self._collect(self.llm.step())
+        out = carried + self._collect(self.llm.step())
+        if self.role == "prefill" and any(isinstance(o, GenerateResponse) for o in out):
+            # answer once the decode server can find the blocks: every worker's publishing queue drained
+            if not all(self.llm.collective_rpc("rlcli_kv_flush", kwargs={"timeout_s": self.kv_timeout_s})):
+                self.counters["kv_flush_timeouts"] += 1
+        return out
 
     def _collect(self, outputs) -> list[GenerateResponse | Delta]:
         self.counters["num_steps"] += 1

@@ -29,8 +29,12 @@ Worker half (vLLM's worker: in-process on one device, a process per worker other
   (the payload layout's fingerprint differs), are reported as load errors, and vLLM recomputes
   from the first of them (``kv_load_failure_policy = "recompute"``).
 - **Publish.** ``wait_for_save`` (after the step's forward) gathers the planned blocks from
-  every layer's cache and queues them on the connector's publishing thread; a full queue
-  drops the batch (counted), it never waits.
+  every layer's cache and queues them on the connector's publishing thread, in chain order and
+  in pieces of at most ``PUBLISH_PIECE_BYTES``, as far as its queue has room: the rest is
+  dropped (counted), never waited for, except on a prefill server (``rl-infer --role
+  prefill``), which drains the queue to make room. A prefill server answers each request (one
+  token) only once every worker's queue is drained (:meth:`RlCacheConnector.flush`), so the
+  decode server it hands the request to finds the prompt's blocks.
 
 With tensor parallelism each worker holds its share of every block (its KV heads) and stores
 it under its own key (:func:`shard_key`); the scheduler half looks up worker 0's keys, and a
@@ -77,6 +81,9 @@ log = setup_logging("rl-infer")
 
 CONNECTOR = "RlCacheConnector"
 EXTRA_KEY = "rlcli_kv_cache"
+ROLE_KEY = "rlcli_role"
+PUBLISH_PIECE_BYTES = 256 << 20
+"""Most payload bytes one publish hands the connector (a long prefill chunk's blocks go in pieces)."""
 MAX_FAILED_KEYS = 65536
 IDLE_WAIT_S = 0.01
 """Longest a step with no tokens scheduled waits in the worker for a fetch in flight."""
@@ -90,9 +97,10 @@ def shard_key(key: bytes, rank: int, size: int) -> bytes:
     return key if size == 1 else hashlib.blake2b(key + f"/tp{rank}of{size}".encode(), digest_size=16).digest()
 
 
-def transfer_config(kv: KVCacheConfig):
-    """vLLM's ``KVTransferConfig`` for rl-cache at ``kv.endpoint``: load failures are recomputed (vLLM
-    builds without ``kv_load_failure_policy`` always recompute them)."""
+def transfer_config(kv: KVCacheConfig, role: str = "mixed"):
+    """vLLM's ``KVTransferConfig`` for rl-cache at ``kv.endpoint`` and a server of ``role`` (a prefill
+    server waits for room to publish instead of dropping): load failures are recomputed (vLLM builds
+    without ``kv_load_failure_policy`` always recompute them)."""
     import dataclasses
 
     from vllm.config import KVTransferConfig
@@ -100,7 +108,8 @@ def transfer_config(kv: KVCacheConfig):
     fields = {f.name for f in dataclasses.fields(KVTransferConfig)}
     policy = {"kv_load_failure_policy": "recompute"} if "kv_load_failure_policy" in fields else {}
     return KVTransferConfig(kv_connector=CONNECTOR, kv_connector_module_path=__name__, kv_role="kv_both",
-                            kv_connector_extra_config={EXTRA_KEY: msgspec.to_builtins(kv)}, **policy)
+                            kv_connector_extra_config={EXTRA_KEY: msgspec.to_builtins(kv), ROLE_KEY: role},
+                            **policy)
 
 
 @dataclass
@@ -152,6 +161,7 @@ class RlCacheConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.cfg = _kv_config(vllm_config)
+        self.prefill = vllm_config.kv_transfer_config.kv_connector_extra_config.get(ROLE_KEY) == "prefill"
         self.block_size = vllm_config.cache_config.block_size
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.tp_rank = 0  # the worker half's, set with its caches
@@ -356,10 +366,28 @@ class RlCacheConnector(KVConnectorBase_V1):
             return
         for save in self._get_connector_metadata().saves:
             keys = [shard_key(k, self.tp_rank, self.tp_size) for k in save.keys]
-            if self.conn.publish(keys, self._gather(save.block_ids)):
-                self.counters["kv_published_blocks"] += len(save.keys)
-            else:
-                self.counters["kv_publish_dropped_blocks"] += len(save.keys)
+            done = self._publish_run(keys, save.block_ids)
+            self.counters["kv_published_blocks"] += done
+            self.counters["kv_publish_dropped_blocks"] += len(keys) - done
+
+    def _publish_run(self, keys: list[bytes], block_ids: list[int]) -> int:
+        """Queue a run of blocks in chain order, in pieces of at most ``PUBLISH_PIECE_BYTES``, as far as the
+        connector's queue has room (a prefill server drains the queue when it has none); returns how many
+        went. After a block that did not go, the rest could never be fetched (a fetch takes a leading run)."""
+        nbytes = self.conn.meta.nbytes
+        piece, done = max(1, PUBLISH_PIECE_BYTES // nbytes), 0
+        while done < len(keys):
+            n = min(len(keys) - done, piece, self.conn.publish_room() // nbytes)
+            if n <= 0 and self.prefill and self.conn.flush(self.cfg.timeout_s):
+                n = min(len(keys) - done, piece, self.conn.publish_room() // nbytes)
+            if n <= 0 or not self.conn.publish(keys[done:done + n], self._gather(block_ids[done:done + n])):
+                break
+            done += n
+        return done
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every queued block is stored; False on timeout."""
+        return self.conn.flush(timeout_s) if self.conn is not None else True
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.idle_step and self.loading:

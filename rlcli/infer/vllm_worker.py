@@ -9,7 +9,8 @@ repacked for oneDNN), and it exists with that signature in vLLM 0.26 and 0.32.
 
 - ``rlcli_kv_fingerprint()`` names the served weights' KV blocks for rl-cache
   (:class:`rlcli.infer.vllm_kv.RlCacheConnector`, ``--kv-cache``); every load ends with it.
-- ``rlcli_kv_stats()``: that connector's worker-side counters.
+- ``rlcli_kv_stats()``: that connector's worker-side counters; ``rlcli_kv_flush(timeout_s)`` waits
+  for its publishing queue to drain (a prefill server answers after it).
 - ``rlcli_load_safetensors(path)`` streams an HF-layout safetensors directory one
   tensor at a time: the engine never holds a second full copy of the model.
 - ``rlcli_load_weights(weights)`` takes any iterable of ``(hf_name, tensor)``.
@@ -92,7 +93,13 @@ class WeightsExtension:
         if connector is not None:
             model = self.model_runner.get_model()
             config = self.model_runner.vllm_config.model_config.hf_config.to_dict()
+            config = {k: v for k, v in config.items() if not k.startswith("_")}  # _name_or_path: the directory
             connector.set_fingerprint(config, list(model.parameters()))
+
+    def rlcli_kv_flush(self, timeout_s: float) -> bool:
+        """Wait until rl-cache's connector has stored every block queued so far; False on timeout."""
+        connector = _rlcli_connector()
+        return connector.flush(timeout_s) if connector is not None else True
 
     def rlcli_kv_stats(self) -> dict[str, float]:
         connector = _rlcli_connector()

@@ -132,6 +132,50 @@ def test_other_weights_under_the_same_keys_are_recomputed(engine, cache, weights
     client.close()
 
 
+def test_a_prefill_server_answers_once_the_decode_engine_can_fetch_the_prompt(engine, cache, weights, models,
+                                                                              tmp_path):
+    """``rl-infer --engine vllm --role prefill`` (a real server process, loading the same weights from its
+    run directory) computes one token and answers once the prompt's blocks are stored; this module's
+    engine, serving as its decode server, then fetches them and generates what a lone engine would."""
+    from procs import Procs, serve_initial_policy, write_recipe
+
+    from rlcli.protocol import GenerateResponse
+    from rlcli.transport.registry import list_entries
+    from rlcli.transport.zmq import RpcClient
+
+    run_dir = tmp_path / "run"
+    serve_initial_policy(run_dir, weights[0].parent / "config")
+    recipe = write_recipe(tmp_path / "prefill.toml", weights[0].parent / "config", run_dir,
+                          model={"max_seq_len": 400}, train={"micro_batch_tokens": 400},
+                          infer={"engine": {"name": "vllm", "enforce_eager": True, "cpu_kvcache_space_gb": 1},
+                                 "kv_cache": {"endpoint": cache[1]}, "role": "prefill"})
+    procs = Procs(tmp_path / "logs")
+    procs.start("infer-0", recipe)
+    try:
+        deadline = time.monotonic() + 180
+        while not (entries := list_entries(run_dir / "registry", "infer")):
+            assert procs.procs["infer-0"].poll() is None and time.monotonic() < deadline, procs.logs()
+            time.sleep(0.2)
+        assert entries[0].info["role"] == "prefill"
+        prompt = long_prompt(15, 2 * BLOCK + 40)
+        server = RpcClient(entries[0].endpoints["rpc"])
+        reply = server.call(GenerateRequest(request_id="pd", prompt_ids=prompt, cache_salt="pd",
+                                            sampling=SamplingParams(temperature=0.0, max_tokens=6, n=2)),
+                            120, peer="rl-infer")
+        server.close()
+        assert isinstance(reply, GenerateResponse), reply
+        assert [len(c.token_ids) for c in reply.completions] == [1]
+        client = CacheClient(cache[1])
+        assert client.exists(keys_of(prompt, "pd|w0", 2)) == [True, True]  # stored before the answer
+        client.close()
+    finally:
+        procs.stop_all()
+    before = kv_stats(engine)
+    tokens, _ = generate(engine, prompt, salt="pd")
+    assert kv_stats(engine)["kv_fetched_blocks"] - before["kv_fetched_blocks"] == 2
+    assert tokens == greedy_reference(models[0], prompt, 6)
+
+
 def test_a_dead_store_is_a_miss_not_a_crash(engine, cache, models):
     proc, _ = cache
     proc.terminate()
