@@ -40,10 +40,12 @@ With tensor parallelism each worker holds its share of every block (its KV heads
 it under its own key (:func:`shard_key`); the scheduler half looks up worker 0's keys, and a
 worker whose share is missing reports load errors, so vLLM recomputes. A block's payload is,
 layer by layer, that block's slice of the layer's KV cache tensor (whatever the attention
-backend's layout: the block dimension is found by its size), as raw bytes. Its ``BlockMeta`` fingerprint hashes the model config, that layout, the block size
-and the first 16 values of every parameter; the worker recomputes it after each weight load
-(:meth:`RlCacheConnector.set_fingerprint`, from ``rlcli.infer.vllm_worker``). Until it is set, the
-worker neither loads (load errors: recompute) nor publishes. vLLM's payloads are not
+backend's layout: the block dimension is found by its size; caches of different dtypes, such as
+an MLA latent and its indexer keys, side by side), as raw bytes. Its ``BlockMeta`` fingerprint
+hashes the model config, that layout, the block size and the first 16 values of every
+parameter; the worker recomputes it after each weight load
+(:meth:`RlCacheConnector.set_fingerprint`, from ``rlcli.infer.vllm_worker``). Until it is set,
+the worker neither loads (load errors: recompute) nor publishes. vLLM's payloads are not
 interchangeable with the native engine's (another layout and fingerprint), so the two never
 share blocks.
 
@@ -54,7 +56,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -182,7 +183,6 @@ class RlCacheConnector(KVConnectorBase_V1):
         self.loading: dict[str, tuple[Any, list[int]]] = {}
         self.idle_step = False
         self.load_errors: set[int] = set()
-        self.lock = threading.Lock()
 
     # ================================================================ scheduler half
     def _exists(self, keys: list[bytes]) -> list[bool]:
@@ -306,22 +306,19 @@ class RlCacheConnector(KVConnectorBase_V1):
                                  f"({self.num_blocks} blocks)")
             view = cache.movedim(dims[0], 0)
             self.caches.append(view)
-            self.layout.append(list(view.shape[1:]))
-        first = self.caches[0]
-        if any(c.dtype != first.dtype or c.device != first.device for c in self.caches):
-            raise ValueError("KV caches of different dtypes or devices cannot share one block payload")
+            self.layout.append([*view.shape[1:], str(view.dtype).removeprefix("torch.")])
+        if len({c.device for c in self.caches}) > 1:
+            raise ValueError("KV caches on different devices cannot share one block payload")
 
     def set_fingerprint(self, model_config: dict, params: list[torch.Tensor]) -> None:
         """Name the blocks of the weights now served (the worker calls this after every load)."""
         h = hashlib.blake2b(digest_size=16)
-        h.update(json.dumps([model_config, self.layout, self.block_size, str(self.caches[0].dtype),
-                             self.tp_rank, self.tp_size],
+        h.update(json.dumps([model_config, self.layout, self.block_size, self.tp_rank, self.tp_size],
                             sort_keys=True, default=str).encode())
         for p in params:
             h.update(p.detach().reshape(-1)[:16].float().cpu().numpy().tobytes())
-        elems = sum(torch.Size(s).numel() for s in self.layout)
-        meta = BlockMeta(fingerprint=h.hexdigest(), dtype=str(self.caches[0].dtype).removeprefix("torch."),
-                         shape=[elems])
+        nbytes = sum(c[0].numel() * c.element_size() for c in self.caches)
+        meta = BlockMeta(fingerprint=h.hexdigest(), dtype="uint8", shape=[nbytes])
         if self.conn is None:
             from rlcli.infer.kv_connector import make_kv_connector
 
@@ -329,18 +326,20 @@ class RlCacheConnector(KVConnectorBase_V1):
         self.conn.meta = meta
 
     def _gather(self, block_ids: list[int]) -> torch.Tensor:
+        """``[len(block_ids), payload bytes]`` uint8: each cache's rows of those blocks, as bytes."""
+        n = len(block_ids)
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.caches[0].device)
-        parts = [c.index_select(0, idx).reshape(len(block_ids), -1) for c in self.caches]
-        return torch.cat(parts, dim=1).view(torch.uint8)
+        return torch.cat([c.index_select(0, idx).reshape(n, -1).view(torch.uint8) for c in self.caches], dim=1)
 
     def _scatter(self, block_ids: list[int], data: torch.Tensor) -> None:
         first, n = self.caches[0], len(block_ids)
-        flat = data.to(first.device, non_blocking=True).view(first.dtype).reshape(n, -1)
+        flat = data.to(first.device, non_blocking=True).reshape(n, -1)
         idx = torch.tensor(block_ids, dtype=torch.int64).to(first.device, non_blocking=True)
         offset = 0
-        for cache in self.caches:
-            k = cache[0].numel()
-            cache.index_copy_(0, idx, flat[:, offset:offset + k].reshape(n, *cache.shape[1:]))
+        for cache in self.caches:  # caches of several dtypes (an MLA latent and its indexer keys) in one payload
+            k = cache[0].numel() * cache.element_size()
+            rows = flat[:, offset:offset + k].contiguous().view(cache.dtype)
+            cache.index_copy_(0, idx, rows.reshape(n, *cache.shape[1:]))
             offset += k
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:

@@ -250,3 +250,19 @@ def test_a_step_with_nothing_scheduled_waits_for_the_fetch_in_flight():
     threading.Timer(0.002, land).start()
     assert worker.get_finished(set()) == (None, {"r"})
     assert worker.get_block_ids_with_load_errors() == {7}
+
+
+def test_caches_of_several_dtypes_travel_in_one_payload():
+    """An MLA latent (bf16) beside its indexer keys (uint8) in one block payload: gathered blocks scattered
+    into other blocks give back every cache's bytes."""
+    from rlcli.infer.vllm_kv import RlCacheConnector
+
+    worker = object.__new__(RlCacheConnector)
+    latent = torch.randn(8, 4, 16, dtype=torch.bfloat16)  # [blocks, block size, latent dim]
+    keys = torch.randint(0, 255, (2, 8, 4, 6), dtype=torch.uint8)  # the block dimension second
+    worker.caches = [latent, keys.movedim(1, 0)]
+    payload = worker._gather([1, 5])
+    assert payload.dtype == torch.uint8 and payload.shape == (2, 4 * 16 * 2 + 2 * 4 * 6)
+    worker._scatter([6, 2], payload)
+    assert torch.equal(latent[6], latent[1]) and torch.equal(latent[2], latent[5])
+    assert torch.equal(keys[:, 6], keys[:, 1]) and torch.equal(keys[:, 2], keys[:, 5])
