@@ -338,7 +338,10 @@ class RlCacheConnector(KVConnectorBase_V1):
         offset = 0
         for cache in self.caches:  # caches of several dtypes (an MLA latent and its indexer keys) in one payload
             k = cache[0].numel() * cache.element_size()
-            rows = flat[:, offset:offset + k].contiguous().view(cache.dtype)
+            rows, size = flat[:, offset:offset + k], cache.element_size()
+            if rows.storage_offset() % size or rows.stride(0) % size:  # not viewable in place as that dtype
+                rows = rows.contiguous()
+            rows = rows.view(cache.dtype)
             cache.index_copy_(0, idx, rows.reshape(n, *cache.shape[1:]))
             offset += k
 

@@ -266,3 +266,8 @@ def test_caches_of_several_dtypes_travel_in_one_payload():
     worker._scatter([6, 2], payload)
     assert torch.equal(latent[6], latent[1]) and torch.equal(latent[2], latent[5])
     assert torch.equal(keys[:, 6], keys[:, 1]) and torch.equal(keys[:, 2], keys[:, 5])
+    # fp32 rows 6 bytes into the payload cannot be viewed in place: they are copied out first
+    odd, scales = torch.randint(0, 255, (8, 6), dtype=torch.uint8), torch.randn(8, 3)
+    worker.caches = [odd, scales]
+    worker._scatter([0, 3], worker._gather([4, 7]))
+    assert torch.equal(odd[[0, 3]], odd[[4, 7]]) and torch.equal(scales[[0, 3]], scales[[4, 7]])
