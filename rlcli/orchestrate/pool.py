@@ -15,7 +15,9 @@ Split roles (servers registered with ``role`` prefill and decode, see ``up.num_p
 a request goes first to the least loaded prefill server, which answers once the prompt's
 KV is in the shared store; its answer is not the caller's. The same request then goes to
 the least loaded decode server, which pulls that KV and generates; that answer is. With
-no prefill (or no decode) server live, every server is used as a mixed one.
+no prefill server live, decode servers serve as mixed ones; with only prefill servers live,
+requests wait (a prefill server's one-token answer is never a caller's; before this, the first
+steps of a run whose decode server registered late trained on one-token completions).
 """
 
 import logging
@@ -147,18 +149,17 @@ class InferPool:
         if not self.submit(request, stage="decode") and waiting is None:
             self.outstanding[request.request_id] = Outstanding(request, HANDOFF, time.monotonic())
 
-    def _split(self) -> bool:
-        roles = {s.role for s in self.servers.values()}
-        return "prefill" in roles and "decode" in roles
-
     def submit(self, request: GenerateRequest, stage: str = "") -> bool:
-        """Send to the least loaded server (of the prefill role first, when roles are split;
-        ``stage`` "decode" for the second hop); False when no server can take it now."""
-        split = self._split()
-        prefill = split and stage != "decode"
-        wanted = ("prefill" if prefill else "decode") if split else None
+        """Send to the least loaded server that can take this hop; False when none can now.
+
+        A request goes first to a prefill server when one is live beside a server that generates
+        (decode or mixed); ``stage`` "decode" marks the second hop. A prefill server answers one
+        token, so it is never sent a request whose answer is the caller's: with only prefill
+        servers live, nothing is sent (the request waits for a decode server to register)."""
+        generating = any(s.role != "prefill" for s in self.servers.values())
+        prefill = stage != "decode" and generating and any(s.role == "prefill" for s in self.servers.values())
         for s in sorted(self.servers.values(), key=lambda s: s.num_outstanding):
-            if wanted is not None and s.role != wanted:
+            if (s.role == "prefill") != prefill:
                 continue
             if s.send(request):
                 s.num_outstanding += request.sampling.n

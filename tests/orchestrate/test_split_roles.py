@@ -87,3 +87,34 @@ def test_up_launches_prefill_and_decode_servers(tmp_path, tiny_model_dir):
     with pytest.raises(Exception, match="up.num_prefill"):
         load_recipe(write_recipe(tmp_path / "b.toml", tiny_model_dir, tmp_path / "run",
                                  up={"num_infer": 2, "num_prefill": 2}))
+
+
+class _Recorder:
+    """A server handle that records what the pool sends it."""
+
+    def __init__(self, key: str, role: str):
+        self.key, self.role, self.num_outstanding, self.sent = key, role, 0, []
+
+    def send(self, msg) -> bool:
+        self.sent.append(msg.request_id)
+        return True
+
+
+def test_a_prefill_server_never_takes_a_request_whose_answer_is_the_callers(tmp_path):
+    """A prefill server answers one token: alone, it gets nothing (the request waits for a decode server);
+    beside one, it takes the first hop and the decode server the second; decode servers alone serve as
+    mixed ones."""
+    pool = InferPool(RunDir(tmp_path / "run"), [], 60.0)
+    prefill = _Recorder("infer-0", "prefill")
+    pool.servers = {"infer-0": prefill}
+    req = GenerateRequest(request_id=pool.new_request_id(), prompt_ids=[1, 2, 3],
+                          sampling=SamplingParams(max_tokens=4, n=2))
+    assert not pool.submit(req) and prefill.sent == []
+    decode = pool.servers["infer-1"] = _Recorder("infer-1", "decode")
+    assert pool.submit(req) and prefill.sent == [req.request_id] and pool.outstanding[req.request_id].prefill
+    pool.outstanding.pop(req.request_id)  # the prefill server answered
+    pool._hand_off(req)
+    assert decode.sent == [req.request_id] and not pool.outstanding[req.request_id].prefill
+    del pool.servers["infer-0"]
+    other = GenerateRequest(request_id=pool.new_request_id(), prompt_ids=[4], sampling=SamplingParams(max_tokens=4))
+    assert pool.submit(other) and decode.sent[-1] == other.request_id
