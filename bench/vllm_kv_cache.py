@@ -1,9 +1,10 @@
 """vLLM with rl-cache as its KV connector: a replica serving prompts that another replica computed.
 
-Replica A (its own process, a ``VllmEngine`` as ``rl-infer --engine vllm --kv-cache`` runs one)
-prefills ``--prompts`` distinct prompts of ``--prompt-len`` tokens under cache salt ``hit``; its
-connector publishes their blocks to a real ``rl-cache serve`` process, and it exits once the
-store holds them. Replica B (a fresh process, empty local prefix cache, the same connector)
+Replica A (its own process, a ``VllmEngine`` as ``rl-infer --engine vllm --kv-cache --role
+prefill`` runs one) prefills ``--prompts`` distinct prompts of ``--prompt-len`` tokens under cache
+salt ``hit``; its connector publishes their blocks to a real ``rl-cache serve`` process, and, as a
+prefill server, it answers each prompt only once its blocks are stored (printed: the blocks in the
+store at its last answer). Replica B (a fresh process, empty local prefix cache, the same connector)
 then serves every prompt twice with ``max_tokens`` 1, the two arms interleaved and alternating
 which goes first:
 
@@ -86,7 +87,7 @@ def prompts_of(n: int, length: int, vocab: int) -> list[list[int]]:
     return [[1] + [rng.randrange(3, vocab) for _ in range(length - 1)] for _ in range(n)]
 
 
-def make_engine(args, weights: str, endpoint: str):
+def make_engine(args, weights: str, endpoint: str, role: str = "mixed"):
     from rlcli.config import load_recipe
     from rlcli.infer.vllm_engine import VllmEngine
 
@@ -94,6 +95,7 @@ def make_engine(args, weights: str, endpoint: str):
                  "train.micro_batch_tokens": args.prompt_len + 64, "infer.engine.name": "vllm",
                  "infer.device": args.device, "infer.dtype": "bfloat16", "infer.kv_cache.endpoint": endpoint,
                  "infer.max_num_batched_tokens": args.batched_tokens, "infer.kv_cache.timeout_s": 60.0,
+                 "infer.role": role,
                  "infer.engine.enforce_eager": True}  # no CUDA graphs to capture: prefill runs eagerly anyway
     if args.device == "cpu":
         overrides.update({"infer.engine.cpu_kvcache_space_gb": args.kv_gb})
@@ -118,15 +120,16 @@ def request(engine, prompt: list[int], salt: str, rid: str) -> tuple[float, floa
 def replica_a(args, weights: str, endpoint: str, prompts, out) -> None:
     from rlcli.cache.client import CacheClient
 
-    engine = make_engine(args, weights, endpoint)
+    engine = make_engine(args, weights, endpoint, role="prefill")
     for i, p in enumerate(prompts):
         request(engine, p, "hit", f"a{i}")
     stats = engine.stats()
     client, want = CacheClient(endpoint), int(stats["kv_save_blocks"])
+    at_answer = client.stats()["num_blocks"]
     deadline = time.monotonic() + 300
     while client.stats()["num_blocks"] < want and time.monotonic() < deadline:
         time.sleep(0.1)
-    out.put(("a", {"saved_blocks": want, "stored_blocks": client.stats()["num_blocks"]}))
+    out.put(("a", {"saved_blocks": want, "at_answer": at_answer, "stored_blocks": client.stats()["num_blocks"]}))
     engine.close()
 
 
@@ -194,7 +197,8 @@ def main() -> None:
             print(f"# vLLM + rl-cache: shape {shape}, {args.prompts} prompts x {args.prompt_len} tokens, "
                   f"{kv_bytes / args.prompts / 2**20:.1f} MiB of bf16 KV each, device {args.device}", flush=True)
             a = run_replica(replica_a, args, weights, endpoint, prompts)
-            print(f"replica A: {a['saved_blocks']} blocks offered, {a['stored_blocks']} in the store", flush=True)
+            print(f"replica A (prefill): {a['saved_blocks']} blocks offered, {a['at_answer']} in the store at its last "
+                  f"answer, {a['stored_blocks']} after", flush=True)
             b = run_replica(replica_b, args, weights, endpoint, prompts)
         finally:
             proc.terminate()
