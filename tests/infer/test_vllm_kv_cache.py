@@ -271,3 +271,20 @@ def test_caches_of_several_dtypes_travel_in_one_payload():
     worker.caches = [odd, scales]
     worker._scatter([0, 3], worker._gather([4, 7]))
     assert torch.equal(odd[[0, 3]], odd[[4, 7]]) and torch.equal(scales[[0, 3]], scales[[4, 7]])
+
+
+def test_payloads_through_mooncake_reach_the_other_replica():
+    """bench/vllm_kv_cache.py --smoke with rl-cache's Mooncake backend: two vLLM replicas in their own
+    processes, the second fetching every block the first (a prefill server) stored, with no load error."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("mooncake.store", reason="Mooncake's wheel is not installed here")
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, str(repo / "bench/vllm_kv_cache.py"), "--smoke", "--backend", "mooncake"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "8 blocks offered, 8 in the store at its last answer" in out.stdout, out.stdout
+    assert "blocks fetched 8, load errors 0" in out.stdout, out.stdout
+
