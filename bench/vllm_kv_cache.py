@@ -212,7 +212,7 @@ def main() -> None:
         print(f"{arm:<10}{statistics.median(b['times'][arm]):>10.3f}  " +
               " ".join(f"{t:.3f}" for t in b["times"][arm]))
     kv = b["kv"]
-    print(f"computed / fetched: {computed / fetched:.2f}x   blocks fetched {int(kv['kv_fetched_blocks'])}, "
+    print(f"computed / fetched: {computed / fetched:.2f}x   blocks fetched {int(kv['kv_loaded_blocks'])}, "
           f"load errors {int(kv['kv_load_error_blocks'])}, max |dlogprob| {b['max_dlogprob']:.2e}")
 
 

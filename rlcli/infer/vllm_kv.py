@@ -89,7 +89,9 @@ MAX_FAILED_KEYS = 65536
 IDLE_WAIT_S = 0.01
 """Longest a step with no tokens scheduled waits in the worker for a fetch in flight."""
 SCHEDULER_COUNTERS = ("kv_lookup_tokens", "kv_load_tokens", "kv_save_blocks", "kv_load_error_blocks")
-WORKER_COUNTERS = ("kv_fetched_blocks", "kv_load_error_blocks", "kv_published_blocks", "kv_publish_dropped_blocks")
+WORKER_COUNTERS = ("kv_loaded_blocks", "kv_load_error_blocks", "kv_queued_blocks", "kv_unqueued_blocks")
+"""The worker half's own counters; its stats add the store connector's (``kv_fetched_blocks``,
+``kv_published_blocks``: what reached the store, ``kv_publish_skipped``: already there, ...)."""
 
 
 def shard_key(key: bytes, rank: int, size: int) -> bytes:
@@ -369,8 +371,8 @@ class RlCacheConnector(KVConnectorBase_V1):
         for save in self._get_connector_metadata().saves:
             keys = [shard_key(k, self.tp_rank, self.tp_size) for k in save.keys]
             done = self._publish_run(keys, save.block_ids)
-            self.counters["kv_published_blocks"] += done
-            self.counters["kv_publish_dropped_blocks"] += len(keys) - done
+            self.counters["kv_queued_blocks"] += done
+            self.counters["kv_unqueued_blocks"] += len(keys) - done  # no room in the publishing queue
 
     def _publish_run(self, keys: list[bytes], block_ids: list[int]) -> int:
         """Queue a run of blocks in chain order, in pieces of at most ``PUBLISH_PIECE_BYTES``, as far as the
@@ -410,7 +412,7 @@ class RlCacheConnector(KVConnectorBase_V1):
                         self._scatter(block_ids[:n], data[:n])
                 finally:
                     ticket.release()
-                self.counters["kv_fetched_blocks"] += n
+                self.counters["kv_loaded_blocks"] += n
                 if n < len(block_ids):
                     self.load_errors.update(block_ids[n:])
                     self.counters["kv_load_error_blocks"] += len(block_ids) - n

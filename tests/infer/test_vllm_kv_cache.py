@@ -87,7 +87,7 @@ def test_a_prefix_fetched_from_the_store_matches_the_computed_one(engine, cache,
     before = kv_stats(engine)
     fetched = generate(engine, prompt)
     after = kv_stats(engine)
-    assert after["kv_fetched_blocks"] - before.get("kv_fetched_blocks", 0) == 2
+    assert after["kv_loaded_blocks"] - before.get("kv_loaded_blocks", 0) == 2
     assert after.get("kv_load_error_blocks", 0) == before.get("kv_load_error_blocks", 0)
     assert engine.stats()["kv_load_tokens"] == 2 * BLOCK
     assert fetched[0] == computed[0]
@@ -172,7 +172,7 @@ def test_a_prefill_server_answers_once_the_decode_engine_can_fetch_the_prompt(en
         procs.stop_all()
     before = kv_stats(engine)
     tokens, _ = generate(engine, prompt, salt="pd")
-    assert kv_stats(engine)["kv_fetched_blocks"] - before["kv_fetched_blocks"] == 2
+    assert kv_stats(engine)["kv_loaded_blocks"] - before["kv_loaded_blocks"] == 2
     assert tokens == greedy_reference(models[0], prompt, 6)
 
 
@@ -211,7 +211,7 @@ def test_tensor_parallel_workers_each_store_and_fetch_their_share(engine, weight
             assert wait_stored(client, [shard_key(k, rank, 2) for k in keys]) == [True, True]
         fetched = generate(tp, prompt, salt="tp")
         stats = tp.llm.collective_rpc("rlcli_kv_stats")
-        assert [s.get("kv_fetched_blocks", 0) for s in stats] == [2, 2]
+        assert [s.get("kv_loaded_blocks", 0) for s in stats] == [2, 2]
         assert fetched[0] == computed[0]
         torch.testing.assert_close(torch.tensor(fetched[1]), torch.tensor(computed[1]), rtol=0, atol=1e-5)
         client.close()
