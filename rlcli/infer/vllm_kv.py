@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -86,6 +87,8 @@ ROLE_KEY = "rlcli_role"
 PUBLISH_PIECE_BYTES = 256 << 20
 """Most payload bytes one publish hands the connector (a long prefill chunk's blocks go in pieces)."""
 MAX_FAILED_KEYS = 65536
+LOOKUP_TIMEOUT_S = 1.0
+LOOKUP_BACKOFF_S = 5.0
 IDLE_WAIT_S = 0.01
 """Longest a step with no tokens scheduled waits in the worker for a fetch in flight."""
 SCHEDULER_COUNTERS = ("kv_lookup_tokens", "kv_load_tokens", "kv_save_blocks", "kv_load_error_blocks")
@@ -177,6 +180,7 @@ class RlCacheConnector(KVConnectorBase_V1):
         self.failed_keys: OrderedDict[bytes, None] = OrderedDict()  # loads of these missed: never again
         self._store: RpcClient | None = None
         self._store_down = False
+        self._retry_at = 0.0
         # worker half
         self.num_blocks = getattr(kv_cache_config, "num_blocks", 0)
         self.caches: list[torch.Tensor] = []  # per distinct cache tensor: a view with blocks on dim 0
@@ -188,15 +192,21 @@ class RlCacheConnector(KVConnectorBase_V1):
 
     # ================================================================ scheduler half
     def _exists(self, keys: list[bytes]) -> list[bool]:
+        """Which keys the store holds; none while it is unreachable. The lookup runs inside vLLM's scheduler
+        loop: it waits at most ``LOOKUP_TIMEOUT_S``, and after a failure the store is not asked again for
+        ``LOOKUP_BACKOFF_S``, so a dead store costs the scheduler one wait, not one per prompt."""
+        if time.monotonic() < self._retry_at:
+            return []
         if self._store is None:
             self._store = RpcClient(self.cfg.endpoint)
         try:
-            reply = self._store.call(CacheExists(request_id=new_request_id(), keys=keys), self.cfg.timeout_s,
-                                     peer="rl-cache")
+            reply = self._store.call(CacheExists(request_id=new_request_id(), keys=keys),
+                                     min(self.cfg.timeout_s, LOOKUP_TIMEOUT_S), peer="rl-cache")
         except PeerUnreachable as e:
             if not self._store_down:
                 log.warning("rl-cache at %s does not answer lookups (%s): prompts are computed", self.cfg.endpoint, e)
             self._store_down = True
+            self._retry_at = time.monotonic() + LOOKUP_BACKOFF_S
             self._store.close()
             self._store = None
             return []

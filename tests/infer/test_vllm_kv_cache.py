@@ -288,3 +288,27 @@ def test_payloads_through_mooncake_reach_the_other_replica():
     assert "8 blocks offered, 8 in the store at its last answer" in out.stdout, out.stdout
     assert "blocks fetched 8, load errors 0" in out.stdout, out.stdout
 
+
+
+def test_a_dead_store_costs_the_scheduler_one_lookup_not_one_per_prompt(monkeypatch):
+    """After a lookup fails, the scheduler half does not ask the store again until its back-off ends: the
+    lookup runs inside vLLM's scheduler loop, where each failed call waits for its timeout."""
+    import socket
+    from collections import Counter
+
+    from rlcli.config.infer import KVCacheConfig
+    from rlcli.infer import vllm_kv
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sched = object.__new__(vllm_kv.RlCacheConnector)
+    sched.cfg = KVCacheConfig(endpoint=f"tcp://127.0.0.1:{port}", timeout_s=0.2)
+    sched._store, sched._store_down, sched._retry_at, sched.counters = None, False, 0.0, Counter()
+    calls = []
+    real = vllm_kv.RpcClient
+    monkeypatch.setattr(vllm_kv, "RpcClient", lambda endpoint: calls.append(endpoint) or real(endpoint))
+    assert sched._exists([b"k"]) == [] and len(calls) == 1
+    assert sched._exists([b"k"]) == [] and len(calls) == 1  # backing off: no second call
+    sched._retry_at = 0.0  # the back-off is over: it asks again
+    assert sched._exists([b"k"]) == [] and len(calls) == 2
