@@ -1,7 +1,8 @@
-"""KV blocks as bytes: what the native engine hands to, and takes from, a shared store.
+"""KV blocks as bytes: what an engine hands to, and takes from, a shared store (the native engine, and
+the vLLM engine's connector in ``rlcli.infer.vllm_kv``).
 
 A block's payload is every cache tensor's rows of that block (layer by layer, K then V,
-or the MLA latent and the indexer keys), concatenated as raw bytes in the cache dtype.
+or the MLA latent and the indexer keys), concatenated as raw bytes in each cache's dtype.
 Its :class:`BlockMeta` names that layout, and a fingerprint of the model: architecture,
 cache layout, block size, dtype and a sample of every parameter (the first 16 values),
 so engines of other models, or of other runs whose weights differ at the same version,
@@ -33,11 +34,12 @@ def block_meta(model: CausalLM, block_size: int, dtype: torch.dtype) -> BlockMet
 
 
 def gather(kv_caches: list[tuple[torch.Tensor, ...]], blocks: list[int]) -> torch.Tensor:
-    """``[len(blocks), bytes per block]`` uint8 on the caches' device."""
-    device = kv_caches[0][0].device
-    idx = torch.tensor(blocks, dtype=torch.int64, device=device)
-    parts = [cache.index_select(0, idx).reshape(len(blocks), -1) for layer in kv_caches for cache in layer]
-    return torch.cat(parts, dim=1).view(torch.uint8)
+    """``[len(blocks), bytes per block]`` uint8 on the caches' device: each cache tensor's rows of
+    ``blocks`` (dimension 0 indexes blocks), as bytes, cache after cache (their dtypes may differ)."""
+    n = len(blocks)
+    idx = torch.tensor(blocks, dtype=torch.int64, device=kv_caches[0][0].device)
+    return torch.cat([cache.index_select(0, idx).reshape(n, -1).view(torch.uint8)
+                      for layer in kv_caches for cache in layer], dim=1)
 
 
 def scatter(kv_caches: list[tuple[torch.Tensor, ...]], blocks: list[int], data: torch.Tensor) -> None:
@@ -46,11 +48,14 @@ def scatter(kv_caches: list[tuple[torch.Tensor, ...]], blocks: list[int], data: 
     indexed copy per cache tensor, all queued on the current stream."""
     first = kv_caches[0][0]
     n = len(blocks)
-    flat = data.to(first.device, non_blocking=True).view(first.dtype).reshape(n, -1)
+    flat = data.to(first.device, non_blocking=True).reshape(n, -1)
     idx = torch.tensor(blocks, dtype=torch.int64).to(first.device, non_blocking=True)
     offset = 0
     for layer in kv_caches:
         for cache in layer:
-            k = cache[0].numel()
-            cache.index_copy_(0, idx, flat[:, offset:offset + k].reshape(n, *cache.shape[1:]))
+            k = cache[0].numel() * cache.element_size()
+            rows, size = flat[:, offset:offset + k], cache.element_size()
+            if rows.storage_offset() % size or rows.stride(0) % size:  # not viewable in place as that dtype
+                rows = rows.contiguous()
+            cache.index_copy_(0, idx, rows.view(cache.dtype).reshape(n, *cache.shape[1:]))
             offset += k

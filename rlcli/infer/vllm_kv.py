@@ -69,6 +69,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from rlcli.config.infer import KVCacheConfig
 from rlcli.errors import PeerUnreachable
+from rlcli.infer import kv_blocks
 from rlcli.infer.block_manager import chain_hash
 from rlcli.logging import setup_logging
 from rlcli.protocol import BlockMeta, CacheExists, CacheExistsReply
@@ -339,23 +340,10 @@ class RlCacheConnector(KVConnectorBase_V1):
 
     def _gather(self, block_ids: list[int]) -> torch.Tensor:
         """``[len(block_ids), payload bytes]`` uint8: each cache's rows of those blocks, as bytes."""
-        n = len(block_ids)
-        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.caches[0].device)
-        return torch.cat([c.index_select(0, idx).reshape(n, -1).view(torch.uint8) for c in self.caches], dim=1)
+        return kv_blocks.gather([(c,) for c in self.caches], block_ids)
 
     def _scatter(self, block_ids: list[int], data: torch.Tensor) -> None:
-        first, n = self.caches[0], len(block_ids)
-        flat = data.to(first.device, non_blocking=True).reshape(n, -1)
-        idx = torch.tensor(block_ids, dtype=torch.int64).to(first.device, non_blocking=True)
-        offset = 0
-        for cache in self.caches:  # caches of several dtypes (an MLA latent and its indexer keys) in one payload
-            k = cache[0].numel() * cache.element_size()
-            rows, size = flat[:, offset:offset + k], cache.element_size()
-            if rows.storage_offset() % size or rows.stride(0) % size:  # not viewable in place as that dtype
-                rows = rows.contiguous()
-            rows = rows.view(cache.dtype)
-            cache.index_copy_(0, idx, rows.reshape(n, *cache.shape[1:]))
-            offset += k
+        kv_blocks.scatter([(c,) for c in self.caches], block_ids, data)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         # No attention metadata: vLLM scheduled no tokens this step (its requests wait for their loads).
