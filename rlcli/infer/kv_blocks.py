@@ -20,12 +20,19 @@ from rlcli.protocol import BlockMeta
 
 
 @torch.no_grad()
+def weights_sample(params) -> bytes:
+    """The first 16 values of every parameter, as fp32 bytes: what a block fingerprint hashes of the
+    weights (one copy to the host for all of them, not one per parameter)."""
+    samples = [p.detach().reshape(-1)[:16].float() for p in params]
+    return torch.cat(samples).cpu().numpy().tobytes() if samples else b""
+
+
+@torch.no_grad()
 def block_meta(model: CausalLM, block_size: int, dtype: torch.dtype) -> BlockMeta:
     spec = [hd for layer in model.kv_cache_spec() for hd in layer]
     h = hashlib.blake2b(digest_size=16)
     h.update(json.dumps([asdict(model.args), spec, block_size, str(dtype)], sort_keys=True, default=str).encode())
-    for p in model.parameters():
-        h.update(p.detach().reshape(-1)[:16].float().cpu().numpy().tobytes())
+    h.update(weights_sample(model.parameters()))
     if len(set(spec)) == 1:
         shape = [len(spec), block_size, *spec[0]]
     else:

@@ -54,6 +54,8 @@ class KVConnector(Protocol):
     """Layout of this engine's blocks; the fingerprint changes with the weights."""
     fetch_bytes_per_s: float
     """Speed of recent large fetches (request to payloads on the device), to predict a fetch's time."""
+    timeout_s: float
+    """Deadline of each store request (``infer.kv_cache.timeout_s``)."""
 
     def fetch_async(self, keys: list[bytes]) -> "FetchTicket":
         """Start fetching the longest leading run of ``keys`` the store holds (in the background;

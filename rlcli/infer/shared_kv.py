@@ -9,12 +9,12 @@ are in the engine's module docstring.
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from rlcli.infer import kv_blocks
-from rlcli.infer.kv_connector import FetchTicket
+from rlcli.infer.kv_connector import FetchTicket, KVConnector
 from rlcli.protocol import BlockMeta
 
 if TYPE_CHECKING:
@@ -31,6 +31,25 @@ the local prefix cache as far as they fit, whether its prompt runs next or not."
 PUBLISH_PIECE_BYTES = 256 << 20
 """Most payload bytes one publish hands the connector: a long prompt's KV goes in pieces, several of
 which fit its queue (``infer.kv_cache.publish_queue_mb``), each gathered on the device only once it fits."""
+
+
+def publish_run(conn: KVConnector, keys: list[bytes], blocks: list[int],
+                gather: Callable[[list[int]], torch.Tensor], wait: bool = False) -> int:
+    """Publish the leading blocks of a chain run (``gather(blocks)`` makes their payloads) in pieces
+    of at most ``PUBLISH_PIECE_BYTES`` while the connector's queue has room for them (with ``wait``,
+    flushing it when it has none); returns how many went. A block after one that did not go could
+    never be fetched (a fetch takes the longest leading run the store holds), and one publish of a
+    long prompt's whole KV (2 GiB at 64k tokens of a 1B model) would not fit the queue at all."""
+    nbytes = conn.meta.nbytes
+    piece, done = max(1, PUBLISH_PIECE_BYTES // nbytes), 0
+    while done < len(keys):
+        n = min(len(keys) - done, piece, conn.publish_room() // nbytes)
+        if n <= 0 and wait and conn.flush(conn.timeout_s):  # the queue is empty now
+            n = min(len(keys) - done, piece, conn.publish_room() // nbytes)
+        if n <= 0 or not conn.publish(keys[done:done + n], gather(blocks[done:done + n])):
+            break
+        done += n
+    return done
 
 
 @dataclass
@@ -155,21 +174,10 @@ class SharedKVMixin:
         self.counters["kv_publish_engine_s"] += time.perf_counter() - t0  # the engine thread's share
 
     def _publish_run(self, hashes: list[bytes], blocks: list[int], wait: bool = False) -> int:
-        """Publish the leading blocks of a chain run in pieces of at most ``PUBLISH_PIECE_BYTES``
-        while the connector's queue has room for them (with ``wait``, flushing it when it has
-        none); returns how many went. A block after one that did not go could never be fetched (a
-        fetch takes the longest leading run the store holds), and one publish of a long prompt's
-        whole KV (2 GiB at 64k tokens of a 1B model) would not fit the queue at all."""
-        nbytes = self.kv.meta.nbytes
-        piece, done = max(1, PUBLISH_PIECE_BYTES // nbytes), 0
-        while done < len(hashes):
-            n = min(len(hashes) - done, piece, self.kv.publish_room() // nbytes)
-            if n <= 0 and wait and self.kv.flush(self.kv.timeout_s):  # the queue is empty now
-                n = min(len(hashes) - done, piece, self.kv.publish_room() // nbytes)
-            if n <= 0 or not self.kv.publish(hashes[done:done + n], self._gather_blocks(blocks[done:done + n])):
-                self.counters["kv_publish_deferred"] += 1
-                break
-            done += n
+        """:func:`publish_run` of this engine's blocks; a run cut short is counted (``kv_publish_deferred``)."""
+        done = publish_run(self.kv, hashes, blocks, self._gather_blocks, wait)
+        if done < len(hashes):
+            self.counters["kv_publish_deferred"] += 1
         return done
 
     def publish_pending(self) -> None:

@@ -29,10 +29,10 @@ Worker half (vLLM's worker: in-process on one device, a process per worker other
   (the payload layout's fingerprint differs), are reported as load errors, and vLLM recomputes
   from the first of them (``kv_load_failure_policy = "recompute"``).
 - **Publish.** ``wait_for_save`` (after the step's forward) gathers the planned blocks from
-  every layer's cache and queues them on the connector's publishing thread, in chain order and
-  in pieces of at most ``PUBLISH_PIECE_BYTES``, as far as its queue has room: the rest is
-  dropped (counted), never waited for, except on a prefill server (``rl-infer --role
-  prefill``), which drains the queue to make room. A prefill server answers each request (one
+  every layer's cache and queues them on the connector's publishing thread, as the native
+  engine does (:func:`rlcli.infer.shared_kv.publish_run`: chain order, 256 MiB pieces, as far
+  as the queue has room): the rest is dropped (counted), never waited for, except on a prefill
+  server (``rl-infer --role prefill``), which drains the queue to make room. A prefill server answers each request (one
   token) only once every worker's queue is drained (:meth:`RlCacheConnector.flush`), so the
   decode server it hands the request to finds the prompt's blocks.
 
@@ -71,6 +71,7 @@ from rlcli.config.infer import KVCacheConfig
 from rlcli.errors import PeerUnreachable
 from rlcli.infer import kv_blocks
 from rlcli.infer.block_manager import chain_hash
+from rlcli.infer.shared_kv import publish_run
 from rlcli.logging import setup_logging
 from rlcli.protocol import BlockMeta, CacheExists, CacheExistsReply
 from rlcli.transport.zmq import RpcClient, new_request_id
@@ -85,8 +86,6 @@ log = setup_logging("rl-infer")
 CONNECTOR = "RlCacheConnector"
 EXTRA_KEY = "rlcli_kv_cache"
 ROLE_KEY = "rlcli_role"
-PUBLISH_PIECE_BYTES = 256 << 20
-"""Most payload bytes one publish hands the connector (a long prefill chunk's blocks go in pieces)."""
 MAX_FAILED_KEYS = 65536
 LOOKUP_TIMEOUT_S = 1.0
 LOOKUP_BACKOFF_S = 5.0
@@ -328,8 +327,7 @@ class RlCacheConnector(KVConnectorBase_V1):
         h = hashlib.blake2b(digest_size=16)
         h.update(json.dumps([model_config, self.layout, self.block_size, self.tp_rank, self.tp_size],
                             sort_keys=True, default=str).encode())
-        for p in params:
-            h.update(p.detach().reshape(-1)[:16].float().cpu().numpy().tobytes())
+        h.update(kv_blocks.weights_sample(params))
         nbytes = sum(c[0].numel() * c.element_size() for c in self.caches)
         meta = BlockMeta(fingerprint=h.hexdigest(), dtype="uint8", shape=[nbytes])
         if self.conn is None:
@@ -368,24 +366,9 @@ class RlCacheConnector(KVConnectorBase_V1):
             return
         for save in self._get_connector_metadata().saves:
             keys = [shard_key(k, self.tp_rank, self.tp_size) for k in save.keys]
-            done = self._publish_run(keys, save.block_ids)
+            done = publish_run(self.conn, keys, save.block_ids, self._gather, wait=self.prefill)
             self.counters["kv_queued_blocks"] += done
             self.counters["kv_unqueued_blocks"] += len(keys) - done  # no room in the publishing queue
-
-    def _publish_run(self, keys: list[bytes], block_ids: list[int]) -> int:
-        """Queue a run of blocks in chain order, in pieces of at most ``PUBLISH_PIECE_BYTES``, as far as the
-        connector's queue has room (a prefill server drains the queue when it has none); returns how many
-        went. After a block that did not go, the rest could never be fetched (a fetch takes a leading run)."""
-        nbytes = self.conn.meta.nbytes
-        piece, done = max(1, PUBLISH_PIECE_BYTES // nbytes), 0
-        while done < len(keys):
-            n = min(len(keys) - done, piece, self.conn.publish_room() // nbytes)
-            if n <= 0 and self.prefill and self.conn.flush(self.cfg.timeout_s):
-                n = min(len(keys) - done, piece, self.conn.publish_room() // nbytes)
-            if n <= 0 or not self.conn.publish(keys[done:done + n], self._gather(block_ids[done:done + n])):
-                break
-            done += n
-        return done
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every queued block is stored; False on timeout."""
