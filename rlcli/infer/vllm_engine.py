@@ -47,12 +47,16 @@ output; without it, each step runs one batch to the end.
   store, and completed blocks are published to it. With ``--role prefill`` each request is
   computed to one token and answered once every worker's publishing queue is drained, so the
   decode server it is handed to finds its blocks.
+- **FP8** (``--fp8``, or an FP8 checkpoint): vLLM's own block-FP8 layers (1x128 activation tiles
+  on CUDA, 128x128 weight blocks, fp32 scales) hold the weights ``infer.fp8`` selects, quantized
+  by rlcli as they load, first load and updates alike (:mod:`rlcli.infer.vllm_fp8`).
 - **MoE routes** (R3): ``enable_return_routed_experts`` is on for MoE models on CUDA (vLLM
   has it on GPU only); vLLM's uint8 ``[prompt + generated - 1, moe_layers, top_k]`` array
   travels as is, the same layout the native engine returns.
 """
 
 import itertools
+import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -64,6 +68,7 @@ import numpy as np
 from rlcli.config import RecipeConfig
 from rlcli.errors import ConfigError
 from rlcli.infer.base import Delta
+from rlcli.infer.vllm_fp8 import plan as fp8_plan
 from rlcli.models.config import ModelArgs
 from rlcli.models.tokenizer import load_tokenizer
 from rlcli.protocol import (
@@ -72,6 +77,7 @@ from rlcli.protocol import (
 from rlcli.transport.atomic import checksums_of
 
 WORKER_EXTENSION = "rlcli.infer.vllm_worker.WeightsExtension"
+log = logging.getLogger("rl-infer")
 
 
 @dataclass
@@ -178,14 +184,17 @@ class VllmEngine:
         if on_cpu != (icfg.device == "cpu"):
             raise ConfigError(f"this vLLM build runs on {'the CPU' if on_cpu else 'CUDA'} but infer.device is "
                               f"{icfg.device}; pass --device {'cpu' if on_cpu else 'cuda'}")
-        if icfg.fp8.enabled:
-            raise ConfigError("infer.fp8 (--fp8) is the native engine's FP8 path; the vLLM engine serves the "
-                              "checkpoint's own dtype: drop --fp8 or pass --engine native")
         if checksums_of(weights):  # a policy rlcli wrote: its checksums first (vLLM then reads the files itself)
             from rlcli.infer.receiver import verified_files
 
             verified_files(weights)
         args = ModelArgs.from_dir(weights)
+        fp8 = fp8_plan(cfg, weights, args)  # block-FP8 linears (rlcli.infer.vllm_fp8)
+        if fp8 is not None:  # vLLM's DeepGEMM path would otherwise round scales to powers of two (UE8M0)
+            os.environ["VLLM_USE_DEEP_GEMM_E8M0"] = "0"
+        load = {}
+        if fp8 is not None and fp8.quantization_config is not None:  # rlcli quantizes the checkpoint as it loads
+            load = {"load_format": "dummy", "hf_overrides": {"quantization_config": fp8.quantization_config}}
         if cfg.model.max_seq_len > args.max_position_embeddings:
             raise ConfigError(f"model.max_seq_len {cfg.model.max_seq_len} exceeds the model's max_position_embeddings "
                               f"{args.max_position_embeddings}, which vLLM refuses; lower --model.max_seq_len")
@@ -204,9 +213,15 @@ class VllmEngine:
             gpu_memory_utilization=ecfg.gpu_memory_utilization, worker_extension_cls=WORKER_EXTENSION,
             async_scheduling=ecfg.async_scheduling and not on_cpu, enable_return_routed_experts=record_routes,
             tensor_parallel_size=tp, enable_expert_parallel=ecfg.expert_parallel,
-            distributed_executor_backend="mp" if tp > 1 else None, disable_log_stats=True, **kv)
+            distributed_executor_backend="mp" if tp > 1 else None, disable_log_stats=True, **kv, **load)
         llm = LLMEngine.from_engine_args(engine_args)
-        if kv:
+        if fp8 is not None:
+            llm.collective_rpc("rlcli_set_fp8", kwargs={"names": sorted(fp8.names)})
+            log.info("fp8: vLLM holds %d weights as block FP8 (%s); vLLM picks the GEMM kernel", len(fp8.names),
+                     "quantized by rlcli as they load" if load else "the checkpoint's")
+        if load:
+            llm.collective_rpc("rlcli_load_safetensors", kwargs={"path": str(weights)})  # ends with the fingerprint
+        elif kv:
             llm.collective_rpc("rlcli_kv_fingerprint")
         eos = set(args.eos_token_id) | set(load_tokenizer(weights).eos_token_ids)
         return cls(llm, eos_token_ids=sorted(eos), max_model_len=cfg.model.max_seq_len, vocab_size=args.vocab_size,
@@ -430,6 +445,8 @@ class VllmEngine:
         return {k: float(v) for k, v in getattr(connector, "counters", {}).items()}
 
     def close(self) -> None:
+        if self.llm is None:  # closed already
+            return
         if self.seqs:
             self.llm.abort_request(list(self.seqs))
         self.requests.clear()

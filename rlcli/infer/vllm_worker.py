@@ -13,7 +13,9 @@ repacked for oneDNN), and it exists with that signature in vLLM 0.26 and 0.32.
   for its publishing queue to drain (a prefill server answers after it).
 - ``rlcli_load_safetensors(path)`` streams an HF-layout safetensors directory one
   tensor at a time: the engine never holds a second full copy of the model.
-- ``rlcli_load_weights(weights)`` takes any iterable of ``(hf_name, tensor)``.
+- ``rlcli_load_weights(weights)`` takes any iterable of ``(hf_name, tensor)``; with
+  ``rlcli_set_fp8(names)`` those weights are quantized to block FP8 on the way in, and FP8 weights
+  the model holds in high precision are dequantized (:func:`rlcli.infer.vllm_fp8.load_stream`).
 - ``rlcli_receive_collective(...)`` (``NcclWeights``) joins the round's weight-transfer
   group (NCCL on GPU, gloo on CPU; the group is kept across updates while the round's key
   is the same) as the server's rank plus the worker's own (tensor parallelism: each worker
@@ -81,11 +83,22 @@ class WeightsExtension:
                 count += 1
                 yield item
 
+        from rlcli.infer.vllm_fp8 import load_stream
+
+        model = self.model_runner.get_model()
+        dtype = self.model_runner.vllm_config.model_config.dtype
+        device = next(model.parameters()).device
+        stream = load_stream(counted(), getattr(self, "_rlcli_fp8", frozenset()), dtype, device)
         with torch.no_grad():
-            self.model_runner.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
+            self.model_runner.reload_weights(weights_iterator=stream, is_checkpoint_format=True)
             _refresh_tied_lm_head(self.model_runner.get_model())
         self.rlcli_kv_fingerprint()
         return count
+
+    def rlcli_set_fp8(self, names: list[str]) -> None:
+        """The HF names of the weights this model holds as block FP8 (:mod:`rlcli.infer.vllm_fp8`): every
+        later load quantizes them if they arrive in high precision."""
+        self._rlcli_fp8 = frozenset(names)
 
     def rlcli_kv_fingerprint(self) -> None:
         """Give rl-cache's connector (if vLLM runs one) the fingerprint of the weights now served."""

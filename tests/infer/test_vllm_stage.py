@@ -16,6 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 VENV = REPO / ".venv-vllm"
 # The vLLM backend's own tests, and its parameter of the shared Engine contract and HTTP suites.
 TESTS = ["tests/infer/test_vllm_engine.py", "tests/infer/test_vllm_tensor_parallel.py", "tests/infer/test_vllm_kv_cache.py",
+         "tests/infer/test_vllm_fp8.py",
          "tests/infer/test_engine_contract.py", "tests/infer/test_http.py",
          "-k", "vllm"]
 

@@ -42,6 +42,13 @@ def _matches(name: str, include: list[str], exclude: list[str]) -> bool:
             and not any(fnmatch.fnmatchcase(name, p) for p in exclude))
 
 
+def selected_modules(model: nn.Module, cfg) -> list[tuple[str, nn.Module]]:
+    """The ``nn.Linear`` and ``GroupedExperts`` modules of ``model`` that ``cfg`` (an
+    :class:`rlcli.config.model.Fp8Config`) selects for FP8, in module order."""
+    return [(name, m) for name, m in model.named_modules()
+            if name and type(m) in (nn.Linear, GroupedExperts) and _matches(name, cfg.include, cfg.exclude)]
+
+
 def convert_to_fp8(model: nn.Module, cfg, device: torch.device | str | None = None,
                    backend: GemmBackend | None = None, fp8_storage: bool = False) -> list[str]:
     """Replace, in place, every ``nn.Linear`` and ``GroupedExperts`` of ``model`` that ``cfg``
@@ -56,9 +63,7 @@ def convert_to_fp8(model: nn.Module, cfg, device: torch.device | str | None = No
             device = p.device if p is not None and not p.is_meta else "cpu"
         backend = make_backend(cfg.backend, device)
     converted: list[str] = []
-    for name, module in list(model.named_modules()):
-        if not name or not _matches(name, cfg.include, cfg.exclude):
-            continue
+    for name, module in selected_modules(model, cfg):
         if type(module) is nn.Linear:
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
