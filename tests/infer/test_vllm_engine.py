@@ -252,6 +252,32 @@ def test_collective_weights_land_in_vllm_and_a_broken_transfer_holds_generation(
     assert out["w"].completions[0].token_ids == greedy_reference(models[0], prompt, 3)
 
 
+def test_an_fp8_published_policy_loads_dequantized(serving, weights, tmp_path):
+    """A trainer with train.fp8.publish writes linears as FP8 + weight_scale_inv; this engine holds them in
+    high precision, so they load dequantized (rlcli.infer.vllm_fp8.load_stream), not as raw FP8 bytes."""
+    from safetensors.torch import load_file, save_file
+
+    from rlcli.models.fp8_io import QUANTIZATION_CONFIG, quantize_for_save
+    from rlcli.ops.fp8.quant import dequantize_128x128, quantize_128x128
+
+    published = tmp_path / "w1fp8"
+    shutil.copytree(weights[1], published)
+    for f in published.glob("*.safetensors"):
+        tensors = load_file(f)
+        save_file(quantize_for_save(tensors, [n for n in tensors if n.endswith("proj.weight")]), f)
+    cfg = json.loads((published / "config.json").read_text())
+    (published / "config.json").write_text(json.dumps({**cfg, "quantization_config": QUANTIZATION_CONFIG}))
+    reference = load_model(weights[1]).eval()
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if name.endswith("proj.weight"):
+                p.copy_(dequantize_128x128(*quantize_128x128(p)))
+    serving.load_weights(FsWeights(path=str(published)), 1)
+    prompt = [256, 31, 32, 33]
+    serving.add_request(GenerateRequest(request_id="q", prompt_ids=prompt, sampling=greedy(8)))
+    assert run_all(serving)["q"].completions[0].token_ids == greedy_reference(reference, prompt, 8)
+
+
 def test_prefix_cache_is_keyed_by_salt_and_weights_version(serving, weights, models):
     """Same salt hits; another salt misses; after a swap nothing computed by the old
     weights is reused: not by a request that waited across the swap, not by a new
