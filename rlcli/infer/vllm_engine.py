@@ -190,8 +190,11 @@ class VllmEngine:
             verified_files(weights)
         args = ModelArgs.from_dir(weights)
         fp8 = fp8_plan(cfg, weights, args)  # block-FP8 linears (rlcli.infer.vllm_fp8)
-        if fp8 is not None:  # vLLM's DeepGEMM path would otherwise round scales to powers of two (UE8M0)
-            os.environ["VLLM_USE_DEEP_GEMM_E8M0"] = "0"
+        if fp8 is not None:
+            if (icfg.dtype or cfg.model.dtype) == "float32":
+                raise ConfigError("vLLM's block-FP8 layers compute in bfloat16 or float16, not float32: pass "
+                                  "--dtype bfloat16 (infer.dtype)")
+            os.environ["VLLM_USE_DEEP_GEMM_E8M0"] = "0"  # vLLM's DeepGEMM path would round scales to powers of two
         load = {}
         if fp8 is not None and fp8.quantization_config is not None:  # rlcli quantizes the checkpoint as it loads
             load = {"load_format": "dummy", "hf_overrides": {"quantization_config": fp8.quantization_config}}

@@ -177,6 +177,8 @@ def test_a_collective_update_is_quantized_as_it_lands(engine, weights):
     engine.load_weights(FsWeights(path=str(weights[0])), 4)
 
 
-def test_ue8m0_is_refused_in_one_line(weights):
-    with pytest.raises(ConfigError, match="infer.fp8.ue8m0"):
-        VllmEngine.from_config(recipe(weights[0], **{"infer.fp8.ue8m0": True}), weights[0], version=0)
+@pytest.mark.parametrize("over, match", [({"infer.fp8.ue8m0": True}, "infer.fp8.ue8m0"),
+                                         ({"infer.dtype": "float32"}, "--dtype bfloat16")])
+def test_what_vllm_cannot_serve_in_fp8_is_refused_in_one_line(weights, over, match):
+    with pytest.raises(ConfigError, match=match):
+        VllmEngine.from_config(recipe(weights[0], **over), weights[0], version=0)
