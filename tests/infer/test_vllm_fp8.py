@@ -177,6 +177,48 @@ def test_a_collective_update_is_quantized_as_it_lands(engine, weights):
     engine.load_weights(FsWeights(path=str(weights[0])), 4)
 
 
+@pytest.fixture(scope="module")
+def moe_weights(tmp_path_factory):
+    """A small Qwen3-MoE (8 experts, top-2) in bf16, and the same weights as an FP8 checkpoint with every
+    linear and expert quantized (DeepSeek-V3's layout: experts.E.*_proj.weight + weight_scale_inv)."""
+    root = tmp_path_factory.mktemp("vllm_fp8_moe")
+    src = root / "config"
+    src.mkdir()
+    cfg = json.loads((REPO / "recipes/models/tiny-qwen3-moe/config.json").read_text())
+    cfg.update(hidden_size=256, moe_intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=4, head_dim=64, torch_dtype="bfloat16")
+    (src / "config.json").write_text(json.dumps(cfg))
+    shutil.copy(REPO / "recipes/models/tiny-qwen3-moe/tokenizer_config.json", src)
+    bf16 = root / "bf16"
+    save_model(load_model(src, seed=0), bf16, source_dir=src)
+    fp8 = root / "fp8"
+    shutil.copytree(bf16, fp8)
+    from safetensors.torch import load_file, save_file
+
+    for f in fp8.glob("*.safetensors"):
+        tensors = load_file(f)
+        save_file(quantize_for_save(tensors, [n for n in tensors if n.endswith("proj.weight")]), f)
+    return {"bf16": bf16, "fp8": fp8}
+
+
+def test_moe_experts_are_fp8_in_vllm_and_load_like_an_fp8_checkpoint(engine, moe_weights):
+    """The experts go FP8 in vLLM's fused-MoE layer (the router stays bf16); an update whose experts
+    arrive already quantized (per expert, with their scales) serves exactly what the bf16 update did."""
+    engine.close()  # one vLLM at a time on this machine
+    moe = VllmEngine.from_config(recipe(moe_weights["bf16"]), moe_weights["bf16"], version=0)
+    try:
+        dtypes = held(moe)
+        experts = {n: d for n, d in dtypes.items() if ".mlp.experts." in n}
+        assert experts and all(d == "torch.float8_e4m3fn" for n, d in experts.items() if n.endswith("_weight"))
+        assert any(n.endswith("_scale_inv") and d == "torch.float32" for n, d in experts.items())
+        assert dtypes["model.layers.0.mlp.gate.weight"] == "torch.bfloat16"
+        before = sample(moe)
+        moe.load_weights(FsWeights(path=str(moe_weights["fp8"])), 1)
+        assert sample(moe) == before
+    finally:
+        moe.close()
+
+
 @pytest.mark.parametrize("over, match", [({"infer.fp8.ue8m0": True}, "infer.fp8.ue8m0"),
                                          ({"infer.dtype": "float32"}, "--dtype bfloat16")])
 def test_what_vllm_cannot_serve_in_fp8_is_refused_in_one_line(weights, over, match):
