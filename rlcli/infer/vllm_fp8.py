@@ -78,10 +78,12 @@ def plan(cfg, weights: Path, args: ModelArgs) -> VllmFp8 | None:
     if fcfg.ue8m0:
         raise ConfigError("infer.fp8.ue8m0 is the native engine's; rl-infer runs vLLM's block-FP8 layers with fp32 "
                           "scales: set infer.fp8.ue8m0 = false (and train.fp8.ue8m0), or pass --engine native")
-    return VllmFp8(*_selection(fcfg, args))
+    ecfg = cfg.infer.engine  # the vLLM engine's config (plan() is also called for others in tests)
+    tp, ep = getattr(ecfg, "tensor_parallel_size", 1), getattr(ecfg, "expert_parallel", False)
+    return VllmFp8(*_selection(fcfg, args, tp, ep))
 
 
-def _selection(fcfg, args: ModelArgs) -> tuple[frozenset[str], dict]:
+def _selection(fcfg, args: ModelArgs, tp: int = 1, expert_parallel: bool = False) -> tuple[frozenset[str], dict]:
     from rlcli.models.hf_io import build_model, hf_entries
     from rlcli.models.moe import GroupedExperts
     from rlcli.ops.fp8.convert import selected_modules
@@ -114,7 +116,39 @@ def _selection(fcfg, args: ModelArgs) -> tuple[frozenset[str], dict]:
                     raise ConfigError(f"vLLM's merged block-FP8 GEMM needs {m}'s {linears[m].out_features} "
                                       f"outputs to be a multiple of {BLOCK}: add {m} and its siblings to "
                                       "infer.fp8.exclude")
+    if tp > 1:
+        _check_shards(model, chosen, linears, args, tp, expert_parallel)
     return frozenset(names), {**QUANTIZATION_CONFIG, "ignored_layers": sorted(ignored)}
+
+
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj")
+ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+def _check_shards(model, chosen: set[str], linears: dict, args: ModelArgs, tp: int, expert_parallel: bool) -> None:
+    """Under tensor parallelism vLLM splits column-parallel linears by output and row-parallel ones by input;
+    a block-FP8 shard must be whole 128x128 blocks (k/v are replicated instead when there are fewer KV heads
+    than workers, and experts stay whole under expert parallelism)."""
+    from rlcli.models.moe import GroupedExperts
+
+    def refuse(name: str, what: str, size: int) -> None:
+        raise ConfigError(f"with tensor_parallel_size {tp}, vLLM's block-FP8 shard of {name} has {size // tp} "
+                          f"{what}, not a multiple of {BLOCK}: add {name} to infer.fp8.exclude or use fewer workers")
+
+    for name in sorted(chosen):
+        leaf = name.rpartition(".")[2]
+        m = model.get_submodule(name)
+        if name in linears and leaf in COLUMN_PARALLEL:
+            if leaf in ("k_proj", "v_proj") and args.num_key_value_heads < tp:
+                continue
+            if m.out_features % (BLOCK * tp):
+                refuse(name, "outputs", m.out_features)
+        elif name in linears and leaf in ROW_PARALLEL and m.in_features % (BLOCK * tp):
+            refuse(name, "inputs", m.in_features)
+        elif type(m) is GroupedExperts and not expert_parallel:
+            inter = m.w_down.shape[-1]
+            if inter % (BLOCK * tp):
+                refuse(name, "intermediate rows per expert", inter)
 
 
 def load_stream(tensors: Iterable[tuple[str, torch.Tensor]], fp8_names: frozenset[str] | set[str],

@@ -43,7 +43,7 @@ def make_weights(root: Path, seed: int) -> Path:
         src.mkdir(parents=True)
         cfg = json.loads((REPO / "recipes/models/tiny-llama/config.json").read_text())
         cfg.update(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
-                   num_key_value_heads=4, head_dim=32, max_position_embeddings=512, torch_dtype="bfloat16")
+                   num_key_value_heads=8, head_dim=32, max_position_embeddings=512, torch_dtype="bfloat16")
         (src / "config.json").write_text(json.dumps(cfg))
         shutil.copy(REPO / "recipes/models/tiny-llama/tokenizer_config.json", src)
     model = load_model(src, seed=seed)
@@ -175,6 +175,36 @@ def test_a_collective_update_is_quantized_as_it_lands(engine, weights):
     assert sample(engine) == from_files
     assert held(engine)["model.layers.1.mlp.down_proj.weight"] == "torch.float8_e4m3fn"
     engine.load_weights(FsWeights(path=str(weights[0])), 4)
+
+
+def test_two_tensor_parallel_workers_each_hold_their_fp8_shard(engine, weights):
+    """With tensor_parallel_size 2 each worker quantizes every weight as it arrives and vLLM keeps its
+    shard of the FP8 data and of the block scales (k/v: 128 rows each): the same tokens as one worker."""
+    from rlcli.infer.vllm_engine import cpu_core_sets
+
+    one = sample(engine)
+    engine.close()  # one vLLM at a time on this machine
+    old = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_core_sets(sorted(os.sched_getaffinity(0)), 2)
+    two = VllmEngine.from_config(recipe(weights[0], **{"infer.engine.tensor_parallel_size": 2}), weights[0], version=0)
+    try:
+        first = sample(two)
+        two.load_weights(FsWeights(path=str(weights[0])), 1)  # both workers take the update
+        assert sample(two) == first
+        common = 0
+        for i, (tokens, logprobs) in one.items():
+            # bf16 sums in another order move the logprobs a little, so a seeded draw may (rarely) part
+            # ways: compare the tokens both drew, and most must be
+            same = next((j for j, (a, b) in enumerate(zip(first[i][0], tokens)) if a != b), len(tokens))
+            assert max((abs(a - b) for a, b in zip(first[i][1][:same], logprobs[:same])), default=0.0) < 0.05
+            common += same
+        assert common >= sum(len(t) for t, _ in one.values()) // 2
+    finally:
+        two.close()
+        if old is None:
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+        else:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = old
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,7 @@ def moe(tmp_path):
 
 
 def fp8_plan(path: Path, **over):
-    cfg = load_recipe(None, {"infer.fp8.enabled": True, **over})
+    cfg = load_recipe(None, {"infer.engine.name": "vllm", "infer.fp8.enabled": True, **over})
     return plan(cfg, path, ModelArgs.from_dir(path))
 
 
@@ -125,3 +125,24 @@ def test_an_fp8_weight_without_its_scale_is_refused():
     q, _ = quantize_128x128(torch.randn(128, 128))
     with pytest.raises(ModelLoadError, match="no c.weight_scale_inv"):
         list(load_stream([("c.weight", q)], set(), torch.bfloat16))
+
+
+def test_tensor_parallel_shards_must_be_whole_blocks(tmp_path):
+    path = llama(tmp_path)  # k/v_proj: 4 heads x 32 = 128 outputs, 64 per worker at tp 2
+    with pytest.raises(ConfigError, match="shard of model.layers.0.self_attn.k_proj has 64 outputs"):
+        fp8_plan(path, **{"infer.engine.tensor_parallel_size": 2})
+    wide = checkpoint(tmp_path / "wide", "tiny-llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=8, head_dim=32)
+    assert fp8_plan(wide, **{"infer.engine.tensor_parallel_size": 2})
+    with pytest.raises(ConfigError, match="o_proj has 64 inputs"):
+        fp8_plan(wide, **{"infer.engine.tensor_parallel_size": 4,
+                          "infer.fp8.exclude": ["*embed_tokens", "lm_head", "*.self_attn.[qkv]_proj"]})
+    few_kv = checkpoint(tmp_path / "few", "tiny-llama", hidden_size=512, intermediate_size=1024, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=1, head_dim=128)  # k/v replicated at tp 2
+    assert fp8_plan(few_kv, **{"infer.engine.tensor_parallel_size": 2})
+    experts = moe(tmp_path)  # 128 intermediate rows per expert
+    with pytest.raises(ConfigError, match="experts has 64 intermediate rows"):
+        fp8_plan(experts, **{"infer.engine.tensor_parallel_size": 2, "infer.fp8.exclude":
+                             ["*embed_tokens", "lm_head", "*.mlp.gate", "*self_attn*"]})
+    assert fp8_plan(experts, **{"infer.engine.tensor_parallel_size": 2, "infer.engine.expert_parallel": True,
+                                "infer.fp8.exclude": ["*embed_tokens", "lm_head", "*.mlp.gate", "*self_attn*"]})
