@@ -85,7 +85,6 @@ def plan(cfg, weights: Path, args: ModelArgs) -> VllmFp8 | None:
 
 def _selection(fcfg, args: ModelArgs, tp: int = 1, expert_parallel: bool = False) -> tuple[frozenset[str], dict]:
     from rlcli.models.hf_io import build_model, hf_entries
-    from rlcli.models.moe import GroupedExperts
     from rlcli.ops.fp8.convert import selected_modules
 
     model = build_model(args, materialize=False)  # meta: the architecture, no memory
