@@ -208,6 +208,43 @@ def test_two_tensor_parallel_workers_each_hold_their_fp8_shard(engine, weights):
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = old
 
 
+def test_an_fp8_engine_fetches_blocks_from_rl_cache(engine, weights, tmp_path):
+    """rl-cache as the FP8 engine's KV connector: a prompt's blocks, published after its prefill, are
+    fetched on the second pass and give the computed logprobs back."""
+    from kvstore import start_cache
+
+    engine.close()  # one vLLM at a time on this machine
+    proc, endpoint = start_cache(tmp_path)
+    eng = VllmEngine.from_config(recipe(weights[0], **{"infer.kv_cache.endpoint": endpoint, "model.max_seq_len": 400}),
+                                 weights[0], version=0)
+    prompt = [256] + [(7 * i) % 250 for i in range(300)]  # two whole 128-token blocks and a tail
+
+    def greedy():
+        eng.reset_prefix_cache()
+        eng.add_request(GenerateRequest(request_id="r", prompt_ids=prompt, cache_salt="s",
+                                        sampling=SamplingParams(temperature=0.0, max_tokens=6)))
+        while eng.has_work():
+            for r in eng.step():
+                if hasattr(r, "completions"):
+                    return r.completions[0]
+
+    def loaded() -> float:
+        return eng.llm.collective_rpc("rlcli_kv_stats")[0].get("kv_loaded_blocks", 0)
+
+    try:
+        computed = greedy()
+        assert eng.llm.collective_rpc("rlcli_kv_flush", kwargs={"timeout_s": 20.0}) == [True]
+        before = loaded()
+        fetched = greedy()
+        assert loaded() - before == 2
+        assert fetched.token_ids == computed.token_ids
+        torch.testing.assert_close(torch.tensor(fetched.logprobs), torch.tensor(computed.logprobs), rtol=0, atol=1e-5)
+    finally:
+        eng.close()
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
 @pytest.fixture(scope="module")
 def moe_weights(tmp_path_factory):
     """A small Qwen3-MoE (8 experts, top-2) in bf16, and the same weights as an FP8 checkpoint with every
