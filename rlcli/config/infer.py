@@ -165,7 +165,7 @@ class InferConfig(Config):
     prompt KV and generate; mixed: both. Split roles need kv_cache.endpoint."""
 
     fp8: Fp8Config = msgspec.field(default_factory=Fp8Config)
-    """FP8 block-scaled GEMMs in the native engine (rl-infer --fp8); match train.fp8."""
+    """FP8 block-scaled GEMMs in rl-infer (--fp8: the native engine's, or vLLM's block-FP8 layers); match train.fp8."""
 
     def __post_init__(self) -> None:
         if not _DEVICE_RE.fullmatch(self.device):
