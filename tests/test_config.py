@@ -76,6 +76,8 @@ def test_config_package_does_not_import_torch():
     (["--infer.http_port", "70000"], "infer.http_port"),
     (["--infer.engine.name", "vllm", "--infer.engine.tensor_parallel_size", "0"], "infer.engine.tensor_parallel_size"),
     (["--infer.engine.name", "vllm", "--infer.engine.expert_parallel", "true"], "infer.engine.expert_parallel"),
+    (["--train.fp8.enabled", "true", "--infer.fp8.enabled", "true", "--infer.fp8.exclude", "['lm_head']"],
+     "train.fp8 and infer.fp8 are both on but quantize differently"),
 ])
 def test_bad_values_name_the_key(overrides, expected):
     with pytest.raises(ConfigError) as e:
@@ -149,3 +151,9 @@ def test_vllm_cpu_core_sets_must_match_its_workers(monkeypatch):
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
     _setup_environment("cpu", 1.0, tp=2)
     assert len(os.environ["VLLM_CPU_OMP_THREADS_BIND"].split("|")) == 2
+
+
+def test_fp8_on_one_side_only_or_alike_on_both_is_accepted():
+    load_recipe(None, {}, parse_overrides(["--infer.fp8.enabled", "true", "--infer.fp8.exclude", "['lm_head']"]))
+    load_recipe(None, {}, parse_overrides(["--train.fp8.enabled", "true", "--infer.fp8.enabled", "true",
+                                           "--train.fp8.backend", "torch"]))  # kernels may differ

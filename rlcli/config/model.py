@@ -32,7 +32,8 @@ class Fp8Config(Config):
     Linears whose module name matches an ``include`` pattern and no ``exclude`` pattern
     (fnmatch, on names like ``model.layers.0.self_attn.q_proj``) are swapped for FP8
     linears; stacked MoE experts (``...mlp.experts``) use FP8 grouped GEMMs. Set the same
-    values under ``train.fp8`` and ``infer.fp8`` so trainer and engine compute one function.
+    values under ``train.fp8`` and ``infer.fp8`` so trainer and engine compute one function (a recipe
+    with both on and another include, exclude or ue8m0 is refused).
     """
 
     enabled: bool = False

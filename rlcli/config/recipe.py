@@ -75,6 +75,10 @@ class RecipeConfig(Config):
         if self.model.batch_invariant and self.infer.engine.name != "native":
             raise ValueError("model.batch_invariant is implemented by the native engine only: "
                              "set infer.engine.name = native or model.batch_invariant = false")
+        tf, inf = self.train.fp8, self.infer.fp8
+        if tf.enabled and inf.enabled and (tf.include, tf.exclude, tf.ue8m0) != (inf.include, inf.exclude, inf.ue8m0):
+            raise ValueError("train.fp8 and infer.fp8 are both on but quantize differently (include, exclude or "
+                             "ue8m0): trainer and engine would compute different functions; give both the same values")
         if self.train.micro_batch_tokens < self.model.max_seq_len:
             raise ValueError(
                 f"train.micro_batch_tokens ({self.train.micro_batch_tokens}) must be >= model.max_seq_len "
