@@ -7,8 +7,8 @@ GPUs 0..T-1 (--train-gpus T, torchrun ranks when T > 1), rl-infer on GPU T (with
 --infer-gpus N: GPUs T..T+N-1, tensor parallelism); on a machine with one GPU both share cuda:0.
 rl-sync runs collective (NCCL on distinct GPUs, gloo on the CPU) unless rl-infer and rl-train share
 a GPU, where NCCL cannot join two processes on one device: then the filesystem transport (--sync
-picks another). The placement and the transport that ran are printed first. --device cpu swaps in a tiny model of the same architecture (bench/trainer_node.py's
-SMOKE shape) and a shorter workload.
+picks another). The placement and the transport that ran are printed first. --device cpu swaps in a
+tiny model of the same architecture (bench/trainer_node.py's SMOKE shape) and a shorter workload.
 
 Per arm, over the steps after --warmup, from what the processes write (RUN/metrics/*.jsonl,
 RUN/logs): the median trainer step period; its parts: generation (the orchestrator's step less
