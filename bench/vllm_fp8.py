@@ -9,8 +9,9 @@ and experts from ``rlcli.ops.fp8.convert``), in one process, one vLLM at a time:
 2. time a weight update from that checkpoint (``FsWeights``; FP8: quantized on the way in), median of 3;
 3. generate ``--prompts`` x ``--n`` completions of ``--max-tokens`` (ignore_eos), timing the decode;
 4. recompute every completion token's logprob with the trainer's forward (bf16 weights; MoE routes
-   replayed where vLLM records them, on CUDA; on the CPU the trainer routes by itself) and report the mismatch KL (k3 estimate of KL(pi_infer || pi_train), rl-train's
-   ``mismatch_kl``), mean and max |d logprob|, and the fraction of tokens with ratio > 2 or < 0.5.
+   replayed where vLLM records them, on CUDA; on the CPU the trainer routes by itself) and report the
+   mismatch KL (k3 estimate of KL(pi_infer || pi_train), rl-train's ``mismatch_kl``), mean and max
+   |d logprob|, and the fraction of tokens with ratio > 2 or < 0.5.
 
 Then the FP8 / bf16 ratios: generated tokens/s, weight-update time, and mismatch KL (#11: with FP8
 on both sides the KL should be no higher than with bf16 on both sides).
@@ -150,7 +151,8 @@ def run_arm(args, kind: str, weights: Path, fp8: bool) -> dict:
     cfg = load_recipe(None, {
         "model.path": str(weights), "model.max_seq_len": max_len, "model.dtype": "bfloat16", "seed": args.seed,
         "infer.engine.name": "vllm", "infer.device": args.device, "infer.fp8.enabled": fp8,
-        "infer.engine.gpu_memory_utilization": args.gpu_memory_utilization, "infer.engine.enforce_eager": args.vllm_eager, "infer.max_num_seqs": args.prompts * args.n,
+        "infer.engine.gpu_memory_utilization": args.gpu_memory_utilization,
+        "infer.engine.enforce_eager": args.vllm_eager, "infer.max_num_seqs": args.prompts * args.n,
         "train.fp8.enabled": fp8, "train.fp8.backend": args.trainer_backend})
     t0 = time.perf_counter()
     engine = make_engine(cfg, weights, version=0)
@@ -231,8 +233,8 @@ def main() -> None:
             weights = write_model(Path(tmp), kind, args.smoke, args.prompt_len + args.max_tokens + 1)
             for arm in args.arms.split(","):
                 r = results[(kind, arm)] = run_arm(args, kind, weights, arm == "fp8")
-                print(f"{kind} {arm}: {json.dumps({k: round(v, 6) if isinstance(v, float) else v for k, v in r.items()})}",
-                      file=sys.stderr, flush=True)
+                shown = {k: round(v, 6) if isinstance(v, float) else v for k, v in r.items()}
+                print(f"{kind} {arm}: {json.dumps(shown)}", file=sys.stderr, flush=True)
     print(f"{args.prompts} prompts x {args.n} completions, {args.prompt_len} + {args.max_tokens} tokens, "
           f"device {args.device}")
     print(f"{'model':<7}{'arm':<6}{'vLLM start s':>13}{'update s':>10}{'gen tok/s':>11}{'mismatch KL':>13}"
