@@ -252,21 +252,28 @@ def test_collective_weights_land_in_vllm_and_a_broken_transfer_holds_generation(
     assert out["w"].completions[0].token_ids == greedy_reference(models[0], prompt, 3)
 
 
-def test_an_fp8_published_policy_loads_dequantized(serving, weights, tmp_path):
-    """A trainer with train.fp8.publish writes linears as FP8 + weight_scale_inv; this engine holds them in
-    high precision, so they load dequantized (rlcli.infer.vllm_fp8.load_stream), not as raw FP8 bytes."""
+def fp8_published(src: Path, out: Path) -> Path:
+    """``src`` as rl-train publishes it with ``train.fp8.publish`` (DeepSeek-V3's layout): every ``*proj.weight``
+    (linears and per-expert weights) as FP8 + weight_scale_inv, and the quantization config."""
     from safetensors.torch import load_file, save_file
 
     from rlcli.models.fp8_io import QUANTIZATION_CONFIG, quantize_for_save
-    from rlcli.ops.fp8.quant import dequantize_128x128, quantize_128x128
 
-    published = tmp_path / "w1fp8"
-    shutil.copytree(weights[1], published)
-    for f in published.glob("*.safetensors"):
+    shutil.copytree(src, out)
+    for f in out.glob("*.safetensors"):
         tensors = load_file(f)
         save_file(quantize_for_save(tensors, [n for n in tensors if n.endswith("proj.weight")]), f)
-    cfg = json.loads((published / "config.json").read_text())
-    (published / "config.json").write_text(json.dumps({**cfg, "quantization_config": QUANTIZATION_CONFIG}))
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**cfg, "quantization_config": QUANTIZATION_CONFIG}))
+    return out
+
+
+def test_an_fp8_published_policy_loads_dequantized(serving, weights, tmp_path):
+    """A trainer with train.fp8.publish writes linears as FP8 + weight_scale_inv; this engine holds them in
+    high precision, so they load dequantized (rlcli.infer.vllm_fp8.load_stream), not as raw FP8 bytes."""
+    from rlcli.ops.fp8.quant import dequantize_128x128, quantize_128x128
+
+    published = fp8_published(weights[1], tmp_path / "w1fp8")
     reference = load_model(weights[1]).eval()
     with torch.no_grad():
         for name, p in reference.named_parameters():

@@ -30,9 +30,10 @@ from rlcli.config import load_recipe
 from rlcli.errors import ConfigError
 from rlcli.infer.vllm_engine import VllmEngine
 from rlcli.models import load_model, save_model
-from rlcli.models.fp8_io import QUANTIZATION_CONFIG, SCALE_SUFFIX, quantize_for_save
+from rlcli.models.fp8_io import SCALE_SUFFIX
 from rlcli.ops.fp8.quant import dequantize_128x128, quantize_128x128
 from rlcli.protocol import FsWeights, GenerateRequest, NcclWeights, SamplingParams
+from test_vllm_engine import fp8_published  # noqa: E402 (after the skips above)
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = [[256] + [(11 * i + 5 * j) % 250 for j in range(12)] for i in range(4)]
@@ -54,19 +55,6 @@ def make_weights(root: Path, seed: int) -> Path:
                 p.normal_(0, 0.15, generator=torch.Generator().manual_seed(seed * 1000 + len(name)))
     out = root / f"w{seed}"
     save_model(model, out, source_dir=src)
-    return out
-
-
-def fp8_published(src: Path, out: Path) -> Path:
-    """``src`` as rl-train publishes it with ``train.fp8.publish``: linears as FP8 + weight_scale_inv."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, out)
-    for f in out.glob("*.safetensors"):
-        tensors = load_file(f)
-        save_file(quantize_for_save(tensors, [n for n in tensors if n.endswith("proj.weight")]), f)
-    cfg = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**cfg, "quantization_config": QUANTIZATION_CONFIG}))
     return out
 
 
@@ -259,14 +247,7 @@ def moe_weights(tmp_path_factory):
     shutil.copy(REPO / "recipes/models/tiny-qwen3-moe/tokenizer_config.json", src)
     bf16 = root / "bf16"
     save_model(load_model(src, seed=0), bf16, source_dir=src)
-    fp8 = root / "fp8"
-    shutil.copytree(bf16, fp8)
-    from safetensors.torch import load_file, save_file
-
-    for f in fp8.glob("*.safetensors"):
-        tensors = load_file(f)
-        save_file(quantize_for_save(tensors, [n for n in tensors if n.endswith("proj.weight")]), f)
-    return {"bf16": bf16, "fp8": fp8}
+    return {"bf16": bf16, "fp8": fp8_published(bf16, root / "fp8")}
 
 
 def test_moe_experts_are_fp8_in_vllm_and_load_like_an_fp8_checkpoint(engine, moe_weights):
