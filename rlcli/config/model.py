@@ -19,7 +19,8 @@ class ModelConfig(Config):
     """Longest sequence (prompt + completion) in tokens that either side accepts."""
 
     batch_invariant: bool = False
-    """Native engine and trainer give each token the same logprob bits whatever its batch (CPU; dense GQA models)."""
+    """Native engine and trainer give each token the same logprob bits whatever its batch (CPU, and
+    CUDA through Triton kernels; dense GQA models; rlcli.ops.batch_invariant)."""
 
     def __post_init__(self) -> None:
         if self.max_seq_len < 8:

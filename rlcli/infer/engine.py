@@ -39,7 +39,8 @@ is a mixed one that other servers' prefills feed.
 With ``batch_invariant`` (``model.batch_invariant``) a token's numbers do not depend on the
 rest of the step: linears run on row counts that round every row alike, attention in the fixed order the trainer's
 ``invariant`` backend uses, and reported logprobs use the trainer's formula, so the trainer
-recomputes the same bits (:mod:`rlcli.ops.batch_invariant`; GQA models on the CPU).
+recomputes the same bits (:mod:`rlcli.ops.batch_invariant`; GQA models, on the CPU and on CUDA,
+where both sides run the Triton kernels of :mod:`rlcli.ops.invariant_kernels`).
 """
 
 
@@ -62,7 +63,7 @@ from rlcli.infer.receiver import WeightReceiver
 from rlcli.models import DTYPES, CausalLM, load_model
 from rlcli.models.tokenizer import load_tokenizer
 from rlcli.ops.attention import ForwardContext, PagedAttention, PagedAttentionMetadata, RoutingContext
-from rlcli.ops.batch_invariant import pad_linear_rows, pin_threads
+from rlcli.ops.batch_invariant import batch_invariant_setup, make_batch_invariant
 from rlcli.ops.logprobs import token_logprobs_of
 from rlcli.ops.sampling import sample
 from rlcli.protocol import (
@@ -135,14 +136,11 @@ class NativeEngine(SharedKVMixin):
         self.model = model.eval()
         self.batch_invariant = batch_invariant
         if batch_invariant:
-            if next(model.parameters()).device.type != "cpu":
-                raise ConfigError("model.batch_invariant is implemented on the CPU only (CUDA GEMMs choose their "
-                                  "summation order by shape): set model.batch_invariant = false or --device cpu")
             if not all(type(layer.self_attn).__name__ == "Attention" for layer in model.model.layers):
                 raise ConfigError("model.batch_invariant covers grouped-query attention only; this model's "
                                   "attention is another kind: set model.batch_invariant = false")
-            pad_linear_rows(model)
-            pin_threads()  # the trainer's thread count (rlcli.ops.batch_invariant)
+            batch_invariant_setup(next(model.parameters()).device)
+            make_batch_invariant(model)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.eos_token_ids = frozenset(eos_token_ids)

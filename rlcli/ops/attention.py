@@ -30,7 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from rlcli.ops.batch_invariant import invariant_attention
+from rlcli.ops.batch_invariant import invariant_attention, invariant_kernels, on_kernels
 from rlcli.ops.document_attention import (PackedCausalAttention, _sdpa, _varlen_attn, doc_ids_from_positions,
                                           varlen_attention)
 
@@ -72,7 +72,8 @@ class PagedAttentionMetadata:
     its KV in blocks ``block_tables[i]``. The first ``num_decode`` sequences have exactly
     one query token each and are attended in one batched call; the rest (prefill chunks)
     one by one. On CUDA in half precision the decodes share one varlen flash call and the
-    prefill chunks another (:meth:`PagedAttention._varlen`).
+    prefill chunks another (:meth:`PagedAttention._varlen`); under ``batch_invariant`` on CUDA
+    all of them one call of the invariant kernel (:meth:`PagedAttention._invariant_kernel`).
     """
 
     slot_mapping: torch.Tensor  # int64 [N]: cache slot (block * block_size + offset) per new token
@@ -85,6 +86,8 @@ class PagedAttentionMetadata:
     _decode_gather: tuple | None = field(default=None, repr=False)
     # The varlen path's (cache slots of every sequence's context, cu_q, cu_k, max_q, max_k), likewise.
     _varlen_plan: tuple | None = field(default=None, repr=False)
+    # The invariant kernel's (context slots, cu_q, cu_k, max_q) under batch_invariant on CUDA, likewise.
+    _invariant_plan: tuple | None = field(default=None, repr=False)
 
 
 class PagedAttention(nn.Module):
@@ -105,6 +108,8 @@ class PagedAttention(nn.Module):
         q_NHD = q[0]
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, k[0].to(k_cache.dtype))
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v[0].to(v_cache.dtype))
+        if self.batch_invariant and on_kernels(q_NHD):
+            return self._invariant_kernel(q_NHD, k_cache, v_cache, scale)[None]
         if self._use_varlen(q_NHD, k_cache, v_cache):
             return self._varlen(q_NHD, k_cache, v_cache, scale)[None]
         outs = []
@@ -149,18 +154,40 @@ class PagedAttention(nn.Module):
             outs.append(varlen_attention(q_NHD[first_q:], k[first_k:], v[first_k:], cu_q, cu_k, max_q, max_k, scale))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def _plan_varlen(self, device: torch.device, groups: int) -> tuple:
-        """(context slots of every sequence, the decodes' call, the prefill chunks' call);
-        ``groups``: query heads per K/V head."""
+    def _invariant_kernel(self, q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+        """``batch_invariant`` on CUDA: every sequence of the step in one call of the invariant
+        attention kernel (:mod:`rlcli.ops.invariant_kernels`), which reads the keys and values in
+        the cache through their slots; the trainer's packed rows run the same kernel."""
         meta = self.meta
-        lens, starts = meta.context_lens, meta.query_start
+        if meta._invariant_plan is None:
+            slots, cu_k = self._context_slots(q_NHD.device)
+            starts = meta.query_start
+            cu_q = torch.tensor(starts, dtype=torch.int64).to(q_NHD.device, non_blocking=True)
+            meta._invariant_plan = (slots, cu_q, cu_k, max(b - a for a, b in zip(starts, starts[1:])))
+        slots, cu_q, cu_k, max_q = meta._invariant_plan
+        return invariant_kernels().attention(q_NHD, k_cache.view(-1, *k_cache.shape[2:]),
+                                             v_cache.view(-1, *v_cache.shape[2:]), slots, cu_q, cu_k, max_q, scale)
+
+    def _context_slots(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cache slots of every sequence's context, flattened in sequence and position order;
+        int64 ``cu_seqlens`` of those contexts)."""
+        meta = self.meta
+        lens = meta.context_lens
         total = sum(lens)
         lens_t = torch.tensor(lens, dtype=torch.int64, device=device)
         cu_k = torch.zeros(len(lens) + 1, dtype=torch.int64, device=device)
         cu_k[1:] = torch.cumsum(lens_t, 0)
         seq = torch.repeat_interleave(torch.arange(len(lens), device=device), lens_t, output_size=total)
         pos = torch.arange(total, device=device) - cu_k[:-1].repeat_interleave(lens_t, output_size=total)
-        slots = meta.block_tables[seq, pos // meta.block_size] * meta.block_size + pos % meta.block_size
+        return meta.block_tables[seq, pos // meta.block_size] * meta.block_size + pos % meta.block_size, cu_k
+
+    def _plan_varlen(self, device: torch.device, groups: int) -> tuple:
+        """(context slots of every sequence, the decodes' call, the prefill chunks' call);
+        ``groups``: query heads per K/V head."""
+        meta = self.meta
+        lens, starts = meta.context_lens, meta.query_start
+        slots, cu_k = self._context_slots(device)
         cu_k = cu_k.to(torch.int32)
         nd = meta.num_decode
         decodes = prefills = None

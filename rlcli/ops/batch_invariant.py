@@ -43,14 +43,29 @@ Known exception, not understood: on this session's AVX-512 VM (torch 2.13) the f
 of :func:`invariant_attention` in a test process, after other tests had run, gave other bits
 (up to 1e-4 apart) about one time in five; the same call again gave the usual ones.
 
-Not covered: MoE expert GEMMs (their per-expert row counts follow the batch), MLA attention,
-and CUDA, whose GEMM and attention kernels choose tiles and split-K by shape (a GPU mode needs
-kernels of its own, as vLLM's batch-invariant mode has).
+**On CUDA** the GEMM, attention and reduction kernels choose tiles and split-K by shape, and
+torch's row reductions split a row across threads when there are few rows, so the flag runs
+kernels of its own there (:mod:`rlcli.ops.invariant_kernels`, Triton): every linear's forward
+(``mm``; FP8 linears' forward GEMM ``fp8_mm``, their quantization being per row already),
+:func:`invariant_attention`, RMSNorm (:func:`make_batch_invariant` swaps them in) and, after
+:func:`enable` (the engine and the trainer call it at start), the LM head of
+:func:`rlcli.ops.logprobs.chunked_logprobs` (:func:`rows_mm`) and its softmax sum
+(:func:`row_sum`). Their backward passes are torch's (cuBLAS, SDPA): a gradient need not be
+batch-invariant. Elementwise CUDA kernels compute an element from its own inputs whatever the
+tensor's size. The engine's sampler keeps its own ops (which token is drawn may differ; the
+logprob it reports is the trainer's). Not covered there: top-p's nucleus (a sort and a cumulative
+sum), MoE experts and MLA, as on the CPU.
+
+Not covered: MoE expert GEMMs (their per-expert row counts follow the batch) and MLA attention.
 """
+
+import os
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from rlcli.errors import ConfigError
 
 KEY_BLOCK = 32
 """Keys per block of :func:`invariant_attention`'s fixed summation order."""
@@ -88,11 +103,117 @@ def blocked_rows(fn, x_MK: torch.Tensor) -> torch.Tensor:
     return torch.cat([fn(x_MK[i:i + ROW_BLOCK]) for i in range(0, x_MK.shape[0], ROW_BLOCK)])[:m]
 
 
+# ------------------------------------------------------------------------------ CUDA kernels
+
+_STATE = {"enabled": False}
+_KERNELS_ON_CPU = os.environ.get("RLCLI_INVARIANT_KERNELS_ON_CPU") == "1"  # tests, under TRITON_INTERPRET=1
+
+
+def enable(on: bool = True) -> None:
+    """Process-wide: :func:`rows_mm` and :func:`row_sum` take the invariant kernels on CUDA (the
+    engine and the trainer call it at start under ``model.batch_invariant``; modules swapped by
+    :func:`make_batch_invariant` need no call)."""
+    _STATE["enabled"] = bool(on)
+
+
+def batch_invariant_setup(device: torch.device) -> None:
+    """Process setup under ``model.batch_invariant`` (the engine and the trainer call it at start):
+    on the CPU one intra-op thread (:func:`pin_threads`); on CUDA the kernels must import, then
+    :func:`enable`. Raises ConfigError naming what to change."""
+    if device.type == "cpu":
+        pin_threads()  # both sides' thread count
+    elif device.type == "cuda":
+        if not kernels_available():
+            raise ConfigError("model.batch_invariant on CUDA runs Triton kernels, and triton does not import "
+                              "here: install triton or set model.batch_invariant = false")
+    else:
+        raise ConfigError(f"model.batch_invariant runs on the CPU and CUDA, not {device.type}: "
+                          "set model.batch_invariant = false")
+    enable()
+
+
+def kernels_available() -> bool:
+    """Whether :mod:`rlcli.ops.invariant_kernels` imports (Triton)."""
+    return invariant_kernels() is not None
+
+
+def invariant_kernels():
+    """The :mod:`rlcli.ops.invariant_kernels` module, or None where Triton does not import."""
+    try:
+        from rlcli.ops import invariant_kernels as kernels
+    except (ImportError, OSError):
+        return None
+    return kernels
+
+
+def on_kernels(x: torch.Tensor) -> bool:
+    """Whether ``x`` is computed by the invariant kernels (CUDA; CPU tensors only in the kernel tests)."""
+    return x.is_cuda or (_KERNELS_ON_CPU and x.device.type == "cpu")
+
+
 def rows_mm(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
-    """``a @ b``, in :func:`blocked_rows` on the CPU (see module docstring)."""
+    """``a @ b``: in :func:`blocked_rows` on the CPU, by the invariant ``mm`` kernel on CUDA
+    after :func:`enable` (see module docstring)."""
+    if _STATE["enabled"] and on_kernels(a_MK):
+        return invariant_kernels().mm(a_MK, b_KN.T)
     if a_MK.device.type != "cpu":
         return a_MK @ b_KN
     return blocked_rows(lambda block: block @ b_KN, a_MK)
+
+
+def row_sum(x_MN: torch.Tensor) -> torch.Tensor:
+    """``x.sum(-1)`` of a 2-D tensor, by the invariant ``row_sum`` kernel on CUDA after :func:`enable`
+    (fp32 out; torch's CPU row reductions are already row-invariant)."""
+    if _STATE["enabled"] and on_kernels(x_MN):
+        return invariant_kernels().row_sum(x_MN)
+    return x_MN.sum(dim=-1)
+
+
+class _KernelRMSNormFn(torch.autograd.Function):
+    """The model's RMSNorm (:class:`rlcli.models.layers.RMSNorm`) by the ``rms_norm`` kernel;
+    backward by autograd through torch's formula, recomputed."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return invariant_kernels().rms_norm(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            xd, wd = x.detach().requires_grad_(), weight.detach().requires_grad_()
+            xf = xd.float()
+            y = wd * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)).to(x.dtype)
+            dx, dw = torch.autograd.grad(y, (xd, wd), dy)
+        return dx, dw, None
+
+
+class _KernelNorm:
+    """Mixin in front of an RMSNorm's class: the ``rms_norm`` kernel on CUDA (see module docstring)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if on_kernels(x):
+            return _KernelRMSNormFn.apply(x, self.weight, self.eps)
+        return super().forward(x)
+
+
+class KernelGemm:
+    """An FP8 GEMM backend (:mod:`rlcli.ops.fp8.backends`) whose ``gemm`` (forward and input
+    gradient) runs the invariant ``fp8_mm`` kernel on CUDA; everything else is the wrapped one's."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.name = f"invariant+{inner.name}"
+
+    def gemm(self, a, sa, b, sb, out_dtype):
+        if on_kernels(a):
+            return invariant_kernels().fp8_mm(a, sa, b, sb, out_dtype)
+        return self.inner.gemm(a, sa, b, sb, out_dtype)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
 
 
 class _BlockedLinearFn(torch.autograd.Function):
@@ -115,6 +236,18 @@ class _BlockedLinearFn(torch.autograd.Function):
         return dx, dw, db
 
 
+class _KernelLinearFn(_BlockedLinearFn):
+    """``F.linear`` whose forward is the invariant ``mm`` kernel (CUDA); backward as
+    :class:`_BlockedLinearFn`'s (torch's GEMMs)."""
+
+    @staticmethod
+    def forward(ctx, x_MK, weight_NK, bias_N):
+        ctx.save_for_backward(x_MK, weight_NK)
+        ctx.has_bias = bias_N is not None
+        y = invariant_kernels().mm(x_MK, weight_NK)
+        return y if bias_N is None else y + bias_N.to(y.dtype)
+
+
 class _RowPadded:
     """Mixin in front of a linear's class: on the CPU its forward runs in :func:`blocked_rows`
     (a plain ``nn.Linear`` through :class:`_BlockedLinearFn`, FP8 linears by their own autograd)."""
@@ -122,11 +255,14 @@ class _RowPadded:
     plain_linear = False  # the class's forward is nn.Linear's (set by pad_linear_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu":
-            return super().forward(x)
+        kernels = on_kernels(x)
+        if (kernels and not self.plain_linear) or (not kernels and x.device.type != "cpu"):
+            return super().forward(x)  # FP8 linears: their backend is a KernelGemm (make_batch_invariant)
         rows = x.numel() // max(x.shape[-1], 1)
         x_MK = x.reshape(rows, x.shape[-1])
-        if self.plain_linear:
+        if kernels:
+            out = _KernelLinearFn.apply(x_MK, self.weight, self.bias)
+        elif self.plain_linear:
             out = _BlockedLinearFn.apply(x_MK, self.weight, self.bias)
         else:
             out = blocked_rows(super().forward, x_MK)
@@ -152,6 +288,27 @@ def pad_linear_rows(model: nn.Module) -> int:
     return count
 
 
+def make_batch_invariant(model: nn.Module) -> nn.Module:
+    """Everything ``model.batch_invariant`` swaps into a model, in place (after ``convert_to_fp8``;
+    idempotent): :func:`pad_linear_rows`; RMSNorms that run the ``rms_norm`` kernel on CUDA; FP8
+    linears' GEMM backends wrapped in :class:`KernelGemm` (one wrapper per backend, so that
+    stacked siblings still share theirs)."""
+    from rlcli.models.layers import RMSNorm
+    from rlcli.ops.fp8.linear import FP8Linear
+
+    pad_linear_rows(model)
+    wrapped: dict[int, KernelGemm] = {}
+    for module in model.modules():
+        if isinstance(module, RMSNorm) and not isinstance(module, _KernelNorm):
+            cls = type(module)
+            if cls not in _PADDED:
+                _PADDED[cls] = type(f"Kernel{cls.__name__}", (_KernelNorm, cls), {})
+            module.__class__ = _PADDED[cls]
+        if isinstance(module, FP8Linear) and not isinstance(module.backend, KernelGemm):
+            module.backend = wrapped.setdefault(id(module.backend), KernelGemm(module.backend))
+    return model
+
+
 # ------------------------------------------------------------------------------ attention
 
 
@@ -162,13 +319,17 @@ def invariant_attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torc
     Row ``b`` holds ``n_b`` keys (``lens_B``, default all ``S``; keys past ``n_b`` are padding,
     which must be finite: the engine's decode reads the sequence's own first key there); its
     ``T`` queries are the last ``T`` of them, so query ``j`` sees keys ``0 .. n_b - T + j``
-    (bottom-right causal). GQA: query head ``h`` reads key head ``h // (Hq / Hkv)``. Computed in fp32; each query's output depends only on its own query,
-    keys and values (module docstring), so queries may also be computed in chunks (long rows
-    are, to bound memory). Differentiable.
+    (bottom-right causal). GQA: query head ``h`` reads key head ``h // (Hq / Hkv)``. Computed
+    in fp32; each query's output depends only on its own query, keys and values (module
+    docstring), so queries may also be computed in chunks (long rows are, to bound memory).
+    Differentiable. On CUDA the ``attention`` kernel computes the forward (same order, its own
+    bits) and SDPA the backward.
     """
     B, Hq, T, D = q_BHTD.shape
     S, Dv = k_BHSD.shape[2], v_BHSD.shape[-1]
     lens = torch.full((B,), S, device=q_BHTD.device) if lens_B is None else lens_B.to(q_BHTD.device)
+    if on_kernels(q_BHTD):
+        return _KernelAttentionFn.apply(q_BHTD, k_BHSD, v_BHSD, float(scale), lens)
     per_query = Hq * S * (max(D, Dv) + 1)
     chunk = max(1, _MAX_ELEMENTS // max(per_query * B, 1))
     if T <= chunk:
@@ -210,3 +371,27 @@ def _attend(q_BHTD, k_BHSD, v_BHSD, scale: float, lens_B: torch.Tensor) -> torch
     for j in range(1, nb):  # block by block from position 0: unseen blocks add exact zeros
         acc = acc + parts[..., j, :]
     return (acc[..., :Dv] / acc[..., Dv:]).view(B, Hq, T, Dv).to(q_BHTD.dtype)
+
+
+class _KernelAttentionFn(torch.autograd.Function):
+    """:func:`invariant_attention` by the ``attention`` kernel; backward through SDPA with the
+    same mask (the gradient need not be batch-invariant)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale: float, lens):
+        ctx.save_for_backward(q, k, v, lens)
+        ctx.scale = scale
+        return invariant_kernels().dense_attention(q, k, v, scale, lens)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, lens = ctx.saved_tensors
+        T, S = q.shape[2], k.shape[2]
+        last = lens[:, None] - T + torch.arange(T, device=q.device)[None]  # [B, T]: the last key each query sees
+        mask = torch.arange(S, device=q.device)[None, None] <= last[:, :, None]  # [B, T, S]
+        with torch.enable_grad():
+            qd, kd, vd = (t.detach().requires_grad_() for t in (q, k, v))
+            out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask[:, None], scale=ctx.scale,
+                                                 enable_gqa=q.shape[1] != k.shape[1])
+            dq, dk, dv = torch.autograd.grad(out, (qd, kd, vd), dout)
+        return dq, dk, dv, None, None

@@ -30,7 +30,10 @@ or per-block state:
 * ``invariant``: the ``sdpa`` code with each call replaced by
   :func:`rlcli.ops.batch_invariant.invariant_attention` (fixed key blocks, fixed summation
   order): the engine's paged attention under ``model.batch_invariant`` gives the same bits.
-  fp32 math, any device, with autograd; slower than the kernels (it builds every score).
+  fp32 math, with autograd; slower than the kernels (it builds every score). On CUDA
+  (without CP) every segment of the batch goes through one call of the invariant Triton
+  kernel per layer instead (:class:`_InvariantKernelFn`, the engine's kernel), and the
+  backward pass differentiates ``varlen`` (half precision) or the per-document code.
 
 ``auto`` picks, on CUDA, ``cudnn`` when every row is one document (where cuDNN's SDPA
 kernel applies), ``flex`` under CP and ``varlen`` otherwise; ``sdpa`` elsewhere.
@@ -62,7 +65,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from rlcli.ops.batch_invariant import invariant_attention
+from rlcli.ops.batch_invariant import invariant_attention, invariant_kernels, on_kernels
 from rlcli.ops.prefix_tree import RowTree, attention_buckets
 
 AttentionBackend = Literal["auto", "sdpa", "flex", "varlen", "cudnn", "invariant"]
@@ -181,6 +184,7 @@ class PackedCausalAttention(nn.Module):
         self.query_runs = self._query_runs()
         self._block_mask = None
         self._varlen_plan = None
+        self._invariant_plan = None
         self._batched_plan = None
         self.expand_kv = self.backend == "cudnn" and not _cudnn_gqa(device)
         self.sdpa_kwargs = _cudnn_first_kwargs() if self.backend == "cudnn" else {}
@@ -234,6 +238,8 @@ class PackedCausalAttention(nn.Module):
             return self._cudnn(q_BTHD, k_BSHD, v_BSHD, scale)
         if self.backend == "sdpa" and self.query_index is None and q_BTHD.device.type == "cpu":
             return self._sdpa_batched(q_BTHD, k_BSHD, v_BSHD, scale)
+        if self.backend == "invariant" and self.query_index is None and on_kernels(q_BTHD):
+            return _InvariantKernelFn.apply(q_BTHD, k_BSHD, v_BSHD, float(scale), self)
         return self._sdpa_per_document(q_BTHD, k_BSHD, v_BSHD, scale)
 
     @torch.compiler.disable
@@ -359,24 +365,45 @@ class PackedCausalAttention(nn.Module):
         return out.transpose(1, 2)
 
     # ------------------------------------------------------------------ varlen (flash)
+    def _segment_keys(self, T: int) -> tuple[list[int], list[int], np.ndarray, int, int]:
+        """Host-side: query and key ``cu_seqlens`` of every segment in the flattened batch, the
+        row of each segment's keys (its ancestors' spans first, then its own), and the maxima."""
+        cu_q, cu_k, index = [0], [0], []
+        for b, spans in enumerate(self.spans):
+            for s, e, prefix in spans:
+                cu_q.append(b * T + e)
+                keys = prefix + [(s, e)]
+                cu_k.append(cu_k[-1] + sum(z - a for a, z in keys))
+                index += [np.arange(b * T + a, b * T + z) for a, z in keys]
+        max_q = max(e - s for spans in self.spans for s, e, _ in spans)
+        max_k = max(b - a for a, b in zip(cu_k, cu_k[1:]))
+        return cu_q, cu_k, np.concatenate(index), max_q, max_k
+
     def _plan_varlen(self, T: int, device: torch.device):
         """Once per forward, shared by every layer: query and key ``cu_seqlens``, their
         maxima, and (shared-prompt rows only) the index of each segment's keys in the
         flattened batch, its ancestors' spans first."""
         if self._varlen_plan is None:
-            cu_q, cu_k, index = [0], [0], []
-            for b, spans in enumerate(self.spans):
-                for s, e, prefix in spans:
-                    cu_q.append(b * T + e)
-                    keys = prefix + [(s, e)]
-                    cu_k.append(cu_k[-1] + sum(z - a for a, z in keys))
-                    index += [np.arange(b * T + a, b * T + z) for a, z in keys]
-            max_q = max(e - s for spans in self.spans for s, e, _ in spans)
-            max_k = max(b - a for a, b in zip(cu_k, cu_k[1:]))
+            cu_q, cu_k, index, max_q, max_k = self._segment_keys(T)
             as_dev = lambda x: torch.tensor(x, dtype=torch.int32).to(device, non_blocking=True)  # noqa: E731
-            gather = _GatherPlan(np.concatenate(index), device) if self.shared else None
+            gather = _GatherPlan(index, device) if self.shared else None
             self._varlen_plan = (as_dev(cu_q), as_dev(cu_k) if self.shared else None, max_q, max_k, gather)
         return self._varlen_plan
+
+    def _plan_invariant(self, T: int, device: torch.device):
+        """:meth:`_plan_varlen` for the invariant kernel (key rows always, int64), once per forward."""
+        if self._invariant_plan is None:
+            cu_q, cu_k, index, max_q, _ = self._segment_keys(T)
+            as_dev = lambda x: torch.as_tensor(x, dtype=torch.int64).to(device, non_blocking=True)  # noqa: E731
+            self._invariant_plan = (as_dev(index), as_dev(cu_q), as_dev(cu_k), max_q)
+        return self._invariant_plan
+
+    def _differentiable(self, q_BTHD, k_BSHD, v_BSHD, scale) -> torch.Tensor:
+        """The invariant backend's attention by kernels with a backward (flash varlen in half
+        precision, else the per-document code): :class:`_InvariantKernelFn`'s backward pass."""
+        if q_BTHD.is_cuda and q_BTHD.dtype in (torch.float16, torch.bfloat16) and _varlen_attn() is not None:
+            return self._varlen(q_BTHD, k_BSHD, v_BSHD, scale)
+        return self._sdpa_per_document(q_BTHD, k_BSHD, v_BSHD, scale)
 
     def _varlen(self, q_BTHD, k_BSHD, v_BSHD, scale) -> torch.Tensor:
         B, T = q_BTHD.shape[:2]
@@ -390,6 +417,32 @@ class PackedCausalAttention(nn.Module):
         out = varlen_attention(q_BTHD.flatten(0, 1), k, v, cu_q, cu_q if cu_k is None else cu_k, max_q, max_k, scale)
         out = out.view(B, T, *out.shape[1:])
         return out[..., :out.shape[-1] - pad] if pad > 0 else out
+
+
+class _InvariantKernelFn(torch.autograd.Function):
+    """The ``invariant`` backend on CUDA: the forward is one call of the invariant attention kernel
+    over every segment of the batch (:mod:`rlcli.ops.invariant_kernels`, the engine's kernel);
+    the backward differentiates :meth:`PackedCausalAttention._differentiable` (a gradient need
+    not be batch-invariant)."""
+
+    @staticmethod
+    def forward(ctx, q_BTHD, k_BSHD, v_BSHD, scale: float, attn: "PackedCausalAttention"):
+        ctx.save_for_backward(q_BTHD, k_BSHD, v_BSHD)
+        ctx.scale, ctx.attn = scale, attn
+        B, T, Hq = q_BTHD.shape[:3]
+        rows, cu_q, cu_k, max_q = attn._plan_invariant(T, q_BTHD.device)
+        out = invariant_kernels().attention(q_BTHD.flatten(0, 1), k_BSHD.flatten(0, 1), v_BSHD.flatten(0, 1), rows,
+                                            cu_q, cu_k, max_q, scale)
+        return out.view(B, T, Hq, -1)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v = ctx.saved_tensors
+        with torch.enable_grad():
+            qd, kd, vd = (t.detach().requires_grad_() for t in (q, k, v))
+            out = ctx.attn._differentiable(qd, kd, vd, ctx.scale)
+            dq, dk, dv = torch.autograd.grad(out, (qd, kd, vd), dout)
+        return dq, dk, dv, None, None
 
 
 def varlen_attention(q_NHD: torch.Tensor, k_MHD: torch.Tensor, v_MHD: torch.Tensor, cu_q: torch.Tensor,

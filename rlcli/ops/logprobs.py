@@ -22,7 +22,7 @@ fuses those passes.
 
 import torch
 
-from rlcli.ops.batch_invariant import rows_mm
+from rlcli.ops.batch_invariant import row_sum, rows_mm
 from rlcli.ops.sampling import top_p_keep
 
 
@@ -41,7 +41,7 @@ def _chunk_stats(zraw_CV, targets_C, inv_temp: float, top_p: float = 1.0):
     m = z.amax(dim=-1, keepdim=True)
     d = z - m
     e = d.exp()
-    sum_e = e.sum(dim=-1)
+    sum_e = row_sum(e)
     log_s = sum_e.log()
     lse = m[:, 0] + log_s
     entropy = log_s - torch.linalg.vecdot(e, d) / sum_e  # of the full distribution, as the bonus wants

@@ -32,7 +32,7 @@ from rlcli.config.train import LossConfig, OptimConfig
 from rlcli.errors import ConfigError
 from rlcli.logging import setup_logging
 from rlcli.models import DTYPES, ModelArgs, build_model, load_model
-from rlcli.ops.batch_invariant import pad_linear_rows, pin_threads
+from rlcli.ops.batch_invariant import batch_invariant_setup, make_batch_invariant
 from rlcli.models.hf_io import has_weights, save_model
 from rlcli.models.tokenizer import load_tokenizer
 from rlcli.parallel import parallelize, resolve_dims
@@ -260,11 +260,8 @@ class Trainer:
             if self.cfg.train.fp8.jit_warmup:
                 self._warm_up_fp8(model)
         if self.cfg.model.batch_invariant:  # the engine's rounding (rlcli.ops.batch_invariant)
-            if self.device.type != "cpu":
-                raise ConfigError("model.batch_invariant is implemented on the CPU only: set "
-                                  "model.batch_invariant = false or train on the CPU")
-            pad_linear_rows(model)
-            pin_threads()  # the engine's thread count (rlcli.ops.batch_invariant)
+            batch_invariant_setup(self.device)
+            make_batch_invariant(model)
         parallelize(model, self.dims, self.cfg.train, self.dtype)
         model.to_empty(device=self.device)
         if not self.dims.enabled:

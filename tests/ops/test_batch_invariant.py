@@ -1,6 +1,7 @@
 """model.batch_invariant: linears and attention whose per-token results do not depend on the batch,
 and the engine and trainer giving the same logprob bits (fp32, bf16, FP8 on fp32 and bf16 masters)."""
 
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,7 +14,8 @@ from rlcli.errors import ConfigError
 from rlcli.infer.engine import NativeEngine
 from rlcli.models import load_model, save_model
 from rlcli.ops.attention import ForwardContext, PackedCausalAttention
-from rlcli.ops.batch_invariant import invariant_attention, pad_linear_rows, rows_mm
+from rlcli.ops import batch_invariant
+from rlcli.ops.batch_invariant import invariant_attention, make_batch_invariant, pad_linear_rows, rows_mm
 from rlcli.ops.logprobs import chunked_logprobs
 from rlcli.config.train import LossConfig
 from rlcli.protocol import GenerateRequest, SamplingParams
@@ -22,6 +24,7 @@ from rlcli.train.loss import LOSSES
 from rlcli.train.step import forward_backward, prepare
 
 REPO = Path(__file__).resolve().parents[2]
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 FP8 = SimpleNamespace(enabled=True, backend="emulated", include=["*"],
                       exclude=["*embed_tokens", "lm_head", "*.mlp.gate"], ue8m0=False)
 
@@ -119,7 +122,8 @@ def test_engine_and_trainer_run_on_one_thread_under_the_flag(tiny_model_dir, tmp
 
     out = subprocess.run([sys.executable, "-c", _ONE_THREAD_CHILD, str(tiny_model_dir),
                           str(Path(__file__).resolve().parents[1]), str(tmp_path)],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # the trainer takes a GPU it sees
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
@@ -190,25 +194,67 @@ def _trainer_logprobs(model, prompt: list[int], completions: list[list[int]], te
         targets += c
         ids += prompt + c
         pos += range(len(prompt) + len(c))
-    ids_t, pos_t = torch.tensor([ids]), torch.tensor([pos])
+    dev = model.lm_head.weight.device
+    ids_t, pos_t = torch.tensor([ids], device=dev), torch.tensor([pos], device=dev)
     h = model.hidden_states(ids_t, pos_t, ForwardContext(attn=PackedCausalAttention(pos_t, backend="invariant")))[0]
-    lp, _ = chunked_logprobs(h.index_select(0, torch.tensor(index)), model.lm_head.weight, torch.tensor(targets),
-                             temperature, top_p=top_p)
+    lp, _ = chunked_logprobs(h.index_select(0, torch.tensor(index, device=dev)), model.lm_head.weight,
+                             torch.tensor(targets, device=dev), temperature, top_p=top_p)
     return list(lp.split([len(c) for c in completions]))
 
 
+@pytest.fixture(autouse=True)
+def invariant_mode():
+    """Whatever an engine switched on process-wide (rlcli.ops.batch_invariant.enable) is switched off after."""
+    yield
+    batch_invariant.enable(False)
+
+
+def test_make_batch_invariant_swaps_norms_and_wraps_each_fp8_backend_once():
+    """Stacked siblings keep one shared backend (a wrapper per backend, not per linear); norms get
+    the kernel subclass; on the CPU the outputs stay the model's (rows blocked, values close); idempotent."""
+    from rlcli.models.layers import RMSNorm
+    from rlcli.ops.fp8.convert import convert_to_fp8
+    from rlcli.ops.fp8.linear import FP8Linear
+
+    model = load_model(REPO / "recipes/models/tiny-llama", seed=0)
+    convert_to_fp8(model, SimpleNamespace(**vars(FP8), fuse_siblings=["qkv", "gate_up"]))
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        before = model(ids)
+    inner = {id(m.backend) for m in model.modules() if isinstance(m, FP8Linear)}
+    stacked = sum(m.sibling_group is not None for m in model.modules() if isinstance(m, FP8Linear))
+    make_batch_invariant(model)
+    make_batch_invariant(model)
+    fp8 = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    backends = {id(m.backend) for m in fp8}
+    assert len(backends) == len(inner) and all(isinstance(m.backend, batch_invariant.KernelGemm) for m in fp8)
+    assert stacked and sum(m.sibling_group is not None for m in fp8) == stacked
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    assert norms and all(isinstance(m, batch_invariant._KernelNorm) for m in norms)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), before)
+    assert torch.equal(batch_invariant.row_sum(before[0]), before[0].sum(-1))
+
+
+def test_batch_invariant_setup_names_the_devices_it_runs_on():
+    with pytest.raises(ConfigError, match="CPU and CUDA"):
+        batch_invariant.batch_invariant_setup(torch.device("meta"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype,fp8", [(torch.float32, None), (torch.bfloat16, None), (torch.float32, FP8),
                                        (torch.bfloat16, FP8)], ids=["fp32", "bf16", "fp8-fp32", "fp8-bf16"])
-def test_engine_and_trainer_logprobs_are_bitwise_equal(tmp_path, dtype, fp8):
+def test_engine_and_trainer_logprobs_are_bitwise_equal(tmp_path, dtype, fp8, device):
     """Several sequences in flight, prompts prefilled in chunks of 16 tokens, n = 2 forks: every
     logprob the engine reports equals the trainer's recomputation bit for bit, and rl-train's own
-    step (forward_backward on a packed row, prompts shared or not) measures a mismatch of 0."""
+    step (forward_backward on a packed row, prompts shared or not) measures a mismatch of 0.
+    On CUDA both sides run rlcli.ops.invariant_kernels."""
     model = load_model(REPO / "recipes/models/tiny-llama", seed=0)
     model.init_weights(seed=0, std=0.1)
     save_model(model, tmp_path)
-    engine_model = load_model(tmp_path, dtype=dtype, fp8=fp8, fp8_storage=True)
-    trainer_model = load_model(tmp_path, dtype=dtype, fp8=fp8).eval()
-    pad_linear_rows(trainer_model)
+    engine_model = load_model(tmp_path, device=device, dtype=dtype, fp8=fp8, fp8_storage=True)
+    trainer_model = load_model(tmp_path, device=device, dtype=dtype, fp8=fp8).eval()
+    make_batch_invariant(trainer_model)
     engine = NativeEngine(engine_model, eos_token_ids=[257], max_model_len=64, kv_cache_memory_mb=4, seed=0,
                           max_num_batched_tokens=16, batch_invariant=True)
     g = torch.Generator().manual_seed(3)
@@ -224,12 +270,13 @@ def test_engine_and_trainer_logprobs_are_bitwise_equal(tmp_path, dtype, fp8):
         for r in responses:
             completions = [c.token_ids for c in r.completions]
             for c, lp in zip(r.completions, _trainer_logprobs(trainer_model, prompts[int(r.request_id)], completions)):
-                assert torch.equal(lp, torch.tensor(c.logprobs, dtype=torch.float32)), (r.request_id, lp, c.logprobs)
+                assert torch.equal(lp.cpu(), torch.tensor(c.logprobs, dtype=torch.float32)), (r.request_id, lp,
+                                                                                             c.logprobs)
     samples = [Sample(token_ids=prompts[int(r.request_id)] + c.token_ids, advantage=1.0, logprobs=c.logprobs,
                       num_prompt_tokens=len(prompts[int(r.request_id)]), versions=c.versions)
                for r in responses for c in r.completions]
     for share in (False, True):
-        t = prepare(build_micro_batch(samples, 1.0, share_prompts=share), torch.device("cpu"))
+        t = prepare(build_micro_batch(samples, 1.0, share_prompts=share), torch.device(device))
         metrics = forward_backward(trainer_model.train(), t, torch.tensor(1.0), LOSSES["icepop"], LossConfig(),
                                    1024, attention="invariant")
         assert metrics["logprob_diff_abs_max"] == 0 and metrics["mismatch_kl"] == 0, (share, metrics)

@@ -1,0 +1,155 @@
+"""rlcli.ops.invariant_kernels (model.batch_invariant on CUDA): values against references, and a
+row's bits independent of the rows computed with it.
+
+They run on CUDA, or on the CPU under Triton's interpreter with the kernels switched on for CPU
+tensors (``TRITON_INTERPRET=1 RLCLI_INVARIANT_KERNELS_ON_CPU=1``; the interpreter needs
+numpy < 2.3); otherwise they are skipped. The engine-against-trainer test with these kernels is
+``test_batch_invariant.py::test_engine_and_trainer_logprobs_are_bitwise_equal`` (its ``cuda`` cases).
+"""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rlcli.ops import batch_invariant
+from rlcli.ops.fp8.quant import dequantize_1x128, dequantize_128x128, quantize_1x128, quantize_128x128
+
+if torch.cuda.is_available():
+    DEVICE = "cuda"
+elif os.environ.get("RLCLI_INVARIANT_KERNELS_ON_CPU") == "1" and os.environ.get("TRITON_INTERPRET") == "1":
+    DEVICE = "cpu"
+else:
+    DEVICE = None
+pytestmark = [pytest.mark.skipif(DEVICE is None, reason="needs CUDA (or the Triton interpreter, see the docstring)"),
+              pytest.mark.skipif(not batch_invariant.kernels_available(), reason="triton does not import")]
+
+
+@pytest.fixture(scope="module")
+def K():
+    from rlcli.ops import invariant_kernels
+
+    return invariant_kernels
+
+
+def _rand(*shape, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype).to(DEVICE)
+
+
+ROW_SETS = (1, 3, 17, 64, 65, 130)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mm_matches_fp64_and_a_row_keeps_its_bits_in_any_batch(K, dtype):
+    a, b = _rand(130, 200, dtype=dtype), _rand(72, 200, dtype=dtype, seed=1)
+    full = K.mm(a, b)
+    ref = a.double() @ b.double().T
+    tol = 1e-4 if dtype == torch.float32 else 0.25  # fp32: IEEE products, no TF32
+    assert (full.double() - ref).abs().max() < tol
+    for m in ROW_SETS:
+        assert torch.equal(K.mm(a[:m], b), full[:m]), m
+    perm = torch.randperm(130, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    assert torch.equal(K.mm(a[perm], b), full[perm])
+    assert torch.equal(K.mm(a[5:6].clone(), b), full[5:6])  # a copy at another address
+
+
+def test_fp8_mm_matches_the_dequantized_product_and_keeps_row_bits(K):
+    x, w = _rand(130, 300), _rand(200, 300, seed=1)
+    xq, xs = quantize_1x128(x)
+    wq, ws = quantize_128x128(w)
+    full = K.fp8_mm(xq, xs, wq, ws, torch.float32)
+    ref = dequantize_1x128(xq, xs).double() @ dequantize_128x128(wq, ws).double().T
+    # Hopper's FP8 tensor cores add inside a 128-wide K block with fewer than fp32's bits (DeepSeek-V3
+    # reports about 14); the block sums then meet in fp32, as in DeepGEMM. Seen: 5.7e-4 of the largest |ref|.
+    assert (full.double() - ref).abs().max() < 2e-3 * ref.abs().max()
+    xs_col = xs.t().contiguous().t()  # the quantizers' column-major scale layout
+    assert torch.equal(K.fp8_mm(xq, xs_col, wq, ws, torch.float32), full)
+    for m in ROW_SETS:
+        assert torch.equal(K.fp8_mm(xq[:m], xs[:m], wq, ws, torch.float32), full[:m]), m
+    if DEVICE == "cuda":  # the interpreter's stores to bf16 truncate
+        assert torch.equal(K.fp8_mm(xq, xs, wq, ws, torch.bfloat16), full.bfloat16())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_gives_a_query_the_same_bits_in_every_batch_shape(K, dtype):
+    """As test_batch_invariant's CPU test: a [T, T] causal forward, prefill chunks after cached
+    keys, and decode rows next to other sequences whose padding holds huge values."""
+    T, Hq, Hkv, D = 45, 6, 2, 16
+    q, k, v = (_rand(1, h, T, D, dtype=dtype, seed=s) for s, h in enumerate((Hq, Hkv, Hkv)))
+    full = K.dense_attention(q, k, v, 0.25, torch.tensor([T]))
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, scale=0.25, enable_gqa=True)
+    torch.testing.assert_close(full.float(), ref, atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=0)
+    for chunk in (1, 7, 32):
+        parts = [K.dense_attention(q[:, :, s:s + chunk], k[:, :, :s + chunk], v[:, :, :s + chunk], 0.25,
+                             torch.tensor([min(T, s + chunk)])) for s in range(0, T, chunk)]
+        assert torch.equal(torch.cat(parts, dim=2), full), chunk
+    width = 64
+    for p in (0, 5, 31, 32, 44):
+        kb, vb = (torch.full((3, Hkv, width, D), 1e30, dtype=dtype, device=DEVICE) for _ in range(2))
+        kb[1, :, :p + 1], vb[1, :, :p + 1] = k[0, :, :p + 1], v[0, :, :p + 1]
+        kb[0], vb[0], kb[2], vb[2] = 0.5, 0.25, -0.5, 1.0
+        qb = _rand(3, Hq, 1, D, dtype=dtype, seed=9)
+        qb[1] = q[0, :, p:p + 1]
+        out = K.dense_attention(qb, kb.transpose(1, 2).contiguous().transpose(1, 2), vb, 0.25, torch.tensor([7, p + 1, width]))
+        assert torch.equal(out[1, :, 0], full[0, :, p]), p
+        assert torch.isfinite(out).all()
+
+
+def test_varlen_attention_reads_keys_through_their_rows(K):
+    """The engine's call (keys in a paged cache, read through slots) and the trainer's (a packed
+    row) give a query the same bits as the dense call over the same keys."""
+    Hq, Hkv, D = 4, 2, 32
+    q, k, v = (_rand(1, h, 40, D, dtype=torch.bfloat16, seed=s) for s, h in enumerate((Hq, Hkv, Hkv)))
+    dense = K.dense_attention(q, k, v, 0.2, torch.tensor([40]))
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(3))[:40].to(DEVICE)  # a "cache": 64 slots
+    k_cache = torch.zeros(64, Hkv, D, dtype=torch.bfloat16, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    k_cache[perm], v_cache[perm] = k[0].transpose(0, 1), v[0].transpose(0, 1)
+    # Two sequences in one call: a decode of position 39 and a chunk of positions 30..35.
+    qs = torch.cat([q[0, :, 39:40], q[0, :, 30:36]], dim=1).transpose(0, 1)
+    rows = torch.cat([perm, perm[:36]])
+    cu_q, cu_k = torch.tensor([0, 1, 7]), torch.tensor([0, 40, 76])
+    out = K.attention(qs, k_cache, v_cache, rows, cu_q, cu_k, 6, 0.2)
+    assert torch.equal(out[0], dense[0, :, 39]) and torch.equal(out[1:], dense[0, :, 30:36].transpose(0, 1))
+
+
+def test_rms_norm_and_row_sum_keep_row_bits(K):
+    from rlcli.models.layers import RMSNorm
+
+    x, w = _rand(65, 96, dtype=torch.bfloat16), _rand(96, dtype=torch.bfloat16, seed=1)
+    full = K.rms_norm(x, w, 1e-6)
+    norm = RMSNorm(96, 1e-6).to(device=DEVICE, dtype=torch.bfloat16)
+    norm.weight.data.copy_(w)
+    torch.testing.assert_close(full.float(), norm(x).float(), atol=0.07, rtol=0.02)  # a bf16 ulp or so
+    e = _rand(65, 3000).abs()
+    sums = K.row_sum(e)
+    torch.testing.assert_close(sums.double(), e.double().sum(-1), atol=0, rtol=1e-5)
+    for m in ROW_SETS[:-1]:
+        assert torch.equal(K.rms_norm(x[:m], w, 1e-6), full[:m]), m
+        assert torch.equal(K.row_sum(e[:m]), sums[:m]), m
+
+
+def test_kernel_autograd_matches_torch():
+    """The swapped-in modules' forward runs the kernels, their gradients are torch's formulas'."""
+    from rlcli.models.layers import RMSNorm
+
+    lin = torch.nn.Linear(64, 48).to(DEVICE)
+    norm = RMSNorm(64).to(DEVICE)
+    norm.weight.data.uniform_(0.5, 1.5)
+    x = _rand(2, 21, 64).requires_grad_()
+    ref_y = lin(norm(x))
+    ref = torch.autograd.grad(ref_y.pow(2).sum(), (x, lin.weight, lin.bias, norm.weight))
+    batch_invariant.make_batch_invariant(torch.nn.Sequential(norm, lin))
+    y = lin(norm(x))
+    got = torch.autograd.grad(y.pow(2).sum(), (x, lin.weight, lin.bias, norm.weight))
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    q, k, v = (_rand(1, h, 20, 16, seed=s).requires_grad_() for s, h in enumerate((4, 2, 2)))
+    out = batch_invariant.invariant_attention(q, k, v, 0.25, torch.tensor([20]))
+    got = torch.autograd.grad(out.pow(2).sum(), (q, k, v))
+    ref_out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25, enable_gqa=True)
+    ref = torch.autograd.grad(ref_out.pow(2).sum(), (q, k, v))
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
