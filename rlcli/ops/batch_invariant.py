@@ -213,6 +213,8 @@ class KernelGemm:
         return self.inner.gemm(a, sa, b, sb, out_dtype)
 
     def __getattr__(self, name: str):
+        if name == "inner":  # not set yet (copy, unpickling): no recursion through __getattr__
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
 

@@ -1,6 +1,7 @@
 """model.batch_invariant: linears and attention whose per-token results do not depend on the batch,
 and the engine and trainer giving the same logprob bits (fp32, bf16, FP8 on fp32 and bf16 masters)."""
 
+import copy
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -233,6 +234,7 @@ def test_make_batch_invariant_swaps_norms_and_wraps_each_fp8_backend_once():
     assert norms and all(isinstance(m, batch_invariant._KernelNorm) for m in norms)
     with torch.no_grad():
         torch.testing.assert_close(model(ids), before)
+        torch.testing.assert_close(copy.deepcopy(model)(ids), before)  # the backend wrappers copy too
     assert torch.equal(batch_invariant.row_sum(before[0]), before[0].sum(-1))
 
 
