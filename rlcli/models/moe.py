@@ -52,10 +52,16 @@ class Router(nn.Module):
         else:
             self.e_score_correction_bias = None
 
+    def logits(self, x_ND: torch.Tensor) -> torch.Tensor:
+        """``x W^T`` (in fp32 for sigmoid scoring): the seam model.batch_invariant replaces."""
+        if self.scoring == "sigmoid":
+            return F.linear(x_ND.float(), self.weight.float())
+        return F.linear(x_ND, self.weight)
+
     def scores(self, x_ND: torch.Tensor) -> torch.Tensor:
         if self.scoring == "sigmoid":
-            return F.linear(x_ND.float(), self.weight.float()).sigmoid()
-        return F.softmax(F.linear(x_ND, self.weight), dim=-1, dtype=torch.float32)
+            return self.logits(x_ND).sigmoid()
+        return F.softmax(self.logits(x_ND), dim=-1, dtype=torch.float32)
 
     def select(self, scores_NE: torch.Tensor) -> torch.Tensor:
         """Top-k expert ids [N, k]."""

@@ -54,9 +54,14 @@ kernels of its own there (:mod:`rlcli.ops.invariant_kernels`, Triton): every lin
 batch-invariant. Elementwise CUDA kernels compute an element from its own inputs whatever the
 tensor's size. The engine's sampler keeps its own ops (which token is drawn may differ; the
 logprob it reports is the trainer's). Not covered there: top-p's nucleus (a sort and a cumulative
-sum), MoE experts and MLA, as on the CPU.
+sum), MoE experts (refused) and MLA.
 
-Not covered: MoE expert GEMMs (their per-expert row counts follow the batch) and MLA attention.
+**MoE** (CPU): the router's linear runs on blocked rows and every expert's GEMMs on that
+expert's rows alone, blocked (:class:`_BlockedExperts`; the grouped GEMM's per-expert row
+counts follow the batch); the gates, the top-k and the weighted sum per token are row-wise.
+On CUDA an MoE model is refused under the flag.
+
+Not covered: MLA attention.
 """
 
 import os
@@ -116,16 +121,23 @@ def enable(on: bool = True) -> None:
     _STATE["enabled"] = bool(on)
 
 
-def batch_invariant_setup(device: torch.device) -> None:
+def batch_invariant_setup(device: torch.device, model: nn.Module | None = None) -> None:
     """Process setup under ``model.batch_invariant`` (the engine and the trainer call it at start):
-    on the CPU one intra-op thread (:func:`pin_threads`); on CUDA the kernels must import, then
-    :func:`enable`. Raises ConfigError naming what to change."""
+    on the CPU one intra-op thread (:func:`pin_threads`); on CUDA the kernels must import and the
+    model be dense (MoE experts are covered on the CPU only), then :func:`enable`. Raises
+    ConfigError naming what to change."""
+    from rlcli.models.moe import GroupedExperts
+
     if device.type == "cpu":
         pin_threads()  # both sides' thread count
     elif device.type == "cuda":
         if not kernels_available():
             raise ConfigError("model.batch_invariant on CUDA runs Triton kernels, and triton does not import "
                               "here: install triton or set model.batch_invariant = false")
+        if model is not None and any(isinstance(m, GroupedExperts) for m in model.modules()):
+            raise ConfigError("model.batch_invariant on CUDA covers dense models; this one has MoE experts, "
+                              "whose GEMMs are batch-invariant on the CPU only: set model.batch_invariant = false "
+                              "or run on the CPU")
     else:
         raise ConfigError(f"model.batch_invariant runs on the CPU and CUDA, not {device.type}: "
                           "set model.batch_invariant = false")
@@ -290,22 +302,69 @@ def pad_linear_rows(model: nn.Module) -> int:
     return count
 
 
+class _BlockedRouter:
+    """Mixin in front of an MoE router's class: its linear on blocked rows (CPU)."""
+
+    def logits(self, x_ND: torch.Tensor) -> torch.Tensor:
+        if x_ND.device.type != "cpu":
+            return super().logits(x_ND)
+        if self.scoring == "sigmoid":
+            return _BlockedLinearFn.apply(x_ND.float(), self.weight.float(), None)
+        return _BlockedLinearFn.apply(x_ND, self.weight, None)
+
+
+class _BlockedExperts:
+    """Mixin in front of an MoE experts class: on the CPU each expert's GEMM runs on its own rows
+    in :func:`blocked_rows` (the grouped GEMM's per-expert row counts follow the batch); FP8
+    experts quantize per row and per expert as before, without the weight cache (whose backward
+    lookup does not tell one expert's slice from another's). One host sync per GEMM."""
+
+    def expert_mm(self, x_RK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+        if x_RK.device.type != "cpu":
+            return super().expert_mm(x_RK, w_ENK, offs_E)
+        from rlcli.ops.fp8.linear import fp8_grouped_mm
+        from rlcli.ops.grouped_gemm import grouped_mm, local_weight
+
+        w_ENK = local_weight(w_ENK)
+        fp8 = getattr(self, "backend", None) is not None
+
+        def one_expert(rows: torch.Tensor, e: int) -> torch.Tensor:
+            offs = torch.tensor([rows.shape[0]], dtype=torch.int32)
+            if fp8:
+                return fp8_grouped_mm(rows, w_ENK[e:e + 1], offs, self.backend, None, self.ue8m0)
+            return grouped_mm(rows, w_ENK[e:e + 1], offs)
+
+        pieces, start = [], 0
+        for e, end in enumerate(offs_E.tolist()):
+            if end > start:
+                pieces.append(blocked_rows(lambda rows, e=e: one_expert(rows, e), x_RK[start:end]))
+            start = end
+        out = torch.cat(pieces) if pieces else x_RK.new_zeros(0, w_ENK.shape[1])
+        if x_RK.shape[0] > start:  # rows past the last offset belong to no expert
+            out = torch.cat([out, out.new_zeros(x_RK.shape[0] - start, out.shape[1])])
+        return out
+
+
 def make_batch_invariant(model: nn.Module) -> nn.Module:
     """Everything ``model.batch_invariant`` swaps into a model, in place (after ``convert_to_fp8``;
-    idempotent): :func:`pad_linear_rows`; RMSNorms that run the ``rms_norm`` kernel on CUDA; FP8
+    idempotent): :func:`pad_linear_rows`; RMSNorms that run the ``rms_norm`` kernel on CUDA; MoE
+    routers and experts on blocked rows (CPU); FP8
     linears' GEMM backends wrapped in :class:`KernelGemm` (one wrapper per backend, so that
     stacked siblings still share theirs)."""
     from rlcli.models.layers import RMSNorm
+    from rlcli.models.moe import GroupedExperts, Router
     from rlcli.ops.fp8.linear import FP8Linear
 
     pad_linear_rows(model)
     wrapped: dict[int, KernelGemm] = {}
     for module in model.modules():
-        if isinstance(module, RMSNorm) and not isinstance(module, _KernelNorm):
-            cls = type(module)
-            if cls not in _PADDED:
-                _PADDED[cls] = type(f"Kernel{cls.__name__}", (_KernelNorm, cls), {})
-            module.__class__ = _PADDED[cls]
+        for base, mixin, prefix in ((RMSNorm, _KernelNorm, "Kernel"), (Router, _BlockedRouter, "Blocked"),
+                                    (GroupedExperts, _BlockedExperts, "Blocked")):
+            if isinstance(module, base) and not isinstance(module, mixin):
+                cls = type(module)
+                if cls not in _PADDED:
+                    _PADDED[cls] = type(f"{prefix}{cls.__name__}", (mixin, cls), {})
+                module.__class__ = _PADDED[cls]
         if isinstance(module, FP8Linear) and not isinstance(module.backend, KernelGemm):
             module.backend = wrapped.setdefault(id(module.backend), KernelGemm(module.backend))
     return model

@@ -79,7 +79,8 @@ def _mm_kernel(A, B, C, M, N, K, s_am, s_ak, s_bn, s_bk, s_cm,
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
         else:
             acc = tl.dot(a, b, acc)
-    tl.store(C + rm[:, None] * s_cm + rn[None, :], acc.to(C.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+    tl.store(C + rm[:, None] * s_cm + rn[None, :], acc.to(C.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 _NO_SPEC_FP8 = ["M"]
@@ -99,7 +100,8 @@ def _fp8_mm_kernel(A, SA, B, SB, C, M, N, K, s_am, s_sam, s_sak, s_bn, s_sbn, s_
         sa = tl.load(SA + rm * s_sam + kb * s_sak, mask=rm < M, other=0.0)
         sb = tl.load(SB + pid_n * s_sbn + kb * s_sbk)
         acc += tl.dot(a, b) * (sa[:, None] * sb)
-    tl.store(C + rm[:, None] * s_cm + rn[None, :], acc.to(C.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+    tl.store(C + rm[:, None] * s_cm + rn[None, :], acc.to(C.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 _NO_SPEC_ATTN = ["HQ", "G", "D", "DV", "s_qn", "s_qh", "s_kr", "s_kh", "s_vr", "s_vh", "s_on", "s_oh"]
@@ -194,7 +196,8 @@ def mm(a_MK: torch.Tensor, b_NK: torch.Tensor, out_dtype: torch.dtype | None = N
     return c
 
 
-def fp8_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def fp8_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
+           out_dtype: torch.dtype) -> torch.Tensor:
     """The FP8 recipe's ``gemm`` (:mod:`rlcli.ops.fp8.backends`): ``a [M, K]`` with 1x128 scales
     ``sa [M, K/128]`` (any strides), ``b [N, K]`` with 128x128 scales ``sb [N/128, K/128]``."""
     a, b = _inner_contiguous(a), _inner_contiguous(b)

@@ -203,6 +203,29 @@ def _trainer_logprobs(model, prompt: list[int], completions: list[list[int]], te
     return list(lp.split([len(c) for c in completions]))
 
 
+def _engine_against_trainer(tmp_path, model_name: str, device, dtype, fp8, seed: int, prompt_lens, **sampling):
+    """Random weights saved once; an engine under the flag (prompts prefilled in 16-token chunks)
+    generates 8 tokens x 2 completions per prompt; returns (the trainer's model under the flag,
+    the prompts, the engine's responses)."""
+    model = load_model(REPO / "recipes/models" / model_name, seed=0)
+    model.init_weights(seed=0, std=0.1)
+    save_model(model, tmp_path)
+    engine_model = load_model(tmp_path, device=device, dtype=dtype, fp8=fp8, fp8_storage=True)
+    trainer_model = load_model(tmp_path, device=device, dtype=dtype, fp8=fp8).eval()
+    make_batch_invariant(trainer_model)
+    engine = NativeEngine(engine_model, eos_token_ids=[257], max_model_len=64, kv_cache_memory_mb=4, seed=0,
+                          max_num_batched_tokens=16, batch_invariant=True)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in prompt_lens]
+    for i, p in enumerate(prompts):
+        engine.add_request(GenerateRequest(request_id=str(i), prompt_ids=p, sampling=SamplingParams(
+            max_tokens=8, n=2, seed=i, ignore_eos=True, **sampling)))
+    responses = []
+    while engine.has_work():
+        responses.extend(engine.step())
+    return trainer_model, prompts, responses
+
+
 @pytest.fixture(autouse=True)
 def invariant_mode():
     """Whatever an engine switched on process-wide (rlcli.ops.batch_invariant.enable) is switched off after."""
@@ -238,9 +261,13 @@ def test_make_batch_invariant_swaps_norms_and_wraps_each_fp8_backend_once():
     assert torch.equal(batch_invariant.row_sum(before[0]), before[0].sum(-1))
 
 
-def test_batch_invariant_setup_names_the_devices_it_runs_on():
+def test_batch_invariant_setup_names_the_devices_it_runs_on(monkeypatch):
     with pytest.raises(ConfigError, match="CPU and CUDA"):
         batch_invariant.batch_invariant_setup(torch.device("meta"))
+    moe = load_model(REPO / "recipes/models/tiny-qwen3-moe", device="meta")
+    monkeypatch.setattr(batch_invariant, "kernels_available", lambda: True)
+    with pytest.raises(ConfigError, match="MoE experts"):  # covered on the CPU only
+        batch_invariant.batch_invariant_setup(torch.device("cuda"), moe)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -251,22 +278,8 @@ def test_engine_and_trainer_logprobs_are_bitwise_equal(tmp_path, dtype, fp8, dev
     logprob the engine reports equals the trainer's recomputation bit for bit, and rl-train's own
     step (forward_backward on a packed row, prompts shared or not) measures a mismatch of 0.
     On CUDA both sides run rlcli.ops.invariant_kernels."""
-    model = load_model(REPO / "recipes/models/tiny-llama", seed=0)
-    model.init_weights(seed=0, std=0.1)
-    save_model(model, tmp_path)
-    engine_model = load_model(tmp_path, device=device, dtype=dtype, fp8=fp8, fp8_storage=True)
-    trainer_model = load_model(tmp_path, device=device, dtype=dtype, fp8=fp8).eval()
-    make_batch_invariant(trainer_model)
-    engine = NativeEngine(engine_model, eos_token_ids=[257], max_model_len=64, kv_cache_memory_mb=4, seed=0,
-                          max_num_batched_tokens=16, batch_invariant=True)
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 23, 37)]
-    for i, p in enumerate(prompts):
-        engine.add_request(GenerateRequest(request_id=str(i), prompt_ids=p, sampling=SamplingParams(
-            max_tokens=8, n=2, seed=i, ignore_eos=True)))
-    responses = []
-    while engine.has_work():
-        responses.extend(engine.step())
+    trainer_model, prompts, responses = _engine_against_trainer(tmp_path, "tiny-llama", device, dtype, fp8, 3,
+                                                                (5, 23, 37))
     assert len(responses) == 3
     with torch.no_grad():
         for r in responses:
@@ -282,6 +295,29 @@ def test_engine_and_trainer_logprobs_are_bitwise_equal(tmp_path, dtype, fp8, dev
         metrics = forward_backward(trainer_model.train(), t, torch.tensor(1.0), LOSSES["icepop"], LossConfig(),
                                    1024, attention="invariant")
         assert metrics["logprob_diff_abs_max"] == 0 and metrics["mismatch_kl"] == 0, (share, metrics)
+
+
+@pytest.mark.parametrize("dtype,fp8", [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, FP8)],
+                         ids=["fp32", "bf16", "fp8-bf16"])
+def test_moe_engine_and_trainer_logprobs_are_bitwise_equal(tmp_path, dtype, fp8):
+    """A Qwen3-MoE (8 experts, top-2; FP8 experts in the fp8 case) under the flag: the router's
+    linear and every expert's GEMMs run on blocked rows, so the engine's logprobs equal the
+    trainer's bit for bit whether the trainer routes by itself or replays the engine's routes (R3)."""
+    trainer_model, prompts, responses = _engine_against_trainer(tmp_path, "tiny-qwen3-moe", "cpu", dtype, fp8, 4,
+                                                                (6, 21, 30), return_routing=True)
+    with torch.no_grad():
+        for r in responses:
+            completions = [c.token_ids for c in r.completions]
+            for c, lp in zip(r.completions, _trainer_logprobs(trainer_model, prompts[int(r.request_id)], completions)):
+                assert torch.equal(lp, torch.tensor(c.logprobs, dtype=torch.float32)), (r.request_id, lp, c.logprobs)
+    samples = [Sample(token_ids=prompts[int(r.request_id)] + c.token_ids, advantage=1.0, logprobs=c.logprobs,
+                      num_prompt_tokens=len(prompts[int(r.request_id)]), versions=c.versions,
+                      routed_experts=c.routed_experts)
+               for r in responses for c in r.completions]
+    t = prepare(build_micro_batch(samples, 1.0), torch.device("cpu"))
+    metrics = forward_backward(trainer_model.train(), t, torch.tensor(1.0), LOSSES["icepop"], LossConfig(), 1024,
+                               r3=True, attention="invariant")
+    assert metrics["logprob_diff_abs_max"] == 0 and metrics["mismatch_kl"] == 0, metrics
 
 
 def test_engine_logprobs_match_the_trainer_under_temperature_and_top_p(tmp_path):

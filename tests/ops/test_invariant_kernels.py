@@ -92,7 +92,8 @@ def test_attention_gives_a_query_the_same_bits_in_every_batch_shape(K, dtype):
         kb[0], vb[0], kb[2], vb[2] = 0.5, 0.25, -0.5, 1.0
         qb = _rand(3, Hq, 1, D, dtype=dtype, seed=9)
         qb[1] = q[0, :, p:p + 1]
-        out = K.dense_attention(qb, kb.transpose(1, 2).contiguous().transpose(1, 2), vb, 0.25, torch.tensor([7, p + 1, width]))
+        kb = kb.transpose(1, 2).contiguous().transpose(1, 2)  # the engine's gathered layout
+        out = K.dense_attention(qb, kb, vb, 0.25, torch.tensor([7, p + 1, width]))
         assert torch.equal(out[1, :, 0], full[0, :, p]), p
         assert torch.isfinite(out).all()
 
