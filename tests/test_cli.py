@@ -64,6 +64,19 @@ def test_up_train_nproc_sets_one_rollout_file_per_data_parallel_rank(tmp_path, t
     assert ranks == {0: 4, 2: 2, 4: 3}  # an explicit override still wins
 
 
+def test_batch_invariant_flag_sets_the_one_model_key_for_every_command(tmp_path, tiny_model_dir):
+    """--batch-invariant on rl-infer, rl-train and rl-orchestrate up: model.batch_invariant, which
+    both sides read; with the vLLM engine it is one clear error."""
+    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, tmp_path / "run")
+    for module, *args in (("rlcli.cli.infer", "--config"), ("rlcli.cli.train", "--config"),
+                          ("rlcli.cli.orchestrate", "up")):
+        out = cli(module, *args, str(recipe), "--batch-invariant", "--print-config", "--json")
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["model"]["batch_invariant"] is True, module
+    one_line_error(cli("rlcli.cli.orchestrate", "up", str(recipe), "--batch-invariant", "--engine", "vllm",
+                       "--print-config"), 2, "model.batch_invariant", "infer.engine.name = native")
+
+
 _RANK_ERROR = """
 import sys, typer
 from rlcli.cli._errors import handle_errors

@@ -21,6 +21,9 @@ SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Seed of the run 
 R3Opt = Annotated[Optional[bool], typer.Option("--r3/--no-r3", help="Routing replay for MoE models: the engine "
                                                "records routes, the trainer replays them (default: the recipe's r3).",
                                                show_default=False)]
+BatchInvariantOpt = Annotated[bool, typer.Option(
+    "--batch-invariant", help="Engine and trainer give each token the same logprob bits whatever its batch "
+    "(model.batch_invariant; both sides must set it).")]
 PrintConfigOpt = Annotated[bool, typer.Option("--print-config", help="Print the resolved recipe as TOML and exit.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Write JSON lines to stdout.")]
 JsonRunOpt = Annotated[bool, typer.Option("--json", help="JSON on stdout: --print-config as JSON, and one line "

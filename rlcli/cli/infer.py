@@ -9,8 +9,8 @@ import typer
 
 from rlcli.cli._errors import handle_errors
 from rlcli.cli.common import (
-    OVERRIDES, OVERRIDES_HELP, ConfigOpt, EngineOpt, JsonConfigOpt, JsonOpt, PrintConfigOpt, RunDirOpt, emit_json, open_run,
-    print_config, resolve_config, run_app,
+    OVERRIDES, OVERRIDES_HELP, BatchInvariantOpt, ConfigOpt, EngineOpt, JsonConfigOpt, JsonOpt, PrintConfigOpt,
+    RunDirOpt, emit_json, open_run, print_config, resolve_config, run_app,
 )
 
 
@@ -48,6 +48,7 @@ def serve(
     threads: Annotated[Optional[int], typer.Option(help="torch intra-op threads of the native engine "
                                                    "[default: infer.engine.num_threads].")] = None,
     fp8: Annotated[bool, typer.Option("--fp8", help="FP8 block-scaled GEMMs (infer.fp8.enabled).")] = False,
+    batch_invariant: BatchInvariantOpt = False,
     kv_cache: Annotated[Optional[str], typer.Option(help="Shared KV store: an rl-cache endpoint tcp://host:port, "
                                                     "or 'registry' for the run's rl-cache [default: "
                                                     "infer.kv_cache.endpoint, off].", show_default=False)] = None,
@@ -64,7 +65,8 @@ def serve(
                                        "infer.device": device, "infer.dtype": dtype.value if dtype else None,
                                        "infer.engine.num_threads": threads,
                                        "infer.fp8.enabled": True if fp8 else None,
-                                       "infer.kv_cache.endpoint": kv_cache, "infer.role": role.value if role else None})
+                                       "infer.kv_cache.endpoint": kv_cache, "infer.role": role.value if role else None,
+                                       "model.batch_invariant": True if batch_invariant else None})
     if print_config_:
         return print_config(cfg, json_)
     run = open_run(cfg, f"infer-{instance}")

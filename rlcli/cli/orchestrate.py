@@ -8,8 +8,8 @@ import typer
 from rlcli.cli._errors import handle_errors
 from rlcli.errors import RunDirError
 from rlcli.cli.common import (
-    OVERRIDES, OVERRIDES_HELP, ConfigOpt, EngineOpt, JsonAlwaysOpt, JsonRunOpt, PrintConfigOpt, R3Opt, RunDirOpt,
-    SeedOpt, emit_json, finish, open_run, print_config, resolve_config, run_app,
+    OVERRIDES, OVERRIDES_HELP, BatchInvariantOpt, ConfigOpt, EngineOpt, JsonAlwaysOpt, JsonRunOpt, PrintConfigOpt,
+    R3Opt, RunDirOpt, SeedOpt, emit_json, finish, open_run, print_config, resolve_config, run_app,
 )
 
 app = typer.Typer(help="The RL loop: tasks, rewards, advantages, bounded off-policy batching.",
@@ -64,6 +64,7 @@ def up_cmd(
     fp8: Annotated[bool, typer.Option("--fp8", help="FP8 GEMMs in trainer and engines (train/infer.fp8.enabled).")] = False,
     seed: SeedOpt = None,
     r3: R3Opt = None,
+    batch_invariant: BatchInvariantOpt = False,
     train_nproc: Annotated[Optional[int], typer.Option(help="rl-train ranks (torchrun --nproc-per-node); also sets "
                                                        "orchestrate.num_train_ranks to its data-parallel ranks "
                                                        "(train.parallel.dp, or these over train.parallel.cp).")] = None,
@@ -77,7 +78,8 @@ def up_cmd(
              "orchestrate.max_async": max_async, "up.num_infer": num_infer,
              "up.plot": plot, "infer.engine.name": engine.value if engine else None,
              "train.fp8.enabled": on, "infer.fp8.enabled": on, "seed": seed,
-             "r3": r3, "up.train_nproc_per_node": train_nproc}
+             "r3": r3, "up.train_nproc_per_node": train_nproc,
+             "model.batch_invariant": True if batch_invariant else None}
     cfg = resolve_config(ctx, recipe, flags)
     if train_nproc:  # one rollout file per data-parallel rank; context-parallel ranks share theirs
         p = cfg.train.parallel

@@ -7,8 +7,8 @@ import typer
 
 from rlcli.cli._errors import handle_errors
 from rlcli.cli.common import (
-    OVERRIDES, OVERRIDES_HELP, ConfigOpt, JsonConfigOpt, JsonRunOpt, PrintConfigOpt, R3Opt, RunDirOpt, SeedOpt,
-    emit_json, finish, open_run, print_config, resolve_config, run_app,
+    OVERRIDES, OVERRIDES_HELP, BatchInvariantOpt, ConfigOpt, JsonConfigOpt, JsonRunOpt, PrintConfigOpt, R3Opt,
+    RunDirOpt, SeedOpt, emit_json, finish, open_run, print_config, resolve_config, run_app,
 )
 
 app = typer.Typer(help="Trainer: consumes rollout batches, writes weights and checkpoints.",
@@ -45,6 +45,7 @@ def run_cmd(
     compile_: Annotated[bool, typer.Option("--compile", help="torch.compile each decoder block (train.compile).")] = False,
     seed: SeedOpt = None,
     r3: R3Opt = None,
+    batch_invariant: BatchInvariantOpt = False,
     dp: DpOpt = None,
     ep: EpOpt = None,
     cp: CpOpt = None,
@@ -61,7 +62,8 @@ def run_cmd(
                                        "train.optim.lr": lr, "train.micro_batch_tokens": micro_batch_tokens,
                                        "train.num_threads": threads, "train.fp8.enabled": True if fp8 else None,
                                        "train.compile": True if compile_ else None, "seed": seed, "r3": r3, "train.parallel.dp": dp,
-                                       "train.parallel.ep": ep, "train.parallel.cp": cp})
+                                       "train.parallel.ep": ep, "train.parallel.cp": cp,
+                                       "model.batch_invariant": True if batch_invariant else None})
     if print_config_:
         return print_config(cfg, json_)
     from rlcli.cli import torchrun
