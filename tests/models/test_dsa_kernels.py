@@ -4,6 +4,7 @@ Triton kernels (run by Triton's CPU interpreter) against the torch reference pat
 import pytest
 import torch
 
+import interpreter
 from rlcli.ops import mla
 
 INF = float("inf")
@@ -29,11 +30,22 @@ def test_topk_ties_at_the_cut_go_to_the_earliest_token(rule):
     assert rule(s, 3).sort(-1).values.tolist() == [[1, 2, 3], [0, 1, 4], [0, 1, 2]]
 
 
+@pytest.mark.skipif(interpreter.ACTIVE, reason="the child process itself")
+def test_triton_kernels_under_the_interpreter():
+    """The tests below that take ``triton_kernels``, in a child process under Triton's interpreter
+    (tests/interpreter.py: it must be on before triton is first imported)."""
+    reason = interpreter.unusable()
+    if reason:
+        pytest.skip(reason)
+    interpreter.run_child(__file__)
+
+
 @pytest.fixture
 def triton_kernels(monkeypatch):
-    """rlcli.ops.dsa_triton with Triton's CPU interpreter (Triton reads TRITON_INTERPRET when it
-    is first imported; rlcli imports it only when a kernel is first used), and mla switched to it."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    """rlcli.ops.dsa_triton on CPU tensors under Triton's interpreter, and mla switched to it; only
+    in the child process of test_triton_kernels_under_the_interpreter."""
+    if not interpreter.ACTIVE:
+        pytest.skip("run under Triton's interpreter by test_triton_kernels_under_the_interpreter")
     pytest.importorskip("triton")
     from rlcli.ops import dsa_triton
     assert dsa_triton.available(torch.zeros(1))

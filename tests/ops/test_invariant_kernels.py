@@ -1,9 +1,10 @@
 """rlcli.ops.invariant_kernels (model.batch_invariant on CUDA): values against references, and a
 row's bits independent of the rows computed with it.
 
-They run on CUDA, or on the CPU under Triton's interpreter with the kernels switched on for CPU
-tensors (``TRITON_INTERPRET=1 RLCLI_INVARIANT_KERNELS_ON_CPU=1``; the interpreter needs
-numpy < 2.3); otherwise they are skipped. The engine-against-trainer test with these kernels is
+They run on CUDA. Without CUDA, where triton is installed, ``test_kernels_under_the_interpreter``
+runs them in a child process on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1
+RLCLI_INVARIANT_KERNELS_ON_CPU=1``; tests/interpreter.py), values and row bits as the interpreter
+computes them (its ``tl.dot`` is numpy's matmul). The engine-against-trainer test with these kernels is
 ``test_batch_invariant.py::test_engine_and_trainer_logprobs_are_bitwise_equal`` (its ``cuda`` cases).
 """
 
@@ -13,21 +14,40 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import interpreter
 from rlcli.ops import batch_invariant
 from rlcli.ops.fp8.quant import dequantize_1x128, dequantize_128x128, quantize_1x128, quantize_128x128
 
 if torch.cuda.is_available():
     DEVICE = "cuda"
-elif os.environ.get("RLCLI_INVARIANT_KERNELS_ON_CPU") == "1" and os.environ.get("TRITON_INTERPRET") == "1":
+elif os.environ.get("RLCLI_INVARIANT_KERNELS_ON_CPU") == "1" and interpreter.ACTIVE:
     DEVICE = "cpu"
 else:
     DEVICE = None
-pytestmark = [pytest.mark.skipif(DEVICE is None, reason="needs CUDA (or the Triton interpreter, see the docstring)"),
-              pytest.mark.skipif(not batch_invariant.kernels_available(), reason="triton does not import")]
+
+
+@pytest.fixture(autouse=True)
+def _on_device(request):
+    """Every test but the launcher needs CUDA, or the child process under the interpreter."""
+    if request.node.name != "test_kernels_under_the_interpreter":
+        if DEVICE is None:
+            pytest.skip("needs CUDA; without it test_kernels_under_the_interpreter runs these")
+        if not batch_invariant.kernels_available():
+            pytest.skip("triton does not import")
+
+
+@pytest.mark.skipif(DEVICE is not None, reason="the kernels run here directly")
+def test_kernels_under_the_interpreter():
+    reason = interpreter.unusable()
+    if reason:
+        pytest.skip(reason)
+    interpreter.run_child(__file__, {"RLCLI_INVARIANT_KERNELS_ON_CPU": "1"})
 
 
 @pytest.fixture(scope="module")
 def K():
+    if DEVICE is None or not batch_invariant.kernels_available():
+        pytest.skip("needs CUDA and triton; without CUDA test_kernels_under_the_interpreter runs these")
     from rlcli.ops import invariant_kernels
 
     return invariant_kernels
