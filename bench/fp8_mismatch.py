@@ -9,8 +9,9 @@ logprobs; the trainer recomputes the logprobs of the same tokens (one packed for
 sequence, as in training). Reported per mode: the k3 estimate of KL(pi_infer || pi_train)
 per completion token (the trainer's mismatch_kl metric) and the largest |logprob gap|.
 Without --model it uses recipes/models/tiny-llama with random weights (std 0.1, so the
-distributions are not flat); ``--shape 1b`` a random Llama-3.2-1B body (bench/vllm_fp8.py's
-dense model, default init).
+distributions are not flat); ``--shape moe`` recipes/models/tiny-qwen3-moe the same way (the
+trainer routes by itself: no R3 here); ``--shape 1b`` a random Llama-3.2-1B body
+(bench/vllm_fp8.py's dense model, default init).
 
 Each mode runs twice: as before (engine: paged SDPA, sampler log_softmax; trainer: one
 ``model(ids)`` + log_softmax per sequence) and under ``model.batch_invariant`` (engine and
@@ -127,8 +128,8 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of: " + ", ".join(MODES))
     ap.add_argument("--paths", default="default,invariant", help="default, invariant or both (comma-separated)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (both sides)")
-    ap.add_argument("--shape", choices=["tiny", "1b"], default="tiny",
-                    help="the random model without --model: tiny-llama, or a Llama-3.2-1B body")
+    ap.add_argument("--shape", choices=["tiny", "moe", "1b"], default="tiny",
+                    help="the random model without --model: tiny-llama, tiny-qwen3-moe, or a Llama-3.2-1B body")
     args = ap.parse_args()
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     with tempfile.TemporaryDirectory() as tmp:
@@ -140,7 +141,8 @@ def main() -> None:
 
             model_dir = str(write_model(Path(tmp), "dense", False, 4096))
         elif model_dir is None:
-            model = load_model(os.path.join(ROOT, "recipes/models/tiny-llama"), seed=0)
+            name = "tiny-qwen3-moe" if args.shape == "moe" else "tiny-llama"
+            model = load_model(os.path.join(ROOT, "recipes/models", name), seed=0)
             model.init_weights(seed=0, std=0.1)
             save_model(model, tmp)
             model_dir = tmp
@@ -155,7 +157,8 @@ def main() -> None:
                                                          path == "invariant", args.device)
                 rows.append((name, path, kl, gap, count, tok_s, score_s))
                 print(f"done {name} {path}", file=sys.stderr, flush=True)
-    what = args.model or f"random {'tiny-llama' if args.shape == 'tiny' else 'Llama-3.2-1B body'}"
+    what = args.model or "random " + {"tiny": "tiny-llama", "moe": "tiny-qwen3-moe (8 experts, top-2)",
+                                      "1b": "Llama-3.2-1B body"}[args.shape]
     print(f"\nTrain/inference mismatch, native engine vs trainer forward, same weights ({what}, {args.device})")
     print(f"{'numerics (both sides)':22s} {'path':10s} {'KL/token (k3)':>14s} {'max |dlogp|':>12s} {'tokens':>7s} "
           f"{'engine tok/s':>12s} {'trainer s':>9s}")
