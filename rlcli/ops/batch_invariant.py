@@ -47,11 +47,14 @@ of :func:`invariant_attention` in a test process, after other tests had run, gav
 torch's row reductions split a row across threads when there are few rows, so the flag runs
 kernels of its own there (:mod:`rlcli.ops.invariant_kernels`, Triton): every linear's forward
 (``mm``; FP8 linears' forward GEMM ``fp8_mm``, their quantization being per row already),
-:func:`invariant_attention`, RMSNorm (:func:`make_batch_invariant` swaps them in) and, after
-:func:`enable` (the engine and the trainer call it at start), the LM head of
+attention (one varlen kernel that reads the engine's paged cache and the trainer's packed rows
+in place: :meth:`rlcli.ops.attention.PagedAttention._invariant_kernel`,
+:class:`rlcli.ops.document_attention._InvariantKernelFn`; :func:`invariant_attention` takes the
+same kernel), RMSNorm (:func:`make_batch_invariant` swaps them in) and, after :func:`enable`
+(the engine and the trainer call it at start), the LM head of
 :func:`rlcli.ops.logprobs.chunked_logprobs` (:func:`rows_mm`) and its softmax sum
-(:func:`row_sum`). Their backward passes are torch's (cuBLAS, SDPA): a gradient need not be
-batch-invariant. Elementwise CUDA kernels compute an element from its own inputs whatever the
+(:func:`row_sum`). Their backward passes are torch's (cuBLAS; flash varlen or SDPA for
+attention; autograd through RMSNorm's formula): a gradient need not be batch-invariant. Elementwise CUDA kernels compute an element from its own inputs whatever the
 tensor's size. The engine's sampler keeps its own ops (which token is drawn may differ; the
 logprob it reports is the trainer's). Not covered there: top-p's nucleus (a sort and a cumulative
 sum), MoE experts (refused) and MLA.
