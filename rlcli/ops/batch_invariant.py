@@ -326,7 +326,7 @@ class _BlockedExperts:
         if x_RK.device.type != "cpu":
             return super().expert_mm(x_RK, w_ENK, offs_E)
         from rlcli.ops.fp8.linear import fp8_grouped_mm
-        from rlcli.ops.grouped_gemm import grouped_mm, local_weight
+        from rlcli.ops.grouped_gemm import grouped_mm, grouped_mm_loop, local_weight
 
         w_ENK = local_weight(w_ENK)
         fp8 = getattr(self, "backend", None) is not None
@@ -337,15 +337,12 @@ class _BlockedExperts:
                 return fp8_grouped_mm(rows, w_ENK[e:e + 1], offs, self.backend, None, self.ue8m0)
             return grouped_mm(rows, w_ENK[e:e + 1], offs)
 
-        pieces, start = [], 0
-        for e, end in enumerate(offs_E.tolist()):
-            if end > start:
-                pieces.append(blocked_rows(lambda rows, e=e: one_expert(rows, e), x_RK[start:end]))
-            start = end
-        out = torch.cat(pieces) if pieces else x_RK.new_zeros(0, w_ENK.shape[1])
-        if x_RK.shape[0] > start:  # rows past the last offset belong to no expert
-            out = torch.cat([out, out.new_zeros(x_RK.shape[0] - start, out.shape[1])])
-        return out
+        def blocked(rows: torch.Tensor, e: int) -> torch.Tensor:
+            if rows.shape[0] == 0:  # an expert no token chose
+                return rows.new_zeros(0, w_ENK.shape[1])
+            return blocked_rows(lambda block: one_expert(block, e), rows)
+
+        return grouped_mm_loop(x_RK, w_ENK, offs_E, blocked)
 
 
 def make_batch_invariant(model: nn.Module) -> nn.Module:

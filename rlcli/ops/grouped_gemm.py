@@ -36,12 +36,15 @@ def _kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
     return _works[key]
 
 
-def grouped_mm_loop(x_RK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-    """The reference: one matmul per expert (host sync on ``offs``)."""
+def grouped_mm_loop(x_RK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor,
+                    expert_mm=None) -> torch.Tensor:
+    """The reference: one matmul per expert (host sync on ``offs``); ``expert_mm(rows, e)``
+    replaces ``rows @ w[e].T`` (model.batch_invariant's blocked expert GEMMs)."""
     ends = offs_E.tolist()
     outs, start = [], 0
     for e, end in enumerate(ends):
-        outs.append(x_RK[start:end] @ w_ENK[e].T)
+        rows = x_RK[start:end]
+        outs.append(rows @ w_ENK[e].T if expert_mm is None else expert_mm(rows, e))
         start = end
     out = torch.cat(outs) if outs else x_RK.new_zeros(0, w_ENK.shape[1])
     if x_RK.shape[0] > start:  # rows past the last offset belong to no expert
