@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from procs import Procs, progress, read_jsonl, wait_until, write_recipe
 from rlcli.protocol.batch import decode_batch
 
 pytestmark = pytest.mark.timeout(300)
+REPO = Path(__file__).resolve().parents[1]
 
 
 def batch_versions(run_dir, step) -> np.ndarray:
@@ -55,6 +57,24 @@ def test_max_async_bounds_off_policy_lag(tmp_path, tiny_model_dir):
     assert max(lags) >= 1, f"the run never went off-policy: {lags}"
     orch = read_jsonl(run_dir / "metrics" / "orchestrate.jsonl")
     assert all(m["off_policy_lag_max"] <= 2 for m in orch)
+
+
+def test_batch_invariant_loop_trains_on_the_engines_exact_logprobs(tmp_path):
+    """The demo's live processes, synchronous, FP8 on both sides: with --batch-invariant rl-train
+    recomputes every logprob rl-infer reported bit for bit at every step; without it they differ."""
+    gaps = {}
+    for flag in (True, False):
+        run_dir = tmp_path / f"run-{flag}"
+        out = run_up(REPO / "recipes/reverse.toml", "--run-dir", str(run_dir), "--steps", "3", "--max-async", "0",
+                     "--fp8", *(["--batch-invariant"] if flag else []), "--train.sft.num_steps", "0",
+                     "--model.path", str(REPO / "recipes/models/tiny-llama"),
+                     "--orchestrate.batch_size", "4", "--orchestrate.group_size", "4")
+        assert out.returncode == 0, out.stderr[-3000:]
+        train = read_jsonl(run_dir / "metrics" / "train.jsonl")
+        assert [m["step"] for m in train] == [1, 2, 3]
+        gaps[flag] = [(m["mismatch_kl"], m["logprob_diff_abs_max"]) for m in train]
+    assert gaps[True] == [(0.0, 0.0)] * 3, gaps
+    assert any(gap > 0 for _, gap in gaps[False]), gaps  # the metric does see the default path's rounding
 
 
 REALISTIC = {"sync": {"keep_weights": 3}, "orchestrate": {"keep_rollouts": 8},
