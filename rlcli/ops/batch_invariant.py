@@ -186,7 +186,7 @@ def row_sum(x_MN: torch.Tensor) -> torch.Tensor:
 
 class _KernelRMSNormFn(torch.autograd.Function):
     """The model's RMSNorm (:class:`rlcli.models.layers.RMSNorm`) by the ``rms_norm`` kernel;
-    backward by autograd through torch's formula, recomputed."""
+    backward by autograd through the model's formula (:func:`rlcli.models.layers.rms_norm`), recomputed."""
 
     @staticmethod
     def forward(ctx, x, weight, eps: float):
@@ -196,12 +196,12 @@ class _KernelRMSNormFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        from rlcli.models.layers import rms_norm
+
         x, weight = ctx.saved_tensors
         with torch.enable_grad():
             xd, wd = x.detach().requires_grad_(), weight.detach().requires_grad_()
-            xf = xd.float()
-            y = wd * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)).to(x.dtype)
-            dx, dw = torch.autograd.grad(y, (xd, wd), dy)
+            dx, dw = torch.autograd.grad(rms_norm(xd, wd, ctx.eps), (xd, wd), dy)
         return dx, dw, None
 
 
@@ -286,7 +286,7 @@ class _RowPadded:
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
-_PADDED: dict[type, type] = {}
+_SWAPPED: dict[type, type] = {}  # original class -> its subclass with a batch-invariant mixin in front
 
 
 def pad_linear_rows(model: nn.Module) -> int:
@@ -297,10 +297,10 @@ def pad_linear_rows(model: nn.Module) -> int:
     for module in model.modules():
         cls = type(module)
         if isinstance(module, nn.Linear) and not issubclass(cls, _RowPadded):
-            if cls not in _PADDED:
-                _PADDED[cls] = type(f"RowPadded{cls.__name__}", (_RowPadded, cls),
+            if cls not in _SWAPPED:
+                _SWAPPED[cls] = type(f"RowPadded{cls.__name__}", (_RowPadded, cls),
                                     {"plain_linear": cls.forward is nn.Linear.forward})
-            module.__class__ = _PADDED[cls]
+            module.__class__ = _SWAPPED[cls]
             count += 1
     return count
 
@@ -362,9 +362,9 @@ def make_batch_invariant(model: nn.Module) -> nn.Module:
                                     (GroupedExperts, _BlockedExperts, "Blocked")):
             if isinstance(module, base) and not isinstance(module, mixin):
                 cls = type(module)
-                if cls not in _PADDED:
-                    _PADDED[cls] = type(f"{prefix}{cls.__name__}", (mixin, cls), {})
-                module.__class__ = _PADDED[cls]
+                if cls not in _SWAPPED:
+                    _SWAPPED[cls] = type(f"{prefix}{cls.__name__}", (mixin, cls), {})
+                module.__class__ = _SWAPPED[cls]
         if isinstance(module, FP8Linear) and not isinstance(module.backend, KernelGemm):
             module.backend = wrapped.setdefault(id(module.backend), KernelGemm(module.backend))
     return model
