@@ -108,10 +108,48 @@ def test_emulated_gemm_equals_float64_of_dequantized_operands(M, N, K):
     assert ((out - ref).abs() <= 2 * K * 2.0 ** -24 * (a64.abs() @ dequantize_1x128(b1, s1).double().abs().T)).all()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's blockwise scaled_mm runs on CUDA (SM90)")
+@pytest.mark.parametrize("M,N,K", [(5, 96, 128), (200, 96, 96), (130, 320, 200)])
+def test_torch_backend_takes_shapes_cublaslt_has_no_algorithm_for(M, N, K):
+    """A 128-wide MoE's experts (N or K of 96, a single K block, ragged rows) against the emulated
+    product: cuBLASLt refused them before the backend padded rows (CUBLAS_STATUS_NOT_SUPPORTED)."""
+    be, ref_be = make_backend("torch", "cuda"), EmulatedBackend()
+    (aq, sa), (bq, sb) = quantize_1x128(data(M, K, seed=1).cuda()), quantize_128x128(data(N, K, seed=2).cuda())
+    ref = ref_be.gemm(aq.cpu(), sa.cpu(), bq.cpu(), sb.cpu(), torch.float32)
+    torch.testing.assert_close(be.gemm(aq, sa, bq, sb, torch.float32).cpu(), ref, atol=2e-3 * ref.abs().max(), rtol=0)
+    (b1, s1) = quantize_1x128(data(N, K, seed=3).cuda())
+    ref = ref_be.gemm_1x128(aq.cpu(), sa.cpu(), b1.cpu(), s1.cpu(), torch.float32)
+    out = be.gemm_1x128(aq, sa, b1, s1, torch.float32).cpu()
+    torch.testing.assert_close(out, ref, atol=2e-3 * ref.abs().max(), rtol=0)
+    # Experts: one of exactly 128 rows starting at row 5 (its scales' slice starts off 16 bytes).
+    (xq, xs), w = quantize_1x128(data(M + 133, K, seed=4).cuda()), data(3, N, K, seed=5).cuda()
+    wq, ws = (torch.stack(t) for t in zip(*(quantize_128x128(w[g]) for g in range(3))))
+    offs = torch.tensor([5, 133, M + 133], dtype=torch.int32, device="cuda")
+    ref = ref_be.grouped_gemm(xq.cpu(), xs.cpu(), wq.cpu(), ws.cpu(), offs.cpu(), torch.float32)
+    out = be.grouped_gemm(xq, xs, wq, ws, offs, torch.bfloat16).float().cpu()
+    torch.testing.assert_close(out, ref, atol=1e-2 * ref.abs().max(), rtol=0)
+
+
 def test_backend_factory_on_cpu():
     assert make_backend("auto", "cpu").name == "emulated"
     with pytest.raises(ValueError, match="fp8.backend"):
         make_backend("torch", "cpu")
+
+
+def test_scales_reach_scaled_mm_column_major_even_for_one_k_block():
+    """torch's blockwise scaled_mm checks scale strides (1, rows) even when K fits one block (a
+    128-wide model's MoE experts failed there with "scale_a must have strides (1, 128); got [1, 4]")."""
+    from rlcli.ops.fp8.backends import _col_major
+
+    one_block = torch.rand(512).as_strided((128, 1), (1, 4))
+    assert _col_major(one_block).stride() == (1, 128) and torch.equal(_col_major(one_block), one_block)
+    expert_rows = torch.rand(300, 1)[5:133]  # an expert's 128 rows, 20 bytes into the batch's scales
+    assert _col_major(expert_rows).stride() == (1, 128) and _col_major(expert_rows).data_ptr() % 16 == 0
+    assert torch.equal(_col_major(expert_rows), expert_rows)
+    row_major = torch.rand(128, 3)
+    assert _col_major(row_major).stride() == (1, 128) and torch.equal(_col_major(row_major), row_major)
+    col_major = row_major.t().contiguous().t()
+    assert _col_major(col_major).data_ptr() == col_major.data_ptr()
 
 
 def _grads(fn, x, w, dy):

@@ -104,9 +104,25 @@ def _pad_k(q: torch.Tensor) -> torch.Tensor:
     return F.pad(q.view(torch.uint8), (0, pad)).view(FP8_DTYPE)
 
 
+def _pad_rows(q: torch.Tensor, s: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """FP8 data with zero rows appended to a multiple of 128, and its per-row scales (1x128 tiles)
+    with rows of 1 (``s`` None: 128x128 blocks, whose scale rows already cover a partial block)."""
+    pad = (-q.shape[0]) % BLOCK
+    if not pad:
+        return q, s
+    return (F.pad(q.view(torch.uint8), (0, 0, 0, pad)).view(FP8_DTYPE),
+            None if s is None else F.pad(s, (0, 0, 0, pad), value=1.0))
+
+
 def _col_major(s: torch.Tensor) -> torch.Tensor:
-    """``s`` with stride ``(1, rows)``; the quantizers already write that layout (no copy then)."""
-    return s if s.stride(0) == 1 and (s.shape[1] == 1 or s.stride(1) == s.shape[0]) else s.t().contiguous().t()
+    """``s`` with stride ``(1, rows)``; the quantizers already write that layout (no copy then).
+    ``scaled_mm`` checks that stride even for a single K block (K <= 128), where the dim's stride
+    is arbitrary: there the same memory gets the stride it wants, copied first where it does not
+    start on 16 bytes (an expert's rows sliced out of a larger batch; cuBLASLt refused those)."""
+    if s.stride(0) == 1 and s.shape[1] == 1:
+        s = s if s.data_ptr() % 16 == 0 else s.clone()
+        return s.as_strided(s.shape, (1, s.shape[0]))
+    return s if s.stride(0) == 1 and s.stride(1) == s.shape[0] else s.t().contiguous().t()
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -133,21 +149,23 @@ class TorchScaledMMBackend:
     def gemm(self, a, sa, b, sb, out_dtype):
         kb = sb.shape[1]
         sbp = F.pad(sb, (0, (-kb) % 4), value=1.0)  # cuBLASLt wants the K-block count rounded up to 4
-        M = a.shape[0]
-        pad = (-M) % BLOCK  # cuBLASLt found no algorithm for ragged M (expert groups) on the H200: pad rows
-        if pad:
-            a = F.pad(a.view(torch.uint8), (0, 0, 0, pad)).view(FP8_DTYPE)
-            sa = F.pad(sa, (0, 0, 0, pad), value=1.0)
-        return self._mm(a, _col_major(sa), b, sbp.t(), "128x128", out_dtype)[:M]
+        M, N = a.shape[0], b.shape[0]
+        # Rows of both to multiples of 128: cuBLASLt found no algorithm for ragged M (expert groups)
+        # on the H200, and refused N = 96 (CUBLAS_STATUS_NOT_SUPPORTED; a 96-wide MoE expert).
+        a, sa = _pad_rows(a, sa)
+        b = _pad_rows(b)[0]
+        return self._mm(a, _col_major(sa), b, sbp.t(), "128x128", out_dtype)[:M, :N]
 
     def gemm_1x128(self, a, sa, b, sb, out_dtype):
+        M, N = a.shape[0], b.shape[0]
+        (a, sa), (b, sb) = _pad_rows(a, sa), _pad_rows(b, sb)  # as in gemm
         if out_dtype == torch.float32 and self._fp32_out:
             try:
-                return self._mm(a, _col_major(sa), b, _col_major(sb), "1x128", out_dtype)
+                return self._mm(a, _col_major(sa), b, _col_major(sb), "1x128", out_dtype)[:M, :N]
             except RuntimeError as e:
                 log.warning("scaled_mm 1x128 x 1x128 with fp32 output failed (%s); using bf16 output", e)
                 self._fp32_out = False
-        return _as(self._mm(a, _col_major(sa), b, _col_major(sb), "1x128", torch.bfloat16), out_dtype)
+        return _as(self._mm(a, _col_major(sa), b, _col_major(sb), "1x128", torch.bfloat16)[:M, :N], out_dtype)
 
     def grouped_gemm(self, a, sa, b, sb, offs, out_dtype):
         out = a.new_zeros(a.shape[0], b.shape[1], dtype=out_dtype)
