@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from rlcli.models.config import ModelArgs
 from rlcli.models.layers import MLP
 from rlcli.ops.attention import ForwardContext
+from rlcli.ops.batch_invariant import row_sum
 from rlcli.ops.grouped_gemm import grouped_mm
 
 
@@ -79,8 +80,8 @@ class Router(nn.Module):
 
     def gates(self, scores_NE: torch.Tensor, idx_Nk: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         w = scores_NE.gather(1, idx_Nk)
-        if self.norm_topk_prob:
-            w = w / (w.sum(dim=-1, keepdim=True) + (1e-20 if self.scoring == "sigmoid" else 0.0))
+        if self.norm_topk_prob:  # row_sum: CUDA's sum over a short row follows the row count (batch_invariant)
+            w = w / (row_sum(w)[:, None] + (1e-20 if self.scoring == "sigmoid" else 0.0))
         w = w * self.scaling
         return w if self.scoring == "sigmoid" else w.to(dtype)
 
@@ -140,11 +141,14 @@ class MoE(nn.Module):
         with torch.no_grad():
             seen = self.num_tokens_per_expert
             self.num_tokens_per_expert = counts_E.detach().clone() if seen is None else seen + counts_E
-        token = order // k
-        y_sorted = self.experts(x_ND[token], counts_E)
+        y_sorted = self.experts(x_ND[order // k], counts_E)
         y_sorted = y_sorted * gates_Nk.reshape(-1)[order, None]
-        out = torch.zeros_like(x_ND)
-        return out.index_add_(0, token, y_sorted.to(out.dtype))
+        return self.combine(y_sorted, order, k, torch.zeros_like(x_ND))
+
+    def combine(self, y_sorted_RD: torch.Tensor, order_R: torch.Tensor, k: int, out_ND: torch.Tensor) -> torch.Tensor:
+        """``out`` plus each token's ``k`` weighted expert outputs; row ``i`` of ``y_sorted`` is
+        (token, slot) pair ``order[i]``. The seam model.batch_invariant replaces."""
+        return out_ND.index_add_(0, order_R // k, y_sorted_RD.to(out_ND.dtype))
 
     def forward(self, x_BTD: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         B, T, D = x_BTD.shape

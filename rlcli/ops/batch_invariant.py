@@ -57,12 +57,15 @@ same kernel), RMSNorm (:func:`make_batch_invariant` swaps them in) and, after :f
 attention; autograd through RMSNorm's formula): a gradient need not be batch-invariant. Elementwise CUDA kernels compute an element from its own inputs whatever the
 tensor's size. The engine's sampler keeps its own ops (which token is drawn may differ; the
 logprob it reports is the trainer's). Not covered there: top-p's nucleus (a sort and a cumulative
-sum), MoE experts (refused) and MLA.
+sum) and MLA.
 
-**MoE** (CPU): the router's linear runs on blocked rows and every expert's GEMMs on that
-expert's rows alone, blocked (:class:`_BlockedExperts`; the grouped GEMM's per-expert row
-counts follow the batch); the gates, the top-k and the weighted sum per token are row-wise.
-On CUDA an MoE model is refused under the flag.
+**MoE.** The router's linear runs on blocked rows (CPU) or by the ``mm`` kernel (CUDA,
+:class:`_InvariantRouter`); the top-k gates are normalized by :func:`row_sum`. The experts: on the
+CPU every expert's GEMMs run on that expert's rows alone, blocked (the grouped GEMM's per-expert row
+counts follow the batch); on CUDA one ``grouped_mm`` / ``fp8_grouped_mm`` kernel launch per
+projection computes each token's row on its expert's weight alone (:class:`_InvariantExperts`).
+A token's ``k`` weighted expert outputs are added in slot order on CUDA, where ``index_add_`` adds
+them with atomics (:class:`_InvariantMoE`). Gates, the top-k and the weighting are row-wise.
 
 Not covered: MLA attention.
 """
@@ -124,23 +127,16 @@ def enable(on: bool = True) -> None:
     _STATE["enabled"] = bool(on)
 
 
-def batch_invariant_setup(device: torch.device, model: nn.Module | None = None) -> None:
+def batch_invariant_setup(device: torch.device) -> None:
     """Process setup under ``model.batch_invariant`` (the engine and the trainer call it at start):
-    on the CPU one intra-op thread (:func:`pin_threads`); on CUDA the kernels must import and the
-    model be dense (MoE experts are covered on the CPU only), then :func:`enable`. Raises
-    ConfigError naming what to change."""
-    from rlcli.models.moe import GroupedExperts
-
+    on the CPU one intra-op thread (:func:`pin_threads`); on CUDA the kernels must import; then
+    :func:`enable`. Raises ConfigError naming what to change."""
     if device.type == "cpu":
         pin_threads()  # both sides' thread count
     elif device.type == "cuda":
         if not kernels_available():
             raise ConfigError("model.batch_invariant on CUDA runs Triton kernels, and triton does not import "
                               "here: install triton or set model.batch_invariant = false")
-        if model is not None and any(isinstance(m, GroupedExperts) for m in model.modules()):
-            raise ConfigError("model.batch_invariant on CUDA covers dense models; this one has MoE experts, "
-                              "whose GEMMs are batch-invariant on the CPU only: set model.batch_invariant = false "
-                              "or run on the CPU")
     else:
         raise ConfigError(f"model.batch_invariant runs on the CPU and CUDA, not {device.type}: "
                           "set model.batch_invariant = false")
@@ -227,6 +223,18 @@ class KernelGemm:
             return invariant_kernels().fp8_mm(a, sa, b, sb, out_dtype)
         return self.inner.gemm(a, sa, b, sb, out_dtype)
 
+    def grouped_gemm(self, a, sa, b, sb, offs, out_dtype):
+        if on_kernels(a):
+            return invariant_kernels().fp8_grouped_mm(a, sa, b, sb, offs, out_dtype)
+        return self.inner.grouped_gemm(a, sa, b, sb, offs, out_dtype)
+
+    def grouped_gemm_x(self, x, ue8m0, b, sb, offs, out_dtype):
+        if on_kernels(x):  # the shared quantization of x, then grouped_gemm above
+            from rlcli.ops.fp8.backends import grouped_gemm_x
+
+            return grouped_gemm_x(self, x, ue8m0, b, sb, offs, out_dtype)
+        return self.inner.grouped_gemm_x(x, ue8m0, b, sb, offs, out_dtype)
+
     def __getattr__(self, name: str):
         if name == "inner":  # not set yet (copy, unpickling): no recursion through __getattr__
             raise AttributeError(name)
@@ -305,31 +313,71 @@ def pad_linear_rows(model: nn.Module) -> int:
     return count
 
 
-class _BlockedRouter:
-    """Mixin in front of an MoE router's class: its linear on blocked rows (CPU)."""
+class _InvariantRouter:
+    """Mixin in front of an MoE router's class: its linear on blocked rows (CPU) or by the ``mm``
+    kernel (CUDA)."""
 
     def logits(self, x_ND: torch.Tensor) -> torch.Tensor:
-        if x_ND.device.type != "cpu":
+        fn = _KernelLinearFn if on_kernels(x_ND) else _BlockedLinearFn if x_ND.device.type == "cpu" else None
+        if fn is None:
             return super().logits(x_ND)
         if self.scoring == "sigmoid":
-            return _BlockedLinearFn.apply(x_ND.float(), self.weight.float(), None)
-        return _BlockedLinearFn.apply(x_ND, self.weight, None)
+            return fn.apply(x_ND.float(), self.weight.float(), None)
+        return fn.apply(x_ND, self.weight, None)
 
 
-class _BlockedExperts:
-    """Mixin in front of an MoE experts class: on the CPU each expert's GEMM runs on its own rows
-    in :func:`blocked_rows` (the grouped GEMM's per-expert row counts follow the batch); FP8
-    experts quantize per row and per expert as before, without the weight cache (whose backward
-    lookup does not tell one expert's slice from another's). One host sync per GEMM."""
+class _KernelGroupedFn(torch.autograd.Function):
+    """:func:`rlcli.ops.grouped_gemm.grouped_mm` whose forward is the invariant ``grouped_mm`` kernel
+    (CUDA); backward by torch's grouped GEMMs (or a loop where they do not run)."""
+
+    @staticmethod
+    def forward(ctx, x_RK, w_ENK, offs_E):
+        ctx.save_for_backward(x_RK, w_ENK, offs_E)
+        return invariant_kernels().grouped_mm(x_RK, w_ENK, offs_E)
+
+    @staticmethod
+    def backward(ctx, dy_RN):
+        from rlcli.ops.grouped_gemm import _grouped_mm_op, _kernel_available, grouped_mm
+
+        x_RK, w_ENK, offs_E = ctx.saved_tensors
+        dy_RN = dy_RN.contiguous()  # the k-grouped GEMM reads dy^T as a column-major matrix
+        dx = dw = None
+        if ctx.needs_input_grad[0]:  # dx[rows of e] = dy[rows of e] @ w[e]
+            dx = grouped_mm(dy_RN, w_ENK.transpose(-2, -1), offs_E)
+        if ctx.needs_input_grad[1]:  # dw[e] = dy[rows of e]^T @ x[rows of e]
+            aligned = all(n * dy_RN.element_size() % 16 == 0 for n in (dy_RN.shape[1], x_RK.shape[1]))
+            if aligned and _kernel_available(dy_RN.device, dy_RN.dtype):
+                dw = _grouped_mm_op(dy_RN.t(), x_RK, offs=offs_E)
+            else:  # fp32 experts on CUDA: a loop (one host sync)
+                dw = torch.zeros_like(w_ENK)
+                start = 0
+                for e, end in enumerate(offs_E.tolist()):
+                    dw[e] = dy_RN[start:end].t() @ x_RK[start:end]
+                    start = end
+        return dx, dw, None
+
+
+class _InvariantExperts:
+    """Mixin in front of an MoE experts class. On CUDA the grouped GEMMs run the invariant
+    ``grouped_mm`` kernel (bf16 / fp32 experts, :class:`_KernelGroupedFn`) or, for FP8 experts, their
+    backend's ``grouped_gemm`` wrapped in :class:`KernelGemm` (``fp8_grouped_mm``). On the CPU each
+    expert's GEMM runs on its own rows in :func:`blocked_rows` (the grouped GEMM's per-expert row
+    counts follow the batch); FP8 experts quantize per row and per expert as before, without the
+    weight cache (whose backward lookup does not tell one expert's slice from another's). One host
+    sync per GEMM there."""
 
     def expert_mm(self, x_RK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-        if x_RK.device.type != "cpu":
-            return super().expert_mm(x_RK, w_ENK, offs_E)
         from rlcli.ops.fp8.linear import fp8_grouped_mm
         from rlcli.ops.grouped_gemm import grouped_mm, grouped_mm_loop, local_weight
 
-        w_ENK = local_weight(w_ENK)
         fp8 = getattr(self, "backend", None) is not None
+        if on_kernels(x_RK):
+            if fp8:
+                return super().expert_mm(x_RK, w_ENK, offs_E)
+            return _KernelGroupedFn.apply(x_RK, local_weight(w_ENK), offs_E)
+        if x_RK.device.type != "cpu":
+            return super().expert_mm(x_RK, w_ENK, offs_E)
+        w_ENK = local_weight(w_ENK)
 
         def one_expert(rows: torch.Tensor, e: int) -> torch.Tensor:
             offs = torch.tensor([rows.shape[0]], dtype=torch.int32)
@@ -345,6 +393,22 @@ class _BlockedExperts:
         return grouped_mm_loop(x_RK, w_ENK, offs_E, blocked)
 
 
+class _InvariantMoE:
+    """Mixin in front of an MoE layer's class: on CUDA a token's ``k`` weighted expert outputs are
+    added in slot order (``index_add_`` there adds them with atomics, in no fixed order)."""
+
+    def combine(self, y_sorted_RD: torch.Tensor, order_R: torch.Tensor, k: int, out_ND: torch.Tensor) -> torch.Tensor:
+        if not on_kernels(out_ND):
+            return super().combine(y_sorted_RD, order_R, k, out_ND)
+        inverse = torch.empty_like(order_R)
+        inverse[order_R] = torch.arange(order_R.numel(), device=order_R.device)
+        y_NkD = y_sorted_RD[inverse].view(out_ND.shape[0], k, -1).to(out_ND.dtype)  # (token, slot) order
+        out = out_ND
+        for j in range(k):
+            out = out + y_NkD[:, j]
+        return out
+
+
 def make_batch_invariant(model: nn.Module) -> nn.Module:
     """Everything ``model.batch_invariant`` swaps into a model, in place (after ``convert_to_fp8``;
     idempotent): :func:`pad_linear_rows`; RMSNorms that run the ``rms_norm`` kernel on CUDA; MoE
@@ -352,21 +416,21 @@ def make_batch_invariant(model: nn.Module) -> nn.Module:
     linears' GEMM backends wrapped in :class:`KernelGemm` (one wrapper per backend, so that
     stacked siblings still share theirs)."""
     from rlcli.models.layers import RMSNorm
-    from rlcli.models.moe import GroupedExperts, Router
-    from rlcli.ops.fp8.linear import FP8Linear
+    from rlcli.models.moe import MoE, GroupedExperts, Router
 
     pad_linear_rows(model)
     wrapped: dict[int, KernelGemm] = {}
     for module in model.modules():
-        for base, mixin, prefix in ((RMSNorm, _KernelNorm, "Kernel"), (Router, _BlockedRouter, "Blocked"),
-                                    (GroupedExperts, _BlockedExperts, "Blocked")):
+        for base, mixin in ((RMSNorm, _KernelNorm), (Router, _InvariantRouter), (GroupedExperts, _InvariantExperts),
+                            (MoE, _InvariantMoE)):
             if isinstance(module, base) and not isinstance(module, mixin):
                 cls = type(module)
                 if cls not in _SWAPPED:
-                    _SWAPPED[cls] = type(f"{prefix}{cls.__name__}", (mixin, cls), {})
+                    _SWAPPED[cls] = type(f"Invariant{cls.__name__}", (mixin, cls), {})
                 module.__class__ = _SWAPPED[cls]
-        if isinstance(module, FP8Linear) and not isinstance(module.backend, KernelGemm):
-            module.backend = wrapped.setdefault(id(module.backend), KernelGemm(module.backend))
+        backend = getattr(module, "backend", None)  # FP8 linears and FP8 experts
+        if backend is not None and not isinstance(backend, KernelGemm):
+            module.backend = wrapped.setdefault(id(backend), KernelGemm(backend))
     return model
 
 

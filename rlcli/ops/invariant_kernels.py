@@ -17,6 +17,10 @@ tile shape and split-K by the problem's size, so a row's bits change with its ba
 * ``fp8_mm``: the FP8 recipe's forward GEMM, ``a`` in 1x128 tiles and ``b`` in 128x128
   blocks: per 128-wide K block an FP8 ``tl.dot`` times ``sa[m, kb] * sb[nb, kb]`` added to
   the fp32 accumulator, K blocks in order.
+* ``grouped_mm`` / ``fp8_grouped_mm``: MoE experts, tokens sorted by expert with the int32
+  cumulative row ends on the device. A program owns a ``BM``-row tile and computes it once per
+  expert whose rows it holds, with the other rows masked to zeros: each row gets ``mm``'s /
+  ``fp8_mm``'s order on its own expert's weight, however the tokens fell into experts and tiles.
 * ``attention``: varlen, keys addressed through a row index (so the engine reads its paged
   cache and the trainer its packed rows in place). One program per (sequence, query head,
   query) walks the query's keys in blocks of ``KEY_BLOCK`` positions from 0: a first pass
@@ -61,17 +65,15 @@ NUM_WARPS = 4
 _NO_SPEC_MM = ["M"]
 
 
-@_jit(_NO_SPEC_MM)
-def _mm_kernel(A, B, C, M, N, K, s_am, s_ak, s_bn, s_bk, s_cm,
-               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
-               UPCAST: tl.constexpr):
-    rm = tl.program_id(0) * BM + tl.arange(0, BM)
-    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+@triton.jit
+def _mm_tile(A, B, rm, rows_ok, rn, N, K, s_am, s_ak, s_bn, s_bk,
+             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """The fp32 ``[BM, BN]`` tile of ``a[rm] @ b[rn]^T`` (rows not ``rows_ok`` read as zeros), K in order."""
     rk = tl.arange(0, BK)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
         kk = k0 + rk
-        a = tl.load(A + rm[:, None] * s_am + kk[None, :] * s_ak, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        a = tl.load(A + rm[:, None] * s_am + kk[None, :] * s_ak, mask=rows_ok[:, None] & (kk[None, :] < K), other=0.0)
         b = tl.load(B + rn[None, :] * s_bn + kk[:, None] * s_bk, mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
         if IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
@@ -79,6 +81,32 @@ def _mm_kernel(A, B, C, M, N, K, s_am, s_ak, s_bn, s_bk, s_cm,
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
         else:
             acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _fp8_tile(A, SA, B, SB, rm, rows_ok, rn, pid_n, N, K, s_am, s_sam, s_sak, s_bn, s_sbn, s_sbk, BM: tl.constexpr):
+    """The fp32 ``[BM, 128]`` tile of the FP8 recipe's product: per 128-wide K block, in order, an
+    FP8 ``tl.dot`` times ``sa[m, kb] * sb[nb, kb]``."""
+    rk = tl.arange(0, 128)
+    acc = tl.zeros([BM, 128], dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, 128)):
+        kk = kb * 128 + rk
+        a = tl.load(A + rm[:, None] * s_am + kk[None, :], mask=rows_ok[:, None] & (kk[None, :] < K), other=0.0)
+        b = tl.load(B + rn[None, :] * s_bn + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
+        sa = tl.load(SA + rm * s_sam + kb * s_sak, mask=rows_ok, other=0.0)
+        sb = tl.load(SB + pid_n * s_sbn + kb * s_sbk)
+        acc += tl.dot(a, b) * (sa[:, None] * sb)
+    return acc
+
+
+@_jit(_NO_SPEC_MM)
+def _mm_kernel(A, B, C, M, N, K, s_am, s_ak, s_bn, s_bk, s_cm,
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+               UPCAST: tl.constexpr):
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    acc = _mm_tile(A, B, rm, rm < M, rn, N, K, s_am, s_ak, s_bn, s_bk, BM, BN, BK, IEEE, UPCAST)
     tl.store(C + rm[:, None] * s_cm + rn[None, :], acc.to(C.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
@@ -91,17 +119,63 @@ def _fp8_mm_kernel(A, SA, B, SB, C, M, N, K, s_am, s_sam, s_sak, s_bn, s_sbn, s_
     pid_n = tl.program_id(1)
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = pid_n * 128 + tl.arange(0, 128)
-    rk = tl.arange(0, 128)
-    acc = tl.zeros([BM, 128], dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, 128)):
-        kk = kb * 128 + rk
-        a = tl.load(A + rm[:, None] * s_am + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-        b = tl.load(B + rn[None, :] * s_bn + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
-        sa = tl.load(SA + rm * s_sam + kb * s_sak, mask=rm < M, other=0.0)
-        sb = tl.load(SB + pid_n * s_sbn + kb * s_sbk)
-        acc += tl.dot(a, b) * (sa[:, None] * sb)
+    acc = _fp8_tile(A, SA, B, SB, rm, rm < M, rn, pid_n, N, K, s_am, s_sam, s_sak, s_bn, s_sbn, s_sbk, BM)
     tl.store(C + rm[:, None] * s_cm + rn[None, :], acc.to(C.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _first_group(OFFS, m0, G, GP: tl.constexpr):
+    """(g, start): the first group whose rows reach past row ``m0`` (``OFFS`` holds the groups' int32
+    cumulative row ends), and the row it starts at."""
+    idx = tl.arange(0, GP)
+    ends = tl.load(OFFS + idx, mask=idx < G, other=2147483647)
+    before = ends <= m0
+    return tl.sum(before.to(tl.int32), axis=0), tl.max(tl.where(before, ends, 0), axis=0)
+
+
+_NO_SPEC_GROUPED = ["R"]
+
+
+@_jit(_NO_SPEC_GROUPED)
+def _grouped_mm_kernel(A, B, C, OFFS, R, N, K, G, s_am, s_ak, s_bg, s_bn, s_bk, s_cm,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GP: tl.constexpr,
+                       IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    m0 = tl.program_id(0) * BM
+    rm = m0 + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    g, start = _first_group(OFFS, m0, G, GP)
+    while (g < G) & (start < m0 + BM):  # each group with rows in this tile: its rows alone, its weight
+        end = tl.load(OFFS + g)
+        if end > start:
+            rows_ok = (rm >= start) & (rm < end)
+            acc = _mm_tile(A, B + g.to(tl.int64) * s_bg, rm, rows_ok, rn, N, K, s_am, s_ak, s_bn, s_bk,
+                           BM, BN, BK, IEEE, UPCAST)
+            tl.store(C + rm[:, None] * s_cm + rn[None, :], acc.to(C.dtype.element_ty),
+                     mask=rows_ok[:, None] & (rn[None, :] < N))
+        start = end
+        g += 1
+
+
+@_jit(_NO_SPEC_GROUPED)
+def _fp8_grouped_mm_kernel(A, SA, B, SB, C, OFFS, R, N, K, G, s_am, s_sam, s_sak, s_bg, s_bn, s_sbg, s_sbn,
+                           s_sbk, s_cm, BM: tl.constexpr, GP: tl.constexpr):
+    pid_n = tl.program_id(1)
+    m0 = tl.program_id(0) * BM
+    rm = m0 + tl.arange(0, BM)
+    rn = pid_n * 128 + tl.arange(0, 128)
+    g, start = _first_group(OFFS, m0, G, GP)
+    while (g < G) & (start < m0 + BM):
+        end = tl.load(OFFS + g)
+        if end > start:
+            rows_ok = (rm >= start) & (rm < end)
+            g64 = g.to(tl.int64)
+            acc = _fp8_tile(A, SA, B + g64 * s_bg, SB + g64 * s_sbg, rm, rows_ok, rn, pid_n, N, K, s_am, s_sam,
+                            s_sak, s_bn, s_sbn, s_sbk, BM)
+            tl.store(C + rm[:, None] * s_cm + rn[None, :], acc.to(C.dtype.element_ty),
+                     mask=rows_ok[:, None] & (rn[None, :] < N))
+        start = end
+        g += 1
 
 
 _NO_SPEC_ATTN = ["HQ", "G", "D", "DV", "s_qn", "s_qh", "s_kr", "s_kh", "s_vr", "s_vh", "s_on", "s_oh"]
@@ -210,6 +284,48 @@ def fp8_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
     _fp8_mm_kernel[(triton.cdiv(M, FP8_BM), triton.cdiv(N, 128))](
         a, sa, b, sb, c, M, N, K, a.stride(0), sa.stride(0), sa.stride(1), b.stride(0), sb.stride(0), sb.stride(1),
         c.stride(0), BM=FP8_BM, num_warps=8, num_stages=3)
+    return c
+
+
+def grouped_mm(x_RK: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
+    """Rows ``offs[g-1]:offs[g]`` of ``x`` times ``w[g]^T`` for every group (MoE experts), ``[R, N]``
+    in ``x``'s dtype, one launch, no host sync (:func:`rlcli.ops.grouped_gemm.grouped_mm`'s contract;
+    rows past the last offset are zeros). A tile of rows that spans several groups is computed once
+    per group, each time with only that group's rows, so a row's bits are :func:`mm`'s order of
+    its own row and weight, whichever rows share its group or tile."""
+    x, w = _aligned(x_RK), _inner_contiguous(w_GNK)
+    R, K = x.shape
+    G, N = w.shape[0], w.shape[1]
+    c = torch.zeros(R, N, device=x.device, dtype=x.dtype)
+    if R == 0 or N == 0 or G == 0:
+        return c
+    offs = _aligned(offs_G.to(device=x.device, dtype=torch.int32).contiguous())
+    BM, BN, BK, warps, stages = MM_CONFIG[x.dtype]
+    _grouped_mm_kernel[(triton.cdiv(R, BM), triton.cdiv(N, BN))](
+        x, w, c, offs, R, N, K, G, x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0),
+        BM=BM, BN=BN, BK=BK, GP=max(16, triton.next_power_of_2(G)), IEEE=x.dtype == torch.float32, UPCAST=_INTERPRET,
+        num_warps=warps, num_stages=stages)
+    return c
+
+
+def fp8_grouped_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, offs: torch.Tensor,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+    """The FP8 recipe's ``grouped_gemm`` (:mod:`rlcli.ops.fp8.backends`): rows ``offs[g-1]:offs[g]``
+    of ``a [R, K]`` (1x128 scales ``sa [R, K/128]``, any strides) times ``b[g]^T`` (``b [G, N, K]``,
+    128x128 scales ``sb [G, N/128, K/128]``); rows past the last offset are zeros. As
+    :func:`grouped_mm`: one launch, each group's rows alone, :func:`fp8_mm`'s order per row."""
+    a, b = _inner_contiguous(a), _inner_contiguous(b)
+    R, K = a.shape
+    G, N = b.shape[0], b.shape[1]
+    c = torch.zeros(R, N, device=a.device, dtype=out_dtype)
+    if R == 0 or N == 0 or G == 0:
+        return c
+    sa, sb = _aligned(sa.float()), _aligned(sb.float())
+    offs = _aligned(offs.to(device=a.device, dtype=torch.int32).contiguous())
+    _fp8_grouped_mm_kernel[(triton.cdiv(R, FP8_BM), triton.cdiv(N, 128))](
+        a, sa, b, sb, c, offs, R, N, K, G, a.stride(0), sa.stride(0), sa.stride(1), b.stride(0), b.stride(1),
+        sb.stride(0), sb.stride(1), sb.stride(2), c.stride(0), BM=FP8_BM, GP=max(16, triton.next_power_of_2(G)),
+        num_warps=8, num_stages=3)
     return c
 
 

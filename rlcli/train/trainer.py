@@ -260,7 +260,7 @@ class Trainer:
             if self.cfg.train.fp8.jit_warmup:
                 self._warm_up_fp8(model)
         if self.cfg.model.batch_invariant:  # the engine's rounding (rlcli.ops.batch_invariant)
-            batch_invariant_setup(self.device, model)
+            batch_invariant_setup(self.device)
             make_batch_invariant(model)
         parallelize(model, self.dims, self.cfg.train, self.dtype)
         model.to_empty(device=self.device)

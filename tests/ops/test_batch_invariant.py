@@ -255,19 +255,20 @@ def test_make_batch_invariant_swaps_norms_and_wraps_each_fp8_backend_once():
     assert stacked and sum(m.sibling_group is not None for m in fp8) == stacked
     norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
     assert norms and all(isinstance(m, batch_invariant._KernelNorm) for m in norms)
+    # Close, not equal: blocked rows may round differently (the GEMM library picks kernels by row count,
+    # on some CPUs), and FP8's quantization can turn that into a whole FP8 step (0.008 seen on a 16-core host).
     with torch.no_grad():
-        torch.testing.assert_close(model(ids), before)
-        torch.testing.assert_close(copy.deepcopy(model)(ids), before)  # the backend wrappers copy too
+        torch.testing.assert_close(model(ids), before, atol=0.03, rtol=0)
+        torch.testing.assert_close(copy.deepcopy(model)(ids), before, atol=0.03, rtol=0)  # the wrappers copy too
     assert torch.equal(batch_invariant.row_sum(before[0]), before[0].sum(-1))
 
 
 def test_batch_invariant_setup_names_the_devices_it_runs_on(monkeypatch):
     with pytest.raises(ConfigError, match="CPU and CUDA"):
         batch_invariant.batch_invariant_setup(torch.device("meta"))
-    moe = load_model(REPO / "recipes/models/tiny-qwen3-moe", device="meta")
-    monkeypatch.setattr(batch_invariant, "kernels_available", lambda: True)
-    with pytest.raises(ConfigError, match="MoE experts"):  # covered on the CPU only
-        batch_invariant.batch_invariant_setup(torch.device("cuda"), moe)
+    monkeypatch.setattr(batch_invariant, "kernels_available", lambda: False)
+    with pytest.raises(ConfigError, match="install triton"):
+        batch_invariant.batch_invariant_setup(torch.device("cuda"))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -297,27 +298,31 @@ def test_engine_and_trainer_logprobs_are_bitwise_equal(tmp_path, dtype, fp8, dev
         assert metrics["logprob_diff_abs_max"] == 0 and metrics["mismatch_kl"] == 0, (share, metrics)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype,fp8", [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, FP8)],
                          ids=["fp32", "bf16", "fp8-bf16"])
-def test_moe_engine_and_trainer_logprobs_are_bitwise_equal(tmp_path, dtype, fp8):
+def test_moe_engine_and_trainer_logprobs_are_bitwise_equal(tmp_path, dtype, fp8, device):
     """A Qwen3-MoE (8 experts, top-2; FP8 experts in the fp8 case) under the flag: the router's
-    linear and every expert's GEMMs run on blocked rows, so the engine's logprobs equal the
-    trainer's bit for bit whether the trainer routes by itself or replays the engine's routes (R3)."""
-    trainer_model, prompts, responses = _engine_against_trainer(tmp_path, "tiny-qwen3-moe", "cpu", dtype, fp8, 4,
+    linear and every expert's GEMMs are batch-invariant (blocked rows on the CPU, the grouped
+    kernels on CUDA), so the engine's logprobs equal the trainer's bit for bit whether the trainer
+    routes by itself or replays the engine's routes (R3), with a router disagreement of 0."""
+    trainer_model, prompts, responses = _engine_against_trainer(tmp_path, "tiny-qwen3-moe", device, dtype, fp8, 4,
                                                                 (6, 21, 30), return_routing=True)
     with torch.no_grad():
         for r in responses:
             completions = [c.token_ids for c in r.completions]
             for c, lp in zip(r.completions, _trainer_logprobs(trainer_model, prompts[int(r.request_id)], completions)):
-                assert torch.equal(lp, torch.tensor(c.logprobs, dtype=torch.float32)), (r.request_id, lp, c.logprobs)
+                assert torch.equal(lp.cpu(), torch.tensor(c.logprobs, dtype=torch.float32)), (r.request_id, lp,
+                                                                                             c.logprobs)
     samples = [Sample(token_ids=prompts[int(r.request_id)] + c.token_ids, advantage=1.0, logprobs=c.logprobs,
                       num_prompt_tokens=len(prompts[int(r.request_id)]), versions=c.versions,
                       routed_experts=c.routed_experts)
                for r in responses for c in r.completions]
-    t = prepare(build_micro_batch(samples, 1.0), torch.device("cpu"))
+    t = prepare(build_micro_batch(samples, 1.0), torch.device(device))
     metrics = forward_backward(trainer_model.train(), t, torch.tensor(1.0), LOSSES["icepop"], LossConfig(), 1024,
                                r3=True, attention="invariant")
     assert metrics["logprob_diff_abs_max"] == 0 and metrics["mismatch_kl"] == 0, metrics
+    assert metrics["router_pairs"] > 0 and metrics["router_disagree"] == 0, metrics
 
 
 def test_engine_logprobs_match_the_trainer_under_temperature_and_top_p(tmp_path):

@@ -92,6 +92,57 @@ def test_fp8_mm_matches_the_dequantized_product_and_keeps_row_bits(K):
         assert torch.equal(K.fp8_mm(xq, xs, wq, ws, torch.bfloat16), full.bfloat16())
 
 
+COUNTS = (0, 40, 3, 100, 7)  # rows per expert: an empty one, one smaller than a tile, one spanning tiles
+
+
+def _offs(counts) -> torch.Tensor:
+    return torch.cumsum(torch.tensor(counts), 0).to(torch.int32).to(DEVICE)
+
+
+def _other_batches(counts):
+    """Other batches of the same tokens, as (row indices into the full batch, their offs): every
+    expert's first rows only, the last expert's alone, and every second row (the tile boundaries move)."""
+    starts = [sum(counts[:g]) for g in range(len(counts))]
+    halves = [min(c, 5) for c in counts]
+    yield [s + j for s, c in zip(starts, halves) for j in range(c)], halves
+    yield list(range(starts[-1], starts[-1] + counts[-1])), [0] * (len(counts) - 1) + [counts[-1]]
+    odd = [len(range(1, c, 2)) for c in counts]
+    yield [s + j for s, c in zip(starts, counts) for j in range(1, c, 2)], odd
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm_matches_the_loop_and_a_row_keeps_its_bits_in_any_batch(K, dtype):
+    """MoE experts (bf16 and fp32): each token's row against a per-expert fp64 loop, rows past the last
+    offset zero, and a token's bits the same whatever else was routed to its expert or to its tile."""
+    from rlcli.ops.grouped_gemm import grouped_mm_loop
+
+    R = sum(COUNTS)
+    x, w = _rand(R + 4, 200, dtype=dtype), _rand(len(COUNTS), 72, 200, dtype=dtype, seed=1)
+    full = K.grouped_mm(x, w, _offs(COUNTS))
+    ref = grouped_mm_loop(x.double(), w.double(), _offs(COUNTS))
+    tol = 1e-4 if dtype == torch.float32 else 0.25
+    assert (full.double() - ref).abs().max() < tol and not full[R:].any()
+    for rows, counts in _other_batches(COUNTS):
+        idx = torch.tensor(rows, device=DEVICE)
+        assert torch.equal(K.grouped_mm(x[idx], w, _offs(counts)), full[idx]), counts
+
+
+def test_fp8_grouped_mm_matches_the_dequantized_product_and_keeps_row_bits(K):
+    from rlcli.ops.fp8.backends import EmulatedBackend
+
+    R = sum(COUNTS)
+    x, w = _rand(R, 300), _rand(len(COUNTS), 200, 300, seed=1)
+    xq, xs = quantize_1x128(x)
+    wq, ws = (torch.stack(t) for t in zip(*(quantize_128x128(w[g]) for g in range(len(COUNTS)))))
+    full = K.fp8_grouped_mm(xq, xs, wq, ws, _offs(COUNTS), torch.float32)
+    ref = EmulatedBackend().grouped_gemm(xq.cpu(), xs.cpu(), wq.cpu(), ws.cpu(), _offs(COUNTS).cpu(), torch.float64)
+    assert (full.cpu().double() - ref).abs().max() < 2e-3 * ref.abs().max()  # as fp8_mm's bound
+    assert torch.equal(K.fp8_grouped_mm(xq, xs.t().contiguous().t(), wq, ws, _offs(COUNTS), torch.float32), full)
+    for rows, counts in _other_batches(COUNTS):
+        idx = torch.tensor(rows, device=DEVICE)
+        assert torch.equal(K.fp8_grouped_mm(xq[idx], xs[idx], wq, ws, _offs(counts), torch.float32), full[idx]), counts
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_gives_a_query_the_same_bits_in_every_batch_shape(K, dtype):
     """As test_batch_invariant's CPU test: a [T, T] causal forward, prefill chunks after cached
