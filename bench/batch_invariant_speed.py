@@ -1,7 +1,7 @@
 """What model.batch_invariant costs: engine decode and a trainer step, default vs invariant, side by side.
 
     python bench/batch_invariant_speed.py [--dtype float32] [--reps 3] [--smoke]
-    python bench/batch_invariant_speed.py --device cuda --shape 1b --dtype bfloat16 [--fp8]
+    python bench/batch_invariant_speed.py --device cuda --shape 1b|moe-1b --dtype bfloat16 [--fp8]
 
 Engine: the native engine generates ``--tokens`` tokens for ``--seqs`` sequences at once
 (one prompt each, 12..20 tokens) and for a single sequence (where padding the linears to 16
@@ -12,7 +12,8 @@ process's CPU time (``--threads``, default 1), so that other load on a shared ma
 inflates them less; on CUDA wall time after a synchronize, where the invariant arm runs
 :mod:`rlcli.ops.invariant_kernels`. Arms alternate, ``--reps`` times each; the best run counts.
 Random tiny-llama weights (recipes/models/tiny-llama), or with ``--shape 1b`` a Llama-3.2-1B
-body (bench/vllm_fp8.py's dense model).
+body and with ``--shape moe-1b`` a Qwen3-MoE of hidden 1024, 8 layers, 32 experts top-4
+(bench/vllm_fp8.py's dense and MoE models).
 """
 
 import argparse
@@ -40,6 +41,7 @@ from rlcli.protocol import GenerateRequest, SamplingParams  # noqa: E402
 ARGS = argparse.Namespace(device="cpu", model_dir=None, fp8=False)
 FP8 = SimpleNamespace(enabled=True, backend="auto", include=["*"], exclude=["*embed_tokens", "lm_head", "*.mlp.gate"],
                       ue8m0=False)
+SHAPES = {"tiny": "tiny-llama", "1b": "Llama-3.2-1B body", "moe-1b": "Qwen3-MoE (hidden 1024, 8 layers, 32 experts top-4)"}
 
 
 def clock() -> float:
@@ -105,7 +107,7 @@ def main() -> None:
     ap.add_argument("--doc", type=int, default=48, help="document length in the trainer's row")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
-    ap.add_argument("--shape", choices=["tiny", "1b"], default="tiny")
+    ap.add_argument("--shape", choices=list(SHAPES), default="tiny")
     ap.add_argument("--fp8", action="store_true", help="FP8 linears (engine and trainer)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, one rep (checks the script runs)")
     args = ap.parse_args()
@@ -122,10 +124,10 @@ def main() -> None:
               min)]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        if args.shape == "1b":
+        if args.shape != "tiny":
             from bench.vllm_fp8 import write_model
 
-            ARGS.model_dir = write_model(Path(tmp), "dense", False, 4096)
+            ARGS.model_dir = write_model(Path(tmp), "dense" if args.shape == "1b" else "moe", False, 4096)
         for name, fn, best in cases:
             runs = {False: [], True: []}
             for _ in range(args.reps):
@@ -133,7 +135,7 @@ def main() -> None:
                     runs[inv].append(fn(inv))
             rows.append((name, best(runs[False]), best(runs[True])))
             print(f"done {name}", file=sys.stderr, flush=True)
-    what = "random tiny-llama" if args.shape == "tiny" else "random Llama-3.2-1B body"
+    what = "random " + SHAPES[args.shape]
     print(f"\nmodel.batch_invariant cost, {what}, {args.dtype}{', FP8' if args.fp8 else ''}, {args.device}, "
           f"{torch.get_num_threads()} threads")
     print(f"{'':40s} {'default':>10s} {'invariant':>10s} {'invariant/default':>18s}")

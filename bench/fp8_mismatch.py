@@ -1,6 +1,6 @@
 """Train/inference mismatch with FP8 on both sides against bf16 (and fp32) on both sides.
 
-    python bench/fp8_mismatch.py [--model DIR | --shape 1b] [--prompts 32] [--device cuda]
+    python bench/fp8_mismatch.py [--model DIR | --shape tiny|moe|1b|moe-1b] [--prompts 32] [--device cuda]
 
 The same weights are loaded twice per numeric mode: as the native inference engine loads
 them (rl-infer; with FP8, weights held as FP8 + scales) and as the trainer does (rl-train;
@@ -10,8 +10,9 @@ sequence, as in training). Reported per mode: the k3 estimate of KL(pi_infer || 
 per completion token (the trainer's mismatch_kl metric) and the largest |logprob gap|.
 Without --model it uses recipes/models/tiny-llama with random weights (std 0.1, so the
 distributions are not flat); ``--shape moe`` recipes/models/tiny-qwen3-moe the same way (the
-trainer routes by itself: no R3 here); ``--shape 1b`` a random Llama-3.2-1B body
-(bench/vllm_fp8.py's dense model, default init).
+trainer routes by itself: no R3 here); ``--shape 1b`` a random Llama-3.2-1B body and
+``--shape moe-1b`` a random Qwen3-MoE (hidden 1024, 8 layers, 32 experts top-4): bench/vllm_fp8.py's
+dense and MoE models, default init.
 
 Each mode runs twice: as before (engine: paged SDPA, sampler log_softmax; trainer: one
 ``model(ids)`` + log_softmax per sequence) and under ``model.batch_invariant`` (engine and
@@ -47,6 +48,8 @@ FP8 = SimpleNamespace(enabled=True, backend="auto", include=["*"], exclude=["*em
                       ue8m0=False)
 MODES = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None), "fp8-fp32": (torch.float32, FP8),
          "fp8-bf16": (torch.bfloat16, FP8)}
+SHAPES = {"tiny": "tiny-llama", "moe": "tiny-qwen3-moe (8 experts, top-2)", "1b": "Llama-3.2-1B body",
+          "moe-1b": "Qwen3-MoE (hidden 1024, 8 layers, 32 experts top-4)"}
 LABELS = {"fp32": "fp32", "bf16": "bf16", "fp8-fp32": "fp8 (fp32 master)", "fp8-bf16": "fp8 (bf16 master)"}
 
 
@@ -128,18 +131,18 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of: " + ", ".join(MODES))
     ap.add_argument("--paths", default="default,invariant", help="default, invariant or both (comma-separated)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (both sides)")
-    ap.add_argument("--shape", choices=["tiny", "moe", "1b"], default="tiny",
-                    help="the random model without --model: tiny-llama, tiny-qwen3-moe, or a Llama-3.2-1B body")
+    ap.add_argument("--shape", choices=list(SHAPES), default="tiny",
+                    help="the random model without --model: " + ", ".join(f"{k} = {v}" for k, v in SHAPES.items()))
     args = ap.parse_args()
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model
-        if model_dir is None and args.shape == "1b":
+        if model_dir is None and args.shape in ("1b", "moe-1b"):
             from pathlib import Path
 
             from bench.vllm_fp8 import write_model
 
-            model_dir = str(write_model(Path(tmp), "dense", False, 4096))
+            model_dir = str(write_model(Path(tmp), "dense" if args.shape == "1b" else "moe", False, 4096))
         elif model_dir is None:
             name = "tiny-qwen3-moe" if args.shape == "moe" else "tiny-llama"
             model = load_model(os.path.join(ROOT, "recipes/models", name), seed=0)
@@ -157,8 +160,7 @@ def main() -> None:
                                                          path == "invariant", args.device)
                 rows.append((name, path, kl, gap, count, tok_s, score_s))
                 print(f"done {name} {path}", file=sys.stderr, flush=True)
-    what = args.model or "random " + {"tiny": "tiny-llama", "moe": "tiny-qwen3-moe (8 experts, top-2)",
-                                      "1b": "Llama-3.2-1B body"}[args.shape]
+    what = args.model or "random " + SHAPES[args.shape]
     print(f"\nTrain/inference mismatch, native engine vs trainer forward, same weights ({what}, {args.device})")
     print(f"{'numerics (both sides)':22s} {'path':10s} {'KL/token (k3)':>14s} {'max |dlogp|':>12s} {'tokens':>7s} "
           f"{'engine tok/s':>12s} {'trainer s':>9s}")
