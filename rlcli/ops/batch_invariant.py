@@ -56,8 +56,9 @@ same kernel), RMSNorm (:func:`make_batch_invariant` swaps them in) and, after :f
 (:func:`row_sum`). Their backward passes are torch's (cuBLAS; flash varlen or SDPA for
 attention; autograd through RMSNorm's formula): a gradient need not be batch-invariant. Elementwise CUDA kernels compute an element from its own inputs whatever the
 tensor's size. The engine's sampler keeps its own ops (which token is drawn may differ; the
-logprob it reports is the trainer's). Not covered there: top-p's nucleus (a sort and a cumulative
-sum) and MLA.
+logprob it reports is the trainer's). Top-p's nucleus sorts stably (ties in token order) and takes
+its cumulative sum by the ``row_cumsum`` kernel and its logsumexp by :func:`row_sum`
+(:func:`rlcli.ops.sampling.top_p_keep`, :func:`row_logsumexp`). Not covered there: MLA.
 
 **MoE.** The router's linear runs on blocked rows (CPU) or by the ``mm`` kernel (CUDA,
 :class:`_InvariantRouter`); the top-k gates are normalized by :func:`row_sum`. The experts: on the
@@ -170,6 +171,24 @@ def rows_mm(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
     if a_MK.device.type != "cpu":
         return a_MK @ b_KN
     return blocked_rows(lambda block: block @ b_KN, a_MK)
+
+
+def row_cumsum(x_MN: torch.Tensor) -> torch.Tensor:
+    """``x.cumsum(-1)`` of a 2-D tensor, by the invariant ``row_cumsum`` kernel on CUDA after
+    :func:`enable` (fp32 out; torch's CUDA cumsum scans a lone row by another algorithm than many
+    rows; its CPU cumsum runs each row in order)."""
+    if _STATE["enabled"] and on_kernels(x_MN):
+        return invariant_kernels().row_cumsum(x_MN)
+    return x_MN.cumsum(dim=-1)
+
+
+def row_logsumexp(x_MN: torch.Tensor) -> torch.Tensor:
+    """``torch.logsumexp(x, -1)`` of a 2-D tensor whose rows each hold a finite value; on CUDA
+    after :func:`enable` its sum is :func:`row_sum`'s."""
+    if _STATE["enabled"] and on_kernels(x_MN):
+        m = x_MN.amax(dim=-1, keepdim=True)
+        return m[:, 0] + row_sum((x_MN - m).exp()).log()
+    return torch.logsumexp(x_MN, dim=-1)
 
 
 def row_sum(x_MN: torch.Tensor) -> torch.Tensor:

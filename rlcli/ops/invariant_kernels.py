@@ -30,6 +30,8 @@ tile shape and split-K by the problem's size, so a row's bits change with its ba
 * ``rms_norm``: one program per row, the whole row's sum of squares in one ``tl.sum``.
 * ``row_sum``: one program per row, ``BLOCK``-wide partial sums over the row in order,
   then one ``tl.sum``.
+* ``row_cumsum``: one program per row, a ``tl.cumsum`` per ``BLOCK``-wide block in order, each
+  block starting from the last sum of the one before (top-p's nucleus).
 
 Under ``TRITON_INTERPRET=1`` they run on CPU tensors (the tests); the interpreter's
 ``tl.dot`` is numpy's matmul, so there only the values are checked, the bits on the GPU.
@@ -243,6 +245,18 @@ def _row_sum_kernel(X, OUT, N, s_x, BLOCK: tl.constexpr):
     tl.store(OUT + row, tl.sum(acc, axis=0))
 
 
+@_jit(["N", "s_x", "s_y"])
+def _row_cumsum_kernel(X, Y, N, s_x, s_y, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    carry = tl.zeros([], dtype=tl.float32)
+    for c0 in range(0, N, BLOCK):
+        x = tl.load(X + row * s_x + c0 + cols, mask=c0 + cols < N, other=0.0).to(tl.float32)
+        c = tl.cumsum(x, axis=0) + carry
+        tl.store(Y + row * s_y + c0 + cols, c, mask=c0 + cols < N)
+        carry = tl.sum(tl.where(cols == BLOCK - 1, c, 0.0), axis=0)
+
+
 # ------------------------------------------------------------------------------ wrappers
 
 
@@ -383,6 +397,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         _rms_norm_kernel[(x2.shape[0],)](x2, _aligned(weight.contiguous()), y, N, x2.stride(0), y.stride(0),
                                          float(eps), BLOCK=max(16, triton.next_power_of_2(N)), num_warps=NUM_WARPS)
     return y.view(*x.shape[:-1], N)
+
+
+def row_cumsum(x_MN: torch.Tensor) -> torch.Tensor:
+    """fp32 cumulative sum along each row of a 2-D tensor."""
+    x = _inner_contiguous(x_MN)
+    out = torch.empty(x.shape, device=x.device, dtype=torch.float32)
+    if x.numel():
+        _row_cumsum_kernel[(x.shape[0],)](x, out, x.shape[1], x.stride(0), out.stride(0), BLOCK=ROW_BLOCK,
+                                          num_warps=NUM_WARPS)
+    return out
 
 
 def row_sum(x_MN: torch.Tensor) -> torch.Tensor:

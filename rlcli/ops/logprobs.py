@@ -22,14 +22,14 @@ fuses those passes.
 
 import torch
 
-from rlcli.ops.batch_invariant import row_sum, rows_mm
+from rlcli.ops.batch_invariant import row_logsumexp, row_sum, rows_mm
 from rlcli.ops.sampling import top_p_keep
 
 
 def _nucleus(z_CV: torch.Tensor, logp_CV: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(keep mask, logsumexp of ``z`` over it) for the top-p nucleus (the engine's ``top_p_keep``)."""
     keep = top_p_keep(logp_CV.exp(), top_p)
-    return keep, torch.logsumexp(z_CV.masked_fill(~keep, float("-inf")), dim=-1)
+    return keep, row_logsumexp(z_CV.masked_fill(~keep, float("-inf")))
 
 
 def _chunk_stats(zraw_CV, targets_C, inv_temp: float, top_p: float = 1.0):

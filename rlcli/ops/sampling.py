@@ -18,6 +18,8 @@ importance ratio is 1 when both hold the same weights. Greedy rows (T = 0) repor
 
 import torch
 
+from rlcli.ops.batch_invariant import row_cumsum
+
 
 def sample(logits_SV: torch.Tensor, temperature_S: torch.Tensor, top_p_S: torch.Tensor,
            generator: torch.Generator | None = None,
@@ -48,6 +50,7 @@ def top_p_keep(probs_V: torch.Tensor, top_p: torch.Tensor | float) -> torch.Tens
     """Bool mask (shape of ``probs_V``, last dim the vocabulary) of the top-p nucleus: the
     smallest set of most likely tokens whose mass reaches ``top_p`` (the most likely token
     always stays). ``top_p`` is a float or broadcasts against ``probs_V[..., :1]``."""
-    sorted_p, order = probs_V.sort(dim=-1, descending=True)
-    keep_sorted = (sorted_p.cumsum(dim=-1) - sorted_p) < top_p
+    sorted_p, order = probs_V.sort(dim=-1, descending=True, stable=True)  # ties in token order
+    cum = row_cumsum(sorted_p.reshape(-1, sorted_p.shape[-1])).view(sorted_p.shape)  # batch_invariant's on CUDA
+    keep_sorted = (cum - sorted_p) < top_p
     return torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)

@@ -347,6 +347,25 @@ def test_engine_logprobs_match_the_trainer_under_temperature_and_top_p(tmp_path)
                 assert torch.equal(lp, torch.tensor(c.logprobs, dtype=torch.float32)), (r.request_id, lp, c.logprobs)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_top_p_logprobs_are_bitwise_equal_on_every_device(tmp_path, device):
+    """top_p < 1 under the flag: the nucleus (a stable sort, the cumulative sum, the logsumexp over
+    it) gives the engine's rows, one or several at a time, the trainer's bits (on CUDA torch's
+    cumsum scans a lone row by another algorithm than a batch)."""
+    trainer_model, prompts, responses = _engine_against_trainer(tmp_path, "tiny-llama", device, torch.bfloat16, None,
+                                                                5, (4, 19), temperature=0.8, top_p=0.85)
+    kept = 0
+    with torch.no_grad():
+        for r in responses:
+            completions = [c.token_ids for c in r.completions]
+            lps = _trainer_logprobs(trainer_model, prompts[int(r.request_id)], completions, 0.8, 0.85)
+            for c, lp in zip(r.completions, lps):
+                assert torch.equal(lp.cpu(), torch.tensor(c.logprobs, dtype=torch.float32)), (r.request_id, lp,
+                                                                                             c.logprobs)
+                kept += int(torch.isfinite(lp).sum())
+    assert kept == 2 * 2 * 8  # every sampled token inside the trainer's nucleus
+
+
 def test_batch_invariant_refuses_compiled_blocks_and_vllm():
     with pytest.raises(ConfigError, match="train.compile"):
         load_recipe(None, {"model.batch_invariant": True, "train.compile": True})

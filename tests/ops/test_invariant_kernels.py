@@ -203,6 +203,15 @@ def test_rms_norm_and_row_sum_keep_row_bits(K):
         assert torch.equal(K.row_sum(e[:m]), sums[:m]), m
 
 
+def test_row_cumsum_matches_fp64_and_keeps_row_bits(K):
+    e = _rand(65, 3000).abs()
+    full = K.row_cumsum(e)
+    torch.testing.assert_close(full.double(), e.double().cumsum(-1), atol=0, rtol=1e-5)
+    for m in ROW_SETS[:-1]:
+        assert torch.equal(K.row_cumsum(e[:m]), full[:m]), m
+    assert torch.equal(K.row_cumsum(e[7:8].clone()), full[7:8])
+
+
 def test_kernel_autograd_matches_torch():
     """The swapped-in modules' forward runs the kernels, their gradients are torch's formulas'."""
     from rlcli.models.layers import RMSNorm
