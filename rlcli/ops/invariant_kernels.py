@@ -180,6 +180,17 @@ def _fp8_grouped_mm_kernel(A, SA, B, SB, C, OFFS, R, N, K, G, s_am, s_sam, s_sak
         g += 1
 
 
+@triton.jit
+def _key_block(K, KIDX, k0, j, n, q, hk, d, D, s_kr, s_kh, scale, BLOCK: tl.constexpr):
+    """Block ``j`` of a query's keys (both passes of ``_attention_kernel``): their rows, whether the
+    query sees each (its first ``n``), and the fp32 scores, ``-inf`` where it does not."""
+    pos = j * BLOCK + tl.arange(0, BLOCK)
+    seen = pos < n
+    rows = tl.load(KIDX + k0 + pos, mask=seen, other=0).to(tl.int64)
+    k = tl.load(K + rows[:, None] * s_kr + hk * s_kh + d[None, :], mask=seen[:, None] & (d[None, :] < D), other=0.0)
+    return rows, seen, tl.where(seen, tl.sum(k.to(tl.float32) * q[None, :], axis=1) * scale, float("-inf"))
+
+
 _NO_SPEC_ATTN = ["HQ", "G", "D", "DV", "s_qn", "s_qh", "s_kr", "s_kh", "s_vr", "s_vh", "s_on", "s_oh"]
 
 
@@ -201,20 +212,12 @@ def _attention_kernel(Q, K, V, O, KIDX, CU_Q, CU_K, scale, HQ, G, D, DV, s_qn, s
     q = tl.load(Q + (q0 + t) * s_qn + h * s_qh + d, mask=(d < D) & (t < num_q), other=0.0).to(tl.float32)
     m = tl.full([], float("-inf"), tl.float32)
     for j in range(0, tl.cdiv(n, BLOCK)):
-        pos = j * BLOCK + tl.arange(0, BLOCK)
-        seen = pos < n
-        rows = tl.load(KIDX + k0 + pos, mask=seen, other=0).to(tl.int64)
-        k = tl.load(K + rows[:, None] * s_kr + hk * s_kh + d[None, :], mask=seen[:, None] & (d[None, :] < D), other=0.0)
-        s = tl.where(seen, tl.sum(k.to(tl.float32) * q[None, :], axis=1) * scale, float("-inf"))
+        rows, seen, s = _key_block(K, KIDX, k0, j, n, q, hk, d, D, s_kr, s_kh, scale, BLOCK)
         m = tl.maximum(m, tl.max(s, axis=0))
     acc = tl.zeros([BDV], dtype=tl.float32)
     den = tl.zeros([], dtype=tl.float32)
     for j in range(0, tl.cdiv(n, BLOCK)):
-        pos = j * BLOCK + tl.arange(0, BLOCK)
-        seen = pos < n
-        rows = tl.load(KIDX + k0 + pos, mask=seen, other=0).to(tl.int64)
-        k = tl.load(K + rows[:, None] * s_kr + hk * s_kh + d[None, :], mask=seen[:, None] & (d[None, :] < D), other=0.0)
-        s = tl.where(seen, tl.sum(k.to(tl.float32) * q[None, :], axis=1) * scale, float("-inf"))
+        rows, seen, s = _key_block(K, KIDX, k0, j, n, q, hk, d, D, s_kr, s_kh, scale, BLOCK)
         p = tl.where(seen, tl.exp(s - m), 0.0)
         v = tl.load(V + rows[:, None] * s_vr + hk * s_vh + dv[None, :], mask=seen[:, None] & (dv[None, :] < DV),
                     other=0.0)
