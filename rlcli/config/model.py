@@ -20,7 +20,7 @@ class ModelConfig(Config):
 
     batch_invariant: bool = False
     """Native engine and trainer give each token the same logprob bits whatever its batch (CPU, and
-    CUDA through Triton kernels; GQA models, dense or MoE; rlcli.ops.batch_invariant)."""
+    CUDA through Triton kernels; GQA or dense-MLA models, dense or MoE; rlcli.ops.batch_invariant)."""
 
     def __post_init__(self) -> None:
         if self.max_seq_len < 8:

@@ -136,9 +136,6 @@ class NativeEngine(SharedKVMixin):
         self.model = model.eval()
         self.batch_invariant = batch_invariant
         if batch_invariant:
-            if not all(type(layer.self_attn).__name__ == "Attention" for layer in model.model.layers):
-                raise ConfigError("model.batch_invariant covers grouped-query attention only; this model's "
-                                  "attention is another kind: set model.batch_invariant = false")
             batch_invariant_setup(next(model.parameters()).device)
             make_batch_invariant(model)
         self.device = next(model.parameters()).device

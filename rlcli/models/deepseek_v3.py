@@ -22,6 +22,7 @@ from rlcli.models.indexer import Indexer
 from rlcli.models.layers import RMSNorm, RotaryEmbedding, yarn_mscale
 from rlcli.models.transformer import CausalLM
 from rlcli.ops.attention import ForwardContext, InnerAttention, PagedAttention
+from rlcli.ops.fp8.quant import dequantize_128x128
 from rlcli.ops.mla import LatentQuery, SparseLatentAttention, paged_latent_attention
 
 
@@ -75,7 +76,7 @@ class MLAttention(nn.Module):
         latent = self.kv_a_layernorm(latent)
         q_rot = rope.apply(q_rot, *cos_sin)
         k_rot = rope.apply(k_rot.view(B, T, 1, self.rope_dim), *cos_sin)
-        if self.sparse or isinstance(ctx.attn, PagedAttention):
+        if self._latent_form(ctx):
             out = self._latent(x_BTD, q_resid, q_nope, q_rot, latent, k_rot[:, :, 0], rope, cos_sin, ctx)
             return self.o_proj(out.reshape(B, T, H * self.v_dim))
         kv = self.kv_b_proj(latent).view(B, T, H, self.nope_dim + self.v_dim)
@@ -85,6 +86,11 @@ class MLAttention(nn.Module):
         out = self.inner_attention(q, k, v, self.scale, ctx)
         return self.o_proj(out.reshape(B, T, H * self.v_dim))
 
+    def _latent_form(self, ctx: ForwardContext) -> bool:
+        """Whether this forward attends in latent form: the engine's paged cache and DSA always
+        (the seam model.batch_invariant replaces: there the trainer computes the engine's form)."""
+        return self.sparse or isinstance(ctx.attn, PagedAttention)
+
     def _kv_b_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """``kv_b_proj``'s weight for absorption; an FP8 weight with DeepSeek's 128x128 block
         scales (``weight_scale_inv``, FP8 inference storage) is dequantized."""
@@ -92,16 +98,24 @@ class MLAttention(nn.Module):
         scale = getattr(self.kv_b_proj, "weight_scale_inv", None)
         if scale is None or w.dtype.itemsize != 1:
             return w
-        rows, cols = w.shape
-        s = scale.float().repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
-        return (w.float() * s).to(dtype)
+        return dequantize_128x128(w, scale, dtype)
+
+    @staticmethod
+    def _absorb_q(q_nope_BTHD: torch.Tensor, w_uk_HDR: torch.Tensor) -> torch.Tensor:
+        """Each head's query through its key up-projection: ``[B, T, H, R]``."""
+        return torch.einsum("bthd,hdr->bthr", q_nope_BTHD, w_uk_HDR)
+
+    @staticmethod
+    def _expand_out(out_BTHR: torch.Tensor, w_uv_HVR: torch.Tensor) -> torch.Tensor:
+        """Each head's latent output through its value up-projection: ``[B, T, H, V]``."""
+        return torch.einsum("bthr,hvr->bthv", out_BTHR, w_uv_HVR)
 
     def _latent(self, x_BTD, q_resid, q_nope, q_rot, latent_BTR, k_rot_BTd, rope, cos_sin, ctx) -> torch.Tensor:
         """Absorbed MLA: attention over [latent, rope key] per token; returns [B, T, H, v_dim]."""
         B, T, H, R = *q_nope.shape[:3], self.kv_lora_rank
         w_HXR = self._kv_b_weight(q_nope.dtype).view(H, self.nope_dim + self.v_dim, R)
         w_uk, w_uv = w_HXR[:, :self.nope_dim], w_HXR[:, self.nope_dim:]
-        q_BTHL = torch.cat([torch.einsum("bthd,hdr->bthr", q_nope, w_uk), q_rot], dim=-1)
+        q_BTHL = torch.cat([self._absorb_q(q_nope, w_uk), q_rot], dim=-1)
         kv_BTL = torch.cat([latent_BTR, k_rot_BTd], dim=-1)
         index = self.indexer(x_BTD, q_resid, rope, cos_sin) if self.indexer is not None else None
         if isinstance(ctx.attn, PagedAttention):
@@ -113,6 +127,9 @@ class MLAttention(nn.Module):
             if index is not None:
                 ctx.dsa_selection[self.layer_idx] = sel
             out_BTHR = out[None]
+        elif self.sparse_attention is None:  # dense MLA on packed rows (model.batch_invariant): one latent K/V head
+            kv_BT1L = kv_BTL[:, :, None]
+            out_BTHR = self.inner_attention(q_BTHL, kv_BT1L, kv_BT1L[..., :R], self.scale, ctx)
         else:  # packed training rows (under CP: this rank's queries, keys gathered by the CP hook)
             def expand_kv(kv_SL):
                 k_nope, v = self.kv_b_proj(kv_SL[:, :R]).view(-1, H, self.nope_dim + self.v_dim).split(
@@ -125,7 +142,7 @@ class MLAttention(nn.Module):
                     self.indexer.scale
             keys = index[2][:, :, None] if index is not None else kv_BTL.new_zeros(B, T, 1, 1)
             return self.sparse_attention(q, kv_BTL[:, :, None], keys, self.scale, ctx)
-        return torch.einsum("bthr,hvr->bthv", out_BTHR, w_uv)
+        return self._expand_out(out_BTHR, w_uv)
 
 
 class DeepseekV3ForCausalLM(CausalLM):

@@ -108,16 +108,22 @@ class PagedAttention(nn.Module):
         q_NHD = q[0]
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, k[0].to(k_cache.dtype))
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v[0].to(v_cache.dtype))
+        return self.attend(q_NHD, k_cache, v_cache, scale)[None]
+
+    def attend(self, q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """The step's attention over caches already holding its keys and values, ``[N, H, Dv]``
+        (``v_cache`` may be a view of ``k_cache``'s first features: MLA's latent under the flag)."""
+        meta = self.meta
         if self.batch_invariant and on_kernels(q_NHD):
-            return self._invariant_kernel(q_NHD, k_cache, v_cache, scale)[None]
+            return self._invariant_kernel(q_NHD, k_cache, v_cache, scale)
         if self._use_varlen(q_NHD, k_cache, v_cache):
-            return self._varlen(q_NHD, k_cache, v_cache, scale)[None]
+            return self._varlen(q_NHD, k_cache, v_cache, scale)
         outs = []
         if meta.num_decode:
             outs.append(self._decode(q_NHD[:meta.num_decode], k_cache, v_cache, scale))
         for i in range(meta.num_decode, len(meta.context_lens)):
             outs.append(self._prefill(i, q_NHD, k_cache, v_cache, scale))
-        return torch.cat(outs, dim=0)[None]
+        return torch.cat(outs, dim=0)
 
     def _use_varlen(self, q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
         """Whether this step runs :meth:`_varlen`: flash kernels (CUDA, half precision, one

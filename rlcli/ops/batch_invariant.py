@@ -58,7 +58,7 @@ attention; autograd through RMSNorm's formula): a gradient need not be batch-inv
 tensor's size. The engine's sampler keeps its own ops (which token is drawn may differ; the
 logprob it reports is the trainer's). Top-p's nucleus sorts stably (ties in token order) and takes
 its cumulative sum by the ``row_cumsum`` kernel and its logsumexp by :func:`row_sum`
-(:func:`rlcli.ops.sampling.top_p_keep`, :func:`row_logsumexp`). Not covered there: MLA.
+(:func:`rlcli.ops.sampling.top_p_keep`, :func:`row_logsumexp`).
 
 **MoE.** The router's linear runs on blocked rows (CPU) or by the ``mm`` kernel (CUDA,
 :class:`_InvariantRouter`); the top-k gates are normalized by :func:`row_sum`. The experts: on the
@@ -68,7 +68,14 @@ projection computes each token's row on its expert's weight alone (:class:`_Inva
 A token's ``k`` weighted expert outputs are added in slot order on CUDA, where ``index_add_`` adds
 them with atomics (:class:`_InvariantMoE`). Gates, the top-k and the weighting are row-wise.
 
-Not covered: MLA attention.
+**MLA** (dense, DeepSeek-V3 / Kimi-K2; :class:`_InvariantMLA`). The engine attends in latent form
+(``kv_b_proj`` absorbed into the query and output sides, one 576-wide K/V head for DeepSeek-V3) and
+the trainer, by default, in expanded form: the same function, other roundings. Under the flag the
+trainer takes the latent form too; the absorbed projections run per head on invariant rows
+(:func:`head_linear`), the latent attention through the GQA path's invariant attention with one K/V
+head whose value is the latent (:meth:`rlcli.ops.attention.PagedAttention.attend`), and an FP8
+``kv_b_proj`` on a master weight is absorbed quantized and dequantized, as the FP8 engine holds it.
+DSA (sparse MLA) is refused: its indexer and top-k are not covered.
 """
 
 import os
@@ -428,6 +435,65 @@ class _InvariantMoE:
         return out
 
 
+def head_linear(x_BTHK: torch.Tensor, w_HNK: torch.Tensor) -> torch.Tensor:
+    """``x[:, :, h] @ w[h]^T`` for every head, ``[B, T, H, N]``: each head a linear on invariant rows
+    (blocked on the CPU, the ``mm`` kernel on CUDA; torch's batched GEMMs pick kernels by the row
+    count). Differentiable. MLA's absorbed projections (:class:`_InvariantMLA`)."""
+    B, T, H, K = x_BTHK.shape
+    kernels = on_kernels(x_BTHK)
+    outs = []
+    for h in range(H):
+        x_MK = x_BTHK[:, :, h].reshape(B * T, K)
+        if kernels:
+            y = _KernelLinearFn.apply(x_MK, w_HNK[h], None)
+        elif x_MK.device.type == "cpu":
+            y = _BlockedLinearFn.apply(x_MK, w_HNK[h], None)
+        else:
+            y = F.linear(x_MK, w_HNK[h])
+        outs.append(y.view(B, T, -1))
+    return torch.stack(outs, dim=2)
+
+
+class _FakeQuant128(torch.autograd.Function):
+    """A master weight through its 128x128 FP8 quantization and back (the weight an FP8 engine holds),
+    gradient straight through."""
+
+    @staticmethod
+    def forward(ctx, w, ue8m0: bool, dtype: torch.dtype):
+        from rlcli.ops.fp8.quant import dequantize_128x128, quantize_128x128
+
+        ctx.dtype = w.dtype
+        return dequantize_128x128(*quantize_128x128(w, ue8m0), dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.dtype), None, None
+
+
+class _InvariantMLA:
+    """Mixin in front of an MLA layer's class (dense MLA, not DSA): the trainer attends in the
+    engine's latent form too (one latent K/V head, through the attention backend on packed rows:
+    the invariant one under the flag), the absorbed projections are :func:`head_linear`, and an FP8
+    ``kv_b_proj`` on a master weight is absorbed as the FP8 engine holds it (quantized, dequantized)."""
+
+    def _latent_form(self, ctx) -> bool:
+        return True
+
+    def _kv_b_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        lin = self.kv_b_proj
+        if getattr(lin, "backend", None) is not None and lin.weight.dtype.itemsize != 1:
+            return _FakeQuant128.apply(lin.weight, lin.ue8m0, dtype)
+        return super()._kv_b_weight(dtype)
+
+    @staticmethod
+    def _absorb_q(q_nope_BTHD: torch.Tensor, w_uk_HDR: torch.Tensor) -> torch.Tensor:
+        return head_linear(q_nope_BTHD, w_uk_HDR.transpose(1, 2))
+
+    @staticmethod
+    def _expand_out(out_BTHR: torch.Tensor, w_uv_HVR: torch.Tensor) -> torch.Tensor:
+        return head_linear(out_BTHR, w_uv_HVR)
+
+
 def make_batch_invariant(model: nn.Module) -> nn.Module:
     """Everything ``model.batch_invariant`` swaps into a model, in place (after ``convert_to_fp8``;
     idempotent): :func:`pad_linear_rows`; RMSNorms that run the ``rms_norm`` kernel on CUDA; MoE
@@ -435,13 +501,21 @@ def make_batch_invariant(model: nn.Module) -> nn.Module:
     linears' GEMM backends wrapped in :class:`KernelGemm` (one wrapper per backend, so that
     stacked siblings still share theirs)."""
     from rlcli.models.layers import RMSNorm
+    from rlcli.models.deepseek_v3 import MLAttention
+    from rlcli.models.layers import Attention
     from rlcli.models.moe import MoE, GroupedExperts, Router
 
+    for layer in getattr(getattr(model, "model", None), "layers", ()):
+        attn = layer.self_attn
+        if not isinstance(attn, (Attention, MLAttention)) or getattr(attn, "sparse", False):
+            raise ConfigError("model.batch_invariant covers grouped-query and dense MLA attention; this model's "
+                              f"is {type(attn).__name__}{' with DSA' if getattr(attn, 'sparse', False) else ''}: "
+                              "set model.batch_invariant = false")
     pad_linear_rows(model)
     wrapped: dict[int, KernelGemm] = {}
     for module in model.modules():
         for base, mixin in ((RMSNorm, _KernelNorm), (Router, _InvariantRouter), (GroupedExperts, _InvariantExperts),
-                            (MoE, _InvariantMoE)):
+                            (MoE, _InvariantMoE), (MLAttention, _InvariantMLA)):
             if isinstance(module, base) and not isinstance(module, mixin):
                 cls = type(module)
                 if cls not in _SWAPPED:

@@ -290,6 +290,8 @@ def paged_latent_attention(attn: PagedAttention, layer_idx: int, q_NHL: torch.Te
         ik_flat = caches[1].view(-1, caches[1].shape[-1])
         ik_flat.index_copy_(0, meta.slot_mapping, ik_ND.to(ik_flat.dtype))
     sparse = indexer is not None or selection is not None
+    if attn.batch_invariant and not sparse:  # the GQA path's fixed order, one latent K/V head
+        return attn.attend(q_NHL, caches[0], caches[0][..., :value_dim], scale), None
     D, outs, decode_sel, prefill_sel = meta.num_decode, [], None, []
     if D:
         lens = meta.context_lens[:D]

@@ -203,11 +203,12 @@ def _trainer_logprobs(model, prompt: list[int], completions: list[list[int]], te
     return list(lp.split([len(c) for c in completions]))
 
 
-def _engine_against_trainer(tmp_path, model_name: str, device, dtype, fp8, seed: int, prompt_lens, **sampling):
+def _engine_against_trainer(tmp_path, model_name: str | Path, device, dtype, fp8, seed: int, prompt_lens,
+                            **sampling):
     """Random weights saved once; an engine under the flag (prompts prefilled in 16-token chunks)
     generates 8 tokens x 2 completions per prompt; returns (the trainer's model under the flag,
-    the prompts, the engine's responses)."""
-    model = load_model(REPO / "recipes/models" / model_name, seed=0)
+    the prompts, the engine's responses). ``model_name``: a recipes/models directory, or a path."""
+    model = load_model(model_name if isinstance(model_name, Path) else REPO / "recipes/models" / model_name, seed=0)
     model.init_weights(seed=0, std=0.1)
     save_model(model, tmp_path)
     engine_model = load_model(tmp_path, device=device, dtype=dtype, fp8=fp8, fp8_storage=True)
@@ -216,7 +217,7 @@ def _engine_against_trainer(tmp_path, model_name: str, device, dtype, fp8, seed:
     engine = NativeEngine(engine_model, eos_token_ids=[257], max_model_len=64, kv_cache_memory_mb=4, seed=0,
                           max_num_batched_tokens=16, batch_invariant=True)
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in prompt_lens]
+    prompts = [torch.randint(0, min(256, model.args.vocab_size), (n,), generator=g).tolist() for n in prompt_lens]
     for i, p in enumerate(prompts):
         engine.add_request(GenerateRequest(request_id=str(i), prompt_ids=p, sampling=SamplingParams(
             max_tokens=8, n=2, seed=i, ignore_eos=True, **sampling)))
@@ -298,16 +299,9 @@ def test_engine_and_trainer_logprobs_are_bitwise_equal(tmp_path, dtype, fp8, dev
         assert metrics["logprob_diff_abs_max"] == 0 and metrics["mismatch_kl"] == 0, (share, metrics)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype,fp8", [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, FP8)],
-                         ids=["fp32", "bf16", "fp8-bf16"])
-def test_moe_engine_and_trainer_logprobs_are_bitwise_equal(tmp_path, dtype, fp8, device):
-    """A Qwen3-MoE (8 experts, top-2; FP8 experts in the fp8 case) under the flag: the router's
-    linear and every expert's GEMMs are batch-invariant (blocked rows on the CPU, the grouped
-    kernels on CUDA), so the engine's logprobs equal the trainer's bit for bit whether the trainer
-    routes by itself or replays the engine's routes (R3), with a router disagreement of 0."""
-    trainer_model, prompts, responses = _engine_against_trainer(tmp_path, "tiny-qwen3-moe", device, dtype, fp8, 4,
-                                                                (6, 21, 30), return_routing=True)
+def _assert_bitwise_with_r3(trainer_model, prompts, responses, device) -> None:
+    """Every engine logprob equals the trainer's recomputation, and rl-train's step replaying the
+    engine's routes (R3) measures mismatch 0 and router disagreement 0."""
     with torch.no_grad():
         for r in responses:
             completions = [c.token_ids for c in r.completions]
@@ -323,6 +317,69 @@ def test_moe_engine_and_trainer_logprobs_are_bitwise_equal(tmp_path, dtype, fp8,
                                r3=True, attention="invariant")
     assert metrics["logprob_diff_abs_max"] == 0 and metrics["mismatch_kl"] == 0, metrics
     assert metrics["router_pairs"] > 0 and metrics["router_disagree"] == 0, metrics
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,fp8", [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, FP8)],
+                         ids=["fp32", "bf16", "fp8-bf16"])
+def test_moe_engine_and_trainer_logprobs_are_bitwise_equal(tmp_path, dtype, fp8, device):
+    """A Qwen3-MoE (8 experts, top-2; FP8 experts in the fp8 case) under the flag: the router's
+    linear and every expert's GEMMs are batch-invariant (blocked rows on the CPU, the grouped
+    kernels on CUDA), so the engine's logprobs equal the trainer's bit for bit whether the trainer
+    routes by itself or replays the engine's routes (R3), with a router disagreement of 0."""
+    trainer_model, prompts, responses = _engine_against_trainer(tmp_path, "tiny-qwen3-moe", device, dtype, fp8, 4,
+                                                                (6, 21, 30), return_routing=True)
+    _assert_bitwise_with_r3(trainer_model, prompts, responses, device)
+
+
+def _tiny_deepseek_v3(root: Path) -> Path:
+    """A DeepSeek-V3 config (MLA with a query LoRA and YaRN; sigmoid group-limited routing, shared
+    experts, a dense first layer) written where load_model reads it."""
+    import json
+
+    import transformers
+
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=128, moe_intermediate_size=32, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, n_shared_experts=1, q_lora_rank=24,
+        kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, routed_scaling_factor=2.5,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "mscale": 1.0,
+                      "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}).to_dict()
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps({**cfg, "architectures": ["DeepseekV3ForCausalLM"]}))
+    return root
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,fp8", [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, FP8)],
+                         ids=["fp32", "bf16", "fp8-bf16"])
+def test_mla_engine_and_trainer_logprobs_are_bitwise_equal(tmp_path, dtype, fp8, device):
+    """DeepSeek-V3 (dense MLA + MoE) under the flag: the trainer attends in the engine's latent form
+    (absorbed projections per head on invariant rows, one latent K/V head through the invariant
+    attention; FP8's kv_b_proj absorbed as the FP8 engine holds it), so the engine's logprobs equal the
+    trainer's bit for bit, with R3 and a router disagreement of 0."""
+    config = _tiny_deepseek_v3(tmp_path / "config")
+    trainer_model, prompts, responses = _engine_against_trainer(tmp_path / "weights", config, device, dtype, fp8, 6,
+                                                                (5, 20, 33), return_routing=True)
+    _assert_bitwise_with_r3(trainer_model, prompts, responses, device)
+    grads = [p.grad for p in trainer_model.parameters() if p.requires_grad]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
+def test_the_flag_refuses_dsa_attention(tmp_path):
+    import json
+
+    import transformers
+
+    cfg = transformers.DeepseekV32Config(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+        first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, index_topk=5, index_n_heads=4, index_head_dim=16).to_dict()
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "architectures": ["DeepseekV32ForCausalLM"]}))
+    with pytest.raises(ConfigError, match="MLAttention with DSA"):
+        make_batch_invariant(load_model(tmp_path, device="meta"))
 
 
 def test_engine_logprobs_match_the_trainer_under_temperature_and_top_p(tmp_path):
