@@ -203,6 +203,22 @@ def _trainer_logprobs(model, prompt: list[int], completions: list[list[int]], te
     return list(lp.split([len(c) for c in completions]))
 
 
+def _assert_engine_logprobs_equal(trainer_model, prompts, responses, temperature: float = 1.0,
+                                  top_p: float = 1.0) -> int:
+    """Every logprob the engine reported equals the trainer's recomputation bit for bit; returns how
+    many were finite."""
+    finite = 0
+    with torch.no_grad():
+        for r in responses:
+            completions = [c.token_ids for c in r.completions]
+            lps = _trainer_logprobs(trainer_model, prompts[int(r.request_id)], completions, temperature, top_p)
+            for c, lp in zip(r.completions, lps):
+                assert torch.equal(lp.cpu(), torch.tensor(c.logprobs, dtype=torch.float32)), (r.request_id, lp,
+                                                                                             c.logprobs)
+                finite += int(torch.isfinite(lp).sum())
+    return finite
+
+
 def _engine_against_trainer(tmp_path, model_name: str | Path, device, dtype, fp8, seed: int, prompt_lens,
                             **sampling):
     """Random weights saved once; an engine under the flag (prompts prefilled in 16-token chunks)
@@ -283,12 +299,7 @@ def test_engine_and_trainer_logprobs_are_bitwise_equal(tmp_path, dtype, fp8, dev
     trainer_model, prompts, responses = _engine_against_trainer(tmp_path, "tiny-llama", device, dtype, fp8, 3,
                                                                 (5, 23, 37))
     assert len(responses) == 3
-    with torch.no_grad():
-        for r in responses:
-            completions = [c.token_ids for c in r.completions]
-            for c, lp in zip(r.completions, _trainer_logprobs(trainer_model, prompts[int(r.request_id)], completions)):
-                assert torch.equal(lp.cpu(), torch.tensor(c.logprobs, dtype=torch.float32)), (r.request_id, lp,
-                                                                                             c.logprobs)
+    _assert_engine_logprobs_equal(trainer_model, prompts, responses)
     samples = [Sample(token_ids=prompts[int(r.request_id)] + c.token_ids, advantage=1.0, logprobs=c.logprobs,
                       num_prompt_tokens=len(prompts[int(r.request_id)]), versions=c.versions)
                for r in responses for c in r.completions]
@@ -302,12 +313,7 @@ def test_engine_and_trainer_logprobs_are_bitwise_equal(tmp_path, dtype, fp8, dev
 def _assert_bitwise_with_r3(trainer_model, prompts, responses, device) -> None:
     """Every engine logprob equals the trainer's recomputation, and rl-train's step replaying the
     engine's routes (R3) measures mismatch 0 and router disagreement 0."""
-    with torch.no_grad():
-        for r in responses:
-            completions = [c.token_ids for c in r.completions]
-            for c, lp in zip(r.completions, _trainer_logprobs(trainer_model, prompts[int(r.request_id)], completions)):
-                assert torch.equal(lp.cpu(), torch.tensor(c.logprobs, dtype=torch.float32)), (r.request_id, lp,
-                                                                                             c.logprobs)
+    _assert_engine_logprobs_equal(trainer_model, prompts, responses)
     samples = [Sample(token_ids=prompts[int(r.request_id)] + c.token_ids, advantage=1.0, logprobs=c.logprobs,
                       num_prompt_tokens=len(prompts[int(r.request_id)]), versions=c.versions,
                       routed_experts=c.routed_experts)
@@ -411,15 +417,7 @@ def test_top_p_logprobs_are_bitwise_equal_on_every_device(tmp_path, device):
     cumsum scans a lone row by another algorithm than a batch)."""
     trainer_model, prompts, responses = _engine_against_trainer(tmp_path, "tiny-llama", device, torch.bfloat16, None,
                                                                 5, (4, 19), temperature=0.8, top_p=0.85)
-    kept = 0
-    with torch.no_grad():
-        for r in responses:
-            completions = [c.token_ids for c in r.completions]
-            lps = _trainer_logprobs(trainer_model, prompts[int(r.request_id)], completions, 0.8, 0.85)
-            for c, lp in zip(r.completions, lps):
-                assert torch.equal(lp.cpu(), torch.tensor(c.logprobs, dtype=torch.float32)), (r.request_id, lp,
-                                                                                             c.logprobs)
-                kept += int(torch.isfinite(lp).sum())
+    kept = _assert_engine_logprobs_equal(trainer_model, prompts, responses, 0.8, 0.85)
     assert kept == 2 * 2 * 8  # every sampled token inside the trainer's nucleus
 
 
