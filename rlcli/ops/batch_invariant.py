@@ -61,18 +61,18 @@ its cumulative sum by the ``row_cumsum`` kernel and its logsumexp by :func:`row_
 (:func:`rlcli.ops.sampling.top_p_keep`, :func:`row_logsumexp`).
 
 **MoE.** The router's linear runs on blocked rows (CPU) or by the ``mm`` kernel (CUDA,
-:class:`_InvariantRouter`); the top-k gates are normalized by :func:`row_sum`. The experts: on the
+:class:`rlcli.ops.invariant_layers._InvariantRouter`); the top-k gates are normalized by :func:`row_sum`. The experts: on the
 CPU every expert's GEMMs run on that expert's rows alone, blocked (the grouped GEMM's per-expert row
 counts follow the batch); on CUDA one ``grouped_mm`` / ``fp8_grouped_mm`` kernel launch per
-projection computes each token's row on its expert's weight alone (:class:`_InvariantExperts`).
+projection computes each token's row on its expert's weight alone (:class:`rlcli.ops.invariant_layers._InvariantExperts`).
 A token's ``k`` weighted expert outputs are added in slot order on CUDA, where ``index_add_`` adds
-them with atomics (:class:`_InvariantMoE`). Gates, the top-k and the weighting are row-wise.
+them with atomics (:class:`rlcli.ops.invariant_layers._InvariantMoE`). Gates, the top-k and the weighting are row-wise.
 
-**MLA** (dense, DeepSeek-V3 / Kimi-K2; :class:`_InvariantMLA`). The engine attends in latent form
+**MLA** (dense, DeepSeek-V3 / Kimi-K2; :class:`rlcli.ops.invariant_layers._InvariantMLA`). The engine attends in latent form
 (``kv_b_proj`` absorbed into the query and output sides, one 576-wide K/V head for DeepSeek-V3) and
 the trainer, by default, in expanded form: the same function, other roundings. Under the flag the
 trainer takes the latent form too; the absorbed projections run per head on invariant rows
-(:func:`head_linear`), the latent attention through the GQA path's invariant attention with one K/V
+(:func:`rlcli.ops.invariant_layers.head_linear`), the latent attention through the GQA path's invariant attention with one K/V
 head whose value is the latent (:meth:`rlcli.ops.attention.PagedAttention.attend`), and an FP8
 ``kv_b_proj`` on a master weight is absorbed quantized and dequantized, as the FP8 engine holds it.
 DSA (sparse MLA) is refused: its indexer and top-k are not covered.
@@ -339,161 +339,6 @@ def pad_linear_rows(model: nn.Module) -> int:
     return count
 
 
-class _InvariantRouter:
-    """Mixin in front of an MoE router's class: its linear on blocked rows (CPU) or by the ``mm``
-    kernel (CUDA)."""
-
-    def logits(self, x_ND: torch.Tensor) -> torch.Tensor:
-        fn = _KernelLinearFn if on_kernels(x_ND) else _BlockedLinearFn if x_ND.device.type == "cpu" else None
-        if fn is None:
-            return super().logits(x_ND)
-        if self.scoring == "sigmoid":
-            return fn.apply(x_ND.float(), self.weight.float(), None)
-        return fn.apply(x_ND, self.weight, None)
-
-
-class _KernelGroupedFn(torch.autograd.Function):
-    """:func:`rlcli.ops.grouped_gemm.grouped_mm` whose forward is the invariant ``grouped_mm`` kernel
-    (CUDA); backward by torch's grouped GEMMs (or a loop where they do not run)."""
-
-    @staticmethod
-    def forward(ctx, x_RK, w_ENK, offs_E):
-        ctx.save_for_backward(x_RK, w_ENK, offs_E)
-        return invariant_kernels().grouped_mm(x_RK, w_ENK, offs_E)
-
-    @staticmethod
-    def backward(ctx, dy_RN):
-        from rlcli.ops.grouped_gemm import _grouped_mm_op, _kernel_available, grouped_mm
-
-        x_RK, w_ENK, offs_E = ctx.saved_tensors
-        dy_RN = dy_RN.contiguous()  # the k-grouped GEMM reads dy^T as a column-major matrix
-        dx = dw = None
-        if ctx.needs_input_grad[0]:  # dx[rows of e] = dy[rows of e] @ w[e]
-            dx = grouped_mm(dy_RN, w_ENK.transpose(-2, -1), offs_E)
-        if ctx.needs_input_grad[1]:  # dw[e] = dy[rows of e]^T @ x[rows of e]
-            aligned = all(n * dy_RN.element_size() % 16 == 0 for n in (dy_RN.shape[1], x_RK.shape[1]))
-            if aligned and _kernel_available(dy_RN.device, dy_RN.dtype):
-                dw = _grouped_mm_op(dy_RN.t(), x_RK, offs=offs_E)
-            else:  # fp32 experts on CUDA: a loop (one host sync)
-                dw = torch.zeros_like(w_ENK)
-                start = 0
-                for e, end in enumerate(offs_E.tolist()):
-                    dw[e] = dy_RN[start:end].t() @ x_RK[start:end]
-                    start = end
-        return dx, dw, None
-
-
-class _InvariantExperts:
-    """Mixin in front of an MoE experts class. On CUDA the grouped GEMMs run the invariant
-    ``grouped_mm`` kernel (bf16 / fp32 experts, :class:`_KernelGroupedFn`) or, for FP8 experts, their
-    backend's ``grouped_gemm`` wrapped in :class:`KernelGemm` (``fp8_grouped_mm``). On the CPU each
-    expert's GEMM runs on its own rows in :func:`blocked_rows` (the grouped GEMM's per-expert row
-    counts follow the batch); FP8 experts quantize per row and per expert as before, without the
-    weight cache (whose backward lookup does not tell one expert's slice from another's). One host
-    sync per GEMM there."""
-
-    def expert_mm(self, x_RK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-        from rlcli.ops.fp8.linear import fp8_grouped_mm
-        from rlcli.ops.grouped_gemm import grouped_mm, grouped_mm_loop, local_weight
-
-        fp8 = getattr(self, "backend", None) is not None
-        if on_kernels(x_RK):
-            if fp8:
-                return super().expert_mm(x_RK, w_ENK, offs_E)
-            return _KernelGroupedFn.apply(x_RK, local_weight(w_ENK), offs_E)
-        if x_RK.device.type != "cpu":
-            return super().expert_mm(x_RK, w_ENK, offs_E)
-        w_ENK = local_weight(w_ENK)
-
-        def one_expert(rows: torch.Tensor, e: int) -> torch.Tensor:
-            offs = torch.tensor([rows.shape[0]], dtype=torch.int32)
-            if fp8:
-                return fp8_grouped_mm(rows, w_ENK[e:e + 1], offs, self.backend, None, self.ue8m0)
-            return grouped_mm(rows, w_ENK[e:e + 1], offs)
-
-        def blocked(rows: torch.Tensor, e: int) -> torch.Tensor:
-            if rows.shape[0] == 0:  # an expert no token chose
-                return rows.new_zeros(0, w_ENK.shape[1])
-            return blocked_rows(lambda block: one_expert(block, e), rows)
-
-        return grouped_mm_loop(x_RK, w_ENK, offs_E, blocked)
-
-
-class _InvariantMoE:
-    """Mixin in front of an MoE layer's class: on CUDA a token's ``k`` weighted expert outputs are
-    added in slot order (``index_add_`` there adds them with atomics, in no fixed order)."""
-
-    def combine(self, y_sorted_RD: torch.Tensor, order_R: torch.Tensor, k: int, out_ND: torch.Tensor) -> torch.Tensor:
-        if not on_kernels(out_ND):
-            return super().combine(y_sorted_RD, order_R, k, out_ND)
-        inverse = torch.empty_like(order_R)
-        inverse[order_R] = torch.arange(order_R.numel(), device=order_R.device)
-        y_NkD = y_sorted_RD[inverse].view(out_ND.shape[0], k, -1).to(out_ND.dtype)  # (token, slot) order
-        out = out_ND
-        for j in range(k):
-            out = out + y_NkD[:, j]
-        return out
-
-
-def head_linear(x_BTHK: torch.Tensor, w_HNK: torch.Tensor) -> torch.Tensor:
-    """``x[:, :, h] @ w[h]^T`` for every head, ``[B, T, H, N]``: each head a linear on invariant rows
-    (blocked on the CPU, the ``mm`` kernel on CUDA; torch's batched GEMMs pick kernels by the row
-    count). Differentiable. MLA's absorbed projections (:class:`_InvariantMLA`)."""
-    B, T, H, K = x_BTHK.shape
-    kernels = on_kernels(x_BTHK)
-    outs = []
-    for h in range(H):
-        x_MK = x_BTHK[:, :, h].reshape(B * T, K)
-        if kernels:
-            y = _KernelLinearFn.apply(x_MK, w_HNK[h], None)
-        elif x_MK.device.type == "cpu":
-            y = _BlockedLinearFn.apply(x_MK, w_HNK[h], None)
-        else:
-            y = F.linear(x_MK, w_HNK[h])
-        outs.append(y.view(B, T, -1))
-    return torch.stack(outs, dim=2)
-
-
-class _FakeQuant128(torch.autograd.Function):
-    """A master weight through its 128x128 FP8 quantization and back (the weight an FP8 engine holds),
-    gradient straight through."""
-
-    @staticmethod
-    def forward(ctx, w, ue8m0: bool, dtype: torch.dtype):
-        from rlcli.ops.fp8.quant import dequantize_128x128, quantize_128x128
-
-        ctx.dtype = w.dtype
-        return dequantize_128x128(*quantize_128x128(w, ue8m0), dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.to(ctx.dtype), None, None
-
-
-class _InvariantMLA:
-    """Mixin in front of an MLA layer's class (dense MLA, not DSA): the trainer attends in the
-    engine's latent form too (one latent K/V head, through the attention backend on packed rows:
-    the invariant one under the flag), the absorbed projections are :func:`head_linear`, and an FP8
-    ``kv_b_proj`` on a master weight is absorbed as the FP8 engine holds it (quantized, dequantized)."""
-
-    def _latent_form(self, ctx) -> bool:
-        return True
-
-    def _kv_b_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        lin = self.kv_b_proj
-        if getattr(lin, "backend", None) is not None and lin.weight.dtype.itemsize != 1:
-            return _FakeQuant128.apply(lin.weight, lin.ue8m0, dtype)
-        return super()._kv_b_weight(dtype)
-
-    @staticmethod
-    def _absorb_q(q_nope_BTHD: torch.Tensor, w_uk_HDR: torch.Tensor) -> torch.Tensor:
-        return head_linear(q_nope_BTHD, w_uk_HDR.transpose(1, 2))
-
-    @staticmethod
-    def _expand_out(out_BTHR: torch.Tensor, w_uv_HVR: torch.Tensor) -> torch.Tensor:
-        return head_linear(out_BTHR, w_uv_HVR)
-
-
 def make_batch_invariant(model: nn.Module) -> nn.Module:
     """Everything ``model.batch_invariant`` swaps into a model, in place (after ``convert_to_fp8``;
     idempotent): :func:`pad_linear_rows`; RMSNorms that run the ``rms_norm`` kernel on CUDA; MoE
@@ -504,6 +349,7 @@ def make_batch_invariant(model: nn.Module) -> nn.Module:
     from rlcli.models.deepseek_v3 import MLAttention
     from rlcli.models.layers import Attention
     from rlcli.models.moe import MoE, GroupedExperts, Router
+    from rlcli.ops.invariant_layers import _InvariantExperts, _InvariantMLA, _InvariantMoE, _InvariantRouter
 
     for layer in getattr(getattr(model, "model", None), "layers", ()):
         attn = layer.self_attn
