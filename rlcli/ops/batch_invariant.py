@@ -35,9 +35,12 @@ same math then rounds differently, because the kernels pick their summation orde
 
 Elementwise work (RMSNorm, rotary tables, SwiGLU, residual adds, casts) and row reductions of
 a fixed length (RMSNorm's mean, the softmax sums over the vocabulary) already give every row
-the same code on the CPU. Two caveats: fp32 SiLU/sigmoid round differently in their vectorized
-and scalar tail loops, which is harmless while a row's width is a multiple of 16 (every model
-here); and ``torch.compile`` fuses and reorders, so the flag refuses ``train.compile``.
+the same code on the CPU. Two caveats: torch's elementwise CPU loops run two vectors at a time
+and a scalar loop over what is left, and fp32 SiLU/sigmoid round differently in the two, so a
+row's bits can follow where it falls in the tensor unless its width is a multiple of two vectors
+(32 fp32 values on AVX-512: every recipe model's widths are; 16-wide MoE experts under expert
+parallelism gave one-ulp differences, ``tests/parallel/dist_ep_cp.py``); and ``torch.compile``
+fuses and reorders, so the flag refuses ``train.compile``.
 
 Known exception, not understood: on this session's AVX-512 VM (torch 2.13) the first ``exp``
 of :func:`invariant_attention` in a test process, after other tests had run, gave other bits

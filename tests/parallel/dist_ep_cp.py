@@ -44,10 +44,11 @@ CASES = {
         ("qwen3_moe", 2, 2, True, 48), ("deepseek_v3", 4, 2, False, 40), ("qwen3_moe", 2, 2, False, 40, True)],
 }
 ATOL, RTOL = 2e-5, 1e-4
+MODELS_VOCAB = _BASE["vocab_size"]
 
 
-def make_model(name: str):
-    model = build_model(ModelArgs.from_hf(MODELS[name]))
+def make_model(name: str, **overrides):
+    model = build_model(ModelArgs.from_hf({**MODELS[name], **overrides}))
     model.init_weights(seed=3, std=0.2)
     for m in model.modules():  # a routing bias that changes choices (DeepSeek)
         if getattr(m, "e_score_correction_bias", None) is not None:
@@ -194,6 +195,39 @@ def run_case(name: str, ep: int, cp: int, replay: bool, T: int, fsdp: bool = Fal
     return [f"FAIL {tag}: {f}" for f in failures] or [f"ok {tag}: loss {float(ref_loss):+.5f} logprob {float(ref_lp):+.4f} max grad diff {worst:.1e}"]
 
 
+def run_invariant_case(name: str) -> list[str]:
+    """model.batch_invariant under expert parallelism (ep = world): each rank's row gives the logits of
+    the single-process model under the flag bit for bit, though its experts now also compute the
+    other ranks' tokens. The same comparison without the flag is reported, not required. Experts 32
+    wide: at 16, fp32 SiLU's scalar tail loop took some rows (rlcli.ops.batch_invariant's caveat)."""
+    from rlcli.ops.batch_invariant import enable, make_batch_invariant
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = [make_row(200 + d, 41, MODELS_VOCAB) for d in range(world)]
+    ep_mesh = dist.device_mesh.init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    equal = {}
+    for flag in (True, False):
+        enable(flag)
+        ref = make_model(name, moe_intermediate_size=32)
+        if flag:
+            make_batch_invariant(ref)
+        model = copy.deepcopy(ref)
+        apply_ep(model, ep_mesh["ep"])
+        backend = "invariant" if flag else "sdpa"
+        row = rows[rank]
+        with torch.no_grad():
+            want = ref(row["input_ids"], row["position_ids"],
+                       ForwardContext(PackedCausalAttention(row["position_ids"], backend=backend)))
+            got = model(row["input_ids"], row["position_ids"],
+                        ForwardContext(PackedCausalAttention(row["position_ids"], backend=backend)))
+        equal[flag] = torch.equal(got, want)
+    enable(False)
+    tag = f"{name} ep={world} batch_invariant"
+    if not equal[True]:
+        return [f"FAIL {tag}: the EP logits differ from the single process's under the flag"]
+    return [f"ok {tag}: logits bit for bit (without the flag: {'equal' if equal[False] else 'not equal'})"]
+
+
 def main() -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -201,6 +235,8 @@ def main() -> int:
     lines = []
     for case in CASES[dist.get_world_size()]:
         lines += run_case(*case)
+    for name in ("qwen3_moe", "deepseek_v3"):
+        lines += run_invariant_case(name)
     failed = torch.tensor(sum(line.startswith("FAIL") for line in lines))
     dist.all_reduce(failed)
     if dist.get_rank() == 0 or any(line.startswith("FAIL") for line in lines):
