@@ -36,6 +36,13 @@ def _kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
     return _works[key]
 
 
+def kgrouped_available(dy_RN: torch.Tensor, x_RK: torch.Tensor) -> bool:
+    """Whether the k-grouped form (``dy[rows of g]^T @ x[rows of g]`` for every group in one call,
+    a weight gradient) runs for these operands: the kernel exists here and rows are 16-byte aligned."""
+    aligned = all(n * dy_RN.element_size() % 16 == 0 for n in (dy_RN.shape[1], x_RK.shape[1]))
+    return dy_RN.dtype == x_RK.dtype and aligned and _kernel_available(dy_RN.device, dy_RN.dtype)
+
+
 def grouped_mm_loop(x_RK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor,
                     expert_mm=None) -> torch.Tensor:
     """The reference: one matmul per expert (host sync on ``offs``); ``expert_mm(rows, e)``

@@ -33,7 +33,7 @@ class _KernelGroupedFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy_RN):
-        from rlcli.ops.grouped_gemm import _grouped_mm_op, _kernel_available, grouped_mm
+        from rlcli.ops.grouped_gemm import _grouped_mm_op, grouped_mm, kgrouped_available
 
         x_RK, w_ENK, offs_E = ctx.saved_tensors
         dy_RN = dy_RN.contiguous()  # the k-grouped GEMM reads dy^T as a column-major matrix
@@ -41,8 +41,7 @@ class _KernelGroupedFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:  # dx[rows of e] = dy[rows of e] @ w[e]
             dx = grouped_mm(dy_RN, w_ENK.transpose(-2, -1), offs_E)
         if ctx.needs_input_grad[1]:  # dw[e] = dy[rows of e]^T @ x[rows of e]
-            aligned = all(n * dy_RN.element_size() % 16 == 0 for n in (dy_RN.shape[1], x_RK.shape[1]))
-            if aligned and _kernel_available(dy_RN.device, dy_RN.dtype):
+            if kgrouped_available(dy_RN, x_RK):
                 dw = _grouped_mm_op(dy_RN.t(), x_RK, offs=offs_E)
             else:  # fp32 experts on CUDA: a loop (one host sync)
                 dw = torch.zeros_like(w_ENK)

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from rlcli.ops.fp8 import quant
 from rlcli.ops.fp8.backends import GemmBackend, group_ranges
 from rlcli.ops.fp8.runtime import WeightCache, quantize_act, quantize_input, weight_fp8
-from rlcli.ops.grouped_gemm import _grouped_mm_op, _kernel_available
+from rlcli.ops.grouped_gemm import _grouped_mm_op, kgrouped_available
 
 
 class _FP8LinearFn(torch.autograd.Function):
@@ -167,8 +167,7 @@ class FP8Linear(nn.Linear):
 
 
 def _bf16_kgrouped(dy: torch.Tensor, x: torch.Tensor) -> bool:
-    aligned = all(n * dy.element_size() % 16 == 0 for n in (dy.shape[1], x.shape[1]))
-    return dy.dtype == x.dtype == torch.bfloat16 and aligned and _kernel_available(dy.device, dy.dtype)
+    return dy.dtype == torch.bfloat16 and kgrouped_available(dy, x)
 
 
 class _FP8GroupedFn(torch.autograd.Function):
