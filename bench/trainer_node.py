@@ -24,6 +24,7 @@ overlaps compute, so it bounds the cost from above).
     python bench/trainer_node.py --nproc 8 --ep 8 --cp 4                    # one 8-GPU node
     python bench/trainer_node.py --smoke                                     # CPU, gloo, tiny
     python bench/trainer_node.py --smoke --seq 4096 --steps 4                # CPU, longer rows
+    python bench/trainer_node.py --model llama-1b --nproc 1 --ep 1 --cp 1    # #11's ~1B dense step, one H200
 
 Model FLOPs per token: 6 x (matmul parameters a token passes through: attention, dense and
 shared MLPs, top-k of the routed experts, the router and LM head) + causal attention,
@@ -54,6 +55,14 @@ DSV3_4B = dict(model_type="deepseek_v3", vocab_size=32768, hidden_size=2048, int
                topk_method="noaux_tc", rope_theta=10000.0, max_position_embeddings=163840, rms_norm_eps=1e-6,
                tie_word_embeddings=False)
 """A DeepSeek-V3-style MoE (MLA, 64 routed experts top-6 + 2 shared, sigmoid routing), ~4.2B parameters."""
+LLAMA_1B = dict(model_type="llama", vocab_size=32768, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+                rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False)
+"""#11's ~1B dense model: a Llama-3.2-1B body (hidden 2048, 16 layers, GQA 16/8) with a 32k vocabulary, 1.14B
+parameters (bench/fp8_train_step.py's DENSE_1B)."""
+SMOKE_DENSE = dict(LLAMA_1B, vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+MODELS = {"dsv3-4b": DSV3_4B, "llama-1b": LLAMA_1B}
 SMOKE = dict(DSV3_4B, vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
              v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
@@ -71,14 +80,19 @@ def model_flops_per_token(hf: dict, seq: int) -> tuple[float, int, int]:
     total = sum(p.numel() for p in model.parameters())
     expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     embed = sum(p.numel() for n, p in model.named_parameters() if n.endswith("embed_tokens.weight"))
-    active = total - embed - expert + expert * hf["num_experts_per_tok"] / hf["n_routed_experts"]
-    qk = hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"]
-    attn = 6 * hf["num_hidden_layers"] * hf["num_attention_heads"] * (qk + hf["v_head_dim"]) * seq / 2
+    routed = hf["num_experts_per_tok"] / hf["n_routed_experts"] if expert else 1.0
+    active = total - embed - expert + expert * routed
+    if "qk_nope_head_dim" in hf:  # MLA
+        qk, v = hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"], hf["v_head_dim"]
+    else:
+        qk = v = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    attn = 6 * hf["num_hidden_layers"] * hf["num_attention_heads"] * (qk + v) * seq / 2
     return 6 * active + attn, total, int(active)
 
 
 def write_run(root: Path, hf: dict, seq: int, prompt: int, rows: int, steps: int, world: int, ep: int, cp: int,
-              profile_step: int, threads: int, attention: str = "auto", dtype: str = "bfloat16") -> Path:
+              profile_step: int, threads: int, attention: str = "auto", dtype: str = "bfloat16",
+              ac: str = "full", compile_blocks: bool = False, siblings: tuple[str, ...] = ("qkv",)) -> Path:
     """Model dir, recipe and the --steps batches of one arm; returns the recipe's path. ``dtype`` is
     model.dtype, the compute dtype (FSDP2 keeps fp32 masters either way): its default in a recipe is
     float32, in which the sixth session's H200 "bf16" arm ran, slowly (FlexAttention's fp32 kernels)."""
@@ -98,13 +112,13 @@ def write_run(root: Path, hf: dict, seq: int, prompt: int, rows: int, steps: int
     tree = {
         "name": "trainer-node", "seed": 0, "num_steps": steps, "run_dir": str(run_dir),
         "model": {"path": str(model_dir), "max_seq_len": seq, "dtype": dtype},
-        "train": {"micro_batch_tokens": seq, "activation_checkpointing": "full", "profile_step": profile_step,
+        "train": {"micro_batch_tokens": seq, "activation_checkpointing": ac, "compile": compile_blocks, "profile_step": profile_step,
                   "attention": attention,
                   "num_threads": threads, "threads": "fixed",
                   "optim": {"lr": 1e-5}, "loss": {"kind": "tis"}, "checkpoint": {"interval": 10**6},
                   "parallel": {"ep": ep, "cp": cp},
                   # every micro-batch is one row: DeepGEMM's kernels for that size alone (rlcli.ops.fp8.warmup)
-                  "fp8": {"jit_warmup_tokens": [rank_tokens(seq, cp)]}},
+                  "fp8": {"jit_warmup_tokens": [rank_tokens(seq, cp)], "fuse_siblings": list(siblings)}},
         "orchestrate": {"num_train_ranks": dp, "batch_size": rows * dp, "group_size": 1},
         "sync": {"backend": {"kind": "collective"}},
     }
@@ -184,6 +198,19 @@ def top_events(trace: Path, device: bool, n: int = 12) -> list[tuple[str, float,
     return [(k, total[k], calls[k]) for k in sorted(total, key=total.get, reverse=True)[:n]]
 
 
+def kernel_classes(trace: Path) -> dict[str, float]:
+    """Device seconds by kernel class (bench/fp8_train_step.py's classes: FP8 and bf16 GEMMs,
+    quantization, attention, optimizer, elementwise/other) in a Chrome trace."""
+    from fp8_train_step import classify
+
+    out: dict[str, float] = {}
+    for e in json.loads(trace.read_text()).get("traceEvents", []):
+        if e.get("ph") == "X" and e.get("cat") == "kernel":
+            c = classify(e["name"])
+            out[c] = out.get(c, 0.0) + e.get("dur", 0) / 1e6
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--nproc", type=int, default=2, help="GPUs (ranks) for rl-train")
@@ -195,8 +222,16 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=1, help="rows per data-parallel rank per step")
     ap.add_argument("--steps", type=int, default=6, help="RL steps; 1-2 and the profiled one are not timed")
     ap.add_argument("--profile-step", type=int, default=0, help="the step run under torch.profiler (0: the last)")
-    ap.add_argument("--layers", type=int, default=0, help="decoder layers (0: the model's 8)")
-    ap.add_argument("--arms", default="bf16,fp8")
+    ap.add_argument("--model", default="dsv3-4b", choices=sorted(MODELS),
+                    help="dsv3-4b: the DeepSeek-V3-style MoE (#16); llama-1b: #11's ~1B dense Llama")
+    ap.add_argument("--layers", type=int, default=0, help="decoder layers (0: the model's own)")
+    ap.add_argument("--ac", default="full", choices=["none", "full", "selective"],
+                    help="train.activation_checkpointing of both arms")
+    ap.add_argument("--compile", action="store_true", help="train.compile (rl-train --compile) in both arms")
+    ap.add_argument("--top", type=int, default=12, help="kernels listed from the profiled step")
+    ap.add_argument("--arms", default="bf16,fp8",
+                    help="comma list of bf16, fp8 (q/k/v stacked: rl-train's default) and fp8-gate-up (gate/up "
+                         "stacked too: train.fp8.fuse_siblings)")
     ap.add_argument("--attention", default="auto", help="train.attention (auto: flex under --cp, cudnn without)")
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
                     help="model.dtype, the compute dtype of both arms (default bfloat16; --smoke: float32)")
@@ -205,7 +240,10 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny model, CPU (gloo), 256-token rows")
     ap.add_argument("--keep", type=Path, default=None, help="keep the run directories here (checkpoints are deleted)")
     a = ap.parse_args()
-    hf = dict(SMOKE if a.smoke else DSV3_4B)
+    dense = a.model == "llama-1b"
+    if dense and a.ep != 1:
+        ap.error("--model llama-1b is dense: give --ep 1")
+    hf = dict((SMOKE_DENSE if dense else SMOKE) if a.smoke else MODELS[a.model])
     if a.layers:
         hf["num_hidden_layers"] = a.layers
     if a.smoke:
@@ -220,19 +258,22 @@ def main() -> None:
     import torch
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and not a.smoke else "cpu (gloo)"
-    print(f"# rl-train on {a.nproc} ranks ({device}), --ep {a.ep} --cp {a.cp} (dp {dp}); DeepSeek-V3-style MoE "
+    what = ("dense Llama" if dense else f"DeepSeek-V3-style MoE ({hf['n_routed_experts']} experts "
+                                         f"top-{hf['num_experts_per_tok']})")
+    print(f"# rl-train on {a.nproc} ranks ({device}), --ep {a.ep} --cp {a.cp} (dp {dp}); {what} "
           f"{total / 1e9:.2f}B parameters ({active / 1e9:.2f}B in a token's matmuls), {hf['num_hidden_layers']} "
-          f"layers, {hf['n_routed_experts']} experts top-{hf['num_experts_per_tok']}; rows of {a.seq} tokens "
-          f"({a.prompt} prompt), {tokens_per_step} tokens per step, {a.steps} steps, full activation "
-          f"checkpointing, compute in {a.dtype} (model.dtype), torch {torch.__version__}", flush=True)
+          f"layers; rows of {a.seq} tokens ({a.prompt} prompt), {tokens_per_step} tokens per step, {a.steps} steps, "
+          f"activation checkpointing {a.ac}{', compiled blocks' if a.compile else ''}, compute in {a.dtype} (model.dtype), torch {torch.__version__}",
+          flush=True)
     results = {}
     base = a.keep or Path(tempfile.mkdtemp(prefix="trainer-node-"))
     for arm in a.arms.split(","):
         root = base / arm
         recipe = write_run(root, hf, a.seq, a.prompt, a.rows, a.steps, a.nproc, a.ep, a.cp, a.profile_step,
-                           1 if a.smoke else 0, a.attention, a.dtype)
+                           1 if a.smoke else 0, a.attention, a.dtype, a.ac, a.compile,
+                           ("qkv", "gate_up") if arm == "fp8-gate-up" else ("qkv",))
         t0 = time.monotonic()
-        rows, err = run_arm(recipe, a.nproc, arm == "fp8", a.timeout)
+        rows, err = run_arm(recipe, a.nproc, arm.startswith("fp8"), a.timeout)
         # rl-train's last checkpoint is the whole trainer state (~52 GB at 4.3B): one arm's at a time, --keep or
         # not (a kept bf16 arm's filled the GPU machine's 64 GiB disk under the FP8 arm, eleventh session)
         shutil.rmtree(root / "run" / "checkpoints", ignore_errors=True)
@@ -244,21 +285,27 @@ def main() -> None:
         if trace.exists():
             print(f"{arm}: step {a.profile_step}, rank 0, largest {'host ops' if a.smoke else 'device kernels'} "
                   "(s, calls):\n" + "\n".join(f"  {t:8.3f} {n:6d}  {name[:100]}"
-                                                 for name, t, n in top_events(trace, device=not a.smoke)), flush=True)
+                                                 for name, t, n in top_events(trace, device=not a.smoke, n=a.top)), flush=True)
+            if not a.smoke:
+                classes = kernel_classes(trace)
+                print(f"{arm}: step {a.profile_step}, device s by kernel class: " + ", ".join(
+                    f"{c} {t:.3f}" for c, t in sorted(classes.items(), key=lambda kv: -kv[1]))
+                    + f"; sum {sum(classes.values()):.3f}", flush=True)
         if err:
             print(f"{arm}: {err}", flush=True)
             if len(rows) < 3:
                 continue
         results[arm] = summarize(rows, tokens_per_step, flops, a.peak_tflops, a.nproc, a.profile_step)
         print(f"{arm}: {json.dumps(results[arm])} ({time.monotonic() - t0:.0f} s)", flush=True)
-    print(f"{'arm':<6} {'step s':>8} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} {'a2a':>6} {'gather':>7} "
+    print(f"{'arm':<11} {'step s':>8} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} {'a2a':>6} {'gather':>7} "
           f"{'scatter':>8} {'loss first/last':>16}")
     for arm, r in results.items():
-        print(f"{arm:<6} {r['step_s']:>8.3f} {r['tokens_s']:>10.0f} {r['mfu']:>6.1%} {r['peak_gib']:>9.1f} "
+        print(f"{arm:<11} {r['step_s']:>8.3f} {r['tokens_s']:>10.0f} {r['mfu']:>6.1%} {r['peak_gib']:>9.1f} "
               f"{r['all_to_all']:>6.1%} {r['all_gather']:>7.1%} {r['reduce_scatter']:>8.1%} "
               f"{r['loss_first']:>+8.4f}/{r['loss_last']:+.4f}")
-    if "bf16" in results and "fp8" in results:
-        print(f"fp8 / bf16 tokens/s: {results['fp8']['tokens_s'] / results['bf16']['tokens_s']:.2f}x")
+    for arm in results:
+        if arm != "bf16" and "bf16" in results:
+            print(f"{arm} / bf16 tokens/s: {results[arm]['tokens_s'] / results['bf16']['tokens_s']:.2f}x")
 
 
 if __name__ == "__main__":

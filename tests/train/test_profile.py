@@ -46,19 +46,45 @@ def test_compile_counts_see_each_recompile_and_each_eager_fallback():
     assert [d["compile_fallbacks"] for d in steps] == [0, 0, 0, 1, 0]  # past the limit: eager from then on
 
 
-def test_trainer_node_arms_compute_in_bf16_unless_told(tmp_path):
-    """The GPU arms set model.dtype: the recipe default (float32) made the sixth session's H200 "bf16" arm
-    an fp32 run."""
+def _trainer_node():
     import importlib.util
-
-    from rlcli.config.load import load_recipe
 
     spec = importlib.util.spec_from_file_location("trainer_node", REPO / "bench" / "trainer_node.py")
     node = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(node)
+    return node
+
+
+def test_trainer_node_arms_compute_in_bf16_unless_told(tmp_path):
+    """The GPU arms set model.dtype: the recipe default (float32) made the sixth session's H200 "bf16" arm
+    an fp32 run."""
+    from rlcli.config.load import load_recipe
+
+    node = _trainer_node()
     for dtype, kw in (("bfloat16", {}), ("float32", {"dtype": "float32"})):
         recipe = node.write_run(tmp_path / dtype, node.SMOKE, 64, 8, 1, 1, 1, 1, 1, 1, 0, **kw)
         assert load_recipe(recipe).model.dtype == dtype
+
+
+def test_trainer_node_dense_model_and_its_recipe_knobs(tmp_path):
+    """#11's ~1B dense Llama: FLOPs per token from its own head dims (no experts, no MLA fields), and the
+    knobs the bench's arms set in the recipe (checkpointing, compiled blocks, stacked FP8 siblings)."""
+    from rlcli.config.load import load_recipe
+
+    node = _trainer_node()
+    flops, total, active = node.model_flops_per_token(node.LLAMA_1B, 8192)
+    embed = node.LLAMA_1B["vocab_size"] * node.LLAMA_1B["hidden_size"]
+    assert active == total - embed and 1.0e9 < total < 1.2e9
+    attn = 6 * 16 * 16 * (128 + 128) * 8192 / 2
+    assert flops == 6 * active + attn
+    recipe = node.write_run(tmp_path / "r", node.SMOKE_DENSE, 64, 8, 1, 1, 1, 1, 1, 1, 0, ac="none",
+                            compile_blocks=True, siblings=("qkv", "gate_up"))
+    cfg = load_recipe(recipe)
+    assert cfg.train.activation_checkpointing == "none" and cfg.train.compile
+    assert cfg.train.fp8.fuse_siblings == ["qkv", "gate_up"]
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "trainer_node.py"), "--smoke", "--model", "llama-1b"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--model llama-1b is dense: give --ep 1" in out.stderr
 
 
 @pytest.mark.timeout(300)
