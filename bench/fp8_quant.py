@@ -2,6 +2,7 @@
 
     python bench/fp8_quant.py            # H200, a few seconds
     python bench/fp8_quant.py --smoke    # CPU: torch reference only; with TRITON_INTERPRET=1 also Triton
+    python bench/fp8_quant.py --sweep    # H200: every launch configuration of each kernel (kernels.LAUNCH)
 
 For each operation and shape it checks the Triton output against ``rlcli.ops.fp8.quant`` on the
 same device bit for bit (data and scales; ``exact`` column), then times both (CUDA events,
@@ -63,11 +64,64 @@ def exact(a, b) -> bool:
     return len(fa) == len(fb) and all(x.shape == y.shape and torch.equal(bits(x), bits(y)) for x, y in zip(fa, fb))
 
 
+SWEEP = {"rows": [(bm, w) for bm in (16, 32, 64, 128, 256) for w in (1, 2, 4, 8)],
+         "cols": [(128, w) for w in (2, 4, 8, 16)], "both": [(128, w) for w in (2, 4, 8, 16)],
+         "weight": [(128, w) for w in (2, 4, 8, 16)]}
+
+
+def sweep(device, iters: int) -> None:
+    """Each kernel under each launch configuration of ``SWEEP``, checked bit for bit against the
+    reference, timed; the default (``kernels.LAUNCH``) marked, the fastest named per op and shape."""
+    gen = torch.Generator().manual_seed(0)
+    default = dict(kernels.LAUNCH)
+    best: dict[str, list] = {}
+    print(f"{'op':7s} {'shape':>14s} {'BM':>4s} {'warps':>5s} {'us':>9s} {'GB/s':>7s} {'exact':>6s}")
+    for M, K in SHAPES:
+        x = torch.randn(M, K, generator=gen).to(device, torch.bfloat16)
+        kb, mb = -(-K // 128), -(-M // 128)
+        ops = {"rows": (lambda: kernels.quantize_act(x), lambda: quant.quantize_1x128(x), 3 * M * K + 4 * M * kb),
+               "cols": (lambda: kernels.quantize_act(x, rows=False, cols=True), lambda: quant.quantize_1x128(x.t()),
+                        3 * M * K + 4 * K * mb),
+               "both": (lambda: kernels.quantize_act(x, rows=True, cols=True),
+                        lambda: (quant.quantize_1x128(x), quant.quantize_1x128(x.t())),
+                        4 * M * K + 4 * (M * kb + K * mb)),
+               "weight": (lambda: kernels.quantize_weight(x, transposed=True),
+                          lambda: (quant.quantize_128x128(x), quant.transpose_blocks(*quant.quantize_128x128(x))),
+                          4 * M * K)}
+        for op, (tri, ref, nbytes) in ops.items():
+            want = ref()
+            for cfg in SWEEP[op]:
+                kernels.LAUNCH[op] = cfg
+                try:
+                    ok = exact(tri(), want)
+                    t = timed(tri, device, iters)
+                except Exception as e:  # noqa: BLE001 -- a configuration Triton cannot build: next one
+                    print(f"{op:7s} {str((M, K)):>14s} {cfg[0]:4d} {cfg[1]:5d} failed: {type(e).__name__}")
+                    continue
+                mark = " <- default" if cfg == default[op] else ""
+                print(f"{op:7s} {str((M, K)):>14s} {cfg[0]:4d} {cfg[1]:5d} {t * 1e6:9.1f} {nbytes / t / 1e9:7.0f} "
+                      f"{str(ok):>6s}{mark}", flush=True)
+                best.setdefault(op, []).append(((M, K), cfg, t, ok))
+            kernels.LAUNCH[op] = default[op]
+    print("\nFastest exact configuration per op (sum of its times over the shapes, against the default's)")
+    for op, rows in best.items():
+        total: dict[tuple, float] = {}
+        for _, cfg, t, ok in rows:
+            total[cfg] = total.get(cfg, 0.0) + (t if ok else float("inf"))
+        fastest = min(total, key=total.get)
+        print(f"  {op:7s} BM {fastest[0]:4d} warps {fastest[1]:3d}: {total[fastest] * 1e6:9.1f} us; default "
+              f"{default[op]}: {total.get(default[op], float('nan')) * 1e6:9.1f} us")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="time every launch configuration (GPU)")
     ap.add_argument("--iters", type=int, default=20)
     args = ap.parse_args()
+    if args.sweep:
+        device = torch.device("cuda")
+        return sweep(device, args.iters)
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     triton_ok = kernels.available() and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
     if device.type == "cuda" and not triton_ok:

@@ -116,6 +116,15 @@ if triton is not None:
                 tl.store(st_ptr + b * sstb + rk * sstk + pid_m * sstm, st, mask=rk < K)
 
 
+LAUNCH = {"rows": (16, 2), "cols": (128, 4), "both": (128, 4), "weight": (128, 8)}
+"""(rows of x per program, warps per program) of each quantization: ``rows`` 1x128 tiles along K,
+``cols`` along the tokens (x^T), ``both`` from one read, ``weight`` 128x128 blocks. Only ``rows`` may
+take other row counts: a program of the others spans one 128-row tile. The fastest of
+``bench/fp8_quant.py --sweep`` on one H200 (docs/benchmarks.md, seventeenth session): summed over
+8192x2048, 8192x8192 and 16384x7168, rows 308.5 us (64 rows x 4 warps: 333.1), cols 394.2 (8
+warps: 438.9), both 513.8 (8 warps: 582.2); for the weight 4 and 8 warps were within 1%."""
+
+
 def _as_3d(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])[None] if x.dim() != 3 else x
 
@@ -151,14 +160,14 @@ def quantize_act(x: torch.Tensor, ue8m0: bool = False, rows: bool = True, cols: 
     if cols:
         qt = torch.empty(K, M, dtype=FP8_DTYPE, device=dev)
         st = torch.empty_strided((K, ceil_div(M, BLOCK)), (1, K), device=dev)
-    BM = 128 if cols else 64
+    BM, warps = LAUNCH["both" if rows and cols else "rows" if rows else "cols"]
     grid = (ceil_div(M, BM), Kb, 1)
     if M and K:
         _quant_kernel[grid](x, q, s, qt, st, dummy if row_map is None else row_map, M, K,
                             0, x.stride(0), x.stride(1), 0, K, 0, 1 if rows else 0, R if rows else 0,
                             0, M, 0, 1 if cols else 0, K if cols else 0,
                             BM=BM, ROW=rows, COL=cols, BLOCK2D=False, UE8M0=ue8m0, MAPPED=row_map is not None,
-                            HW_CAST=_HW_CAST, num_warps=8 if cols else 4)
+                            HW_CAST=_HW_CAST, num_warps=warps)
     if rows and cols:
         return (q, s), (qt, st)
     return (q, s) if rows else (qt, st)
@@ -178,7 +187,7 @@ def quantize_weight(w: torch.Tensor, ue8m0: bool = False, transposed: bool = Fal
     if E and N and K:
         _quant_kernel[(Nb, Kb, E)](w3, q, s, qt, s, s, N, K, *w3.stride(), N * K, K, *s.stride(), K * N, N, 0, 0, 0,
                                    BM=128, ROW=False, COL=transposed, BLOCK2D=True, UE8M0=ue8m0, MAPPED=False,
-                                   HW_CAST=_HW_CAST, num_warps=8)
+                                   HW_CAST=_HW_CAST, num_warps=LAUNCH["weight"][1])
     squeeze = (lambda t: t[0]) if w.dim() == 2 else (lambda t: t)
     out = (squeeze(q), squeeze(s))
     if transposed:
