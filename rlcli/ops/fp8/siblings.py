@@ -20,7 +20,9 @@ strided tensors. On the H200 (1.14B Llama, both sets stacked) the FP8 step's gen
 binary elementwise kernel took 13.3 ms against 7.6 ms in the previous session's unstacked run (not
 isolated; strided SwiGLU inputs are the likely cause), so rl-train stacks only q/k/v by default
 (their outputs feed the rotary embedding, 4x smaller than the SwiGLU's) and ``gate_up`` is
-opt-in until measured on its own (``bench/fp8_train_step.py --arms bf16,fp8,fp8-gate-up``).
+opt-in. Measured on its own in the real rl-train step with compiled blocks (1.1B Llama, one H200,
+``bench/trainer_node.py --model llama-1b --compile --arms bf16,fp8-gate-up``): 0.97x bf16's speed
+against q/k/v alone's 1.03x, the elementwise work 0.091 s against 0.083 s a step.
 """
 
 import weakref
