@@ -112,8 +112,8 @@ def write_run(root: Path, hf: dict, seq: int, prompt: int, rows: int, steps: int
     tree = {
         "name": "trainer-node", "seed": 0, "num_steps": steps, "run_dir": str(run_dir),
         "model": {"path": str(model_dir), "max_seq_len": seq, "dtype": dtype},
-        "train": {"micro_batch_tokens": seq, "activation_checkpointing": ac, "compile": compile_blocks, "profile_step": profile_step,
-                  "attention": attention,
+        "train": {"micro_batch_tokens": seq, "activation_checkpointing": ac, "compile": compile_blocks,
+                  "profile_step": profile_step, "attention": attention,
                   "num_threads": threads, "threads": "fixed",
                   "optim": {"lr": 1e-5}, "loss": {"kind": "tis"}, "checkpoint": {"interval": 10**6},
                   "parallel": {"ep": ep, "cp": cp},
@@ -263,8 +263,8 @@ def main() -> None:
     print(f"# rl-train on {a.nproc} ranks ({device}), --ep {a.ep} --cp {a.cp} (dp {dp}); {what} "
           f"{total / 1e9:.2f}B parameters ({active / 1e9:.2f}B in a token's matmuls), {hf['num_hidden_layers']} "
           f"layers; rows of {a.seq} tokens ({a.prompt} prompt), {tokens_per_step} tokens per step, {a.steps} steps, "
-          f"activation checkpointing {a.ac}{', compiled blocks' if a.compile else ''}, compute in {a.dtype} (model.dtype), torch {torch.__version__}",
-          flush=True)
+          f"activation checkpointing {a.ac}{', compiled blocks' if a.compile else ''}, compute in {a.dtype} "
+          f"(model.dtype), torch {torch.__version__}", flush=True)
     results = {}
     base = a.keep or Path(tempfile.mkdtemp(prefix="trainer-node-"))
     for arm in a.arms.split(","):
@@ -285,7 +285,7 @@ def main() -> None:
         if trace.exists():
             print(f"{arm}: step {a.profile_step}, rank 0, largest {'host ops' if a.smoke else 'device kernels'} "
                   "(s, calls):\n" + "\n".join(f"  {t:8.3f} {n:6d}  {name[:100]}"
-                                                 for name, t, n in top_events(trace, device=not a.smoke, n=a.top)), flush=True)
+                                                 for name, t, n in top_events(trace, not a.smoke, a.top)), flush=True)
             if not a.smoke:
                 classes = kernel_classes(trace)
                 print(f"{arm}: step {a.profile_step}, device s by kernel class: " + ", ".join(

@@ -22,7 +22,7 @@ isolated; strided SwiGLU inputs are the likely cause), so rl-train stacks only q
 (their outputs feed the rotary embedding, 4x smaller than the SwiGLU's) and ``gate_up`` is
 opt-in. Measured on its own in the real rl-train step with compiled blocks (1.1B Llama, one H200,
 ``bench/trainer_node.py --model llama-1b --compile --arms bf16,fp8-gate-up``): 0.97x bf16's speed
-against q/k/v alone's 1.03x, the elementwise work 0.091 s against 0.083 s a step.
+against q/k/v alone's 1.03x (in an earlier call), the elementwise work 0.091 s against 0.083 s a step.
 """
 
 import weakref
