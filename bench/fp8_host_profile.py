@@ -16,16 +16,11 @@ import os
 import pstats
 import sys
 import time
-from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fp8_train_step import DENSE_1B, SMOKE_DENSE, batches, host_costs, make_step  # noqa: E402
-
-from rlcli.models import ModelArgs, build_model  # noqa: E402
-from rlcli.ops.fp8.backends import make_backend  # noqa: E402
-from rlcli.ops.fp8.convert import convert_to_fp8  # noqa: E402
+from fp8_train_step import DENSE_1B, SMOKE_DENSE, batches, build_arm, host_costs, make_step  # noqa: E402
 
 
 def main() -> None:
@@ -36,18 +31,11 @@ def main() -> None:
     a = ap.parse_args()
     dev = torch.device("cpu" if a.smoke or not torch.cuda.is_available() else "cuda")
     hf = SMOKE_DENSE if a.smoke else DENSE_1B
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     batch, seq = (2, 64) if a.smoke else (4, 2048)
     data = batches(hf["vocab_size"], batch, seq + 1, 4, seed=1)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     for arm in ("bf16", "fp8"):
-        torch.manual_seed(0)
-        model = build_model(ModelArgs.from_hf(hf), device=dev, dtype=dtype)
-        model.init_weights(seed=0)
-        if arm == "fp8":
-            cfg = SimpleNamespace(backend="auto", include=["*"], exclude=["*embed_tokens", "lm_head", "*.mlp.gate"],
-                                  ue8m0=False, fuse_siblings=["qkv"])
-            convert_to_fp8(model, cfg, dev, backend=make_backend("auto", dev))
+        model, _ = build_arm(hf, arm, "auto", dev)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **({"fused": True} if dev.type == "cuda" else {}))
         run, _ = make_step(model, opt, False, data, dev)
         ids = [d.to(dev) for d in data]

@@ -64,6 +64,29 @@ def exact(a, b) -> bool:
     return len(fa) == len(fb) and all(x.shape == y.shape and torch.equal(bits(x), bits(y)) for x, y in zip(fa, fb))
 
 
+def act_cases(x: torch.Tensor) -> dict:
+    """``op -> (Triton call, reference call, bytes that must move)`` of the activation quantizations of ``x``:
+    the bf16 input read once, the FP8 data and fp32 scales written."""
+    M, K = x.shape
+    kb, mb = -(-K // 128), -(-M // 128)
+    rd, fp8 = 2 * M * K, M * K
+    return {"rows": (lambda: kernels.quantize_act(x), lambda: quant.quantize_1x128(x), rd + fp8 + 4 * M * kb),
+            "cols": (lambda: kernels.quantize_act(x, rows=False, cols=True), lambda: quant.quantize_1x128(x.t()),
+                     rd + fp8 + 4 * K * mb),
+            "both": (lambda: kernels.quantize_act(x, rows=True, cols=True),
+                     lambda: (quant.quantize_1x128(x), quant.quantize_1x128(x.t())),
+                     rd + 2 * fp8 + 4 * (M * kb + K * mb))}
+
+
+def weight_case(w: torch.Tensor) -> tuple:
+    """The same for the 128x128 weight quantization and its transposed copy."""
+    def ref():
+        q, s = quant.quantize_128x128(w)
+        return (q, s), quant.transpose_blocks(q, s)
+    N, K = w.shape
+    return lambda: kernels.quantize_weight(w, transposed=True), ref, 4 * N * K
+
+
 SWEEP = {"rows": [(bm, w) for bm in (16, 32, 64, 128, 256) for w in (1, 2, 4, 8)],
          "cols": [(128, w) for w in (2, 4, 8, 16)], "both": [(128, w) for w in (2, 4, 8, 16)],
          "weight": [(128, w) for w in (2, 4, 8, 16)]}
@@ -78,17 +101,7 @@ def sweep(device, iters: int) -> None:
     print(f"{'op':7s} {'shape':>14s} {'BM':>4s} {'warps':>5s} {'us':>9s} {'GB/s':>7s} {'exact':>6s}")
     for M, K in SHAPES:
         x = torch.randn(M, K, generator=gen).to(device, torch.bfloat16)
-        kb, mb = -(-K // 128), -(-M // 128)
-        ops = {"rows": (lambda: kernels.quantize_act(x), lambda: quant.quantize_1x128(x), 3 * M * K + 4 * M * kb),
-               "cols": (lambda: kernels.quantize_act(x, rows=False, cols=True), lambda: quant.quantize_1x128(x.t()),
-                        3 * M * K + 4 * K * mb),
-               "both": (lambda: kernels.quantize_act(x, rows=True, cols=True),
-                        lambda: (quant.quantize_1x128(x), quant.quantize_1x128(x.t())),
-                        4 * M * K + 4 * (M * kb + K * mb)),
-               "weight": (lambda: kernels.quantize_weight(x, transposed=True),
-                          lambda: (quant.quantize_128x128(x), quant.transpose_blocks(*quant.quantize_128x128(x))),
-                          4 * M * K)}
-        for op, (tri, ref, nbytes) in ops.items():
+        for op, (tri, ref, nbytes) in {**act_cases(x), "weight": weight_case(x)}.items():
             want = ref()
             for cfg in SWEEP[op]:
                 kernels.LAUNCH[op] = cfg
@@ -146,21 +159,12 @@ def main() -> None:
 
     for M, K in SMOKE_SHAPES if args.smoke else SHAPES:
         x = torch.randn(M, K, generator=gen).to(device, torch.bfloat16)
-        kb, mb = -(-K // 128), -(-M // 128)
-        rd, fp8 = 2 * M * K, M * K
-        run("rows", (M, K), x, rd + fp8 + 4 * M * kb, lambda: kernels.quantize_act(x),
-            lambda: quant.quantize_1x128(x))
-        run("cols", (M, K), x, rd + fp8 + 4 * K * mb, lambda: kernels.quantize_act(x, rows=False, cols=True),
-            lambda: quant.quantize_1x128(x.t()))
-        run("both", (M, K), x, rd + 2 * fp8 + 4 * (M * kb + K * mb),
-            lambda: kernels.quantize_act(x, rows=True, cols=True),
-            lambda: (quant.quantize_1x128(x), quant.quantize_1x128(x.t())))
+        for op, (tri, ref, nbytes) in act_cases(x).items():
+            run(op, (M, K), x, nbytes, tri, ref)
     for N, K in SMOKE_WEIGHTS if args.smoke else WEIGHTS:
         w = (torch.randn(N, K, generator=gen) * 0.02).to(device, torch.bfloat16)
-        def ref_w(w=w):
-            q, s = quant.quantize_128x128(w)
-            return (q, s), quant.transpose_blocks(q, s)
-        run("weight", (N, K), w, 2 * N * K + 2 * N * K, lambda w=w: kernels.quantize_weight(w, transposed=True), ref_w)
+        tri, ref, nbytes = weight_case(w)
+        run("weight", (N, K), w, nbytes, tri, ref)
 
     special = None
     if triton_ok:  # every e4m3 value, every rounding midpoint and its neighbours, subnormals, signed zeros

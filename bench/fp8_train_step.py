@@ -192,20 +192,25 @@ def make_step(model, opt, graph: bool, data: list[torch.Tensor], device):
     return run, warm
 
 
-def train(hf: dict, arm: str, backend: str, data: list[torch.Tensor], steps: int, device, lr: float,
-          seed: int = 0, profile: bool = False, graph: bool = False, compile_blocks: bool = False):
-    """``arm``: bf16, fp8 (q/k/v stacked, rl-train's default), fp8-gate-up (gate/up stacked too) or fp8-unfused."""
+def build_arm(hf: dict, arm: str, backend: str, device, seed: int = 0):
+    """``(model, FP8 GEMM backend or None)`` of one arm (see :func:`train`), weights from ``seed``."""
     torch.manual_seed(seed)
-    fp8 = arm != "bf16"
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # CPU bf16 matmuls are slow
     model = build_model(ModelArgs.from_hf(hf), device=device, dtype=dtype)
     model.init_weights(seed=seed)
-    gemm = None
-    if fp8:
-        cfg = SimpleNamespace(backend=backend, include=["*"], exclude=["*embed_tokens", "lm_head", "*.mlp.gate"],
-                              ue8m0=False, fuse_siblings={"fp8": ["qkv"], "fp8-gate-up": ["qkv", "gate_up"]}.get(arm, []))
-        gemm = make_backend(backend, device)
-        convert_to_fp8(model, cfg, device, backend=gemm)
+    if arm == "bf16":
+        return model, None
+    cfg = SimpleNamespace(backend=backend, include=["*"], exclude=["*embed_tokens", "lm_head", "*.mlp.gate"],
+                          ue8m0=False, fuse_siblings={"fp8": ["qkv"], "fp8-gate-up": ["qkv", "gate_up"]}.get(arm, []))
+    gemm = make_backend(backend, device)
+    convert_to_fp8(model, cfg, device, backend=gemm)
+    return model, gemm
+
+
+def train(hf: dict, arm: str, backend: str, data: list[torch.Tensor], steps: int, device, lr: float,
+          seed: int = 0, profile: bool = False, graph: bool = False, compile_blocks: bool = False):
+    """``arm``: bf16, fp8 (q/k/v stacked, rl-train's default), fp8-gate-up (gate/up stacked too) or fp8-unfused."""
+    model, gemm = build_arm(hf, arm, backend, device, seed)
     if compile_blocks:  # as rl-train --compile: each decoder block compiled in place (FP8 linears run eagerly between its pieces)
         for block in model.model.layers:
             block.compile()
