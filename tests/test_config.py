@@ -76,6 +76,7 @@ def test_config_package_does_not_import_torch():
     (["--infer.http_port", "70000"], "infer.http_port"),
     (["--infer.engine.name", "vllm", "--infer.engine.tensor_parallel_size", "0"], "infer.engine.tensor_parallel_size"),
     (["--infer.engine.name", "vllm", "--infer.engine.expert_parallel", "true"], "infer.engine.expert_parallel"),
+    (["--train.fp8.graph", "inline"], "train.fp8.graph"),
     (["--train.fp8.enabled", "true", "--infer.fp8.enabled", "true", "--infer.fp8.exclude", "['lm_head']"],
      "train.fp8 and infer.fp8 are both on but quantize differently"),
 ])

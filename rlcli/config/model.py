@@ -55,6 +55,13 @@ class Fp8Config(Config):
     fuse_siblings: list[Literal["qkv", "gate_up"]] = msgspec.field(default_factory=lambda: ["qkv"])
     """Sibling linears run as one stacked FP8 GEMM per pass: qkv (q/k/v_proj) and/or gate_up (gate/up_proj)."""
 
+    graph: Literal["eager", "fused"] = "eager"
+    """Under train.compile, how FP8 linears meet the compiled blocks: run eagerly between graph pieces
+    with cached weights and stacked siblings (eager), or traced into the graph with their quantization
+    fused by inductor into the ops around it (fused; rlcli.ops.fp8.graph): no graph breaks and no
+    weight cache (less memory), but on one H200 a slower step (docs/benchmarks.md). FP8 MoE experts
+    always run eagerly. No effect without compilation. Trainer only."""
+
     jit_warmup: bool = True
     """With DeepGEMM: before the first step, compile every kernel the process's token counts can pick, in
     parallel processes (``rlcli.ops.fp8.warmup``; kept on disk in ``$DG_JIT_CACHE_DIR``)."""

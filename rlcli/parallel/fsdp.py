@@ -23,7 +23,9 @@ logprob chunk math (cast, logsumexp, softmax gradient over ``[chunk, V]``) is co
 With ``--fp8`` the FP8 linears and experts run eagerly between the block's compiled pieces
 (``torch.compiler.disable``: their weight caches and sibling stacking are Python state), one
 graph break per call; the pieces after each break are shared by all layers, so the number of
-compiled frames does not grow with depth (tests/parallel/test_compile.py). Attention runs
+compiled frames does not grow with depth (tests/parallel/test_compile.py). With
+``fp8.graph = "fused"`` the FP8 linears trace into the block graph instead (rlcli.ops.fp8.graph;
+the experts stay eager). Attention runs
 eagerly the same way, except FlexAttention (compiled on its own): its backends plan over each
 batch's documents on the host, and a new document structure, every RL step, would otherwise
 be traced again.

@@ -67,7 +67,7 @@ def convert_to_fp8(model: nn.Module, cfg, device: torch.device | str | None = No
         if type(module) is nn.Linear:
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            new = FP8Linear.from_linear(module, backend, cfg.ue8m0)
+            new = FP8Linear.from_linear(module, backend, cfg.ue8m0, getattr(cfg, "graph", "eager"))
             if fp8_storage:
                 new.to_fp8_storage()
             setattr(parent, child, new)

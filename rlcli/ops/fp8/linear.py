@@ -24,9 +24,11 @@ sync, token tiles quantized per expert so none straddles two) was several times 
 bf16. That loop remains for fp32 experts and where the kernel is missing.
 
 The weight is quantized once per optimizer step, and activations shared by several linears
-once (see :mod:`rlcli.ops.fp8.runtime`). Under ``torch.compile`` an FP8 linear (and the FP8
-experts' GEMMs) runs eagerly, outside the graph: dynamo tracing into the caches broke the graph
-at every data-pointer and version check and compiled new frames for each layer.
+once (see :mod:`rlcli.ops.fp8.runtime`). Under ``torch.compile`` an :class:`FP8Linear` (and
+the FP8 experts' GEMMs) runs eagerly by default, outside the graph (``fp8.graph = "eager"``):
+dynamo tracing into the caches broke the graph at every data-pointer and version check and
+compiled new frames for each layer. With ``fp8.graph = "fused"`` it takes the stateless twin of
+this recipe in :mod:`rlcli.ops.fp8.graph`, which traces into the graph.
 """
 
 import torch
@@ -35,6 +37,7 @@ import torch.nn.functional as F
 
 from rlcli.ops.fp8 import quant
 from rlcli.ops.fp8.backends import GemmBackend, group_ranges
+from rlcli.ops.fp8.graph import backend_key, graph_fp8_linear
 from rlcli.ops.fp8.runtime import WeightCache, quantize_act, quantize_input, weight_fp8
 from rlcli.ops.grouped_gemm import _grouped_mm_op, kgrouped_available
 
@@ -102,6 +105,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return _FP8LinearFn.apply(x, weight, bias, _cache_for(cache), backend, ue8m0)
 
 
+GRAPH_MODES = ("eager", "fused")
+
+
 class FP8Linear(nn.Linear):
     """An ``nn.Linear`` whose GEMMs run in FP8.
 
@@ -109,23 +115,41 @@ class FP8Linear(nn.Linear):
     parameters and state dict as the Linear it replaces), or, after :meth:`to_fp8_storage`,
     an FP8 ``weight`` plus its ``weight_scale_inv`` block scales, DeepSeek-V3's checkpoint
     layout (inference only: no gradients flow into an FP8 weight).
+
+    ``graph`` says what a compiled caller traces (module docstring): ``"eager"`` (a graph break;
+    this class's caches and sibling stacking) or ``"fused"`` (:mod:`rlcli.ops.fp8.graph`, the linear
+    in the graph). Eager callers always take the cached path.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
-                 backend: GemmBackend | None = None, ue8m0: bool = False):
+                 backend: GemmBackend | None = None, ue8m0: bool = False, graph: str = "eager"):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
-        self.backend, self.ue8m0 = backend, ue8m0
+        self._setup(backend, ue8m0, graph)
+
+    def _setup(self, backend: GemmBackend | None, ue8m0: bool, graph: str) -> None:
+        if graph not in GRAPH_MODES:
+            raise ValueError(f"fp8.graph must be one of {', '.join(GRAPH_MODES)}, got {graph!r}")
+        self.backend, self.ue8m0, self.graph = backend, ue8m0, graph
         self.cache = WeightCache()
         self.sibling_group, self.sibling_idx = None, 0  # set by siblings.group_siblings
 
+    @property
+    def backend(self) -> GemmBackend | None:
+        return self._backend
+
+    @backend.setter
+    def backend(self, value: GemmBackend | None) -> None:
+        self._backend = value
+        self._backend_key = None if value is None else backend_key(value)  # looked up outside any trace
+
     @classmethod
-    def from_linear(cls, linear: nn.Linear, backend: GemmBackend, ue8m0: bool = False) -> "FP8Linear":
+    def from_linear(cls, linear: nn.Linear, backend: GemmBackend, ue8m0: bool = False,
+                    graph: str = "eager") -> "FP8Linear":
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new.weight, new.bias = linear.weight, linear.bias  # the same Parameters: optimizer state and FSDP see no change
-        new.backend, new.ue8m0, new.cache = backend, ue8m0, WeightCache()
-        new.sibling_group, new.sibling_idx = None, 0
+        new._setup(backend, ue8m0, graph)
         return new
 
     @property
@@ -145,8 +169,13 @@ class FP8Linear(nn.Linear):
         self.weight = nn.Parameter(q, requires_grad=False)
         self.register_buffer("weight_scale_inv", s)
 
-    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() and self.graph != "eager" and not self.weight.is_meta and not self.fp8_storage:
+            return graph_fp8_linear(x, self.weight, self.bias, self.backend, self.ue8m0, self._backend_key)
+        return self._eager_forward(x)
+
+    @torch.compiler.disable
+    def _eager_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.is_meta:
             return F.linear(x, self.weight, self.bias)
         if self.fp8_storage:
@@ -163,7 +192,8 @@ class FP8Linear(nn.Linear):
     def extra_repr(self) -> str:
         store = ", fp8 weights" if self.fp8_storage else ""
         fused = ", stacked with siblings" if self.sibling_group is not None else ""
-        return f"{super().extra_repr()}, fp8={self.backend.name}{', ue8m0' if self.ue8m0 else ''}{store}{fused}"
+        graph = "" if self.graph == "eager" else f", graph={self.graph}"
+        return f"{super().extra_repr()}, fp8={self.backend.name}{', ue8m0' if self.ue8m0 else ''}{store}{fused}{graph}"
 
 
 def _bf16_kgrouped(dy: torch.Tensor, x: torch.Tensor) -> bool:
