@@ -81,6 +81,10 @@ def classify(name: str) -> str:
         return "quant"
     if has(r"flash|fmha|attention|sdpa"):
         return "attention"
+    if has(r"^triton_(poi|red|per)_"):
+        # inductor's fused pointwise/reduction kernels are named after the ops they fuse, consumers too: a
+        # quantization fused into a SwiGLU backward reads "..._div_fp8_gemm_..." and is no GEMM
+        return "quant" if has(r"amax|float8|e4m3|fp8") else "elementwise/other"
     if has(r"deep_gemm|gemm|cutlass|xmma|nvjet|^aten::(mm|addmm|bmm|_grouped_mm)$"):
         # cuBLASLt's nvjet kernels name FP8 (e4m3) operands "qq": nvjet_sm90_qqtst_... is scaled_mm
         fp8 = has(r"deep_gemm|fp8|f8|e4m3|float8|blockwise|scaled_mm|nvjet_sm\d+_qq|nvjet_qq")

@@ -90,9 +90,13 @@ def model_flops_per_token(hf: dict, seq: int) -> tuple[float, int, int]:
     return 6 * active + attn, total, int(active)
 
 
+ARMS = ("bf16", "fp8", "fp8-gate-up", "fp8-fused", "fp8-torch", "fp8-torch-fused", "bf16-invariant", "fp8-invariant")
+
+
 def write_run(root: Path, hf: dict, seq: int, prompt: int, rows: int, steps: int, world: int, ep: int, cp: int,
               profile_step: int, threads: int, attention: str = "auto", dtype: str = "bfloat16",
-              ac: str = "full", compile_blocks: bool = False, siblings: tuple[str, ...] = ("qkv",)) -> Path:
+              ac: str = "full", compile_blocks: bool = False, siblings: tuple[str, ...] = ("qkv",),
+              graph: str = "eager", backend: str = "auto", invariant: bool = False) -> Path:
     """Model dir, recipe and the --steps batches of one arm; returns the recipe's path. ``dtype`` is
     model.dtype, the compute dtype (FSDP2 keeps fp32 masters either way): its default in a recipe is
     float32, in which the sixth session's H200 "bf16" arm ran, slowly (FlexAttention's fp32 kernels)."""
@@ -111,14 +115,15 @@ def write_run(root: Path, hf: dict, seq: int, prompt: int, rows: int, steps: int
     dp = world // cp
     tree = {
         "name": "trainer-node", "seed": 0, "num_steps": steps, "run_dir": str(run_dir),
-        "model": {"path": str(model_dir), "max_seq_len": seq, "dtype": dtype},
+        "model": {"path": str(model_dir), "max_seq_len": seq, "dtype": dtype, "batch_invariant": invariant},
         "train": {"micro_batch_tokens": seq, "activation_checkpointing": ac, "compile": compile_blocks,
                   "profile_step": profile_step, "attention": attention,
                   "num_threads": threads, "threads": "fixed",
                   "optim": {"lr": 1e-5}, "loss": {"kind": "tis"}, "checkpoint": {"interval": 10**6},
                   "parallel": {"ep": ep, "cp": cp},
                   # every micro-batch is one row: DeepGEMM's kernels for that size alone (rlcli.ops.fp8.warmup)
-                  "fp8": {"jit_warmup_tokens": [rank_tokens(seq, cp)], "fuse_siblings": list(siblings)}},
+                  "fp8": {"jit_warmup_tokens": [rank_tokens(seq, cp)], "fuse_siblings": list(siblings),
+                          "graph": graph, "backend": backend}},
         "orchestrate": {"num_train_ranks": dp, "batch_size": rows * dp, "group_size": 1},
         "sync": {"backend": {"kind": "collective"}},
     }
@@ -230,8 +235,13 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="train.compile (rl-train --compile) in both arms")
     ap.add_argument("--top", type=int, default=12, help="kernels listed from the profiled step")
     ap.add_argument("--arms", default="bf16,fp8",
-                    help="comma list of bf16, fp8 (q/k/v stacked: rl-train's default) and fp8-gate-up (gate/up "
-                         "stacked too: train.fp8.fuse_siblings)")
+                    help="comma list of " + ", ".join(ARMS) + ": bf16; fp8, rl-train's default (q/k/v stacked; "
+                         "under --compile the FP8 linears run between graph pieces); fp8-gate-up (gate/up stacked "
+                         "too, train.fp8.fuse_siblings); fp8-fused (train.fp8.graph = fused: under --compile the "
+                         "linears "
+                         "in the graph); fp8-torch and fp8-torch-fused (the same two with train.fp8.backend = torch); "
+                         "bf16-invariant and fp8-invariant (model.batch_invariant, the engine's logprob bits; not "
+                         "with --compile)")
     ap.add_argument("--attention", default="auto", help="train.attention (auto: flex under --cp, cudnn without)")
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
                     help="model.dtype, the compute dtype of both arms (default bfloat16; --smoke: float32)")
@@ -243,6 +253,11 @@ def main() -> None:
     dense = a.model == "llama-1b"
     if dense and a.ep != 1:
         ap.error("--model llama-1b is dense: give --ep 1")
+    unknown = [arm for arm in a.arms.split(",") if arm not in ARMS]
+    if unknown:
+        ap.error(f"--arms: unknown arm {unknown[0]!r}; choose from {', '.join(ARMS)}")
+    if a.compile and "-invariant" in a.arms:
+        ap.error("--arms: model.batch_invariant refuses train.compile; run the -invariant arms without --compile")
     hf = dict((SMOKE_DENSE if dense else SMOKE) if a.smoke else MODELS[a.model])
     if a.layers:
         hf["num_hidden_layers"] = a.layers
@@ -271,7 +286,9 @@ def main() -> None:
         root = base / arm
         recipe = write_run(root, hf, a.seq, a.prompt, a.rows, a.steps, a.nproc, a.ep, a.cp, a.profile_step,
                            1 if a.smoke else 0, a.attention, a.dtype, a.ac, a.compile,
-                           ("qkv", "gate_up") if arm == "fp8-gate-up" else ("qkv",))
+                           ("qkv", "gate_up") if arm == "fp8-gate-up" else ("qkv",),
+                           "fused" if arm.endswith("-fused") else "eager",
+                           "torch" if arm.startswith("fp8-torch") else "auto", arm.endswith("-invariant"))
         t0 = time.monotonic()
         rows, err = run_arm(recipe, a.nproc, arm.startswith("fp8"), a.timeout)
         # rl-train's last checkpoint is the whole trainer state (~52 GB at 4.3B): one arm's at a time, --keep or
@@ -297,15 +314,17 @@ def main() -> None:
                 continue
         results[arm] = summarize(rows, tokens_per_step, flops, a.peak_tflops, a.nproc, a.profile_step)
         print(f"{arm}: {json.dumps(results[arm])} ({time.monotonic() - t0:.0f} s)", flush=True)
-    print(f"{'arm':<11} {'step s':>8} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} {'a2a':>6} {'gather':>7} "
+    w = max([11, *map(len, results)])
+    print(f"{'arm':<{w}} {'step s':>8} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} {'a2a':>6} {'gather':>7} "
           f"{'scatter':>8} {'loss first/last':>16}")
     for arm, r in results.items():
-        print(f"{arm:<11} {r['step_s']:>8.3f} {r['tokens_s']:>10.0f} {r['mfu']:>6.1%} {r['peak_gib']:>9.1f} "
+        print(f"{arm:<{w}} {r['step_s']:>8.3f} {r['tokens_s']:>10.0f} {r['mfu']:>6.1%} {r['peak_gib']:>9.1f} "
               f"{r['all_to_all']:>6.1%} {r['all_gather']:>7.1%} {r['reduce_scatter']:>8.1%} "
               f"{r['loss_first']:>+8.4f}/{r['loss_last']:+.4f}")
     for arm in results:
-        if arm != "bf16" and "bf16" in results:
-            print(f"{arm} / bf16 tokens/s: {results[arm]['tokens_s'] / results['bf16']['tokens_s']:.2f}x")
+        twin = arm.removesuffix("-invariant")  # what the flag costs: against the same arm without it
+        for base in dict.fromkeys(b for b in ("bf16", twin) if b != arm and b in results):
+            print(f"{arm} / {base} tokens/s: {results[arm]['tokens_s'] / results[base]['tokens_s']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -82,9 +82,19 @@ def test_trainer_node_dense_model_and_its_recipe_knobs(tmp_path):
     cfg = load_recipe(recipe)
     assert cfg.train.activation_checkpointing == "none" and cfg.train.compile
     assert cfg.train.fp8.fuse_siblings == ["qkv", "gate_up"]
+    fused = load_recipe(node.write_run(tmp_path / "f", node.SMOKE_DENSE, 64, 8, 1, 1, 1, 1, 1, 1, 0,
+                                       compile_blocks=True, graph="fused", backend="torch"))
+    assert (fused.train.fp8.graph, fused.train.fp8.backend) == ("fused", "torch") and cfg.train.fp8.graph == "eager"
     out = subprocess.run([sys.executable, str(REPO / "bench" / "trainer_node.py"), "--smoke", "--model", "llama-1b"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--model llama-1b is dense: give --ep 1" in out.stderr
+    bench = [sys.executable, str(REPO / "bench" / "trainer_node.py"), "--smoke"]
+    out = subprocess.run(bench + ["--arms", "bf16,fp8-inline"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--arms: unknown arm 'fp8-inline'; choose from bf16, fp8," in out.stderr
+    out = subprocess.run(bench + ["--compile", "--arms", "bf16,fp8-invariant"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "model.batch_invariant refuses train.compile" in out.stderr
+    inv = load_recipe(node.write_run(tmp_path / "i", node.SMOKE_DENSE, 64, 8, 1, 1, 1, 1, 1, 1, 0, invariant=True))
+    assert inv.model.batch_invariant and not cfg.model.batch_invariant
 
 
 @pytest.mark.timeout(300)
