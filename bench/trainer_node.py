@@ -238,8 +238,7 @@ def main() -> None:
                     help="comma list of " + ", ".join(ARMS) + ": bf16; fp8, rl-train's default (q/k/v stacked; "
                          "under --compile the FP8 linears run between graph pieces); fp8-gate-up (gate/up stacked "
                          "too, train.fp8.fuse_siblings); fp8-fused (train.fp8.graph = fused: under --compile the "
-                         "linears "
-                         "in the graph); fp8-torch and fp8-torch-fused (the same two with train.fp8.backend = torch); "
+                         "linears in the graph); fp8-torch and fp8-torch-fused (the same two with train.fp8.backend = torch); "
                          "bf16-invariant and fp8-invariant (model.batch_invariant, the engine's logprob bits; not "
                          "with --compile)")
     ap.add_argument("--attention", default="auto", help="train.attention (auto: flex under --cp, cudnn without)")

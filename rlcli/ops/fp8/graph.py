@@ -32,8 +32,8 @@ of quantization kernels a step against 0.04).
 
 Quantization in the graph gives values of the reference formula; inductor's code may round a
 scale differently from the Triton kernels in the last bit, so the compiled trainer's FP8 numerics
-are the recipe's but not bit-identical to rl-infer's (``model.batch_invariant`` refuses
-``train.compile`` for that reason). FP8 MoE experts run eagerly between graph pieces.
+are the recipe's but not bit-identical to rl-infer's (``model.batch_invariant``, which gives
+those bits, refuses ``train.compile`` altogether). FP8 MoE experts run eagerly between graph pieces.
 """
 
 import itertools
