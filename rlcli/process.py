@@ -9,3 +9,30 @@ def stop_on_signals(stop: Callable[[], None]) -> None:
     (deregister, close sockets) instead of dying mid-write."""
     signal.signal(signal.SIGTERM, lambda signum, frame: stop())
     signal.signal(signal.SIGINT, lambda signum, frame: stop())
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> bool:
+    """Have the kernel send ``sig`` to this process when its parent exits (Linux
+    ``PR_SET_PDEATHSIG``); True when set.
+
+    torchrun starts each rank in a session of its own, so a SIGKILL to torchrun (a scheduler's
+    timeout, a bench's ``killpg``, the launcher's last resort) would leave the ranks running,
+    holding their GPUs and waiting on collectives that never come. A rank that calls this goes
+    down with its torchrun. If the parent is already gone by the time the flag is set, the
+    signal is raised here at once."""
+    import ctypes
+    import os
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, sig, 0, 0, 0) != 0:  # PR_SET_PDEATHSIG = 1
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent:  # the parent died before the flag was set: nobody will send it
+        os.kill(os.getpid(), sig)
+    return True

@@ -71,6 +71,10 @@ def run_cmd(
     if nproc_per_node is not None and not torchrun.under_torchrun():
         check_parallel(cfg, torchrun.world_size(nproc_per_node, nnodes))  # one line now, not one per rank
         torchrun.relaunch(nproc_per_node, nnodes, node_rank, rdzv_endpoint)
+    if torchrun.under_torchrun():
+        from rlcli.process import die_with_parent
+
+        die_with_parent()  # a rank outlives a killed torchrun otherwise (its own session)
     run = open_run(cfg, "train")
     from rlcli.train.trainer import run as train
 

@@ -1,7 +1,11 @@
 """Launching and mesh checks: the lines a user sees for a bad --dp/--ep/--cp, Slurm rendezvous."""
 
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -63,3 +67,61 @@ def test_rl_train_refuses_a_bad_mesh_before_launching(tmp_path, tiny_model_dir):
                               "4", *flags], capture_output=True, text=True, timeout=120)
         lines = [line for line in out.stderr.splitlines() if line.strip()]
         assert out.returncode == 2 and len(lines) == 1 and needle in lines[0], out.stderr
+
+
+def _children(pid: int) -> list[int]:
+    """The live processes whose parent is ``pid`` (read from /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_killed_torchrun_takes_its_ranks_with_it(tmp_path, tiny_model_dir):
+    """torchrun puts each rank in a session of its own, so SIGKILL to torchrun's process group (a
+    scheduler's timeout, a bench's killpg) reaches torchrun alone. The ranks, waiting for their
+    first batch, must not outlive it."""
+    run_dir = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, run_dir, orchestrate={"num_train_ranks": 2})
+    log = (tmp_path / "train.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "rlcli.cli.train", "--config", str(recipe), "--nproc-per-node",
+                             "2"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        # Both ranks up and past their start-up (a rank has written the run's train config).
+        while time.monotonic() < deadline and not (len(ranks) == 2 and any(run_dir.rglob("*train*.toml"))):
+            assert proc.poll() is None, (tmp_path / "train.log").read_text()[-3000:]
+            ranks = _children(proc.pid)
+            time.sleep(0.2)
+        assert len(ranks) == 2, f"ranks {ranks}; log: {(tmp_path / 'train.log').read_text()[-3000:]}"
+        time.sleep(2.0)
+        assert all(_alive(r) for r in ranks)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(_alive(r) for r in ranks):
+            time.sleep(0.1)
+        assert not any(_alive(r) for r in ranks), "ranks outlived their torchrun"
+    finally:
+        for r in ranks:
+            try:
+                os.kill(r, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
