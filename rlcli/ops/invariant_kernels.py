@@ -23,10 +23,15 @@ tile shape and split-K by the problem's size, so a row's bits change with its ba
   ``fp8_mm``'s order on its own expert's weight, however the tokens fell into experts and tiles.
 * ``attention``: varlen, keys addressed through a row index (so the engine reads its paged
   cache and the trainer its packed rows in place). One program per (sequence, query head,
-  query) walks the query's keys in blocks of ``KEY_BLOCK`` positions from 0: a first pass
-  takes the max score, a second adds ``exp(score - max)`` times the values and the
-  denominators, one block after the other. Scores are an fp32 elementwise product summed
-  over the head dim.
+  ``BQ`` queries) walks the keys in blocks of ``BLOCK`` positions from 0, flash style: per block
+  the scores ``q @ k^T`` as one ``tl.dot``, the running max, ``exp``, the denominators and
+  ``p @ v`` (p in the values' dtype, fp32 operands in IEEE fp32), the running sums rescaled
+  per query. A query's row of each ``tl.dot`` and each row reduction follows the one compiled
+  code whatever the other rows of its tile hold, and a block past a query's keys changes
+  nothing of it (max unchanged, rescale by exactly 1, exact zeros added), so a query gets the
+  same bits in a ``[T, T]`` causal forward, in a prefill chunk after cached keys and in a
+  decode step (a tile with one live query). ``BQ`` = ``BLOCK`` is fixed by the dtype and the
+  head dim (:func:`attention_tile`).
 * ``rms_norm``: one program per row, the whole row's sum of squares in one ``tl.sum``.
 * ``row_sum``: one program per row, ``BLOCK``-wide partial sums over the row in order,
   then one ``tl.sum``.
@@ -57,7 +62,18 @@ def _jit(no_spec: list[str]):
 MM_CONFIG = {torch.float32: (64, 64, 32, 4, 2), torch.bfloat16: (128, 128, 64, 8, 3),
              torch.float16: (128, 128, 64, 8, 3)}
 FP8_BM = 128  # rows per fp8_mm program (columns and K: 128, the weight blocks)
-KEY_BLOCK = 32  # keys per attention block
+ATTN_WARPS = 4
+
+
+def attention_tile(dtype: torch.dtype, bd: int) -> int:
+    """Queries per attention program, and keys per block: a function of the dtype and the padded
+    head dim alone (both sides of a model share them, so both run one compiled kernel). 64 for
+    16-bit heads up to 256 wide, fewer for wider ones (absorbed MLA's 576: 16) so that a q and a
+    k tile fit in 64 KiB of shared memory; at most 32 for fp32 (IEEE products on the CUDA cores)."""
+    rows = 64 if dtype.itemsize < 4 else 32
+    while rows > 16 and rows * bd * dtype.itemsize > 32 * 1024:
+        rows //= 2
+    return rows
 ROW_BLOCK = 1024  # row_sum's partial-sum width
 NUM_WARPS = 4
 
@@ -180,51 +196,63 @@ def _fp8_grouped_mm_kernel(A, SA, B, SB, C, OFFS, R, N, K, G, s_am, s_sam, s_sak
         g += 1
 
 
-@triton.jit
-def _key_block(K, KIDX, k0, j, n, q, hk, d, D, s_kr, s_kh, scale, BLOCK: tl.constexpr):
-    """Block ``j`` of a query's keys (both passes of ``_attention_kernel``): their rows, whether the
-    query sees each (its first ``n``), and the fp32 scores, ``-inf`` where it does not."""
-    pos = j * BLOCK + tl.arange(0, BLOCK)
-    seen = pos < n
-    rows = tl.load(KIDX + k0 + pos, mask=seen, other=0).to(tl.int64)
-    k = tl.load(K + rows[:, None] * s_kr + hk * s_kh + d[None, :], mask=seen[:, None] & (d[None, :] < D), other=0.0)
-    return rows, seen, tl.where(seen, tl.sum(k.to(tl.float32) * q[None, :], axis=1) * scale, float("-inf"))
-
-
 _NO_SPEC_ATTN = ["HQ", "G", "D", "DV", "s_qn", "s_qh", "s_kr", "s_kh", "s_vr", "s_vh", "s_on", "s_oh"]
 
 
 @_jit(_NO_SPEC_ATTN)
 def _attention_kernel(Q, K, V, O, KIDX, CU_Q, CU_K, scale, HQ, G, D, DV, s_qn, s_qh, s_kr, s_kh, s_vr, s_vh,
-                      s_on, s_oh, BD: tl.constexpr, BDV: tl.constexpr, BLOCK: tl.constexpr):
+                      s_on, s_oh, BD: tl.constexpr, BDV: tl.constexpr, BQ: tl.constexpr, BLOCK: tl.constexpr,
+                      IEEE: tl.constexpr, UPCAST: tl.constexpr):
     ih = tl.program_id(0)
-    t = tl.program_id(1)
     i = ih // HQ
     h = ih % HQ
     hk = h // G
     q0 = tl.load(CU_Q + i)
     num_q = tl.load(CU_Q + i + 1) - q0
     k0 = tl.load(CU_K + i)
-    # The keys this query sees: the first n of its sequence's (bottom-right causal); none past its queries.
-    n = tl.where(t < num_q, tl.load(CU_K + i + 1) - k0 - num_q + t + 1, 0)
+    t = tl.program_id(1) * BQ + tl.arange(0, BQ)
+    q_ok = t < num_q
+    # The keys each query sees: the first n of its sequence's (bottom-right causal); none past its queries.
+    n = tl.where(q_ok, tl.load(CU_K + i + 1) - k0 - num_q + t + 1, 0)
+    n_tile = tl.max(n, axis=0)
     d = tl.arange(0, BD)
     dv = tl.arange(0, BDV)
-    q = tl.load(Q + (q0 + t) * s_qn + h * s_qh + d, mask=(d < D) & (t < num_q), other=0.0).to(tl.float32)
-    m = tl.full([], float("-inf"), tl.float32)
-    for j in range(0, tl.cdiv(n, BLOCK)):
-        rows, seen, s = _key_block(K, KIDX, k0, j, n, q, hk, d, D, s_kr, s_kh, scale, BLOCK)
-        m = tl.maximum(m, tl.max(s, axis=0))
-    acc = tl.zeros([BDV], dtype=tl.float32)
-    den = tl.zeros([], dtype=tl.float32)
-    for j in range(0, tl.cdiv(n, BLOCK)):
-        rows, seen, s = _key_block(K, KIDX, k0, j, n, q, hk, d, D, s_kr, s_kh, scale, BLOCK)
-        p = tl.where(seen, tl.exp(s - m), 0.0)
-        v = tl.load(V + rows[:, None] * s_vr + hk * s_vh + dv[None, :], mask=seen[:, None] & (dv[None, :] < DV),
+    q = tl.load(Q + (q0 + t)[:, None] * s_qn + h * s_qh + d[None, :], mask=q_ok[:, None] & (d[None, :] < D),
+                other=0.0)
+    m = tl.full([BQ], float("-inf"), tl.float32)
+    den = tl.zeros([BQ], dtype=tl.float32)
+    acc = tl.zeros([BQ, BDV], dtype=tl.float32)
+    for j in range(0, tl.cdiv(n_tile, BLOCK)):
+        pos = j * BLOCK + tl.arange(0, BLOCK)
+        in_tile = pos < n_tile
+        rows = tl.load(KIDX + k0 + pos, mask=in_tile, other=0).to(tl.int64)
+        k = tl.load(K + rows[:, None] * s_kr + hk * s_kh + d[None, :], mask=in_tile[:, None] & (d[None, :] < D),
                     other=0.0)
-        acc += tl.sum(p[:, None] * v.to(tl.float32), axis=0)
-        den += tl.sum(p, axis=0)
-    out = acc / den
-    tl.store(O + (q0 + t) * s_on + h * s_oh + dv, out.to(O.dtype.element_ty), mask=(dv < DV) & (t < num_q))
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        elif UPCAST:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(pos[None, :] < n[:, None], s * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a query with no key yet (padding rows)
+        alpha = tl.exp(m - m_use)
+        p = tl.exp(s - m_use[:, None])
+        den = den * alpha + tl.sum(p, axis=1)
+        v = tl.load(V + rows[:, None] * s_vr + hk * s_vh + dv[None, :], mask=in_tile[:, None] & (dv[None, :] < DV),
+                    other=0.0)
+        if IEEE:
+            pv = tl.dot(p, v, input_precision="ieee")
+        elif UPCAST:
+            pv = tl.dot(p, v.to(tl.float32))
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+    out = acc / tl.where(den == 0.0, 1.0, den)[:, None]
+    tl.store(O + (q0 + t)[:, None] * s_on + h * s_oh + dv[None, :], out.to(O.dtype.element_ty),
+             mask=q_ok[:, None] & (dv[None, :] < DV))
 
 
 @_jit(["N", "s_x", "s_y"])
@@ -354,8 +382,9 @@ def attention(q_NHD: torch.Tensor, k_RHD: torch.Tensor, v_RHD: torch.Tensor, key
     ``k[key_rows[cu_k[i]:cu_k[i+1]]]`` (and ``v`` alike), in position order; its queries are the
     last of them (bottom-right causal: query ``t`` sees its sequence's first ``nk - nq + t + 1``
     keys). ``key_rows`` lets keys stay where they are (a paged cache, a packed row). GQA: query
-    head ``h`` reads key head ``h // (Hq / Hkv)``. Every caller runs this one compiled kernel,
-    so a query's bits depend only on its own q, keys and values."""
+    head ``h`` reads key head ``h // (Hq / Hkv)``. Every caller runs this one compiled kernel
+    (one tile configuration per dtype), so a query's bits depend only on its own q, keys and
+    values, not on the other queries of its call."""
     q, k, v = (_inner_contiguous(t) for t in (q_NHD, k_RHD, v_RHD))
     Hq, D = q.shape[1], q.shape[2]
     Hkv, Dv = k.shape[1], v.shape[-1]
@@ -364,11 +393,13 @@ def attention(q_NHD: torch.Tensor, k_RHD: torch.Tensor, v_RHD: torch.Tensor, key
     if out.numel() == 0 or num_seqs == 0 or max_q == 0:
         return out
     rows, cu_q, cu_k = (_aligned(x.to(device=q.device, dtype=torch.int64).contiguous()) for x in (key_rows, cu_q, cu_k))
-    _attention_kernel[(num_seqs * Hq, max_q)](
+    BD, BDV = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(Dv))
+    tile = attention_tile(q.dtype, BD)
+    _attention_kernel[(num_seqs * Hq, triton.cdiv(max_q, tile))](
         q, k, v, out, rows, cu_q, cu_k, float(scale), Hq, Hq // Hkv, D, Dv, q.stride(0), q.stride(1),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        BD=max(16, triton.next_power_of_2(D)), BDV=max(16, triton.next_power_of_2(Dv)), BLOCK=KEY_BLOCK,
-        num_warps=NUM_WARPS, num_stages=1)
+        BD=BD, BDV=BDV, BQ=tile, BLOCK=tile, IEEE=q.dtype == torch.float32, UPCAST=_INTERPRET,
+        num_warps=ATTN_WARPS, num_stages=1)
     return out
 
 
