@@ -11,6 +11,19 @@ def stop_on_signals(stop: Callable[[], None]) -> None:
     signal.signal(signal.SIGINT, lambda signum, frame: stop())
 
 
+def _set_parent_death_signal(sig: int) -> bool:
+    """``prctl(PR_SET_PDEATHSIG, sig)`` for this process; False where it is not available."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(1, sig, 0, 0, 0) == 0  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        return False
+
+
 def die_with_parent(sig: int = signal.SIGKILL) -> bool:
     """Have the kernel send ``sig`` to this process when its parent exits (Linux
     ``PR_SET_PDEATHSIG``); True when set.
@@ -20,19 +33,25 @@ def die_with_parent(sig: int = signal.SIGKILL) -> bool:
     holding their GPUs and waiting on collectives that never come. A rank that calls this goes
     down with its torchrun. If the parent is already gone by the time the flag is set, the
     signal is raised here at once."""
-    import ctypes
     import os
-    import sys
 
-    if not sys.platform.startswith("linux"):
-        return False
     parent = os.getppid()
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(1, sig, 0, 0, 0) != 0:  # PR_SET_PDEATHSIG = 1
-            return False
-    except (OSError, AttributeError):
+    if not _set_parent_death_signal(sig):
         return False
     if os.getppid() != parent:  # the parent died before the flag was set: nobody will send it
         os.kill(os.getpid(), sig)
     return True
+
+
+def stop_with_parent(parent: int) -> Callable[[], None]:
+    """A ``preexec_fn`` for :class:`subprocess.Popen`: the child gets SIGTERM (and stops as
+    :func:`stop_on_signals` says) when the process ``parent`` that starts it exits, however
+    it exits. ``rl-orchestrate up`` starts its children so: ``kill -9`` on it stops them too."""
+    import os
+
+    def preexec() -> None:
+        _set_parent_death_signal(signal.SIGTERM)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec

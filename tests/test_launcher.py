@@ -88,3 +88,24 @@ def test_ctrl_c_stops_every_child(tmp_path, tiny_model_dir):
     assert not any(pid_alive(e.pid) for e in entries)
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["steps"] >= 1
+
+
+def test_kill_9_on_up_stops_every_child(tmp_path, tiny_model_dir):
+    """`up` dies without its cleanup (SIGKILL): each child, in a session of its own, gets SIGTERM
+    from the kernel all the same and stops, deregistering."""
+    run_dir = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, run_dir, top={"num_steps": 500})
+    proc = start_up(recipe, "--no-plot")
+    entries = []
+    try:
+        entries = all_registered(run_dir)
+        proc.kill()
+        proc.communicate(timeout=30)
+        wait_until(lambda: not any(pid_alive(e.pid) for e in entries), 60, "every child stopped")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for e in entries:
+            if pid_alive(e.pid):
+                os.kill(e.pid, signal.SIGKILL)
+    assert list_entries(run_dir / "registry", alive_only=False) == []  # they stopped cleanly, not killed

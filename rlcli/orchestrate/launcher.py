@@ -4,7 +4,8 @@ Each child is the same command a user would type in its own shell, pointed at on
 resolved recipe (RUN/config/up.toml, paths made absolute) and one run directory; its
 stdout and stderr go to RUN/logs/<command>-<id>.log. Children are tracked and ended
 by pid: when one fails, on Ctrl-C, or once the trainer and the orchestrator are done,
-every child gets SIGTERM (servers last), then SIGKILL after a grace period.
+every child gets SIGTERM (servers last), then SIGKILL after a grace period. If this command
+dies without that (``kill -9``), the kernel sends each child SIGTERM (``PR_SET_PDEATHSIG``).
 """
 
 import os
@@ -20,6 +21,7 @@ import msgspec
 from rlcli.config import RecipeConfig, dump_toml, to_dict
 from rlcli.logging import console, setup_logging
 from rlcli.orchestrate.dashboard import LiveView, ProcessRow
+from rlcli.process import stop_with_parent
 from rlcli.transport.rundir import RunDir
 
 log = setup_logging("rl-orchestrate")
@@ -78,7 +80,7 @@ class Launcher:
                 log_path.parent.mkdir(parents=True, exist_ok=True)
                 with open(log_path, "ab") as f:
                     proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            env=env, start_new_session=True)
+                                            env=env, start_new_session=True, preexec_fn=stop_with_parent(os.getpid()))
                 self.children.append(Child(name, i, proc, log_path))
 
     def role_args(self, i: int) -> list[str]:
