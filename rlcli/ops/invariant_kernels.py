@@ -62,7 +62,8 @@ def _jit(no_spec: list[str]):
 MM_CONFIG = {torch.float32: (64, 64, 32, 4, 2), torch.bfloat16: (128, 128, 64, 8, 3),
              torch.float16: (128, 128, 64, 8, 3)}
 FP8_BM = 128  # rows per fp8_mm program (columns and K: 128, the weight blocks)
-ATTN_WARPS = 4
+ROW_BLOCK = 1024  # row_sum's partial-sum width
+NUM_WARPS = 4
 
 
 def attention_tile(dtype: torch.dtype, bd: int) -> int:
@@ -74,8 +75,7 @@ def attention_tile(dtype: torch.dtype, bd: int) -> int:
     while rows > 16 and rows * bd * dtype.itemsize > 32 * 1024:
         rows //= 2
     return rows
-ROW_BLOCK = 1024  # row_sum's partial-sum width
-NUM_WARPS = 4
+
 
 # GEMMs leave only the row count unspecialized: a linear's other sizes and strides are the same on
 # both sides, and specialized (16-divisible) strides give vectorized loads; the products do not
@@ -383,7 +383,7 @@ def attention(q_NHD: torch.Tensor, k_RHD: torch.Tensor, v_RHD: torch.Tensor, key
     last of them (bottom-right causal: query ``t`` sees its sequence's first ``nk - nq + t + 1``
     keys). ``key_rows`` lets keys stay where they are (a paged cache, a packed row). GQA: query
     head ``h`` reads key head ``h // (Hq / Hkv)``. Every caller runs this one compiled kernel
-    (one tile configuration per dtype), so a query's bits depend only on its own q, keys and
+    (one tile configuration per dtype and head width), so a query's bits depend only on its own q, keys and
     values, not on the other queries of its call."""
     q, k, v = (_inner_contiguous(t) for t in (q_NHD, k_RHD, v_RHD))
     Hq, D = q.shape[1], q.shape[2]
@@ -399,7 +399,7 @@ def attention(q_NHD: torch.Tensor, k_RHD: torch.Tensor, v_RHD: torch.Tensor, key
         q, k, v, out, rows, cu_q, cu_k, float(scale), Hq, Hq // Hkv, D, Dv, q.stride(0), q.stride(1),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         BD=BD, BDV=BDV, BQ=tile, BLOCK=tile, IEEE=q.dtype == torch.float32, UPCAST=_INTERPRET,
-        num_warps=ATTN_WARPS, num_stages=1)
+        num_warps=NUM_WARPS, num_stages=1)
     return out
 
 
