@@ -145,18 +145,6 @@ def write_run(root: Path, hf: dict, seq: int, prompt: int, rows: int, steps: int
     return recipe
 
 
-def children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid``, from /proc (empty where there is no /proc)."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(stat.parent.name))
-        except (OSError, ValueError, IndexError):
-            continue
-    return out
-
-
 def run_arm(recipe: Path, world: int, fp8: bool, timeout_s: int) -> tuple[list[dict], str]:
     """The trainer's per-step metrics, and what went wrong (empty: nothing). A run past
     ``timeout_s`` is killed (its process group) and the steps it finished are kept."""
@@ -172,6 +160,8 @@ def run_arm(recipe: Path, world: int, fp8: bool, timeout_s: int) -> tuple[list[d
         try:
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
+            from rlcli.process import children
+
             ranks = children(proc.pid)  # torchrun's ranks: each in a session of its own
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()

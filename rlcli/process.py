@@ -55,3 +55,19 @@ def stop_with_parent(parent: int) -> Callable[[], None]:
             os.kill(os.getpid(), signal.SIGTERM)
 
     return preexec
+
+
+def children(pid: int) -> list[int]:
+    """The live (not zombie) processes whose parent is ``pid``, read from /proc (empty where
+    there is none)."""
+    from pathlib import Path
+
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid and fields[0] != "Z":
+                out.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out

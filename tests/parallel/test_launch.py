@@ -13,6 +13,7 @@ from procs import write_recipe
 from rlcli.cli.torchrun import expand_nodelist, strip_launch_flags, torchrun_command, world_size
 from rlcli.config.train import ParallelConfig
 from rlcli.errors import ConfigError
+from rlcli.process import children
 from rlcli.parallel.dims import resolve_dims
 
 
@@ -69,19 +70,6 @@ def test_rl_train_refuses_a_bad_mesh_before_launching(tmp_path, tiny_model_dir):
         assert out.returncode == 2 and len(lines) == 1 and needle in lines[0], out.stderr
 
 
-def _children(pid: int) -> list[int]:
-    """The live processes whose parent is ``pid`` (read from /proc)."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            out.append(int(stat.parent.name))
-    return out
-
-
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -106,7 +94,7 @@ def test_a_killed_torchrun_takes_its_ranks_with_it(tmp_path, tiny_model_dir):
         # Both ranks up and past their start-up (a rank has written the run's train config).
         while time.monotonic() < deadline and not (len(ranks) == 2 and any(run_dir.rglob("*train*.toml"))):
             assert proc.poll() is None, (tmp_path / "train.log").read_text()[-3000:]
-            ranks = _children(proc.pid)
+            ranks = children(proc.pid)
             time.sleep(0.2)
         assert len(ranks) == 2, f"ranks {ranks}; log: {(tmp_path / 'train.log').read_text()[-3000:]}"
         time.sleep(2.0)
