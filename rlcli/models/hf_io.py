@@ -46,9 +46,10 @@ def build_model(args: ModelArgs, device: str | torch.device = "cpu", dtype: torc
     with torch.device("meta"):
         model = model_class(args)(args)
     model.to(dtype=dtype)
-    for module in model.modules():  # routing bias stays fp32 like the router's scores
-        if getattr(module, "e_score_correction_bias", None) is not None:
-            module.e_score_correction_bias = module.e_score_correction_bias.float()
+    for module in model.modules():  # buffers a module keeps fp32 whatever the model's dtype
+        for name in getattr(module, "fp32_buffers", ()):
+            if getattr(module, name, None) is not None:
+                setattr(module, name, getattr(module, name).float())
     if materialize:
         model.to_empty(device=device)
         model.tie_weights()

@@ -90,7 +90,14 @@ def _yarn(dim: int, theta: float, s: dict, max_pos: int) -> tuple[torch.Tensor, 
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for given positions; ``interleave`` rotates (even, odd) pairs (DeepSeek)."""
+    """cos/sin tables for given positions; ``interleave`` rotates (even, odd) pairs (DeepSeek).
+
+    The frequencies stay fp32 in a model of any dtype (``fp32_buffers``; only the tables are cast):
+    rounded to bf16 they are up to 2^-9 off, an angle error that grows with the position (radians
+    by 100k tokens), and a trainer holding fp32 masters (FSDP2 casts parameters, not buffers)
+    would rotate by other angles than a bf16 engine."""
+
+    fp32_buffers = ("inv_freq",)
 
     def __init__(self, dim: int, theta: float, scaling: dict | None, max_position_embeddings: int,
                  interleave: bool = False):

@@ -39,6 +39,9 @@ def check_routes(routes_TLk, args: ModelArgs, num_tokens: int) -> None:
 
 
 class Router(nn.Module):
+    fp32_buffers = ("e_score_correction_bias",)
+    """Kept fp32 in a model of any dtype (``build_model``), like the router's scores it shifts."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.num_experts, self.top_k = args.num_experts, args.num_experts_per_tok
