@@ -59,13 +59,18 @@ def test_max_async_bounds_off_policy_lag(tmp_path, tiny_model_dir):
     assert all(m["off_policy_lag_max"] <= 2 for m in orch)
 
 
-def test_batch_invariant_loop_trains_on_the_engines_exact_logprobs(tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batch_invariant_loop_trains_on_the_engines_exact_logprobs(tmp_path, dtype):
     """The demo's live processes, synchronous, FP8 on both sides: with --batch-invariant rl-train
-    recomputes every logprob rl-infer reported bit for bit at every step; without it they differ."""
+    recomputes every logprob rl-infer reported bit for bit at every step; without it they differ.
+    In bf16 the trainer steps fp32 masters (FSDP2 over its one rank) and the engine runs their bf16
+    rounding, the weights rl-train publishes: still the same bits (the rotary frequencies are fp32
+    on both sides; FSDP2 casts parameters, not buffers)."""
     gaps = {}
-    for flag in (True, False):
+    for flag in (True, False) if dtype == "float32" else (True,):
         run_dir = tmp_path / f"run-{flag}"
         out = run_up(REPO / "recipes/reverse.toml", "--run-dir", str(run_dir), "--steps", "3", "--max-async", "0",
+                     "--model.dtype", dtype,
                      "--fp8", *(["--batch-invariant"] if flag else []), "--train.sft.num_steps", "0",
                      "--model.path", str(REPO / "recipes/models/tiny-llama"),
                      "--orchestrate.batch_size", "4", "--orchestrate.group_size", "4")
@@ -74,7 +79,8 @@ def test_batch_invariant_loop_trains_on_the_engines_exact_logprobs(tmp_path):
         assert [m["step"] for m in train] == [1, 2, 3]
         gaps[flag] = [(m["mismatch_kl"], m["logprob_diff_abs_max"]) for m in train]
     assert gaps[True] == [(0.0, 0.0)] * 3, gaps
-    assert any(gap > 0 for _, gap in gaps[False]), gaps  # the metric does see the default path's rounding
+    if False in gaps:
+        assert any(gap > 0 for _, gap in gaps[False]), gaps  # the metric does see the default path's rounding
 
 
 REALISTIC = {"sync": {"keep_weights": 3}, "orchestrate": {"keep_rollouts": 8},

@@ -13,7 +13,9 @@ class ModelConfig(Config):
     config.json but no safetensors starts from random weights drawn with the recipe's seed."""
 
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter and compute dtype of the trainer and the native inference engine."""
+    """Compute dtype of the trainer and the native inference engine, and the dtype of published
+    weights. The engine holds its weights in it; the trainer in bf16 steps fp32 master weights
+    (FSDP2, one rank included)."""
 
     max_seq_len: int = 1024
     """Longest sequence (prompt + completion) in tokens that either side accepts."""

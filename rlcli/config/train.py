@@ -116,7 +116,8 @@ class CheckpointConfig(Config):
 
     background: bool = True
     """Write each checkpoint on a background thread from a host copy taken in the step (one in
-    flight; flushed at exit). Single-process trainers only: under torchrun they are written in the step."""
+    flight; flushed at exit). Plain single-process trainers only: sharded ones (torchrun, or one
+    rank in bf16 with its fp32 masters) write them in the step."""
 
 
 class ParallelConfig(Config):

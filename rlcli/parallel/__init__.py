@@ -30,7 +30,7 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, cfg, param_dtype: to
     ``cfg`` is the TrainConfig (``activation_checkpointing``, ``parallel.cpu_offload``);
     ``param_dtype`` is the compute dtype FSDP2 all-gathers parameters in (the parameters
     themselves stay in the dtype they were built with: fp32 master weights). ``dims`` must
-    have been :meth:`~ParallelDims.build`-ed when it spans more than one rank.
+    have been :meth:`~ParallelDims.build`-ed when it shards (:attr:`~ParallelDims.fsdp`).
     """
     if dims.ep > 1:
         _import_optional("rlcli.parallel.expert", "apply_ep", "--ep")(model, dims.ep_mesh["ep"])
@@ -39,6 +39,6 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, cfg, param_dtype: to
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
     if cfg.compile:
         apply_compile(model)
-    if dims.enabled:
+    if dims.fsdp:
         apply_fsdp(model, dims.fsdp_mesh, param_dtype, cfg.parallel.cpu_offload, dims.ep_mesh, cfg.parallel.reshard)
     return model

@@ -10,6 +10,12 @@ sequence, so they need their gradients summed like data-parallel ranks). Expert
 parallelism borrows ``ep`` consecutive ranks of that flattened axis: the expert mesh
 has axes ("edp", "ep") over the same ranks, experts split along "ep" and FSDP-sharded
 along "edp".
+
+One rank computing in a narrower dtype than fp32 (``model.dtype = "bfloat16"``) is FSDP2 over
+a mesh of that one rank (``fsdp_one_rank``), as in torchtitan: its parameters stay fp32 masters
+and its optimizer steps them, as on every rank of a sharded trainer. Pure bf16 parameters
+would lose every AdamW update below their spacing (about 0.4% of the weight: at lr 1e-6,
+all but the weights nearest zero).
 """
 
 from dataclasses import dataclass
@@ -30,6 +36,9 @@ class ParallelDims:
     """The flattened dp x cp mesh FSDP2 shards over, once :meth:`build` ran."""
     ep_mesh: Any = None
     """The ("edp", "ep") DeviceMesh when ep > 1, once :meth:`build` ran."""
+    fsdp_one_rank: bool = False
+    """FSDP2 over a world of one rank (its fp32 master weights): set for a mixed-precision trainer
+    of one rank, which needs an initialized one-rank default process group."""
 
     @property
     def fsdp_size(self) -> int:
@@ -38,15 +47,21 @@ class ParallelDims:
 
     @property
     def enabled(self) -> bool:
+        """More than one rank: data and sequences are split, metrics reduced."""
         return self.world_size > 1
+
+    @property
+    def fsdp(self) -> bool:
+        """The model is FSDP2-wrapped (fp32 master parameters, compute in the model dtype)."""
+        return self.enabled or self.fsdp_one_rank
 
     def coords(self, rank: int) -> tuple[int, int]:
         """(dp_rank, cp_rank) of a global rank on the ("dp", "cp") mesh (row-major)."""
         return rank // self.cp, rank % self.cp
 
     def build(self, device_type: str) -> "ParallelDims":
-        """Create the meshes (needs an initialized default process group when world_size > 1)."""
-        if not self.enabled:
+        """Create the meshes (needs an initialized default process group when :attr:`fsdp`)."""
+        if not self.fsdp:
             return self
         from torch.distributed.device_mesh import init_device_mesh
 

@@ -5,8 +5,10 @@ gloo group even when the default group is NCCL, so they never wait for the devic
 
 Under torchrun (RANK / WORLD_SIZE / LOCAL_RANK set) every rank joins the default group:
 NCCL when CUDA is available (device ``cuda:LOCAL_RANK``), gloo on CPU. A plain process
-(no torchrun) is rank 0 of 1 and creates no group; every helper here then degrades to
-the single-process behaviour, so the trainer has one code path.
+(no torchrun) is rank 0 of 1 and creates no group, unless it asks for one to shard its
+model over (``one_rank_group``: FSDP2's fp32 masters for a mixed-precision trainer of one
+rank, ``rlcli.parallel.dims``); every helper here then degrades to the single-process
+behaviour, so the trainer has one code path.
 """
 
 import contextlib
@@ -35,8 +37,10 @@ class DistInfo:
         return self.rank == 0
 
 
-def init_distributed() -> DistInfo:
-    """Join torchrun's job (when there is one) and pick this rank's device."""
+def init_distributed(one_rank_group: bool = False) -> DistInfo:
+    """Join torchrun's job (when there is one) and pick this rank's device. ``one_rank_group``:
+    a process alone in its job still gets a default group (of itself, in memory) to build a
+    device mesh on; :func:`shutdown` destroys it."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -45,7 +49,7 @@ def init_distributed() -> DistInfo:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    global _cpu_group
+    global _cpu_group, _own_one_rank_group
     if world > 1 and not dist.is_initialized():
         if device.type == "cuda":
             dist.init_process_group("nccl", device_id=device)
@@ -53,10 +57,24 @@ def init_distributed() -> DistInfo:
             _cpu_group = dist.new_group(backend="gloo")
         else:
             dist.init_process_group("gloo")
+    elif world == 1 and one_rank_group and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1, **({"device_id": device} if device.type == "cuda" else {}))
+        _own_one_rank_group = True
     return DistInfo(rank, world, local_rank, device)
 
 
 _cpu_group = None
+_own_one_rank_group = False
+
+
+def shutdown() -> None:
+    """Destroy the one-rank group :func:`init_distributed` made (another trainer, or a test, in this
+    process may then make its own); torchrun's groups live as long as their process."""
+    global _own_one_rank_group
+    if _own_one_rank_group and dist.is_initialized():
+        dist.destroy_process_group()
+    _own_one_rank_group = False
 
 
 def enabled() -> bool:

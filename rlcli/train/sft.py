@@ -4,6 +4,10 @@ Demonstrations come from the recipe's environment (``train.sft.dataset = "env"``
 prompt and its reference answer) or from a JSONL file of ``{"prompt", "completion"}``
 objects. Loss is cross-entropy on completion tokens (the EOS included), averaged over
 the completion tokens of the batch.
+
+A model in bf16 is stepped through fp32 master copies of its parameters (bf16 gradients cast
+up, clipped and stepped in fp32, the result rounded back into the model): AdamW steps on bf16
+parameters would round away every update below their spacing.
 """
 
 import json
@@ -74,7 +78,10 @@ def run_sft(cfg: RecipeConfig, model, tokenizer, log, on_step=None) -> None:
     """``cfg.train.sft.num_steps`` AdamW steps on demonstrations."""
     sft = cfg.train.sft
     device = next(model.parameters()).device
-    opt = torch.optim.AdamW(model.parameters(), lr=sft.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    narrow = any(p.dtype != torch.float32 for p in params)
+    masters = [p.detach().to(torch.float32, copy=True) for p in params] if narrow else params
+    opt = torch.optim.AdamW(masters, lr=sft.lr, betas=(0.9, 0.99), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, sft.warmup_steps)))
     data = demonstrations(cfg, tokenizer, cfg.seed + 1)
     model.train()
@@ -82,10 +89,16 @@ def run_sft(cfg: RecipeConfig, model, tokenizer, log, on_step=None) -> None:
     for step in range(1, sft.num_steps + 1):
         examples = [next(data) for _ in range(sft.batch_size)]
         loss, _ = sft_loss(model, examples, cfg.train.micro_batch_tokens, device)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if narrow:
+            for p, m in zip(params, masters):
+                m.grad, p.grad = (None if p.grad is None else p.grad.float()), None
+        torch.nn.utils.clip_grad_norm_(masters, 1.0)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
+        if narrow:
+            with torch.no_grad():  # in place: the weights' version moves (FP8 weight caches key on it)
+                torch._foreach_copy_(params, masters)
         if step % 50 == 0 or step == sft.num_steps:
             log.info("sft step %d/%d loss %.4f (%.1fs)", step, sft.num_steps, loss.item(), time.monotonic() - t0)
         if on_step is not None:

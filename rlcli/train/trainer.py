@@ -9,7 +9,8 @@ base model, or the SFT warm-up's result), written before step 1.
 
 Under torchrun every rank runs this loop: the model is built on the meta device,
 parallelized (``rlcli.parallel``: FSDP2 over dp x cp, EP, CP, activation checkpointing),
-and each rank loads its own slices of policy 0. Data-parallel rank d reads
+and each rank loads its own slices of policy 0. A trainer of one rank in bf16 is FSDP2 over
+itself, for its fp32 master weights; in fp32 it holds a plain model. Data-parallel rank d reads
 ``rollouts/step_N/<d>.msgpack`` (the CP ranks of one dp group read the same file).
 Weights and checkpoints are written by every rank into one directory that rank 0 marks
 STABLE after a barrier; only rank 0 announces, registers and writes metrics.
@@ -122,7 +123,9 @@ class Trainer:
         if tcfg.num_threads and tcfg.threads == "fixed":
             torch.set_num_threads(tcfg.num_threads)
         torch.manual_seed(cfg.seed)
-        self.dist = pdist.init_distributed()
+        self.dtype = DTYPES[cfg.model.dtype]
+        # Alone and in bf16, the trainer still shards over a mesh of itself: fp32 masters (rlcli.parallel.dims).
+        self.dist = pdist.init_distributed(one_rank_group=self.dtype != torch.float32)
         self.device = self.dist.device
         if self.device.type == "cpu":  # a step's large temporaries reuse the last step's pages
             keep_freed_memory()
@@ -131,9 +134,10 @@ class Trainer:
             self.cores = CoreShare(run.root, "train", self.dist.rank, tcfg.num_threads)
         self.args = ModelArgs.from_dir(cfg.model.path)
         self.dims = resolve_dims(tcfg.parallel, self.dist.world_size, self.args.num_experts,
-                                 cfg.orchestrate.num_train_ranks, tcfg.micro_batch_tokens).build(self.device.type)
+                                 cfg.orchestrate.num_train_ranks, tcfg.micro_batch_tokens)
+        self.dims.fsdp_one_rank = not self.dims.enabled and self.dtype != torch.float32
+        self.dims.build(self.device.type)
         self.dp_rank, self.cp_rank = self.dims.coords(self.dist.rank)
-        self.dtype = DTYPES[cfg.model.dtype]
         if self.device.type == "cuda" and self.dtype == torch.float32 and self.dist.is_main:
             # The recipe default, right on a CPU; on a GPU FlexAttention's fp32 kernels (--cp) and the
             # experts' per-expert fp32 loop (no fp32 grouped GEMM there) are many times slower than bf16.
@@ -170,9 +174,9 @@ class Trainer:
                 log.info("checkpoint written with %s; resharded to %s", saved, self._mesh_record())
             log.info("resumed from checkpoint step %d", self.step)
         self.loss_fn = LOSSES[tcfg.loss.kind]
-        # Checkpoints behind the step (rlcli.train.async_checkpoint); under torchrun, in it.
+        # Checkpoints behind the step (rlcli.train.async_checkpoint); of sharded parameters, in it.
         self.checkpointer = AsyncCheckpointer(run, tcfg.checkpoint.keep, self._mesh_record()) \
-            if tcfg.checkpoint.background and not pdist.enabled() else None
+            if tcfg.checkpoint.background and not self.dims.fsdp else None
         if cfg.r3 and not self.args.is_moe:
             raise ConfigError(f"r3 = true needs a mixture-of-experts model; {cfg.model.path} is dense: set r3 = false")
         if self.args.is_dsa and cfg.orchestrate.share_prompts:  # (rlcli.ops.mla: its top-k window is one document)
@@ -250,8 +254,9 @@ class Trainer:
 
     def _build_model(self, weights_dir):
         """Meta device -> parallelize -> materialize -> each rank loads its own slices. Under
-        FSDP2 the parameters are fp32 master weights and compute runs in model.dtype."""
-        master = torch.float32 if self.dims.enabled else self.dtype
+        FSDP2 (several ranks, or one in bf16) the parameters are fp32 master weights and compute
+        runs in model.dtype."""
+        master = torch.float32 if self.dims.fsdp else self.dtype
         model = build_model(self.args, device="meta", dtype=master, materialize=False)
         if self.cfg.train.fp8.enabled:  # FP8 linears on master weights, swapped in before parallelizing
             from rlcli.ops.fp8.convert import convert_to_fp8
@@ -264,7 +269,7 @@ class Trainer:
             make_batch_invariant(model)
         parallelize(model, self.dims, self.cfg.train, self.dtype)
         model.to_empty(device=self.device)
-        if not self.dims.enabled:
+        if not self.dims.fsdp:
             model.tie_weights()
         model.init_buffers()
         load_sharded(model, weights_dir)
@@ -433,6 +438,7 @@ class Trainer:
                 self.publisher.close()
             if self.cores is not None:
                 self.cores.close()
+            pdist.shutdown()
 
 
 def run(cfg: RecipeConfig, rundir: RunDir) -> int:
