@@ -79,6 +79,7 @@ def test_compiled_block_traces_fp8_linears_whole_and_matches_eager():
     """fullgraph=True: a graph break anywhere fails the compile. Token counts change between calls (RL
     micro-batches) without new graph breaks; results match the eager FP8 block to float rounding."""
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # reset() keeps the counts of earlier tests' graphs
     be = EmulatedBackend()
     eager, compiled = _fp8_block("eager", be), _fp8_block("fused", be)
     compiled.compile(fullgraph=True)
