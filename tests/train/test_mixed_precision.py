@@ -17,8 +17,9 @@ from rlcli.models import ModelArgs, load_model
 from rlcli.models.tokenizer import load_tokenizer
 from rlcli.orchestrate.rollouts import Group, write_batch
 from rlcli.protocol import Completion
+from rlcli.train.checkpoint import save_checkpoint
 from rlcli.train.sft import run_sft
-from rlcli.train.trainer import Trainer
+from rlcli.train.trainer import Trainer, make_adamw
 from rlcli.transport.rundir import RunDir
 
 pytestmark = pytest.mark.timeout(300)
@@ -85,3 +86,27 @@ def test_sft_in_bf16_accumulates_updates_below_the_spacing(tmp_path, tiny_model_
         assert w.dtype == dtype
         moved[dtype] = (w.detach().float() - w0.float()).abs().mean().item()
     assert moved[torch.bfloat16] > 0.5 * moved[torch.float32], moved
+
+
+def test_a_checkpoint_of_bf16_parameters_resumes_into_fp32_masters(tmp_path, tiny_model_dir):
+    """What a one-rank bf16 trainer wrote before it kept masters (a plain bf16 model, AdamW over it)
+    resumes: step, weights and Adam moments, upcast into the fp32 DTensors."""
+    cfg = load_recipe(write_recipe(tmp_path / "r.toml", tiny_model_dir, tmp_path / "run", model={"dtype": "bfloat16"}))
+    run = RunDir(tmp_path / "run")
+    run.claim("e2e", {})
+    Trainer(cfg, run).close()  # policy 0
+    old = load_model(tiny_model_dir, dtype=torch.bfloat16, seed=1)
+    opt = make_adamw(old.parameters(), cfg.train.optim, torch.device("cpu"))
+    for p in old.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    save_checkpoint(run, 3, old, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), {"step": 3}, 2)
+    trainer = Trainer(cfg, run)
+    try:
+        assert trainer.step == 3
+        new, was = trainer.model.model.layers[0].self_attn.q_proj.weight, old.model.layers[0].self_attn.q_proj.weight
+        assert new.dtype == torch.float32 and torch.equal(full(new), was.float())
+        moments = trainer.optimizer.state[new]
+        assert torch.equal(full(moments["exp_avg"]), opt.state[was]["exp_avg"].float())
+    finally:
+        trainer.close()
