@@ -14,7 +14,10 @@ from typing import Any
 from rlcli.transport.atomic import atomic_write_json, read_json
 
 STATUS_FILE = Path("sync") / "status.json"
-_last: dict[str, Any] = {}
+_last: dict[str, str] = {}
+"""Path -> the JSON text last written there. Text, not the dict: rl-sync completes ``last_update``
+in place (the trainer's report of a send can follow the announcement), and a cached dict sharing
+it would change with it and compare equal."""
 
 
 def write_status(run, kind: str, policy_version: int, target: int, servers: dict, last_update: dict) -> None:
@@ -26,9 +29,10 @@ def write_status(run, kind: str, policy_version: int, target: int, servers: dict
         "last_update": last_update,
     }
     path = Path(run.root) / STATUS_FILE
-    if _last.get(str(path)) != status:
+    text = json.dumps(status, sort_keys=True)
+    if _last.get(str(path)) != text:
         atomic_write_json(path, status, fsync=False)
-        _last[str(path)] = status
+        _last[str(path)] = text
 
 
 def read_status(run_root: str | Path) -> dict[str, Any] | None:
