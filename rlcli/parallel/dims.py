@@ -14,8 +14,8 @@ along "edp".
 One rank computing in a narrower dtype than fp32 (``model.dtype = "bfloat16"``) is FSDP2 over
 a mesh of that one rank (``fsdp_one_rank``), as in torchtitan: its parameters stay fp32 masters
 and its optimizer steps them, as on every rank of a sharded trainer. Pure bf16 parameters
-would lose every AdamW update below their spacing (about 0.4% of the weight: at lr 1e-6,
-all but the weights nearest zero).
+would lose every AdamW update under half their spacing (2^-8 to 2^-7 of the weight): at lr
+1e-6, all but the weights nearest zero.
 """
 
 from dataclasses import dataclass

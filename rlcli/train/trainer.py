@@ -124,8 +124,9 @@ class Trainer:
             torch.set_num_threads(tcfg.num_threads)
         torch.manual_seed(cfg.seed)
         self.dtype = DTYPES[cfg.model.dtype]
-        # Alone and in bf16, the trainer still shards over a mesh of itself: fp32 masters (rlcli.parallel.dims).
-        self.dist = pdist.init_distributed(one_rank_group=self.dtype != torch.float32)
+        # In bf16 the trainer shards even when alone, over a mesh of itself: fp32 masters (rlcli.parallel.dims).
+        mixed_precision = self.dtype != torch.float32
+        self.dist = pdist.init_distributed(one_rank_group=mixed_precision)
         self.device = self.dist.device
         if self.device.type == "cpu":  # a step's large temporaries reuse the last step's pages
             keep_freed_memory()
@@ -135,7 +136,7 @@ class Trainer:
         self.args = ModelArgs.from_dir(cfg.model.path)
         self.dims = resolve_dims(tcfg.parallel, self.dist.world_size, self.args.num_experts,
                                  cfg.orchestrate.num_train_ranks, tcfg.micro_batch_tokens)
-        self.dims.fsdp_one_rank = not self.dims.enabled and self.dtype != torch.float32
+        self.dims.fsdp_one_rank = mixed_precision and not self.dims.enabled
         self.dims.build(self.device.type)
         self.dp_rank, self.cp_rank = self.dims.coords(self.dist.rank)
         if self.device.type == "cuda" and self.dtype == torch.float32 and self.dist.is_main:
