@@ -1,11 +1,13 @@
 """A model built in bf16 keeps the buffers that must stay fp32 (``fp32_buffers``): the rotary
 frequencies and the MoE routing bias."""
 
+from pathlib import Path
+
 import torch
 
 from rlcli.models import ModelArgs, build_model, load_model
 
-REPO_MODELS = __import__("pathlib").Path(__file__).resolve().parents[2] / "recipes" / "models"
+REPO_MODELS = Path(__file__).resolve().parents[2] / "recipes" / "models"
 
 
 def test_a_bf16_model_rotates_by_the_fp32_angles_at_long_positions():
