@@ -119,7 +119,15 @@ def loss_config_at(lcfg: LossConfig, step: int, num_steps: int) -> LossConfig:
 class Trainer:
     def __init__(self, cfg: RecipeConfig, run: RunDir):
         self.cfg, self.run = cfg, run
-        tcfg = cfg.train
+        self.batch_news = self.weights = self.checkpointer = self.registration = self.publisher = self.cores = None
+        try:
+            self._start()
+        except BaseException:
+            self.close()  # sockets, CPU share, the one-rank group: a caller that goes on gets them back
+            raise
+
+    def _start(self) -> None:
+        cfg, run, tcfg = self.cfg, self.run, self.cfg.train
         if tcfg.num_threads and tcfg.threads == "fixed":
             torch.set_num_threads(tcfg.num_threads)
         torch.manual_seed(cfg.seed)
@@ -130,10 +138,15 @@ class Trainer:
         self.device = self.dist.device
         if self.device.type == "cpu":  # a step's large temporaries reuse the last step's pages
             keep_freed_memory()
-        self.cores = None  # adaptive threads on a CPU: a share of the cores by who computes (rlcli.transport.cores)
+        # Adaptive threads on a CPU: a share of the cores by who computes (rlcli.transport.cores).
         if tcfg.threads == "adaptive" and self.device.type == "cpu" and not cfg.model.batch_invariant:
             self.cores = CoreShare(run.root, "train", self.dist.rank, tcfg.num_threads)
         self.args = ModelArgs.from_dir(cfg.model.path)
+        if cfg.r3 and not self.args.is_moe:
+            raise ConfigError(f"r3 = true needs a mixture-of-experts model; {cfg.model.path} is dense: set r3 = false")
+        if self.args.is_dsa and cfg.orchestrate.share_prompts:  # (rlcli.ops.mla: its top-k window is one document)
+            raise ConfigError(f"{cfg.model.path} has DSA sparse attention, which does not take shared-prompt rows "
+                              "yet: set orchestrate.share_prompts = false")
         self.dims = resolve_dims(tcfg.parallel, self.dist.world_size, self.args.num_experts,
                                  cfg.orchestrate.num_train_ranks, tcfg.micro_batch_tokens)
         self.dims.fsdp_one_rank = mixed_precision and not self.dims.enabled
@@ -178,11 +191,6 @@ class Trainer:
         # Checkpoints behind the step (rlcli.train.async_checkpoint); of sharded parameters, in it.
         self.checkpointer = AsyncCheckpointer(run, tcfg.checkpoint.keep, self._mesh_record()) \
             if tcfg.checkpoint.background and not self.dims.fsdp else None
-        if cfg.r3 and not self.args.is_moe:
-            raise ConfigError(f"r3 = true needs a mixture-of-experts model; {cfg.model.path} is dense: set r3 = false")
-        if self.args.is_dsa and cfg.orchestrate.share_prompts:  # (rlcli.ops.mla: its top-k window is one document)
-            raise ConfigError(f"{cfg.model.path} has DSA sparse attention, which does not take shared-prompt rows "
-                              "yet: set orchestrate.share_prompts = false")
 
     def _mesh_record(self) -> dict:
         return {"dp": self.dims.dp, "cp": self.dims.cp, "ep": self.dims.ep}
@@ -426,16 +434,20 @@ class Trainer:
         self.batch_news.recv(int(timeout_s * 1000))
 
     def close(self) -> None:
-        self.batch_news.close()
+        """Release what was made, also when ``__init__`` stopped part way."""
+        if self.batch_news is not None:
+            self.batch_news.close()
         try:
             try:
-                self.weights.close()  # an in-flight write finishes (and its error surfaces) before exit
+                if self.weights is not None:
+                    self.weights.close()  # an in-flight write finishes (and its error surfaces) before exit
             finally:
-                if getattr(self, "checkpointer", None) is not None:
+                if self.checkpointer is not None:
                     self.checkpointer.close()  # the pending checkpoint is committed before exit
         finally:
             if self.registration is not None:
                 self.registration.close()
+            if self.publisher is not None:
                 self.publisher.close()
             if self.cores is not None:
                 self.cores.close()

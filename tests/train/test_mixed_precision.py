@@ -110,3 +110,27 @@ def test_a_checkpoint_of_bf16_parameters_resumes_into_fp32_masters(tmp_path, tin
         assert torch.equal(full(moments["exp_avg"]), opt.state[was]["exp_avg"].float())
     finally:
         trainer.close()
+
+
+def test_a_trainer_that_fails_to_start_gives_its_one_rank_group_back(tmp_path, tiny_model_dir):
+    """A config error found after the one-rank group exists: the group (and the trainer's sockets) go
+    with the error, so the next trainer in the process starts on a group of its own."""
+    import torch.distributed as dist
+
+    from rlcli.errors import ConfigError
+
+    run_dir = tmp_path / "run"
+    bad = load_recipe(write_recipe(tmp_path / "bad.toml", tiny_model_dir, run_dir, top={"num_steps": 1, "r3": True},
+                                   model={"dtype": "bfloat16"}))
+    run = RunDir(run_dir)
+    run.claim("e2e", {})
+    with pytest.raises(ConfigError, match="is dense: set r3 = false"):
+        Trainer(bad, run)
+    assert not dist.is_initialized()
+    good = Trainer(load_recipe(write_recipe(tmp_path / "r.toml", tiny_model_dir, run_dir, top={"num_steps": 1},
+                                            model={"dtype": "bfloat16"})), run)
+    try:
+        assert good.dims.fsdp and dist.is_initialized()
+    finally:
+        good.close()
+    assert not dist.is_initialized()
