@@ -133,24 +133,6 @@ def test_first_to_say_removes_markers_older_than_an_hour(tmp_path, monkeypatch):
     assert len(list(tmp_path.glob("rlcli-error-*"))) == 2
 
 
-def test_a_dsa_model_with_shared_prompts_is_refused_at_start(tmp_path, tiny_model_dir):
-    """DSA's top-k window is one document: shared-prompt rows stopped rl-train at its first step
-    with a ValueError from inside the attention; now it refuses at start, naming the setting."""
-    import shutil
-
-    model = tmp_path / "dsa"
-    shutil.copytree(tiny_model_dir, model)
-    cfg = json.loads((model / "config.json").read_text())
-    cfg.update(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", q_lora_rank=24, kv_lora_rank=16,
-               qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, index_topk=8, index_n_heads=4,
-               index_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-               n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1)
-    (model / "config.json").write_text(json.dumps(cfg))
-    recipe = write_recipe(tmp_path / "r.toml", model, tmp_path / "run")
-    one_line_error(cli("rlcli.cli.train", "--config", str(recipe), "--steps", "1"), 2,
-                   "DSA sparse attention", "orchestrate.share_prompts = false")
-
-
 def test_unknown_recipe_key(tmp_path, tiny_model_dir):
     recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, tmp_path / "run", train={"learning_rate": 1})
     one_line_error(cli("rlcli.cli.train", "--config", str(recipe)), 2, "unknown key 'train.learning_rate'")

@@ -59,6 +59,33 @@ def test_max_async_bounds_off_policy_lag(tmp_path, tiny_model_dir):
     assert all(m["off_policy_lag_max"] <= 2 for m in orch)
 
 
+def test_a_dsa_model_trains_on_shared_prompt_rows(tmp_path, tiny_model_dir):
+    """DeepSeek-V3.2 (MLA, DSA top-8, MoE with R3) through the live loop with shared prompts on
+    (the default): rl-train's rows hold each group's prompt once and its indexer chooses through
+    the row's prefix tree (rlcli.ops.mla.select_topk_tree)."""
+    import json
+    import shutil
+
+    model = tmp_path / "dsa"
+    shutil.copytree(tiny_model_dir, model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg.update(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", q_lora_rank=24, kv_lora_rank=16,
+               qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, index_topk=8, index_n_heads=4,
+               index_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+               n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1)
+    (model / "config.json").write_text(json.dumps(cfg))
+    run_dir = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "r.toml", model, run_dir, top={"r3": True}, env={"name": "reverse", "min_len": 8,
+                                                                                        "max_len": 12})
+    out = run_up(recipe, "--max-async", "0", "--steps", "2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    train = read_jsonl(run_dir / "metrics" / "train.jsonl")
+    assert [m["step"] for m in train] == [1, 2]
+    for m in train:
+        assert 0 < m["tokens_unique"] < m["tokens_total"], m  # the prompts were shared
+        assert np.isfinite(m["loss"]) and m["router_disagreement"] >= 0
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_batch_invariant_loop_trains_on_the_engines_exact_logprobs(tmp_path, dtype):
     """The demo's live processes, synchronous, FP8 on both sides: with --batch-invariant rl-train

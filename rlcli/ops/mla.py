@@ -27,6 +27,7 @@ autograd each chunk of torch sparse attention is checkpointed, so backward keeps
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -122,6 +123,36 @@ def select_topk(q_THD: torch.Tensor, w_TH: torch.Tensor, k_SD: torch.Tensor, lo_
         keep = allowed.gather(1, order)
         idx_Tk[a:b, :kk] = (order + first).masked_fill(~keep, 0)  # invalid entries point at token 0
         valid_Tk[a:b, :kk] = keep
+    return idx_Tk, valid_Tk
+
+
+def select_topk_tree(q_THD: torch.Tensor, w_TH: torch.Tensor, k_SD: torch.Tensor, tree, rows: np.ndarray,
+                     topk: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`select_topk` over a shared-prompt row (:class:`~rlcli.ops.prefix_tree.RowTree`):
+    query ``t`` at row index ``rows[t]`` chooses among its segment's ancestors and the earlier
+    tokens of its own segment, the tokens its unshared row shows it. Per segment those keys
+    are laid out as that row holds them (ancestors root first, then the segment), so scores,
+    windows and tie-breaks are the unshared row's; the chosen indices are then mapped back to
+    row indices (still ascending: ancestors come first in the row too). Keys ``[S, D]`` are
+    the whole row's. Returns (indices [T, min(topk, S)], valid)."""
+    T, S = q_THD.shape[0], k_SD.shape[0]
+    device = q_THD.device
+    k = min(topk, S)
+    idx_Tk = torch.zeros(T, k, dtype=torch.long, device=device)
+    valid_Tk = torch.zeros(T, k, dtype=torch.bool, device=device)
+    seg_T = tree.segment_ids()[rows]
+    for j in np.unique(seg_T).tolist():
+        start, _ = tree.spans[j]
+        (queries,) = np.nonzero(seg_T == j)
+        last = int(rows[queries].max())  # the segment's later tokens are nobody's key here
+        spans = tree.ancestors(j) + [(start, last + 1)]
+        keys = np.concatenate([np.arange(a, b) for a, b in spans])
+        seen = len(keys) - (last + 1 - start)  # the ancestors' tokens
+        hi = torch.from_numpy(seen + rows[queries] - start).to(device)
+        q_idx, keys_dev = torch.from_numpy(queries).to(device), torch.from_numpy(keys).to(device)
+        sel, keep = select_topk(q_THD[q_idx], w_TH[q_idx], k_SD[keys_dev], torch.zeros_like(hi), hi, topk, scale)
+        idx_Tk[q_idx, :sel.shape[1]] = keys_dev[sel].masked_fill(~keep, 0)  # invalid entries point at token 0
+        valid_Tk[q_idx, :sel.shape[1]] = keep
     return idx_Tk, valid_Tk
 
 
@@ -226,7 +257,9 @@ class SparseLatentAttention(InnerAttention):
     K/V with the top-k as a boolean mask per query chunk (dense work; for comparison).
 
     Query ``t`` (row index ``r_t``, position ``p_t``) chooses among tokens ``r_t - p_t ..
-    r_t`` of its own document. As an :class:`InnerAttention`, context parallelism's
+    r_t`` of its own document; in a shared-prompt row, among the tokens its unshared row
+    would show it, its segment's ancestors and its own earlier tokens (:func:`select_topk_tree`).
+    As an :class:`InnerAttention`, context parallelism's
     pre-hook (:func:`rlcli.parallel.context.apply_cp`) all-gathers ``kv`` and
     ``index_keys`` in one collective per layer (S is then the whole row, in row order,
     causally load-balanced chunks put back in place) while queries stay local, their row
@@ -236,12 +269,10 @@ class SparseLatentAttention(InnerAttention):
     def forward(self, query: LatentQuery, kv_BS1L: torch.Tensor, index_keys_BS1D: torch.Tensor, scale: float,
                 ctx) -> torch.Tensor:
         B, T = query.q_BTHL.shape[:2]
-        if getattr(ctx.attn, "shared", False):  # its top-k window is "my document", read from positions
-            raise ValueError("DSA sparse attention does not take shared-prompt rows yet: set "
-                             "orchestrate.share_prompts = false")
         device = kv_BS1L.device
         rows = getattr(ctx.attn, "query_index", None)
         rows_T = rows.to(device) if rows is not None else torch.arange(T, device=device)
+        trees = getattr(ctx.attn, "trees", None) if getattr(ctx.attn, "shared", False) else None
         own = query.index_q_BTHD is not None
         selections = [] if own else ctx.dsa_selection[query.source_layer]
         masked = bool(MASKED_DENSE)
@@ -249,7 +280,12 @@ class SparseLatentAttention(InnerAttention):
             dsa_triton.attention_supported(query.value_dim, kv_BS1L.shape[-1] - query.value_dim)
         outs = []
         for b in range(B):
-            if own:
+            if own and trees is not None and trees[b].shared:
+                host_rows = rows.numpy() if rows is not None else np.arange(T)
+                selections.append(select_topk_tree(query.index_q_BTHD[b], query.index_w_BTH[b],
+                                                   index_keys_BS1D[b, :, 0], trees[b], host_rows, query.topk,
+                                                   query.index_scale))
+            elif own:
                 lo_T = rows_T - ctx.position_ids[b]
                 selections.append(select_topk(query.index_q_BTHD[b], query.index_w_BTH[b], index_keys_BS1D[b, :, 0],
                                               lo_T, rows_T, query.topk, query.index_scale))

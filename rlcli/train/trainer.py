@@ -144,9 +144,6 @@ class Trainer:
         self.args = ModelArgs.from_dir(cfg.model.path)
         if cfg.r3 and not self.args.is_moe:
             raise ConfigError(f"r3 = true needs a mixture-of-experts model; {cfg.model.path} is dense: set r3 = false")
-        if self.args.is_dsa and cfg.orchestrate.share_prompts:  # (rlcli.ops.mla: its top-k window is one document)
-            raise ConfigError(f"{cfg.model.path} has DSA sparse attention, which does not take shared-prompt rows "
-                              "yet: set orchestrate.share_prompts = false")
         self.dims = resolve_dims(tcfg.parallel, self.dist.world_size, self.args.num_experts,
                                  cfg.orchestrate.num_train_ranks, tcfg.micro_batch_tokens)
         self.dims.fsdp_one_rank = mixed_precision and not self.dims.enabled

@@ -1,6 +1,7 @@
 """Shared-prompt rows under context parallelism (real gloo group, torchrun --cp 2): a prompt
 cut across the two ranks, whose completions sit on both ranks, trains to the same loss and
-gradients as one process training the same samples packed unshared (dense; MoE with R3)."""
+gradients as one process training the same samples packed unshared (dense; MoE with R3; DSA,
+whose top-k then runs over the whole row's keys through the tree)."""
 
 import os
 import subprocess
@@ -31,7 +32,7 @@ def test_shared_prompt_split_across_cp_ranks_matches_one_process(tmp_path):
     refs = {}
     for i, (name, hf) in enumerate(CONFIGS.items()):
         model = make_model(hf, seed=20 + i, directory=tmp_path / name)
-        samples = make_samples(model, seed=30 + i, prompts=(17, 6, 11), group_sizes=(3, 4, 3), r3=name == "moe")
+        samples = make_samples(model, seed=30 + i, prompts=(17, 6, 11), group_sizes=(3, 4, 3), r3=name != "dense")
         rows = micro_batches(samples, True, capacity=256)[0]
         assert len(rows) == 1 and _crosses_ranks(rows[0])
         batch = TrainingBatch(step=1, rank=0, micro_batches=rows, num_loss_tokens=0, num_samples=len(samples),
@@ -41,15 +42,17 @@ def test_shared_prompt_split_across_cp_ranks_matches_one_process(tmp_path):
         dims = ParallelDims(dp=1, cp=1, ep=1, world_size=1)
         totals, normalizer = accumulate(model, micro_batches(samples, False, capacity=256)[0], dims,
                                         torch.device("cpu"), LOSSES["icepop"], LossConfig(entropy_coef=0.01), chunk=7,
-                                        r3=name == "moe")
-        refs[name] = (totals["loss"] / normalizer, {k: p.grad for k, p in model.named_parameters()})
+                                        r3=name != "dense")
+        refs[name] = (totals["loss"] / normalizer,
+                      {k: p.grad for k, p in model.named_parameters() if p.grad is not None})
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(Path(__file__).with_name("dist_shared_cp.py")), str(tmp_path)],
+                           str(Path(__file__).with_name("dist_shared_cp.py")), str(tmp_path), ",".join(CONFIGS)],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     for name, (ref_loss, ref_grads) in refs.items():
         got = torch.load(tmp_path / f"cp_{name}.pt")
+        assert got["grads"].keys() == ref_grads.keys()
         torch.testing.assert_close(got["loss"], ref_loss, rtol=1e-5, atol=1e-6)
         for k, g in ref_grads.items():
             assert g.abs().sum() > 0, k

@@ -21,6 +21,12 @@ CONFIGS = {
     "dense": dict(COMMON, model_type="llama", tie_word_embeddings=True),
     "moe": dict(COMMON, model_type="qwen3_moe", tie_word_embeddings=False, num_experts=6, num_experts_per_tok=2,
                 moe_intermediate_size=16, norm_topk_prob=True, mlp_only_layers=[]),
+    # DeepSeek-V3.2: MLA with DSA, each query attending to its indexer's top 4 tokens (fewer than
+    # most prompts hold, so the selection decides the function), and MoE routed by R3.
+    "dsa": dict(COMMON, model_type="deepseek_v32", tie_word_embeddings=False, num_key_value_heads=4,
+                q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                index_topk=4, index_n_heads=4, index_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+                moe_intermediate_size=16, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1),
 }
 # Sequence masking on: the loss needs each completion's own sequence id in a shared row too.
 LCFG = LossConfig(entropy_coef=0.01, sequence_mask_high=1.02)
@@ -90,4 +96,5 @@ def train_step(model, mbs, r3: bool = False):
     model.zero_grad(set_to_none=True)
     dims = ParallelDims(dp=1, cp=1, ep=1, world_size=1)
     totals, normalizer = accumulate(model, mbs, dims, torch.device("cpu"), LOSSES["icepop"], LCFG, chunk=7, r3=r3)
-    return totals, normalizer, {k: p.grad.clone() for k, p in model.named_parameters()}
+    # (A DSA indexer gets no gradient from the loss: its top-k is not differentiable.)
+    return totals, normalizer, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}

@@ -1,6 +1,7 @@
 """Shared-prompt packing is exact: every completion token's logprob, the loss and every gradient
-equal unshared packing (fp32, up to reduction order), dense and MoE (with R3 replay), several
-groups per row and several rows, the loss normalized by the step's token count."""
+equal unshared packing (fp32, up to reduction order), dense, MoE (with R3 replay) and DSA sparse
+attention (MoE too), several groups per row and several rows, the loss normalized by the step's
+token count."""
 
 import msgspec
 import numpy as np
@@ -26,9 +27,9 @@ def _completion_logprobs(model, mb, r3: bool) -> torch.Tensor:
     return seen[0]
 
 
-@pytest.mark.parametrize("name", ["dense", "moe"])
+@pytest.mark.parametrize("name", ["dense", "moe", "dsa"])
 def test_shared_packing_matches_unshared(name):
-    r3 = name == "moe"
+    r3 = name != "dense"
     model = make_model(CONFIGS[name], seed=1)
     samples = make_samples(model, seed=2, r3=r3)
 
@@ -52,16 +53,17 @@ def test_shared_packing_matches_unshared(name):
     if r3:
         layers = len(model.args.moe_layers)
         torch.testing.assert_close(tot_s["router_pairs"], tot_u["router_pairs"] - layers * _shared(rows[True]))
+    assert g_s.keys() == g_u.keys()
     for k, g in g_u.items():
         assert g.abs().sum() > 0, k
         torch.testing.assert_close(g_s[k], g, rtol=1e-4, atol=1e-6, msg=k)
 
 
-@pytest.mark.parametrize("name", ["dense", "moe"])
+@pytest.mark.parametrize("name", ["dense", "moe", "dsa"])
 def test_groups_whose_prompts_begin_alike_share_that_beginning(name):
     """Three groups whose prompts start with the same 5 tokens (a system message): those once, as
     the parent of each group's own prompt segment, and still exact."""
-    r3 = name == "moe"
+    r3 = name != "dense"
     model = make_model(CONFIGS[name], seed=1)
     samples = make_samples(model, seed=6, prompts=(9, 7, 12), group_sizes=(3, 2, 4), r3=r3, common=5)
     one = {share: build_micro_batch(samples, 1.0, share_prompts=share) for share in (False, True)}
