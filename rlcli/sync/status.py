@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rlcli.transport.atomic import atomic_write_json, read_json
+from rlcli.transport.atomic import atomic_write_bytes, read_json
 
 STATUS_FILE = Path("sync") / "status.json"
 _last: dict[str, str] = {}
@@ -29,9 +29,9 @@ def write_status(run, kind: str, policy_version: int, target: int, servers: dict
         "last_update": last_update,
     }
     path = Path(run.root) / STATUS_FILE
-    text = json.dumps(status, sort_keys=True)
+    text = json.dumps(status, indent=1, sort_keys=True) + "\n"
     if _last.get(str(path)) != text:
-        atomic_write_json(path, status, fsync=False)
+        atomic_write_bytes(path, text.encode(), fsync=False)
         _last[str(path)] = text
 
 
