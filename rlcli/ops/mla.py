@@ -130,30 +130,28 @@ def select_topk_tree(q_THD: torch.Tensor, w_TH: torch.Tensor, k_SD: torch.Tensor
                      topk: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`select_topk` over a shared-prompt row (:class:`~rlcli.ops.prefix_tree.RowTree`):
     query ``t`` at row index ``rows[t]`` chooses among its segment's ancestors and the earlier
-    tokens of its own segment, the tokens its unshared row shows it. Per segment those keys
-    are laid out as that row holds them (ancestors root first, then the segment), so scores,
-    windows and tie-breaks are the unshared row's; the chosen indices are then mapped back to
-    row indices (still ascending: ancestors come first in the row too). Keys ``[S, D]`` are
-    the whole row's. Returns (indices [T, min(topk, S)], valid)."""
-    T, S = q_THD.shape[0], k_SD.shape[0]
-    device = q_THD.device
-    k = min(topk, S)
-    idx_Tk = torch.zeros(T, k, dtype=torch.long, device=device)
-    valid_Tk = torch.zeros(T, k, dtype=torch.bool, device=device)
+    tokens of its own segment, the tokens its unshared row shows it. The keys are laid out as
+    the unshared rows hold them (per segment with queries: its ancestors root first, then the
+    segment), so scores, windows and tie-breaks are the unshared row's, all in one
+    :func:`select_topk`; the chosen indices are then mapped back to row indices (still
+    ascending: ancestors come first in the row too). Keys ``[S, D]`` are the whole row's."""
     seg_T = tree.segment_ids()[rows]
+    lo_T, hi_T = np.empty(len(rows), dtype=np.int64), np.empty(len(rows), dtype=np.int64)
+    layout, offset = [], 0
     for j in np.unique(seg_T).tolist():
-        start, _ = tree.spans[j]
+        start = tree.spans[j][0]
         (queries,) = np.nonzero(seg_T == j)
-        last = int(rows[queries].max())  # the segment's later tokens are nobody's key here
-        spans = tree.ancestors(j) + [(start, last + 1)]
-        keys = np.concatenate([np.arange(a, b) for a, b in spans])
-        seen = len(keys) - (last + 1 - start)  # the ancestors' tokens
-        hi = torch.from_numpy(seen + rows[queries] - start).to(device)
-        q_idx, keys_dev = torch.from_numpy(queries).to(device), torch.from_numpy(keys).to(device)
-        sel, keep = select_topk(q_THD[q_idx], w_TH[q_idx], k_SD[keys_dev], torch.zeros_like(hi), hi, topk, scale)
-        idx_Tk[q_idx, :sel.shape[1]] = keys_dev[sel].masked_fill(~keep, 0)  # invalid entries point at token 0
-        valid_Tk[q_idx, :sel.shape[1]] = keep
-    return idx_Tk, valid_Tk
+        end = int(rows[queries].max()) + 1  # the segment's later tokens are nobody's key here
+        doc = np.concatenate([np.arange(a, b) for a, b in tree.ancestors(j) + [(start, end)]])
+        lo_T[queries] = offset
+        hi_T[queries] = offset + len(doc) - end + rows[queries]  # the query's own place in doc
+        layout.append(doc)
+        offset += len(doc)
+    device = q_THD.device
+    key_rows = torch.from_numpy(np.concatenate(layout)).to(device)
+    idx, valid = select_topk(q_THD, w_TH, k_SD[key_rows], torch.from_numpy(lo_T).to(device),
+                             torch.from_numpy(hi_T).to(device), topk, scale)
+    return key_rows[idx].masked_fill(~valid, 0), valid  # invalid entries point at token 0
 
 
 def _attend(q_CHL, kv_CkL, valid_Ck, value_dim: int, scale: float) -> torch.Tensor:
