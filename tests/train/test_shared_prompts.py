@@ -14,7 +14,7 @@ from rlcli.train.step import forward_backward, prepare
 from tests.train.shared_prompts import CONFIGS, LCFG, make_model, make_samples, micro_batches, train_step
 
 
-def _completion_logprobs(model, mb, r3: bool) -> torch.Tensor:
+def _completion_logprobs(model, mb, r3: bool, device: str = "cpu") -> torch.Tensor:
     """The trainer's logprob of every loss token of a row, in row order."""
     seen = []
 
@@ -22,7 +22,8 @@ def _completion_logprobs(model, mb, r3: bool) -> torch.Tensor:
         seen.append(lp.detach()[mask])
         return LOSSES["icepop"](lp, infer, adv, mask, seq_ids, cfg)
 
-    forward_backward(model, prepare(mb, torch.device("cpu")), torch.tensor(1.0), capture, LCFG, 5, r3=r3)
+    forward_backward(model, prepare(mb, torch.device(device)), torch.tensor(1.0, device=device), capture, LCFG, 5,
+                     r3=r3)
     model.zero_grad(set_to_none=True)
     return seen[0]
 
@@ -57,6 +58,17 @@ def test_shared_packing_matches_unshared(name):
     for k, g in g_u.items():
         assert g.abs().sum() > 0, k
         torch.testing.assert_close(g_s[k], g, rtol=1e-4, atol=1e-6, msg=k)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: DSA's Triton indexer and sparse attention")
+def test_dsa_shared_rows_match_unshared_on_the_triton_kernels():
+    model = make_model(CONFIGS["dsa"], seed=1)
+    samples = make_samples(model, seed=2, r3=True)
+    model.cuda()
+    one = {share: build_micro_batch(samples, 1.0, share_prompts=share) for share in (False, True)}
+    lp_u, lp_s = (_completion_logprobs(model, one[s], True, "cuda") for s in (False, True))
+    assert lp_u.numel() == sum(len(s.token_ids) - s.num_prompt_tokens for s in samples)
+    torch.testing.assert_close(lp_s, lp_u, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("name", ["dense", "moe", "dsa"])
