@@ -90,13 +90,15 @@ def model_flops_per_token(hf: dict, seq: int) -> tuple[float, int, int]:
     return 6 * active + attn, total, int(active)
 
 
-ARMS = ("bf16", "fp8", "fp8-gate-up", "fp8-fused", "fp8-torch", "fp8-torch-fused", "bf16-invariant", "fp8-invariant")
+ARMS = ("bf16", "fp8", "fp8-gate-up", "fp8-fused", "fp8-torch", "fp8-torch-fused", "bf16-invariant", "fp8-invariant",
+        "bf16-step", "fp8-step")
 
 
 def write_run(root: Path, hf: dict, seq: int, prompt: int, rows: int, steps: int, world: int, ep: int, cp: int,
               profile_step: int, threads: int, attention: str = "auto", dtype: str = "bfloat16",
               ac: str = "full", compile_blocks: bool = False, siblings: tuple[str, ...] = ("qkv",),
-              graph: str = "eager", backend: str = "auto", invariant: bool = False) -> Path:
+              graph: str = "eager", backend: str = "auto", invariant: bool = False,
+              reshard: str = "micro_batch") -> Path:
     """Model dir, recipe and the --steps batches of one arm; returns the recipe's path. ``dtype`` is
     model.dtype, the compute dtype (FSDP2 keeps fp32 masters either way): its default in a recipe is
     float32, in which the sixth session's H200 "bf16" arm ran, slowly (FlexAttention's fp32 kernels)."""
@@ -120,7 +122,7 @@ def write_run(root: Path, hf: dict, seq: int, prompt: int, rows: int, steps: int
                   "profile_step": profile_step, "attention": attention,
                   "num_threads": threads, "threads": "fixed",
                   "optim": {"lr": 1e-5}, "loss": {"kind": "tis"}, "checkpoint": {"interval": 10**6},
-                  "parallel": {"ep": ep, "cp": cp},
+                  "parallel": {"ep": ep, "cp": cp, "reshard": reshard},
                   # every micro-batch is one row: DeepGEMM's kernels for that size alone (rlcli.ops.fp8.warmup)
                   "fp8": {"jit_warmup_tokens": [rank_tokens(seq, cp)], "fuse_siblings": list(siblings),
                           "graph": graph, "backend": backend}},
@@ -248,7 +250,8 @@ def main() -> None:
                          "too, train.fp8.fuse_siblings); fp8-fused (train.fp8.graph = fused: under --compile the "
                          "linears in the graph); fp8-torch and fp8-torch-fused (the same two with train.fp8.backend = torch); "
                          "bf16-invariant and fp8-invariant (model.batch_invariant, the engine's logprob bits; not "
-                         "with --compile)")
+                         "with --compile); bf16-step and fp8-step (train.parallel.reshard = step: FSDP2 casts the "
+                         "masters and reduces gradients once per step, not per row)")
     ap.add_argument("--attention", default="auto", help="train.attention (auto: flex under --cp, cudnn without)")
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
                     help="model.dtype, the compute dtype of both arms (default bfloat16; --smoke: float32)")
@@ -295,7 +298,8 @@ def main() -> None:
                            1 if a.smoke else 0, a.attention, a.dtype, a.ac, a.compile,
                            ("qkv", "gate_up") if arm == "fp8-gate-up" else ("qkv",),
                            "fused" if arm.endswith("-fused") else "eager",
-                           "torch" if arm.startswith("fp8-torch") else "auto", arm.endswith("-invariant"))
+                           "torch" if arm.startswith("fp8-torch") else "auto", arm.endswith("-invariant"),
+                           "step" if arm.endswith("-step") else "micro_batch")
         t0 = time.monotonic()
         rows, err = run_arm(recipe, a.nproc, arm.startswith("fp8"), a.timeout)
         # rl-train's last checkpoint is the whole trainer state (~52 GB at 4.3B): one arm's at a time, --keep or
