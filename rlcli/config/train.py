@@ -32,7 +32,7 @@ class OptimConfig(Config):
 
     implementation: Literal["auto", "fused", "foreach"] = "auto"
     """AdamW kernel: fused (one kernel over all parameters), foreach (a few kernels per op);
-    auto: fused on CUDA and for unsharded parameters on a CPU, torch's default elsewhere."""
+    auto: fused."""
 
     schedule: Literal["constant", "linear", "cosine"] = "constant"
     """Learning rate after the warm-up: constant, or a linear or cosine decay from lr to

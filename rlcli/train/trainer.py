@@ -80,20 +80,13 @@ def step_metrics(totals: dict[str, float], num_loss_tokens: float) -> dict[str, 
 
 
 def make_adamw(params, o, device: torch.device) -> torch.optim.AdamW:
-    """AdamW of train.optim. ``implementation`` auto is the fused kernel on CUDA, and on a CPU
-    when the parameters are plain tensors (one process: a single pass over each parameter
-    instead of a dozen elementwise ops, ~5x less optimizer time for SmolLM2-135M); torch's
-    default for sharded (DTensor) parameters on a CPU."""
-    params = list(params)
-    kind = o.implementation
-    if kind == "auto":
-        from torch.distributed.tensor import DTensor
-
-        plain = not any(isinstance(p, DTensor) for p in params)
-        kind = "fused" if device.type == "cuda" or (device.type == "cpu" and plain) else "default"
-    extra = {"fused": True} if kind == "fused" else {"foreach": True} if kind == "foreach" else {}
-    return torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
-                             **extra)
+    """AdamW of train.optim. ``implementation`` auto is the fused kernel: one pass over each
+    parameter instead of a dozen elementwise ops, on CUDA and on a CPU, plain or sharded
+    (DTensor) parameters alike, on one mesh or several (experts over their own): on a CPU
+    ~5x less optimizer time than torch's default, for SmolLM2-135M and for two gloo ranks."""
+    extra = {"fused": True} if o.implementation in ("auto", "fused") else {"foreach": True}
+    return torch.optim.AdamW(list(params), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                             weight_decay=o.weight_decay, **extra)
 
 
 def lr_factor(step: int, optim: OptimConfig, num_steps: int) -> float:
