@@ -253,7 +253,7 @@ def main() -> None:
 
         src = model_dir or Path(load_recipe(args.recipe, {}).model.path)
         model_dir = write_dsa_model(base, src, args.device)
-        common += ["--model.path", str(model_dir), "--orchestrate.share_prompts", "false"]  # (rl-train refuses them)
+        common += ["--model.path", str(model_dir)]
     common += (["--steps", str(args.steps)] if args.steps else []) + (["--fp8"] if args.fp8 else [])
     common += ([] if args.r3 is None else ["--r3" if args.r3 else "--no-r3"]) + extra
     from rlcli.config import load_recipe
