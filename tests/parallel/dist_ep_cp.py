@@ -107,6 +107,26 @@ def checkpoint_blocks(model) -> None:
         block.forward = lambda *a, _f=forward, **k: checkpoint(_f, *a, use_reentrant=False, **k)
 
 
+def adamw_failures(model) -> list[str]:
+    """rl-train's AdamW (``make_adamw``'s fused kernel) over the sharded parameters, the experts' on
+    the EP mesh and the rest on the dense one, against torch's per-tensor AdamW from the same state."""
+    from rlcli.config.train import OptimConfig
+    from rlcli.train.trainer import make_adamw
+
+    params = [p for p in model.parameters() if p.grad is not None]
+    start = [p.detach().clone() for p in params]
+    o = OptimConfig(lr=1e-2, weight_decay=0.1)
+    make_adamw(params, o, torch.device("cpu")).step()
+    fused = [p.detach().full_tensor() for p in params]
+    with torch.no_grad():
+        for p, s in zip(params, start):
+            p.copy_(s)
+    torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
+                      foreach=False).step()
+    return [f"fused AdamW moved a parameter by {(f - p.detach().full_tensor()).abs().max().item():.1e} more than "
+            "torch's" for f, p in zip(fused, params) if not torch.allclose(f, p.detach().full_tensor(), atol=1e-6)][:1]
+
+
 def run_case(name: str, ep: int, cp: int, replay: bool, T: int, fsdp: bool = False, ac: bool = False) -> list[str]:
     rank, world = dist.get_rank(), dist.get_world_size()
     dp = world // cp
@@ -187,6 +207,8 @@ def run_case(name: str, ep: int, cp: int, replay: bool, T: int, fsdp: bool = Fal
         if grad.shape != want.shape or not torch.allclose(grad, want, atol=ATOL, rtol=RTOL):
             failures.append(f"grad {pname}: max diff {(grad - want).abs().max().item() if grad.shape == want.shape else 'shape'}")
         worst = max(worst, (grad - want).abs().max().item() if grad.shape == want.shape else float("inf"))
+    if fsdp:
+        failures += adamw_failures(model)
     if T % (2 * cp) == 0:  # padding tokens would add to the expert counts
         for key, value in ref_load.items():
             if abs(float(load[key]) - float(value)) > 1e-5:
