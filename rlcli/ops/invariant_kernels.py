@@ -393,7 +393,10 @@ def attention(q_NHD: torch.Tensor, k_RHD: torch.Tensor, v_RHD: torch.Tensor, key
     if out.numel() == 0 or num_seqs == 0 or max_q == 0:
         return out
     rows, cu_q, cu_k = (_aligned(x.to(device=q.device, dtype=torch.int64).contiguous()) for x in (key_rows, cu_q, cu_k))
-    BD, BDV = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(Dv))
+    # One block width for both products: with a value block narrower than the key block (a
+    # 24-wide latent key with a 16-wide value, bf16) Triton 3.6's kernel gave wrong outputs on the
+    # H200, and the engine step that ran it an illegal memory access (tests/ops/test_invariant_kernels.py).
+    BD = BDV = max(16, triton.next_power_of_2(max(D, Dv)))
     tile = attention_tile(q.dtype, BD)
     _attention_kernel[(num_seqs * Hq, triton.cdiv(max_q, tile))](
         q, k, v, out, rows, cu_q, cu_k, float(scale), Hq, Hq // Hkv, D, Dv, q.stride(0), q.stride(1),

@@ -191,6 +191,24 @@ def test_varlen_attention_reads_keys_through_their_rows(K):
     assert torch.equal(out[0], dense[0, :, 39]) and torch.equal(out[1:], dense[0, :, 30:36].transpose(0, 1))
 
 
+@pytest.mark.parametrize("D,Dv", [(24, 16), (32, 16), (576, 512)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_with_the_value_a_prefix_of_the_key(K, dtype, D, Dv):
+    """Latent MLA's call under the flag: one K/V head, the value the key's first Dv features (a
+    view of the cache). A value block narrower than the key block gave wrong outputs in bf16 on the
+    H200 (24/16 and 32/16; 576/512 was right) and an illegal memory access in the engine's step."""
+    Hq, T = 4, 70
+    kv = _rand(T, 1, D, dtype=dtype, seed=1)
+    q = _rand(T, Hq, D, dtype=dtype, seed=2)
+    out = K.attention(q, kv, kv[..., :Dv], torch.arange(T, device=DEVICE), torch.tensor([0, T]),
+                      torch.tensor([0, T]), T, 0.3)
+    ref = F.scaled_dot_product_attention(q.double().transpose(0, 1), kv.double().transpose(0, 1).expand(Hq, T, D),
+                                         kv[..., :Dv].double().transpose(0, 1).expand(Hq, T, Dv), is_causal=True,
+                                         scale=0.3).transpose(0, 1)
+    tol = dict(atol=1e-5, rtol=0) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.double(), ref, **tol)
+
+
 def test_rms_norm_and_row_sum_keep_row_bits(K):
     from rlcli.models.layers import RMSNorm
 
