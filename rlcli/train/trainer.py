@@ -79,7 +79,7 @@ def step_metrics(totals: dict[str, float], num_loss_tokens: float) -> dict[str, 
     return out
 
 
-def make_adamw(params, o, device: torch.device) -> torch.optim.AdamW:
+def make_adamw(params, o: OptimConfig) -> torch.optim.AdamW:
     """AdamW of train.optim. ``implementation`` auto is the fused kernel: one pass over each
     parameter instead of a dozen elementwise ops, on CUDA and on a CPU, plain or sharded
     (DTensor) parameters alike, on one mesh or several (experts over their own): on a CPU
@@ -167,7 +167,7 @@ class Trainer:
                 hook_layers(self.cores, self.model.model.layers)
             self.cores.busy(False)  # until a batch arrives (the SFT warm-up was busy)
         o = tcfg.optim
-        self.optimizer = make_adamw(self.model.parameters(), o, self.device)
+        self.optimizer = make_adamw(self.model.parameters(), o)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, o, cfg.num_steps))
         self.step = 0
         extra = load_latest_checkpoint(run, self.model, self.optimizer, self.scheduler)

@@ -116,7 +116,7 @@ def adamw_failures(model) -> list[str]:
     params = [p for p in model.parameters() if p.grad is not None]
     start = [p.detach().clone() for p in params]
     o = OptimConfig(lr=1e-2, weight_decay=0.1)
-    make_adamw(params, o, torch.device("cpu")).step()
+    make_adamw(params, o).step()
     fused = [p.detach().full_tensor() for p in params]
     with torch.no_grad():
         for p, s in zip(params, start):

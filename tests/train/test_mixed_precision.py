@@ -96,7 +96,7 @@ def test_a_checkpoint_of_bf16_parameters_resumes_into_fp32_masters(tmp_path, tin
     run.claim("e2e", {})
     Trainer(cfg, run).close()  # policy 0
     old = load_model(tiny_model_dir, dtype=torch.bfloat16, seed=1)
-    opt = make_adamw(old.parameters(), cfg.train.optim, torch.device("cpu"))
+    opt = make_adamw(old.parameters(), cfg.train.optim)
     for p in old.parameters():
         p.grad = torch.randn_like(p)
     opt.step()
