@@ -347,3 +347,6 @@ class ForwardContext:
     # layer (not "the last one") so that recomputing a block under activation checkpointing reads
     # the same choice as its forward did.
     dsa_selection: dict = field(default_factory=dict)
+    # DSA on shared-prompt rows: each row's key layout (rlcli.ops.mla.tree_key_layout), by row,
+    # built once per forward for every indexer layer.
+    dsa_layouts: dict = field(default_factory=dict)

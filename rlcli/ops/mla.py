@@ -126,15 +126,11 @@ def select_topk(q_THD: torch.Tensor, w_TH: torch.Tensor, k_SD: torch.Tensor, lo_
     return idx_Tk, valid_Tk
 
 
-def select_topk_tree(q_THD: torch.Tensor, w_TH: torch.Tensor, k_SD: torch.Tensor, tree, rows: np.ndarray,
-                     topk: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`select_topk` over a shared-prompt row (:class:`~rlcli.ops.prefix_tree.RowTree`):
-    query ``t`` at row index ``rows[t]`` chooses among its segment's ancestors and the earlier
-    tokens of its own segment, the tokens its unshared row shows it. The keys are laid out as
-    the unshared rows hold them (per segment with queries: its ancestors root first, then the
-    segment), so scores, windows and tie-breaks are the unshared row's, all in one
-    :func:`select_topk`; the chosen indices are then mapped back to row indices (still
-    ascending: ancestors come first in the row too). Keys ``[S, D]`` are the whole row's."""
+def tree_key_layout(tree, rows: np.ndarray, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """For :func:`select_topk_tree`: a shared-prompt row's (:class:`~rlcli.ops.prefix_tree.RowTree`)
+    keys laid out as the unshared rows hold them (per segment with queries: its ancestors root
+    first, then the segment, up to its last query), as row indices, and each query's window
+    ``lo..hi`` in that layout. ``rows``: the queries' row indices. The same for every layer."""
     seg_T = tree.segment_ids()[rows]
     lo_T, hi_T = np.empty(len(rows), dtype=np.int64), np.empty(len(rows), dtype=np.int64)
     layout, offset = [], 0
@@ -147,10 +143,19 @@ def select_topk_tree(q_THD: torch.Tensor, w_TH: torch.Tensor, k_SD: torch.Tensor
         hi_T[queries] = offset + len(doc) - end + rows[queries]  # the query's own place in doc
         layout.append(doc)
         offset += len(doc)
-    device = q_THD.device
-    key_rows = torch.from_numpy(np.concatenate(layout)).to(device)
-    idx, valid = select_topk(q_THD, w_TH, k_SD[key_rows], torch.from_numpy(lo_T).to(device),
-                             torch.from_numpy(hi_T).to(device), topk, scale)
+    return tuple(torch.from_numpy(x).to(device) for x in (np.concatenate(layout), lo_T, hi_T))
+
+
+def select_topk_tree(q_THD: torch.Tensor, w_TH: torch.Tensor, k_SD: torch.Tensor,
+                     layout: tuple[torch.Tensor, ...], topk: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`select_topk` over a shared-prompt row: query ``t`` chooses among its segment's
+    ancestors and the earlier tokens of its own segment, the tokens its unshared row shows it.
+    Over the keys in :func:`tree_key_layout`'s order, scores, windows and tie-breaks are the
+    unshared row's, all in one :func:`select_topk`; the chosen indices are then mapped back to
+    row indices (still ascending: ancestors come first in the row too). Keys ``[S, D]`` are the
+    whole row's."""
+    key_rows, lo_T, hi_T = layout
+    idx, valid = select_topk(q_THD, w_TH, k_SD[key_rows], lo_T, hi_T, topk, scale)
     return key_rows[idx].masked_fill(~valid, 0), valid  # invalid entries point at token 0
 
 
@@ -256,7 +261,8 @@ class SparseLatentAttention(InnerAttention):
 
     Query ``t`` (row index ``r_t``, position ``p_t``) chooses among tokens ``r_t - p_t ..
     r_t`` of its own document; in a shared-prompt row, among the tokens its unshared row
-    would show it, its segment's ancestors and its own earlier tokens (:func:`select_topk_tree`).
+    would show it, its segment's ancestors and its own earlier tokens (:func:`select_topk_tree`, over a
+    key layout built once per forward).
     As an :class:`InnerAttention`, context parallelism's
     pre-hook (:func:`rlcli.parallel.context.apply_cp`) all-gathers ``kv`` and
     ``index_keys`` in one collective per layer (S is then the whole row, in row order,
@@ -279,9 +285,11 @@ class SparseLatentAttention(InnerAttention):
         outs = []
         for b in range(B):
             if own and trees is not None and trees[b].shared:
-                host_rows = rows.numpy() if rows is not None else np.arange(T)
+                if b not in ctx.dsa_layouts:
+                    ctx.dsa_layouts[b] = tree_key_layout(trees[b], rows.numpy() if rows is not None else np.arange(T),
+                                                         device)
                 selections.append(select_topk_tree(query.index_q_BTHD[b], query.index_w_BTH[b],
-                                                   index_keys_BS1D[b, :, 0], trees[b], host_rows, query.topk,
+                                                   index_keys_BS1D[b, :, 0], ctx.dsa_layouts[b], query.topk,
                                                    query.index_scale))
             elif own:
                 lo_T = rows_T - ctx.position_ids[b]
