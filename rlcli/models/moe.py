@@ -128,8 +128,9 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(args.num_experts, args.hidden_size, args.moe_intermediate_size)
         self.num_experts = args.num_experts
         # Tokens routed to each expert since the last read (load-balance metrics); an
-        # activation-checkpoint recompute counts again, which leaves the fractions unchanged.
-        self.num_tokens_per_expert: torch.Tensor | None = None
+        # activation-checkpoint recompute counts again, which leaves the fractions unchanged. A
+        # non-persistent buffer: not in checkpoints, and it moves with the model (``.cuda()``).
+        self.register_buffer("num_tokens_per_expert", None, persistent=False)
         self.shared_experts = (MLP(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts)
                                if args.n_shared_experts else None)
 

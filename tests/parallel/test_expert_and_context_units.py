@@ -78,6 +78,17 @@ def test_expert_load_metrics_and_reset():
     assert moe.num_tokens_per_expert is None and expert_load_metrics(model) == {}
 
 
+def test_expert_counts_move_with_the_model_and_stay_out_of_its_state():
+    """Counts from a forward on one device, then ``model.to(other)``: the next forward adds to
+    counts on the new device (a CUDA test once failed here after a CPU forward)."""
+    model = _moe_model()
+    moe = model.model.layers[0].mlp
+    moe.num_tokens_per_expert = torch.tensor([4, 0, 2, 2, 2, 2])
+    model.to("meta")
+    assert moe.num_tokens_per_expert.is_meta
+    assert not any(k.endswith("num_tokens_per_expert") for k in model.state_dict())
+
+
 def test_trainer_reports_expert_load_of_its_step_and_nothing_for_a_dense_model():
     from types import SimpleNamespace
 

@@ -26,7 +26,8 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+    """The whole tensor, a copy on the CPU (where the tests' references are)."""
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().to("cpu", copy=True)
 
 
 def groups(n: int, vocab: int) -> list[Group]:
