@@ -49,7 +49,7 @@ def inputs() -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("siblings", [False, True])
 def test_fsdp2_fp8_training_matches_one_process_and_quantizes_once_per_step(tmp_path, siblings):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # CPU ranks: FSDP2's default mesh takes a GPU it sees
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(Path(__file__).with_name("dist_fp8_fsdp.py")), str(tmp_path), str(int(siblings))],
                           env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
