@@ -39,8 +39,8 @@ is a mixed one that other servers' prefills feed.
 With ``batch_invariant`` (``model.batch_invariant``) a token's numbers do not depend on the
 rest of the step: linears run on row counts that round every row alike, attention in the fixed order the trainer's
 ``invariant`` backend uses, and reported logprobs use the trainer's formula, so the trainer
-recomputes the same bits (:mod:`rlcli.ops.batch_invariant`; GQA models, on the CPU and on CUDA,
-where both sides run the Triton kernels of :mod:`rlcli.ops.invariant_kernels`).
+recomputes the same bits (:mod:`rlcli.ops.batch_invariant`; GQA and MLA models, DSA included, on the
+CPU and on CUDA, where both sides run the Triton kernels of :mod:`rlcli.ops.invariant_kernels`).
 """
 
 

@@ -27,6 +27,8 @@ from rlcli.ops.mla import LatentQuery, SparseLatentAttention, paged_latent_atten
 
 
 class MLAttention(nn.Module):
+    batch_invariant = False  # True on rlcli.ops.invariant_layers._InvariantMLA (model.batch_invariant)
+
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
@@ -136,7 +138,8 @@ class MLAttention(nn.Module):
                     [self.nope_dim, self.v_dim], dim=-1)
                 return torch.cat([k_nope, kv_SL[:, None, R:].expand(-1, H, -1)], dim=-1), v
 
-            q = LatentQuery(q_BTHL, R, self.index_source, w_uv, torch.cat([q_nope, q_rot], dim=-1), expand_kv)
+            q = LatentQuery(q_BTHL, R, self.index_source, w_uv, torch.cat([q_nope, q_rot], dim=-1), expand_kv,
+                            invariant=self.batch_invariant, expand_out=self._expand_out if self.batch_invariant else None)
             if index is not None:
                 q.index_q_BTHD, q.index_w_BTH, q.topk, q.index_scale = index[0], index[1], self.indexer.topk, \
                     self.indexer.scale

@@ -34,5 +34,8 @@ class Indexer(nn.Module):
         q = rope.apply(q, *cos_sin, interleave=self.interleave)
         k = self.k_norm(self.wk(x_BTD)).view(B, T, 1, self.head_dim)
         k = rope.apply(k, *cos_sin, interleave=self.interleave)[:, :, 0]
-        w = self.weights_proj(x_BTD.to(self.weights_proj.weight.dtype)).float() * self.n_heads ** -0.5
+        # The reference keeps weights_proj in fp32 (its input is cast up to it); an FP8 weight
+        # (FP8 inference storage) takes the hidden state as it is.
+        wdt = self.weights_proj.weight.dtype
+        w = self.weights_proj(x_BTD if wdt.itemsize == 1 else x_BTD.to(wdt)).float() * self.n_heads ** -0.5
         return q, w, k

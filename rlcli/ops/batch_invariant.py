@@ -71,14 +71,26 @@ projection computes each token's row on its expert's weight alone (:class:`rlcli
 A token's ``k`` weighted expert outputs are added in slot order on CUDA, where ``index_add_`` adds
 them with atomics (:class:`rlcli.ops.invariant_layers._InvariantMoE`). Gates, the top-k and the weighting are row-wise.
 
-**MLA** (dense, DeepSeek-V3 / Kimi-K2; :class:`rlcli.ops.invariant_layers._InvariantMLA`). The engine attends in latent form
+**MLA** (DeepSeek-V3 / Kimi-K2; :class:`rlcli.ops.invariant_layers._InvariantMLA`). The engine attends in latent form
 (``kv_b_proj`` absorbed into the query and output sides, one 576-wide K/V head for DeepSeek-V3) and
 the trainer, by default, in expanded form: the same function, other roundings. Under the flag the
 trainer takes the latent form too; the absorbed projections run per head on invariant rows
 (:func:`rlcli.ops.invariant_layers.head_linear`), the latent attention through the GQA path's invariant attention with one K/V
 head whose value is the latent (:meth:`rlcli.ops.attention.PagedAttention.attend`), and an FP8
 ``kv_b_proj`` on a master weight is absorbed quantized and dequantized, as the FP8 engine holds it.
-DSA (sparse MLA) is refused: its indexer and top-k are not covered.
+
+**DSA** (DeepSeek-V3.2, GLM-5: MLA whose queries attend to an indexer's top-k tokens; both sides
+attend in latent form anyway). The indexer's linears are linears like any other and its LayerNorm
+a fixed-length row reduction. Its scores (:func:`rlcli.ops.mla.index_scores`) come from the fused
+Triton kernel on CUDA, which computes each score from its own query and key, and on the CPU from
+each head's products summed over the head dim and the heads added in order. The top-k
+(:func:`rlcli.ops.mla.select_topk`) already chose alike (ties to the earlier token); under the flag
+it also lists the chosen tokens first, so a query's tokens sit in the same slots whether its window
+starts the row (the engine) or follows other documents (the trainer), and whatever ``k`` (the
+shorter of top-k and the keys the call holds). The sparse attention then adds the chosen tokens in
+fixed blocks from slot 0, padding adding exact zeros: the Triton kernel on CUDA (the engine reads
+the chosen tokens from its cache by slot), :func:`rlcli.ops.mla.invariant_sparse_attention` on the
+CPU. On CUDA, widths the DSA kernels do not take are refused.
 """
 
 import os
@@ -342,6 +354,25 @@ def pad_linear_rows(model: nn.Module) -> int:
     return count
 
 
+def _on_cuda(model: nn.Module) -> bool:
+    p = next(model.parameters(), None)
+    return p is not None and p.is_cuda
+
+
+def _check_dsa_kernels(attn: nn.Module) -> None:
+    """On CUDA the flag runs DSA (indexer scores, sparse attention) on :mod:`rlcli.ops.dsa_triton`'s
+    kernels in the trainer and the engine alike; widths they do not take are refused."""
+    from rlcli.ops import dsa_triton
+
+    index_dim = attn.indexer.head_dim if attn.indexer is not None else 0
+    if not (dsa_triton.attention_supported(attn.kv_lora_rank, attn.rope_dim)
+            and (not index_dim or dsa_triton.scores_supported(index_dim))):
+        raise ConfigError("model.batch_invariant runs DSA on CUDA through its Triton kernels, which take a latent "
+                          "of at most 512 values, a rope key of at most 128 and indexer heads of at most 256; this "
+                          f"model's are {attn.kv_lora_rank}, {attn.rope_dim} and {index_dim}: "
+                          "set model.batch_invariant = false")
+
+
 def make_batch_invariant(model: nn.Module) -> nn.Module:
     """Everything ``model.batch_invariant`` swaps into a model, in place (after ``convert_to_fp8``;
     idempotent): :func:`pad_linear_rows`; RMSNorms that run the ``rms_norm`` kernel on CUDA; MoE
@@ -354,12 +385,14 @@ def make_batch_invariant(model: nn.Module) -> nn.Module:
     from rlcli.models.moe import MoE, GroupedExperts, Router
     from rlcli.ops.invariant_layers import _InvariantExperts, _InvariantMLA, _InvariantMoE, _InvariantRouter
 
+    cuda = _on_cuda(model)
     for layer in getattr(getattr(model, "model", None), "layers", ()):
         attn = layer.self_attn
-        if not isinstance(attn, (Attention, MLAttention)) or getattr(attn, "sparse", False):
-            raise ConfigError("model.batch_invariant covers grouped-query and dense MLA attention; this model's "
-                              f"is {type(attn).__name__}{' with DSA' if getattr(attn, 'sparse', False) else ''}: "
-                              "set model.batch_invariant = false")
+        if not isinstance(attn, (Attention, MLAttention)):
+            raise ConfigError("model.batch_invariant covers grouped-query and MLA attention (dense or DSA); this "
+                              f"model's is {type(attn).__name__}: set model.batch_invariant = false")
+        if cuda and getattr(attn, "sparse", False):
+            _check_dsa_kernels(attn)
     pad_linear_rows(model)
     wrapped: dict[int, KernelGemm] = {}
     for module in model.modules():

@@ -140,10 +140,14 @@ class _FakeQuant128(torch.autograd.Function):
 
 
 class _InvariantMLA:
-    """Mixin in front of an MLA layer's class (dense MLA, not DSA): the trainer attends in the
-    engine's latent form too (one latent K/V head, through the attention backend on packed rows:
-    the invariant one under the flag), the absorbed projections are :func:`head_linear`, and an FP8
-    ``kv_b_proj`` on a master weight is absorbed as the FP8 engine holds it (quantized, dequantized)."""
+    """Mixin in front of an MLA layer's class: the trainer attends in the engine's latent form too
+    (dense MLA: one latent K/V head, through the attention backend on packed rows, the invariant one
+    under the flag; DSA: the indexer's top-k and the sparse attention in their invariant forms,
+    :class:`rlcli.ops.mla.SparseLatentAttention`), the absorbed projections are :func:`head_linear`,
+    and an FP8 ``kv_b_proj`` on a master weight is absorbed as the FP8 engine holds it (quantized,
+    dequantized)."""
+
+    batch_invariant = True
 
     def _latent_form(self, ctx) -> bool:
         return True

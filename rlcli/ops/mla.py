@@ -82,13 +82,30 @@ def _fused_scores(q_THD: torch.Tensor) -> bool:
 
 
 @torch.no_grad()
-def index_scores(q_THD: torch.Tensor, w_TH: torch.Tensor, k_SD: torch.Tensor, scale: float) -> torch.Tensor:
+def index_scores(q_THD: torch.Tensor, w_TH: torch.Tensor, k_SD: torch.Tensor, scale: float,
+                 invariant: bool = False) -> torch.Tensor:
     """Lightning-indexer scores [T, S] in fp32; keys are shared ``[S, D]`` or per query
     ``[T, S, D]``. With Triton (:data:`TRITON`) one fused kernel computes each score from its
     own query and key only (the same kernel for shared and per-query keys); otherwise torch in
-    the order of operations of the reference."""
+    the order of operations of the reference, or with ``invariant`` (``model.batch_invariant``)
+    in a fixed order: each head's products summed over the head dim (one fixed-length
+    reduction per score, :func:`rlcli.ops.batch_invariant.row_sum`), then the heads' weighted
+    scores added in head order, so a score's bits do not depend on how many queries or keys
+    share the call (the fused kernel's do not either)."""
     if _fused_scores(q_THD):
         return dsa_triton.index_scores(q_THD, w_TH, k_SD, scale)
+    if invariant:
+        from rlcli.ops.batch_invariant import row_sum  # the invariant kernel on CUDA
+
+        k = k_SD.float()
+        k = k[None] if k.dim() == 2 else k  # [1 or T, S, D]
+        q, w = q_THD.float(), w_TH.float()
+        T, S, D = q.shape[0], k.shape[-2], q.shape[-1]
+        out = None
+        for h in range(q.shape[1]):
+            s_TS = row_sum((q[:, h, None, :] * k).view(T * S, D)).view(T, S).mul_(scale).relu_().mul_(w[:, h, None])
+            out = s_TS if out is None else out.add_(s_TS)
+        return out
     k_DS = k_SD.float().transpose(-1, -2)
     # Shared keys broadcast (one GEMM for all queries and heads); per-query keys batch over queries.
     s_THS = torch.matmul(q_THD.float(), k_DS[None] if k_SD.dim() == 2 else k_DS)
@@ -98,29 +115,37 @@ def index_scores(q_THD: torch.Tensor, w_TH: torch.Tensor, k_SD: torch.Tensor, sc
 
 @torch.no_grad()
 def select_topk(q_THD: torch.Tensor, w_TH: torch.Tensor, k_SD: torch.Tensor, lo_T: torch.Tensor,
-                hi_T: torch.Tensor, topk: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                hi_T: torch.Tensor, topk: int, scale: float, invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k keys per query among keys ``lo[t] <= s <= hi[t]``: (indices [T, k], valid [T, k]),
     ``k = min(topk, S)``; a query with fewer allowed keys gets all of them (rest invalid).
     Keys are shared ``[S, D]`` or per query ``[T, S, D]`` (a padded decode batch). Each chunk
-    of queries scores only the key window its rows can see (one host sync per chunk)."""
+    of queries scores only the key window its rows can see (one host sync per chunk).
+
+    Indices ascend; ``invariant`` (``model.batch_invariant``) scores in :func:`index_scores`'
+    fixed order and puts the valid entries first (then the invalid ones), so a query's chosen
+    tokens sit in the same slots whatever its window's offset in the row and whatever ``k``."""
     T, S = q_THD.shape[0], k_SD.shape[-2]
     k = min(topk, S)
     idx_Tk = torch.zeros(T, k, dtype=torch.long, device=q_THD.device)
     valid_Tk = torch.zeros(T, k, dtype=torch.bool, device=q_THD.device)
-    # The torch scores hold [rows, Hi, S]; the fused kernel only the [rows, S] scores and the
-    # top-k's temporaries (~16 bytes per score).
-    step = _chunk((16 if _fused_scores(q_THD) else q_THD.shape[1]) * S, q_THD.device)
+    # The torch scores hold [rows, Hi, S] (invariant: [rows, S, Di]); the fused kernel only the
+    # [rows, S] scores and the top-k's temporaries (~16 bytes per score).
+    fused = _fused_scores(q_THD)
+    step = _chunk((16 if fused else q_THD.shape[-1] if invariant else q_THD.shape[1]) * S, q_THD.device)
     for a in range(0, T, step):
         b = min(a + step, T)
         first, last = int(lo_T[a:b].min()), int(hi_T[a:b].max()) + 1
         keys = k_SD[first:last] if k_SD.dim() == 2 else k_SD[a:b, first:last]
-        scores = index_scores(q_THD[a:b], w_TH[a:b], keys, scale)
+        scores = index_scores(q_THD[a:b], w_TH[a:b], keys, scale, invariant)
         pos_W = torch.arange(first, last, device=q_THD.device)
         allowed = (pos_W[None] >= lo_T[a:b, None]) & (pos_W[None] <= hi_T[a:b, None])
         scores = scores.masked_fill(~allowed, float("-inf"))
         kk = min(k, last - first)
         order = _topk_earliest(scores, kk)
         keep = allowed.gather(1, order)
+        if invariant:  # valid entries first, each group still ascending
+            first_valid = torch.argsort((~keep).to(torch.uint8), dim=1, stable=True)
+            order, keep = order.gather(1, first_valid), keep.gather(1, first_valid)
         idx_Tk[a:b, :kk] = (order + first).masked_fill(~keep, 0)  # invalid entries point at token 0
         valid_Tk[a:b, :kk] = keep
     return idx_Tk, valid_Tk
@@ -146,16 +171,17 @@ def tree_key_layout(tree, rows: np.ndarray, device: torch.device) -> tuple[torch
     return tuple(torch.from_numpy(x).to(device) for x in (np.concatenate(layout), lo_T, hi_T))
 
 
-def select_topk_tree(q_THD: torch.Tensor, w_TH: torch.Tensor, k_SD: torch.Tensor,
-                     layout: tuple[torch.Tensor, ...], topk: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def select_topk_tree(q_THD: torch.Tensor, w_TH: torch.Tensor, k_SD: torch.Tensor, layout: tuple[torch.Tensor, ...],
+                     topk: int, scale: float, invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`select_topk` over a shared-prompt row: query ``t`` chooses among its segment's
     ancestors and the earlier tokens of its own segment, the tokens its unshared row shows it.
     Over the keys in :func:`tree_key_layout`'s order, scores, windows and tie-breaks are the
     unshared row's, all in one :func:`select_topk`; the chosen indices are then mapped back to
-    row indices (still ascending: ancestors come first in the row too). Keys ``[S, D]`` are the
+    row indices (still ascending, within the valid entries and the invalid ones under ``invariant``:
+    ancestors come first in the row too). Keys ``[S, D]`` are the
     whole row's."""
     key_rows, lo_T, hi_T = layout
-    idx, valid = select_topk(q_THD, w_TH, k_SD[key_rows], lo_T, hi_T, topk, scale)
+    idx, valid = select_topk(q_THD, w_TH, k_SD[key_rows], lo_T, hi_T, topk, scale, invariant)
     return key_rows[idx].masked_fill(~valid, 0), valid  # invalid entries point at token 0
 
 
@@ -170,21 +196,47 @@ def _sparse_chunk(q_CHL, kv_SL, idx_Ck, valid_Ck, value_dim: int, scale: float) 
     return _attend(q_CHL, kv_SL[idx_Ck], valid_Ck, value_dim, scale)
 
 
-def sparse_latent_attention(q_THL: torch.Tensor, kv_SL: torch.Tensor, idx_Tk: torch.Tensor, valid_Tk: torch.Tensor,
-                            value_dim: int, scale: float) -> torch.Tensor:
-    """Attention of each query over its selected latent tokens only: [T, H, value_dim]."""
+def _over_query_chunks(chunk_fn, step: int, q_THL, kv_SL, idx_Tk, valid_Tk, value_dim: int, scale: float):
+    """``chunk_fn`` over chunks of ``step`` queries, each checkpointed under autograd (backward keeps
+    only the inputs, not the chunk's gathered tokens)."""
     T = q_THL.shape[0]
-    step = _chunk(idx_Tk.shape[1] * kv_SL.shape[-1], kv_SL.device)
     if T <= step:
-        return _sparse_chunk(q_THL, kv_SL, idx_Tk, valid_Tk, value_dim, scale)
+        return chunk_fn(q_THL, kv_SL, idx_Tk, valid_Tk, value_dim, scale)
     outs = []
     for a in range(0, T, step):
         args = (q_THL[a:a + step], kv_SL, idx_Tk[a:a + step], valid_Tk[a:a + step], value_dim, scale)
         if torch.is_grad_enabled() and (q_THL.requires_grad or kv_SL.requires_grad):
-            outs.append(checkpoint(_sparse_chunk, *args, use_reentrant=False))
+            outs.append(checkpoint(chunk_fn, *args, use_reentrant=False))
         else:
-            outs.append(_sparse_chunk(*args))
+            outs.append(chunk_fn(*args))
     return torch.cat(outs)
+
+
+def sparse_latent_attention(q_THL: torch.Tensor, kv_SL: torch.Tensor, idx_Tk: torch.Tensor, valid_Tk: torch.Tensor,
+                            value_dim: int, scale: float) -> torch.Tensor:
+    """Attention of each query over its selected latent tokens only: [T, H, value_dim]."""
+    step = _chunk(idx_Tk.shape[1] * kv_SL.shape[-1], kv_SL.device)
+    return _over_query_chunks(_sparse_chunk, step, q_THL, kv_SL, idx_Tk, valid_Tk, value_dim, scale)
+
+
+def _invariant_sparse_chunk(q_CHL, kv_SL, idx_Ck, valid_Ck, value_dim: int, scale: float) -> torch.Tensor:
+    from rlcli.ops.batch_invariant import invariant_attention
+
+    kv_C1kL = kv_SL[idx_Ck][:, None]
+    return invariant_attention(q_CHL[:, :, None], kv_C1kL, kv_C1kL[..., :value_dim], scale, valid_Ck.sum(1))[:, :, 0]
+
+
+def invariant_sparse_attention(q_THL: torch.Tensor, kv_SL: torch.Tensor, idx_Tk: torch.Tensor, valid_Tk: torch.Tensor,
+                               value_dim: int, scale: float) -> torch.Tensor:
+    """:func:`sparse_latent_attention` under ``model.batch_invariant`` (off CUDA): each query's chosen
+    tokens, valid first (``select_topk(invariant=True)``), as a short sequence of its own through
+    :func:`rlcli.ops.batch_invariant.invariant_attention`, whose fixed key blocks make the padding
+    past a query's last valid token add exact zeros; so the bits do not depend on ``k``, on the
+    valid tokens' positions or on the other queries. ``idx`` indexes ``kv``'s rows (the engine
+    passes cache slots). Checkpointed per query chunk under autograd."""
+    T, H, L = q_THL.shape
+    step = _chunk(H * idx_Tk.shape[1] * (L + 1), kv_SL.device)
+    return _over_query_chunks(_invariant_sparse_chunk, step, q_THL, kv_SL, idx_Tk, valid_Tk, value_dim, scale)
 
 
 def dense_latent_attention(q_THL: torch.Tensor, kv_SL: torch.Tensor, value_dim: int, scale: float,
@@ -248,6 +300,14 @@ class LatentQuery:
     index_w_BTH: torch.Tensor | None = None
     topk: int = 0
     index_scale: float = 1.0
+    invariant: bool = False  # model.batch_invariant: select_topk(invariant=True), invariant sparse attention
+    expand_out: object = None  # (out [B, T, H, R], w_uv [H, V, R]) -> [B, T, H, V]; None: one einsum
+
+
+def sparse_kernel(kv: torch.Tensor, value_dim: int) -> bool:
+    """Whether DSA's sparse attention over ``kv`` runs the Triton kernel (trainer and engine alike)."""
+    return (kv.is_cuda if TRITON is None else TRITON) and dsa_triton.available(kv) and \
+        dsa_triton.attention_supported(value_dim, kv.shape[-1] - value_dim)
 
 
 class SparseLatentAttention(InnerAttention):
@@ -257,7 +317,9 @@ class SparseLatentAttention(InnerAttention):
     Three kernels for the same function: the Triton gathered kernel (CUDA default, reads
     each query's selected latent rows in place), gathering the selected latents in torch per
     checkpointed chunk (CPU; the reference), or, with ``MASKED_DENSE``, SDPA over expanded
-    K/V with the top-k as a boolean mask per query chunk (dense work; for comparison).
+    K/V with the top-k as a boolean mask per query chunk (dense work; for comparison). With
+    ``query.invariant`` (``model.batch_invariant``) the top-k is :func:`select_topk`'s invariant
+    one and the CPU kernel :func:`invariant_sparse_attention`.
 
     Query ``t`` (row index ``r_t``, position ``p_t``) chooses among tokens ``r_t - p_t ..
     r_t`` of its own document; in a shared-prompt row, among the tokens its unshared row
@@ -280,8 +342,8 @@ class SparseLatentAttention(InnerAttention):
         own = query.index_q_BTHD is not None
         selections = [] if own else ctx.dsa_selection[query.source_layer]
         masked = bool(MASKED_DENSE)
-        fused = (kv_BS1L.is_cuda if TRITON is None else TRITON) and dsa_triton.available(kv_BS1L) and \
-            dsa_triton.attention_supported(query.value_dim, kv_BS1L.shape[-1] - query.value_dim)
+        fused = sparse_kernel(kv_BS1L, query.value_dim)
+        inv = query.invariant
         outs = []
         for b in range(B):
             if own and trees is not None and trees[b].shared:
@@ -290,19 +352,21 @@ class SparseLatentAttention(InnerAttention):
                                                          device)
                 selections.append(select_topk_tree(query.index_q_BTHD[b], query.index_w_BTH[b],
                                                    index_keys_BS1D[b, :, 0], ctx.dsa_layouts[b], query.topk,
-                                                   query.index_scale))
+                                                   query.index_scale, inv))
             elif own:
                 lo_T = rows_T - ctx.position_ids[b]
                 selections.append(select_topk(query.index_q_BTHD[b], query.index_w_BTH[b], index_keys_BS1D[b, :, 0],
-                                              lo_T, rows_T, query.topk, query.index_scale))
+                                              lo_T, rows_T, query.topk, query.index_scale, inv))
             idx, valid = selections[b]
             if masked:
                 k_SHD, v_SHV = query.expand_kv(kv_BS1L[b, :, 0])
                 outs.append(masked_dense_attention(query.q_BTHD[b], k_SHD, v_SHV, idx, valid, rows_T, scale))
             else:
-                attend = dsa_triton.sparse_attention if fused else sparse_latent_attention
+                attend = dsa_triton.sparse_attention if fused else \
+                    invariant_sparse_attention if inv else sparse_latent_attention
                 out_THR = attend(query.q_BTHL[b], kv_BS1L[b, :, 0], idx, valid, query.value_dim, scale)
-                outs.append(torch.einsum("thr,hvr->thv", out_THR, query.w_uv_HVR))
+                outs.append(torch.einsum("thr,hvr->thv", out_THR, query.w_uv_HVR) if query.expand_out is None
+                            else query.expand_out(out_THR[None], query.w_uv_HVR)[0])
         ctx.dsa_selection[query.source_layer] = selections
         return torch.stack(outs)
 
@@ -332,8 +396,13 @@ def paged_latent_attention(attn: PagedAttention, layer_idx: int, q_NHL: torch.Te
         ik_flat = caches[1].view(-1, caches[1].shape[-1])
         ik_flat.index_copy_(0, meta.slot_mapping, ik_ND.to(ik_flat.dtype))
     sparse = indexer is not None or selection is not None
-    if attn.batch_invariant and not sparse:  # the GQA path's fixed order, one latent K/V head
+    inv = attn.batch_invariant
+    if inv and not sparse:  # the GQA path's fixed order, one latent K/V head
         return attn.attend(q_NHL, caches[0], caches[0][..., :value_dim], scale), None
+    # Under the flag the chosen tokens are read from the cache by slot, by the trainer's kernel:
+    # the Triton one where it runs, else invariant_sparse_attention.
+    inv_attend = (dsa_triton.sparse_attention if sparse_kernel(kv_flat, value_dim) else invariant_sparse_attention) \
+        if inv else None
     D, outs, decode_sel, prefill_sel = meta.num_decode, [], None, []
     if D:
         lens = meta.context_lens[:D]
@@ -342,18 +411,19 @@ def paged_latent_attention(attn: PagedAttention, layer_idx: int, q_NHL: torch.Te
         blocks = meta.block_tables[:D, pos_L // meta.block_size].clamp(min=0)
         slots_DL = blocks * meta.block_size + pos_L % meta.block_size
         valid_DL = pos_L[None] <= hi_D[:, None]
-        # Padding slots hold other sequences' (or stale, non-finite) values: zero them.
-        kv_DLL = kv_flat[slots_DL].masked_fill(~valid_DL[..., None], 0)
         if indexer is not None:
             decode_sel = select_topk(iq_NHD[:D], iw_NH[:D], ik_flat[slots_DL], torch.zeros_like(hi_D), hi_D, topk,
-                                     iscale)
+                                     iscale, inv)
         elif selection is not None:
             decode_sel = selection[0]
-        if decode_sel is not None:
+        if decode_sel is not None:  # only the chosen tokens are read (invalid entries: the sequence's token 0)
             idx_Dk, keep_Dk = decode_sel
-            kv_DkL = kv_DLL.gather(1, idx_Dk[..., None].expand(-1, -1, kv_DLL.shape[-1]))
-            outs.append(_attend(q_NHL[:D], kv_DkL, keep_Dk, value_dim, scale))
+            slots_Dk = slots_DL.gather(1, idx_Dk)
+            outs.append(inv_attend(q_NHL[:D], kv_flat, slots_Dk, keep_Dk, value_dim, scale) if inv
+                        else _attend(q_NHL[:D], kv_flat[slots_Dk], keep_Dk, value_dim, scale))
         else:
+            # Padding slots hold other sequences' (or stale, non-finite) values: zero them.
+            kv_DLL = kv_flat[slots_DL].masked_fill(~valid_DL[..., None], 0)
             outs.append(_attend(q_NHL[:D], kv_DLL, valid_DL, value_dim, scale))
     for j, i in enumerate(range(D, len(meta.context_lens))):
         n, a, b = meta.context_lens[i], meta.query_start[i], meta.query_start[i + 1]
@@ -363,11 +433,14 @@ def paged_latent_attention(attn: PagedAttention, layer_idx: int, q_NHL: torch.Te
         hi_T = torch.arange(n - (b - a), n, device=kv_flat.device)
         sel = None
         if indexer is not None:
-            sel = select_topk(iq_NHD[a:b], iw_NH[a:b], ik_flat[slots], torch.zeros_like(hi_T), hi_T, topk, iscale)
+            sel = select_topk(iq_NHD[a:b], iw_NH[a:b], ik_flat[slots], torch.zeros_like(hi_T), hi_T, topk, iscale,
+                              inv)
         elif selection is not None:
             sel = selection[1][j]
         prefill_sel.append(sel)
-        if sel is not None:
+        if sel is not None and inv:
+            outs.append(inv_attend(q_NHL[a:b], kv_flat, slots[sel[0]], sel[1], value_dim, scale))
+        elif sel is not None:
             outs.append(sparse_latent_attention(q_NHL[a:b], kv_SL, sel[0], sel[1], value_dim, scale))
         else:
             mask = pos[None] <= hi_T[:, None] if b - a > 1 else None
