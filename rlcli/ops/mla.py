@@ -382,7 +382,8 @@ def paged_latent_attention(attn: PagedAttention, layer_idx: int, q_NHL: torch.Te
     own indexer, ``index_cache [blocks, block_size, 1, Di]``. ``indexer`` is ``(q [N, Hi, Di],
     w [N, Hi], k [N, Di], topk, scale)`` for such a layer; a layer that shares an earlier
     layer's choice passes that layer's ``selection`` instead. The decoding sequences (one
-    query each) are attended in one padded batch, prefill chunks one by one. Returns
+    query each) are attended in one padded batch, prefill chunks one by one; a DSA layer reads
+    only its chosen tokens, by cache slot, with the training kernel (the Triton one on CUDA). Returns
     ``(out [N, H, value_dim], selection)``: (the decode batch's, [each prefill's]) (token
     indices, valid), or None for dense MLA.
     """
@@ -399,10 +400,10 @@ def paged_latent_attention(attn: PagedAttention, layer_idx: int, q_NHL: torch.Te
     inv = attn.batch_invariant
     if inv and not sparse:  # the GQA path's fixed order, one latent K/V head
         return attn.attend(q_NHL, caches[0], caches[0][..., :value_dim], scale), None
-    # Under the flag the chosen tokens are read from the cache by slot, by the trainer's kernel:
-    # the Triton one where it runs, else invariant_sparse_attention.
-    inv_attend = (dsa_triton.sparse_attention if sparse_kernel(kv_flat, value_dim) else invariant_sparse_attention) \
-        if inv else None
+    # DSA reads only the chosen tokens, from the cache by slot, with the trainer's kernel: the Triton
+    # one where it runs (CUDA), else torch's (under the flag invariant_sparse_attention).
+    attend_chosen = dsa_triton.sparse_attention if sparse_kernel(kv_flat, value_dim) else \
+        invariant_sparse_attention if inv else sparse_latent_attention
     D, outs, decode_sel, prefill_sel = meta.num_decode, [], None, []
     if D:
         lens = meta.context_lens[:D]
@@ -416,11 +417,9 @@ def paged_latent_attention(attn: PagedAttention, layer_idx: int, q_NHL: torch.Te
                                      iscale, inv)
         elif selection is not None:
             decode_sel = selection[0]
-        if decode_sel is not None:  # only the chosen tokens are read (invalid entries: the sequence's token 0)
+        if decode_sel is not None:  # invalid entries point at the sequence's token 0 (a finite value)
             idx_Dk, keep_Dk = decode_sel
-            slots_Dk = slots_DL.gather(1, idx_Dk)
-            outs.append(inv_attend(q_NHL[:D], kv_flat, slots_Dk, keep_Dk, value_dim, scale) if inv
-                        else _attend(q_NHL[:D], kv_flat[slots_Dk], keep_Dk, value_dim, scale))
+            outs.append(attend_chosen(q_NHL[:D], kv_flat, slots_DL.gather(1, idx_Dk), keep_Dk, value_dim, scale))
         else:
             # Padding slots hold other sequences' (or stale, non-finite) values: zero them.
             kv_DLL = kv_flat[slots_DL].masked_fill(~valid_DL[..., None], 0)
@@ -429,7 +428,6 @@ def paged_latent_attention(attn: PagedAttention, layer_idx: int, q_NHL: torch.Te
         n, a, b = meta.context_lens[i], meta.query_start[i], meta.query_start[i + 1]
         pos = torch.arange(n, device=kv_flat.device)
         slots = meta.block_tables[i, pos // meta.block_size] * meta.block_size + pos % meta.block_size
-        kv_SL = kv_flat[slots]
         hi_T = torch.arange(n - (b - a), n, device=kv_flat.device)
         sel = None
         if indexer is not None:
@@ -438,11 +436,9 @@ def paged_latent_attention(attn: PagedAttention, layer_idx: int, q_NHL: torch.Te
         elif selection is not None:
             sel = selection[1][j]
         prefill_sel.append(sel)
-        if sel is not None and inv:
-            outs.append(inv_attend(q_NHL[a:b], kv_flat, slots[sel[0]], sel[1], value_dim, scale))
-        elif sel is not None:
-            outs.append(sparse_latent_attention(q_NHL[a:b], kv_SL, sel[0], sel[1], value_dim, scale))
+        if sel is not None:
+            outs.append(attend_chosen(q_NHL[a:b], kv_flat, slots[sel[0]], sel[1], value_dim, scale))
         else:
             mask = pos[None] <= hi_T[:, None] if b - a > 1 else None
-            outs.append(dense_latent_attention(q_NHL[a:b], kv_SL, value_dim, scale, mask))
+            outs.append(dense_latent_attention(q_NHL[a:b], kv_flat[slots], value_dim, scale, mask))
     return torch.cat(outs), ((decode_sel, prefill_sel) if sparse else None)
