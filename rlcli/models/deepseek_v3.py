@@ -139,7 +139,7 @@ class MLAttention(nn.Module):
                 return torch.cat([k_nope, kv_SL[:, None, R:].expand(-1, H, -1)], dim=-1), v
 
             q = LatentQuery(q_BTHL, R, self.index_source, w_uv, torch.cat([q_nope, q_rot], dim=-1), expand_kv,
-                            invariant=self.batch_invariant, expand_out=self._expand_out if self.batch_invariant else None)
+                            invariant=self.batch_invariant, expand_out=self._expand_out)
             if index is not None:
                 q.index_q_BTHD, q.index_w_BTH, q.topk, q.index_scale = index[0], index[1], self.indexer.topk, \
                     self.indexer.scale

@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rlcli.ops import dsa_triton
 from rlcli.ops.attention import InnerAttention, PagedAttention
+from rlcli.ops.batch_invariant import invariant_attention, row_sum
 
 # Query rows per chunk are sized so that the chunk's largest intermediate (indexer scores
 # [rows, Hi, S], gathered latents [rows, k, L]) stays near this many elements: on CUDA a
@@ -95,8 +96,6 @@ def index_scores(q_THD: torch.Tensor, w_TH: torch.Tensor, k_SD: torch.Tensor, sc
     if _fused_scores(q_THD):
         return dsa_triton.index_scores(q_THD, w_TH, k_SD, scale)
     if invariant:
-        from rlcli.ops.batch_invariant import row_sum  # the invariant kernel on CUDA
-
         k = k_SD.float()
         k = k[None] if k.dim() == 2 else k  # [1 or T, S, D]
         q, w = q_THD.float(), w_TH.float()
@@ -220,8 +219,6 @@ def sparse_latent_attention(q_THL: torch.Tensor, kv_SL: torch.Tensor, idx_Tk: to
 
 
 def _invariant_sparse_chunk(q_CHL, kv_SL, idx_Ck, valid_Ck, value_dim: int, scale: float) -> torch.Tensor:
-    from rlcli.ops.batch_invariant import invariant_attention
-
     kv_C1kL = kv_SL[idx_Ck][:, None]
     return invariant_attention(q_CHL[:, :, None], kv_C1kL, kv_C1kL[..., :value_dim], scale, valid_Ck.sum(1))[:, :, 0]
 
@@ -234,7 +231,7 @@ def invariant_sparse_attention(q_THL: torch.Tensor, kv_SL: torch.Tensor, idx_Tk:
     past a query's last valid token add exact zeros; so the bits do not depend on ``k``, on the
     valid tokens' positions or on the other queries. ``idx`` indexes ``kv``'s rows (the engine
     passes cache slots). Checkpointed per query chunk under autograd."""
-    T, H, L = q_THL.shape
+    _, H, L = q_THL.shape
     step = _chunk(H * idx_Tk.shape[1] * (L + 1), kv_SL.device)
     return _over_query_chunks(_invariant_sparse_chunk, step, q_THL, kv_SL, idx_Tk, valid_Tk, value_dim, scale)
 
@@ -296,12 +293,12 @@ class LatentQuery:
     w_uv_HVR: torch.Tensor  # value up-projection: latent output -> per-head values
     q_BTHD: torch.Tensor  # the same queries expanded (nope + rope), for the masked dense kernel
     expand_kv: object  # kv [S, L] -> (k [S, H, D], v [S, H, V]): the layer's up-projection
+    expand_out: object  # (out [B, T, H, R], w_uv [H, V, R]) -> [B, T, H, V]: the layer's value up-projection
     index_q_BTHD: torch.Tensor | None = None
     index_w_BTH: torch.Tensor | None = None
     topk: int = 0
     index_scale: float = 1.0
     invariant: bool = False  # model.batch_invariant: select_topk(invariant=True), invariant sparse attention
-    expand_out: object = None  # (out [B, T, H, R], w_uv [H, V, R]) -> [B, T, H, V]; None: one einsum
 
 
 def sparse_kernel(kv: torch.Tensor, value_dim: int) -> bool:
@@ -365,8 +362,7 @@ class SparseLatentAttention(InnerAttention):
                 attend = dsa_triton.sparse_attention if fused else \
                     invariant_sparse_attention if inv else sparse_latent_attention
                 out_THR = attend(query.q_BTHL[b], kv_BS1L[b, :, 0], idx, valid, query.value_dim, scale)
-                outs.append(torch.einsum("thr,hvr->thv", out_THR, query.w_uv_HVR) if query.expand_out is None
-                            else query.expand_out(out_THR[None], query.w_uv_HVR)[0])
+                outs.append(query.expand_out(out_THR[None], query.w_uv_HVR)[0])
         ctx.dsa_selection[query.source_layer] = selections
         return torch.stack(outs)
 
