@@ -47,7 +47,9 @@ class SyncConfig(Config):
 
     ack_timeout_s: float = 120.0
     """A server that has not acknowledged a load in this long is skipped (logged, not waited
-    for by PolicyUpdated) until it answers again; also the deadline of every collective op."""
+    for by PolicyUpdated) until it answers again, and so is one whose loads have failed for this
+    long (filesystem transports; it is retried, at most this far apart, until one succeeds).
+    Also the deadline of every collective op."""
 
     poll_interval_s: float = 0.5
     """How often the run directory is scanned when no announcement arrives."""

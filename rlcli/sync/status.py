@@ -1,8 +1,8 @@
 """RUN/sync/status.json: what ``rl-sync status`` shows.
 
-rl-sync rewrites it whenever something in it changes: each server's served version and
-state (admitted, skipped, loading), and the last update's timing broken down into the
-trainer's gather (collecting the tensors; DTensors are all-gathered), its send (collective
+rl-sync rewrites it whenever something in it changes: each server's served version, state
+(admitted, skipped, loading) and consecutive failed loads, and the last update's timing broken
+down into the trainer's gather (collecting the tensors; DTensors are all-gathered), its send (collective
 broadcast) or write (files durable), the slowest server's load, and the total from
 rl-sync learning of the version to ``PolicyUpdated``.
 """
@@ -25,7 +25,8 @@ def write_status(run, kind: str, policy_version: int, target: int, servers: dict
         "backend": kind, "policy_version": policy_version, "latest_published": target,
         "servers": {key: {"version": s.version, "host": s.entry.host, "pid": s.entry.pid,
                           "state": "skipped" if s.skipped else "loading" if s.pending else "admitted",
-                          "last_error": s.last_error} for key, s in sorted(servers.items())},
+                          "last_error": s.last_error, "failed_loads": s.failures}
+                    for key, s in sorted(servers.items())},
         "last_update": last_update,
     }
     path = Path(run.root) / STATUS_FILE
@@ -48,6 +49,8 @@ def render(status: dict[str, Any]) -> str:
              f"v{status['latest_published']} published"]
     for key, s in status["servers"].items():
         err = f"  ({s['last_error']})" if s.get("last_error") else ""
+        if s.get("failed_loads"):
+            err = f"  ({s['failed_loads']} failed loads in a row: {s['last_error']})"
         lines.append(f"  {key:<12} v{s['version']:<6} {s['state']:<9} {s['host']} pid {s['pid']}{err}")
     u = status.get("last_update") or {}
     if u:

@@ -10,11 +10,16 @@ restarted (new incarnation) reports the version it loaded at start.
 
 Bounded waits: a server that has not acknowledged a load within ``sync.ack_timeout_s`` is
 skipped (one log line naming it): PolicyUpdated no longer waits for it, and nothing is
-re-sent to it (no retry storm). Its first answer afterwards re-admits it; if it is still
-behind it gets the next load. Once every admitted server acknowledged version v, rl-sync
-records it in RUN/progress/sync.json and publishes ``PolicyUpdated(v)``. Weight
-directories older than the newest ``keep_weights`` are deleted, never one a server still
-serves or loads.
+re-sent to it (no retry storm). Its first answer afterwards re-admits it (with the filesystem
+transports, only a load that succeeds does); if it is still behind it gets the next load.
+With the filesystem transports, a server that answers with an error (it refused damaged
+weights, say) is asked again after a backoff that doubles from ``poll_interval_s`` up to
+``ack_timeout_s`` (at once for a newer version); once it has failed for ``ack_timeout_s`` it
+is skipped too, and still retried. In collective mode a failed round fails all its members
+alike, so an error skips no one; the next round starts ``poll_interval_s`` later.
+Once every admitted server acknowledged version v, rl-sync records it in
+RUN/progress/sync.json and publishes ``PolicyUpdated(v)``. Weight directories older than the
+newest ``keep_weights`` are deleted, never one a server still serves or loads.
 
 Transports (``sync.backend.kind``): ``filesystem`` and ``async_filesystem`` tell servers to
 read RUN/weights/step_N; ``collective`` runs rounds over a transfer group (``rounds.py``).
@@ -49,6 +54,21 @@ class Server:
         self.skipped = False
         self.last_error = ""
         self.load_s = 0.0
+        self.failures = 0  # consecutive error replies
+        self.failing_since: float | None = None  # the first of them
+        self.retry_at = 0.0  # no load of the same version is sent before this (the backoff after an error)
+        self.failed_version = -1
+
+    def failed(self, version: int, now: float, poll_s: float, cap_s: float) -> None:
+        """An error reply: the next attempt waits ``poll_s * 2**(failures - 1)``, at most ``cap_s``,
+        unless a newer version comes first."""
+        self.failures += 1
+        self.failed_version = version
+        self.failing_since = self.failing_since if self.failing_since is not None else now
+        self.retry_at = now + min(poll_s * 2 ** min(self.failures - 1, 30), cap_s)
+
+    def loaded(self) -> None:
+        self.failures, self.failing_since, self.retry_at = 0, None, 0.0
 
     def close(self) -> None:
         self.client.close()
@@ -68,6 +88,7 @@ class Syncer:
         self.published_at: dict[int, tuple[float, dict]] = {}  # version -> (time seen, trainer timing)
         self.last_update: dict = {}
         self.rounds = None
+        self._poller: zmq.Poller | None = None  # the subscriber and every server's socket; rebuilt when they change
         endpoints = {"pub": self.pub.endpoint}
         if self.kind == "collective":
             from rlcli.sync.rounds import Rounds
@@ -87,10 +108,12 @@ class Syncer:
             if key not in live or live[key].incarnation != self.servers[key].entry.incarnation:
                 log.warning("%s; no longer waited for", describe_gone(self.servers[key].entry, every.get(key)))
                 self.servers.pop(key).close()
+                self._poller = None
                 self.membership_changed()
         for key, entry in live.items():
             if key not in self.servers:
                 self.servers[key] = Server(entry)
+                self._poller = None
                 log.info("%s joined at %s serving v%d", key, entry.endpoints["rpc"], self.servers[key].version)
                 self.membership_changed()
         if self.kind != "collective":
@@ -124,8 +147,9 @@ class Syncer:
         if self.target < 0:
             return
         path = str(self.run.weights_dir(self.target))
-        for s in self.admitted():
-            if s.pending is None and s.version < self.target:
+        for s in self.servers.values():  # admitted ones, and failing ones skipped (retried, not waited for)
+            retry = now >= s.retry_at or self.target > s.failed_version
+            if s.pending is None and s.version < self.target and retry and (s.failures or not s.skipped):
                 rid = new_request_id()
                 if s.client.send(LoadWeights(request_id=rid, version=self.target, weights=FsWeights(path=path))):
                     s.pending = (rid, self.target, now)
@@ -136,28 +160,44 @@ class Syncer:
         s.skipped = True
         self.membership_changed()
 
+    def load_failed(self, key: str, s: Server, version: int, message: str, now: float) -> None:
+        cfg = self.cfg.sync
+        s.failed(version, now, cfg.poll_interval_s, cfg.ack_timeout_s)
+        s.last_error = message
+        log.error("%s failed to load v%d (%d in a row): %s", key, version, s.failures, message)
+        # Collective: a round fails for all of its members together, so an error names no culprit;
+        # Rounds retries after poll_interval_s in a new group.
+        if self.rounds is None and not s.skipped and now - s.failing_since >= cfg.ack_timeout_s:
+            log.warning("%s has failed to load for %.0fs; skipped until a load succeeds", key, now - s.failing_since)
+            s.skipped = True
+            self.membership_changed()
+
     def collect(self, timeout_ms: int) -> None:
         """Wait up to ``timeout_ms`` for acknowledgements or announcements, then handle all of them."""
-        poller = zmq.Poller()
-        poller.register(self.sub.sock, zmq.POLLIN)
-        for s in self.servers.values():
-            poller.register(s.client.sock, zmq.POLLIN)
-        if not poller.poll(timeout_ms):
+        if self._poller is None:
+            self._poller = zmq.Poller()
+            self._poller.register(self.sub.sock, zmq.POLLIN)
+            for s in self.servers.values():
+                self._poller.register(s.client.sock, zmq.POLLIN)
+        if not self._poller.poll(timeout_ms):
             return
+        now = time.monotonic()
         for key, s in self.servers.items():
             while (reply := s.client.recv(0)) is not None:
                 if not (s.pending and getattr(reply, "request_id", None) == s.pending[0]):
                     continue
+                if self.rounds is not None:
+                    self.rounds.acked(key, reply)
+                version, s.pending = s.pending[1], None
+                if isinstance(reply, ErrorReply):
+                    self.load_failed(key, s, version, reply.message, now)
+                    if self.rounds is None:
+                        continue  # filesystem: push retries it; a load that succeeds re-admits it
                 if isinstance(reply, WeightsLoaded):
                     s.version = max(s.version, reply.version)
                     s.load_s, s.last_error = reply.load_time_s, ""
+                    s.loaded()
                     log.info("%s loaded v%d in %.2fs", key, reply.version, reply.load_time_s)
-                elif isinstance(reply, ErrorReply):
-                    s.last_error = reply.message
-                    log.error("%s failed to load v%d: %s", key, s.pending[1], reply.message)
-                if self.rounds is not None:
-                    self.rounds.acked(key, reply)
-                s.pending = None
                 if s.skipped:
                     s.skipped = False
                     log.info("%s answers again (serving v%d); re-admitted", key, s.version)

@@ -1,0 +1,96 @@
+"""rl-sync's Syncer against stand-in rl-infer servers (a ROUTER socket and a registry entry each, in
+threads): a server that refuses every load is retried with a growing backoff, not once per loop,
+is skipped once it has failed for ``ack_timeout_s`` so PolicyUpdated moves on without it, and is
+re-admitted by the first load that succeeds."""
+
+import threading
+import time
+
+import pytest
+
+from rlcli.config import RecipeConfig
+from rlcli.config.services import SyncConfig
+from rlcli.protocol import ErrorReply, LoadWeights, WeightsLoaded
+from rlcli.sync.status import read_status
+from rlcli.sync.syncer import Syncer
+from rlcli.transport.registry import Registration
+from rlcli.transport.rundir import RunDir
+from rlcli.transport.zmq import RpcServer
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class StandIn:
+    """Answers LoadWeights for versions in ``refuse`` with an ErrorReply, others with WeightsLoaded."""
+
+    def __init__(self, run: RunDir, instance: int, refuse: set[int]):
+        self.refuse, self.asked = refuse, []
+        self.server = RpcServer()
+        self.registration = Registration(run.registry_dir(), "infer", instance, {"rpc": self.server.endpoint},
+                                         info={"version": 0})
+        self.stopping = False
+        self.thread = threading.Thread(target=self.serve, daemon=True)
+        self.thread.start()
+
+    def serve(self) -> None:
+        while not self.stopping:
+            self.registration.beat()
+            got = self.server.recv(20)
+            if got is None or not isinstance(got[1], LoadWeights):
+                continue
+            identity, msg = got
+            self.asked.append(msg.version)
+            if msg.version in self.refuse:
+                self.server.reply(identity, ErrorReply(request_id=msg.request_id, message=f"v{msg.version} damaged"))
+            else:
+                self.server.reply(identity, WeightsLoaded(request_id=msg.request_id, version=msg.version))
+
+    def stop(self) -> None:
+        self.stopping = True
+        self.thread.join()
+        self.server.close()
+
+
+def run_until(syncer: Syncer, done, what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, f"rl-sync never reached: {what}"
+        syncer.registration.beat()
+        syncer.scan()
+        syncer.push()
+        syncer.collect(20)
+        syncer.announce()
+
+
+def test_a_server_that_refuses_a_version_is_backed_off_skipped_and_readmitted(tmp_path):
+    run = RunDir(tmp_path / "run")
+    cfg = RecipeConfig(sync=SyncConfig(ack_timeout_s=1.0, poll_interval_s=0.05))
+    good, bad = StandIn(run, 0, set()), StandIn(run, 1, {1})
+    syncer = Syncer(cfg, run)
+    try:
+        run_until(syncer, lambda: len(syncer.servers) == 2, "two servers")
+        syncer.see_published(1, {})
+        start = time.monotonic()
+        run_until(syncer, lambda: syncer.policy_version == 1, "PolicyUpdated(1) without the failing server")
+        waited = time.monotonic() - start
+        assert waited >= cfg.sync.ack_timeout_s  # PolicyUpdated waited for the failing server that long
+        assert good.asked == [1]
+        # The loop ran every ~20 ms; with no backoff each pass re-sent the load (~50 tries by now). With
+        # it the waits double from 0.05 s: tries at ~0, 0.05, 0.15, 0.35, 0.75, 1.55, ... s.
+        assert 2 <= len(bad.asked) <= 2 + waited / cfg.sync.poll_interval_s / 4, bad.asked
+        status = read_status(run.root)["servers"]["infer-1"]
+        assert status["state"] == "skipped" and status["version"] == 0
+        assert status["failed_loads"] == len(bad.asked) and status["last_error"] == "v1 damaged"
+        # Skipped, but still asked (at most every ack_timeout_s); a newer version is asked for at once.
+        bad.refuse.clear()
+        syncer.see_published(2, {})
+        run_until(syncer, lambda: syncer.servers["infer-1"].version == 2, "the failing server loading v2")
+        assert bad.asked[-1] == 2 and not syncer.servers["infer-1"].skipped
+        syncer.announce()
+        assert syncer.policy_version == 2
+        status = read_status(run.root)["servers"]["infer-1"]
+        assert status["state"] == "admitted" and status["failed_loads"] == 0 and status["last_error"] == ""
+    finally:
+        syncer.close()
+        good.stop()
+        bad.stop()
