@@ -75,6 +75,9 @@ class RecipeConfig(Config):
         if self.model.batch_invariant and self.infer.engine.name != "native":
             raise ValueError("model.batch_invariant is implemented by the native engine only: "
                              "set infer.engine.name = native or model.batch_invariant = false")
+        if self.infer.engine.name == "native" and self.orchestrate.group_size > self.infer.max_num_seqs:
+            raise ValueError(f"orchestrate.group_size ({self.orchestrate.group_size}) must be <= infer.max_num_seqs "
+                             f"({self.infer.max_num_seqs}): the native engine decodes a group's completions together")
         tf, inf = self.train.fp8, self.infer.fp8
         if tf.enabled and inf.enabled and (tf.include, tf.exclude, tf.ue8m0) != (inf.include, inf.exclude, inf.ue8m0):
             raise ValueError("train.fp8 and infer.fp8 are both on but quantize differently (include, exclude or "

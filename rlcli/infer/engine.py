@@ -209,6 +209,9 @@ class NativeEngine(SharedKVMixin):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if sp.n < 1 or sp.max_tokens < 1:
             raise ValueError("sampling.n and sampling.max_tokens must be >= 1")
+        if sp.n > self.max_num_seqs and self.role != "prefill":
+            raise ValueError(f"sampling.n {sp.n} exceeds infer.max_num_seqs {self.max_num_seqs}, the most sequences "
+                             "decoded together: raise infer.max_num_seqs or lower n")
         # One completion at its longest, plus the n - 1 copies of the prompt's partial block made
         # at the fork, must fit the whole cache, or the scheduler could never run it.
         longest = min(len(req.prompt_ids) + sp.max_tokens, self.max_model_len)
@@ -361,8 +364,13 @@ class NativeEngine(SharedKVMixin):
         """Admit waiting sequences within the token budget, in order; prompts whose KV is still
         being fetched from the shared store are passed over until it is in."""
         i = 0
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+        # A prompt not yet forked counts as the n sequences it becomes when its prefill ends.
+        slots = sum(1 if seq.index >= 0 else seq.req.sampling.n for seq in self.running)
+        while i < len(self.waiting) and budget > 0:
             seq = self.waiting[i]
+            need = 1 if seq.index >= 0 else seq.req.sampling.n
+            if slots + need > self.max_num_seqs:
+                break
             if seq.num_computed == 0 and not seq.blocks and not self._match_prefix(seq):
                 i += 1
                 continue
@@ -378,6 +386,7 @@ class NativeEngine(SharedKVMixin):
             self._allocate(seq, n)
             del self.waiting[i]
             self.running.append(seq)
+            slots += need
             batch.append((seq, n))
             budget -= n
         return budget, reserved

@@ -37,7 +37,7 @@ def prompts(k, start=10):
     {},  # plenty of memory
     {"kv_cache_memory_mb": 0.03, "block_size": 4},  # forces preemption and recompute
     {"max_num_batched_tokens": 8, "block_size": 4},  # chunked prefill
-    {"max_num_seqs": 2},
+    {"max_num_seqs": 3},
 ])
 def test_greedy_matches_full_forward(model, kwargs):
     engine = NativeEngine(model, eos_token_ids=[], max_model_len=128, **kwargs)
@@ -55,6 +55,24 @@ def test_greedy_matches_full_forward(model, kwargs):
     if "kv_cache_memory_mb" in kwargs:
         assert engine.stats()["num_preemptions"] > 0
     assert engine.blocks.num_available == engine.blocks.num_blocks  # every block came back
+
+
+def test_max_num_seqs_counts_the_completions_a_prompt_forks_into(model):
+    """A prompt with n completions takes n of the max_num_seqs slots when it is admitted (it forks
+    at the end of its prefill), and n above the cap is refused when the request is added."""
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=128, max_num_seqs=4)
+    for i, p in enumerate(prompts(4)):
+        engine.add_request(GenerateRequest(request_id=str(i), prompt_ids=p,
+                                           sampling=SamplingParams(temperature=0.0, max_tokens=5, n=3)))
+    out, most = {}, 0
+    while engine.has_work():
+        out.update({r.request_id: r for r in engine.step()})
+        most = max(most, sum(1 if s.index >= 0 else s.req.sampling.n for s in engine.running))
+    assert most == 3 and sorted(out) == ["0", "1", "2", "3"]
+    assert all(len(r.completions) == 3 for r in out.values())
+    with pytest.raises(ValueError, match="sampling.n 5 exceeds infer.max_num_seqs 4"):
+        engine.add_request(GenerateRequest(request_id="x", prompt_ids=prompts(1)[0],
+                                           sampling=SamplingParams(max_tokens=5, n=5)))
 
 
 def test_top_p_importance_ratio_is_one_with_equal_weights(model):
@@ -123,7 +141,7 @@ def test_max_model_len_ends_a_completion(model):
 
 
 def test_bad_requests_are_rejected(model):
-    engine = NativeEngine(model, eos_token_ids=[], max_model_len=16)
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=16, max_num_seqs=10**7)
     for prompt, match in [([], "empty"), (list(range(20)), "max_model_len"), ([100000], r"\[0, 259\)")]:
         with pytest.raises(ValueError, match=match):
             engine.add_request(GenerateRequest(request_id="b", prompt_ids=prompt))
