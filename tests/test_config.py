@@ -79,6 +79,8 @@ def test_config_package_does_not_import_torch():
     (["--train.fp8.graph", "inline"], "train.fp8.graph"),
     (["--train.fp8.enabled", "true", "--infer.fp8.enabled", "true", "--infer.fp8.exclude", "['lm_head']"],
      "train.fp8 and infer.fp8 are both on but quantize differently"),
+    (["--train.loss.kind", "tis", "--train.loss.mask_low", "0.2"], "train.loss.mask_low (0.2) has no effect"),
+    (["--orchestrate.group_size", "8", "--infer.max_num_seqs", "4"], "orchestrate.group_size (8) must be <= infer"),
 ])
 def test_bad_values_name_the_key(overrides, expected):
     with pytest.raises(ConfigError) as e:

@@ -48,6 +48,9 @@ class OptimConfig(Config):
             raise ValueError(f"train.optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
 
+DEFAULT_MASK_LOW = 0.5
+
+
 class LossConfig(Config):
     """Policy-gradient loss; ``kind`` picks a function from rlcli.train.loss.LOSSES."""
 
@@ -55,8 +58,9 @@ class LossConfig(Config):
     """icepop: mask tokens whose trainer/inference probability ratio leaves [mask_low, mask_high];
     tis: truncate the ratio at mask_high instead of masking."""
 
-    mask_low: float = 0.5
-    """Lower bound of the trust interval on pi_train / pi_infer."""
+    mask_low: float = DEFAULT_MASK_LOW
+    """Lower bound of the trust interval on pi_train / pi_infer (icepop; tis has none, and refuses
+    another value than this default)."""
 
     mask_high: float = 2.0
     """Upper bound of the trust interval on pi_train / pi_infer."""
@@ -80,6 +84,9 @@ class LossConfig(Config):
             raise ValueError(
                 f"train.loss needs 0 <= mask_low < 1 < mask_high, got {self.mask_low}, {self.mask_high}"
             )
+        if self.kind == "tis" and self.mask_low != DEFAULT_MASK_LOW:
+            raise ValueError(f"train.loss.mask_low ({self.mask_low}) has no effect with kind = tis, which only "
+                             "truncates the ratio at mask_high: remove it or use kind = icepop")
         if not 0 <= self.sequence_mask_low < 1 or not (self.sequence_mask_high == 0 or self.sequence_mask_high > 1):
             raise ValueError(f"train.loss needs 0 <= sequence_mask_low < 1 and sequence_mask_high = 0 or > 1, got "
                              f"{self.sequence_mask_low}, {self.sequence_mask_high}")
