@@ -48,8 +48,10 @@ class Fp8Config(Config):
     include: list[str] = msgspec.field(default_factory=lambda: ["*"])
     """fnmatch patterns of module names to run in FP8."""
 
-    exclude: list[str] = msgspec.field(default_factory=lambda: ["*embed_tokens", "lm_head", "*.mlp.gate"])
-    """fnmatch patterns left in high precision (embeddings, LM head and MoE router by default)."""
+    exclude: list[str] = msgspec.field(
+        default_factory=lambda: ["*embed_tokens", "lm_head", "*.mlp.gate", "*.indexer.weights_proj"])
+    """fnmatch patterns left in high precision: by default the embeddings, the LM head, the MoE router
+    and DSA's indexer head weights (``weights_proj``, unquantized in DeepSeek-V3.2's checkpoints)."""
 
     ue8m0: bool = False
     """Round block scales up to powers of two (UE8M0) instead of exact fp32 scales."""

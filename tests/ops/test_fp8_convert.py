@@ -21,6 +21,11 @@ MOE = {"model_type": "qwen3_moe", "vocab_size": 64, "hidden_size": 160, "interme
        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 40,
        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 136, "norm_topk_prob": True,
        "mlp_only_layers": [1]}
+DSA = {"model_type": "deepseek_v32", "vocab_size": 97, "hidden_size": 128, "intermediate_size": 128,
+       "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "moe_intermediate_size": 128,
+       "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+       "q_lora_rank": 128, "kv_lora_rank": 128, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
+       "index_topk": 24, "index_n_heads": 4, "index_head_dim": 32}
 
 
 def test_convert_swaps_linears_but_not_head_embeddings_or_router():
@@ -33,6 +38,18 @@ def test_convert_swaps_linears_but_not_head_embeddings_or_router():
     assert {k: v.shape for k, v in model.state_dict().items()} == keys  # checkpoints and optimizers see no change
     only_mlp = SimpleNamespace(**{**vars(CFG), "include": ["*.mlp.*"]})
     assert all(".mlp." in n for n in convert_to_fp8(load_model(REPO / "recipes/models/tiny-llama"), only_mlp))
+
+
+def test_default_fp8_config_keeps_the_dsa_indexer_head_weights_in_high_precision():
+    """As in DeepSeek-V3.2's checkpoints: the indexer's wq_b and wk are FP8, its weights_proj is not."""
+    from rlcli.config.model import Fp8Config
+
+    model = build_model(ModelArgs.from_hf(DSA))
+    names = set(convert_to_fp8(model, Fp8Config(enabled=True, backend="emulated")))
+    for layer in (0, 1):
+        prefix = f"model.layers.{layer}.self_attn.indexer"
+        assert {f"{prefix}.wq_b", f"{prefix}.wk"} <= names and f"{prefix}.weights_proj" not in names
+        assert type(model.get_submodule(f"{prefix}.weights_proj")) is torch.nn.Linear
 
 
 def test_fp8_moe_experts_equal_per_expert_fp8_linears_and_get_gradients():
