@@ -26,14 +26,19 @@ from rlcli.ops.batch_invariant import row_sum
 from rlcli.ops.grouped_gemm import grouped_mm
 
 
-def check_routes(routes_TLk, args: ModelArgs, num_tokens: int) -> None:
-    """Refuse recorded routes that do not fit this model (another checkpoint, a wrong config)."""
+def check_routes(routes_TLk, args: ModelArgs, num_tokens: int,
+                 value_range: tuple[int, int] | None = None) -> None:
+    """Refuse recorded routes that do not fit this model (another checkpoint, a wrong config).
+    ``value_range``: their smallest and largest expert index, known on the host (else read from
+    ``routes_TLk``, a device sync)."""
     expected = (num_tokens, args.num_moe_layers, args.num_experts_per_tok)
     if tuple(routes_TLk.shape) != expected:
         raise ValueError(f"recorded routes have shape {tuple(routes_TLk.shape)} but this model needs {expected} "
                          "(tokens, MoE layers, experts per token): the engine served another model; set r3 = false "
                          "or serve the trained model")
-    if routes_TLk.numel() and (int(routes_TLk.min()) < 0 or int(routes_TLk.max()) >= args.num_experts):
+    if value_range is None and routes_TLk.numel():
+        value_range = int(routes_TLk.min()), int(routes_TLk.max())
+    if value_range is not None and (value_range[0] < 0 or value_range[1] >= args.num_experts):
         raise ValueError(f"recorded routes name experts outside [0, {args.num_experts}): the engine served "
                          "another model; set r3 = false or serve the trained model")
 
@@ -51,7 +56,9 @@ class Router(nn.Module):
         self.n_group, self.topk_group = args.n_group, args.topk_group
         self.weight = nn.Parameter(torch.empty(args.num_experts, args.hidden_size))
         if self.scoring == "sigmoid":
-            # Load-balancing bias: shifts which experts are chosen, never the gate values.
+            # Load-balancing bias: shifts which experts are chosen, never the gate values. A buffer,
+            # loaded from the checkpoint and fixed in RL: no gradient, and DeepSeek's auxiliary-loss-free
+            # update of it (from expert load) is not run, so the routing balance is the checkpoint's.
             self.register_buffer("e_score_correction_bias", torch.zeros(args.num_experts, dtype=torch.float32))
         else:
             self.e_score_correction_bias = None

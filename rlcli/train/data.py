@@ -65,11 +65,14 @@ def wait_for_batch(run: RunDir, step: int, rank: int, timeout_s: float = 0.0, po
         raise BatchCorrupt(f"{path} does not decode: {e}") from None
 
 
-def to_tensors(mb: MicroBatch, device: torch.device) -> dict[str, torch.Tensor]:
-    """[1, T] tensors of one packed micro-batch."""
+def to_tensors(mb: MicroBatch, device: torch.device) -> dict:
+    """[1, T] tensors of one packed micro-batch; with routes, also ``routes_range``: the smallest and
+    largest expert index they name, read on the host (checking them on the device would sync)."""
     out = {}
     for name in ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs", "versions"):
         out[name] = torch.from_numpy(getattr(mb, name).numpy().copy()).to(device)[None]
     if mb.routed_experts is not None:
-        out["routed_experts"] = torch.from_numpy(mb.routed_experts.numpy().astype("int64")).to(device)
+        routes = mb.routed_experts.numpy()
+        out["routed_experts"] = torch.from_numpy(routes.astype("int64")).to(device)
+        out["routes_range"] = (int(routes.min()), int(routes.max())) if routes.size else None
     return out

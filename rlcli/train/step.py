@@ -74,7 +74,7 @@ def routing_for(t: dict, model: torch.nn.Module, r3: bool) -> RoutingContext | N
     if routes is None:
         raise ConfigError("rl-train runs with r3 = true but the rollout batch has no routes: set r3 = true "
                           "for rl-orchestrate too")
-    check_routes(routes, model.args, t["input_ids"].shape[1])
+    check_routes(routes, model.args, t["input_ids"].shape[1], t.get("routes_range"))
     if "route_counted" in t:
         return RoutingContext(replay=routes, counted=t["route_counted"].flatten())
     pos = t["position_ids"][0]
@@ -150,6 +150,7 @@ def accumulate(model: torch.nn.Module, micro_batches: list[MicroBatch], dims, de
         t, attn = prepare(mb, device, empty=padding), None
         if padding and r3 and "routed_experts" not in t:  # this rank holds no row: the filler has no routes
             t["routed_experts"] = filler_routes(model.args, t["input_ids"].shape[1], device)
+            t["routes_range"] = (0, model.args.num_experts_per_tok - 1)
         if dims.cp > 1:
             from rlcli.parallel.context import shard_batch_for_cp
 
