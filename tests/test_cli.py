@@ -38,6 +38,16 @@ def test_help_is_light(module):
     assert out.stdout.strip() == "False"
 
 
+def test_the_orchestrator_and_the_client_do_not_import_torch():
+    """rl-orchestrate's loop and the inference client (tokenizers, configs, messages) load without
+    torch: rlcli.models loads its model exports on first use."""
+    code = ("import sys; import rlcli.orchestrate.loop, rlcli.infer.client, rlcli.sync.syncer\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
 def test_print_config_writes_toml_to_stdout(tmp_path, tiny_model_dir):
     recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, tmp_path / "run")
     out = cli("rlcli.cli.train", "--config", str(recipe), "--steps", "7", "--train.optim.lr", "0.5",
