@@ -21,6 +21,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from rlcli.errors import ConfigError
 from rlcli.transport.atomic import begin_dir, commit_dir, storage_full
 from rlcli.transport.checksum import file_checksum
 
@@ -45,6 +46,9 @@ def init_distributed(one_rank_group: bool = False) -> DistInfo:
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
+            raise ConfigError(f"local rank {local_rank} has no GPU: this host shows {torch.cuda.device_count()}; run "
+                              "at most that many ranks per node (--nproc), or set CUDA_VISIBLE_DEVICES= to train on the CPU")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:

@@ -73,7 +73,8 @@ def _batches(model, seed: int) -> list[TrainingBatch]:
 
 
 def _torchrun(out: Path, nproc: int, mode: str) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # gloo ranks on the CPU, also where GPUs are
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                            str(nproc), str(Path(__file__).with_name("dist_worker.py")), str(out), mode],
                           env=env, capture_output=True, text=True, timeout=300)

@@ -39,6 +39,21 @@ def test_mesh_checks_num_train_ranks_and_cp_against_the_row():
     assert [d.coords(r) for r in (0, 1, 2, 7)] == [(0, 0), (0, 1), (1, 0), (3, 1)]
 
 
+def test_a_rank_without_a_gpu_is_refused_with_the_fix(monkeypatch):
+    """More ranks per node than GPUs: one line naming the fix, not CUDA's "invalid device ordinal"."""
+    import torch
+
+    from rlcli.parallel.dist import init_distributed
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="local rank 1 has no GPU: this host shows 1; run at most that many ranks"):
+        init_distributed()
+
+
 def test_slurm_nodelists_expand_like_scontrol():
     assert expand_nodelist("gpu[01-03,07],login1") == ["gpu01", "gpu02", "gpu03", "gpu07", "login1"]
     assert expand_nodelist("node7") == ["node7"]

@@ -45,7 +45,8 @@ def test_shared_prompt_split_across_cp_ranks_matches_one_process(tmp_path):
                                         r3=name != "dense")
         refs[name] = (totals["loss"] / normalizer,
                       {k: p.grad for k, p in model.named_parameters() if p.grad is not None})
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # gloo ranks on the CPU, also where GPUs are
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(Path(__file__).with_name("dist_shared_cp.py")), str(tmp_path), ",".join(CONFIGS)],
                           env=env, capture_output=True, text=True, timeout=300)
