@@ -398,8 +398,8 @@ def paged_latent_attention(attn: PagedAttention, layer_idx: int, q_NHL: torch.Te
         return attn.attend(q_NHL, caches[0], caches[0][..., :value_dim], scale), None
     # DSA reads only the chosen tokens, from the cache by slot, with the trainer's kernel: the Triton
     # one where it runs (CUDA), else torch's (under the flag invariant_sparse_attention).
-    attend_chosen = dsa_triton.sparse_attention if sparse_kernel(kv_flat, value_dim) else \
-        invariant_sparse_attention if inv else sparse_latent_attention
+    attend_chosen = None if not sparse else dsa_triton.sparse_attention if sparse_kernel(kv_flat, value_dim) \
+        else invariant_sparse_attention if inv else sparse_latent_attention
     D, outs, decode_sel, prefill_sel = meta.num_decode, [], None, []
     if D:
         lens = meta.context_lens[:D]

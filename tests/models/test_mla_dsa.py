@@ -22,16 +22,22 @@ def models(hf_model_dir):
 def greedy_reference(model, prompt, n):
     ids = list(prompt)
     for _ in range(n):
-        ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+        ids.append(int(model(torch.tensor([ids], device=next(model.parameters()).device))[0, -1].argmax()))
     return ids[len(prompt):]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA: the engine's DSA reads its chosen tokens with the Triton kernel"))])
 @pytest.mark.parametrize("arch", ["deepseek_v3", *DSA_ARCHS])
 @pytest.mark.parametrize("tight", [False, True])
-def test_engine_greedy_through_latent_cache_matches_full_forward(arch, tight, models):
+def test_engine_greedy_through_latent_cache_matches_full_forward(arch, tight, device, models):
     """Prompts longer than index_topk, n > 1 forks (the partial block is copied), and with a tight
-    cache: preemption, recompute and chunked prefill."""
-    model = models(arch)
+    cache: preemption, recompute and chunked prefill. On CUDA the engine's DSA layers read their
+    chosen tokens by cache slot with the Triton kernel, the full forward with the trainer's."""
+    model = models(arch).to(device)
+    if device == "cuda" and model.args.is_dsa:
+        kv = torch.empty(1, model.args.kv_lora_rank + model.args.qk_rope_head_dim, device=device)
+        assert mla.sparse_kernel(kv, model.args.kv_lora_rank), "the Triton kernel would not run"
     kwargs = {}
     if tight:  # room for 9 blocks of 4 tokens
         per_block = 4 * sum(h * d for layer in model.kv_cache_spec() for h, d in layer) * 4
