@@ -34,8 +34,8 @@ output; without it, each step runs one batch to the end.
 - **n completions** are n vLLM requests with the same prompt (they share its blocks
   through the prefix cache); a seeded request's completion k uses seed + k.
 - **Logprobs** are vLLM's ``processed_logprobs`` of the sampled token: the distribution
-  after temperature (and top-p/top-k truncation, renormalized, when those are set; the
-  native engine reports top-p logprobs before truncation). They are asked for as
+  after temperature (and top-p/top-k truncation, renormalized, when those are set), as the
+  native engine reports them. They are asked for as
   ``flat_logprobs`` where vLLM has it: a few flat lists per request instead of a dict and a
   ``Logprob`` object per token (less host time and garbage-collector work).
 - **EOS**: vLLM runs without a tokenizer (``skip_tokenizer_init``), so the model's EOS ids

@@ -1,9 +1,11 @@
 """Hugging Face tokenizers without ``transformers``: ``tokenizer.json`` through the ``tokenizers``
 library, special tokens and the chat template from ``tokenizer_config.json``.
 
-The point is to produce exactly the token ids ``transformers`` produces for the same directory,
-because the trainer scores the very ids the inference engine sampled and a one-token drift
-in a chat prompt is a silent off-policy error. So this module copies the few places where
+The point is to produce exactly the token ids ``transformers`` produces for the same directory:
+the trainer scores the very ids the engine sampled, so a drift is no off-policy error, but a
+prompt rendered one token differently from the chat format the model was trained on (and that
+other tools, evaluation included, produce) silently shifts what the policy is trained on. So
+this module copies the few places where
 ``transformers`` (v5, ``TokenizersBackend``) adds behaviour on top of ``tokenizer.json``:
 
 * tokens listed in ``added_tokens_decoder`` or named as special tokens but missing from
