@@ -51,8 +51,9 @@ class Procs:
         self.starts[name] = self.starts.get(name, 0) + 1
         log = open(self.log_dir / f"{name}.{self.starts[name]}.log", "wb")
         cmd = [sys.executable, "-m", *MODULES[role], "--config", str(recipe), *args]
+        # The loop under test runs on the CPU also on a GPU host (there, 2-rank trainers would want 2 GPUs).
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""})
         self.procs[name] = proc
         return proc
 
