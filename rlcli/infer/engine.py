@@ -72,7 +72,7 @@ from rlcli.protocol import (
 from rlcli.transport.atomic import checksums_of
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: field equality made every `in`/`remove` on a queue a deep compare
 class Request:
     request_id: str
     prompt_ids: list[int]
@@ -89,7 +89,7 @@ class Request:
         return all(c is not None for c in self.completions)
 
 
-@dataclass
+@dataclass(eq=False)  # (identity, as Request)
 class Sequence:
     req: Request
     index: int  # completion slot; -1 for a prompt not yet forked into n completions
@@ -330,13 +330,16 @@ class NativeEngine(SharedKVMixin):
         reserved = 0  # blocks promised to prompts that fork at the end of this step
         # Running sequences: one decode token each, or the next chunk of a long prompt.
         # Under memory pressure the newest running sequences are preempted.
+        preempted: set[Sequence] = set()
         for seq in list(self.running):
-            if seq not in self.running or budget <= 0:
+            if seq in preempted or budget <= 0:
                 continue
             n = min(len(seq.tokens) - seq.num_computed, budget)
             while self._blocks_needed(seq, n) + self._fork_blocks(seq, n) > self.blocks.num_available - reserved:
-                self._preempt(self.running[-1])
-                if seq not in self.running:
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.add(victim)
+                if victim is seq:
                     break
             else:
                 reserved += self._fork_blocks(seq, n)
