@@ -471,9 +471,11 @@ class NativeEngine(SharedKVMixin):
     def _postprocess(self, batch, logits, routes) -> list[GenerateResponse | Delta]:
         rows, temps, top_ps, row_gens, owners = [], [], [], {}, []
         offset = 0
+        if routes is not None:
+            routes = routes.to(torch.int16).cpu()  # one copy to the host for the step, not one per sequence
         for i, (seq, n) in enumerate(batch):
             if routes is not None and seq.req.sampling.return_routing:
-                seq.routes.append(routes[offset:offset + n].to(torch.int16).cpu())
+                seq.routes.append(routes[offset:offset + n].clone())  # its own rows: a view would keep the step's
             offset += n
             seq.num_computed += n
             self._register_full_blocks(seq)
