@@ -80,7 +80,8 @@ def main() -> None:
                     print(f"{arm:<9} {seconds:7.3f} s  ({steps} engine steps)", flush=True)
         finally:
             if base != REPO:
-                subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(base)], capture_output=True)
+                subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(base)],
+                               capture_output=True)
     label = "working tree" if args.smoke else args.baseline
     print(f"{args.prompts} prompts x {args.n} x {args.tokens} tokens: baseline ({label}) {best['baseline']:.3f} s, "
           f"working tree {best['tree']:.3f} s: {best['baseline'] / best['tree']:.2f}x")

