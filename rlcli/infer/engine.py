@@ -29,7 +29,9 @@ fetches taken at once would evict one another's blocks in a full cache; a fetch 
 for any more, or done ``FETCH_HOLD_S`` ago, is taken at a step's start; one that started under
 other weights is dropped).
 A fetch small enough to be done within ``FETCH_GRACE_S`` is waited for, so its prompt
-joins the step being scheduled rather than the next one.
+joins the step being scheduled rather than the next one. A mixture-of-experts engine with a
+store records every step's routes and keeps them with every full block, in the store too, so
+R3 requests fetch like any other (and take only blocks whose routes are known).
 Full blocks are published after each prefill chunk and when a completion finishes (only
 enqueued: a background thread moves them; in pieces, and what the publish queue has no room
 for is offered again at the next chunk). ``role`` splits the work: a prefill server
@@ -410,17 +412,19 @@ class NativeEngine(SharedKVMixin):
         else:
             hashes = self.blocks.block_hashes(seq.tokens[:-1], f"{seq.req.salt}|w{self.version}")
         seq.pending_hashes = None
-        want_routes = seq.req.sampling.return_routing and self.is_moe
+        # With a shared store an MoE engine keeps every block's routes, and matches only blocks that
+        # have them, so every sequence's routes run from its first token.
+        want_routes = self.is_moe and (seq.req.sampling.return_routing or self.carries_routes)
         blocks = self.blocks.match_prefix(hashes, with_routes=want_routes)
         # Ask the store for what is missing, unless an earlier ask (its own, or one it waited
         # for) covered these blocks already: the store did not have them then.
-        if self.kv is not None and not want_routes and seq.fetched_to <= len(blocks) < len(hashes):
+        if self.kv is not None and seq.fetched_to <= len(blocks) < len(hashes):
             self.blocks.release(blocks)  # a waiting prompt holds no blocks
             self._start_fetch(seq, hashes, len(blocks))
             if seq.fetch is not None:
                 seq.pending_hashes = (self.version, hashes)
                 return False
-            blocks = self.blocks.match_prefix(hashes)
+            blocks = self.blocks.match_prefix(hashes, with_routes=want_routes)
         seq.blocks = blocks
         seq.hashes = hashes[:len(blocks)]
         seq.num_published = len(blocks) if self.kv is not None else 0
@@ -456,7 +460,7 @@ class NativeEngine(SharedKVMixin):
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev), query_start=qstart,
             context_lens=ctx_lens, block_tables=torch.from_numpy(tables).to(dev), block_size=bs,
             num_decode=num_decode)
-        record = self.is_moe and any(seq.req.sampling.return_routing for seq, _ in batch)
+        record = self.carries_routes or (self.is_moe and any(seq.req.sampling.return_routing for seq, _ in batch))
         routing = RoutingContext(record=True) if record else None
         ctx = ForwardContext(attn=PagedAttention(self.kv_caches, meta, self.batch_invariant), routing=routing)
         ids_t = torch.tensor([ids], dtype=torch.int64, device=dev)
@@ -474,7 +478,7 @@ class NativeEngine(SharedKVMixin):
         if routes is not None:
             routes = routes.to(torch.int16).cpu()  # one copy to the host for the step, not one per sequence
         for i, (seq, n) in enumerate(batch):
-            if routes is not None and seq.req.sampling.return_routing:
+            if routes is not None and (seq.req.sampling.return_routing or self.carries_routes):
                 seq.routes.append(routes[offset:offset + n].clone())  # its own rows: a view would keep the step's
             offset += n
             seq.num_computed += n
@@ -549,7 +553,7 @@ class NativeEngine(SharedKVMixin):
             parent = seq.hashes[-1] if seq.hashes else None
             h = chain_hash(parent, f"{seq.req.salt}|{weights}", seq.tokens[b * bs:(b + 1) * bs])
             seq.hashes.append(h)
-            if seq.req.sampling.return_routing and self.is_moe and all_routes is None:
+            if (seq.req.sampling.return_routing or self.carries_routes) and self.is_moe and all_routes is None:
                 all_routes = torch.cat(seq.routes)
             routes = all_routes[b * bs:(b + 1) * bs] if all_routes is not None else None
             self.blocks.register(seq.blocks[b], h, routes)

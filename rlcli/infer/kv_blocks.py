@@ -2,7 +2,10 @@
 the vLLM engine's connector in ``rlcli.infer.vllm_kv``).
 
 A block's payload is every cache tensor's rows of that block (layer by layer, K then V,
-or the MLA latent and the indexer keys), concatenated as raw bytes in each cache's dtype.
+or the MLA latent and the indexer keys), concatenated as raw bytes in each cache's dtype;
+for a mixture-of-experts model served by the native engine it ends with the experts the block's
+tokens were routed to (``route_bytes``: int16 ``[block_size, MoE layers, top_k]``, -1 where
+they were not recorded), so R3 requests can take fetched blocks as they take local ones.
 Its :class:`BlockMeta` names that layout, and a fingerprint of the model: architecture,
 cache layout, block size, dtype and a sample of every parameter (the first 16 values),
 so engines of other models, or of other runs whose weights differ at the same version,
@@ -27,16 +30,27 @@ def weights_sample(params) -> bytes:
     return torch.cat(samples).cpu().numpy().tobytes() if samples else b""
 
 
+def route_bytes(model: CausalLM, block_size: int) -> int:
+    """Bytes of a block's routes: int16 ``[block_size, MoE layers, top_k]`` (0 for a dense model)."""
+    a = model.args
+    return 2 * block_size * a.num_moe_layers * a.num_experts_per_tok if a.is_moe else 0
+
+
 @torch.no_grad()
-def block_meta(model: CausalLM, block_size: int, dtype: torch.dtype) -> BlockMeta:
+def block_meta(model: CausalLM, block_size: int, dtype: torch.dtype, with_routes: bool = False) -> BlockMeta:
+    """The layout of a block's payload; ``with_routes``: it ends with the block's routes (padded to
+    whole elements of ``dtype``), and only engines that carry routes share its fingerprint."""
     spec = [hd for layer in model.kv_cache_spec() for hd in layer]
+    extra = route_bytes(model, block_size) if with_routes else 0
     h = hashlib.blake2b(digest_size=16)
-    h.update(json.dumps([asdict(model.args), spec, block_size, str(dtype)], sort_keys=True, default=str).encode())
+    h.update(json.dumps([asdict(model.args), spec, block_size, str(dtype)] + ([extra] if extra else []),
+                        sort_keys=True, default=str).encode())
     h.update(weights_sample(model.parameters()))
-    if len(set(spec)) == 1:
+    if len(set(spec)) == 1 and not extra:
         shape = [len(spec), block_size, *spec[0]]
     else:
-        shape = [block_size * sum(heads * dim for heads, dim in spec)]
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        shape = [block_size * sum(heads * dim for heads, dim in spec) + -(-extra // itemsize)]
     return BlockMeta(fingerprint=h.hexdigest(), dtype=str(dtype).removeprefix("torch."), shape=shape)
 
 

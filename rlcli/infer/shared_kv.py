@@ -68,14 +68,41 @@ class SharedKVMixin:
     """Fetch from and publish to the shared store; see the module docstring."""
 
     def block_meta(self) -> BlockMeta:
-        """The layout of this engine's blocks in a shared store (fingerprinted with the weights now served)."""
-        return kv_blocks.block_meta(self.model, self.block_size, self.dtype)
+        """The layout of this engine's blocks in a shared store (fingerprinted with the weights now
+        served); a mixture-of-experts model's blocks carry their routes (R3)."""
+        return kv_blocks.block_meta(self.model, self.block_size, self.dtype, with_routes=self.is_moe)
+
+    @property
+    def carries_routes(self) -> bool:
+        """Every step records routes and every full block keeps them: an MoE model with a shared store."""
+        return self.is_moe and self.kv is not None
 
     def _gather_blocks(self, blocks: list[int]) -> torch.Tensor:
-        return kv_blocks.gather(self.kv_caches, blocks)
+        data = kv_blocks.gather(self.kv_caches, blocks)
+        if not self.is_moe:
+            return data
+        a = self.model.args
+        missing = torch.full((self.block_size, a.num_moe_layers, a.num_experts_per_tok), -1, dtype=torch.int16)
+        routes = torch.stack([self.blocks.routes.get(b, missing) for b in blocks]).view(torch.uint8)
+        pad = self.kv.meta.nbytes - data.shape[1] - routes[0].numel() if self.kv is not None else 0
+        parts = [data, routes.reshape(len(blocks), -1).to(data.device)]
+        if pad:
+            parts.append(data.new_zeros(len(blocks), pad))
+        return torch.cat(parts, dim=1)
 
-    def _scatter_blocks(self, blocks: list[int], data: torch.Tensor) -> None:
-        kv_blocks.scatter(self.kv_caches, blocks, data)
+    def _scatter_blocks(self, blocks: list[int], data: torch.Tensor) -> list | None:
+        """Write fetched payloads into ``blocks``; returns each block's routes (None where the payload
+        has none recorded), or None for a dense model."""
+        if not self.is_moe:
+            kv_blocks.scatter(self.kv_caches, blocks, data)
+            return None
+        a = self.model.args
+        kv_bytes = sum(c[0].numel() * c.element_size() for layer in self.kv_caches for c in layer)
+        kv_blocks.scatter(self.kv_caches, blocks, data[:, :kv_bytes])
+        rb = kv_blocks.route_bytes(self.model, self.block_size)
+        routes = data[:, kv_bytes:kv_bytes + rb].cpu().contiguous().view(torch.int16)
+        routes = routes.reshape(len(blocks), self.block_size, a.num_moe_layers, a.num_experts_per_tok)
+        return [r.clone() if bool((r >= 0).all()) else None for r in routes]
 
     def _start_fetch(self, seq: "Sequence", hashes: list[bytes], k: int) -> None:
         """Wait for the store's run of ``hashes[k:]``: a fetch in flight that holds the next
@@ -143,15 +170,15 @@ class SharedKVMixin:
         if fetch.version != self.version or data.shape[0] == 0:
             return  # computed under other weights: its keys can never match now
         # Extend the longest local match of the fetched chain (blocks may have come or gone since).
-        held = self.blocks.match_prefix(fetch.hashes)
+        held = self.blocks.match_prefix(fetch.hashes, with_routes=self.carries_routes)
         skip = len(held) - fetch.start
         if 0 <= skip < data.shape[0]:
             n = min(data.shape[0] - skip, self.blocks.num_available - 2)
             if n > 0:
                 fresh = [self.blocks.allocate() for _ in range(n)]
-                self._scatter_blocks(fresh, data[skip:skip + n])
-                for block, h in zip(fresh, fetch.hashes[fetch.start + skip:]):
-                    self.blocks.register(block, h)
+                routes = self._scatter_blocks(fresh, data[skip:skip + n]) or [None] * n
+                for block, h, r in zip(fresh, fetch.hashes[fetch.start + skip:], routes):
+                    self.blocks.register(block, h, r)
                 held += fresh
                 self.counters["num_kv_fetched_tokens"] += n * self.block_size
         self.blocks.release(held)  # cached (evictable) until the waiting prompts match them

@@ -58,6 +58,48 @@ def test_second_replica_fetches_the_prefix_and_matches(tiny_model_dir, cache, tr
         e.close()
 
 
+def test_an_moe_replica_fetches_blocks_with_their_routes_for_r3(cache):
+    """A mixture-of-experts engine's blocks carry their tokens' routes through the store: a replica
+    that never saw the prefix fetches it for R3 requests and returns the routes (and tokens) an
+    engine that computed everything returns."""
+    from pathlib import Path
+
+    import msgspec
+
+    model = load_model(Path(__file__).resolve().parents[2] / "recipes/models/tiny-qwen3-moe", seed=3)
+    a, b, solo = engine(model, cache), engine(model, cache), engine(model, None)
+    from rlcli.infer import kv_blocks
+
+    kv_only = kv_blocks.block_meta(model, a.block_size, a.dtype)
+    assert a.block_meta().nbytes >= kv_only.nbytes + kv_blocks.route_bytes(model, a.block_size) > kv_only.nbytes
+    assert a.block_meta().fingerprint != kv_only.fingerprint
+
+    def r3(reqs):
+        return [msgspec.structs.replace(r, sampling=msgspec.structs.replace(r.sampling, return_routing=True))
+                for r in reqs]
+
+    run(a, r3(requests(PREFIX, TAILS[:1])))
+    assert a.kv.flush(10) and a.stats()["kv_published_blocks"] >= 10
+    out_b = run(b, r3(requests(PREFIX, TAILS)))
+    ref = run(solo, r3(requests(PREFIX, TAILS)))
+    assert b.stats()["num_kv_fetched_tokens"] >= 40
+    # A prefill server hands a decode server the other prompts' blocks, routes included.
+    prefill, decode = engine(model, cache, role="prefill"), engine(model, cache, role="decode")
+    others = [[90, 91], [95, 96, 97, 98, 99, 100]]
+    run(prefill, r3(requests([256] + list(range(100, 130)), others)))
+    out_d = run(decode, r3(requests([256] + list(range(100, 130)), others)))
+    ref_d = run(solo, r3(requests([256] + list(range(100, 130)), others)))
+    assert decode.stats()["num_kv_fetched_tokens"] >= 28
+    for out, want in ((out_b, ref), (out_d, ref_d)):
+        for rid, resp in want.items():
+            got, exp = out[rid].completions[0], resp.completions[0]
+            assert got.token_ids == exp.token_ids
+            assert got.routed_experts is not None and exp.routed_experts is not None
+            assert (got.routed_experts.numpy() == exp.routed_experts.numpy()).all(), rid
+    for e in (a, b, solo, prefill, decode):
+        e.close()
+
+
 def test_other_weights_and_salts_never_fetch(tiny_model_dir, cache):
     model = load_model(tiny_model_dir, seed=1)
     other = load_model(tiny_model_dir, seed=2)  # same architecture, other weights
