@@ -184,7 +184,7 @@ def test_run_directory_of_another_recipe(tmp_path, tiny_model_dir):
     one_line_error(cli("rlcli.cli.train", "--config", str(other)), 2, "belongs to recipe 'e2e'", "--run-dir")
 
 
-def test_status_reports_a_run(tmp_path, tiny_model_dir):
+def test_status_of_a_directory_that_is_no_run_is_one_error_line(tmp_path):
     one_line_error(cli("rlcli.cli.orchestrate", "status", str(tmp_path)), 2, "not a run directory")
 
 
