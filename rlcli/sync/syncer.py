@@ -19,7 +19,8 @@ is skipped too, and still retried. In collective mode a failed round fails all i
 alike, so an error skips no one; the next round starts ``poll_interval_s`` later.
 Once every admitted server acknowledged version v, rl-sync records it in
 RUN/progress/sync.json and publishes ``PolicyUpdated(v)``. Weight directories older than the
-newest ``keep_weights`` are deleted, never one a server still serves or loads.
+newest ``keep_weights`` are deleted then and whenever a server moves on, never one a server
+still serves or loads.
 
 Transports (``sync.backend.kind``): ``filesystem`` and ``async_filesystem`` tell servers to
 read RUN/weights/step_N; ``collective`` runs rounds over a transfer group (``rounds.py``).
@@ -89,6 +90,7 @@ class Syncer:
         self.last_update: dict = {}
         self.rounds = None
         self._poller: zmq.Poller | None = None  # the subscriber and every server's socket; rebuilt when they change
+        self._retain_due = False  # a server moved on: weights it held may go
         endpoints = {"pub": self.pub.endpoint}
         if self.kind == "collective":
             from rlcli.sync.rounds import Rounds
@@ -197,6 +199,7 @@ class Syncer:
                     s.version = max(s.version, reply.version)
                     s.load_s, s.last_error = reply.load_time_s, ""
                     s.loaded()
+                    self._retain_due = True
                     log.info("%s loaded v%d in %.2fs", key, reply.version, reply.load_time_s)
                 if s.skipped:
                     s.skipped = False
@@ -228,6 +231,9 @@ class Syncer:
             log.info("policy v%d live on %d server(s)%s", version, len(admitted),
                      f", {total:.3f}s after rl-sync first saw it" if total is not None else "")
             self.published_at = {v: t for v, t in self.published_at.items() if v > version}
+            self._retain_due = True
+        if self._retain_due:
+            self._retain_due = False
             self.retain()
         self.write_status()
 

@@ -1,7 +1,8 @@
 """rl-sync's Syncer against stand-in rl-infer servers (a ROUTER socket and a registry entry each, in
 threads): a server that refuses every load is retried with a growing backoff, not once per loop,
 is skipped once it has failed for ``ack_timeout_s`` so PolicyUpdated moves on without it, and is
-re-admitted by the first load that succeeds."""
+re-admitted by the first load that succeeds; a silent server is skipped, and the weights it serves
+or loads are kept until it has moved on."""
 
 import threading
 import time
@@ -13,6 +14,7 @@ from rlcli.config.services import SyncConfig
 from rlcli.protocol import ErrorReply, LoadWeights, WeightsLoaded
 from rlcli.sync.status import read_status
 from rlcli.sync.syncer import Syncer
+from rlcli.transport.atomic import atomic_dir
 from rlcli.transport.registry import Registration
 from rlcli.transport.rundir import RunDir
 from rlcli.transport.zmq import RpcServer
@@ -21,10 +23,11 @@ pytestmark = pytest.mark.timeout(60)
 
 
 class StandIn:
-    """Answers LoadWeights for versions in ``refuse`` with an ErrorReply, others with WeightsLoaded."""
+    """Answers LoadWeights for versions in ``refuse`` with an ErrorReply, others with WeightsLoaded;
+    while ``hold`` is set it answers none (a stuck server), and answers them all once it is cleared."""
 
-    def __init__(self, run: RunDir, instance: int, refuse: set[int]):
-        self.refuse, self.asked = refuse, []
+    def __init__(self, run: RunDir, instance: int, refuse: set[int], hold: bool = False):
+        self.refuse, self.hold, self.asked, self.held = refuse, hold, [], []
         self.server = RpcServer()
         self.registration = Registration(run.registry_dir(), "infer", instance, {"rpc": self.server.endpoint},
                                          info={"version": 0})
@@ -36,14 +39,16 @@ class StandIn:
         while not self.stopping:
             self.registration.beat()
             got = self.server.recv(20)
-            if got is None or not isinstance(got[1], LoadWeights):
-                continue
-            identity, msg = got
-            self.asked.append(msg.version)
-            if msg.version in self.refuse:
-                self.server.reply(identity, ErrorReply(request_id=msg.request_id, message=f"v{msg.version} damaged"))
-            else:
-                self.server.reply(identity, WeightsLoaded(request_id=msg.request_id, version=msg.version))
+            if got is not None and isinstance(got[1], LoadWeights):
+                self.asked.append(got[1].version)
+                self.held.append(got)
+            while self.held and not self.hold:
+                identity, msg = self.held.pop(0)
+                if msg.version in self.refuse:
+                    reply = ErrorReply(request_id=msg.request_id, message=f"v{msg.version} damaged")
+                else:
+                    reply = WeightsLoaded(request_id=msg.request_id, version=msg.version)
+                self.server.reply(identity, reply)
 
     def stop(self) -> None:
         self.stopping = True
@@ -94,3 +99,36 @@ def test_a_server_that_refuses_a_version_is_backed_off_skipped_and_readmitted(tm
         syncer.close()
         good.stop()
         bad.stop()
+
+
+def test_a_silent_server_is_skipped_and_the_weights_it_serves_or_loads_are_kept(tmp_path):
+    run = RunDir(tmp_path / "run")
+    cfg = RecipeConfig(sync=SyncConfig(ack_timeout_s=1.0, poll_interval_s=0.05, keep_weights=1))
+    good, stuck = StandIn(run, 0, set()), StandIn(run, 1, set())
+    syncer = Syncer(cfg, run)
+
+    def publish(version: int) -> None:
+        with atomic_dir(run.weights_dir(version), {"step": version}) as tmp:
+            (tmp / "model.safetensors").write_bytes(b"w")
+        syncer.see_published(version, {})
+
+    try:
+        run_until(syncer, lambda: len(syncer.servers) == 2, "two servers")
+        publish(1)
+        run_until(syncer, lambda: syncer.policy_version == 1, "PolicyUpdated(1) on both servers")
+        stuck.hold = True
+        for v in (2, 3, 4):
+            publish(v)
+        run_until(syncer, lambda: syncer.policy_version == 4, "PolicyUpdated(4) without the silent server")
+        assert syncer.servers["infer-1"].skipped and good.asked[-1] == 4
+        assert stuck.asked == [1, 4]  # asked for the newest version once, never again while silent
+        # It serves v1 and was asked for v4: both stay on disk, though keep_weights is 1.
+        assert {1, 4} <= set(run.stable_steps("weights"))
+        stuck.hold = False  # it answers at last: re-admitted on v4; v1..v3 can go
+        run_until(syncer, lambda: syncer.servers["infer-1"].version == 4, "the silent server back, on v4")
+        syncer.announce()
+        assert run.stable_steps("weights") == [4]
+    finally:
+        syncer.close()
+        good.stop()
+        stuck.stop()
