@@ -11,6 +11,7 @@ baseline. Step time and trained tokens/s must rise together: an asynchronous run
 were faster by training shorter completions would show it in the length ratio.
 
     python bench/async_vs_sync.py [--recipe recipes/bench-longtail.toml] [--steps 40] [--max-async 2 4]
+                                  [recipe overrides for every mode, e.g. --infer.device cuda]
 """
 
 import argparse
@@ -24,8 +25,8 @@ from run_metrics import read_metrics as read
 from run_metrics import run_up
 
 
-def run_mode(recipe: Path, max_async: int, steps: int, run_dir: Path) -> None:
-    err = run_up(recipe, run_dir, ["--steps", str(steps), "--max-async", str(max_async)])
+def run_mode(recipe: Path, max_async: int, steps: int, run_dir: Path, extra: list[str] = ()) -> None:
+    err = run_up(recipe, run_dir, ["--steps", str(steps), "--max-async", str(max_async), *extra])
     if err:
         sys.exit(f"max_async={max_async} failed: {err}")
 
@@ -59,13 +60,13 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--max-async", type=int, nargs="+", default=[2])
     p.add_argument("--keep", type=Path, default=None, help="Keep the two run directories under this folder.")
-    args = p.parse_args()
+    args, extra = p.parse_known_args()  # the rest (recipe overrides) goes to every mode
     base = args.keep or Path(tempfile.mkdtemp(prefix="rlcli-bench-"))
     results = {}
     for k in [0, *args.max_async]:
         run_dir = base / f"max_async_{k}"
         print(f"running max_async={k} ({args.steps} steps) ...", file=sys.stderr, flush=True)
-        run_mode(args.recipe, k, args.steps, run_dir)
+        run_mode(args.recipe, k, args.steps, run_dir, extra)
         results[k] = summarize(run_dir, args.warmup)
     sync = results[0]
     print(f"{'mode':<14}{'step s':>8}{'ratio':>7}{'idle':>7}{'tok/s':>8}{'ratio':>7}{'len':>6}{'ratio':>7}"

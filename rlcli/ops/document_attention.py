@@ -6,9 +6,9 @@ A training row packs several sequences (documents); a document starts where
 131k tokens and rules out flash kernels; the backends here only ever hold per-document
 or per-block state:
 
-* ``sdpa`` (CPU, and the reference): on a CPU without context parallelism, the documents
+* ``sdpa`` (CPU, and the reference): without context parallelism, the documents
   (segments) of all rows in a few padded SDPA calls per layer, bucketed by length
-  (:func:`rlcli.ops.prefix_tree.attention_buckets`); elsewhere one SDPA call per document.
+  (:func:`rlcli.ops.prefix_tree.attention_buckets`); under CP one SDPA call per document.
   Memory is O(doc²) per document, not O(T²). Works everywhere, with autograd.
 * ``flex`` (CUDA): FlexAttention (compiled) with a block mask built from document ids.
   Fully masked blocks are skipped. It is compiled whole (``fullgraph``): uncompiled,
@@ -41,7 +41,7 @@ kernel applies), ``flex`` under CP and ``varlen`` otherwise; ``sdpa`` elsewhere.
 Shared prompts (:mod:`rlcli.ops.prefix_tree`): a row may be a prefix tree of segments
 instead of independent documents; a segment then also sees its ancestors' segments.
 ``sdpa`` attends each segment over its ancestors' keys and its own (a bool mask: all of
-the ancestors, causal within its own), batched as above on a CPU; ``flex`` uses the tree's mask
+the ancestors, causal within its own), batched as above; ``flex`` uses the tree's mask
 ``k <= q < reach[k]``; ``varlen`` gives each segment its own key sequence, its ancestors'
 keys and values gathered in front of its own (one gather per layer, :class:`_GatherRows`,
 whose backward sums each shared token's copies without atomics), with flash's causal mask aligned to
@@ -236,7 +236,7 @@ class PackedCausalAttention(nn.Module):
             return self._varlen(q_BTHD, k_BSHD, v_BSHD, scale)
         if self.backend == "cudnn":
             return self._cudnn(q_BTHD, k_BSHD, v_BSHD, scale)
-        if self.backend == "sdpa" and self.query_index is None and q_BTHD.device.type == "cpu":
+        if self.backend in ("sdpa", "varlen") and self.query_index is None:  # varlen here: fp32 inputs
             return self._sdpa_batched(q_BTHD, k_BSHD, v_BSHD, scale)
         if self.backend == "invariant" and self.query_index is None and on_kernels(q_BTHD):
             return _InvariantKernelFn.apply(q_BTHD, k_BSHD, v_BSHD, float(scale), self)

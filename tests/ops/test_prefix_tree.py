@@ -161,6 +161,27 @@ def test_batched_sdpa_matches_dense_mask_and_per_segment_calls(monkeypatch, max_
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU"))])
+@pytest.mark.parametrize("backend", ["sdpa", "varlen"])
+def test_fp32_rows_take_the_batched_calls_on_every_device(monkeypatch, backend, device):
+    """Flash is half precision only, so fp32 rows under ``varlen`` (CUDA's default for shared
+    rows) and ``sdpa`` on any device run the few batched SDPA calls, never one call per segment:
+    per segment, the demo's 500 completions a step cost seconds of kernel launches on a GPU."""
+    import rlcli.ops.document_attention as da
+
+    tree, pos = _tree_and_positions()
+    T = tree.num_tokens
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, T, h, 8, generator=g).to(device) for h in (4, 2, 2))
+    attn = PackedCausalAttention(pos, backend=backend, trees=[tree], device=device)
+    ref = attn._sdpa_per_document(q, k, v, 0.3)
+    monkeypatch.setattr(PackedCausalAttention, "_sdpa_per_document",
+                        lambda *a: pytest.fail("fp32 rows took one SDPA call per segment"))
+    monkeypatch.setattr(PackedCausalAttention, "_varlen", lambda *a: pytest.fail("fp32 rows reached flash"))
+    torch.testing.assert_close(attn(0, q, k, v, 0.3), ref, atol=1e-5, rtol=1e-5)
+
+
 def test_row_gather_backward_sums_every_copy_without_index_add():
     """The shared-prompt key gather: forward is index_select; backward gives each source row the
     sum of its copies' gradients (copy counts 1, 3 and 8 mixed, one row never read)."""
