@@ -74,6 +74,13 @@ AttentionBackend = Literal["auto", "sdpa", "flex", "varlen", "cudnn", "invariant
 def _sdpa(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, scale: float,
           mask=None, is_causal: bool = False) -> torch.Tensor:
     gqa = q_BHTD.shape[1] != k_BHSD.shape[1]
+    if gqa and q_BHTD.is_cuda and q_BHTD.dtype == torch.float32:
+        # CUDA's flash kernels take no fp32 and its memory-efficient kernel no grouped heads, so
+        # SDPA would fall back to its math path (the scores materialized, ~10 kernels a call):
+        # repeat the K/V heads instead and let the memory-efficient kernel run.
+        rep = q_BHTD.shape[1] // k_BHSD.shape[1]
+        k_BHSD, v_BHSD = k_BHSD.repeat_interleave(rep, dim=1), v_BHSD.repeat_interleave(rep, dim=1)
+        gqa = False
     return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, attn_mask=mask, is_causal=is_causal,
                                           scale=scale, enable_gqa=gqa)
 

@@ -182,6 +182,31 @@ def test_fp32_rows_take_the_batched_calls_on_every_device(monkeypatch, backend, 
     torch.testing.assert_close(attn(0, q, k, v, 0.3), ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("masked", [False, True])
+def test_fp32_grouped_heads_run_a_fused_kernel_on_cuda(masked):
+    """fp32 attention with grouped K/V heads on CUDA runs the memory-efficient kernel (only it is
+    allowed here: the math fallback would raise), values and gradients equal to the math path."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from rlcli.ops.document_attention import _sdpa
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(3, h, 24, 16, generator=g, device="cuda") for h in (4, 2, 2))
+    mask = torch.rand(3, 1, 24, 24, generator=g, device="cuda") < 0.7 if masked else None
+    if masked:
+        mask[..., 0] = True  # every query sees a key
+    runs = []
+    for backend in (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH):
+        xs = [x.clone().requires_grad_() for x in (q, k, v)]
+        with sdpa_kernel(backend):
+            out = _sdpa(*xs, 0.25, mask=mask, is_causal=not masked)
+        out.square().sum().backward()
+        runs.append([out.detach()] + [x.grad for x in xs])
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 def test_row_gather_backward_sums_every_copy_without_index_add():
     """The shared-prompt key gather: forward is index_select; backward gives each source row the
     sum of its copies' gradients (copy counts 1, 3 and 8 mixed, one row never read)."""
