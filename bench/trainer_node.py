@@ -147,14 +147,15 @@ def write_run(root: Path, hf: dict, seq: int, prompt: int, rows: int, steps: int
     return recipe
 
 
-def run_arm(recipe: Path, world: int, fp8: bool, timeout_s: int) -> tuple[list[dict], str]:
+def run_arm(recipe: Path, world: int, fp8: bool, timeout_s: int, cpu: bool = False) -> tuple[list[dict], str]:
     """The trainer's per-step metrics, and what went wrong (empty: nothing). A run past
-    ``timeout_s`` is killed (its process group) and the steps it finished are kept."""
+    ``timeout_s`` is killed (its process group) and the steps it finished are kept. ``cpu``:
+    the ranks see no GPU (gloo), also on a GPU host."""
     cmd = [sys.executable, "-m", "rlcli.cli.train", "run", "--config", str(recipe), "--nproc-per-node", str(world)]
     if fp8:
         cmd.append("--fp8")
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "NCCL_NVLS_ENABLE": "0"}
+           "NCCL_NVLS_ENABLE": "0", **({"CUDA_VISIBLE_DEVICES": ""} if cpu else {})}
     log = recipe.parent / "rl-train.log"
     t0 = time.monotonic()
     with log.open("w") as f:
@@ -301,7 +302,7 @@ def main() -> None:
                            "torch" if arm.startswith("fp8-torch") else "auto", arm.endswith("-invariant"),
                            "step" if arm.endswith("-step") else "micro_batch")
         t0 = time.monotonic()
-        rows, err = run_arm(recipe, a.nproc, arm.startswith("fp8"), a.timeout)
+        rows, err = run_arm(recipe, a.nproc, arm.startswith("fp8"), a.timeout, cpu=a.smoke)
         # rl-train's last checkpoint is the whole trainer state (~52 GB at 4.3B): one arm's at a time, --keep or
         # not (a kept bf16 arm's filled the GPU machine's 64 GiB disk under the FP8 arm, eleventh session)
         shutil.rmtree(root / "run" / "checkpoints", ignore_errors=True)
@@ -332,10 +333,13 @@ def main() -> None:
         print(f"{arm:<{w}} {r['step_s']:>8.3f} {r['tokens_s']:>10.0f} {r['mfu']:>6.1%} {r['peak_gib']:>9.1f} "
               f"{r['all_to_all']:>6.1%} {r['all_gather']:>7.1%} {r['reduce_scatter']:>8.1%} "
               f"{r['loss_first']:>+8.4f}/{r['loss_last']:+.4f}")
+    failed = [arm for arm in a.arms.split(",") if arm not in results]
     for arm in results:
         twin = arm.removesuffix("-invariant")  # what the flag costs: against the same arm without it
         for base in dict.fromkeys(b for b in ("bf16", twin) if b != arm and b in results):
             print(f"{arm} / {base} tokens/s: {results[arm]['tokens_s'] / results[base]['tokens_s']:.2f}x")
+    if failed:
+        sys.exit(f"arms without a result: {', '.join(failed)} (their errors are above)")
 
 
 if __name__ == "__main__":
