@@ -337,15 +337,17 @@ class NativeEngine(SharedKVMixin):
             if seq in preempted or budget <= 0:
                 continue
             n = min(len(seq.tokens) - seq.num_computed, budget)
-            while self._blocks_needed(seq, n) + self._fork_blocks(seq, n) > self.blocks.num_available - reserved:
+            need, fork = self._blocks_needed(seq, n), self._fork_blocks(seq, n)
+            while need + fork > self.blocks.num_available - reserved:
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.add(victim)
                 if victim is seq:
                     break
             else:
-                reserved += self._fork_blocks(seq, n)
-                self._allocate(seq, n)
+                reserved += fork
+                for _ in range(need):
+                    seq.blocks.append(self.blocks.allocate())
                 batch.append((seq, n))
                 budget -= n
         self.new_fetches = []
@@ -443,9 +445,14 @@ class NativeEngine(SharedKVMixin):
         bs = self.block_size
         for seq, n in batch:
             start = seq.num_computed
-            ids.extend(seq.tokens[start:start + n])
-            pos.extend(range(start, start + n))
-            slots.extend(seq.blocks[p // bs] * bs + p % bs for p in range(start, start + n))
+            if n == 1:  # a decode (most of a step's rows): no slices or generators
+                ids.append(seq.tokens[start])
+                pos.append(start)
+                slots.append(seq.blocks[start // bs] * bs + start % bs)
+            else:
+                ids.extend(seq.tokens[start:start + n])
+                pos.extend(range(start, start + n))
+                slots.extend(seq.blocks[p // bs] * bs + p % bs for p in range(start, start + n))
             qstart.append(qstart[-1] + n)
             ctx_lens.append(start + n)
         width = max(len(seq.blocks) for seq, _ in batch)
