@@ -58,6 +58,12 @@ class LossConfig(Config):
     """icepop: mask tokens whose trainer/inference probability ratio leaves [mask_low, mask_high];
     tis: truncate the ratio at mask_high instead of masking."""
 
+    ratio: Literal["token", "sequence"] = "token"
+    """token: each token is weighted by its own ratio pi_train / pi_infer; sequence: every token of
+    a sequence by the sequence's geometric-mean ratio (GSPO), the gradient still through the token's
+    own logprob, so mask_low / mask_high (tis: the truncation at mask_high) keep or drop whole
+    sequences. The loss stays normalized by the step's loss tokens either way."""
+
     mask_low: float = DEFAULT_MASK_LOW
     """Lower bound of the trust interval on pi_train / pi_infer (icepop; tis has none, and refuses
     another value than this default)."""

@@ -12,7 +12,12 @@ keep it inside a trust interval:
 
 Both can also mask whole sequences (``sequence_mask_low/high``) whose geometric-mean
 ratio leaves an interval, as prime-rl does: one sequence drawn from a very different
-distribution is dropped whole instead of token by token.
+distribution is dropped whole instead of token by token. With ``ratio = "sequence"``
+(GSPO) both weight every token of a sequence by that geometric-mean ratio instead of
+its own, ``exp(lp - sg(lp) + sg(mean log ratio))``: the value is the sequence's, the
+gradient each token's ``grad log pi``, and the trust interval (or truncation) acts on the
+sequence. One noisy token then cannot mask itself or swing its own weight; a sequence
+moves as a whole. The token-level ratios still give the mismatch diagnostics.
 
 Every loss returns the *sum* over tokens, the boolean mask of the tokens it kept (the
 trainer applies the entropy bonus to those only) and mismatch diagnostics, all sums
@@ -44,22 +49,38 @@ def sequence_ids(position_ids_BT: torch.Tensor) -> torch.Tensor:
     return (position_ids_BT == 0).long().flatten().cumsum(0).view_as(position_ids_BT) - 1
 
 
-def _sequence_keep(log_ratio, mask, seq_ids, cfg: LossConfig) -> torch.Tensor:
-    """False on every token of a sequence whose geometric-mean ratio leaves the sequence interval."""
-    if cfg.sequence_mask_low <= 0 and cfg.sequence_mask_high <= 0:
-        return torch.ones_like(mask)
+def _sequence_log_ratio(log_ratio, mask, seq_ids) -> torch.Tensor:
+    """Per token, the mean log ratio over its sequence's loss tokens (detached; 0 for a sequence
+    without any): the log of the sequence's geometric-mean ratio."""
     lr, m = log_ratio.detach().flatten(), mask.flatten().float()
     ids = seq_ids.flatten()
     n = ids.numel()  # a bound on the sequence count that needs no host sync (ids < tokens)
     total = torch.zeros(n, dtype=lr.dtype, device=lr.device).index_add_(0, ids, lr * m)
     count = torch.zeros(n, dtype=lr.dtype, device=lr.device).index_add_(0, ids, m)
-    seq_ratio = (total / count.clamp(min=1)).exp()
-    ok = torch.ones(n, dtype=torch.bool, device=lr.device)
+    return (total / count.clamp(min=1))[ids].view_as(log_ratio)
+
+
+def _sequence_keep(log_ratio, mask, seq_ids, cfg: LossConfig) -> torch.Tensor:
+    """False on every token of a sequence whose geometric-mean ratio leaves the sequence interval."""
+    if cfg.sequence_mask_low <= 0 and cfg.sequence_mask_high <= 0:
+        return torch.ones_like(mask)
+    seq_ratio = _sequence_log_ratio(log_ratio, mask, seq_ids).exp()
+    ok = torch.ones_like(mask)
     if cfg.sequence_mask_low > 0:
         ok &= seq_ratio >= cfg.sequence_mask_low
     if cfg.sequence_mask_high > 0:
         ok &= seq_ratio <= cfg.sequence_mask_high
-    return ok[ids].view_as(mask)
+    return ok
+
+
+def _weighting_ratio(trainer_lp, ratio, log_ratio, mask, seq_ids, cfg: LossConfig) -> torch.Tensor:
+    """The ratio the policy gradient is weighted by: the token's own, or (``ratio = "sequence"``)
+    its sequence's geometric mean in value with the token's own ``grad log pi``. A token the
+    trainer gives probability 0 (outside its top-p nucleus) carries no gradient either way."""
+    if cfg.ratio == "token":
+        return ratio
+    own = torch.where(torch.isfinite(trainer_lp), trainer_lp - trainer_lp.detach(), torch.zeros_like(trainer_lp))
+    return (own + _sequence_log_ratio(log_ratio, mask, seq_ids)).exp()
 
 
 def _metrics(ratio, log_ratio, mask, kept, low, high, seq_keep) -> dict[str, torch.Tensor]:
@@ -83,17 +104,18 @@ def _metrics(ratio, log_ratio, mask, kept, low, high, seq_keep) -> dict[str, tor
 
 def icepop_loss(trainer_lp, infer_lp, advantages, mask, seq_ids, cfg: LossConfig):
     ratio, log_ratio = _ratio(trainer_lp, infer_lp)
-    r = ratio.detach()
+    weighting = _weighting_ratio(trainer_lp, ratio, log_ratio, mask, seq_ids, cfg)
+    r = weighting.detach()
     low, high = r < cfg.mask_low, r > cfg.mask_high
     seq_keep = _sequence_keep(log_ratio, mask, seq_ids, cfg)
     kept = mask & ~low & ~high & seq_keep
-    loss = -(ratio * advantages * kept).sum()
+    loss = -(weighting * advantages * kept).sum()
     return loss, kept, _metrics(ratio, log_ratio, mask, kept, low, high, seq_keep)
 
 
 def tis_loss(trainer_lp, infer_lp, advantages, mask, seq_ids, cfg: LossConfig):
     ratio, log_ratio = _ratio(trainer_lp, infer_lp)
-    weight = ratio.detach().clamp(max=cfg.mask_high)
+    weight = _weighting_ratio(trainer_lp, ratio, log_ratio, mask, seq_ids, cfg).detach().clamp(max=cfg.mask_high)
     seq_keep = _sequence_keep(log_ratio, mask, seq_ids, cfg)
     kept = mask & seq_keep
     # exp(lp - lp.detach()) is 1 in value and carries grad log pi.

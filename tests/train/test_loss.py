@@ -115,3 +115,76 @@ def test_top_p_logprobs_renormalize_over_the_nucleus_with_grad():
     assert lp[0, 2].item() == float("-inf")  # outside the nucleus: ratio 0, masked by the loss
     lp[0, 1].backward()
     assert logits.grad[0, 0, 2:].abs().sum() == 0 and logits.grad[0, 0, :2].abs().sum() > 0
+
+
+PACKED_POS = torch.tensor([[0, 1, 2, 3, 0, 1, 2]])  # two sequences in one row
+PACKED_MASK = torch.tensor([[False, True, True, True, False, True, True]])
+
+
+def _sequence_ratio_reference(lp, infer_lp, mask, seq):
+    """Per token, exp(mean over its sequence's loss tokens of the log ratio)."""
+    lr = (lp - infer_lp).detach()
+    out = torch.empty_like(lr)
+    for i in seq.unique():
+        sel = seq == i
+        out[sel] = lr[sel & mask].mean().exp()
+    return out
+
+
+@pytest.mark.parametrize("kind", ["icepop", "tis"])
+def test_sequence_ratio_weights_every_token_by_its_sequence_with_its_own_gradient(kind):
+    """GSPO: d loss / d lp_t = -s_i * A_t on kept tokens, s_i the geometric-mean ratio of t's sequence,
+    however far the token's own ratio is from it (the 0.3 and 2.5 tokens would be masked alone)."""
+    cfg = LossConfig(kind=kind, ratio="sequence", mask_high=2.0)
+    seq = sequence_ids(PACKED_POS)
+    infer_lp = torch.full((1, 7), -1.0)
+    own = torch.tensor([[0.0, 0.2, -1.2, 0.9, 0.0, 0.1, -0.3]])  # own log ratios
+    lp = (infer_lp + own).requires_grad_()
+    adv = torch.tensor([[0.0, 1.0, 1.0, 1.0, 0.0, -2.0, -2.0]])
+    loss, kept, m = (icepop_loss if kind == "icepop" else tis_loss)(lp, infer_lp, adv, PACKED_MASK, seq, cfg)
+    loss.backward()
+    s = _sequence_ratio_reference(lp, infer_lp, PACKED_MASK, seq)
+    assert kept.tolist() == PACKED_MASK.tolist()
+    torch.testing.assert_close(lp.grad, -s * adv * PACKED_MASK)
+    torch.testing.assert_close(loss, -(s * adv * PACKED_MASK).sum())
+    assert m["masked_tokens"].item() == 0
+    # The token-level ratios still give the mismatch diagnostics.
+    k3 = own.exp() - 1 - own
+    assert m["mismatch_kl"].item() == pytest.approx((k3 * PACKED_MASK).sum().item(), rel=1e-5)
+
+
+def test_sequence_ratio_masks_and_truncates_whole_sequences():
+    """The first sequence's geometric mean is e^1 (> mask_high 2), the second's e^-0.1: icepop drops
+    every token of the first, token ratios inside the interval included; tis weights them by 2."""
+    seq = sequence_ids(PACKED_POS)
+    own = torch.tensor([[0.0, 0.1, 0.2, 2.7, 0.0, 0.4, -0.6]])
+    adv = torch.ones(1, 7)
+    _, kept, m = icepop_loss(own, torch.zeros(1, 7), adv, PACKED_MASK, seq, LossConfig(ratio="sequence"))
+    assert kept.tolist() == [[False, False, False, False, False, True, True]]
+    assert (m["masked_high"].item(), m["masked_low"].item()) == (3, 0)
+    _, kept, _ = icepop_loss(own, torch.zeros(1, 7), adv, PACKED_MASK, seq, LossConfig())
+    assert kept.tolist() == [[False, True, True, False, False, True, True]]  # token ratios alone
+    lp = own.clone().requires_grad_()
+    tis_loss(lp, torch.zeros(1, 7), adv, PACKED_MASK, seq, LossConfig(kind="tis", ratio="sequence"))[0].backward()
+    assert lp.grad[0, 1:4].tolist() == pytest.approx([-2.0] * 3)
+    assert lp.grad[0, 5:].tolist() == pytest.approx([-torch.tensor(-0.1).exp().item()] * 2)
+
+
+def test_sequence_ratio_on_policy_is_the_policy_gradient_and_a_zero_probability_token_adds_no_nan():
+    torch.manual_seed(3)
+    logits = torch.randn(1, 7, 9, requires_grad=True)
+    ids = torch.randint(0, 9, (1, 7))
+    adv = torch.randn(1, 7)
+    seq = sequence_ids(PACKED_POS)
+    lp, _ = token_logprobs(logits, ids, 1.0)
+    icepop_loss(lp, lp.detach(), adv, PACKED_MASK, seq, LossConfig(ratio="sequence"))[0].backward()
+    g = logits.grad.clone()
+    logits.grad = None
+    lp, _ = token_logprobs(logits, ids, 1.0)
+    (-(lp * adv * PACKED_MASK).sum()).backward()
+    torch.testing.assert_close(g, logits.grad)
+    # A token outside the trainer's top-p nucleus has lp = -inf: its sequence is weighted ~0, no NaN.
+    lp = torch.tensor([[0.0, -0.5, float("-inf"), -0.5, 0.0, -0.2, -0.3]], requires_grad=True)
+    loss, _, _ = icepop_loss(lp, torch.full((1, 7), -0.4), adv, PACKED_MASK, seq, LossConfig(ratio="sequence"))
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(lp.grad).all() and lp.grad[0, 2] == 0
