@@ -576,6 +576,8 @@ class NativeEngine(SharedKVMixin):
         self.counters["num_cached_tokens"] += r.num_cached_tokens
         children = []
         partial = parent.num_computed % self.block_size != 0
+        # Each child after the first writes its own copy of a partial last block.
+        copies = self._copy_block(parent.blocks[-1], r.sampling.n - 1) if partial else []
         for k in range(r.sampling.n):
             child = Sequence(r, k, list(parent.tokens), parent.num_computed, list(parent.blocks),
                              list(parent.hashes), routes=list(parent.routes),
@@ -584,17 +586,22 @@ class NativeEngine(SharedKVMixin):
                 for b in child.blocks[:-1] if partial else child.blocks:
                     self.blocks.share(b)
                 if partial:
-                    child.blocks[-1] = self._copy_block(parent.blocks[-1])
+                    child.blocks[-1] = copies[k - 1]
             children.append(child)
             self.running.append(child)
         return children
 
-    def _copy_block(self, src: int) -> int:
-        dst = self.blocks.allocate()
+    def _copy_block(self, src: int, count: int) -> list[int]:
+        """``count`` new blocks holding block ``src``'s KV: one copy per cache tensor, not per block."""
+        if count <= 0:
+            return []
+        dsts = [self.blocks.allocate() for _ in range(count)]
+        index = torch.tensor(dsts, device=self.device)
+        source = torch.full((count,), src, device=self.device)
         for layer in self.kv_caches:
             for cache in layer:
-                cache[dst].copy_(cache[src])
-        return dst
+                cache.index_copy_(0, index, cache.index_select(0, source))
+        return dsts
 
     def _append(self, seq: Sequence, token: int, logprob: float) -> None:
         seq.tokens.append(token)
