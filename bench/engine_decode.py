@@ -1,0 +1,105 @@
+"""The native engine's step time by concurrency on a device: the working tree against a baseline tree.
+
+The workload is #9's long-tail recipe's model (recipes/models/micro-llama, random weights): for each
+concurrency C, C/4 prompts of 16 tokens, n = 4 completions each (C sequences), 64 new tokens, EOS
+ignored, sampled at temperature 1. After two warm-up steps, milliseconds per engine step over the
+rest. At this size a step's cost is the host's (scheduling, bookkeeping, kernel launches and
+host-to-device copies), which is what bounds asynchronous RL's step on a GPU (docs/benchmarks.md,
+twenty-fourth session). Each arm runs in its own process with its own tree first on ``PYTHONPATH``,
+the arms alternating ``--repeats`` times; the best time per concurrency counts.
+
+    python bench/engine_decode.py --device cuda --baseline HEAD          # a git ref, checked out here
+    python bench/engine_decode.py --device cuda --baseline-tree /tmp/base  # an unpacked tree (no .git on the machine)
+    python bench/engine_decode.py --smoke                                 # CPU, the working tree as both arms
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+WORKLOAD = """
+import json, sys, time
+import torch
+from rlcli.infer.engine import NativeEngine
+from rlcli.models import load_model
+from rlcli.protocol import GenerateRequest, SamplingParams
+
+device, dtype, tokens, model_dir = sys.argv[1], getattr(torch, sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+concurrencies = [int(c) for c in sys.argv[5].split(",")]
+torch.set_num_threads(1)
+model = load_model(model_dir, seed=0).eval().to(device, dtype)
+sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+out = {}
+for c in concurrencies:
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=128, max_num_seqs=max(c, 4), kv_cache_memory_mb=256)
+    for i in range(max(1, c // 4)):
+        engine.add_request(GenerateRequest(request_id=str(i), prompt_ids=[256] + [(i * 7 + j) % 250 for j in range(15)],
+                                           sampling=SamplingParams(temperature=1.0, max_tokens=tokens, n=min(c, 4),
+                                                                   ignore_eos=True)))
+    engine.step(); engine.step()
+    sync()
+    t, steps = time.perf_counter(), 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+    out[c] = (time.perf_counter() - t) / steps * 1e3
+print(json.dumps(out))
+"""
+
+
+def run(tree: Path, args) -> dict[int, float]:
+    env = {"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", WORKLOAD, args.device, args.dtype, str(args.tokens),
+                          str(REPO / "recipes" / "models" / "micro-llama"), args.concurrency],
+                         env=env, capture_output=True, text=True, cwd=tree)
+    if out.returncode != 0:
+        raise SystemExit(f"{tree}: {out.stderr[-2000:]}")
+    return {int(k): v for k, v in json.loads(out.stdout.splitlines()[-1]).items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--baseline", default="HEAD", help="git ref of the baseline arm [HEAD]")
+    p.add_argument("--baseline-tree", type=Path, default=None,
+                   help="an unpacked tree as the baseline instead (e.g. `git archive REF | tar -x -C DIR`)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--concurrency", default="1,16,64,192,512", help="comma-separated sequence counts")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--smoke", action="store_true", help="CPU, 1 and 8 sequences, 8 tokens, the working tree as both arms")
+    args = p.parse_args()
+    if args.smoke:
+        args.device, args.concurrency, args.tokens, args.repeats = "cpu", "1,8", 8, 1
+    with tempfile.TemporaryDirectory() as tmp:
+        base, label = REPO, "working tree"
+        if args.baseline_tree is not None:
+            base, label = args.baseline_tree.resolve(), str(args.baseline_tree)
+        elif not args.smoke:
+            base, label = Path(tmp) / "baseline", args.baseline
+            subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-f", str(base), args.baseline],
+                           check=True, capture_output=True)
+        try:
+            best: dict[str, dict[int, float]] = {"baseline": {}, "tree": {}}
+            for _ in range(args.repeats):
+                for arm, tree in (("baseline", base), ("tree", REPO)):
+                    for c, ms in run(tree, args).items():
+                        best[arm][c] = min(best[arm].get(c, float("inf")), ms)
+        finally:
+            if base != REPO and args.baseline_tree is None:
+                subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(base)],
+                               capture_output=True)
+    print(f"# native engine, ms per step, {args.device} {args.dtype}, {args.tokens} new tokens; baseline: {label}")
+    print(f"{'sequences':>9} {'baseline':>9} {'tree':>9} {'ratio':>7}")
+    for c in sorted(best["tree"]):
+        b, t = best["baseline"][c], best["tree"][c]
+        print(f"{c:>9} {b:>9.2f} {t:>9.2f} {b / t:>6.2f}x")
+
+
+if __name__ == "__main__":
+    main()
