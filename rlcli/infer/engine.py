@@ -455,25 +455,30 @@ class NativeEngine(SharedKVMixin):
                 slots.extend(seq.blocks[p // bs] * bs + p % bs for p in range(start, start + n))
             qstart.append(qstart[-1] + n)
             ctx_lens.append(start + n)
+        # The step's int64 inputs in one host array, so a GPU gets them in one copy:
+        # ids | positions | slots | each sequence's last token | block tables [S, width].
+        S, N = len(batch), len(ids)
         width = max(len(seq.blocks) for seq, _ in batch)
-        tables = np.full((len(batch), width), -1, dtype=np.int64)
+        host = np.empty(3 * N + S + S * width, dtype=np.int64)
+        host[:N], host[N:2 * N], host[2 * N:3 * N] = ids, pos, slots
+        host[3 * N:3 * N + S] = qstart[1:]
+        host[3 * N:3 * N + S] -= 1
+        tables = host[3 * N + S:].reshape(S, width)
+        tables.fill(-1)
         for i, (seq, _) in enumerate(batch):
             tables[i, :len(seq.blocks)] = seq.blocks
         num_decode = 0
         while num_decode < len(batch) and batch[num_decode][1] == 1 and batch[num_decode][0].num_computed > 0:
             num_decode += 1
-        dev = self.device
+        inputs = torch.from_numpy(host).to(self.device)
+        ids_t, pos_t, slots_t, last = inputs[:3 * N + S].split([N, N, N, S])
         meta = PagedAttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev), query_start=qstart,
-            context_lens=ctx_lens, block_tables=torch.from_numpy(tables).to(dev), block_size=bs,
-            num_decode=num_decode)
+            slot_mapping=slots_t, query_start=qstart, context_lens=ctx_lens,
+            block_tables=inputs[3 * N + S:].view(S, width), block_size=bs, num_decode=num_decode)
         record = self.carries_routes or (self.is_moe and any(seq.req.sampling.return_routing for seq, _ in batch))
         routing = RoutingContext(record=True) if record else None
         ctx = ForwardContext(attn=PagedAttention(self.kv_caches, meta, self.batch_invariant), routing=routing)
-        ids_t = torch.tensor([ids], dtype=torch.int64, device=dev)
-        pos_t = torch.tensor([pos], dtype=torch.int64, device=dev)
-        hidden = self.model.hidden_states(ids_t, pos_t, ctx)[0]
-        last = torch.tensor([q - 1 for q in qstart[1:]], device=dev)
+        hidden = self.model.hidden_states(ids_t[None], pos_t[None], ctx)[0]
         logits = self.model.lm_head(hidden[last])
         routes = routing.stacked() if record else None
         return logits, routes
