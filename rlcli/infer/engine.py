@@ -474,7 +474,8 @@ class NativeEngine(SharedKVMixin):
         ids_t, pos_t, slots_t, last = inputs[:3 * N + S].split([N, N, N, S])
         meta = PagedAttentionMetadata(
             slot_mapping=slots_t, query_start=qstart, context_lens=ctx_lens,
-            block_tables=inputs[3 * N + S:].view(S, width), block_size=bs, num_decode=num_decode)
+            block_tables=inputs[3 * N + S:].view(S, width), block_size=bs, num_decode=num_decode,
+            block_tables_host=tables)
         record = self.carries_routes or (self.is_moe and any(seq.req.sampling.return_routing for seq, _ in batch))
         routing = RoutingContext(record=True) if record else None
         ctx = ForwardContext(attn=PagedAttention(self.kv_caches, meta, self.batch_invariant), routing=routing)

@@ -25,6 +25,7 @@ The KV cache layout is per layer ``(k_cache, v_cache)`` of shape
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -82,6 +83,9 @@ class PagedAttentionMetadata:
     block_tables: torch.Tensor  # int64 [S, max_blocks], -1 padded
     block_size: int
     num_decode: int = 0
+    # The same tables on the host, where the caller has them (the engine): the decode buckets are
+    # planned from them without reading the device's copy back.
+    block_tables_host: np.ndarray | None = field(default=None, repr=False)
     # Gather index of the batched decode path, built once per step and shared by every layer.
     _decode_gather: tuple | None = field(default=None, repr=False)
     # The varlen path's (cache slots of every sequence's context, cu_q, cu_k, max_q, max_k), likewise.
@@ -249,26 +253,32 @@ class PagedAttention(nn.Module):
 
     def _decode_buckets(self, device) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Per bucket: (row indices, cache slots [S_b, L_b], valid mask [S_b, L_b]); shared by all layers.
-        A padding position is masked, but a masked score still multiplies its value (0 * NaN =
-        NaN): its slot is the sequence's own first one, written by this sequence, so no stale
-        cache contents of another sequence are read and nothing needs zeroing per layer."""
+        Planned on the host and sent to ``device`` in one copy. A padding position is masked, but a
+        masked score still multiplies its value (0 * NaN = NaN): its slot is the sequence's own
+        first one, written by this sequence, so no stale cache contents of another sequence are
+        read and nothing needs zeroing per layer."""
         meta = self.meta
+        tables = meta.block_tables_host if meta.block_tables_host is not None else meta.block_tables.cpu().numpy()
+        bs = meta.block_size
         lens = meta.context_lens[:meta.num_decode]
         buckets: dict[int, list[int]] = {}
         for i, n in enumerate(lens):
-            buckets.setdefault(max(meta.block_size, 1 << (n - 1).bit_length()), []).append(i)
-        out = []
+            buckets.setdefault(max(bs, 1 << (n - 1).bit_length()), []).append(i)
+        parts, shapes = [], []
         for _, rows in sorted(buckets.items()):
-            width = max(lens[i] for i in rows)
-            rows_t = torch.tensor(rows, device=device)
-            pos = torch.arange(width, device=device)
-            block_idx = (pos // meta.block_size).clamp(max=meta.block_tables.shape[1] - 1)
-            blocks = meta.block_tables[rows_t][:, block_idx].clamp(min=0)
-            slots = blocks * meta.block_size + (pos % meta.block_size)[None]
-            valid = pos[None] < torch.tensor([lens[i] for i in rows], device=device)[:, None]
-            slots = torch.where(valid, slots, slots[:, :1])
-            out.append((rows_t, slots, valid))
-        return out
+            rows_np = np.asarray(rows, dtype=np.int64)
+            rows_lens = np.asarray([lens[i] for i in rows], dtype=np.int64)
+            pos = np.arange(int(rows_lens.max()), dtype=np.int64)
+            block_idx = np.minimum(pos // bs, tables.shape[1] - 1)
+            slots = tables[rows_np][:, block_idx].clip(min=0) * bs + pos % bs
+            valid = pos[None] < rows_lens[:, None]
+            slots = np.where(valid, slots, slots[:, :1])
+            parts += [rows_np, slots.ravel(), valid.ravel().astype(np.int64)]
+            shapes.append(slots.shape)
+        flat = torch.from_numpy(np.concatenate(parts)).to(device)
+        pieces = flat.split([p.size for p in parts])
+        return [(pieces[3 * b], pieces[3 * b + 1].view(shape), pieces[3 * b + 2].view(shape) != 0)
+                for b, shape in enumerate(shapes)]
 
 
 def prefill_attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, scale: float) -> torch.Tensor:
