@@ -305,7 +305,7 @@ class PackedCausalAttention(nn.Module):
             rows.append(torch.cat(pieces, dim=2))
         return torch.cat(rows, dim=0).transpose(1, 2)
 
-    # ------------------------------------------------------------------ sdpa, segments batched (CPU)
+    # ------------------------------------------------------------------ sdpa, segments batched (no CP)
     def _plan_batched(self, device: torch.device):
         """Once per forward, shared by every layer: the padded buckets of all segments
         (:func:`rlcli.ops.prefix_tree.attention_buckets`) as gathers, and the gather that puts
