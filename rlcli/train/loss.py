@@ -16,8 +16,7 @@ distribution is dropped whole instead of token by token. With ``ratio = "sequenc
 (GSPO) both weight every token of a sequence by that geometric-mean ratio instead of
 its own, ``exp(lp - sg(lp) + sg(mean log ratio))``: the value is the sequence's, the
 gradient each token's ``grad log pi``, and the trust interval (or truncation) acts on the
-sequence. One noisy token then cannot mask itself or swing its own weight; a sequence
-moves as a whole. The token-level ratios still give the mismatch diagnostics.
+sequence. The token-level ratios still give the mismatch diagnostics.
 
 Every loss returns the *sum* over tokens, the boolean mask of the tokens it kept (the
 trainer applies the entropy bonus to those only) and mismatch diagnostics, all sums

@@ -184,7 +184,8 @@ def test_sequence_ratio_on_policy_is_the_policy_gradient_and_a_zero_probability_
     (-(lp * adv * PACKED_MASK).sum()).backward()
     torch.testing.assert_close(g, logits.grad)
     # A token outside the trainer's top-p nucleus has lp = -inf: its sequence is weighted ~0, no NaN.
-    lp = torch.tensor([[0.0, -0.5, float("-inf"), -0.5, 0.0, -0.2, -0.3]], requires_grad=True)
-    loss, _, _ = icepop_loss(lp, torch.full((1, 7), -0.4), adv, PACKED_MASK, seq, LossConfig(ratio="sequence"))
-    loss.backward()
-    assert torch.isfinite(loss) and torch.isfinite(lp.grad).all() and lp.grad[0, 2] == 0
+    for ratio in ("sequence", "token"):
+        lp = torch.tensor([[0.0, -0.5, float("-inf"), -0.5, 0.0, -0.2, -0.3]], requires_grad=True)
+        loss, _, _ = icepop_loss(lp, torch.full((1, 7), -0.4), adv, PACKED_MASK, seq, LossConfig(ratio=ratio))
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(lp.grad).all() and lp.grad[0, 2] == 0, ratio
