@@ -10,11 +10,12 @@ the fraction of dispatched groups dropped for staleness, and the ratios against 
 baseline. Step time and trained tokens/s must rise together: an asynchronous run that
 were faster by training shorter completions would show it in the length ratio.
 
-A synchronous step lasts as long as its batch's longest completion, and on a long-tailed
-workload that maximum varies a lot from batch to batch: on one H100 the same code gave 2.62x
-over 40 steps and 1.82x over 80 (docs/benchmarks.md). The step-time ratio is therefore printed
-with a 90% interval from a moving-block bootstrap of each run's step times (blocks of 5 steps,
-which keeps the runs of slow steps a straggler causes together), and the default is 80 steps.
+A synchronous step lasts as long as its batch's longest completion, which on a long-tailed
+workload varies a lot from batch to batch, so the step-time ratio is printed with a 90% interval
+from a moving-block bootstrap of each run's step times (blocks of 5 steps, which keeps the runs of
+slow steps a straggler causes together); the default is 80 steps. The interval covers the
+variation within the runs, not a machine whose speed drifts between them: on one H100 host the
+same code gave 2.62x over 40 steps and 1.82x over 80 in another call (docs/benchmarks.md).
 
     python bench/async_vs_sync.py [--recipe recipes/bench-longtail.toml] [--steps 80] [--max-async 2 4]
                                   [recipe overrides for every mode, e.g. --infer.device cuda]
