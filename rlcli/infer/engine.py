@@ -114,6 +114,14 @@ class Sequence:
         return len(self.tokens) - len(self.req.prompt_ids)
 
 
+def _per_row(values: list[float], device: torch.device) -> torch.Tensor:
+    """A float32 tensor of ``values`` on ``device``: filled there when they are all equal (no copy)."""
+    first = values[0]
+    if all(v == first for v in values):
+        return torch.full((len(values),), first, dtype=torch.float32, device=device)
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
 def resolve_device(name: str) -> torch.device:
     """``infer.device`` as a torch device, refusing a CUDA device torch cannot see."""
     device = torch.device(name)
@@ -512,9 +520,11 @@ class NativeEngine(SharedKVMixin):
         if not rows:
             return []
         dev = self.device
-        row_logits = logits[torch.tensor(rows, device=dev)]
-        tokens, logprobs = sample(row_logits, torch.tensor(temps, device=dev), torch.tensor(top_ps, device=dev),
-                                  self.generator, row_gens, any_top_p=any(p < 1 for p in top_ps))
+        # A decode-only step samples every row once, in order, with the same settings throughout:
+        # then nothing needs indexing or a copy to the device.
+        row_logits = logits if rows == list(range(len(batch))) else logits[torch.tensor(rows, device=dev)]
+        tokens, logprobs = sample(row_logits, _per_row(temps, dev), _per_row(top_ps, dev), self.generator, row_gens,
+                                  any_top_p=any(p < 1 for p in top_ps))
         if self.batch_invariant:
             logprobs = self._trainer_logprobs(row_logits, tokens, logprobs, temps, top_ps)
         tokens, logprobs = tokens.tolist(), logprobs.tolist()
