@@ -2,7 +2,8 @@
 
 Runs the same recipe (default: recipes/bench-longtail.toml) with every process live
 through `rl-orchestrate up`: once with max_async = 0 (synchronous RL, the baseline) and
-once per asynchronous setting (default max_async = 2), then prints per mode the mean
+once per asynchronous setting (default max_async = 2; with ``--max-off-policy-steps``, once per
+bound for each), then prints per mode the mean
 trainer step time (time between consecutive trainer steps, after a warm-up), the
 trainer's idle fraction (time waiting for batches / wall time), trained tokens per
 second, the mean completion length of the trained batches against the generated ones,
@@ -18,6 +19,7 @@ variation within the runs, not a machine whose speed drifts between them: on one
 same code gave 2.62x over 40 steps and 1.82x over 80 in another call (docs/benchmarks.md).
 
     python bench/async_vs_sync.py [--recipe recipes/bench-longtail.toml] [--steps 80] [--max-async 2 4]
+                                  [--max-off-policy-steps 2 4] [--keep DIR]
                                   [recipe overrides for every mode, e.g. --infer.device cuda]
 """
 
@@ -87,32 +89,42 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--max-async", type=int, nargs="+", default=[2])
-    p.add_argument("--keep", type=Path, default=None, help="Keep the two run directories under this folder.")
+    p.add_argument("--max-off-policy-steps", type=int, nargs="+", default=None,
+                   help="Run each asynchronous mode once per bound (orchestrate.max_off_policy_steps) "
+                        "instead of once with the default bound, max_async.")
+    p.add_argument("--keep", type=Path, default=None, help="Keep the run directories under this folder.")
     args, extra = p.parse_known_args()  # the rest (recipe overrides) goes to every mode
     base = args.keep or Path(tempfile.mkdtemp(prefix="rlcli-bench-"))
+    modes = [("max_async=0", 0, None)]
+    for k in args.max_async:
+        for bound in args.max_off_policy_steps or [None]:
+            modes.append((f"max_async={k}" + (f",bound={bound}" if bound is not None else ""), k, bound))
     results = {}
-    for k in [0, *args.max_async]:
-        run_dir = base / f"max_async_{k}"
-        print(f"running max_async={k} ({args.steps} steps) ...", file=sys.stderr, flush=True)
-        run_mode(args.recipe, k, args.steps, run_dir, extra)
-        results[k] = summarize(run_dir, args.warmup)
-    sync = results[0]
-    print(f"{'mode':<14}{'step s':>8}{'ratio':>7}{'idle':>7}{'tok/s':>8}{'ratio':>7}{'len':>6}{'ratio':>7}"
+    for name, k, bound in modes:
+        run_dir = base / name.replace("=", "_").replace(",", "_")
+        print(f"running {name} ({args.steps} steps) ...", file=sys.stderr, flush=True)
+        bound_args = [] if bound is None else ["--orchestrate.max_off_policy_steps", str(bound)]
+        run_mode(args.recipe, k, args.steps, run_dir, [*extra, *bound_args])
+        results[name] = summarize(run_dir, args.warmup)
+    sync = results["max_async=0"]
+    width = max(14, *(len(name) + 2 for name in results))
+    print(f"{'mode':<{width}}{'step s':>8}{'ratio':>7}{'idle':>7}{'tok/s':>8}{'ratio':>7}{'len':>6}{'ratio':>7}"
           f"{'gen len':>8}{'lag':>5}{'dropped':>9}")
-    for k, r in results.items():
+    for name, r in results.items():
         dropped = (r["stale_dropped"] + r["aborted"]) / max(r["dispatched"], 1)
-        print(f"{'max_async=' + str(k):<14}{r['step_s']:>8.3f}{sync['step_s'] / r['step_s']:>6.2f}x"
+        print(f"{name:<{width}}{r['step_s']:>8.3f}{sync['step_s'] / r['step_s']:>6.2f}x"
               f"{r['trainer_idle']:>7.1%}{r['train_tokens_per_s']:>8.0f}"
               f"{r['train_tokens_per_s'] / sync['train_tokens_per_s']:>6.2f}x{r['completion_len_mean']:>6.1f}"
               f"{r['completion_len_mean'] / sync['completion_len_mean']:>6.2f}x{r['generated_len_mean']:>8.1f}"
               f"{r['lag_max']:>5d}{dropped:>9.1%}")
-    for k in args.max_async:
-        r = results[k]
+    for name, r in results.items():
+        if r is sync:
+            continue
         lo, hi = r["step_ratio_interval"] = ratio_interval(sync["step_intervals"], r["step_intervals"])
-        print(f"max_async={k} vs sync: step time {sync['step_s'] / r['step_s']:.2f}x (90% interval "
+        print(f"{name} vs sync: step time {sync['step_s'] / r['step_s']:.2f}x (90% interval "
               f"{lo:.2f}-{hi:.2f}x), trained tokens/s {r['train_tokens_per_s'] / sync['train_tokens_per_s']:.2f}x, "
               f"mean trained completion {r['completion_len_mean'] / sync['completion_len_mean']:.2f}x")
-    print(json.dumps({str(k): r for k, r in results.items()}))
+    print(json.dumps(results))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ the arms alternating ``--repeats`` times; the best time per concurrency counts.
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -53,7 +54,9 @@ print(json.dumps(out))
 
 
 def run(tree: Path, args) -> dict[int, float]:
-    env = {"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    # The tree first; then the caller's path, where packages carried to a machine may be (/tmp/site).
+    env = {"PYTHONPATH": os.pathsep.join([str(tree), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]),
+           "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", WORKLOAD, args.device, args.dtype, str(args.tokens),
                           str(REPO / "recipes" / "models" / "micro-llama"), args.concurrency],
                          env=env, capture_output=True, text=True, cwd=tree)

@@ -67,7 +67,7 @@ def test_config_package_does_not_import_torch():
     (["--model.dtype", "int3"], "model.dtype"),
     (["--num_steps", "many"], "num_steps"),
     (["--env.name", "chess"], "env.name"),
-    (["--orchestrate.max_async", "1", "--orchestrate.max_off_policy_steps", "3"], "max_off_policy_steps"),
+    (["--orchestrate.max_off_policy_steps", "-1"], "max_off_policy_steps"),
     (["--orchestrate.sampling.temperature", "0"], "temperature"),
     (["--model.max_seq_len", "64", "--train.micro_batch_tokens", "32"], "micro_batch_tokens"),
     (["--infer.device", "gpu"], "infer.device"),
@@ -126,6 +126,8 @@ def test_off_policy_bound_defaults_to_max_async():
     assert cfg.orchestrate.off_policy_bound == 2
     cfg = load_recipe(None, {"orchestrate.max_async": 2, "orchestrate.max_off_policy_steps": 1})
     assert cfg.orchestrate.off_policy_bound == 1
+    cfg = load_recipe(None, {"orchestrate.max_async": 2, "orchestrate.max_off_policy_steps": 6})
+    assert cfg.orchestrate.off_policy_bound == 6
 
 
 def test_switching_the_engine_drops_the_other_engines_recipe_keys():

@@ -55,8 +55,12 @@ class OrchestrateConfig(Config):
     >= N - 1 - max_async. 0 is exactly synchronous RL."""
 
     max_off_policy_steps: Optional[int] = None
-    """Drop rollouts whose oldest token came from a policy older than N - 1 - this; defaults
-    to max_async and may not exceed it."""
+    """Batch N takes no group whose oldest token came from a policy older than N - 1 - this
+    (defaults to max_async). Below max_async, stragglers past it are dropped; above it, the
+    orchestrator still runs at most max_async steps ahead, but a long completion may be
+    trained up to this many steps late instead of stalling the batch max_async steps after
+    its dispatch (prime-rl's max_off_policy_steps). With max_async = 0 every batch is
+    still exactly on-policy."""
 
     sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
     """Sampling parameters."""
@@ -86,11 +90,8 @@ class OrchestrateConfig(Config):
             raise ValueError("orchestrate.batch_size and orchestrate.group_size must be >= 1")
         if self.max_async < 0:
             raise ValueError(f"orchestrate.max_async must be >= 0, got {self.max_async}")
-        if self.max_off_policy_steps is not None and not 0 <= self.max_off_policy_steps <= self.max_async:
-            raise ValueError(
-                f"orchestrate.max_off_policy_steps ({self.max_off_policy_steps}) must be in "
-                f"[0, max_async={self.max_async}]: no batch is more off-policy than max_async"
-            )
+        if self.max_off_policy_steps is not None and self.max_off_policy_steps < 0:
+            raise ValueError(f"orchestrate.max_off_policy_steps must be >= 0, got {self.max_off_policy_steps}")
 
     @property
     def off_policy_bound(self) -> int:

@@ -253,7 +253,9 @@ def run(cfg: RecipeConfig, run: RunDir, instance: int = 0) -> int:
     try:
         server.serve()
     finally:
-        generated = server.engine.stats().get("num_generated_tokens", 0)
+        stats = server.engine.stats()
         server.close()
-        log.info("stopped after %d generated tokens", generated)
+        steps = int(stats.get("num_steps", 0))
+        timing = f" in {steps} engine steps ({1e3 * stats.get('step_s', 0.0) / steps:.2f} ms a step)" if steps else ""
+        log.info("stopped after %d generated tokens%s", stats.get("num_generated_tokens", 0), timing)
     return 0

@@ -15,7 +15,10 @@ in flight) can still meet every deadline in batches N+1, N+2, ...; otherwise it 
 for the stragglers. With the dispatch cap that is always possible, so no group is ever
 dropped for staleness: long completions are trained, not traded for speed. The price
 is that a step sometimes waits for the slowest group of an old cohort (``straggler_wait_s``);
-short completions still never wait for the long tail of their own cohort. Nothing is
+short completions still never wait for the long tail of their own cohort. A bound above k
+separates the two limits, as prime-rl's ``max_off_policy_steps`` does: the cap still keeps the
+orchestrator k steps ahead, while a straggler may be trained up to ``bound`` steps late, so it
+holds up a batch only once it is that old (docs/asynchrony.md). Nothing is
 aborted: a group in flight cannot be proven too old, because its dispatch version is a
 lower bound on its oldest token, not an upper one.
 

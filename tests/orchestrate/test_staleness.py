@@ -16,9 +16,11 @@ from rlcli.orchestrate.rollouts import Group
 from rlcli.protocol import Completion
 
 
-def bare_orchestrator(max_async: int, batch_size: int, num_steps: int, **advantage) -> Orchestrator:
+def bare_orchestrator(max_async: int, batch_size: int, num_steps: int, max_off_policy_steps: int | None = None,
+                      **advantage) -> Orchestrator:
     cfg = RecipeConfig(num_steps=num_steps, orchestrate=OrchestrateConfig(
-        batch_size=batch_size, group_size=2, max_async=max_async, advantage=AdvantageConfig(**advantage)))
+        batch_size=batch_size, group_size=2, max_async=max_async, max_off_policy_steps=max_off_policy_steps,
+        advantage=AdvantageConfig(**advantage)))
     o = Orchestrator.__new__(Orchestrator)  # no run directory or servers: the logic alone
     o.cfg, o.ocfg = cfg, cfg.orchestrate
     o.env, o.tokenizer, o.turns = make_env(cfg.env), load_tokenizer(TINY_MODEL), {}
@@ -37,16 +39,20 @@ def finish(group: Group, versions: list[int], rewards=(0.0, 1.0)) -> None:
     group.rewards, group.advantages = list(rewards), [r - sum(rewards) / len(rewards) for r in rewards]
 
 
-def simulate(max_async: int, seed: int, batch_size: int = 4, num_steps: int = 30):
+def simulate(max_async: int, seed: int, batch_size: int = 4, num_steps: int = 30,
+             max_off_policy_steps: int | None = None, ticks: list | None = None):
     """Event loop: each tick every in-flight group may finish (long-tailed: some take many
     ticks), its tokens tagged with versions from dispatch up to the current policy; a written
-    batch becomes the next policy one tick later. Returns the (step, lag) of every trained group."""
+    batch becomes the next policy one tick later. Returns the (step, lag) of every trained group
+    (and appends the number of ticks the run took to ``ticks``)."""
     rng = random.Random(seed)
-    o = bare_orchestrator(max_async, batch_size, num_steps)
+    o = bare_orchestrator(max_async, batch_size, num_steps, max_off_policy_steps)
     remaining: dict[int, int] = {}
     trained, next_rid = [], 0
     pending_policy: list[int] = []
+    tick = 0
     while o.next_step <= num_steps:
+        tick += 1
         if pending_policy:
             o.policy_version = pending_policy.pop(0)
         for _ in range(o.num_to_dispatch()):
@@ -69,6 +75,8 @@ def simulate(max_async: int, seed: int, batch_size: int = 4, num_steps: int = 30
             pending_policy.append(o.next_step)
             o.next_step += 1
         assert o.num_stale == 0
+    if ticks is not None:
+        ticks.append(tick)
     return trained
 
 
@@ -79,6 +87,24 @@ def test_no_group_is_dropped_and_the_bound_holds():
             assert max(lag for _, lag in trained) <= max_async
             if max_async:
                 assert max(lag for _, lag in trained) > 0  # it really ran off-policy
+
+
+def test_a_looser_bound_trains_stragglers_late_instead_of_waiting_for_them():
+    """max_off_policy_steps above max_async: the orchestrator still runs max_async ahead, but a
+    straggler may join a batch up to the bound's steps late, so fewer batches wait for one."""
+    strict, loose = [], []
+    for seed in range(4):
+        trained = simulate(2, seed, num_steps=60, ticks=strict)
+        assert max(lag for _, lag in trained) <= 2
+        trained = simulate(2, seed, num_steps=60, max_off_policy_steps=5, ticks=loose)
+        lags = [lag for _, lag in trained]
+        assert max(lags) <= 5 and max(lags) > 2  # stragglers were trained late, not dropped (num_stale == 0)
+    assert sum(loose) < sum(strict)
+
+
+def test_max_async_zero_is_synchronous_whatever_the_bound():
+    for seed in range(3):
+        assert {lag for _, lag in simulate(0, seed, max_off_policy_steps=3)} == {0}
 
 
 def test_batch_waits_for_a_straggler_due_now_and_takes_it_first():
