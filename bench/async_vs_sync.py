@@ -103,7 +103,7 @@ def main() -> None:
     for name, k, bound in modes:
         run_dir = base / name.replace("=", "_").replace(",", "_")
         print(f"running {name} ({args.steps} steps) ...", file=sys.stderr, flush=True)
-        bound_args = [] if bound is None else ["--orchestrate.max_off_policy_steps", str(bound)]
+        bound_args = [] if bound is None else ["--max-off-policy-steps", str(bound)]
         run_mode(args.recipe, k, args.steps, run_dir, [*extra, *bound_args])
         results[name] = summarize(run_dir, args.warmup)
     sync = results["max_async=0"]

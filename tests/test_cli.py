@@ -74,6 +74,18 @@ def test_up_train_nproc_sets_one_rollout_file_per_data_parallel_rank(tmp_path, t
     assert ranks == {0: 4, 2: 2, 4: 3}  # an explicit override still wins
 
 
+def test_staleness_flags_set_the_orchestrator_keys_of_run_and_up(tmp_path, tiny_model_dir):
+    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, tmp_path / "run")
+    for args in (("run", "--config", str(recipe)), ("up", str(recipe))):
+        out = cli("rlcli.cli.orchestrate", *args, "--max-async", "2", "--max-off-policy-steps", "6",
+                  "--print-config", "--json")
+        assert out.returncode == 0, out.stderr
+        tree = json.loads(out.stdout)["orchestrate"]
+        assert (tree["max_async"], tree["max_off_policy_steps"]) == (2, 6), args
+    one_line_error(cli("rlcli.cli.orchestrate", "up", str(recipe), "--max-off-policy-steps", "-1", "--print-config"),
+                   2, "max_off_policy_steps")
+
+
 def test_batch_invariant_flag_sets_the_one_model_key_for_every_command(tmp_path, tiny_model_dir):
     """--batch-invariant on rl-infer, rl-train and rl-orchestrate up: model.batch_invariant, which
     both sides read; with the vLLM engine it is one clear error."""

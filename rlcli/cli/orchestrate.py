@@ -17,6 +17,9 @@ app = typer.Typer(help="The RL loop: tasks, rewards, advantages, bounded off-pol
 
 MaxAsyncOpt = Annotated[Optional[int], typer.Option("--max-async", help="Steps the orchestrator may run ahead "
                                                     "of the trainer; 0 is synchronous RL.")]
+MaxOffPolicyOpt = Annotated[Optional[int], typer.Option(
+    "--max-off-policy-steps", help="Most policy versions a trained token may lag [default: --max-async]; above "
+                                   "it, stragglers are trained late instead of holding up a batch.")]
 StepsOpt = Annotated[Optional[int], typer.Option("--steps", help="RL steps [default: num_steps].")]
 
 
@@ -28,6 +31,7 @@ def run_cmd(
     run_dir: RunDirOpt = None,
     steps: StepsOpt = None,
     max_async: MaxAsyncOpt = None,
+    max_off_policy_steps: MaxOffPolicyOpt = None,
     batch_size: Annotated[Optional[int], typer.Option(help="Prompts per step.")] = None,
     group_size: Annotated[Optional[int], typer.Option(help="Completions per prompt.")] = None,
     connect: Annotated[Optional[list[str]], typer.Option(help="rl-infer endpoint (repeatable) instead of "
@@ -39,7 +43,9 @@ def run_cmd(
 ) -> None:
     """Run the RL loop against the inference servers of a run directory."""
     cfg = resolve_config(ctx, config, {"run_dir": str(run_dir) if run_dir else None, "num_steps": steps,
-                                       "orchestrate.max_async": max_async, "orchestrate.batch_size": batch_size,
+                                       "orchestrate.max_async": max_async,
+                                       "orchestrate.max_off_policy_steps": max_off_policy_steps,
+                                       "orchestrate.batch_size": batch_size,
                                        "orchestrate.group_size": group_size, "orchestrate.connect": connect,
                                        "seed": seed, "r3": r3})
     if print_config_:
@@ -58,6 +64,7 @@ def up_cmd(
     run_dir: RunDirOpt = None,
     steps: StepsOpt = None,
     max_async: MaxAsyncOpt = None,
+    max_off_policy_steps: MaxOffPolicyOpt = None,
     num_infer: Annotated[Optional[int], typer.Option(help="rl-infer servers to launch.")] = None,
     engine: EngineOpt = None,
     plot: Annotated[Optional[bool], typer.Option("--plot/--no-plot", help="Write RUN/reward.png at the end.")] = None,
@@ -75,7 +82,8 @@ def up_cmd(
     """Launch every process of a recipe on this machine, show the live dashboard, stop them all at the end."""
     on = True if fp8 else None
     flags = {"run_dir": str(run_dir) if run_dir else None, "num_steps": steps,
-             "orchestrate.max_async": max_async, "up.num_infer": num_infer,
+             "orchestrate.max_async": max_async, "orchestrate.max_off_policy_steps": max_off_policy_steps,
+             "up.num_infer": num_infer,
              "up.plot": plot, "infer.engine.name": engine.value if engine else None,
              "train.fp8.enabled": on, "infer.fp8.enabled": on, "seed": seed,
              "r3": r3, "up.train_nproc_per_node": train_nproc,
