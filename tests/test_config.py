@@ -73,6 +73,7 @@ def test_config_package_does_not_import_torch():
     (["--infer.device", "gpu"], "infer.device"),
     (["--infer.engine.name", "tpu"], "infer.engine.name"),
     (["--infer.engine.name", "vllm", "--infer.engine.block_size", "16"], "infer.engine.block_size"),
+    (["--infer.engine.name", "vllm", "--infer.engine.paged_decode", "true"], "infer.engine.paged_decode"),
     (["--infer.http_port", "70000"], "infer.http_port"),
     (["--infer.engine.name", "vllm", "--infer.engine.tensor_parallel_size", "0"], "infer.engine.tensor_parallel_size"),
     (["--infer.engine.name", "vllm", "--infer.engine.expert_parallel", "true"], "infer.engine.expert_parallel"),

@@ -142,9 +142,10 @@ class NativeEngine(SharedKVMixin):
     def __init__(self, model: CausalLM, *, eos_token_ids: list[int], max_model_len: int, block_size: int = 16,
                  kv_cache_memory_mb: int = 256, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  enable_prefix_caching: bool = True, version: int = 0, seed: int = 0, role: str = "mixed",
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, paged_decode: bool = False):
         self.model = model.eval()
         self.batch_invariant = batch_invariant
+        self.paged_decode = paged_decode  # decodes through rlcli.ops.paged_decode on CUDA
         if batch_invariant:
             batch_invariant_setup(next(model.parameters()).device)
             make_batch_invariant(model)
@@ -201,7 +202,8 @@ class NativeEngine(SharedKVMixin):
                      kv_cache_memory_mb=ecfg.kv_cache_memory_mb, max_num_seqs=icfg.max_num_seqs,
                      max_num_batched_tokens=icfg.max_num_batched_tokens,
                      enable_prefix_caching=icfg.enable_prefix_caching, version=version,
-                     seed=cfg.seed * 1000 + instance, role=icfg.role, batch_invariant=cfg.model.batch_invariant)
+                     seed=cfg.seed * 1000 + instance, role=icfg.role, batch_invariant=cfg.model.batch_invariant,
+                     paged_decode=ecfg.paged_decode)
         engine.kv = make_kv_connector(icfg.kv_cache, engine.block_meta(), engine.device)
         return engine
 
@@ -486,7 +488,8 @@ class NativeEngine(SharedKVMixin):
             block_tables_host=tables)
         record = self.carries_routes or (self.is_moe and any(seq.req.sampling.return_routing for seq, _ in batch))
         routing = RoutingContext(record=True) if record else None
-        ctx = ForwardContext(attn=PagedAttention(self.kv_caches, meta, self.batch_invariant), routing=routing)
+        ctx = ForwardContext(attn=PagedAttention(self.kv_caches, meta, self.batch_invariant, self.paged_decode),
+                             routing=routing)
         hidden = self.model.hidden_states(ids_t[None], pos_t[None], ctx)[0]
         logits = self.model.lm_head(hidden[last])
         routes = routing.stacked() if record else None

@@ -14,7 +14,8 @@ are is the backend's business:
   gathered keys) is longer than ``T`` (this rank's queries).
 * :class:`PagedAttention` (inference): tokens of many sequences are flattened into one
   row; new keys/values are written into a block-paged KV cache at ``slot_mapping`` and
-  each sequence attends over its own blocks (``block_tables``) up to its context length.
+  each sequence attends over its own blocks (``block_tables``) up to its context length
+  (with ``paged_decode`` on CUDA, decodes through :mod:`rlcli.ops.paged_decode`, in place).
   With ``batch_invariant`` both paths run :func:`rlcli.ops.batch_invariant.invariant_attention`,
   as the trainer's ``invariant`` backend does, so a token's attention has the same bits in
   the engine and in the trainer.
@@ -23,6 +24,7 @@ The KV cache layout is per layer ``(k_cache, v_cache)`` of shape
 ``[num_blocks, block_size, Hkv, D]``, so K and V may have different head dims (MLA).
 """
 
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,6 +36,20 @@ from torch.nn.attention.bias import causal_lower_right
 from rlcli.ops.batch_invariant import invariant_attention, invariant_kernels, on_kernels
 from rlcli.ops.document_attention import (PackedCausalAttention, _sdpa, _varlen_attn, doc_ids_from_positions,
                                           varlen_attention)
+
+_PAGED_ON_CPU = os.environ.get("RLCLI_PAGED_DECODE_ON_CPU") == "1"  # the engine tests under Triton's interpreter
+
+
+def _paged_decode_for(q: torch.Tensor):
+    """:mod:`rlcli.ops.paged_decode` where it serves ``q``'s decodes (CUDA, Triton importing), else None."""
+    if not (q.is_cuda or (_PAGED_ON_CPU and q.device.type == "cpu")):
+        return None
+    try:
+        from rlcli.ops import paged_decode
+    except (ImportError, OSError):
+        return None
+    return paged_decode
+
 
 __all__ = ["ForwardContext", "InnerAttention", "PackedCausalAttention", "PagedAttention", "PagedAttentionMetadata",
            "RoutingContext", "doc_ids_from_positions"]
@@ -73,8 +89,10 @@ class PagedAttentionMetadata:
     its KV in blocks ``block_tables[i]``. The first ``num_decode`` sequences have exactly
     one query token each and are attended in one batched call; the rest (prefill chunks)
     one by one. On CUDA in half precision the decodes share one varlen flash call and the
-    prefill chunks another (:meth:`PagedAttention._varlen`); under ``batch_invariant`` on CUDA
-    all of them one call of the invariant kernel (:meth:`PagedAttention._invariant_kernel`).
+    prefill chunks another (:meth:`PagedAttention._varlen`); with ``paged_decode`` the decodes
+    run the paged decode kernel instead, which reads the cache in place
+    (:mod:`rlcli.ops.paged_decode`); under ``batch_invariant`` on CUDA all of them one call of
+    the invariant kernel (:meth:`PagedAttention._invariant_kernel`).
     """
 
     slot_mapping: torch.Tensor  # int64 [N]: cache slot (block * block_size + offset) per new token
@@ -92,18 +110,24 @@ class PagedAttentionMetadata:
     _varlen_plan: tuple | None = field(default=None, repr=False)
     # The invariant kernel's (context slots, cu_q, cu_k, max_q) under batch_invariant on CUDA, likewise.
     _invariant_plan: tuple | None = field(default=None, repr=False)
+    # The decodes' context lengths on the device for the paged decode kernel, likewise.
+    _decode_lens: torch.Tensor | None = field(default=None, repr=False)
 
 
 class PagedAttention(nn.Module):
     """Reads and writes a block-paged KV cache; see :class:`PagedAttentionMetadata`.
-    ``batch_invariant``: attend in the fixed order of :func:`invariant_attention`."""
+    ``batch_invariant``: attend in the fixed order of :func:`invariant_attention`. ``paged_decode``:
+    the decodes run :mod:`rlcli.ops.paged_decode` on CUDA (where Triton imports)."""
 
     def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: PagedAttentionMetadata,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, paged_decode: bool | None = None):
         super().__init__()
         self.kv_caches = kv_caches
         self.meta = meta
         self.batch_invariant = batch_invariant
+        # Decodes through rlcli.ops.paged_decode where it runs (the engine's infer.engine.paged_decode;
+        # by default only in the kernel tests under Triton's interpreter).
+        self.paged_decode = _PAGED_ON_CPU if paged_decode is None else paged_decode
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 scale: float) -> torch.Tensor:
@@ -120,10 +144,14 @@ class PagedAttention(nn.Module):
         meta = self.meta
         if self.batch_invariant and on_kernels(q_NHD):
             return self._invariant_kernel(q_NHD, k_cache, v_cache, scale)
+        paged = (self.paged_decode and bool(meta.num_decode) and not self.batch_invariant
+                 and _paged_decode_for(q_NHD) is not None)
         if self._use_varlen(q_NHD, k_cache, v_cache):
-            return self._varlen(q_NHD, k_cache, v_cache, scale)
+            return self._varlen(q_NHD, k_cache, v_cache, scale, paged)
         outs = []
-        if meta.num_decode:
+        if paged:
+            outs.append(self._paged_decode(q_NHD[:meta.num_decode], k_cache, v_cache, scale))
+        elif meta.num_decode:
             outs.append(self._decode(q_NHD[:meta.num_decode], k_cache, v_cache, scale))
         for i in range(meta.num_decode, len(meta.context_lens)):
             outs.append(self._prefill(i, q_NHD, k_cache, v_cache, scale))
@@ -135,7 +163,18 @@ class PagedAttention(nn.Module):
         return (q_NHD.is_cuda and q_NHD.dtype in (torch.float16, torch.bfloat16) and not self.batch_invariant
                 and q_NHD.shape[-1] == k_cache.shape[-1] == v_cache.shape[-1] and _varlen_attn() is not None)
 
-    def _varlen(self, q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+    def _paged_decode(self, q_SHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+        """The decodes by :func:`rlcli.ops.paged_decode.paged_decode`, reading the cache in place."""
+        meta = self.meta
+        if meta._decode_lens is None:  # one copy per step, shared by every layer
+            lens = torch.tensor(meta.context_lens[:meta.num_decode], dtype=torch.int32)
+            meta._decode_lens = lens.to(q_SHD.device, non_blocking=True)
+        return _paged_decode_for(q_SHD).paged_decode(q_SHD, k_cache, v_cache, meta.block_tables[:meta.num_decode],
+                                                     meta._decode_lens, scale)
+
+    def _varlen(self, q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                paged: bool = False) -> torch.Tensor:
         """Every sequence of the step in varlen flash calls over its whole context gathered from
         the cache (one gather per K and V, at slots built once per step for all layers). Flash's
         causal mask is aligned to the bottom right, so a chunk after cached KV needs no mask.
@@ -145,14 +184,18 @@ class PagedAttention(nn.Module):
         per query head. SDPA's per-shape kernels are what this replaces on the GPU: with
         grouped heads and a padding mask the decode call went to cuDNN, which builds an
         execution plan for every new key length, about 3 ms of host time per layer and step on
-        an H200 (a decode step of a 1B model took 62 ms, 7.5 ms of it on the device)."""
+        an H200 (a decode step of a 1B model took 62 ms, 7.5 ms of it on the device). With
+        ``paged`` (the paged decode kernel imports) the decodes read the cache in place through
+        :meth:`_paged_decode` instead, and only the prefill chunks' contexts are gathered."""
         meta = self.meta
         if meta._varlen_plan is None:
-            meta._varlen_plan = self._plan_varlen(q_NHD.device, q_NHD.shape[1] // k_cache.shape[2])
+            meta._varlen_plan = self._plan_varlen(q_NHD.device, q_NHD.shape[1] // k_cache.shape[2], paged)
         slots, decodes, prefills = meta._varlen_plan
+        outs = [self._paged_decode(q_NHD[:meta.num_decode], k_cache, v_cache, scale)] if paged else []
+        if paged and prefills is None:
+            return outs[0]
         k = k_cache.view(-1, *k_cache.shape[2:]).index_select(0, slots)
         v = v_cache.view(-1, *v_cache.shape[2:]).index_select(0, slots)
-        outs = []
         if decodes is not None:
             nd, groups, cu_q, cu_k, max_k = decodes
             Hkv = k.shape[1]
@@ -179,27 +222,36 @@ class PagedAttention(nn.Module):
         return invariant_kernels().attention(q_NHD, k_cache.view(-1, *k_cache.shape[2:]),
                                              v_cache.view(-1, *v_cache.shape[2:]), slots, cu_q, cu_k, max_q, scale)
 
-    def _context_slots(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cache slots of every sequence's context, flattened in sequence and position order;
-        int64 ``cu_seqlens`` of those contexts)."""
+    def _context_slots(self, device: torch.device, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cache slots of the contexts of sequences ``first:``, flattened in sequence and position
+        order; int64 ``cu_seqlens`` of those contexts)."""
         meta = self.meta
-        lens = meta.context_lens
+        lens = meta.context_lens[first:]
         total = sum(lens)
         lens_t = torch.tensor(lens, dtype=torch.int64, device=device)
         cu_k = torch.zeros(len(lens) + 1, dtype=torch.int64, device=device)
         cu_k[1:] = torch.cumsum(lens_t, 0)
         seq = torch.repeat_interleave(torch.arange(len(lens), device=device), lens_t, output_size=total)
         pos = torch.arange(total, device=device) - cu_k[:-1].repeat_interleave(lens_t, output_size=total)
-        return meta.block_tables[seq, pos // meta.block_size] * meta.block_size + pos % meta.block_size, cu_k
+        tables = meta.block_tables[first:]
+        return tables[seq, pos // meta.block_size] * meta.block_size + pos % meta.block_size, cu_k
 
-    def _plan_varlen(self, device: torch.device, groups: int) -> tuple:
+    def _plan_varlen(self, device: torch.device, groups: int, paged: bool = False) -> tuple:
         """(context slots of every sequence, the decodes' call, the prefill chunks' call);
-        ``groups``: query heads per K/V head."""
+        ``groups``: query heads per K/V head. ``paged``: the decodes run :meth:`_paged_decode`, so
+        only the prefill chunks' contexts are gathered (and no decodes' call is planned)."""
         meta = self.meta
         lens, starts = meta.context_lens, meta.query_start
+        nd = meta.num_decode
+        if paged:
+            if nd == len(lens):
+                return None, None, None
+            slots, cu_k = self._context_slots(device, first=nd)
+            cu_q = torch.tensor([q - starts[nd] for q in starts[nd:]], dtype=torch.int32, device=device)
+            max_q = max(b - a for a, b in zip(starts[nd:], starts[nd + 1:]))
+            return slots, None, (starts[nd], 0, cu_q, cu_k.to(torch.int32), max_q, max(lens[nd:]))
         slots, cu_k = self._context_slots(device)
         cu_k = cu_k.to(torch.int32)
-        nd = meta.num_decode
         decodes = prefills = None
         if nd:
             cu_q = torch.arange(nd + 1, dtype=torch.int32, device=device) * groups
