@@ -11,6 +11,7 @@ the arms alternating ``--repeats`` times; the best time per concurrency counts.
     python bench/engine_decode.py --device cuda --baseline HEAD          # a git ref, checked out here
     python bench/engine_decode.py --device cuda --baseline-tree /tmp/base  # an unpacked tree (no .git on the machine)
     python bench/engine_decode.py --smoke                                 # CPU, the working tree as both arms
+    python bench/engine_decode.py --device cuda --paged-decode --baseline-tree .  # the paged decode kernel against the eager path
 """
 
 import argparse
@@ -32,12 +33,14 @@ from rlcli.protocol import GenerateRequest, SamplingParams
 
 device, dtype, tokens, model_dir = sys.argv[1], getattr(torch, sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 concurrencies = [int(c) for c in sys.argv[5].split(",")]
+extra = {"paged_decode": True} if sys.argv[6] == "1" else {}  # (trees before the option lack the keyword)
 torch.set_num_threads(1)
 model = load_model(model_dir, seed=0).eval().to(device, dtype)
 sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 out = {}
 for c in concurrencies:
-    engine = NativeEngine(model, eos_token_ids=[], max_model_len=128, max_num_seqs=max(c, 4), kv_cache_memory_mb=256)
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=128, max_num_seqs=max(c, 4), kv_cache_memory_mb=256,
+                          **extra)
     for i in range(max(1, c // 4)):
         engine.add_request(GenerateRequest(request_id=str(i), prompt_ids=[256] + [(i * 7 + j) % 250 for j in range(15)],
                                            sampling=SamplingParams(temperature=1.0, max_tokens=tokens, n=min(c, 4),
@@ -53,12 +56,12 @@ print(json.dumps(out))
 """
 
 
-def run(tree: Path, args) -> dict[int, float]:
+def run(tree: Path, args, paged: bool = False) -> dict[int, float]:
     # The tree first; then the caller's path, where packages carried to a machine may be (/tmp/site).
     env = {"PYTHONPATH": os.pathsep.join([str(tree), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]),
            "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", WORKLOAD, args.device, args.dtype, str(args.tokens),
-                          str(REPO / "recipes" / "models" / "micro-llama"), args.concurrency],
+                          str(REPO / "recipes" / "models" / "micro-llama"), args.concurrency, "1" if paged else "0"],
                          env=env, capture_output=True, text=True, cwd=tree)
     if out.returncode != 0:
         raise SystemExit(f"{tree}: {out.stderr[-2000:]}")
@@ -75,6 +78,9 @@ def main() -> None:
     p.add_argument("--concurrency", default="1,16,64,192,512", help="comma-separated sequence counts")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--paged-decode", action="store_true",
+                   help="the tree's arm decodes through the paged decode kernel (infer.engine.paged_decode); "
+                        "with --baseline-tree . its baseline is the same code without it")
     p.add_argument("--smoke", action="store_true", help="CPU, 1 and 8 sequences, 8 tokens, the working tree as both arms")
     args = p.parse_args()
     if args.smoke:
@@ -91,13 +97,14 @@ def main() -> None:
             best: dict[str, dict[int, float]] = {"baseline": {}, "tree": {}}
             for _ in range(args.repeats):
                 for arm, tree in (("baseline", base), ("tree", REPO)):
-                    for c, ms in run(tree, args).items():
+                    for c, ms in run(tree, args, args.paged_decode and arm == "tree").items():
                         best[arm][c] = min(best[arm].get(c, float("inf")), ms)
         finally:
             if base != REPO and args.baseline_tree is None:
                 subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(base)],
                                capture_output=True)
-    print(f"# native engine, ms per step, {args.device} {args.dtype}, {args.tokens} new tokens; baseline: {label}")
+    print(f"# native engine, ms per step, {args.device} {args.dtype}, {args.tokens} new tokens; baseline: {label}"
+          + ("; tree with paged_decode" if args.paged_decode else ""))
     print(f"{'sequences':>9} {'baseline':>9} {'tree':>9} {'ratio':>7}")
     for c in sorted(best["tree"]):
         b, t = best["baseline"][c], best["tree"][c]
