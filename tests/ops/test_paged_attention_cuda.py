@@ -1,8 +1,8 @@
 """The engine's paged attention on CUDA in half precision (varlen flash calls: decodes with
 grouped heads folded into query rows, prefill chunks causal) equals a dense fp32 reference
 per sequence: scattered blocks, grouped and ungrouped heads, a whole prompt, a chunk after
-cached KV and decodes of different context lengths, alone and in one step. Needs a GPU
-(skipped elsewhere)."""
+cached KV and decodes of different context lengths, alone and in one step; the decodes also
+through the paged decode kernel (``paged_decode``). Needs a GPU (skipped elsewhere)."""
 
 import pytest
 import torch
@@ -31,10 +31,11 @@ STEPS = {"mixed": [(70, 1), (5, 1), (33, 20), (0, 41)], "decodes": [(70, 1), (5,
          "prefills": [(33, 20), (0, 41)]}
 
 
+@pytest.mark.parametrize("paged", [False, True])  # decodes in the varlen call, or the paged decode kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("step", sorted(STEPS))
 @pytest.mark.parametrize("hq", [HQ, HKV])  # grouped heads (decodes fold them into query rows), and not
-def test_varlen_paged_attention_matches_the_dense_reference(dtype, step, hq):
+def test_varlen_paged_attention_matches_the_dense_reference(dtype, step, hq, paged):
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     k_cache = torch.randn(NUM_BLOCKS, BLOCK, HKV, D, device=dev, dtype=dtype, generator=g)
@@ -58,7 +59,7 @@ def test_varlen_paged_attention_matches_the_dense_reference(dtype, step, hq):
     q = torch.randn(1, N, hq, D, device=dev, dtype=dtype, generator=g)
     k = torch.randn(1, N, HKV, D, device=dev, dtype=dtype, generator=g)
     v = torch.randn(1, N, HKV, D, device=dev, dtype=dtype, generator=g)
-    attn = PagedAttention([(k_cache, v_cache)], meta)
+    attn = PagedAttention([(k_cache, v_cache)], meta, paged_decode=paged)
     assert attn._use_varlen(q[0], k_cache, v_cache)
     out = attn(0, q, k, v, 0.125)[0]
     assert out.shape == (N, hq, D)
