@@ -150,3 +150,61 @@ def test_the_recipe_key_reaches_the_engine(tmp_path):
         assert engine.paged_decode is flag
         engine.close()
     assert load_recipe(None, {}).infer.engine.paged_decode is False
+
+
+def _varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal=True):
+    """A stand-in for flash varlen on the CPU: each sequence in float64, bottom-right causal."""
+    groups, out = q.shape[1] // k.shape[1], []
+    for i in range(len(cu_q) - 1):
+        qi, ki, vi = q[cu_q[i]:cu_q[i + 1]], k[cu_k[i]:cu_k[i + 1]], v[cu_k[i]:cu_k[i + 1]]
+        t, n = qi.shape[0], ki.shape[0]
+        scores = torch.einsum("thd,nhd->htn", qi.double(), ki.double().repeat_interleave(groups, 1)) * scale
+        if causal:
+            scores = scores.masked_fill(~torch.ones(t, n, dtype=torch.bool, device=q.device).tril(n - t), float("-inf"))
+        out.append(torch.einsum("htn,nhd->thd", scores.softmax(-1), vi.double().repeat_interleave(groups, 1)))
+    return torch.cat(out).to(q.dtype)
+
+
+@torch.no_grad()
+def test_a_mixed_step_gathers_only_the_prefills_for_varlen(monkeypatch):
+    """Half precision on CUDA: decodes through the kernel, the prefill chunks (one after cached keys, one
+    whole prompt) in the varlen call over only their own contexts. On the CPU the varlen call is a float64
+    stand-in, so this checks the plan: which slots are gathered and where each chunk's queries and keys are."""
+    _kernels()
+    from rlcli.ops import attention
+    from rlcli.ops.attention import PagedAttention, PagedAttentionMetadata
+
+    calls = []
+    if DEVICE == "cpu":
+        monkeypatch.setattr(attention, "varlen_attention",
+                            lambda *a, **kw: calls.append(a[3]) or _varlen_reference(*a, **kw))
+    g = torch.Generator().manual_seed(4)
+    bs, hq, hkv, d = 16, 4, 2, 16
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    k_cache = torch.randn(64, bs, hkv, d, generator=g).to(DEVICE, dtype)
+    v_cache = torch.randn(64, bs, hkv, d, generator=g).to(DEVICE, dtype)
+    seqs = [(70, 1), (5, 1), (33, 20), (0, 41)]  # (cached, new): two decodes, a chunk, a prompt
+    owned = torch.randperm(64, generator=g).tolist()
+    tables, query_start, lens = [], [0], []
+    for cached, new in seqs:
+        tables.append([owned.pop() for _ in range(-(-(cached + new) // bs))])
+        query_start.append(query_start[-1] + new)
+        lens.append(cached + new)
+    width = max(len(t) for t in tables)
+    meta = PagedAttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.int64, device=DEVICE), query_start=query_start, context_lens=lens,
+        block_tables=torch.tensor([t + [-1] * (width - len(t)) for t in tables], device=DEVICE), block_size=bs,
+        num_decode=2)
+    q = torch.randn(query_start[-1], hq, d, generator=g).to(DEVICE, dtype)
+    out = PagedAttention([(k_cache, v_cache)], meta, paged_decode=True)._varlen(q, k_cache, v_cache, 0.25, paged=True)
+    if DEVICE == "cpu":
+        assert len(calls) == 1 and calls[0].tolist() == [0, 20, 61]  # the two prefill chunks' queries only
+    assert meta._varlen_plan[0].numel() == 53 + 41  # their contexts' slots, not the decodes'
+    for i, (table, n) in enumerate(zip(tables, lens)):
+        pos = torch.arange(n, device=DEVICE)
+        slots = torch.tensor(table, device=DEVICE)[pos // bs] * bs + pos % bs
+        a, b = query_start[i], query_start[i + 1]
+        ref = _varlen_reference(q[a:b], k_cache.flatten(0, 1)[slots], v_cache.flatten(0, 1)[slots],
+                                [0, b - a], [0, n], b - a, n, 0.25)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert (out[a:b].double() - ref.double()).abs().max().item() <= tol, i
