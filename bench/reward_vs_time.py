@@ -7,7 +7,8 @@ batch's requests go out (the SFT warm-up and process start-up are the same in bo
 excluded; before the sixth session the start-up, ~18 s on a quiet CPU, was counted in both). It
 prints the final reward of each (mean of the last 5 steps), the time the asynchronous
 run took to first reach the synchronous run's final reward (5-step moving mean), and the
-ratio of that time to the synchronous run's total. With several seeds (``--seeds 0,1,2``)
+ratio of that time to the synchronous run's total, and its two factors: async's median step against
+sync's, and the step at which async got there (or its best moving mean). With several seeds (``--seeds 0,1,2``)
 each seed runs both arms in turn (sync, then async), and the per-seed ratios are printed
 with their median. ``--parallel`` runs every (seed, arm) at once instead, each pinned to its own
 equal slice of the cores this process may use (at least 3 each): on a many-core host the arms
@@ -133,8 +134,17 @@ def compare(args, seed: int, base: Path, ran: bool = False) -> dict:
     else:
         print(f"async reached sync's final reward {target:.3f} after {reached:.1f}s = "
               f"{ratio:.2f}x of sync's {sync_total:.1f}s (goal <= 0.5x)")
+    # The ratio is about (async's step / sync's) x (async's steps to the target / sync's steps): speed and
+    # learning per step, printed apart so that a miss names which of the two it was.
+    speed = parts["async"]["step"] / parts["sync"]["step"]
+    steps_to = next((i + 1 for i, (_, r) in enumerate(asyn) if r >= target), None)
+    best = max(r for _, r in asyn)
+    print(f"  factors: async's step {speed:.2f}x of sync's; async "
+          + (f"at sync's final reward after {steps_to} steps, sync's run {len(sync)}" if steps_to is not None else
+             f"best {best:.3f} against {target:.3f} in {len(asyn)} steps"))
     return {"seed": seed, "target": target, "sync_s": sync_total, "async_s": asyn[-1][0], "async_reached_s": reached,
-            "ratio": ratio, "breakdown": parts, "curves": {k: [[round(t, 2), round(r, 4)] for t, r in c] for k, c in curves.items()}}
+            "ratio": ratio, "step_ratio": speed, "async_steps_to_target": steps_to, "async_best": best,
+            "breakdown": parts, "curves": {k: [[round(t, 2), round(r, 4)] for t, r in c] for k, c in curves.items()}}
 
 
 def main() -> None:
@@ -155,11 +165,14 @@ def main() -> None:
     results = [compare(args, seed, seed_dir(base, seed, len(seeds) > 1), ran=args.parallel) for seed in seeds]
     ratios = [r["ratio"] for r in results]
     if len(seeds) > 1:
-        print(f"{'seed':<6}{'sync s':>9}{'async s':>9}{'target':>9}{'reached s':>11}{'ratio':>8}")
+        print(f"{'seed':<6}{'sync s':>9}{'async s':>9}{'target':>9}{'reached s':>11}{'ratio':>8}"
+              f"{'step x':>8}{'at step':>9}")
         for r in results:
             reached = f"{r['async_reached_s']:.1f}" if r["async_reached_s"] is not None else "never"
             ratio = f"{r['ratio']:.2f}" if r["ratio"] is not None else "-"
-            print(f"{r['seed']:<6}{r['sync_s']:>9.1f}{r['async_s']:>9.1f}{r['target']:>9.3f}{reached:>11}{ratio:>8}")
+            at = str(r["async_steps_to_target"]) if r["async_steps_to_target"] is not None else "-"
+            print(f"{r['seed']:<6}{r['sync_s']:>9.1f}{r['async_s']:>9.1f}{r['target']:>9.3f}{reached:>11}{ratio:>8}"
+                  f"{r['step_ratio']:>8.2f}{at:>9}")
         # A seed whose async arm never reached the target counts as infinitely slow.
         med = statistics.median([x if x is not None else float("inf") for x in ratios])
         shown = f"{med:.2f}x" if med != float("inf") else "never reached (most seeds)"
