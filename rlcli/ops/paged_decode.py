@@ -92,8 +92,10 @@ def paged_decode(q_SHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = torch.empty(S, Hq, Dv, device=q_SHD.device, dtype=q_SHD.dtype)
     if S == 0:
         return out
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q_SHD.stride(-1) != 1:
-        raise ValueError("paged_decode needs the head dim innermost (stride 1) in q and both caches")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("paged_decode needs the head dim innermost (stride 1) in both caches")
+    if q_SHD.stride(-1) != 1:
+        q_SHD = q_SHD.contiguous()
     G = Hq // Hkv
     tables = block_tables if block_tables.dtype in (torch.int32, torch.int64) else block_tables.long()
     lens = context_lens.to(device=q_SHD.device, dtype=torch.int32)
