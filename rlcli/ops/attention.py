@@ -243,24 +243,20 @@ class PagedAttention(nn.Module):
         meta = self.meta
         lens, starts = meta.context_lens, meta.query_start
         nd = meta.num_decode
-        if paged:
-            if nd == len(lens):
-                return None, None, None
-            slots, cu_k = self._context_slots(device, first=nd)
-            cu_q = torch.tensor([q - starts[nd] for q in starts[nd:]], dtype=torch.int32, device=device)
-            max_q = max(b - a for a, b in zip(starts[nd:], starts[nd + 1:]))
-            return slots, None, (starts[nd], 0, cu_q, cu_k.to(torch.int32), max_q, max(lens[nd:]))
-        slots, cu_k = self._context_slots(device)
+        first = nd if paged else 0  # the first sequence whose context is gathered
+        if first == len(lens):
+            return None, None, None
+        slots, cu_k = self._context_slots(device, first)
         cu_k = cu_k.to(torch.int32)
         decodes = prefills = None
-        if nd:
+        if nd and not paged:
             cu_q = torch.arange(nd + 1, dtype=torch.int32, device=device) * groups
             decodes = (nd, groups, cu_q, cu_k[:nd + 1], max(lens[:nd]))
         if nd < len(lens):
-            first_k = sum(lens[:nd])
+            first_k = sum(lens[first:nd])
             cu_q = torch.tensor([q - starts[nd] for q in starts[nd:]], dtype=torch.int32, device=device)
             max_q = max(b - a for a, b in zip(starts[nd:], starts[nd + 1:]))
-            prefills = (starts[nd], first_k, cu_q, cu_k[nd:] - first_k, max_q, max(lens[nd:]))
+            prefills = (starts[nd], first_k, cu_q, cu_k[nd - first:] - first_k, max_q, max(lens[nd:]))
         return slots, decodes, prefills
 
     def _gather(self, cache: torch.Tensor, i: int) -> torch.Tensor:

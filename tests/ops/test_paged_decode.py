@@ -1,5 +1,6 @@
 """rlcli.ops.paged_decode (the native engine's decodes on CUDA, reading the paged cache in place):
-values against a float64 reference, and the engine's decodes through it against the eager paths.
+values against a float64 reference, and the engine's decodes through it against the eager paths;
+and the half-precision varlen plan of a mixed step, with and without it (without it, on any CPU).
 
 They run on CUDA. Without CUDA, where triton is installed and its interpreter works,
 ``test_under_the_interpreter`` runs this file in a child process on CPU tensors under Triton's
@@ -165,24 +166,29 @@ def _varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal=True):
     return torch.cat(out).to(q.dtype)
 
 
+@pytest.mark.parametrize("paged", [False, True])
 @torch.no_grad()
-def test_a_mixed_step_gathers_only_the_prefills_for_varlen(monkeypatch):
-    """Half precision on CUDA: decodes through the kernel, the prefill chunks (one after cached keys, one
-    whole prompt) in the varlen call over only their own contexts. On the CPU the varlen call is a float64
-    stand-in, so this checks the plan: which slots are gathered and where each chunk's queries and keys are."""
-    _kernels()
+def test_a_mixed_steps_varlen_plan(monkeypatch, paged):
+    """Half precision on CUDA: the decodes in one varlen call with their grouped heads folded into query
+    rows, or through the kernel (``paged``), and the prefill chunks (one after cached keys, one whole
+    prompt) in another varlen call over the contexts gathered for it (with the kernel, only theirs). On
+    the CPU the varlen call is a float64 stand-in (without the kernel, in any environment), so this
+    checks the plan: which slots are gathered and where each call's queries and keys are."""
+    device = DEVICE if paged else (DEVICE or "cpu")
+    if paged:
+        _kernels()
     from rlcli.ops import attention
     from rlcli.ops.attention import PagedAttention, PagedAttentionMetadata
 
     calls = []
-    if DEVICE == "cpu":
+    if device == "cpu":
         monkeypatch.setattr(attention, "varlen_attention",
                             lambda *a, **kw: calls.append(a[3]) or _varlen_reference(*a, **kw))
     g = torch.Generator().manual_seed(4)
     bs, hq, hkv, d = 16, 4, 2, 16
-    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
-    k_cache = torch.randn(64, bs, hkv, d, generator=g).to(DEVICE, dtype)
-    v_cache = torch.randn(64, bs, hkv, d, generator=g).to(DEVICE, dtype)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    k_cache = torch.randn(64, bs, hkv, d, generator=g).to(device, dtype)
+    v_cache = torch.randn(64, bs, hkv, d, generator=g).to(device, dtype)
     seqs = [(70, 1), (5, 1), (33, 20), (0, 41)]  # (cached, new): two decodes, a chunk, a prompt
     owned = torch.randperm(64, generator=g).tolist()
     tables, query_start, lens = [], [0], []
@@ -192,17 +198,17 @@ def test_a_mixed_step_gathers_only_the_prefills_for_varlen(monkeypatch):
         lens.append(cached + new)
     width = max(len(t) for t in tables)
     meta = PagedAttentionMetadata(
-        slot_mapping=torch.zeros(0, dtype=torch.int64, device=DEVICE), query_start=query_start, context_lens=lens,
-        block_tables=torch.tensor([t + [-1] * (width - len(t)) for t in tables], device=DEVICE), block_size=bs,
+        slot_mapping=torch.zeros(0, dtype=torch.int64, device=device), query_start=query_start, context_lens=lens,
+        block_tables=torch.tensor([t + [-1] * (width - len(t)) for t in tables], device=device), block_size=bs,
         num_decode=2)
-    q = torch.randn(query_start[-1], hq, d, generator=g).to(DEVICE, dtype)
-    out = PagedAttention([(k_cache, v_cache)], meta, paged_decode=True)._varlen(q, k_cache, v_cache, 0.25, paged=True)
-    if DEVICE == "cpu":
-        assert len(calls) == 1 and calls[0].tolist() == [0, 20, 61]  # the two prefill chunks' queries only
-    assert meta._varlen_plan[0].numel() == 53 + 41  # their contexts' slots, not the decodes'
+    q = torch.randn(query_start[-1], hq, d, generator=g).to(device, dtype)
+    out = PagedAttention([(k_cache, v_cache)], meta, paged_decode=paged)._varlen(q, k_cache, v_cache, 0.25, paged)
+    if device == "cpu":  # the query rows of each call: the decodes' (4 query heads over 2 K/V heads), the chunks'
+        assert [c.tolist() for c in calls] == ([] if paged else [[0, 2, 4]]) + [[0, 20, 61]]
+    assert meta._varlen_plan[0].numel() == (0 if paged else 71 + 6) + 53 + 41  # with the kernel, not the decodes'
     for i, (table, n) in enumerate(zip(tables, lens)):
-        pos = torch.arange(n, device=DEVICE)
-        slots = torch.tensor(table, device=DEVICE)[pos // bs] * bs + pos % bs
+        pos = torch.arange(n, device=device)
+        slots = torch.tensor(table, device=device)[pos // bs] * bs + pos % bs
         a, b = query_start[i], query_start[i + 1]
         ref = _varlen_reference(q[a:b], k_cache.flatten(0, 1)[slots], v_cache.flatten(0, 1)[slots],
                                 [0, b - a], [0, n], b - a, n, 0.25)
