@@ -51,8 +51,9 @@ class OrchestrateConfig(Config):
     """Completions sampled per prompt."""
 
     max_async: int = 1
-    """Steps the orchestrator may run ahead of the trainer: batch N is sampled from policies
-    >= N - 1 - max_async. 0 is exactly synchronous RL."""
+    """Steps the orchestrator may run ahead of the trainer: requests for batch N go out once
+    policy >= N - 1 - max_async is served, so (at the default max_off_policy_steps) batch N is
+    sampled from policies >= N - 1 - max_async. 0 is exactly synchronous RL."""
 
     max_off_policy_steps: Optional[int] = None
     """Batch N takes no group whose oldest token came from a policy older than N - 1 - this
