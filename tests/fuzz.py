@@ -107,6 +107,9 @@ def messages(seed: int, count: int, oversized_bytes: int):
             yield encode(_mutate_fields(rng, rng.choice(VALID)))
 
 
+QUIET_S = 5.0
+
+
 def blast(endpoint: str, seed: int, count: int, oversized_bytes: int, timeout_s: float = 300) -> dict:
     """Send ``count`` fuzzed messages from a DEALER, draining replies as they come; returns counts."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -125,14 +128,15 @@ def blast(endpoint: str, seed: int, count: int, oversized_bytes: int, timeout_s:
                 reply = msgspec.msgpack.decode(sock.recv())
                 replies += 1
                 errors += reply.get("type") == "error"
-        # Let the server work through its queue.
-        quiet_until = time.monotonic() + 2.0
+        # Let the server work through its queue: until it has been quiet for QUIET_S (a loaded 2-core
+        # machine can pause a server for a second or two).
+        quiet_until = time.monotonic() + QUIET_S
         while time.monotonic() < min(quiet_until, deadline):
             if sock.poll(200):
                 reply = msgspec.msgpack.decode(sock.recv())
                 replies += 1
                 errors += reply.get("type") == "error"
-                quiet_until = time.monotonic() + 2.0
+                quiet_until = time.monotonic() + QUIET_S
     finally:
         sock.close(linger=0)
     return {"sent": sent, "replies": replies, "errors": errors}
