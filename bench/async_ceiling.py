@@ -43,15 +43,8 @@ def orchestrator(recipe: Path, max_async: int, bound: int | None, steps: int) ->
     if bound is not None:
         overrides["orchestrate.max_off_policy_steps"] = bound
     cfg = load_recipe(recipe, overrides)
-    o = Orchestrator.__new__(Orchestrator)
-    o.cfg, o.ocfg = cfg, cfg.orchestrate
-    o.env = make_env(cfg.env)
-    o.episodes = Episodes(cfg, o.env, load_tokenizer(REPO / cfg.model.path))
-    o.http, o.turns = None, {}
-    o.next_step, o.policy_version = 1, 0
-    o.buffer, o.inflight, o.rewrite = [], {}, []
+    o = Orchestrator.schedule_only(cfg, load_tokenizer(REPO / cfg.model.path))
     o.zero_variance_cap = 0
-    o._reset_step_stats()
     return o
 
 

@@ -77,7 +77,6 @@ class Orchestrator:
         self.pool = InferPool(run, self.ocfg.connect, self.ocfg.request_timeout_s)
         self.episodes = Episodes(cfg, self.env, self.tokenizer, self.pool.new_request_id)
         self.http = HttpGroups(cfg, self.env, run) if uses_http(cfg, self.env) else None
-        self.turns: dict[str, int] = {}  # request id of a later turn -> its episode's index in the group
         if self.ocfg.connect:
             self.pool.check_reachable()
         self.sub = Subscriber()
@@ -85,9 +84,27 @@ class Orchestrator:
         self.registration = Registration(run.registry_dir(), "orchestrate", 0, {"pub": self.pub.endpoint})
         clean_temporaries(run.root / "rollouts")
         done = max(int(run.read_progress("orchestrate").get("step", 0)), run.latest_stable("rollouts") or 0)
-        self.next_step = done + 1
-        self.rng = random.Random(cfg.seed * 1_000_003 + self.next_step)
-        self.policy_version = -1
+        self._init_schedule(done + 1, policy_version=-1)
+
+    @classmethod
+    def schedule_only(cls, cfg: RecipeConfig, tokenizer=None) -> "Orchestrator":
+        """The scheduling state alone, at step 1 under policy 0: the dispatch cap, batch assembly and
+        staleness bookkeeping, with no run directory, servers or sockets (``run``, ``pool``, ``pub``
+        are unset; a caller that exercises a method needing one sets it). For models and tests of the
+        schedule: bench/async_ceiling.py, tests/orchestrate/test_staleness.py."""
+        self = cls.__new__(cls)
+        self.cfg, self.ocfg = cfg, cfg.orchestrate
+        self.env = make_env(cfg.env)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model.path)
+        self.episodes = Episodes(cfg, self.env, self.tokenizer)
+        self._init_schedule(1, policy_version=0)
+        return self
+
+    def _init_schedule(self, next_step: int, policy_version: int) -> None:
+        self.turns: dict[str, int] = {}  # request id of a later turn -> its episode's index in the group
+        self.next_step = next_step
+        self.rng = random.Random(self.cfg.seed * 1_000_003 + next_step)
+        self.policy_version = policy_version
         self.buffer: list[Group] = []
         self.inflight: dict[str, Group] = {}
         self.unsent: list[GenerateRequest] = []

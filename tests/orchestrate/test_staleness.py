@@ -21,16 +21,7 @@ def bare_orchestrator(max_async: int, batch_size: int, num_steps: int, max_off_p
     cfg = RecipeConfig(num_steps=num_steps, orchestrate=OrchestrateConfig(
         batch_size=batch_size, group_size=2, max_async=max_async, max_off_policy_steps=max_off_policy_steps,
         advantage=AdvantageConfig(**advantage)))
-    o = Orchestrator.__new__(Orchestrator)  # no run directory or servers: the logic alone
-    o.cfg, o.ocfg = cfg, cfg.orchestrate
-    o.env, o.tokenizer, o.turns = make_env(cfg.env), load_tokenizer(TINY_MODEL), {}
-    o.episodes = Episodes(cfg, o.env, o.tokenizer)
-    o.next_step, o.policy_version = 1, 0
-    o.buffer, o.inflight, o.rewrite = [], {}, []
-    a = cfg.orchestrate.advantage
-    o.zero_variance_cap = a.max_zero_variance_drops if a.max_zero_variance_drops >= 0 else 2 * batch_size
-    o._reset_step_stats()
-    return o
+    return Orchestrator.schedule_only(cfg, load_tokenizer(TINY_MODEL))
 
 
 def finish(group: Group, versions: list[int], rewards=(0.0, 1.0)) -> None:
