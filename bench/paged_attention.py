@@ -6,10 +6,12 @@ is the path the engine takes off CUDA (a batched, padded SDPA call for the decod
 per prefill chunk; with grouped heads and a padding mask the decode call lands in cuDNN,
 which builds a plan per new key length), ``varlen`` the CUDA path (flash varlen calls over
 the gathered contexts: one for the decodes, their grouped heads folded into query rows, one
-for the prefill chunks). Printed per arm: the prefill time
+for the prefill chunks), ``paged`` the CUDA path with ``infer.engine.paged_decode`` (the
+decodes read the cache in place through :mod:`rlcli.ops.paged_decode`; the prefill chunks as
+in ``varlen``). Printed per arm: the prefill time
 of all prompts (chunked, ``--chunk`` tokens a step, until every sequence has its first
 token), the median decode step, and the ratios; then how many sequences' first (greedy)
-token is the same in both arms and, over those, the largest gap between its logprobs (bf16
+token is the same as ``sdpa``'s and, over those, the largest gap between its logprobs (bf16
 through 16 layers and 24k keys: near-ties of random weights may pick other tokens).
 
     python bench/paged_attention.py                       # 8 sequences of 24k tokens, 32 decode steps
@@ -35,9 +37,10 @@ from rlcli.ops.attention import PagedAttention  # noqa: E402
 from rlcli.protocol import GenerateRequest, SamplingParams  # noqa: E402
 
 
-def run_arm(model, args, prompts: list[list[int]]) -> dict:
+def run_arm(model, args, prompts: list[list[int]], paged_decode: bool = False) -> dict:
     engine = NativeEngine(model, eos_token_ids=[], max_model_len=args.context + args.steps + 64, block_size=16,
-                          kv_cache_memory_mb=args.kv_cache_mb, max_num_batched_tokens=args.chunk, seed=0)
+                          kv_cache_memory_mb=args.kv_cache_mb, max_num_batched_tokens=args.chunk, seed=0,
+                          paged_decode=paged_decode)
     for i, ids in enumerate(prompts):
         engine.add_request(GenerateRequest(request_id=str(i), prompt_ids=ids, sampling=SamplingParams(
             max_tokens=args.steps + 1, temperature=0.0, ignore_eos=True)))
@@ -78,22 +81,24 @@ def main() -> None:
     prompts = [torch.randint(0, 256, (args.context,), generator=g).tolist() for _ in range(args.seqs)]
     varlen_gate = PagedAttention._use_varlen
     run_arm(model, args, [p[:2048] for p in prompts[:2]])  # warm-up: kernels, allocator
+    run_arm(model, args, [p[:2048] for p in prompts[:2]], paged_decode=True)  # ... and the Triton kernel's compile
     results = {}
-    for arm in ("sdpa", "varlen"):
-        PagedAttention._use_varlen = varlen_gate if arm == "varlen" else (lambda self, *a: False)
-        results[arm] = run_arm(model, args, prompts)
+    for arm in ("sdpa", "varlen", "paged"):
+        PagedAttention._use_varlen = (lambda self, *a: False) if arm == "sdpa" else varlen_gate
+        results[arm] = run_arm(model, args, prompts, paged_decode=arm == "paged")
     PagedAttention._use_varlen = varlen_gate
     print(f"# paged attention, {args.seqs} sequences x {args.context} prompt tokens, 1B Llama shape, bf16, "
           f"{torch.cuda.get_device_name()}")
     print(f"{'arm':8} {'prefill s':>10} {'decode step ms':>15}")
     for arm, r in results.items():
         print(f"{arm:8} {r['prefill_s']:10.2f} {r['decode_step_s'] * 1e3:15.1f}")
-    s, v = results["sdpa"], results["varlen"]
-    same = [k for k in s["first"] if s["first"][k][0] == v["first"][k][0]]
-    gap = max((abs(s["first"][k][1] - v["first"][k][1]) for k in same), default=float("nan"))
-    print(f"varlen / sdpa: prefill {s['prefill_s'] / v['prefill_s']:.2f}x faster, decode step "
-          f"{s['decode_step_s'] / v['decode_step_s']:.2f}x faster; first greedy token equal in {len(same)}/{len(s['first'])} "
-          f"sequences, largest gap between their logprobs {gap:.2e}")
+    for name, base in (("varlen", "sdpa"), ("paged", "sdpa"), ("paged", "varlen")):
+        v, b = results[name], results[base]
+        same = [k for k in b["first"] if b["first"][k][0] == v["first"][k][0]]
+        gap = max((abs(b["first"][k][1] - v["first"][k][1]) for k in same), default=float("nan"))
+        print(f"{name} / {base}: prefill {b['prefill_s'] / v['prefill_s']:.2f}x faster, decode step "
+              f"{b['decode_step_s'] / v['decode_step_s']:.2f}x faster; first greedy token equal in "
+              f"{len(same)}/{len(b['first'])} sequences, largest gap between their logprobs {gap:.2e}")
 
 
 if __name__ == "__main__":
