@@ -171,7 +171,8 @@ class PagedAttention(nn.Module):
             lens = torch.tensor(meta.context_lens[:meta.num_decode], dtype=torch.int32)
             meta._decode_lens = lens.to(q_SHD.device, non_blocking=True)
         return _paged_decode_for(q_SHD).paged_decode(q_SHD, k_cache, v_cache, meta.block_tables[:meta.num_decode],
-                                                     meta._decode_lens, scale)
+                                                     meta._decode_lens, scale,
+                                                     max_context_len=max(meta.context_lens[:meta.num_decode]))
 
     def _varlen(self, q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
                 paged: bool = False) -> torch.Tensor:

@@ -70,9 +70,13 @@ SHAPES = [(4, 2, 16, 16), (8, 1, 24, 16), (40, 1, 80, 64)]
 LENS = [1, 17, 100, 33, 250]  # one key; a block and one; several tiles
 
 
+@pytest.mark.parametrize("splits", [None, 3, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_kernel_matches_a_float64_reference(dtype, shape):
+def test_kernel_matches_a_float64_reference(dtype, shape, splits):
+    """Each sequence whole in one program, and its keys split over 3 and over 32 asked-for spans (8
+    once rounded to whole tiles; more than the short sequences fill: those past a context are empty
+    and merge to nothing)."""
     K = _kernels()
     hq, hkv, d, dv = shape
     g = torch.Generator().manual_seed(0)
@@ -89,11 +93,25 @@ def test_kernel_matches_a_float64_reference(dtype, shape):
             tables[i, b] = owned[(i * 7 + b) % len(owned)]
     tables = tables.to(DEVICE)
     q = torch.randn(len(LENS), hq, d, generator=g).to(DEVICE, dtype)
-    out = K.paged_decode(q, k_cache, v_cache, tables, torch.tensor(LENS), 0.3)
+    out = K.paged_decode(q, k_cache, v_cache, tables, torch.tensor(LENS), 0.3, max(LENS), num_splits=splits)
     ref = reference(q, k_cache, v_cache, tables, LENS, 0.3)
     tol = 1e-5 if dtype == torch.float32 else 2 ** -6 * ref.abs().max().item()  # bf16: the output's rounding
     assert out.shape == (len(LENS), hq, dv) and out.dtype == dtype
     assert (out.double() - ref).abs().max().item() <= tol
+
+
+def test_keys_split_only_where_the_programs_would_not_fill_the_gpu(monkeypatch):
+    """About two programs per SM, no span shorter than MIN_SPLIT: 8 sequences x 8 K/V heads at 24k keys
+    on 132 SMs split in 5; enough programs, or contexts under two spans, stay whole; never more than
+    MAX_SPLITS."""
+    K = _kernels()
+    monkeypatch.setattr(K, "_num_sms", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert K.num_splits_for(64, 24576, cuda) == 5
+    assert K.num_splits_for(264, 24576, cuda) == 1
+    assert K.num_splits_for(8, 3 * K.MIN_SPLIT, cuda) == 3
+    assert K.num_splits_for(8, 2 * K.MIN_SPLIT - 1, cuda) == 1
+    assert K.num_splits_for(1, 10 ** 6, cuda) == K.MAX_SPLITS  # the merge's one tile
 
 
 @torch.no_grad()
@@ -111,7 +129,7 @@ def test_engine_decodes_through_the_kernel_as_through_the_eager_path(monkeypatch
     model = load_model(write_tiny_model(tmp_path / "m"), seed=3).to(DEVICE).eval()
     calls = []
     real = K.paged_decode
-    monkeypatch.setattr(K, "paged_decode", lambda *args: calls.append(len(args[0])) or real(*args))
+    monkeypatch.setattr(K, "paged_decode", lambda *args, **kw: calls.append(len(args[0])) or real(*args, **kw))
 
     def run() -> list:
         engine = NativeEngine(model, eos_token_ids=[], max_model_len=96, block_size=8, paged_decode=True)
@@ -134,7 +152,7 @@ def test_engine_decodes_through_the_kernel_as_through_the_eager_path(monkeypatch
 
 
 def test_the_recipe_key_reaches_the_engine(tmp_path):
-    """infer.engine.paged_decode (off by default) is the engine's and its attention backend's flag."""
+    """infer.engine.paged_decode (on by default; it acts on CUDA only) is the engine's and its attention backend's flag."""
     from tiny import write_tiny_model
 
     from rlcli.config import load_recipe
@@ -150,7 +168,7 @@ def test_the_recipe_key_reaches_the_engine(tmp_path):
         engine = NativeEngine.from_config(cfg, weights, version=0)
         assert engine.paged_decode is flag
         engine.close()
-    assert load_recipe(None, {}).infer.engine.paged_decode is False
+    assert load_recipe(None, {}).infer.engine.paged_decode is True
 
 
 def _varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal=True):
