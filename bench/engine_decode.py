@@ -33,7 +33,10 @@ from rlcli.protocol import GenerateRequest, SamplingParams
 
 device, dtype, tokens, model_dir = sys.argv[1], getattr(torch, sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 concurrencies = [int(c) for c in sys.argv[5].split(",")]
-extra = {"paged_decode": True} if sys.argv[6] == "1" else {}  # (trees before the option lack the keyword)
+import inspect
+# paged_decode (on by default since 2026-12-06) set either way where the tree's engine has the keyword
+extra = ({"paged_decode": sys.argv[6] == "1"} if "paged_decode" in inspect.signature(NativeEngine).parameters
+         else {})
 torch.set_num_threads(1)
 model = load_model(model_dir, seed=0).eval().to(device, dtype)
 sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
@@ -80,7 +83,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--paged-decode", action="store_true",
                    help="the tree's arm decodes through the paged decode kernel (infer.engine.paged_decode); "
-                        "with --baseline-tree . its baseline is the same code without it")
+                        "without it both arms gather (paged_decode off where the tree has it), so with "
+                        "--baseline-tree . the baseline is the same code without the kernel")
     p.add_argument("--smoke", action="store_true", help="CPU, 1 and 8 sequences, 8 tokens, the working tree as both arms")
     args = p.parse_args()
     if args.smoke:

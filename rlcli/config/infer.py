@@ -38,10 +38,11 @@ class NativeEngineConfig(EngineBase, tag="native"):
     """fixed: num_threads throughout; adaptive (CPU): this server's share of the host's cores among
     the run's processes computing right now (rl-train, other servers), re-read before each step."""
 
-    paged_decode: bool = False
-    """On CUDA, decode through the Triton kernel that reads the paged KV cache in place
-    (rlcli/ops/paged_decode.py) instead of gathering every decoding sequence's context in every
-    layer. Off by default: it has been checked under Triton's interpreter on the CPU, not yet on a GPU."""
+    paged_decode: bool = True
+    """On CUDA (where Triton imports), decode through the Triton kernel that reads the paged KV cache
+    in place (rlcli/ops/paged_decode.py) instead of gathering every decoding sequence's context in
+    every layer; false takes the gathering path (varlen flash in half precision, batched SDPA in fp32).
+    Elsewhere it has no effect."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

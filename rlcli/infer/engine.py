@@ -142,7 +142,7 @@ class NativeEngine(SharedKVMixin):
     def __init__(self, model: CausalLM, *, eos_token_ids: list[int], max_model_len: int, block_size: int = 16,
                  kv_cache_memory_mb: int = 256, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  enable_prefix_caching: bool = True, version: int = 0, seed: int = 0, role: str = "mixed",
-                 batch_invariant: bool = False, paged_decode: bool = False):
+                 batch_invariant: bool = False, paged_decode: bool = True):
         self.model = model.eval()
         self.batch_invariant = batch_invariant
         self.paged_decode = paged_decode  # decodes through rlcli.ops.paged_decode on CUDA
