@@ -12,8 +12,9 @@ fill the GPU (8 sequences x 8 K/V heads is 64 programs on an H100's 132 SMs, eac
 positions alone), so when the caller gives the longest context, each sequence's positions are
 cut into at most ``MAX_SPLITS`` spans of at least ``MIN_SPLIT`` positions until there are about two
 programs per SM; every span writes its unnormalized sum with its max and denominator, and a second
-kernel merges the spans of each (sequence, head). Nothing is
-gathered or copied per step: the bucketed SDPA path it replaces on CUDA
+kernel merges the spans of each (sequence, head).
+
+No key or value is gathered or copied: the bucketed SDPA path it replaces on CUDA
 (:meth:`rlcli.ops.attention.PagedAttention._decode`) copied every decoding sequence's whole context
 out of the cache in every layer, planned buckets on the host and launched ~10 kernels per bucket;
 the varlen flash path (half precision) copied it once per layer. fp32 products run in IEEE fp32
