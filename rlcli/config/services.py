@@ -39,8 +39,9 @@ WeightTransport = Union[FilesystemTransport, AsyncFilesystemTransport, Collectiv
 class SyncConfig(Config):
     """rl-sync: moves each new policy to every inference server."""
 
-    backend: WeightTransport = msgspec.field(default_factory=FilesystemTransport)
-    """Weight transport, chosen by ``kind``: filesystem, async_filesystem or collective."""
+    backend: WeightTransport = msgspec.field(default_factory=AsyncFilesystemTransport)
+    """Weight transport, chosen by ``kind``: async_filesystem (the default: the trainer's next step
+    starts while the files are written), filesystem or collective."""
 
     keep_weights: int = 3
     """Keep this many newest weight versions on disk (never one a server still loads)."""

@@ -254,3 +254,15 @@ def test_round_ranks_count_every_receiver_of_a_server():
     assert member_ranks([("infer-0", 1), ("infer-1", 4), ("infer-2", 2)]) == ({"infer-0": 1, "infer-1": 2,
                                                                                 "infer-2": 6}, 8)
     assert member_ranks([]) == ({}, 1)
+
+
+def test_the_default_transport_writes_off_the_trainers_step(tmp_path):
+    """sync.backend defaults to async_filesystem: the trainer's publisher writes from a background thread."""
+    from rlcli.config import load_recipe
+    from rlcli.train.publish import make_publisher
+
+    cfg = load_recipe(None, {})
+    assert type(cfg.sync.backend).__struct_config__.tag == "async_filesystem"
+    publisher = make_publisher(cfg, tmp_path, lambda *a: None, torch.device("cpu"))
+    assert publisher.background
+    publisher.close()

@@ -41,9 +41,12 @@ def temporaries(run_dir) -> list[str]:
             if ".tmp-" in p.name or ".old-" in p.name]
 
 
-def test_a_full_disk_stops_the_trainer_cleanly(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("transport", ["filesystem", "async_filesystem"])
+def test_a_full_disk_stops_the_trainer_cleanly(tmp_path, tiny_model_dir, transport):
+    """With the weights written in the step, their write is the one that fails; written behind the
+    step (the default), the step's checkpoint may hit the limit first: either is named."""
     run_dir = tmp_path / "run"
-    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, run_dir)
+    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, run_dir, sync={"backend": {"kind": transport}})
     run = RunDir(run_dir)
     for step in (1, 2):
         write_batch(run, step, groups(4), 1, 256, 1.0)
@@ -52,14 +55,19 @@ def test_a_full_disk_stops_the_trainer_cleanly(tmp_path, tiny_model_dir):
 
     out = train(recipe, 2, max_file_bytes=64 << 10)  # smaller than one weights file
     lines = out.stderr.strip().splitlines()
+    failed = ("weights/step_2",) if transport == "filesystem" else ("weights/step_2", "checkpoints/step_2")
     assert out.returncode == 1 and lines[-1].startswith("rl-train: error: cannot write ") and \
-        "weights/step_2: File too large; free space" in lines[-1], out.stderr[-2000:]
+        any(f"{what}: File too large; free space" in lines[-1] for what in failed), out.stderr[-2000:]
     assert "Traceback" not in out.stderr
     assert run.stable_steps("weights") == [0, 1] and run.stable_steps("checkpoints") == [1]
-    assert run.read_progress("train")["step"] == 1
+    # Written in the step, the failed write stops step 2 before it is recorded; written behind it,
+    # step 2 was trained and recorded before its writes failed, and the restart trains it again.
+    trained = [1] if transport == "filesystem" else [1, 2]
+    assert run.read_progress("train")["step"] == trained[-1]
 
     train_in_process(recipe, 2)
-    assert [m["step"] for m in read_jsonl(run_dir / "metrics" / "train.jsonl")] == [1, 2]
+    assert [m["step"] for m in read_jsonl(run_dir / "metrics" / "train.jsonl")] == trained + [2]
+    assert run.stable_steps("weights") == [0, 1, 2] and run.stable_steps("checkpoints") == [1, 2]
     assert temporaries(run_dir) == []
 
 
