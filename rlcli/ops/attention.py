@@ -110,8 +110,8 @@ class PagedAttentionMetadata:
     _varlen_plan: tuple | None = field(default=None, repr=False)
     # The invariant kernel's (context slots, cu_q, cu_k, max_q) under batch_invariant on CUDA, likewise.
     _invariant_plan: tuple | None = field(default=None, repr=False)
-    # The decodes' context lengths on the device for the paged decode kernel, likewise.
-    _decode_lens: torch.Tensor | None = field(default=None, repr=False)
+    # The decodes' context lengths on the device for the paged decode kernel, and the longest, likewise.
+    _decode_lens: tuple[torch.Tensor, int] | None = field(default=None, repr=False)
 
 
 class PagedAttention(nn.Module):
@@ -167,12 +167,12 @@ class PagedAttention(nn.Module):
                       scale: float) -> torch.Tensor:
         """The decodes by :func:`rlcli.ops.paged_decode.paged_decode`, reading the cache in place."""
         meta = self.meta
-        if meta._decode_lens is None:  # one copy per step, shared by every layer
-            lens = torch.tensor(meta.context_lens[:meta.num_decode], dtype=torch.int32)
-            meta._decode_lens = lens.to(q_SHD.device, non_blocking=True)
+        if meta._decode_lens is None:  # one copy per step, shared by every layer, with the longest
+            lens = meta.context_lens[:meta.num_decode]
+            meta._decode_lens = (torch.tensor(lens, dtype=torch.int32).to(q_SHD.device, non_blocking=True), max(lens))
+        lens_t, longest = meta._decode_lens
         return _paged_decode_for(q_SHD).paged_decode(q_SHD, k_cache, v_cache, meta.block_tables[:meta.num_decode],
-                                                     meta._decode_lens, scale,
-                                                     max_context_len=max(meta.context_lens[:meta.num_decode]))
+                                                     lens_t, scale, max_context_len=longest)
 
     def _varlen(self, q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
                 paged: bool = False) -> torch.Tensor:
