@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 WORKLOAD = """
-import json, sys, time
+import inspect, json, sys, time
 import torch
 from rlcli.infer.engine import NativeEngine
 from rlcli.models import load_model
@@ -33,7 +33,6 @@ from rlcli.protocol import GenerateRequest, SamplingParams
 
 device, dtype, tokens, model_dir = sys.argv[1], getattr(torch, sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 concurrencies = [int(c) for c in sys.argv[5].split(",")]
-import inspect
 # paged_decode (on by default since 2026-12-06) set either way where the tree's engine has the keyword
 extra = ({"paged_decode": sys.argv[6] == "1"} if "paged_decode" in inspect.signature(NativeEngine).parameters
          else {})
