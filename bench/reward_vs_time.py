@@ -13,9 +13,13 @@ each seed runs both arms in turn (sync, then async), and the per-seed ratios are
 with their median. ``--parallel`` runs every (seed, arm) at once instead, each pinned to its own
 equal slice of the cores this process may use (at least 3 each): on a many-core host the arms
 then neither wait for nor compete with each other, and the processes of one run (rl-infer,
-rl-train, the orchestrator) do not share a core as they do on two.
+rl-train, the orchestrator) do not share a core as they do on two. ``--async-steps N`` lets the
+asynchronous run go on past sync's last step, to N steps: both arms then run with
+``train.schedule_steps`` at sync's step count, so they follow the same learning-rate and entropy
+schedules, and the asynchronous run holds their last values after it.
 
     python bench/reward_vs_time.py [--recipe recipes/reverse.toml] [--seeds 0,1,2] [--max-async 1] [--keep DIR] [--parallel]
+                                   [--async-steps N]
                                    [recipe overrides for both arms, e.g. --sync.backend.kind async_filesystem]
 """
 
@@ -29,6 +33,8 @@ import threading
 from pathlib import Path
 
 from run_metrics import read_metrics, run_up
+
+from rlcli.config import load_recipe
 
 WINDOW = 5
 
@@ -47,6 +53,11 @@ def run_mode(recipe: Path, seed: int, max_async: int | None, run_dir: Path, step
         args += ["--steps", str(steps)]
     err = run_up(recipe, run_dir, args + list(extra))
     return f"seed {seed}, max_async={max_async} failed: {err}" if err else ""
+
+
+def arm_steps(args, arm: str) -> int | None:
+    """RL steps of one arm: ``--async-steps`` for the asynchronous one where given, else ``--steps``."""
+    return args.async_steps if arm == "async" and args.async_steps else args.steps
 
 
 def seed_dir(base: Path, seed: int, several: bool) -> Path:
@@ -69,7 +80,7 @@ def run_all_parallel(args, seeds: list[int], base: Path) -> None:
         # run, and every process it starts, stays on these cores.
         os.sched_setaffinity(0, cores[i * per:(i + 1) * per])
         k = 0 if arm == "sync" else args.max_async
-        err = run_mode(args.recipe, seed, k, seed_dir(base, seed, len(seeds) > 1) / arm, args.steps, args.extra)
+        err = run_mode(args.recipe, seed, k, seed_dir(base, seed, len(seeds) > 1) / arm, arm_steps(args, arm), args.extra)
         if err:
             errors.append(err)
 
@@ -113,8 +124,8 @@ def compare(args, seed: int, base: Path, ran: bool = False) -> dict:
     for name in ARMS:
         if not ran:
             print(f"seed {seed}: running {name} ...", file=sys.stderr, flush=True)
-            err = run_mode(args.recipe, seed, 0 if name == "sync" else args.max_async, base / name, args.steps,
-                           args.extra)
+            err = run_mode(args.recipe, seed, 0 if name == "sync" else args.max_async, base / name,
+                           arm_steps(args, name), args.extra)
             if err:
                 sys.exit(err)
         curves[name] = curve(base / name)
@@ -157,7 +168,11 @@ def main() -> None:
     p.add_argument("--keep", type=Path, default=None, help="Keep the run directories under this folder.")
     p.add_argument("--parallel", action="store_true",
                    help=f"Run every seed and arm at once, each pinned to its own slice of the cores (>= {MIN_CORES} each).")
+    p.add_argument("--async-steps", type=int, default=None,
+                   help="The asynchronous run's RL steps, past sync's; both arms' schedules end at sync's last step.")
     args, args.extra = p.parse_known_args()  # the rest (recipe overrides: --sync.backend.kind ...) goes to both arms
+    if args.async_steps:
+        args.extra += ["--train.schedule_steps", str(args.steps or load_recipe(args.recipe).num_steps)]
     seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
     base = args.keep or Path(tempfile.mkdtemp(prefix="rlcli-reward-"))
     if args.parallel:

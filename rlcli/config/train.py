@@ -36,7 +36,7 @@ class OptimConfig(Config):
 
     schedule: Literal["constant", "linear", "cosine"] = "constant"
     """Learning rate after the warm-up: constant, or a linear or cosine decay from lr to
-    min_lr_ratio x lr at the recipe's last step (num_steps)."""
+    min_lr_ratio x lr at the recipe's last step (train.schedule_steps, else num_steps)."""
 
     min_lr_ratio: float = 0.0
     """Where a decaying schedule ends, as a fraction of lr."""
@@ -83,7 +83,8 @@ class LossConfig(Config):
 
     entropy_schedule: Literal["constant", "linear"] = "constant"
     """constant: entropy_coef at every step; linear: entropy_coef at RL step 1, falling linearly to 0
-    at the recipe's last step (num_steps): explore early, then sharpen on what was learned."""
+    at the recipe's last step (train.schedule_steps, else num_steps): explore early, then sharpen on
+    what was learned."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.mask_low < 1 < self.mask_high:
@@ -173,6 +174,11 @@ class TrainConfig(Config):
     micro_batch_tokens: int = 4096
     """Tokens per packed micro-batch row; sequences are packed into rows of this length."""
 
+    schedule_steps: int = 0
+    """The RL step where the schedules end (optim.schedule's decay, loss.entropy_schedule); steps
+    past it keep their last values. 0: num_steps. Set it to the original num_steps to extend a run
+    (a restart with a larger num_steps) without reshaping the schedule its steps so far followed."""
+
     optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
     """Optimizer."""
 
@@ -233,3 +239,5 @@ class TrainConfig(Config):
     def __post_init__(self) -> None:
         if self.profile_step < 0:
             raise ValueError(f"train.profile_step must be >= 0 (0: no profiled step), got {self.profile_step}")
+        if self.schedule_steps < 0:
+            raise ValueError(f"train.schedule_steps must be >= 0 (0: num_steps), got {self.schedule_steps}")

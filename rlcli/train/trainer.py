@@ -100,6 +100,12 @@ def lr_factor(step: int, optim: OptimConfig, num_steps: int) -> float:
     return warm * (optim.min_lr_ratio + (1 - optim.min_lr_ratio) * decay)
 
 
+def schedule_horizon(cfg: RecipeConfig) -> int:
+    """The RL step where the learning-rate and entropy schedules end: ``train.schedule_steps``,
+    else ``num_steps``."""
+    return cfg.train.schedule_steps or cfg.num_steps
+
+
 def loss_config_at(lcfg: LossConfig, step: int, num_steps: int) -> LossConfig:
     """The loss settings of RL step ``step`` (1-based): ``entropy_schedule = "linear"`` scales the
     entropy bonus from ``entropy_coef`` at step 1 down to 0 at step ``num_steps``."""
@@ -168,7 +174,8 @@ class Trainer:
             self.cores.busy(False)  # until a batch arrives (the SFT warm-up was busy)
         o = tcfg.optim
         self.optimizer = make_adamw(self.model.parameters(), o)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, o, cfg.num_steps))
+        horizon = schedule_horizon(cfg)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, o, horizon))
         self.step = 0
         extra = load_latest_checkpoint(run, self.model, self.optimizer, self.scheduler)
         if extra is not None:
@@ -292,7 +299,7 @@ class Trainer:
     def train_step(self, batch: TrainingBatch) -> dict[str, float]:
         self.model.train()
         tcfg = self.cfg.train
-        lcfg = loss_config_at(tcfg.loss, self.step + 1, self.cfg.num_steps)
+        lcfg = loss_config_at(tcfg.loss, self.step + 1, schedule_horizon(self.cfg))
         totals, normalizer = accumulate(self.model, batch.micro_batches, self.dims, self.device, self.loss_fn,
                                         lcfg, tcfg.logprob_chunk_tokens, self.cfg.r3,
                                         "invariant" if self.cfg.model.batch_invariant else tcfg.attention,

@@ -147,3 +147,49 @@ def test_a_corrupt_batch_is_deleted_and_the_rewrite_is_trained(setup, damage):
         trainer.stopping = True
         reader.join()
         trainer.close()
+
+
+def test_an_extended_run_keeps_its_schedule_with_schedule_steps(setup):
+    """A restart with a larger num_steps reshapes a decaying schedule (the learning rate at the step
+    resumed jumps up) unless train.schedule_steps pins where it ends: then the restarted trainer's
+    learning rate and entropy bonus are those the first run had, and past the pinned step they stay
+    at the schedule's last values."""
+    import msgspec
+
+    from rlcli.errors import ConfigError
+    from rlcli.train.trainer import loss_config_at, schedule_horizon
+
+    cfg, run = setup
+    train = msgspec.structs.replace(cfg.train, optim=msgspec.structs.replace(cfg.train.optim, schedule="linear",
+                                                                                 min_lr_ratio=0.25))
+    first = msgspec.structs.replace(cfg, num_steps=10, train=train)
+    trainer = Trainer(first, run)
+    try:
+        for _ in range(6):
+            trainer.optimizer.step()
+            trainer.scheduler.step()
+        save_checkpoint(run, 6, trainer.model, trainer.optimizer, trainer.scheduler, {"step": 6}, 2)
+        trainer.optimizer.step()
+        trainer.scheduler.step()
+        lr_at_7 = trainer.optimizer.param_groups[0]["lr"]
+    finally:
+        trainer.close()
+
+    def resumed_lr(cfg_) -> float:  # of the step after the one resumed from
+        again = Trainer(cfg_, run)
+        try:
+            assert again.step == 6
+            again.optimizer.step()
+            again.scheduler.step()
+            return again.optimizer.param_groups[0]["lr"]
+        finally:
+            again.close()
+
+    assert resumed_lr(msgspec.structs.replace(first, num_steps=20)) > lr_at_7 * 1.2  # reshaped
+    pinned = msgspec.structs.replace(first, num_steps=20, train=msgspec.structs.replace(train, schedule_steps=10))
+    assert resumed_lr(pinned) == pytest.approx(lr_at_7)
+    assert schedule_horizon(pinned) == 10 and schedule_horizon(first) == 10
+    loss = msgspec.structs.replace(train.loss, entropy_coef=0.01, entropy_schedule="linear")
+    assert [loss_config_at(loss, s, schedule_horizon(pinned)).entropy_coef for s in (10, 15)] == [0.0, 0.0]
+    with pytest.raises(ConfigError, match="train.schedule_steps must be >= 0"):
+        load_recipe(None, {"train.schedule_steps": -1})
