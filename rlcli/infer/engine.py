@@ -180,6 +180,8 @@ class NativeEngine(SharedKVMixin):
                          "num_steps": 0, "num_preemptions": 0, "num_requests": 0, "num_aborted": 0,
                          "num_kv_fetched_tokens": 0, "kv_fetch_idle_s": 0.0, "kv_publish_engine_s": 0.0,
                          "kv_publish_deferred": 0, "step_s": 0.0, "kv_fetches_taken": 0, "kv_fetch_ready_s": 0.0, "kv_fetch_taken_after_s": 0.0}
+        if self.device.type == "cuda":
+            self.warm_up()
 
     @classmethod
     def from_config(cls, cfg: RecipeConfig, weights: Path, version: int, instance: int = 0) -> "NativeEngine":
@@ -206,6 +208,35 @@ class NativeEngine(SharedKVMixin):
                      paged_decode=ecfg.paged_decode)
         engine.kv = make_kv_connector(icfg.kv_cache, engine.block_meta(), engine.device)
         return engine
+
+    @torch.no_grad()
+    def warm_up(self) -> None:
+        """Decode one token through the model at each of the paged decode kernel's
+        ``WARM_UP_CONTEXTS`` that ``max_model_len`` holds, so Triton compiles the decode path's
+        kernels here (on CUDA, at construction) and not inside the first requests' steps, where
+        each compile held up the whole step (~0.1-0.3 s apiece on an H100). Every position reads
+        block 0, and the one slot written is zeroed again, so it runs only while every block is
+        free. Without Triton, one decode at a context of 1."""
+        if len(self.blocks.free) < self.blocks.num_blocks:
+            raise RuntimeError("NativeEngine.warm_up runs only while every KV block is free (before any request)")
+        try:
+            from rlcli.ops import paged_decode
+            contexts = paged_decode.WARM_UP_CONTEXTS
+        except (ImportError, OSError):
+            contexts = (1,)
+        for n in (n for n in contexts if n <= self.max_model_len):
+            width = -(-n // self.block_size)
+            host = np.zeros(3 + width, dtype=np.int64)  # token 0 | position n - 1 | slot 0 | a table of block 0s
+            host[1] = n - 1
+            inputs = torch.from_numpy(host).to(self.device)
+            meta = PagedAttentionMetadata(slot_mapping=inputs[2:3], query_start=[0, 1], context_lens=[n],
+                                          block_tables=inputs[3:].view(1, width), block_size=self.block_size,
+                                          num_decode=1, block_tables_host=host[3:].reshape(1, width))
+            ctx = ForwardContext(attn=PagedAttention(self.kv_caches, meta, self.batch_invariant, self.paged_decode))
+            self.model.lm_head(self.model.hidden_states(inputs[None, :1], inputs[None, 1:2], ctx)[0])
+        for layer in self.kv_caches:
+            for cache in layer:
+                cache[0].zero_()
 
     # ------------------------------------------------------------------ public API
     def add_request(self, req: GenerateRequest, stream: bool = False) -> None:

@@ -49,7 +49,13 @@ def _dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     return out
 
 
-@triton.jit
+# Arguments that change from step to step are not specialized on (Triton otherwise compiles a
+# variant for each value class: ==1, a multiple of 16, or neither; a 16-byte-aligned pointer or
+# not): the table row stride (the step's widest table), the span statistics' strides and count
+# (the step's number of spans), and the tables' start (a slice of the step's one host-to-device
+# copy). So the kernel compiles once whole and once split, the merge once, and
+# NativeEngine.warm_up can compile all three before the first request.
+@triton.jit(do_not_specialize=["s_ms", "s_mh", "s_ts"], do_not_specialize_on_alignment=["TABLES"])
 def _paged_decode_kernel(Q, K, V, O, M_OUT, L_OUT, TABLES, LENS, scale, G, D, DV, BS, SPAN,
                          s_qs, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_os, s_oh, s_op, s_ms, s_mh, s_ts,
                          BG: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr,
@@ -99,7 +105,7 @@ def _paged_decode_kernel(Q, K, V, O, M_OUT, L_OUT, TABLES, LENS, scale, G, D, DV
                  mask=o_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NSPLIT", "s_ms", "s_mh"])
 def _merge_spans_kernel(PART, M_IN, L_IN, O, NSPLIT, DV, s_ps, s_ph, s_pp, s_ms, s_mh, s_os, s_oh,
                         BSPLIT: tl.constexpr, BDV: tl.constexpr):
     """One (sequence, head): the spans' sums rescaled to their common max, over their denominators."""
@@ -123,6 +129,10 @@ MIN_SPLIT = 512
 MAX_SPLITS = 32
 """Spans per sequence at most: the merge kernel's one tile size, so it compiles once (a tile sized to
 each step's count compiled again for each new power of two, ~0.1-0.3 s apiece inside early steps)."""
+
+WARM_UP_CONTEXTS = (1, 2 * MIN_SPLIT)
+"""Context lengths whose decodes (one sequence each) run every compiled variant between them: one
+span (the kernel whole), two (the kernel split, then the merge). :meth:`NativeEngine.warm_up`."""
 
 
 @functools.lru_cache(maxsize=None)

@@ -106,3 +106,34 @@ def test_batched_decode_ignores_non_finite_values_in_padded_slots(models):
     paged_step(model, caches, [(short[:2], 0, tables[0]), (long[:8], 0, tables[1])])
     step = paged_step(model, caches, [(short[2:], 2, tables[0]), (long[8:], 8, tables[1])], num_decode=2)
     assert max_abs_diff(step[0], model(short[None])[0, 2]) <= TOL
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@torch.no_grad()
+def test_engine_warm_up_leaves_the_engine_as_it_was(arch, models):
+    """NativeEngine.warm_up (run at construction on CUDA) decodes a made-up token through every
+    architecture's forward; afterwards the engine's greedy completions are those of an engine never
+    warmed up, and once a request holds blocks it refuses to run."""
+    from rlcli.infer.engine import NativeEngine
+    from rlcli.protocol import GenerateRequest, SamplingParams
+
+    model = models(arch)
+
+    def run(warm: bool) -> list:
+        engine = NativeEngine(model, eos_token_ids=[], max_model_len=2048, block_size=8, kv_cache_memory_mb=1)
+        if warm:
+            engine.warm_up()
+        for i in range(3):
+            engine.add_request(GenerateRequest(
+                request_id=str(i), prompt_ids=random_ids(model.args.vocab_size, 5 + 4 * i, seed=50 + i).tolist(),
+                sampling=SamplingParams(temperature=0.0, max_tokens=6, n=2, ignore_eos=True)))
+        engine.step()
+        if warm:
+            with pytest.raises(RuntimeError, match="every KV block is free"):
+                engine.warm_up()
+        out = []
+        while engine.has_work():
+            out += engine.step()
+        return sorted((r.request_id, c.token_ids, c.logprobs) for r in out for c in r.completions)
+
+    assert run(True) == run(False)

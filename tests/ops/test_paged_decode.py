@@ -133,6 +133,7 @@ def test_engine_decodes_through_the_kernel_as_through_the_eager_path(monkeypatch
 
     def run() -> list:
         engine = NativeEngine(model, eos_token_ids=[], max_model_len=96, block_size=8, paged_decode=True)
+        calls.clear()  # the warm-up's, on CUDA
         for i, prompt_len in enumerate((5, 21, 9)):
             engine.add_request(GenerateRequest(
                 request_id=str(i), prompt_ids=[(7 * i + j) % 250 for j in range(prompt_len)],
@@ -149,6 +150,70 @@ def test_engine_decodes_through_the_kernel_as_through_the_eager_path(monkeypatch
     for (rid, tokens, logprobs), (rid2, tokens2, logprobs2) in zip(with_kernel, eager):
         assert (rid, tokens) == (rid2, tokens2)
         assert max(abs(a - b) for a, b in zip(logprobs, logprobs2)) < 1e-4
+
+
+@torch.no_grad()
+def test_the_engine_warms_up_the_kernel_whole_and_split(monkeypatch, tmp_path):
+    """NativeEngine.warm_up decodes at WARM_UP_CONTEXTS: one sequence whole, then split in two (on an
+    H100's 132 SMs, one sequence's few programs want many spans; 1,024 keys hold two); a model too
+    short for a split takes the whole kernel only. Block 0 is left as it was."""
+    K = _kernels()
+    from tiny import write_tiny_model
+
+    from rlcli.infer.engine import NativeEngine
+    from rlcli.models import load_model
+
+    monkeypatch.setattr(K, "_num_sms", lambda device: 132)
+    splits, real = [], K.num_splits_for
+    monkeypatch.setattr(K, "num_splits_for", lambda *a: splits.append(real(*a)) or splits[-1])
+    calls, real_decode = [], K.paged_decode
+    monkeypatch.setattr(K, "paged_decode", lambda *a, **kw: calls.append(kw["max_context_len"]) or real_decode(*a, **kw))
+    model = load_model(write_tiny_model(tmp_path / "m"), seed=3).to(DEVICE).eval()
+    for max_len, want in ((2 * K.MIN_SPLIT, [1, 2 * K.MIN_SPLIT]), (K.MIN_SPLIT, [1])):
+        engine = NativeEngine(model, eos_token_ids=[], max_model_len=max_len, block_size=16, paged_decode=True)
+        calls.clear(), splits.clear()
+        engine.warm_up()
+        layers = model.args.num_hidden_layers
+        assert calls == [n for n in want for _ in range(layers)]
+        assert splits == [1 if n == 1 else 2 for n in want for _ in range(layers)]
+        assert all(not cache[0].any() for layer in engine.kv_caches for cache in layer)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="counts Triton's compiled kernels (CUDA)")
+@torch.no_grad()
+def test_after_the_warm_up_nothing_compiles(tmp_path):
+    """A fresh engine's warm-up compiles the kernel whole and split and the merge; then steps of
+    every table width, span count and table alignment the engine makes (prompts from 3 to 2,300 tokens,
+    sequences joining and finishing) compile nothing more: the arguments that change with them are
+    not specialized on."""
+    K = _kernels()
+    from tiny import write_tiny_model
+
+    from rlcli.infer.engine import NativeEngine
+    from rlcli.models import load_model
+    from rlcli.protocol import GenerateRequest, SamplingParams
+
+    def variants():  # Triton's in-memory cache of compiled kernels, per device
+        return [sum(len(c[0]) for c in k.device_caches.values()) for k in (K._paged_decode_kernel, K._merge_spans_kernel)]
+
+    model = load_model(write_tiny_model(tmp_path / "m"), seed=3).to("cuda").eval()
+    for dtype in (torch.float32, torch.bfloat16):
+        model.to(dtype)
+        K._paged_decode_kernel.device_caches.clear()
+        K._merge_spans_kernel.device_caches.clear()
+        engine = NativeEngine(model, eos_token_ids=[], max_model_len=4096, block_size=16, paged_decode=True,
+                              kv_cache_memory_mb=64)
+        assert variants() == [2, 1]
+        for i, n in enumerate((3, 17, 40, 700, 1100, 1600, 2300, 9, 31)):
+            engine.add_request(GenerateRequest(request_id=str(i), prompt_ids=[(5 * i + j) % 250 for j in range(n)],
+                                               sampling=SamplingParams(temperature=0.0, max_tokens=20 + 3 * i,
+                                                                       ignore_eos=True)))
+            for _ in range(i % 3 + 1):
+                engine.step()
+        while engine.has_work():
+            engine.step()
+        assert variants() == [2, 1]
+        engine.close()
 
 
 def test_the_recipe_key_reaches_the_engine(tmp_path):
