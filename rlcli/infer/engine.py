@@ -483,25 +483,34 @@ class NativeEngine(SharedKVMixin):
     # ------------------------------------------------------------------ forward
     def _forward(self, batch: list[tuple[Sequence, int]]):
         ids, pos, slots, qstart, ctx_lens = [], [], [], [0], []
+        parts = []  # (ids, positions, slots) in batch order: runs of decodes as lists, prefill chunks as arrays
         bs = self.block_size
         for seq, n in batch:
             start = seq.num_computed
-            if n == 1:  # a decode (most of a step's rows): no slices or generators
+            if n == 1:  # a decode (most of a step's rows): no slices or arrays
                 ids.append(seq.tokens[start])
                 pos.append(start)
                 slots.append(seq.blocks[start // bs] * bs + start % bs)
-            else:
-                ids.extend(seq.tokens[start:start + n])
-                pos.extend(range(start, start + n))
-                slots.extend(seq.blocks[p // bs] * bs + p % bs for p in range(start, start + n))
+            else:  # a prefill chunk: its positions and slots computed as arrays, not token by token
+                if ids:
+                    parts.append((ids, pos, slots))
+                    ids, pos, slots = [], [], []
+                p = np.arange(start, start + n)
+                parts.append((seq.tokens[start:start + n], p, np.asarray(seq.blocks)[p // bs] * bs + p % bs))
             qstart.append(qstart[-1] + n)
             ctx_lens.append(start + n)
+        if ids:
+            parts.append((ids, pos, slots))
         # The step's int64 inputs in one host array, so a GPU gets them in one copy:
         # ids | positions | slots | each sequence's last token | block tables [S, width].
-        S, N = len(batch), len(ids)
+        S, N = len(batch), qstart[-1]
         width = max(len(seq.blocks) for seq, _ in batch)
         host = np.empty(3 * N + S + S * width, dtype=np.int64)
-        host[:N], host[N:2 * N], host[2 * N:3 * N] = ids, pos, slots
+        q = 0
+        for part_ids, part_pos, part_slots in parts:
+            k = len(part_ids)
+            host[q:q + k], host[N + q:N + q + k], host[2 * N + q:2 * N + q + k] = part_ids, part_pos, part_slots
+            q += k
         host[3 * N:3 * N + S] = qstart[1:]
         host[3 * N:3 * N + S] -= 1
         tables = host[3 * N + S:].reshape(S, width)
