@@ -80,7 +80,11 @@ def run_all_parallel(args, seeds: list[int], base: Path) -> None:
         # run, and every process it starts, stays on these cores.
         os.sched_setaffinity(0, cores[i * per:(i + 1) * per])
         k = 0 if arm == "sync" else args.max_async
-        err = run_mode(args.recipe, seed, k, seed_dir(base, seed, len(seeds) > 1) / arm, arm_steps(args, arm), args.extra)
+        try:
+            err = run_mode(args.recipe, seed, k, seed_dir(base, seed, len(seeds) > 1) / arm, arm_steps(args, arm),
+                           args.extra)
+        except Exception as e:  # a thread's exception would otherwise only be printed, and the bench go on
+            err = f"seed {seed}, {arm}: {e!r}"
         if err:
             errors.append(err)
 

@@ -34,14 +34,14 @@ def test_parallel_runs_get_disjoint_cores_that_their_processes_inherit(rvt, monk
     monkeypatch.setattr(rvt, "run_mode", probe)
     monkeypatch.setattr(rvt, "MIN_CORES", 1)
     cores = sorted(os.sched_getaffinity(0))
-    args = Namespace(recipe=Path("r.toml"), max_async=1, steps=None, extra=[])
+    args = Namespace(recipe=Path("r.toml"), max_async=1, steps=None, async_steps=None, extra=[])
     rvt.run_all_parallel(args, [0], tmp_path)
     assert seen == {(0, 0, "sync"): str(cores[:len(cores) // 2]), (0, 1, "async"): str(cores[len(cores) // 2:2 * (len(cores) // 2)])}
     assert sorted(os.sched_getaffinity(0)) == cores  # the caller's own affinity is untouched
 
 
 def test_parallel_refuses_fewer_cores_than_a_run_needs(rvt, tmp_path):
-    args = Namespace(recipe=Path("r.toml"), max_async=1, steps=None, extra=[])
+    args = Namespace(recipe=Path("r.toml"), max_async=1, steps=None, async_steps=None, extra=[])
     many = list(range(len(os.sched_getaffinity(0)) + 1))  # more seeds than cores
     with pytest.raises(SystemExit, match="--parallel needs 3 cores per run"):
         rvt.run_all_parallel(args, many, tmp_path)
@@ -64,7 +64,7 @@ def test_compare_splits_the_ratio_into_speed_and_learning_per_step(rvt, tmp_path
     sync = [0.1 + 0.02 * i for i in range(40)]  # final 5-step mean: 0.86
     _write_run(tmp_path / "a" / "sync", 1.0, sync)
     _write_run(tmp_path / "a" / "async", 0.4, [0.1 + 0.0255 * i for i in range(40)])
-    args = Namespace(recipe=Path("r.toml"), max_async=1, steps=None, extra=[])
+    args = Namespace(recipe=Path("r.toml"), max_async=1, steps=None, async_steps=None, extra=[])
     out = rvt.compare(args, 0, tmp_path / "a", ran=True)
     assert out["step_ratio"] == pytest.approx(0.4)
     assert out["async_steps_to_target"] == 33 and out["ratio"] == pytest.approx(33 * 0.4 / 40)
@@ -87,3 +87,31 @@ def test_the_seeds_table_has_both_factors(rvt, tmp_path, monkeypatch, capsys):
             if line.split() and line.split()[0] in ("seed", "0", "1")}
     assert rows["seed"][-4:] == ["step", "x", "at", "step"]
     assert rows["0"][-2:] == ["0.40", "33"] and rows["1"][-2:] == ["0.40", "-"]
+
+
+def test_async_steps_run_async_past_sync_on_the_same_schedules(rvt, tmp_path, monkeypatch, capsys):
+    """--async-steps: the async arm runs that many steps, sync its own; both end their schedules at
+    sync's last step (train.schedule_steps), so past it async holds the schedules' last values."""
+    _write_run(tmp_path / "sync", 1.0, [0.1 + 0.02 * i for i in range(40)])
+    _write_run(tmp_path / "async", 0.4, [0.1 + 0.015 * i for i in range(60)])
+    calls = []
+    monkeypatch.setattr(rvt, "run_mode", lambda recipe, seed, k, run_dir, steps, extra=(): calls.append(
+        (k, steps, list(extra))) or "")
+    monkeypatch.setattr(sys, "argv", ["reward_vs_time.py", "--steps", "40", "--async-steps", "60", "--max-async", "2",
+                                      "--keep", str(tmp_path)])
+    rvt.main()
+    assert calls == [(0, 40, ["--train.schedule_steps", "40"]), (2, 60, ["--train.schedule_steps", "40"])]
+    out = capsys.readouterr().out
+    assert "async reached sync's final reward" in out and "sync's run 40" in out
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_a_parallel_run_that_raises_stops_the_bench(rvt, monkeypatch, tmp_path):
+    def boom(*a, **kw):
+        raise RuntimeError("no such recipe")
+
+    monkeypatch.setattr(rvt, "run_mode", boom)
+    monkeypatch.setattr(rvt, "MIN_CORES", 1)
+    args = Namespace(recipe=Path("r.toml"), max_async=1, steps=None, async_steps=None, extra=[])
+    with pytest.raises(SystemExit, match="seed 0, sync: RuntimeError"):
+        rvt.run_all_parallel(args, [0], tmp_path)
