@@ -6,7 +6,8 @@ at seeded random trainer steps, SIGKILLs each process several times and restarts
 alone after a short pause. Some kills are aimed: rl-train while a checkpoint or weights
 temporary directory exists (mid-write), rl-infer while its start-up pin exists (mid
 weight load). One rl-infer is SIGSTOPped for ``--stop-s`` (longer than the liveness
-window) and continued. A monitor samples the run directory every 20 ms.
+window) and continued. The SIGSTOP and rl-orchestrate's kills fall in the first half of the
+steps (rl-orchestrate finishes max_async steps before the trainer). A monitor samples the run directory every 20 ms.
 
 The audit at the end (printed as JSON, last line a table):
 
@@ -181,6 +182,12 @@ def plan(args) -> list[dict]:
         e["at_step"] = s
     stop = next(e for e in events if e["aim"] == "SIGSTOP")
     stop["at_step"] = min(stop["at_step"], max(lo, args.steps // 2))
+    # rl-orchestrate is done once it has written the last batch, max_async steps before the trainer's
+    # last, and events are armed one at a time (held up behind a stopped rl-infer's, behind restarts):
+    # a kill planned late found it gone and was skipped. Its kills go in the first half, as the SIGSTOP.
+    for e in events:
+        if e["name"] == "orchestrate":
+            e["at_step"] = min(e["at_step"], max(lo, args.steps // 2))
     return sorted(events, key=lambda e: e["at_step"])
 
 
