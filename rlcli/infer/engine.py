@@ -214,7 +214,8 @@ class NativeEngine(SharedKVMixin):
         """Decode one token through the model at each of the paged decode kernel's
         ``WARM_UP_CONTEXTS`` that ``max_model_len`` holds, so Triton compiles the decode path's
         kernels here (on CUDA, at construction) and not inside the first requests' steps, where
-        each compile held up the whole step (~0.1-0.3 s apiece on an H100). Every position reads
+        each compile held up the whole step (the three took 2.1-2.8 s on an H100 with an empty Triton
+        cache; bench/engine_warm_up.py). Every position reads
         block 0, and the one slot written is zeroed again, so it runs only while every block is
         free. Without Triton, one decode at a context of 1."""
         if len(self.blocks.free) < self.blocks.num_blocks:
