@@ -7,7 +7,8 @@ alone after a short pause. Some kills are aimed: rl-train while a checkpoint or 
 temporary directory exists (mid-write), rl-infer while its start-up pin exists (mid
 weight load). One rl-infer is SIGSTOPped for ``--stop-s`` (longer than the liveness
 window) and continued. The SIGSTOP and rl-orchestrate's kills fall in the first half of the
-steps (rl-orchestrate finishes max_async steps before the trainer). A monitor samples the run directory every 20 ms.
+steps (rl-orchestrate finishes max_async steps before the trainer). A monitor samples the run
+directory every 20 ms.
 
 The audit at the end (printed as JSON, last line a table):
 
@@ -175,18 +176,17 @@ def plan(args) -> list[dict]:
             aims[1] = "weight load"
         events += [{"name": name, "aim": aim} for aim in aims]
     rng.shuffle(events)
-    # Distinct steps where there are enough; the SIGSTOP in the first half, so the run outlasts it.
+    # Distinct steps where there are enough.
     steps = sorted(rng.sample(range(lo, hi + 1), len(events)) if hi - lo + 1 >= len(events)
                    else [rng.randint(lo, hi) for _ in events])
     for e, s in zip(events, steps):
         e["at_step"] = s
-    stop = next(e for e in events if e["aim"] == "SIGSTOP")
-    stop["at_step"] = min(stop["at_step"], max(lo, args.steps // 2))
-    # rl-orchestrate is done once it has written the last batch, max_async steps before the trainer's
-    # last, and events are armed one at a time (held up behind a stopped rl-infer's, behind restarts):
-    # a kill planned late found it gone and was skipped. Its kills go in the first half, as the SIGSTOP.
+    # The SIGSTOP in the first half, so the run outlasts it; rl-orchestrate's kills too: it is done once
+    # it has written the last batch, max_async steps before the trainer's last, and events are armed one
+    # at a time (held up behind a stopped rl-infer's, behind restarts), so a kill planned late found it
+    # gone and was skipped.
     for e in events:
-        if e["name"] == "orchestrate":
+        if e["aim"] == "SIGSTOP" or e["name"] == "orchestrate":
             e["at_step"] = min(e["at_step"], max(lo, args.steps // 2))
     return sorted(events, key=lambda e: e["at_step"])
 

@@ -2,9 +2,9 @@
 
 Each arm runs in its own process with an empty Triton cache (``TRITON_CACHE_DIR``), as rl-infer
 does on a node that never ran it: it builds an engine for #9's micro Llama (random weights,
-``max_model_len`` 4,096) and then serves a burst in waves: 2 prompts of 1,500 tokens (decodes whose
-keys split over spans) and 64 prompts of 16 tokens with n = 4 (whole decodes), 24 new tokens each,
-a wave joining every 3 steps, so the step's table width, span count and table alignment keep
+``max_model_len`` 4,096) and then serves seven waves, one joining every 3 steps: 4 prompts of 1,500
+tokens in all (decodes whose keys split over spans) and 64 prompts of 16 tokens with n = 4 (whole
+decodes), 24 new tokens each, so the step's table width, span count and table alignment keep
 changing. It reports the engine's construction (where the working tree's ``NativeEngine.warm_up``
 compiles the paged decode kernel), the first 10 steps, the longest step, the steady median
 (steps 30 on), and how many variants of the kernel and of its merge Triton compiled.
