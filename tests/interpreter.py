@@ -52,3 +52,13 @@ def run_child(test_file: str, env: dict[str, str] | None = None, timeout: float 
                           text=True, timeout=timeout)
     tail = proc.stdout[-4000:] + proc.stderr[-2000:]
     assert proc.returncode == 0 and " passed" in proc.stdout, tail
+
+
+def run_child_or_skip(test_file: str, env: dict[str, str] | None = None, timeout: float = 900) -> None:
+    """:func:`run_child`, or skip the calling test naming why the interpreter cannot run here."""
+    import pytest
+
+    reason = unusable()
+    if reason:
+        pytest.skip(reason)
+    run_child(test_file, env, timeout)

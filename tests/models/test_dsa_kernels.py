@@ -34,10 +34,7 @@ def test_topk_ties_at_the_cut_go_to_the_earliest_token(rule):
 def test_triton_kernels_under_the_interpreter():
     """The tests below that take ``triton_kernels``, in a child process under Triton's interpreter
     (tests/interpreter.py: it must be on before triton is first imported)."""
-    reason = interpreter.unusable()
-    if reason:
-        pytest.skip(reason)
-    interpreter.run_child(__file__)
+    interpreter.run_child_or_skip(__file__)
 
 
 @pytest.fixture

@@ -38,10 +38,7 @@ def _on_device(request):
 
 @pytest.mark.skipif(DEVICE is not None, reason="the kernels run here directly")
 def test_kernels_under_the_interpreter():
-    reason = interpreter.unusable()
-    if reason:
-        pytest.skip(reason)
-    interpreter.run_child(__file__, {"RLCLI_INVARIANT_KERNELS_ON_CPU": "1"})
+    interpreter.run_child_or_skip(__file__, {"RLCLI_INVARIANT_KERNELS_ON_CPU": "1"})
 
 
 @pytest.fixture(scope="module")
