@@ -12,6 +12,11 @@ the arms alternating ``--repeats`` times; the best time per concurrency counts.
     python bench/engine_decode.py --device cuda --baseline-tree /tmp/base  # an unpacked tree (no .git on the machine)
     python bench/engine_decode.py --smoke                                 # CPU, the working tree as both arms
     python bench/engine_decode.py --device cuda --paged-decode --baseline-tree .  # the paged decode kernel against the eager path
+    python bench/engine_decode.py --device cuda --dtype bfloat16 --cuda-graphs --baseline-tree . --model qwen3-0.6b
+                                                                          # decode steps as CUDA graphs against eager ones
+
+``--model qwen3-0.6b`` takes Qwen3-0.6B's shapes (recipes/models/qwen3-0.6b-config, random weights) instead.
+Besides ms per step, each arm reports its engine's construction time (warm-up and graph capture).
 """
 
 import argparse
@@ -33,16 +38,22 @@ from rlcli.protocol import GenerateRequest, SamplingParams
 
 device, dtype, tokens, model_dir = sys.argv[1], getattr(torch, sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 concurrencies = [int(c) for c in sys.argv[5].split(",")]
-# paged_decode (on by default since 2026-12-06) set either way where the tree's engine has the keyword
-extra = ({"paged_decode": sys.argv[6] == "1"} if "paged_decode" in inspect.signature(NativeEngine).parameters
-         else {})
+max_model_len = int(sys.argv[8])
+# paged_decode (on by default since 2026-12-06) and cuda_graphs set either way where the tree's engine
+# has the keyword
+params = inspect.signature(NativeEngine).parameters
+extra = {k: v == "1" for k, v in (("paged_decode", sys.argv[6]), ("cuda_graphs", sys.argv[7])) if k in params}
 torch.set_num_threads(1)
 model = load_model(model_dir, seed=0).eval().to(device, dtype)
 sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 out = {}
 for c in concurrencies:
-    engine = NativeEngine(model, eos_token_ids=[], max_model_len=128, max_num_seqs=max(c, 4), kv_cache_memory_mb=256,
-                          **extra)
+    sync()
+    t = time.perf_counter()
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=max_model_len, max_num_seqs=max(c, 4),
+                          kv_cache_memory_mb=1024 if device.startswith("cuda") else 256, **extra)
+    sync()
+    build = time.perf_counter() - t
     for i in range(max(1, c // 4)):
         engine.add_request(GenerateRequest(request_id=str(i), prompt_ids=[256] + [(i * 7 + j) % 250 for j in range(15)],
                                            sampling=SamplingParams(temperature=1.0, max_tokens=tokens, n=min(c, 4),
@@ -53,21 +64,27 @@ for c in concurrencies:
     while engine.has_work():
         engine.step()
         steps += 1
-    out[c] = (time.perf_counter() - t) / steps * 1e3
+    out[c] = ((time.perf_counter() - t) / steps * 1e3, build)
+    engine.close()
 print(json.dumps(out))
 """
 
 
-def run(tree: Path, args, paged: bool = False) -> dict[int, float]:
+MODELS = {"micro-llama": REPO / "recipes" / "models" / "micro-llama",
+          "qwen3-0.6b": REPO / "recipes" / "models" / "qwen3-0.6b-config"}
+
+
+def run(tree: Path, args, paged: bool = False, graphs: bool = False) -> dict[int, tuple[float, float]]:
     # The tree first; then the caller's path, where packages carried to a machine may be (/tmp/site).
     env = {"PYTHONPATH": os.pathsep.join([str(tree), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]),
            "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", WORKLOAD, args.device, args.dtype, str(args.tokens),
-                          str(REPO / "recipes" / "models" / "micro-llama"), args.concurrency, "1" if paged else "0"],
+                          str(MODELS[args.model]), args.concurrency, "1" if paged else "0", "1" if graphs else "0",
+                          str(args.max_model_len)],
                          env=env, capture_output=True, text=True, cwd=tree)
     if out.returncode != 0:
         raise SystemExit(f"{tree}: {out.stderr[-2000:]}")
-    return {int(k): v for k, v in json.loads(out.stdout.splitlines()[-1]).items()}
+    return {int(k): tuple(v) for k, v in json.loads(out.stdout.splitlines()[-1]).items()}
 
 
 def main() -> None:
@@ -84,6 +101,11 @@ def main() -> None:
                    help="the tree's arm decodes through the paged decode kernel (infer.engine.paged_decode); "
                         "without it both arms gather (paged_decode off where the tree has it), so with "
                         "--baseline-tree . the baseline is the same code without the kernel")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="the tree's arm replays decode steps as CUDA graphs (infer.engine.cuda_graphs) and both "
+                        "arms decode through the paged kernel; without it both arms run eagerly")
+    p.add_argument("--model", choices=sorted(MODELS), default="micro-llama")
+    p.add_argument("--max-model-len", type=int, default=128)
     p.add_argument("--smoke", action="store_true", help="CPU, 1 and 8 sequences, 8 tokens, the working tree as both arms")
     args = p.parse_args()
     if args.smoke:
@@ -98,20 +120,24 @@ def main() -> None:
                            check=True, capture_output=True)
         try:
             best: dict[str, dict[int, float]] = {"baseline": {}, "tree": {}}
+            build: dict[str, dict[int, float]] = {"baseline": {}, "tree": {}}
             for _ in range(args.repeats):
                 for arm, tree in (("baseline", base), ("tree", REPO)):
-                    for c, ms in run(tree, args, args.paged_decode and arm == "tree").items():
+                    paged = args.cuda_graphs or (args.paged_decode and arm == "tree")
+                    for c, (ms, secs) in run(tree, args, paged, args.cuda_graphs and arm == "tree").items():
                         best[arm][c] = min(best[arm].get(c, float("inf")), ms)
+                        build[arm][c] = min(build[arm].get(c, float("inf")), secs)
         finally:
             if base != REPO and args.baseline_tree is None:
                 subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(base)],
                                capture_output=True)
-    print(f"# native engine, ms per step, {args.device} {args.dtype}, {args.tokens} new tokens; baseline: {label}"
-          + ("; tree with paged_decode" if args.paged_decode else ""))
-    print(f"{'sequences':>9} {'baseline':>9} {'tree':>9} {'ratio':>7}")
+    print(f"# native engine ({args.model}), ms per step, {args.device} {args.dtype}, {args.tokens} new tokens; "
+          f"baseline: {label}" + ("; tree with paged_decode" if args.paged_decode else "")
+          + ("; tree with cuda_graphs, both arms paged_decode" if args.cuda_graphs else ""))
+    print(f"{'sequences':>9} {'baseline':>9} {'tree':>9} {'ratio':>7} {'build s (baseline, tree)':>26}")
     for c in sorted(best["tree"]):
         b, t = best["baseline"][c], best["tree"][c]
-        print(f"{c:>9} {b:>9.2f} {t:>9.2f} {b / t:>6.2f}x")
+        print(f"{c:>9} {b:>9.2f} {t:>9.2f} {b / t:>6.2f}x {build['baseline'][c]:>12.2f} {build['tree'][c]:>12.2f}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ which builds a plan per new key length), ``varlen`` the CUDA path (flash varlen 
 the gathered contexts: one for the decodes, their grouped heads folded into query rows, one
 for the prefill chunks), ``paged`` the CUDA path with ``infer.engine.paged_decode`` (the
 decodes read the cache in place through :mod:`rlcli.ops.paged_decode`; the prefill chunks as
-in ``varlen``). Printed per arm: the prefill time
+in ``varlen``), ``graphs`` that path with its decode steps replayed as CUDA graphs
+(``infer.engine.cuda_graphs``; the others run eagerly). Printed per arm: the prefill time
 of all prompts (chunked, ``--chunk`` tokens a step, until every sequence has its first
 token), the median decode step, and the ratios; then how many sequences' first (greedy)
 token is the same as ``sdpa``'s and, over those, the largest gap between its logprobs (bf16
@@ -37,10 +38,10 @@ from rlcli.ops.attention import PagedAttention  # noqa: E402
 from rlcli.protocol import GenerateRequest, SamplingParams  # noqa: E402
 
 
-def run_arm(model, args, prompts: list[list[int]], paged_decode: bool = False) -> dict:
+def run_arm(model, args, prompts: list[list[int]], paged_decode: bool = False, cuda_graphs: bool = False) -> dict:
     engine = NativeEngine(model, eos_token_ids=[], max_model_len=args.context + args.steps + 64, block_size=16,
                           kv_cache_memory_mb=args.kv_cache_mb, max_num_batched_tokens=args.chunk, seed=0,
-                          paged_decode=paged_decode)
+                          max_num_seqs=max(args.seqs, 4), paged_decode=paged_decode, cuda_graphs=cuda_graphs)
     for i, ids in enumerate(prompts):
         engine.add_request(GenerateRequest(request_id=str(i), prompt_ids=ids, sampling=SamplingParams(
             max_tokens=args.steps + 1, temperature=0.0, ignore_eos=True)))
@@ -83,16 +84,17 @@ def main() -> None:
     # Warm-up: kernels, allocator (the paged decode kernel compiles in the engine's own warm_up, at construction)
     run_arm(model, args, [p[:2048] for p in prompts[:2]])
     results = {}
-    for arm in ("sdpa", "varlen", "paged"):
+    for arm in ("sdpa", "varlen", "paged", "graphs"):
         PagedAttention._use_varlen = (lambda self, *a: False) if arm == "sdpa" else varlen_gate
-        results[arm] = run_arm(model, args, prompts, paged_decode=arm == "paged")
+        results[arm] = run_arm(model, args, prompts, paged_decode=arm in ("paged", "graphs"),
+                               cuda_graphs=arm == "graphs")
     PagedAttention._use_varlen = varlen_gate
     print(f"# paged attention, {args.seqs} sequences x {args.context} prompt tokens, 1B Llama shape, bf16, "
           f"{torch.cuda.get_device_name()}")
     print(f"{'arm':8} {'prefill s':>10} {'decode step ms':>15}")
     for arm, r in results.items():
         print(f"{arm:8} {r['prefill_s']:10.2f} {r['decode_step_s'] * 1e3:15.1f}")
-    for name, base in (("varlen", "sdpa"), ("paged", "sdpa"), ("paged", "varlen")):
+    for name, base in (("varlen", "sdpa"), ("paged", "sdpa"), ("paged", "varlen"), ("graphs", "paged")):
         v, b = results[name], results[base]
         same = [k for k in b["first"] if b["first"][k][0] == v["first"][k][0]]
         gap = max((abs(b["first"][k][1] - v["first"][k][1]) for k in same), default=float("nan"))

@@ -4,7 +4,9 @@ Each :meth:`NativeEngine.step` schedules one forward pass over a flattened batch
 one token for every running sequence (decode) and a chunk of prompt for newly admitted
 ones (chunked prefill, up to ``max_num_batched_tokens``). Prefill and decode are the
 same operation, "compute tokens[num_computed:] and sample after the last one", so a
-preempted sequence simply re-prefills its tokens when readmitted.
+preempted sequence simply re-prefills its tokens when readmitted. The engine schedules,
+samples and keeps the books; the model's side of a step (the KV cache, the inputs' copy to the
+device, the forward, CUDA graphs of decode steps) is :class:`~rlcli.infer.model_runner.ModelRunner`'s.
 
 A request for ``n`` completions prefills its prompt once, samples ``n`` first tokens
 from the last prompt position and forks: the children share the prompt's full blocks
@@ -52,20 +54,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
-import numpy as np
 import torch
 
 from rlcli.config import RecipeConfig
 from rlcli.errors import ConfigError
 from rlcli.infer.base import Delta
 from rlcli.infer.block_manager import BlockManager, chain_hash
+from rlcli.infer.cuda_graphs import DecodeGraphs
 from rlcli.infer.kv_connector import KVConnector, make_kv_connector
+from rlcli.infer.model_runner import ModelRunner
 from rlcli.infer.shared_kv import FETCH_GRACE_S, Fetch, SharedKVMixin
 from rlcli.infer.receiver import WeightReceiver
 from rlcli.models import DTYPES, CausalLM, load_model
 from rlcli.models.tokenizer import load_tokenizer
-from rlcli.ops.attention import ForwardContext, PagedAttention, PagedAttentionMetadata, RoutingContext
-from rlcli.ops.batch_invariant import batch_invariant_setup, make_batch_invariant
 from rlcli.ops.logprobs import token_logprobs_of
 from rlcli.ops.sampling import sample
 from rlcli.protocol import (
@@ -142,15 +143,15 @@ class NativeEngine(SharedKVMixin):
     def __init__(self, model: CausalLM, *, eos_token_ids: list[int], max_model_len: int, block_size: int = 16,
                  kv_cache_memory_mb: int = 256, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  enable_prefix_caching: bool = True, version: int = 0, seed: int = 0, role: str = "mixed",
-                 batch_invariant: bool = False, paged_decode: bool = True):
-        self.model = model.eval()
-        self.batch_invariant = batch_invariant
-        self.paged_decode = paged_decode  # decodes through rlcli.ops.paged_decode on CUDA
-        if batch_invariant:
-            batch_invariant_setup(next(model.parameters()).device)
-            make_batch_invariant(model)
-        self.device = next(model.parameters()).device
-        self.dtype = next(model.parameters()).dtype
+                 batch_invariant: bool = False, paged_decode: bool = True, cuda_graphs: bool = True):
+        self.runner = ModelRunner(model, max_model_len=max_model_len, block_size=block_size,
+                                  kv_cache_memory_mb=kv_cache_memory_mb, max_num_seqs=max_num_seqs, role=role,
+                                  batch_invariant=batch_invariant, paged_decode=paged_decode, cuda_graphs=cuda_graphs)
+        self.model = self.runner.model
+        self.batch_invariant, self.paged_decode = batch_invariant, paged_decode
+        self.device, self.dtype = self.runner.device, self.runner.dtype
+        self.kv_caches = self.runner.kv_caches
+        num_blocks = self.runner.num_blocks
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -159,11 +160,6 @@ class NativeEngine(SharedKVMixin):
         self.version = version
         self.receiver = WeightReceiver(self.device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        spec = model.kv_cache_spec()  # per layer: (heads, dim) of each cache tensor (K, V or MLA latent, ...)
-        bytes_per_block = block_size * sum(h * d for layer in spec for h, d in layer) * self.dtype.itemsize
-        num_blocks = max(int(kv_cache_memory_mb * 2**20 // bytes_per_block), 2)
-        self.kv_caches = [tuple(torch.zeros(num_blocks, block_size, h, d, dtype=self.dtype, device=self.device)
-                                for h, d in layer) for layer in spec]
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.role = role
         self.kv: KVConnector | None = None  # attach_kv_connector
@@ -182,6 +178,7 @@ class NativeEngine(SharedKVMixin):
                          "kv_publish_deferred": 0, "step_s": 0.0, "kv_fetches_taken": 0, "kv_fetch_ready_s": 0.0, "kv_fetch_taken_after_s": 0.0}
         if self.device.type == "cuda":
             self.warm_up()
+            self.runner.capture_graphs()
 
     @classmethod
     def from_config(cls, cfg: RecipeConfig, weights: Path, version: int, instance: int = 0) -> "NativeEngine":
@@ -205,39 +202,16 @@ class NativeEngine(SharedKVMixin):
                      max_num_batched_tokens=icfg.max_num_batched_tokens,
                      enable_prefix_caching=icfg.enable_prefix_caching, version=version,
                      seed=cfg.seed * 1000 + instance, role=icfg.role, batch_invariant=cfg.model.batch_invariant,
-                     paged_decode=ecfg.paged_decode)
+                     paged_decode=ecfg.paged_decode, cuda_graphs=ecfg.cuda_graphs)
         engine.kv = make_kv_connector(icfg.kv_cache, engine.block_meta(), engine.device)
         return engine
 
-    @torch.no_grad()
     def warm_up(self) -> None:
-        """Decode one token through the model at each of the paged decode kernel's
-        ``WARM_UP_CONTEXTS`` that ``max_model_len`` holds, so Triton compiles the decode path's
-        kernels here (on CUDA, at construction) and not inside the first requests' steps, where
-        each compile held up the whole step (the three took 2.1-2.8 s on an H100 with an empty Triton
-        cache; bench/engine_warm_up.py). Every position reads
-        block 0, and the one slot written is zeroed again, so it runs only while every block is
-        free. Without Triton, one decode at a context of 1."""
+        """Compile the decode path's kernels now (:meth:`ModelRunner.warm_up`); only while every
+        KV block is free (before any request). Run at construction on CUDA."""
         if len(self.blocks.free) < self.blocks.num_blocks:
             raise RuntimeError("NativeEngine.warm_up runs only while every KV block is free (before any request)")
-        try:
-            from rlcli.ops import paged_decode
-            contexts = paged_decode.WARM_UP_CONTEXTS
-        except (ImportError, OSError):
-            contexts = (1,)
-        for n in (n for n in contexts if n <= self.max_model_len):
-            width = -(-n // self.block_size)
-            host = np.zeros(3 + width, dtype=np.int64)  # token 0 | position n - 1 | slot 0 | a table of block 0s
-            host[1] = n - 1
-            inputs = torch.from_numpy(host).to(self.device)
-            meta = PagedAttentionMetadata(slot_mapping=inputs[2:3], query_start=[0, 1], context_lens=[n],
-                                          block_tables=inputs[3:].view(1, width), block_size=self.block_size,
-                                          num_decode=1, block_tables_host=host[3:].reshape(1, width))
-            ctx = ForwardContext(attn=PagedAttention(self.kv_caches, meta, self.batch_invariant, self.paged_decode))
-            self.model.lm_head(self.model.hidden_states(inputs[None, :1], inputs[None, 1:2], ctx)[0])
-        for layer in self.kv_caches:
-            for cache in layer:
-                cache[0].zero_()
+        self.runner.warm_up()
 
     # ------------------------------------------------------------------ public API
     def add_request(self, req: GenerateRequest, stream: bool = False) -> None:
@@ -294,9 +268,19 @@ class NativeEngine(SharedKVMixin):
         load leaves the previous version serving (see ``rlcli.infer.receiver``)."""
         self.receiver.load(self.model, ref, version)
         self.version = version
+        self.runner.refresh_graphs()  # a load that moved a parameter's storage invalidated them
         self.publish_backlog.clear()  # KV of the old weights: published now it would carry the new layout
         if self.kv is not None:
             self.kv.meta = self.block_meta()
+
+    @property
+    def decode_mode(self) -> str:
+        """How decode steps run, for the server's log (:attr:`ModelRunner.decode_mode`)."""
+        return self.runner.decode_mode
+
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        return self.runner.graphs
 
     def reset_prefix_cache(self) -> None:
         self.blocks.reset_prefix_cache()
@@ -307,6 +291,7 @@ class NativeEngine(SharedKVMixin):
                 "num_running": float(len(self.running)), "num_waiting": float(len(self.waiting)),
                 "prefix_cache_hit_rate": bm.num_hits / bm.num_queries if bm.num_queries else 0.0,
                 "kv_blocks_free": float(bm.num_available), "kv_blocks_total": float(bm.num_blocks),
+                "num_graph_steps": float(self.runner.graph_steps),
                 **(self.kv.stats() if self.kv is not None else {})}
 
     def close(self) -> None:
@@ -314,6 +299,7 @@ class NativeEngine(SharedKVMixin):
             self.kv.close()
             self.kv = None
         self.receiver.close()
+        self.runner.close()
         for seq in [*self.running, *self.waiting]:
             self.blocks.release(seq.blocks)
         self.running, self.requests, self.kv_caches = [], {}, []
@@ -483,58 +469,8 @@ class NativeEngine(SharedKVMixin):
 
     # ------------------------------------------------------------------ forward
     def _forward(self, batch: list[tuple[Sequence, int]]):
-        ids, pos, slots, qstart, ctx_lens = [], [], [], [0], []
-        parts = []  # (ids, positions, slots) in batch order: runs of decodes as lists, prefill chunks as arrays
-        bs = self.block_size
-        for seq, n in batch:
-            start = seq.num_computed
-            if n == 1:  # a decode (most of a step's rows): no slices or arrays
-                ids.append(seq.tokens[start])
-                pos.append(start)
-                slots.append(seq.blocks[start // bs] * bs + start % bs)
-            else:  # a prefill chunk: its positions and slots computed as arrays, not token by token
-                if ids:
-                    parts.append((ids, pos, slots))
-                    ids, pos, slots = [], [], []
-                p = np.arange(start, start + n)
-                parts.append((seq.tokens[start:start + n], p, np.asarray(seq.blocks)[p // bs] * bs + p % bs))
-            qstart.append(qstart[-1] + n)
-            ctx_lens.append(start + n)
-        if ids:
-            parts.append((ids, pos, slots))
-        # The step's int64 inputs in one host array, so a GPU gets them in one copy:
-        # ids | positions | slots | each sequence's last token | block tables [S, width].
-        S, N = len(batch), qstart[-1]
-        width = max(len(seq.blocks) for seq, _ in batch)
-        host = np.empty(3 * N + S + S * width, dtype=np.int64)
-        q = 0
-        for part_ids, part_pos, part_slots in parts:
-            k = len(part_ids)
-            host[q:q + k], host[N + q:N + q + k], host[2 * N + q:2 * N + q + k] = part_ids, part_pos, part_slots
-            q += k
-        host[3 * N:3 * N + S] = qstart[1:]
-        host[3 * N:3 * N + S] -= 1
-        tables = host[3 * N + S:].reshape(S, width)
-        tables.fill(-1)
-        for i, (seq, _) in enumerate(batch):
-            tables[i, :len(seq.blocks)] = seq.blocks
-        num_decode = 0
-        while num_decode < len(batch) and batch[num_decode][1] == 1 and batch[num_decode][0].num_computed > 0:
-            num_decode += 1
-        inputs = torch.from_numpy(host).to(self.device)
-        ids_t, pos_t, slots_t, last = inputs[:3 * N + S].split([N, N, N, S])
-        meta = PagedAttentionMetadata(
-            slot_mapping=slots_t, query_start=qstart, context_lens=ctx_lens,
-            block_tables=inputs[3 * N + S:].view(S, width), block_size=bs, num_decode=num_decode,
-            block_tables_host=tables)
         record = self.carries_routes or (self.is_moe and any(seq.req.sampling.return_routing for seq, _ in batch))
-        routing = RoutingContext(record=True) if record else None
-        ctx = ForwardContext(attn=PagedAttention(self.kv_caches, meta, self.batch_invariant, self.paged_decode),
-                             routing=routing)
-        hidden = self.model.hidden_states(ids_t[None], pos_t[None], ctx)[0]
-        logits = self.model.lm_head(hidden[last])
-        routes = routing.stacked() if record else None
-        return logits, routes
+        return self.runner.forward(batch, record)
 
     # ------------------------------------------------------------------ sampling and bookkeeping
     def _postprocess(self, batch, logits, routes) -> list[GenerateResponse | Delta]:

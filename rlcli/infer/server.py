@@ -116,6 +116,9 @@ class InferServer:
         log.info("serving policy v%d from %s with the %s engine on %s%s (%s, role %s) in %.1fs", version, weights,
                  icfg.engine.name, icfg.device, f" x{workers} (tensor parallel)" if workers > 1 else "",
                  ", ".join(endpoints.values()), icfg.role, time.monotonic() - t0)
+        decode_mode = getattr(self.engine, "decode_mode", None)  # the native engine on CUDA: graphs or not
+        if decode_mode and icfg.device != "cpu":
+            log.info("decode steps: %s", decode_mode)
 
     def handle(self, identity: bytes, msg) -> None:
         if isinstance(msg, GenerateRequest):

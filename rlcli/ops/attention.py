@@ -110,6 +110,9 @@ class PagedAttentionMetadata:
     _varlen_plan: tuple | None = field(default=None, repr=False)
     # The invariant kernel's (context slots, cu_q, cu_k, max_q) under batch_invariant on CUDA, likewise.
     _invariant_plan: tuple | None = field(default=None, repr=False)
+    # The paged decode kernel's spans per sequence, fixed (a CUDA graph's, rlcli.infer.cuda_graphs);
+    # None: chosen from the longest context.
+    decode_splits: int | None = None
     # The decodes' context lengths on the device for the paged decode kernel, and the longest, likewise.
     _decode_lens: tuple[torch.Tensor, int] | None = field(default=None, repr=False)
 
@@ -171,6 +174,9 @@ class PagedAttention(nn.Module):
             lens = meta.context_lens[:meta.num_decode]
             meta._decode_lens = (torch.tensor(lens, dtype=torch.int32).to(q_SHD.device, non_blocking=True), max(lens))
         lens_t, longest = meta._decode_lens
+        if meta.decode_splits is not None:
+            return _paged_decode_for(q_SHD).paged_decode(q_SHD, k_cache, v_cache, meta.block_tables[:meta.num_decode],
+                                                         lens_t, scale, num_splits=meta.decode_splits)
         return _paged_decode_for(q_SHD).paged_decode(q_SHD, k_cache, v_cache, meta.block_tables[:meta.num_decode],
                                                      lens_t, scale, max_context_len=longest)
 

@@ -56,20 +56,23 @@ def _dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 # copy). So the kernel compiles once whole and once split, the merge once, and
 # NativeEngine.warm_up can compile all three before the first request.
 @triton.jit(do_not_specialize=["s_ms", "s_mh", "s_ts"], do_not_specialize_on_alignment=["TABLES"])
-def _paged_decode_kernel(Q, K, V, O, M_OUT, L_OUT, TABLES, LENS, scale, G, D, DV, BS, SPAN,
+def _paged_decode_kernel(Q, K, V, O, M_OUT, L_OUT, TABLES, LENS, scale, G, D, DV, BS, MIN_SPAN,
                          s_qs, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_os, s_oh, s_op, s_ms, s_mh, s_ts,
                          BG: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr,
                          IEEE: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr):
-    """Positions ``[span * SPAN, (span + 1) * SPAN)`` of one sequence for one group of query heads.
-    ``SPLIT``: write the unnormalized sum to ``O[seq, h, span]`` and its max and denominator to
-    ``M_OUT`` / ``L_OUT[seq, h, span]`` (a span past the context writes -inf, 0 and zeros); else the
-    output itself (one span holds the whole context)."""
+    """Span ``span`` of one sequence's ``n`` positions for one group of query heads. The sequence's
+    positions are cut into the grid's ``NSPLIT`` spans of ``max(MIN_SPAN, n / NSPLIT rounded up to
+    BN)`` positions each, so a shorter context takes fewer spans and the rest are empty. ``SPLIT``:
+    write the unnormalized sum to ``O[seq, h, span]`` and its max and denominator to
+    ``M_OUT`` / ``L_OUT[seq, h, span]`` (an empty span writes -inf, 0 and zeros); else the output
+    itself (one span holds the whole context)."""
     seq = tl.program_id(0)
     hk = tl.program_id(1) // tl.cdiv(G, BG)
     span = tl.program_id(2)
     n = tl.load(LENS + seq)
-    first = span * SPAN
-    last = tl.minimum(n, first + SPAN)
+    span_len = tl.maximum(tl.cdiv(tl.cdiv(n, tl.num_programs(2)), BN) * BN, MIN_SPAN)
+    first = span * span_len
+    last = tl.minimum(n, first + span_len)
     g = (tl.program_id(1) % tl.cdiv(G, BG)) * BG + tl.arange(0, BG)
     g_ok = g < G
     h = hk * G + g
@@ -146,9 +149,37 @@ def num_splits_for(programs: int, max_context_len: int, device: torch.device) ->
     return max(1, min(want, max_context_len // MIN_SPLIT, MAX_SPLITS))
 
 
+def _tiles(G: int, D: int, Dv: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(query heads per program, key and value tile widths, positions per tile)."""
+    BD = max(16, triton.next_power_of_2(D))
+    BDV = max(16, triton.next_power_of_2(Dv))
+    BN = 64 if dtype.itemsize < 4 else 32
+    while BN > 16 and BN * max(BD, BDV) * dtype.itemsize > 32 * 1024:
+        BN //= 2
+    BG = max(16, min(triton.next_power_of_2(G), 64))  # query heads per program (absorbed MLA has 16-128)
+    while BG > 16 and BG * max(BD, BDV) > 16 * 1024:
+        BG //= 2
+    return BG, BD, BDV, BN
+
+
+def _trim(num_splits: int, max_context_len: int, BN: int, min_span: int) -> int:
+    """No span wholly past every context: as many as the longest one fills, cut as the kernel cuts it."""
+    span = max(triton.cdiv(triton.cdiv(max_context_len, num_splits), BN) * BN, min_span)
+    return triton.cdiv(max_context_len, span)
+
+
+def splits_for(S: int, Hq: int, Hkv: int, D: int, Dv: int, dtype: torch.dtype, max_context_len: int,
+               device: torch.device, min_span: int = MIN_SPLIT) -> int:
+    """The spans per sequence :func:`paged_decode` cuts ``S`` decodes into when the longest context is
+    ``max_context_len``: :func:`num_splits_for` its programs, trimmed to what that context fills."""
+    BG, _, _, BN = _tiles(Hq // Hkv, D, Dv, dtype)
+    num_splits = num_splits_for(S * Hkv * triton.cdiv(Hq // Hkv, BG), max_context_len, device)
+    return _trim(num_splits, max_context_len, BN, min_span) if num_splits > 1 else 1
+
+
 def paged_decode(q_SHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, max_context_len: int | None = None,
-                 num_splits: int | None = None) -> torch.Tensor:
+                 num_splits: int | None = None, min_span: int = MIN_SPLIT) -> torch.Tensor:
     """Attention of one query per sequence over its cached keys, ``[S, Hq, Dv]``.
 
     ``k_cache [num_blocks, block_size, Hkv, D]`` and ``v_cache [num_blocks, block_size, Hkv, Dv]``
@@ -157,7 +188,10 @@ def paged_decode(q_SHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_size]`` at offset ``p % block_size``. Query head ``h`` reads K/V head ``h // (Hq / Hkv)``.
     ``max_context_len`` (the largest of ``context_lens``, known on the host) lets the keys be split
     over several programs per sequence (:func:`num_splits_for`); ``num_splits`` sets that count
-    instead. Without either each sequence is one span."""
+    instead. Without either each sequence is one span. Split, each sequence cuts its own context into
+    that many spans of at least ``min_span`` positions (so a short one fills fewer, and the rest are
+    empty); given ``max_context_len``, the count is trimmed to the spans the longest context fills.
+    A graph replayed at other contexts (:mod:`rlcli.infer.cuda_graphs`) passes ``num_splits`` alone."""
     S, Hq, D = q_SHD.shape
     bs, Hkv, Dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[-1]
     out = torch.empty(S, Hq, Dv, device=q_SHD.device, dtype=q_SHD.dtype)
@@ -167,29 +201,17 @@ def paged_decode(q_SHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError("paged_decode needs the head dim innermost (stride 1) in both caches")
     if q_SHD.stride(-1) != 1:
         q_SHD = q_SHD.contiguous()
-    G = Hq // Hkv
     tables = block_tables if block_tables.dtype in (torch.int32, torch.int64) else block_tables.long()
     lens = context_lens.to(device=q_SHD.device, dtype=torch.int32)
-    BD = max(16, triton.next_power_of_2(D))
-    BDV = max(16, triton.next_power_of_2(Dv))
-    BN = 64 if q_SHD.dtype.itemsize < 4 else 32
-    while BN > 16 and BN * max(BD, BDV) * q_SHD.dtype.itemsize > 32 * 1024:
-        BN //= 2
-    BG = max(16, min(triton.next_power_of_2(G), 64))  # query heads per program (absorbed MLA has 16-128)
-    while BG > 16 and BG * max(BD, BDV) > 16 * 1024:
-        BG //= 2
-    programs = S * Hkv * triton.cdiv(G, BG)
+    G = Hq // Hkv
+    BG, BD, BDV, BN = _tiles(G, D, Dv, q_SHD.dtype)
     if num_splits is None:
-        num_splits = num_splits_for(programs, max_context_len, q_SHD.device) if max_context_len else 1
+        num_splits = (splits_for(S, Hq, Hkv, D, Dv, q_SHD.dtype, max_context_len, q_SHD.device, min_span)
+                      if max_context_len else 1)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"paged_decode: num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
-    if num_splits > 1:
-        if max_context_len is None:
-            raise ValueError("paged_decode: num_splits > 1 needs max_context_len")
-        span = triton.cdiv(triton.cdiv(max_context_len, num_splits), BN) * BN
-        num_splits = triton.cdiv(max_context_len, span)  # no span wholly past every context
-    else:
-        span = 1 << 30  # one span: every context whole
+    if num_splits > 1 and max_context_len is not None:
+        num_splits = _trim(num_splits, max_context_len, BN, min_span)
     split = num_splits > 1
     if split:
         part = torch.empty(S, Hq, num_splits, Dv, device=q_SHD.device, dtype=torch.float32)
@@ -200,7 +222,7 @@ def paged_decode(q_SHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part = m_part = l_part = out  # unused pointers
         dst, s_os, s_oh, s_op = out, out.stride(0), out.stride(1), 0
     _paged_decode_kernel[(S, Hkv * triton.cdiv(G, BG), num_splits)](
-        q_SHD, k_cache, v_cache, dst, m_part, l_part, tables, lens, float(scale), G, D, Dv, bs, span,
+        q_SHD, k_cache, v_cache, dst, m_part, l_part, tables, lens, float(scale), G, D, Dv, bs, max(min_span, 1),
         q_SHD.stride(0), q_SHD.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), s_os, s_oh, s_op,
         m_part.stride(0) if split else 0, m_part.stride(1) if split else 0, tables.stride(0),

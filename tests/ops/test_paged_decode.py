@@ -36,18 +36,12 @@ def _kernels():
 
 @pytest.mark.skipif(DEVICE is not None, reason="the kernel runs here directly")
 def test_under_the_interpreter():
-    reason = interpreter.unusable()
-    if reason:
-        pytest.skip(reason)
-    interpreter.run_child(__file__, {"RLCLI_PAGED_DECODE_ON_CPU": "1"})
+    interpreter.run_child_or_skip(__file__, {"RLCLI_PAGED_DECODE_ON_CPU": "1"})
 
 
 @pytest.mark.skipif(interpreter.ACTIVE, reason="the launcher of a child run")
 def test_zoo_decodes_under_the_interpreter():
-    reason = interpreter.unusable()
-    if reason:
-        pytest.skip(reason)
-    interpreter.run_child(str(TESTS / "models" / "test_kv_cache_decode.py"), {"RLCLI_PAGED_DECODE_ON_CPU": "1"})
+    interpreter.run_child_or_skip(str(TESTS / "models" / "test_kv_cache_decode.py"), {"RLCLI_PAGED_DECODE_ON_CPU": "1"})
 
 
 def reference(q, k_cache, v_cache, tables, lens, scale):
@@ -74,9 +68,9 @@ LENS = [1, 17, 100, 33, 250]  # one key; a block and one; several tiles
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_kernel_matches_a_float64_reference(dtype, shape, splits):
-    """Each sequence whole in one program, and its keys split over 3 and over 32 asked-for spans (8
-    once rounded to whole tiles; more than the short sequences fill: those past a context are empty
-    and merge to nothing)."""
+    """Each sequence whole in one program, and its keys split over 3 and over 32 asked-for spans of at
+    least one tile (``min_span=1``; trimmed to the 2 and 4 the longest fills, so the shorter sequences
+    fill fewer: their spans past the context are empty and merge to nothing)."""
     K = _kernels()
     hq, hkv, d, dv = shape
     g = torch.Generator().manual_seed(0)
@@ -93,7 +87,8 @@ def test_kernel_matches_a_float64_reference(dtype, shape, splits):
             tables[i, b] = owned[(i * 7 + b) % len(owned)]
     tables = tables.to(DEVICE)
     q = torch.randn(len(LENS), hq, d, generator=g).to(DEVICE, dtype)
-    out = K.paged_decode(q, k_cache, v_cache, tables, torch.tensor(LENS), 0.3, max(LENS), num_splits=splits)
+    out = K.paged_decode(q, k_cache, v_cache, tables, torch.tensor(LENS), 0.3, max(LENS), num_splits=splits,
+                         min_span=1)
     ref = reference(q, k_cache, v_cache, tables, LENS, 0.3)
     tol = 1e-5 if dtype == torch.float32 else 2 ** -6 * ref.abs().max().item()  # bf16: the output's rounding
     assert out.shape == (len(LENS), hq, dv) and out.dtype == dtype
@@ -132,7 +127,9 @@ def test_engine_decodes_through_the_kernel_as_through_the_eager_path(monkeypatch
     monkeypatch.setattr(K, "paged_decode", lambda *args, **kw: calls.append(len(args[0])) or real(*args, **kw))
 
     def run() -> list:
-        engine = NativeEngine(model, eos_token_ids=[], max_model_len=96, block_size=8, paged_decode=True)
+        # eager steps: replayed graphs (rlcli.infer.cuda_graphs, their own test) call no Python
+        engine = NativeEngine(model, eos_token_ids=[], max_model_len=96, block_size=8, paged_decode=True,
+                              cuda_graphs=False)
         calls.clear()  # the warm-up's, on CUDA
         for i, prompt_len in enumerate((5, 21, 9)):
             engine.add_request(GenerateRequest(
@@ -170,7 +167,8 @@ def test_the_engine_warms_up_the_kernel_whole_and_split(monkeypatch, tmp_path):
     monkeypatch.setattr(K, "paged_decode", lambda *a, **kw: calls.append(kw["max_context_len"]) or real_decode(*a, **kw))
     model = load_model(write_tiny_model(tmp_path / "m"), seed=3).to(DEVICE).eval()
     for max_len, want in ((2 * K.MIN_SPLIT, [1, 2 * K.MIN_SPLIT]), (K.MIN_SPLIT, [1])):
-        engine = NativeEngine(model, eos_token_ids=[], max_model_len=max_len, block_size=16, paged_decode=True)
+        engine = NativeEngine(model, eos_token_ids=[], max_model_len=max_len, block_size=16, paged_decode=True,
+                              cuda_graphs=False)
         calls.clear(), splits.clear()
         engine.warm_up()
         layers = model.args.num_hidden_layers
@@ -185,7 +183,7 @@ def test_after_the_warm_up_nothing_compiles(tmp_path):
     """A fresh engine's warm-up compiles the kernel whole and split and the merge; then steps of
     every table width, span count and table alignment the engine makes (prompts from 3 to 2,300 tokens,
     sequences joining and finishing) compile nothing more: the arguments that change with them are
-    not specialized on."""
+    not specialized on. With CUDA graphs, their capture at every span count compiles nothing more either."""
     K = _kernels()
     from tiny import write_tiny_model
 
@@ -197,12 +195,12 @@ def test_after_the_warm_up_nothing_compiles(tmp_path):
         return [sum(len(c[0]) for c in k.device_caches.values()) for k in (K._paged_decode_kernel, K._merge_spans_kernel)]
 
     model = load_model(write_tiny_model(tmp_path / "m"), seed=3).to("cuda").eval()
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype, cuda_graphs in ((torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)):
         model.to(dtype)
         K._paged_decode_kernel.device_caches.clear()
         K._merge_spans_kernel.device_caches.clear()
         engine = NativeEngine(model, eos_token_ids=[], max_model_len=4096, block_size=16, paged_decode=True,
-                              kv_cache_memory_mb=64)
+                              kv_cache_memory_mb=64, cuda_graphs=cuda_graphs)  # graphs: captured at every span count
         assert variants() == [2, 1]
         for i, n in enumerate((3, 17, 40, 700, 1100, 1600, 2300, 9, 31)):
             engine.add_request(GenerateRequest(request_id=str(i), prompt_ids=[(5 * i + j) % 250 for j in range(n)],

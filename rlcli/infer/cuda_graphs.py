@@ -1,0 +1,204 @@
+"""CUDA graphs of the native engine's decode-only steps (``infer.engine.cuda_graphs``).
+
+A decode step of a small or mid-sized model on a GPU is bound by the host: every layer launches its
+norms, projections, rotary, cache writes and attention from Python, one kernel at a time, while the
+device finishes each in microseconds. A graph records one decode forward, embedding to the final norm,
+and replays it in one launch; the LM head runs after it, on the step's rows only (one GEMM: graphed,
+each size's logits would hold ``size x vocabulary`` of the graphs' memory).
+
+A graph fixes at capture what a step would vary, and each step is fitted to it:
+
+- **Batch size.** Graphs are captured at :func:`capture_sizes` up to ``max_num_seqs`` (at most
+  ``MAX_SIZE``; larger steps run eagerly); a step of
+  ``S`` decodes replays the smallest size ``>= S``. Its rows past ``S`` are padding: token 0 at
+  position 0, written to a scratch block (one KV block past those the block manager hands out,
+  :attr:`DecodeGraphs.scratch_block`) and attending to that one key, so they touch no sequence's KV.
+- **The decode kernel's spans** (:mod:`rlcli.ops.paged_decode`). One graph per span count, powers
+  of two up to what the size uses at ``max_model_len``; a step takes the largest not above the count
+  an eager step of its longest context would use. Each sequence cuts its own context into that many
+  spans, so the graph is right for any context lengths.
+- **Inputs.** Token ids, positions, cache slots and context lengths live in static device buffers,
+  refilled by one host-to-device copy per step, and the step's block tables ``[S, width]`` by one
+  more (then one device copy into the static ``[max size, max_model_len / block_size]`` table).
+- **Weights.** A graph reads the parameters' storage. A weight load that copies in place keeps it;
+  one that rebinds a parameter (a collective load's first, onto its arena) changes it, and
+  :meth:`DecodeGraphs.refresh` captures the graphs again.
+
+Prefill chunks, mixed steps and steps larger than the largest size run eagerly, as do engines the
+graphs do not cover (:func:`unsupported`).
+"""
+
+import bisect
+import time
+
+import numpy as np
+import torch
+
+from rlcli.ops.attention import ForwardContext, PagedAttention, PagedAttentionMetadata
+
+SMALL_SIZES = (1, 2, 4, 8)
+SIZE_STEP = 16
+MAX_SIZE = 512
+"""The largest batch graphed (as vLLM's default): larger decode steps have kernels long enough that
+launching them one by one costs little beside them, and each size more is a capture at start."""
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """Batch sizes with a graph: 1, 2, 4, 8, then every 16 up to ``max_num_seqs`` (at most
+    ``MAX_SIZE``), which is always one."""
+    top = min(max_num_seqs, MAX_SIZE)
+    sizes = {s for s in SMALL_SIZES if s < top} | set(range(SIZE_STEP, top, SIZE_STEP))
+    return sorted(sizes | {top})
+
+
+def unsupported(model: torch.nn.Module, *, paged_decode: bool, batch_invariant: bool, role: str) -> str | None:
+    """Why an engine's decodes cannot be graphed, or None: they can."""
+    args = model.args
+    if role == "prefill":
+        return "a prefill server decodes nothing"
+    if batch_invariant:
+        return "model.batch_invariant decodes through its own kernel"
+    if not paged_decode:
+        return "infer.engine.paged_decode is off (the gathering path plans on the host every step)"
+    if args.is_moe:
+        return "MoE experts are dispatched by host-side token counts"
+    if args.kv_lora_rank or args.is_dsa:
+        return "MLA and DSA layers are not graphed yet"
+    if any(p.dtype.itemsize == 1 for p in model.parameters()):
+        return "FP8 weights are not graphed yet"
+    try:
+        from rlcli.ops import paged_decode as _  # noqa: F401
+    except (ImportError, OSError):
+        return "the paged decode kernel needs Triton"
+    return None
+
+
+class DecodeGraphs:
+    """The graphs of one engine's decode steps, and the static buffers they read; see the module doc.
+    ``kv_caches`` hold one block past the block manager's, ``scratch_block``, for the padding rows."""
+
+    def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, ...]], *, block_size: int,
+                 max_model_len: int, max_num_seqs: int, scratch_block: int):
+        self.model, self.kv_caches = model, kv_caches
+        self.block_size, self.scratch_block = block_size, scratch_block
+        self.sizes = capture_sizes(max_num_seqs)
+        self.max_size = self.sizes[-1]
+        self.width = -(-max_model_len // block_size)
+        self.max_model_len = max_model_len
+        dev = kv_caches[0][0].device
+        self.device = dev
+        B, W = self.max_size, self.width
+        # ids | positions | slots | context lengths, one row each
+        self.inputs = torch.zeros(4, B, dtype=torch.int64, device=dev)
+        self.tables = torch.full((B, W), scratch_block, dtype=torch.int64, device=dev)
+        self.tables_stage = torch.empty(B * W, dtype=torch.int64, device=dev)
+        pin = dev.type == "cuda"
+        self.inputs_host = torch.zeros(4, B, dtype=torch.int64, pin_memory=pin)
+        self.tables_host = torch.empty(B * W, dtype=torch.int64, pin_memory=pin)
+        self.copied = torch.cuda.Event() if pin else None  # the staging buffers may be refilled
+        # Elsewhere (tests under Triton's interpreter) run() calls the forward itself: the same
+        # buffers, padding and span counts, no graph.
+        self.eager = dev.type != "cuda"
+        a = model.args
+        self._heads = (a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.head_dim)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # -> (graph, its output)
+        self.fingerprint: tuple[int, ...] = ()
+        self.capture_s = 0.0
+
+    # ------------------------------------------------------------------ capture
+    def split_counts(self, size: int) -> list[int]:
+        """The span counts graphed at ``size``: powers of two up to what ``max_model_len`` would use."""
+        top = self._splits(size, self.max_model_len)
+        return [1 << i for i in range(top.bit_length())]
+
+    def _splits(self, size: int, longest: int) -> int:
+        from rlcli.ops import paged_decode
+
+        hq, hkv, d, dv = self._heads
+        return paged_decode.splits_for(size, hq, hkv, d, dv, self.kv_caches[0][0].dtype, longest, self.device)
+
+    def _weights(self) -> tuple[int, ...]:
+        return tuple(t.data_ptr() for t in (*self.model.parameters(), *self.model.buffers()))
+
+    def _forward(self, size: int, splits: int) -> torch.Tensor:
+        """The decode forward over the static buffers' first ``size`` rows: the final hidden states
+        ``[size, hidden]``."""
+        ids, pos, slots, lens = self.inputs[:, :size]
+        meta = PagedAttentionMetadata(slot_mapping=slots, query_start=list(range(size + 1)), context_lens=[1] * size,
+                                      block_tables=self.tables[:size], block_size=self.block_size,
+                                      num_decode=size, decode_splits=splits)
+        meta._decode_lens = (lens.to(torch.int32), 0)
+        ctx = ForwardContext(attn=PagedAttention(self.kv_caches, meta, batch_invariant=False, paged_decode=True))
+        return self.model.hidden_states(ids[None], pos[None], ctx)[0]
+
+    @torch.no_grad()
+    def capture(self) -> None:
+        """(Re)capture every graph, largest first so the smaller ones reuse its memory pool. Each is
+        run once before its capture (Triton compiles, the allocator settles). Every row is padding
+        meanwhile: the KV written goes to the scratch block."""
+        t0 = time.perf_counter()
+        self.graphs.clear()
+        self._pad(0, self.max_size, width=1)
+        self.inputs.copy_(self.inputs_host)
+        self.tables[:, :1].fill_(self.scratch_block)
+        torch.cuda.synchronize(self.device)
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        for size in reversed(self.sizes):
+            for splits in self.split_counts(size):
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    self._forward(size, splits)
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    hidden = self._forward(size, splits)
+                self.graphs[size, splits] = (graph, hidden)
+        torch.cuda.synchronize(self.device)
+        self.fingerprint = self._weights()
+        self.capture_s = time.perf_counter() - t0
+
+    def refresh(self) -> bool:
+        """Capture again if a parameter's storage moved since the capture; whether it did."""
+        if self._weights() == self.fingerprint:
+            return False
+        self.capture()
+        return True
+
+    # ------------------------------------------------------------------ replay
+    def _pad(self, first: int, size: int, width: int) -> None:
+        """Rows ``first:size`` of the staging buffers as padding (see the module doc)."""
+        h = self.inputs_host.numpy()
+        h[0:2, first:size] = 0
+        h[2, first:size] = self.scratch_block * self.block_size
+        h[3, first:size] = 1
+        self.tables_host.numpy()[first * width:size * width] = self.scratch_block
+
+    def fits(self, num_seqs: int) -> bool:
+        return num_seqs <= self.max_size
+
+    def run(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, context_lens: list[int],
+            tables: np.ndarray) -> torch.Tensor:
+        """Replay the graph for a step of ``S = len(ids)`` decodes (``tables``: their block tables
+        ``[S, width]``, the longest context's blocks wide); their logits ``[S, V]``."""
+        S, width = tables.shape
+        size = self.sizes[bisect.bisect_left(self.sizes, S)]
+        longest = max(context_lens)
+        splits = 1 << (self._splits(size, longest).bit_length() - 1)  # the largest power of two not above
+        if self.copied is not None:
+            self.copied.synchronize()  # the last step's copies have left the staging buffers
+        h = self.inputs_host.numpy()
+        h[0, :S], h[1, :S], h[2, :S], h[3, :S] = ids, positions, slots, context_lens
+        self.tables_host.numpy()[:S * width] = tables.ravel()
+        self._pad(S, size, width)
+        self.inputs.copy_(self.inputs_host, non_blocking=True)
+        stage = self.tables_stage[:size * width]
+        stage.copy_(self.tables_host[:size * width], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+        self.tables[:size, :width].copy_(stage.view(size, width))
+        if self.eager:
+            return self.model.lm_head(self._forward(size, splits)[:S])
+        graph, hidden = self.graphs[size, splits]
+        graph.replay()
+        return self.model.lm_head(hidden[:S])

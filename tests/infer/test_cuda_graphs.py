@@ -1,0 +1,164 @@
+"""rlcli.infer.cuda_graphs: the native engine's decode steps replayed as CUDA graphs.
+
+On CUDA the graphs are captured and replayed. Without CUDA, where Triton's interpreter works,
+``test_under_the_interpreter`` runs this file in a child process on CPU tensors, where
+:class:`DecodeGraphs` runs the same forward over the same static buffers without capturing (the
+padding, the scratch block and the span counts are checked there too). Which batch sizes get a
+graph and which engines cannot be graphed are checked everywhere.
+"""
+
+import os
+
+import pytest
+import torch
+
+import interpreter
+from tiny import write_tiny_model
+from rlcli.infer import cuda_graphs
+from rlcli.models import load_model
+
+ON_CPU = os.environ.get("RLCLI_PAGED_DECODE_ON_CPU") == "1" and interpreter.ACTIVE
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu" if ON_CPU else None
+
+
+def _device() -> str:
+    if DEVICE is None:
+        pytest.skip("needs CUDA; without it test_under_the_interpreter runs these")
+    try:
+        from rlcli.ops import paged_decode  # noqa: F401
+    except (ImportError, OSError):
+        pytest.skip("triton does not import")
+    return DEVICE
+
+
+@pytest.mark.skipif(DEVICE is not None, reason="the graphs run here directly")
+def test_under_the_interpreter():
+    interpreter.run_child_or_skip(__file__, {"RLCLI_PAGED_DECODE_ON_CPU": "1"})
+
+
+def test_capture_sizes():
+    assert cuda_graphs.capture_sizes(256)[:6] == [1, 2, 4, 8, 16, 32]
+    assert cuda_graphs.capture_sizes(256)[-2:] == [240, 256]
+    assert cuda_graphs.capture_sizes(40) == [1, 2, 4, 8, 16, 32, 40]  # max_num_seqs always has one
+    assert cuda_graphs.capture_sizes(3) == [1, 2, 3]
+    assert cuda_graphs.capture_sizes(4096)[-1] == cuda_graphs.MAX_SIZE  # larger steps run eagerly
+
+
+def test_what_cannot_be_graphed_is_named(tmp_path):
+    dense = load_model(write_tiny_model(tmp_path / "d"), seed=0)
+    moe = load_model(write_tiny_model(tmp_path / "m", architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32), seed=0)
+
+    def why(model, **kw):
+        return cuda_graphs.unsupported(model, **{"paged_decode": True, "batch_invariant": False, "role": "mixed", **kw})
+
+    try:
+        from rlcli.ops import paged_decode  # noqa: F401
+        assert why(dense) is None
+    except (ImportError, OSError):
+        assert "Triton" in why(dense)
+    assert "MoE" in why(moe)
+    assert "batch_invariant" in why(dense, batch_invariant=True)
+    assert "paged_decode" in why(dense, paged_decode=False)
+    assert "prefill" in why(dense, role="prefill")
+
+
+@torch.no_grad()
+def test_replayed_decodes_match_the_eager_forward(monkeypatch, tmp_path):
+    """Three decodes (contexts of 1, 17 and 1,100 keys: the long one split in two on an H100's 132
+    SMs) replayed at size 4: the logits of the eager paged forward of the same three, the same keys
+    and values written to their slots, the padding row's only in the scratch block."""
+    device = _device()
+    from rlcli.ops import paged_decode
+    from rlcli.ops.attention import ForwardContext, PagedAttention, PagedAttentionMetadata
+
+    monkeypatch.setattr(paged_decode, "_num_sms", lambda device: 132)
+    model = load_model(write_tiny_model(tmp_path / "m"), seed=3).to(device).eval()
+    a, bs, num_blocks = model.args, 8, 160
+    g = torch.Generator().manual_seed(0)
+    caches = [tuple(torch.randn(num_blocks + 1, bs, a.num_key_value_heads, a.head_dim, generator=g).to(device)
+                    for _ in range(2)) for _ in range(a.num_hidden_layers)]
+    graphs = cuda_graphs.DecodeGraphs(model, caches, block_size=bs, max_model_len=1200, max_num_seqs=6,
+                                      scratch_block=num_blocks)
+    assert graphs.sizes == [1, 2, 4, 6]
+    assert graphs.split_counts(4) == [1, 2]  # 1,200 keys hold two spans of 512
+    if not graphs.eager:
+        graphs.capture()
+        assert set(graphs.graphs) == {(s, n) for s in graphs.sizes for n in graphs.split_counts(s)}
+    lens = [1, 17, 1100]
+    owned = torch.randperm(num_blocks, generator=g).tolist()
+    tables, at = torch.full((3, -(-max(lens) // bs)), -1, dtype=torch.int64), 0
+    for i, n in enumerate(lens):
+        tables[i, :-(-n // bs)] = torch.tensor(owned[at:at - (-n // bs)])
+        at += -(-n // bs)
+    ids = torch.tensor([5, 9, 200])
+    pos = torch.tensor(lens) - 1
+    slots = tables[torch.arange(3), pos // bs] * bs + pos % bs
+    before = [[c.clone() for c in layer] for layer in caches]
+
+    logits = graphs.run(ids.numpy(), pos.numpy(), slots.numpy(), lens, tables.numpy()).clone()
+    graphed = [[c.clone() for c in layer] for layer in caches]
+    for layer, saved in zip(caches, before):  # the eager forward writes the same slots again
+        for c, s in zip(layer, saved):
+            c.copy_(s)
+    meta = PagedAttentionMetadata(slot_mapping=slots.to(device), query_start=[0, 1, 2, 3], context_lens=lens,
+                                  block_tables=tables.to(device), block_size=bs, num_decode=3,
+                                  block_tables_host=tables.numpy())
+    ctx = ForwardContext(attn=PagedAttention(caches, meta, paged_decode=True))
+    want = model.lm_head(model.hidden_states(ids[None].to(device), pos[None].to(device), ctx)[0])
+    assert torch.allclose(logits, want, atol=1e-4, rtol=1e-4), (logits - want).abs().max()
+    written = torch.zeros(num_blocks + 1, bs, dtype=torch.bool)
+    written.view(-1)[slots] = True
+    for layer_g, layer_e, layer_0 in zip(graphed, caches, before):
+        for cg, ce, c0 in zip(layer_g, layer_e, layer_0):
+            cg, ce, c0 = cg.cpu(), ce.cpu(), c0.cpu()
+            assert torch.allclose(cg[written], ce[written], atol=1e-5)  # the step's keys and values
+            untouched = ~written
+            untouched[num_blocks] = False  # the scratch block: the padding row's
+            assert torch.equal(cg[untouched], c0[untouched])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs")
+@torch.no_grad()
+def test_engine_with_graphs_generates_what_it_does_eagerly(tmp_path):
+    """Greedy completions of requests that join and finish at different steps (decode batches of
+    every size from 1 to 10 between graph sizes, prefix-shared forks, a context past one span) with
+    graphs and without: the same tokens and logprobs within fp32, and the decode steps replayed.
+    A parameter rebound to new storage (as a collective load's first does) is caught by refresh and
+    the graphs are captured again."""
+    from rlcli.infer.engine import NativeEngine
+    from rlcli.protocol import GenerateRequest, SamplingParams
+
+    model = load_model(write_tiny_model(tmp_path / "m"), seed=3).to("cuda").eval()
+
+    def run(cuda_graphs: bool, engine: NativeEngine | None = None) -> tuple[list, NativeEngine]:
+        engine = engine or NativeEngine(model, eos_token_ids=[], max_model_len=1400, block_size=16, max_num_seqs=12,
+                                        cuda_graphs=cuda_graphs, enable_prefix_caching=False)
+        out = []
+        for i, prompt_len in enumerate((5, 21, 9, 1100, 3)):
+            engine.add_request(GenerateRequest(
+                request_id=str(i), prompt_ids=[(7 * i + j) % 250 for j in range(prompt_len)],
+                sampling=SamplingParams(temperature=0.0, max_tokens=12 + 9 * i, n=2, ignore_eos=True)))
+            out += engine.step()
+        while engine.has_work():
+            out += engine.step()
+        return sorted((r.request_id, c.token_ids, c.logprobs) for r in out for c in r.completions), engine
+
+    graphed, engine = run(True)
+    assert engine.graphs is not None and engine.stats()["num_graph_steps"] > 10
+    eager, plain = run(False)
+    assert plain.graphs is None and plain.stats()["num_graph_steps"] == 0
+    for (rid, tokens, logprobs), (rid2, tokens2, logprobs2) in zip(graphed, eager):
+        assert (rid, tokens) == (rid2, tokens2)
+        assert max(abs(x - y) for x, y in zip(logprobs, logprobs2)) < 1e-4
+
+    assert not engine.graphs.refresh()  # nothing moved
+    w = model.model.layers[0].mlp.down_proj.weight
+    old = w.data
+    w.data = old.clone()
+    old.zero_()  # graphs still reading the old storage would now compute another function
+    assert engine.graphs.refresh()
+    steps = engine.stats()["num_graph_steps"]
+    again, _ = run(True, engine)
+    assert engine.stats()["num_graph_steps"] > steps
+    assert [(r, t) for r, t, _ in again] == [(r, t) for r, t, _ in graphed]
