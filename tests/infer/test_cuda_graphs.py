@@ -63,6 +63,17 @@ def test_what_cannot_be_graphed_is_named(tmp_path):
     assert "prefill" in why(dense, role="prefill")
 
 
+def test_the_engine_says_how_it_decodes(tmp_path):
+    """rl-infer logs NativeEngine.decode_mode on a GPU: graphs, or eager and why."""
+    from rlcli.infer.engine import NativeEngine
+
+    model = load_model(write_tiny_model(tmp_path / "m"), seed=0)
+    off = NativeEngine(model, eos_token_ids=[], max_model_len=64, cuda_graphs=False)
+    assert off.graphs is None and off.decode_mode == "eager (off (infer.engine.cuda_graphs))"
+    if not torch.cuda.is_available():
+        assert NativeEngine(model, eos_token_ids=[], max_model_len=64).decode_mode == "eager (not on CUDA)"
+
+
 @torch.no_grad()
 def test_replayed_decodes_match_the_eager_forward(monkeypatch, tmp_path):
     """Three decodes (contexts of 1, 17 and 1,100 keys: the long one split in two on an H100's 132
@@ -146,6 +157,7 @@ def test_engine_with_graphs_generates_what_it_does_eagerly(tmp_path):
 
     graphed, engine = run(True)
     assert engine.graphs is not None and engine.stats()["num_graph_steps"] > 10
+    assert engine.decode_mode.startswith(f"CUDA graphs at {len(engine.graphs.sizes)} batch sizes up to 12 (")
     eager, plain = run(False)
     assert plain.graphs is None and plain.stats()["num_graph_steps"] == 0
     for (rid, tokens, logprobs), (rid2, tokens2, logprobs2) in zip(graphed, eager):
