@@ -174,11 +174,9 @@ class PagedAttention(nn.Module):
             lens = meta.context_lens[:meta.num_decode]
             meta._decode_lens = (torch.tensor(lens, dtype=torch.int32).to(q_SHD.device, non_blocking=True), max(lens))
         lens_t, longest = meta._decode_lens
-        if meta.decode_splits is not None:
-            return _paged_decode_for(q_SHD).paged_decode(q_SHD, k_cache, v_cache, meta.block_tables[:meta.num_decode],
-                                                         lens_t, scale, num_splits=meta.decode_splits)
+        spans = {"max_context_len": longest} if meta.decode_splits is None else {"num_splits": meta.decode_splits}
         return _paged_decode_for(q_SHD).paged_decode(q_SHD, k_cache, v_cache, meta.block_tables[:meta.num_decode],
-                                                     lens_t, scale, max_context_len=longest)
+                                                     lens_t, scale, **spans)
 
     def _varlen(self, q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
                 paged: bool = False) -> torch.Tensor:
