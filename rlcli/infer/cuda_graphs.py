@@ -83,11 +83,10 @@ class DecodeGraphs:
         self.block_size, self.scratch_block = block_size, scratch_block
         self.sizes = capture_sizes(max_num_seqs)
         self.max_size = self.sizes[-1]
-        self.width = -(-max_model_len // block_size)
         self.max_model_len = max_model_len
         dev = kv_caches[0][0].device
         self.device = dev
-        B, W = self.max_size, self.width
+        B, W = self.max_size, -(-max_model_len // block_size)  # the widest table
         # ids | positions | slots | context lengths, one row each
         self.inputs = torch.zeros(4, B, dtype=torch.int64, device=dev)
         self.tables = torch.full((B, W), scratch_block, dtype=torch.int64, device=dev)
