@@ -17,6 +17,11 @@ the arms alternating ``--repeats`` times; the best time per concurrency counts.
 
 ``--model qwen3-0.6b`` takes Qwen3-0.6B's shapes (recipes/models/qwen3-0.6b-config, random weights) instead.
 Besides ms per step, each arm reports its engine's construction time (warm-up and graph capture).
+``--host-only`` replaces the model's forward with fixed logits in both arms: what is left of a step is the
+engine's host work (scheduling, building the inputs, sampling, bookkeeping), which a graphed step of a
+small model is mostly made of; it measures that on any machine.
+
+    python bench/engine_decode.py --host-only --baseline HEAD~1 --concurrency 64,256,512
 """
 
 import argparse
@@ -45,6 +50,15 @@ params = inspect.signature(NativeEngine).parameters
 extra = {k: v == "1" for k, v in (("paged_decode", sys.argv[6]), ("cuda_graphs", sys.argv[7])) if k in params}
 torch.set_num_threads(1)
 model = load_model(model_dir, seed=0).eval().to(device, dtype)
+if sys.argv[9] == "1":  # --host-only: the forward's output fixed, so a step is the engine's own host work
+    fixed = torch.randn(max(concurrencies), model.args.vocab_size, device=device, dtype=dtype)
+    model.hidden_states = lambda ids, pos, ctx: fixed.new_zeros(1, ids.shape[1], 1)
+
+    class FixedLogits(torch.nn.Module):
+        def forward(self, h):
+            return fixed[:h.shape[0]]
+
+    model.lm_head = FixedLogits()
 sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 out = {}
 for c in concurrencies:
@@ -80,7 +94,7 @@ def run(tree: Path, args, paged: bool = False, graphs: bool = False) -> dict[int
            "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", WORKLOAD, args.device, args.dtype, str(args.tokens),
                           str(MODELS[args.model]), args.concurrency, "1" if paged else "0", "1" if graphs else "0",
-                          str(args.max_model_len)],
+                          str(args.max_model_len), "1" if args.host_only else "0"],
                          env=env, capture_output=True, text=True, cwd=tree)
     if out.returncode != 0:
         raise SystemExit(f"{tree}: {out.stderr[-2000:]}")
@@ -106,6 +120,9 @@ def main() -> None:
                         "arms decode through the paged kernel; without it both arms run eagerly")
     p.add_argument("--model", choices=sorted(MODELS), default="micro-llama")
     p.add_argument("--max-model-len", type=int, default=128)
+    p.add_argument("--host-only", action="store_true",
+                   help="both arms with the model's forward replaced by fixed logits: the engine's host work "
+                        "alone (scheduling, input building, sampling, bookkeeping)")
     p.add_argument("--smoke", action="store_true", help="CPU, 1 and 8 sequences, 8 tokens, the working tree as both arms")
     args = p.parse_args()
     if args.smoke:
@@ -133,7 +150,8 @@ def main() -> None:
                                capture_output=True)
     print(f"# native engine ({args.model}), ms per step, {args.device} {args.dtype}, {args.tokens} new tokens; "
           f"baseline: {label}" + ("; tree with paged_decode" if args.paged_decode else "")
-          + ("; tree with cuda_graphs, both arms paged_decode" if args.cuda_graphs else ""))
+          + ("; tree with cuda_graphs, both arms paged_decode" if args.cuda_graphs else "")
+          + ("; host work only (fixed logits)" if args.host_only else ""))
     print(f"{'sequences':>9} {'baseline':>9} {'tree':>9} {'ratio':>7} {'build s (baseline, tree)':>26}")
     for c in sorted(best["tree"]):
         b, t = best["baseline"][c], best["tree"][c]

@@ -361,21 +361,28 @@ class NativeEngine(SharedKVMixin):
         # Running sequences: one decode token each, or the next chunk of a long prompt.
         # Under memory pressure the newest running sequences are preempted.
         preempted: set[Sequence] = set()
+        bs, available = self.block_size, self.blocks.num_available
         for seq in list(self.running):
-            if seq in preempted or budget <= 0:
+            if budget <= 0:
+                break
+            if seq in preempted:
                 continue
             n = min(len(seq.tokens) - seq.num_computed, budget)
-            need, fork = self._blocks_needed(seq, n), self._fork_blocks(seq, n)
-            while need + fork > self.blocks.num_available - reserved:
+            # (_blocks_needed and _fork_blocks inline: a decode needs a block at a block's first token)
+            need = max(0, (seq.num_computed + n + bs - 1) // bs - len(seq.blocks))
+            fork = self._fork_blocks(seq, n) if seq.index < 0 else 0
+            while need + fork > available - reserved:
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.add(victim)
+                available = self.blocks.num_available
                 if victim is seq:
                     break
             else:
                 reserved += fork
                 for _ in range(need):
                     seq.blocks.append(self.blocks.allocate())
+                available -= need
                 batch.append((seq, n))
                 budget -= n
         self.new_fetches = []
@@ -474,8 +481,8 @@ class NativeEngine(SharedKVMixin):
 
     # ------------------------------------------------------------------ sampling and bookkeeping
     def _postprocess(self, batch, logits, routes) -> list[GenerateResponse | Delta]:
-        rows, temps, top_ps, row_gens, owners = [], [], [], {}, []
-        offset = 0
+        rows, owners = [], []  # the batch row each sampled token comes from, and its sequence (a prompt's n times)
+        offset, bs, version = 0, self.block_size, self.version
         if routes is not None:
             routes = routes.to(torch.int16).cpu()  # one copy to the host for the step, not one per sequence
         for i, (seq, n) in enumerate(batch):
@@ -483,23 +490,26 @@ class NativeEngine(SharedKVMixin):
                 seq.routes.append(routes[offset:offset + n].clone())  # its own rows: a view would keep the step's
             offset += n
             seq.num_computed += n
-            self._register_full_blocks(seq)
+            if len(seq.hashes) < seq.num_computed // bs:
+                self._register_full_blocks(seq)
+            else:  # no block filled (most decodes): the weights that computed the partial one
+                seq.partial_versions.add(version)
             if seq.num_computed < len(seq.tokens):
                 self._publish(seq)  # a long prompt's blocks reach the store chunk by chunk
                 continue  # a prefill chunk: nothing to sample yet
             if seq.index < 0:
                 self._publish(seq)  # the prompt's blocks, before the fork shares them
-            copies = seq.req.sampling.n if seq.index < 0 else 1
-            for _ in range(copies):
-                if seq.req.generator is not None:
-                    row_gens[len(rows)] = seq.req.generator
+                rows += [i] * seq.req.sampling.n
+                owners += [seq] * seq.req.sampling.n
+            else:
                 rows.append(i)
-                temps.append(seq.req.sampling.temperature)
-                top_ps.append(seq.req.sampling.top_p)
                 owners.append(seq)
         if not rows:
             return []
         dev = self.device
+        params = [seq.req.sampling for seq in owners]
+        temps, top_ps = [p.temperature for p in params], [p.top_p for p in params]
+        row_gens = {k: seq.req.generator for k, seq in enumerate(owners) if seq.req.generator is not None}
         # A decode-only step samples every row once, in order, with the same settings throughout:
         # then nothing needs indexing or a copy to the device.
         row_logits = logits if rows == list(range(len(batch))) else logits[torch.tensor(rows, device=dev)]
@@ -509,15 +519,18 @@ class NativeEngine(SharedKVMixin):
             logprobs = self._trainer_logprobs(row_logits, tokens, logprobs, temps, top_ps)
         tokens, logprobs = tokens.tolist(), logprobs.tolist()
         sampled: list[Sequence] = []  # completion sequences that got a token, in order
+        finished: dict[int, Request] = {}  # requests with a completion finished this step
         j = 0
         while j < len(owners):
             seq = owners[j]
             for child in self._fork(seq) if seq.index < 0 else [seq]:
-                self._append(child, tokens[j], logprobs[j])
+                if self._append(child, tokens[j], logprobs[j]):
+                    finished[id(child.req)] = child.req
                 sampled.append(child)
                 j += 1
+        self.counters["num_generated_tokens"] += len(sampled)
         out: list[GenerateResponse | Delta] = [self._delta(s) for s in sampled if s.req.stream]
-        for r in {id(s.req): s.req for s in owners}.values():
+        for r in finished.values():
             if r.done and self.requests.pop(r.request_id, None) is not None:
                 out.append(GenerateResponse(request_id=r.request_id, completions=list(r.completions),
                                             num_prompt_tokens=len(r.prompt_ids),
@@ -599,19 +612,21 @@ class NativeEngine(SharedKVMixin):
                 cache.index_copy_(0, index, cache.index_select(0, source))
         return dsts
 
-    def _append(self, seq: Sequence, token: int, logprob: float) -> None:
-        seq.tokens.append(token)
+    def _append(self, seq: Sequence, token: int, logprob: float) -> bool:
+        """Add a sampled token; whether it finished the sequence."""
+        tokens, r = seq.tokens, seq.req
+        tokens.append(token)
         seq.logprobs.append(logprob)
         seq.versions.append(self.version)
-        self.counters["num_generated_tokens"] += 1
-        sp = seq.req.sampling
         reason = None
-        if token in seq.req.stop_ids:
+        if token in r.stop_ids:
             reason = "stop"
-        elif seq.num_generated >= sp.max_tokens or len(seq.tokens) >= self.max_model_len:
+        elif len(tokens) - len(r.prompt_ids) >= r.sampling.max_tokens or len(tokens) >= self.max_model_len:
             reason = "length"
-        if reason is not None:
-            self._finish(seq, reason)
+        if reason is None:
+            return False
+        self._finish(seq, reason)
+        return True
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self._publish(seq, finished=True)  # the completion's blocks serve the next turn of a conversation

@@ -101,17 +101,21 @@ class ModelRunner:
                 cache[0].zero_()
 
     # ------------------------------------------------------------------ forward
-    def forward(self, batch: list, record: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One step's forward: ``batch`` is its (sequence, tokens) pairs in order, each sequence's
-        ``tokens[num_computed:num_computed + n]`` computed into its ``blocks``; the logits after each
-        sequence's last token ``[S, V]``, and with ``record`` the step's routes (MoE). A decode-only
-        step replays its graph where there is one."""
-        ids, pos, slots, qstart, ctx_lens = [], [], [], [0], []
-        parts = []  # (ids, positions, slots) in batch order: runs of decodes as lists, prefill chunks as arrays
+    def _rows(self, batch: list) -> tuple[list, list[int], list[int]]:
+        """A step's (ids, positions, slots) parts in batch order (runs of decodes as lists, prefill
+        chunks as arrays), its query starts and its context lengths."""
         bs = self.block_size
+        if all(n == 1 for _, n in batch):  # one token each (most steps): one part, by comprehension
+            seqs = [seq for seq, _ in batch]
+            starts = [seq.num_computed for seq in seqs]
+            return ([([seq.tokens[p] for seq, p in zip(seqs, starts)], starts,
+                      [seq.blocks[p // bs] * bs + p % bs for seq, p in zip(seqs, starts)])],
+                    list(range(len(batch) + 1)), [p + 1 for p in starts])
+        ids, pos, slots, qstart, ctx_lens = [], [], [], [0], []
+        parts = []
         for seq, n in batch:
             start = seq.num_computed
-            if n == 1:  # a decode (most of a step's rows): no slices or arrays
+            if n == 1:  # a decode: no slices or arrays
                 ids.append(seq.tokens[start])
                 pos.append(start)
                 slots.append(seq.blocks[start // bs] * bs + start % bs)
@@ -125,10 +129,20 @@ class ModelRunner:
             ctx_lens.append(start + n)
         if ids:
             parts.append((ids, pos, slots))
+        return parts, qstart, ctx_lens
+
+    def forward(self, batch: list, record: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One step's forward: ``batch`` is its (sequence, tokens) pairs in order, each sequence's
+        ``tokens[num_computed:num_computed + n]`` computed into its ``blocks``; the logits after each
+        sequence's last token ``[S, V]``, and with ``record`` the step's routes (MoE). A decode-only
+        step replays its graph where there is one."""
+        bs, S = self.block_size, len(batch)
+        seqs = [seq for seq, _ in batch]
+        width = max(len(seq.blocks) for seq in seqs)
+        parts, qstart, ctx_lens = self._rows(batch)
         # The step's int64 inputs in one host array, so a GPU gets them in one copy:
         # ids | positions | slots | each sequence's last token | block tables [S, width].
-        S, N = len(batch), qstart[-1]
-        width = max(len(seq.blocks) for seq, _ in batch)
+        N = qstart[-1]
         host = np.empty(3 * N + S + S * width, dtype=np.int64)
         q = 0
         for part_ids, part_pos, part_slots in parts:
@@ -139,7 +153,7 @@ class ModelRunner:
         host[3 * N:3 * N + S] -= 1
         tables = host[3 * N + S:].reshape(S, width)
         tables.fill(-1)
-        for i, (seq, _) in enumerate(batch):
+        for i, seq in enumerate(seqs):
             tables[i, :len(seq.blocks)] = seq.blocks
         num_decode = 0
         while num_decode < len(batch) and batch[num_decode][1] == 1 and batch[num_decode][0].num_computed > 0:
