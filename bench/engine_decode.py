@@ -19,7 +19,8 @@ the arms alternating ``--repeats`` times; the best time per concurrency counts.
 Besides ms per step, each arm reports its engine's construction time (warm-up and graph capture).
 ``--host-only`` replaces the model's forward with fixed logits in both arms: what is left of a step is the
 engine's host work (scheduling, building the inputs, sampling, bookkeeping), which a graphed step of a
-small model is mostly made of; it measures that on any machine.
+small model is mostly made of; it measures that on any machine (on CUDA both arms replay graphs of
+the fixed forward, as a graphed engine's step would).
 
     python bench/engine_decode.py --host-only --baseline HEAD~1 --concurrency 64,256,512
 """
@@ -140,8 +141,9 @@ def main() -> None:
             build: dict[str, dict[int, float]] = {"baseline": {}, "tree": {}}
             for _ in range(args.repeats):
                 for arm, tree in (("baseline", base), ("tree", REPO)):
-                    paged = args.cuda_graphs or (args.paged_decode and arm == "tree")
-                    for c, (ms, secs) in run(tree, args, paged, args.cuda_graphs and arm == "tree").items():
+                    paged = args.cuda_graphs or args.host_only or (args.paged_decode and arm == "tree")
+                    graphs = args.host_only or (args.cuda_graphs and arm == "tree")
+                    for c, (ms, secs) in run(tree, args, paged, graphs).items():
                         best[arm][c] = min(best[arm].get(c, float("inf")), ms)
                         build[arm][c] = min(build[arm].get(c, float("inf")), secs)
         finally:
