@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import torch
 
 from rlcli.config import RecipeConfig
@@ -92,6 +93,48 @@ class Request:
         return all(c is not None for c in self.completions)
 
 
+class RouteLog:
+    """One sequence's routes (R3): int16 ``[tokens, MoE layers, top_k]``, for every token it has run
+    through the model. A step's rows are one slice copy into a buffer grown by doubling (a list of
+    per-step tensors made every full block and every finish concatenate the whole history); a
+    prompt's forks share its rows (``shared``, never written) and append their own."""
+
+    __slots__ = ("shared", "own", "n")
+
+    def __init__(self, shared: np.ndarray | None = None):
+        self.shared = shared  # rows [0, len(shared))
+        self.own: np.ndarray | None = None  # the rows after them: own[:n]
+        self.n = 0
+
+    def __len__(self) -> int:
+        return self.n + (0 if self.shared is None else len(self.shared))
+
+    def append(self, rows: np.ndarray) -> None:
+        k = len(rows)
+        if self.own is None or self.n + k > len(self.own):
+            grown = np.empty((max(2 * (self.n + k), 64), *rows.shape[1:]), dtype=rows.dtype)
+            if self.n:
+                grown[:self.n] = self.own[:self.n]
+            self.own = grown
+        self.own[self.n:self.n + k] = rows
+        self.n += k
+
+    def rows(self, a: int, b: int) -> np.ndarray:
+        """Rows ``[a, b)``, a copy."""
+        s = 0 if self.shared is None else len(self.shared)
+        if b <= s:
+            return self.shared[a:b].copy()
+        if a >= s:
+            return self.own[a - s:b - s].copy()
+        return np.concatenate([self.shared[a:], self.own[:b - s]])
+
+    def freeze(self) -> np.ndarray | None:
+        """Every row as one array, shared from now on (a prompt's forks read it, none writes it)."""
+        if self.n:
+            self.shared, self.own, self.n = self.rows(0, len(self)), None, 0
+        return self.shared
+
+
 @dataclass(eq=False)  # (identity, as Request)
 class Sequence:
     req: Request
@@ -102,7 +145,7 @@ class Sequence:
     hashes: list[bytes] = field(default_factory=list)  # chain hashes of the full blocks so far
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    routes: list[torch.Tensor] = field(default_factory=list)  # [n, layers, top_k] per computed chunk
+    routes: RouteLog = field(default_factory=RouteLog)  # of the tokens computed so far (R3)
     partial_versions: set[int] = field(default_factory=set)  # weights that computed the partial last block
     num_streamed: int = 0  # generated tokens already returned in a Delta
     num_published: int = 0  # leading full blocks already in the shared KV store (or handed to it)
@@ -336,7 +379,7 @@ class NativeEngine(SharedKVMixin):
         """Free a running sequence's blocks; it re-prefills its tokens when readmitted."""
         self.running.remove(seq)
         self.blocks.release(seq.blocks)
-        seq.blocks, seq.hashes, seq.num_computed, seq.routes, seq.partial_versions = [], [], 0, [], set()
+        seq.blocks, seq.hashes, seq.num_computed, seq.routes, seq.partial_versions = [], [], 0, RouteLog(), set()
         seq.fetched_to = 0
         self.waiting.appendleft(seq)
         self.counters["num_preemptions"] += 1
@@ -467,7 +510,7 @@ class NativeEngine(SharedKVMixin):
         seq.num_published = len(blocks) if self.kv is not None else 0
         seq.num_computed = len(blocks) * self.block_size
         if want_routes and blocks:  # cached blocks keep the routes their tokens took
-            seq.routes = [torch.cat([self.blocks.routes[b] for b in blocks])]
+            seq.routes = RouteLog(torch.cat([self.blocks.routes[b] for b in blocks]).numpy())
         self.blocks.num_queries += len(seq.tokens)
         self.blocks.num_hits += seq.num_computed
         if seq.index < 0:
@@ -484,10 +527,10 @@ class NativeEngine(SharedKVMixin):
         rows, owners = [], []  # the batch row each sampled token comes from, and its sequence (a prompt's n times)
         offset, bs, version = 0, self.block_size, self.version
         if routes is not None:
-            routes = routes.to(torch.int16).cpu()  # one copy to the host for the step, not one per sequence
+            routes = routes.to(torch.int16).cpu().numpy()  # one copy to the host for the step, not one per sequence
         for i, (seq, n) in enumerate(batch):
             if routes is not None and (seq.req.sampling.return_routing or self.carries_routes):
-                seq.routes.append(routes[offset:offset + n].clone())  # its own rows: a view would keep the step's
+                seq.routes.append(routes[offset:offset + n])
             offset += n
             seq.num_computed += n
             if len(seq.hashes) < seq.num_computed // bs:
@@ -562,16 +605,15 @@ class NativeEngine(SharedKVMixin):
         name exactly one, so its KV is never reused, nor is any block chained behind it."""
         bs = self.block_size
         seq.partial_versions.add(self.version)
-        all_routes = None  # [num_computed, layers, top_k]: cached blocks keep their routes (R3)
+        keep_routes = (seq.req.sampling.return_routing or self.carries_routes) and self.is_moe
         while len(seq.hashes) < seq.num_computed // bs:
             b = len(seq.hashes)
             weights = "-".join(f"w{v}" for v in sorted(seq.partial_versions))
             parent = seq.hashes[-1] if seq.hashes else None
             h = chain_hash(parent, f"{seq.req.salt}|{weights}", seq.tokens[b * bs:(b + 1) * bs])
             seq.hashes.append(h)
-            if (seq.req.sampling.return_routing or self.carries_routes) and self.is_moe and all_routes is None:
-                all_routes = torch.cat(seq.routes)
-            routes = all_routes[b * bs:(b + 1) * bs] if all_routes is not None else None
+            # cached blocks keep their routes (R3)
+            routes = torch.from_numpy(seq.routes.rows(b * bs, (b + 1) * bs)) if keep_routes else None
             self.blocks.register(seq.blocks[b], h, routes)
             seq.partial_versions = {self.version}
         if seq.num_computed % bs == 0:
@@ -587,9 +629,10 @@ class NativeEngine(SharedKVMixin):
         partial = parent.num_computed % self.block_size != 0
         # Each child after the first writes its own copy of a partial last block.
         copies = self._copy_block(parent.blocks[-1], r.sampling.n - 1) if partial else []
+        shared = parent.routes.freeze()  # the prompt's routes, one array for every child
         for k in range(r.sampling.n):
             child = Sequence(r, k, list(parent.tokens), parent.num_computed, list(parent.blocks),
-                             list(parent.hashes), routes=list(parent.routes),
+                             list(parent.hashes), routes=RouteLog(shared),
                              partial_versions=set(parent.partial_versions), num_published=parent.num_published)
             if k > 0:
                 for b in child.blocks[:-1] if partial else child.blocks:
@@ -637,7 +680,7 @@ class NativeEngine(SharedKVMixin):
         routed = None
         if r.sampling.return_routing and self.is_moe:
             # Routes of every token that went through the model: prompt + generated - 1.
-            routed = WireTensor.from_numpy(torch.cat(seq.routes).numpy())
+            routed = WireTensor.from_numpy(seq.routes.rows(0, len(seq.routes)))
         r.completions[seq.index] = Completion(
             token_ids=seq.tokens[len(r.prompt_ids):], logprobs=seq.logprobs, versions=seq.versions,
             finish_reason=reason, routed_experts=routed)

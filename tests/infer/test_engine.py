@@ -274,6 +274,30 @@ def test_moe_routes_are_recorded_for_every_token(tmp_path, kwargs):
         assert engine.stats()["num_preemptions"] > 0  # routes survive recompute after preemption
 
 
+def test_a_route_log_keeps_every_row_in_order():
+    """RouteLog (a sequence's R3 routes): rows appended a chunk at a time, across buffer growth, read
+    back in order from any range, including ranges across the rows a fork shares with its prompt."""
+    import numpy as np
+
+    from rlcli.infer.engine import RouteLog
+
+    rows = np.random.default_rng(0).integers(0, 8, size=(300, 3, 2)).astype(np.int16)
+    prompt = RouteLog()
+    prompt.append(rows[:37])
+    prompt.append(rows[37:40])
+    shared = prompt.freeze()
+    assert len(prompt) == 40 and np.array_equal(shared, rows[:40]) and prompt.freeze() is shared
+    child = RouteLog(shared)
+    for a in range(40, 300, 7):  # one decode row at a time, or a few: the buffer grows past 64 rows
+        child.append(rows[a:min(a + 7, 300)])
+    assert len(child) == 300
+    for a, b in [(0, 300), (0, 16), (32, 48), (40, 41), (299, 300), (100, 228)]:
+        got = child.rows(a, b)
+        assert np.array_equal(got, rows[a:b])
+        got[:] = -1  # a copy: the log is unchanged
+    assert np.array_equal(child.rows(0, 300), rows) and np.array_equal(shared, rows[:40])
+
+
 @torch.no_grad()
 def full_logprobs(model, ids, num_prompt):
     """Log-probabilities of ids[num_prompt:] under one full forward of ``model``."""
