@@ -15,7 +15,8 @@ the arms alternating ``--repeats`` times; the best time per concurrency counts.
     python bench/engine_decode.py --device cuda --dtype bfloat16 --cuda-graphs --baseline-tree . --model qwen3-0.6b
                                                                           # decode steps as CUDA graphs against eager ones
 
-``--model qwen3-0.6b`` takes Qwen3-0.6B's shapes (recipes/models/qwen3-0.6b-config, random weights) instead.
+``--model qwen3-0.6b`` takes Qwen3-0.6B's shapes (recipes/models/qwen3-0.6b-config, random weights) instead,
+``--model tiny-qwen3-moe`` the MoE recipe's model (8 experts, top-2).
 Besides ms per step, each arm reports its engine's construction time (warm-up and graph capture).
 ``--host-only`` replaces the model's forward with fixed logits in both arms: what is left of a step is the
 engine's host work (scheduling, building the inputs, sampling, bookkeeping), which a graphed step of a
@@ -23,6 +24,7 @@ small model is mostly made of; it measures that on any machine (on CUDA both arm
 the fixed forward, as a graphed engine's step would).
 
     python bench/engine_decode.py --host-only --baseline HEAD~1 --concurrency 64,256,512
+    python bench/engine_decode.py --host-only --r3 --model tiny-qwen3-moe --tokens 2048   # with R3's routes kept
 """
 
 import argparse
@@ -51,9 +53,19 @@ params = inspect.signature(NativeEngine).parameters
 extra = {k: v == "1" for k, v in (("paged_decode", sys.argv[6]), ("cuda_graphs", sys.argv[7])) if k in params}
 torch.set_num_threads(1)
 model = load_model(model_dir, seed=0).eval().to(device, dtype)
+r3 = sys.argv[10] == "1"
 if sys.argv[9] == "1":  # --host-only: the forward's output fixed, so a step is the engine's own host work
     fixed = torch.randn(max(concurrencies), model.args.vocab_size, device=device, dtype=dtype)
-    model.hidden_states = lambda ids, pos, ctx: fixed.new_zeros(1, ids.shape[1], 1)
+    a = model.args
+    experts = torch.randint(0, max(a.num_experts, 1), (4096, a.num_moe_layers, a.num_experts_per_tok or 1),
+                            device=device)
+
+    def hidden_states(ids, pos, ctx):
+        if ctx.routing is not None and ctx.routing.record:  # an MoE's routes, as its layers record them
+            ctx.routing.recorded.extend(experts[:ids.shape[1], i] for i in range(a.num_moe_layers))
+        return fixed.new_zeros(1, ids.shape[1], 1)
+
+    model.hidden_states = hidden_states
 
     class FixedLogits(torch.nn.Module):
         def forward(self, h):
@@ -72,7 +84,7 @@ for c in concurrencies:
     for i in range(max(1, c // 4)):
         engine.add_request(GenerateRequest(request_id=str(i), prompt_ids=[256] + [(i * 7 + j) % 250 for j in range(15)],
                                            sampling=SamplingParams(temperature=1.0, max_tokens=tokens, n=min(c, 4),
-                                                                   ignore_eos=True)))
+                                                                   ignore_eos=True, return_routing=r3)))
     engine.step(); engine.step()
     sync()
     t, steps = time.perf_counter(), 0
@@ -86,7 +98,8 @@ print(json.dumps(out))
 
 
 MODELS = {"micro-llama": REPO / "recipes" / "models" / "micro-llama",
-          "qwen3-0.6b": REPO / "recipes" / "models" / "qwen3-0.6b-config"}
+          "qwen3-0.6b": REPO / "recipes" / "models" / "qwen3-0.6b-config",
+          "tiny-qwen3-moe": REPO / "recipes" / "models" / "tiny-qwen3-moe"}
 
 
 def run(tree: Path, args, paged: bool = False, graphs: bool = False) -> dict[int, tuple[float, float]]:
@@ -95,7 +108,7 @@ def run(tree: Path, args, paged: bool = False, graphs: bool = False) -> dict[int
            "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", WORKLOAD, args.device, args.dtype, str(args.tokens),
                           str(MODELS[args.model]), args.concurrency, "1" if paged else "0", "1" if graphs else "0",
-                          str(args.max_model_len), "1" if args.host_only else "0"],
+                          str(args.max_model_len), "1" if args.host_only else "0", "1" if args.r3 else "0"],
                          env=env, capture_output=True, text=True, cwd=tree)
     if out.returncode != 0:
         raise SystemExit(f"{tree}: {out.stderr[-2000:]}")
@@ -124,6 +137,7 @@ def main() -> None:
     p.add_argument("--host-only", action="store_true",
                    help="both arms with the model's forward replaced by fixed logits: the engine's host work "
                         "alone (scheduling, input building, sampling, bookkeeping)")
+    p.add_argument("--r3", action="store_true", help="requests ask for their routes (return_routing; an MoE model)")
     p.add_argument("--smoke", action="store_true", help="CPU, 1 and 8 sequences, 8 tokens, the working tree as both arms")
     args = p.parse_args()
     if args.smoke:
@@ -153,7 +167,7 @@ def main() -> None:
     print(f"# native engine ({args.model}), ms per step, {args.device} {args.dtype}, {args.tokens} new tokens; "
           f"baseline: {label}" + ("; tree with paged_decode" if args.paged_decode else "")
           + ("; tree with cuda_graphs, both arms paged_decode" if args.cuda_graphs else "")
-          + ("; host work only (fixed logits)" if args.host_only else ""))
+          + ("; host work only (fixed logits)" if args.host_only else "") + ("; routes returned (R3)" if args.r3 else ""))
     print(f"{'sequences':>9} {'baseline':>9} {'tree':>9} {'ratio':>7} {'build s (baseline, tree)':>26}")
     for c in sorted(best["tree"]):
         b, t = best["baseline"][c], best["tree"][c]
