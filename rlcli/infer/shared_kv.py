@@ -18,7 +18,7 @@ from rlcli.infer.kv_connector import FetchTicket, KVConnector
 from rlcli.protocol import BlockMeta
 
 if TYPE_CHECKING:
-    from rlcli.infer.engine import Sequence
+    from rlcli.infer.sequence import Sequence
 
 FETCH_GRACE_S = 0.02
 """How long scheduling waits for a fetch it just started before running the step without it (the

@@ -279,7 +279,7 @@ def test_a_route_log_keeps_every_row_in_order():
     back in order from any range, including ranges across the rows a fork shares with its prompt."""
     import numpy as np
 
-    from rlcli.infer.engine import RouteLog
+    from rlcli.infer.sequence import RouteLog
 
     rows = np.random.default_rng(0).integers(0, 8, size=(300, 3, 2)).astype(np.int16)
     prompt = RouteLog()
