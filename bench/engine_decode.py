@@ -16,7 +16,7 @@ the arms alternating ``--repeats`` times; the best time per concurrency counts.
                                                                           # decode steps as CUDA graphs against eager ones
 
 ``--model qwen3-0.6b`` takes Qwen3-0.6B's shapes (recipes/models/qwen3-0.6b-config, random weights) instead,
-``--model tiny-qwen3-moe`` the MoE recipe's model (8 experts, top-2).
+``--model tiny-qwen3-moe`` the MoE recipe's model (8 experts, top-2; graphs need bf16 for its grouped GEMMs).
 Besides ms per step, each arm reports its engine's construction time (warm-up and graph capture).
 ``--host-only`` replaces the model's forward with fixed logits in both arms: what is left of a step is the
 engine's host work (scheduling, building the inputs, sampling, bookkeeping), which a graphed step of a

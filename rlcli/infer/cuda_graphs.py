@@ -24,6 +24,8 @@ A graph fixes at capture what a step would vary, and each step is fitted to it:
   one that rebinds a parameter (a collective load's first, onto its arena) changes it, and
   :meth:`DecodeGraphs.refresh` captures the graphs again.
 
+An MoE model's graphs record every row's experts (R3) in every replay (the routed experts' GEMMs are
+torch's grouped GEMM, which reads its offsets on the device); the engine keeps them where asked for.
 Prefill chunks, mixed steps and steps larger than the largest size run eagerly, as do engines the
 graphs do not cover (:func:`unsupported`).
 """
@@ -34,7 +36,8 @@ import time
 import numpy as np
 import torch
 
-from rlcli.ops.attention import ForwardContext, PagedAttention, PagedAttentionMetadata
+from rlcli.models.moe import MoE
+from rlcli.ops.attention import ForwardContext, PagedAttention, PagedAttentionMetadata, RoutingContext
 
 SMALL_SIZES = (1, 2, 4, 8)
 SIZE_STEP = 16
@@ -60,8 +63,9 @@ def unsupported(model: torch.nn.Module, *, paged_decode: bool, batch_invariant: 
         return "model.batch_invariant decodes through its own kernel"
     if not paged_decode:
         return "infer.engine.paged_decode is off (the gathering path plans on the host every step)"
-    if args.is_moe:
-        return "MoE experts are dispatched by host-side token counts"
+    param = next(model.parameters())
+    if args.is_moe and not _grouped_kernel(param.device, param.dtype):
+        return "MoE experts without torch's grouped GEMM (on CUDA: bf16) run one by one from host-side counts"
     if args.kv_lora_rank or args.is_dsa:
         return "MLA and DSA layers are not graphed yet"
     if any(p.dtype.itemsize == 1 for p in model.parameters()):
@@ -71,6 +75,12 @@ def unsupported(model: torch.nn.Module, *, paged_decode: bool, batch_invariant: 
     except (ImportError, OSError):
         return "the paged decode kernel needs Triton"
     return None
+
+
+def _grouped_kernel(device: torch.device, dtype: torch.dtype) -> bool:
+    from rlcli.ops.grouped_gemm import _kernel_available
+
+    return _kernel_available(device, dtype)
 
 
 class DecodeGraphs:
@@ -100,7 +110,9 @@ class DecodeGraphs:
         self.eager = dev.type != "cuda"
         a = model.args
         self._heads = (a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.head_dim)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # -> (graph, its output)
+        # (size, span count) -> (graph, its hidden states, its routes or None)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
+        self.moe = [m for m in model.modules() if isinstance(m, MoE)]  # their routes recorded in every graph
         self.fingerprint: tuple[int, ...] = ()
         self.capture_s = 0.0
 
@@ -119,16 +131,20 @@ class DecodeGraphs:
     def _weights(self) -> tuple[int, ...]:
         return tuple(t.data_ptr() for t in (*self.model.parameters(), *self.model.buffers()))
 
-    def _forward(self, size: int, splits: int) -> torch.Tensor:
+    def _forward(self, size: int, splits: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decode forward over the static buffers' first ``size`` rows: the final hidden states
-        ``[size, hidden]``."""
+        ``[size, hidden]``, and for an MoE model the experts each row was routed to ``[size, moe
+        layers, top_k]`` (R3; recorded in every step, asked for or not: it is a copy of the top-k)."""
         ids, pos, slots, lens = self.inputs[:, :size]
         meta = PagedAttentionMetadata(slot_mapping=slots, query_start=list(range(size + 1)), context_lens=[1] * size,
                                       block_tables=self.tables[:size], block_size=self.block_size,
                                       num_decode=size, decode_splits=splits)
         meta._decode_lens = (lens.to(torch.int32), 0)
-        ctx = ForwardContext(attn=PagedAttention(self.kv_caches, meta, batch_invariant=False, paged_decode=True))
-        return self.model.hidden_states(ids[None], pos[None], ctx)[0]
+        routing = RoutingContext(record=True) if self.moe else None
+        ctx = ForwardContext(attn=PagedAttention(self.kv_caches, meta, batch_invariant=False, paged_decode=True),
+                             routing=routing)
+        hidden = self.model.hidden_states(ids[None], pos[None], ctx)[0]
+        return hidden, routing.stacked() if routing is not None else None
 
     @torch.no_grad()
     def capture(self) -> None:
@@ -143,6 +159,7 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
+        counts = [m.num_tokens_per_expert for m in self.moe]  # load counts: the trainer's metric, not the graphs'
         for size in reversed(self.sizes):
             for splits in self.split_counts(size):
                 stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -151,9 +168,11 @@ class DecodeGraphs:
                 torch.cuda.current_stream(self.device).wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    hidden = self._forward(size, splits)
-                self.graphs[size, splits] = (graph, hidden)
+                    hidden, routes = self._forward(size, splits)
+                self.graphs[size, splits] = (graph, hidden, routes)
         torch.cuda.synchronize(self.device)
+        for m, c in zip(self.moe, counts):
+            m.num_tokens_per_expert = c
         self.fingerprint = self._weights()
         self.capture_s = time.perf_counter() - t0
 
@@ -177,9 +196,10 @@ class DecodeGraphs:
         return num_seqs <= self.max_size
 
     def run(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, context_lens: list[int],
-            tables: np.ndarray) -> torch.Tensor:
+            tables: np.ndarray) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Replay the graph for a step of ``S = len(ids)`` decodes (``tables``: their block tables
-        ``[S, width]``, the longest context's blocks wide); their logits ``[S, V]``."""
+        ``[S, width]``, the longest context's blocks wide); their logits ``[S, V]`` and, for an MoE
+        model, their routes ``[S, moe layers, top_k]`` (a view valid until the next replay)."""
         S, width = tables.shape
         size = self.sizes[bisect.bisect_left(self.sizes, S)]
         longest = max(context_lens)
@@ -197,7 +217,8 @@ class DecodeGraphs:
             self.copied.record()
         self.tables[:size, :width].copy_(stage.view(size, width))
         if self.eager:
-            return self.model.lm_head(self._forward(size, splits)[:S])
-        graph, hidden = self.graphs[size, splits]
-        graph.replay()
-        return self.model.lm_head(hidden[:S])
+            hidden, routes = self._forward(size, splits)
+        else:
+            graph, hidden, routes = self.graphs[size, splits]
+            graph.replay()
+        return self.model.lm_head(hidden[:S]), routes[:S] if routes is not None else None

@@ -158,9 +158,10 @@ class ModelRunner:
         num_decode = 0
         while num_decode < len(batch) and batch[num_decode][1] == 1 and batch[num_decode][0].num_computed > 0:
             num_decode += 1
-        if self.graphs is not None and num_decode == S and not record and self.graphs.fits(S):
+        if self.graphs is not None and num_decode == S and self.graphs.fits(S):
             self.graph_steps += 1
-            return self.graphs.run(host[:N], host[N:2 * N], host[2 * N:3 * N], ctx_lens, tables), None
+            logits, routes = self.graphs.run(host[:N], host[N:2 * N], host[2 * N:3 * N], ctx_lens, tables)
+            return logits, routes if record else None
         inputs = torch.from_numpy(host).to(self.device)
         ids_t, pos_t, slots_t, last = inputs[:3 * N + S].split([N, N, N, S])
         meta = PagedAttentionMetadata(

@@ -36,6 +36,10 @@ def test_under_the_interpreter():
     interpreter.run_child_or_skip(__file__, {"RLCLI_PAGED_DECODE_ON_CPU": "1"})
 
 
+MOE = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+           moe_intermediate_size=32, norm_topk_prob=True)
+
+
 def test_capture_sizes():
     assert cuda_graphs.capture_sizes(256)[:6] == [1, 2, 4, 8, 16, 32]
     assert cuda_graphs.capture_sizes(256)[-2:] == [240, 256]
@@ -44,10 +48,9 @@ def test_capture_sizes():
     assert cuda_graphs.capture_sizes(4096)[-1] == cuda_graphs.MAX_SIZE  # larger steps run eagerly
 
 
-def test_what_cannot_be_graphed_is_named(tmp_path):
+def test_what_cannot_be_graphed_is_named(monkeypatch, tmp_path):
     dense = load_model(write_tiny_model(tmp_path / "d"), seed=0)
-    moe = load_model(write_tiny_model(tmp_path / "m", architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
-                                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32), seed=0)
+    moe = load_model(write_tiny_model(tmp_path / "m", **MOE), seed=0)
 
     def why(model, **kw):
         return cuda_graphs.unsupported(model, **{"paged_decode": True, "batch_invariant": False, "role": "mixed", **kw})
@@ -57,7 +60,10 @@ def test_what_cannot_be_graphed_is_named(tmp_path):
         assert why(dense) is None
     except (ImportError, OSError):
         assert "Triton" in why(dense)
+    monkeypatch.setattr(cuda_graphs, "_grouped_kernel", lambda device, dtype: False)  # experts one by one
     assert "MoE" in why(moe)
+    monkeypatch.setattr(cuda_graphs, "_grouped_kernel", lambda device, dtype: True)
+    assert why(moe) == why(dense)
     assert "batch_invariant" in why(dense, batch_invariant=True)
     assert "paged_decode" in why(dense, paged_decode=False)
     assert "prefill" in why(dense, role="prefill")
@@ -74,20 +80,24 @@ def test_the_engine_says_how_it_decodes(tmp_path):
         assert NativeEngine(model, eos_token_ids=[], max_model_len=64).decode_mode == "eager (not on CUDA)"
 
 
+@pytest.mark.parametrize("arch", ["dense", "moe"])
 @torch.no_grad()
-def test_replayed_decodes_match_the_eager_forward(monkeypatch, tmp_path):
+def test_replayed_decodes_match_the_eager_forward(arch, monkeypatch, tmp_path):
     """Three decodes (contexts of 1, 17 and 1,100 keys: the long one split in two on an H100's 132
-    SMs) replayed at size 4: the logits of the eager paged forward of the same three, the same keys
-    and values written to their slots, the padding row's only in the scratch block."""
+    SMs) replayed at size 4: the logits (and an MoE's routes) of the eager paged forward of the same
+    three plus the padding row, the same keys and values written to their slots, the padding row's
+    only in the scratch block. The MoE runs in bf16 on CUDA (torch's grouped GEMM)."""
     device = _device()
     from rlcli.ops import paged_decode
-    from rlcli.ops.attention import ForwardContext, PagedAttention, PagedAttentionMetadata
+    from rlcli.ops.attention import ForwardContext, PagedAttention, PagedAttentionMetadata, RoutingContext
 
     monkeypatch.setattr(paged_decode, "_num_sms", lambda device: 132)
-    model = load_model(write_tiny_model(tmp_path / "m"), seed=3).to(device).eval()
+    dtype = torch.bfloat16 if arch == "moe" and device == "cuda" else torch.float32
+    model = load_model(write_tiny_model(tmp_path / "m", **(MOE if arch == "moe" else {})), seed=3)
+    model = model.to(device, dtype).eval()
     a, bs, num_blocks = model.args, 8, 160
     g = torch.Generator().manual_seed(0)
-    caches = [tuple(torch.randn(num_blocks + 1, bs, a.num_key_value_heads, a.head_dim, generator=g).to(device)
+    caches = [tuple(torch.randn(num_blocks + 1, bs, a.num_key_value_heads, a.head_dim, generator=g).to(device, dtype)
                     for _ in range(2)) for _ in range(a.num_hidden_layers)]
     graphs = cuda_graphs.DecodeGraphs(model, caches, block_size=bs, max_model_len=1200, max_num_seqs=6,
                                       scratch_block=num_blocks)
@@ -107,23 +117,37 @@ def test_replayed_decodes_match_the_eager_forward(monkeypatch, tmp_path):
     slots = tables[torch.arange(3), pos // bs] * bs + pos % bs
     before = [[c.clone() for c in layer] for layer in caches]
 
-    logits = graphs.run(ids.numpy(), pos.numpy(), slots.numpy(), lens, tables.numpy()).clone()
+    logits, routes = graphs.run(ids.numpy(), pos.numpy(), slots.numpy(), lens, tables.numpy())
+    logits, routes = logits.clone(), routes.clone() if routes is not None else None
+    assert (routes is not None) == (arch == "moe")
     graphed = [[c.clone() for c in layer] for layer in caches]
     for layer, saved in zip(caches, before):  # the eager forward writes the same slots again
         for c, s in zip(layer, saved):
             c.copy_(s)
-    meta = PagedAttentionMetadata(slot_mapping=slots.to(device), query_start=[0, 1, 2, 3], context_lens=lens,
-                                  block_tables=tables.to(device), block_size=bs, num_decode=3,
-                                  block_tables_host=tables.numpy())
-    ctx = ForwardContext(attn=PagedAttention(caches, meta, paged_decode=True))
-    want = model.lm_head(model.hidden_states(ids[None].to(device), pos[None].to(device), ctx)[0])
-    assert torch.allclose(logits, want, atol=1e-4, rtol=1e-4), (logits - want).abs().max()
+    # The eager reference: the same four rows, the padding row as the graph's (token 0 at position 0,
+    # its key in the scratch block), so every kernel sees the shapes the graph's did.
+    pad_tables = torch.full((4, tables.shape[1]), num_blocks, dtype=torch.int64)
+    pad_tables[:3] = tables.clamp(min=0)
+    meta = PagedAttentionMetadata(slot_mapping=torch.cat([slots, torch.tensor([num_blocks * bs])]).to(device),
+                                  query_start=[0, 1, 2, 3, 4], context_lens=lens + [1],
+                                  block_tables=pad_tables.to(device), block_size=bs, num_decode=4,
+                                  block_tables_host=pad_tables.numpy())
+    routing = RoutingContext(record=True) if arch == "moe" else None
+    ctx = ForwardContext(attn=PagedAttention(caches, meta, paged_decode=True), routing=routing)
+    hidden = model.hidden_states(torch.cat([ids, torch.tensor([0])])[None].to(device),
+                                 torch.cat([pos, torch.tensor([0])])[None].to(device), ctx)[0]
+    want = model.lm_head(hidden[:3])
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(logits.float(), want.float(), atol=tol, rtol=tol), (logits - want).abs().max()
+    if routing is not None:
+        assert torch.equal(routes, routing.stacked()[:3])
+        assert routes.shape == (3, a.num_hidden_layers, a.num_experts_per_tok)
     written = torch.zeros(num_blocks + 1, bs, dtype=torch.bool)
     written.view(-1)[slots] = True
     for layer_g, layer_e, layer_0 in zip(graphed, caches, before):
         for cg, ce, c0 in zip(layer_g, layer_e, layer_0):
             cg, ce, c0 = cg.cpu(), ce.cpu(), c0.cpu()
-            assert torch.allclose(cg[written], ce[written], atol=1e-5)  # the step's keys and values
+            assert torch.allclose(cg[written].float(), ce[written].float(), atol=tol)  # the step's keys and values
             untouched = ~written
             untouched[num_blocks] = False  # the scratch block: the padding row's
             assert torch.equal(cg[untouched], c0[untouched])
@@ -174,3 +198,39 @@ def test_engine_with_graphs_generates_what_it_does_eagerly(tmp_path):
     again, _ = run(True, engine)
     assert engine.stats()["num_graph_steps"] > steps
     assert [(r, t) for r, t, _ in again] == [(r, t) for r, t, _ in graphed]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs")
+@torch.no_grad()
+def test_moe_engine_graphs_record_routes(tmp_path):
+    """A bf16 MoE engine on CUDA replays its decode steps and still returns every token's experts
+    (R3): the routes of requests that ask for them cover every token, with two distinct experts each,
+    and the prompt's (computed eagerly) are those of an engine without graphs."""
+    from rlcli.infer.engine import NativeEngine
+    from rlcli.protocol import GenerateRequest, SamplingParams
+
+    model = load_model(write_tiny_model(tmp_path / "m", **MOE), seed=3).to("cuda", torch.bfloat16).eval()
+    assert cuda_graphs.unsupported(model, paged_decode=True, batch_invariant=False, role="mixed") is None
+
+    def run(graphs: bool) -> tuple[dict, NativeEngine]:
+        engine = NativeEngine(model, eos_token_ids=[], max_model_len=256, block_size=16, max_num_seqs=8,
+                              cuda_graphs=graphs)
+        for i in range(3):
+            engine.add_request(GenerateRequest(
+                request_id=str(i), prompt_ids=[(7 * i + j) % 250 for j in range(9 + 4 * i)],
+                sampling=SamplingParams(temperature=0.0, max_tokens=10, n=2, ignore_eos=True, return_routing=True)))
+        out = {}
+        while engine.has_work():
+            out.update({r.request_id: r for r in engine.step() if hasattr(r, "completions")})
+        return out, engine
+
+    graphed, engine = run(True)
+    assert engine.graphs is not None and engine.stats()["num_graph_steps"] > 5
+    eager, _ = run(False)
+    for rid, r in graphed.items():
+        prompt_len = r.num_prompt_tokens
+        for c, c_eager in zip(r.completions, eager[rid].completions):
+            routes = c.routed_experts.numpy()
+            assert routes.shape == (prompt_len + 10 - 1, 2, 2)
+            assert routes.min() >= 0 and routes.max() < 8 and (routes[:, :, 0] != routes[:, :, 1]).all()
+            assert (routes[:prompt_len] == c_eager.routed_experts.numpy()[:prompt_len]).all()
