@@ -16,7 +16,8 @@ the arms alternating ``--repeats`` times; the best time per concurrency counts.
                                                                           # decode steps as CUDA graphs against eager ones
 
 ``--model qwen3-0.6b`` takes Qwen3-0.6B's shapes (recipes/models/qwen3-0.6b-config, random weights) instead,
-``--model tiny-qwen3-moe`` the MoE recipe's model (8 experts, top-2; graphs need bf16 for its grouped GEMMs).
+``--model tiny-qwen3-moe`` the MoE recipe's model (8 experts, top-2; graphs need bf16 for its grouped GEMMs),
+``--model dsv3-1.7b`` DeepSeek-V3's attention and routing at 1.7B (recipes/models/dsv3-1.7b-random: MLA, 32 experts).
 Besides ms per step, each arm reports its engine's construction time (warm-up and graph capture).
 ``--host-only`` replaces the model's forward with fixed logits in both arms: what is left of a step is the
 engine's host work (scheduling, building the inputs, sampling, bookkeeping), which a graphed step of a
@@ -99,7 +100,8 @@ print(json.dumps(out))
 
 MODELS = {"micro-llama": REPO / "recipes" / "models" / "micro-llama",
           "qwen3-0.6b": REPO / "recipes" / "models" / "qwen3-0.6b-config",
-          "tiny-qwen3-moe": REPO / "recipes" / "models" / "tiny-qwen3-moe"}
+          "tiny-qwen3-moe": REPO / "recipes" / "models" / "tiny-qwen3-moe",
+          "dsv3-1.7b": REPO / "recipes" / "models" / "dsv3-1.7b-random"}
 
 
 def run(tree: Path, args, paged: bool = False, graphs: bool = False) -> dict[int, tuple[float, float]]:

@@ -15,8 +15,14 @@ token), the median decode step, and the ratios; then how many sequences' first (
 token is the same as ``sdpa``'s and, over those, the largest gap between its logprobs (bf16
 through 16 layers and 24k keys: near-ties of random weights may pick other tokens).
 
+``--model dsv3-1.7b`` takes DeepSeek-V3's attention instead (recipes/models/dsv3-1.7b-random: MLA with
+DeepSeek-V3's 512 + 64 latent, 16 heads, an MoE of 32 experts; random weights). Its layers attend in
+latent form, outside the varlen path, so its arms are ``gather`` (paged_decode off: each decode's
+context gathered from the cache, padded to the longest), ``paged`` and ``graphs``.
+
     python bench/paged_attention.py                       # 8 sequences of 24k tokens, 32 decode steps
     python bench/paged_attention.py --seqs 32 --context 8192
+    python bench/paged_attention.py --model dsv3-1.7b
 """
 
 import argparse
@@ -31,6 +37,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kv_cache import LLAMA, SHAPES  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
 
 from rlcli.infer.engine import NativeEngine  # noqa: E402
 from rlcli.models import DTYPES, load_model  # noqa: E402
@@ -69,14 +77,21 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=32, help="decode steps timed")
     p.add_argument("--chunk", type=int, default=8192, help="tokens per prefill step (max_num_batched_tokens)")
     p.add_argument("--kv-cache-mb", type=int, default=32768)
+    p.add_argument("--model", choices=["llama-1b", "dsv3-1.7b"], default="llama-1b")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/paged_attention.py measures the CUDA path: no CUDA device")
-    h, inter, layers, heads, kv, hd = SHAPES["1b"]
     d = Path(tempfile.mkdtemp())
-    (d / "config.json").write_text(json.dumps({
-        **LLAMA, "hidden_size": h, "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
-        "num_key_value_heads": kv, "head_dim": hd, "max_position_embeddings": args.context + args.steps + 64}))
+    longest = {"max_position_embeddings": args.context + args.steps + 64}
+    if args.model == "llama-1b":
+        h, inter, layers, heads, kv, hd = SHAPES["1b"]
+        cfg = {**LLAMA, "hidden_size": h, "intermediate_size": inter, "num_hidden_layers": layers,
+               "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd, **longest}
+        shape, arms = "1B Llama shape", ("sdpa", "varlen", "paged", "graphs")
+    else:
+        cfg = {**json.loads((REPO / "recipes" / "models" / "dsv3-1.7b-random" / "config.json").read_text()), **longest}
+        shape, arms = "DeepSeek-V3 MLA (dsv3-1.7b-random)", ("gather", "paged", "graphs")
+    (d / "config.json").write_text(json.dumps(cfg))
     model = load_model(d, device=torch.device("cuda"), dtype=DTYPES["bfloat16"], seed=0)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (args.context,), generator=g).tolist() for _ in range(args.seqs)]
@@ -84,17 +99,19 @@ def main() -> None:
     # Warm-up: kernels, allocator (the paged decode kernel compiles in the engine's own warm_up, at construction)
     run_arm(model, args, [p[:2048] for p in prompts[:2]])
     results = {}
-    for arm in ("sdpa", "varlen", "paged", "graphs"):
+    for arm in arms:
         PagedAttention._use_varlen = (lambda self, *a: False) if arm == "sdpa" else varlen_gate
         results[arm] = run_arm(model, args, prompts, paged_decode=arm in ("paged", "graphs"),
                                cuda_graphs=arm == "graphs")
     PagedAttention._use_varlen = varlen_gate
-    print(f"# paged attention, {args.seqs} sequences x {args.context} prompt tokens, 1B Llama shape, bf16, "
+    print(f"# paged attention, {args.seqs} sequences x {args.context} prompt tokens, {shape}, bf16, "
           f"{torch.cuda.get_device_name()}")
     print(f"{'arm':8} {'prefill s':>10} {'decode step ms':>15}")
     for arm, r in results.items():
         print(f"{arm:8} {r['prefill_s']:10.2f} {r['decode_step_s'] * 1e3:15.1f}")
-    for name, base in (("varlen", "sdpa"), ("paged", "sdpa"), ("paged", "varlen"), ("graphs", "paged")):
+    pairs = ((("varlen", "sdpa"), ("paged", "sdpa"), ("paged", "varlen"), ("graphs", "paged")) if "sdpa" in arms
+             else (("paged", "gather"), ("graphs", "paged")))
+    for name, base in pairs:
         v, b = results[name], results[base]
         same = [k for k in b["first"] if b["first"][k][0] == v["first"][k][0]]
         gap = max((abs(b["first"][k][1] - v["first"][k][1]) for k in same), default=float("nan"))

@@ -26,6 +26,8 @@ A graph fixes at capture what a step would vary, and each step is fitted to it:
 
 An MoE model's graphs record every row's experts (R3) in every replay (the routed experts' GEMMs are
 torch's grouped GEMM, which reads its offsets on the device); the engine keeps them where asked for.
+MLA models' graphs attend in latent form through the same kernel (one K/V head: the latent and the
+rotary key; the value a view of the latent).
 Prefill chunks, mixed steps and steps larger than the largest size run eagerly, as do engines the
 graphs do not cover (:func:`unsupported`).
 """
@@ -66,8 +68,8 @@ def unsupported(model: torch.nn.Module, *, paged_decode: bool, batch_invariant: 
     param = next(model.parameters())
     if args.is_moe and not _grouped_kernel(param.device, param.dtype):
         return "MoE experts without torch's grouped GEMM (on CUDA: bf16) run one by one from host-side counts"
-    if args.kv_lora_rank or args.is_dsa:
-        return "MLA and DSA layers are not graphed yet"
+    if args.is_dsa:
+        return "DSA's indexer sizes its top-k on the host by the longest context"
     if any(p.dtype.itemsize == 1 for p in model.parameters()):
         return "FP8 weights are not graphed yet"
     try:
@@ -109,7 +111,10 @@ class DecodeGraphs:
         # buffers, padding and span counts, no graph.
         self.eager = dev.type != "cuda"
         a = model.args
-        self._heads = (a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.head_dim)
+        # The decode kernel's (query heads, K/V heads, key width, value width): MLA attends in latent
+        # form, its one K/V head the latent and rotary key, its value the latent.
+        self._heads = ((a.num_attention_heads, 1, a.kv_lora_rank + a.qk_rope_head_dim, a.kv_lora_rank)
+                       if a.kv_lora_rank else (a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.head_dim))
         # (size, span count) -> (graph, its hidden states, its routes or None)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
         self.moe = [m for m in model.modules() if isinstance(m, MoE)]  # their routes recorded in every graph

@@ -147,18 +147,23 @@ class PagedAttention(nn.Module):
         meta = self.meta
         if self.batch_invariant and on_kernels(q_NHD):
             return self._invariant_kernel(q_NHD, k_cache, v_cache, scale)
-        paged = (self.paged_decode and bool(meta.num_decode) and not self.batch_invariant
-                 and _paged_decode_for(q_NHD) is not None)
+        paged = self.decodes_in_place(q_NHD)
         if self._use_varlen(q_NHD, k_cache, v_cache):
             return self._varlen(q_NHD, k_cache, v_cache, scale, paged)
         outs = []
         if paged:
-            outs.append(self._paged_decode(q_NHD[:meta.num_decode], k_cache, v_cache, scale))
+            outs.append(self.paged_decode_step(q_NHD[:meta.num_decode], k_cache, v_cache, scale))
         elif meta.num_decode:
             outs.append(self._decode(q_NHD[:meta.num_decode], k_cache, v_cache, scale))
         for i in range(meta.num_decode, len(meta.context_lens)):
             outs.append(self._prefill(i, q_NHD, k_cache, v_cache, scale))
         return torch.cat(outs, dim=0)
+
+    def decodes_in_place(self, q_NHD: torch.Tensor) -> bool:
+        """Whether this step's decodes run :meth:`paged_decode_step`: the engine's ``paged_decode``,
+        some decodes, not the batch-invariant order, and the kernel available for ``q``'s device."""
+        return (self.paged_decode and bool(self.meta.num_decode) and not self.batch_invariant
+                and _paged_decode_for(q_NHD) is not None)
 
     def _use_varlen(self, q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
         """Whether this step runs :meth:`_varlen`: flash kernels (CUDA, half precision, one
@@ -166,8 +171,8 @@ class PagedAttention(nn.Module):
         return (q_NHD.is_cuda and q_NHD.dtype in (torch.float16, torch.bfloat16) and not self.batch_invariant
                 and q_NHD.shape[-1] == k_cache.shape[-1] == v_cache.shape[-1] and _varlen_attn() is not None)
 
-    def _paged_decode(self, q_SHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      scale: float) -> torch.Tensor:
+    def paged_decode_step(self, q_SHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          scale: float) -> torch.Tensor:
         """The decodes by :func:`rlcli.ops.paged_decode.paged_decode`, reading the cache in place."""
         meta = self.meta
         if meta._decode_lens is None:  # one copy per step, shared by every layer, with the longest
@@ -196,7 +201,7 @@ class PagedAttention(nn.Module):
         if meta._varlen_plan is None:
             meta._varlen_plan = self._plan_varlen(q_NHD.device, q_NHD.shape[1] // k_cache.shape[2], paged)
         slots, decodes, prefills = meta._varlen_plan
-        outs = [self._paged_decode(q_NHD[:meta.num_decode], k_cache, v_cache, scale)] if paged else []
+        outs = [self.paged_decode_step(q_NHD[:meta.num_decode], k_cache, v_cache, scale)] if paged else []
         if paged and prefills is None:
             return outs[0]
         k = k_cache.view(-1, *k_cache.shape[2:]).index_select(0, slots)

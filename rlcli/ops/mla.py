@@ -378,7 +378,8 @@ def paged_latent_attention(attn: PagedAttention, layer_idx: int, q_NHL: torch.Te
     own indexer, ``index_cache [blocks, block_size, 1, Di]``. ``indexer`` is ``(q [N, Hi, Di],
     w [N, Hi], k [N, Di], topk, scale)`` for such a layer; a layer that shares an earlier
     layer's choice passes that layer's ``selection`` instead. The decoding sequences (one
-    query each) are attended in one padded batch, prefill chunks one by one; a DSA layer reads
+    query each) are attended in one batch (dense MLA with the engine's ``paged_decode``: the paged
+    decode kernel, one latent K/V head read in place; else padded and gathered), prefill chunks one by one; a DSA layer reads
     only its chosen tokens, by cache slot, with the training kernel (the Triton one on CUDA). Returns
     ``(out [N, H, value_dim], selection)``: (the decode batch's, [each prefill's]) (token
     indices, valid), or None for dense MLA.
@@ -401,7 +402,9 @@ def paged_latent_attention(attn: PagedAttention, layer_idx: int, q_NHL: torch.Te
     attend_chosen = None if not sparse else dsa_triton.sparse_attention if sparse_kernel(kv_flat, value_dim) \
         else invariant_sparse_attention if inv else sparse_latent_attention
     D, outs, decode_sel, prefill_sel = meta.num_decode, [], None, []
-    if D:
+    if D and not sparse and attn.decodes_in_place(q_NHL):  # dense MLA: the paged decode kernel, the cache in place
+        outs.append(attn.paged_decode_step(q_NHL[:D], caches[0], caches[0][..., :value_dim], scale))
+    elif D:
         lens = meta.context_lens[:D]
         pos_L = torch.arange(max(lens), device=kv_flat.device)
         hi_D = torch.tensor(lens, device=kv_flat.device) - 1

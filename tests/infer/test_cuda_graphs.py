@@ -38,6 +38,12 @@ def test_under_the_interpreter():
 
 MOE = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
            moe_intermediate_size=32, norm_topk_prob=True)
+# DeepSeek-V3's layout: MLA in every layer, a dense first layer and an MoE second (grouped routing).
+MLA = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", num_key_value_heads=4,
+           moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+           first_k_dense_replace=1, n_shared_experts=1, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16,
+           qk_rope_head_dim=8, v_head_dim=16, routed_scaling_factor=2.5)
+ARCHS = {"dense": {}, "moe": MOE, "mla": MLA}
 
 
 def test_capture_sizes():
@@ -51,6 +57,10 @@ def test_capture_sizes():
 def test_what_cannot_be_graphed_is_named(monkeypatch, tmp_path):
     dense = load_model(write_tiny_model(tmp_path / "d"), seed=0)
     moe = load_model(write_tiny_model(tmp_path / "m", **MOE), seed=0)
+    mla = load_model(write_tiny_model(tmp_path / "mla", **MLA), seed=0)
+    dsa = load_model(write_tiny_model(tmp_path / "dsa", **dict(MLA, architectures=["DeepseekV32ForCausalLM"],
+                                                                 model_type="deepseek_v32", index_topk=5,
+                                                                 index_n_heads=8, index_head_dim=16)), seed=0)
 
     def why(model, **kw):
         return cuda_graphs.unsupported(model, **{"paged_decode": True, "batch_invariant": False, "role": "mixed", **kw})
@@ -63,7 +73,8 @@ def test_what_cannot_be_graphed_is_named(monkeypatch, tmp_path):
     monkeypatch.setattr(cuda_graphs, "_grouped_kernel", lambda device, dtype: False)  # experts one by one
     assert "MoE" in why(moe)
     monkeypatch.setattr(cuda_graphs, "_grouped_kernel", lambda device, dtype: True)
-    assert why(moe) == why(dense)
+    assert why(moe) == why(dense) == why(mla)
+    assert "DSA" in why(dsa)
     assert "batch_invariant" in why(dense, batch_invariant=True)
     assert "paged_decode" in why(dense, paged_decode=False)
     assert "prefill" in why(dense, role="prefill")
@@ -80,25 +91,27 @@ def test_the_engine_says_how_it_decodes(tmp_path):
         assert NativeEngine(model, eos_token_ids=[], max_model_len=64).decode_mode == "eager (not on CUDA)"
 
 
-@pytest.mark.parametrize("arch", ["dense", "moe"])
+@pytest.mark.parametrize("arch", sorted(ARCHS))
 @torch.no_grad()
 def test_replayed_decodes_match_the_eager_forward(arch, monkeypatch, tmp_path):
     """Three decodes (contexts of 1, 17 and 1,100 keys: the long one split in two on an H100's 132
     SMs) replayed at size 4: the logits (and an MoE's routes) of the eager paged forward of the same
     three plus the padding row, the same keys and values written to their slots, the padding row's
-    only in the scratch block. The MoE runs in bf16 on CUDA (torch's grouped GEMM)."""
+    only in the scratch block. MLA attends in latent form (one cache tensor per layer). The MoE
+    models run in bf16 on CUDA (torch's grouped GEMM)."""
     device = _device()
     from rlcli.ops import paged_decode
     from rlcli.ops.attention import ForwardContext, PagedAttention, PagedAttentionMetadata, RoutingContext
 
     monkeypatch.setattr(paged_decode, "_num_sms", lambda device: 132)
-    dtype = torch.bfloat16 if arch == "moe" and device == "cuda" else torch.float32
-    model = load_model(write_tiny_model(tmp_path / "m", **(MOE if arch == "moe" else {})), seed=3)
+    model = load_model(write_tiny_model(tmp_path / "m", **ARCHS[arch]), seed=3)
+    moe = model.args.is_moe
+    dtype = torch.bfloat16 if moe and device == "cuda" else torch.float32
     model = model.to(device, dtype).eval()
     a, bs, num_blocks = model.args, 8, 160
     g = torch.Generator().manual_seed(0)
-    caches = [tuple(torch.randn(num_blocks + 1, bs, a.num_key_value_heads, a.head_dim, generator=g).to(device, dtype)
-                    for _ in range(2)) for _ in range(a.num_hidden_layers)]
+    caches = [tuple(torch.randn(num_blocks + 1, bs, heads, dim, generator=g).to(device, dtype) for heads, dim in spec)
+              for spec in model.kv_cache_spec()]
     graphs = cuda_graphs.DecodeGraphs(model, caches, block_size=bs, max_model_len=1200, max_num_seqs=6,
                                       scratch_block=num_blocks)
     assert graphs.sizes == [1, 2, 4, 6]
@@ -119,7 +132,7 @@ def test_replayed_decodes_match_the_eager_forward(arch, monkeypatch, tmp_path):
 
     logits, routes = graphs.run(ids.numpy(), pos.numpy(), slots.numpy(), lens, tables.numpy())
     logits, routes = logits.clone(), routes.clone() if routes is not None else None
-    assert (routes is not None) == (arch == "moe")
+    assert (routes is not None) == moe
     graphed = [[c.clone() for c in layer] for layer in caches]
     for layer, saved in zip(caches, before):  # the eager forward writes the same slots again
         for c, s in zip(layer, saved):
@@ -132,7 +145,7 @@ def test_replayed_decodes_match_the_eager_forward(arch, monkeypatch, tmp_path):
                                   query_start=[0, 1, 2, 3, 4], context_lens=lens + [1],
                                   block_tables=pad_tables.to(device), block_size=bs, num_decode=4,
                                   block_tables_host=pad_tables.numpy())
-    routing = RoutingContext(record=True) if arch == "moe" else None
+    routing = RoutingContext(record=True) if moe else None
     ctx = ForwardContext(attn=PagedAttention(caches, meta, paged_decode=True), routing=routing)
     hidden = model.hidden_states(torch.cat([ids, torch.tensor([0])])[None].to(device),
                                  torch.cat([pos, torch.tensor([0])])[None].to(device), ctx)[0]
@@ -141,7 +154,7 @@ def test_replayed_decodes_match_the_eager_forward(arch, monkeypatch, tmp_path):
     assert torch.allclose(logits.float(), want.float(), atol=tol, rtol=tol), (logits - want).abs().max()
     if routing is not None:
         assert torch.equal(routes, routing.stacked()[:3])
-        assert routes.shape == (3, a.num_hidden_layers, a.num_experts_per_tok)
+        assert routes.shape == (3, len(graphs.moe), a.num_experts_per_tok)
     written = torch.zeros(num_blocks + 1, bs, dtype=torch.bool)
     written.view(-1)[slots] = True
     for layer_g, layer_e, layer_0 in zip(graphed, caches, before):
@@ -201,15 +214,17 @@ def test_engine_with_graphs_generates_what_it_does_eagerly(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs")
+@pytest.mark.parametrize("arch", ["moe", "mla"])
 @torch.no_grad()
-def test_moe_engine_graphs_record_routes(tmp_path):
-    """A bf16 MoE engine on CUDA replays its decode steps and still returns every token's experts
-    (R3): the routes of requests that ask for them cover every token, with two distinct experts each,
-    and the prompt's (computed eagerly) are those of an engine without graphs."""
+def test_moe_engine_graphs_record_routes(arch, tmp_path):
+    """A bf16 MoE engine on CUDA (Qwen3-MoE's GQA, DeepSeek-V3's MLA) replays its decode steps and
+    still returns every token's experts (R3): the routes of requests that ask for them cover every
+    token, with two distinct experts each, and the prompt's (computed eagerly) are those of an engine
+    without graphs."""
     from rlcli.infer.engine import NativeEngine
     from rlcli.protocol import GenerateRequest, SamplingParams
 
-    model = load_model(write_tiny_model(tmp_path / "m", **MOE), seed=3).to("cuda", torch.bfloat16).eval()
+    model = load_model(write_tiny_model(tmp_path / "m", **ARCHS[arch]), seed=3).to("cuda", torch.bfloat16).eval()
     assert cuda_graphs.unsupported(model, paged_decode=True, batch_invariant=False, role="mixed") is None
 
     def run(graphs: bool) -> tuple[dict, NativeEngine]:
@@ -231,6 +246,6 @@ def test_moe_engine_graphs_record_routes(tmp_path):
         prompt_len = r.num_prompt_tokens
         for c, c_eager in zip(r.completions, eager[rid].completions):
             routes = c.routed_experts.numpy()
-            assert routes.shape == (prompt_len + 10 - 1, 2, 2)
+            assert routes.shape == (prompt_len + 10 - 1, len(engine.graphs.moe), 2)
             assert routes.min() >= 0 and routes.max() < 8 and (routes[:, :, 0] != routes[:, :, 1]).all()
             assert (routes[:prompt_len] == c_eager.routed_experts.numpy()[:prompt_len]).all()
