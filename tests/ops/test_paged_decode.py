@@ -59,8 +59,9 @@ def reference(q, k_cache, v_cache, tables, lens, scale):
 
 
 # (query heads, K/V heads, key width, value width): grouped heads; MLA's latent (one K/V head, the
-# value a view of the key's first features); more heads than one program holds (they split).
-SHAPES = [(4, 2, 16, 16), (8, 1, 24, 16), (40, 1, 80, 64)]
+# value a view of the key's first features); more heads than one program holds (they split);
+# DeepSeek-V3's latent (512 + 64 rotary, as the engine decodes dense MLA).
+SHAPES = [(4, 2, 16, 16), (8, 1, 24, 16), (40, 1, 80, 64), (16, 1, 576, 512)]
 LENS = [1, 17, 100, 33, 250]  # one key; a block and one; several tiles
 
 
