@@ -73,10 +73,21 @@ def unsupported(model: torch.nn.Module, *, paged_decode: bool, batch_invariant: 
     if any(p.dtype.itemsize == 1 for p in model.parameters()):
         return "FP8 weights are not graphed yet"
     try:
-        from rlcli.ops import paged_decode as _  # noqa: F401
+        from rlcli.ops import paged_decode
     except (ImportError, OSError):
         return "the paged decode kernel needs Triton"
+    hq, hkv, d, dv = decode_heads(args)
+    if not paged_decode.fits(hq // hkv, d, dv, param.dtype):
+        return f"the paged decode kernel's tiles for {d}-wide keys do not fit in {param.dtype}"
     return None
+
+
+def decode_heads(args) -> tuple[int, int, int, int]:
+    """The decode kernel's (query heads, K/V heads, key width, value width) for a model: MLA attends
+    in latent form, its one K/V head the latent and rotary key, its value the latent."""
+    if args.kv_lora_rank:
+        return args.num_attention_heads, 1, args.kv_lora_rank + args.qk_rope_head_dim, args.kv_lora_rank
+    return args.num_attention_heads, args.num_key_value_heads, args.head_dim, args.head_dim
 
 
 def _grouped_kernel(device: torch.device, dtype: torch.dtype) -> bool:
@@ -110,11 +121,7 @@ class DecodeGraphs:
         # Elsewhere (tests under Triton's interpreter) run() calls the forward itself: the same
         # buffers, padding and span counts, no graph.
         self.eager = dev.type != "cuda"
-        a = model.args
-        # The decode kernel's (query heads, K/V heads, key width, value width): MLA attends in latent
-        # form, its one K/V head the latent and rotary key, its value the latent.
-        self._heads = ((a.num_attention_heads, 1, a.kv_lora_rank + a.qk_rope_head_dim, a.kv_lora_rank)
-                       if a.kv_lora_rank else (a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.head_dim))
+        self._heads = decode_heads(model.args)
         # (size, span count) -> (graph, its hidden states, its routes or None)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
         self.moe = [m for m in model.modules() if isinstance(m, MoE)]  # their routes recorded in every graph

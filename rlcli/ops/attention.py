@@ -147,7 +147,7 @@ class PagedAttention(nn.Module):
         meta = self.meta
         if self.batch_invariant and on_kernels(q_NHD):
             return self._invariant_kernel(q_NHD, k_cache, v_cache, scale)
-        paged = self.decodes_in_place(q_NHD)
+        paged = self.decodes_in_place(q_NHD, k_cache, v_cache)
         if self._use_varlen(q_NHD, k_cache, v_cache):
             return self._varlen(q_NHD, k_cache, v_cache, scale, paged)
         outs = []
@@ -159,11 +159,15 @@ class PagedAttention(nn.Module):
             outs.append(self._prefill(i, q_NHD, k_cache, v_cache, scale))
         return torch.cat(outs, dim=0)
 
-    def decodes_in_place(self, q_NHD: torch.Tensor) -> bool:
+    def decodes_in_place(self, q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
         """Whether this step's decodes run :meth:`paged_decode_step`: the engine's ``paged_decode``,
-        some decodes, not the batch-invariant order, and the kernel available for ``q``'s device."""
-        return (self.paged_decode and bool(self.meta.num_decode) and not self.batch_invariant
-                and _paged_decode_for(q_NHD) is not None)
+        some decodes, not the batch-invariant order, and the kernel available for ``q``'s device and
+        its tiles fitting these head widths (fp32 at MLA's latent width does not)."""
+        if not (self.paged_decode and self.meta.num_decode and not self.batch_invariant):
+            return False
+        kernel = _paged_decode_for(q_NHD)
+        return kernel is not None and kernel.fits(q_NHD.shape[1] // k_cache.shape[2], q_NHD.shape[-1],
+                                                  v_cache.shape[-1], q_NHD.dtype)
 
     def _use_varlen(self, q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
         """Whether this step runs :meth:`_varlen`: flash kernels (CUDA, half precision, one

@@ -402,8 +402,9 @@ def paged_latent_attention(attn: PagedAttention, layer_idx: int, q_NHL: torch.Te
     attend_chosen = None if not sparse else dsa_triton.sparse_attention if sparse_kernel(kv_flat, value_dim) \
         else invariant_sparse_attention if inv else sparse_latent_attention
     D, outs, decode_sel, prefill_sel = meta.num_decode, [], None, []
-    if D and not sparse and attn.decodes_in_place(q_NHL):  # dense MLA: the paged decode kernel, the cache in place
-        outs.append(attn.paged_decode_step(q_NHL[:D], caches[0], caches[0][..., :value_dim], scale))
+    latent_v = caches[0][..., :value_dim]
+    if D and not sparse and attn.decodes_in_place(q_NHL, caches[0], latent_v):  # dense MLA: the kernel, in place
+        outs.append(attn.paged_decode_step(q_NHL[:D], caches[0], latent_v, scale))
     elif D:
         lens = meta.context_lens[:D]
         pos_L = torch.arange(max(lens), device=kv_flat.device)

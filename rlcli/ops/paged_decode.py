@@ -162,6 +162,18 @@ def _tiles(G: int, D: int, Dv: int, dtype: torch.dtype) -> tuple[int, int, int, 
     return BG, BD, BDV, BN
 
 
+SHARED_MEMORY_BYTES = 192 * 1024
+"""What a program's tiles may take (the query's, and two stages of keys and values): an H100's or
+H200's SM has 227 KB. DeepSeek-V3's latent (576 key, 512 value features) fits in bf16 (131 KB);
+in fp32 it would take 262 KB and does not compile."""
+
+
+def fits(G: int, D: int, Dv: int, dtype: torch.dtype) -> bool:
+    """Whether the kernel's tiles for these head widths fit in an SM's shared memory."""
+    BG, BD, BDV, BN = _tiles(G, D, Dv, dtype)
+    return (BG * BD + 2 * BN * (BD + BDV)) * dtype.itemsize <= SHARED_MEMORY_BYTES
+
+
 def _trim(num_splits: int, max_context_len: int, BN: int, min_span: int) -> int:
     """No span wholly past every context: as many as the longest one fills, cut as the kernel cuts it."""
     span = max(triton.cdiv(triton.cdiv(max_context_len, num_splits), BN) * BN, min_span)

@@ -74,6 +74,8 @@ def test_kernel_matches_a_float64_reference(dtype, shape, splits):
     fill fewer: their spans past the context are empty and merge to nothing)."""
     K = _kernels()
     hq, hkv, d, dv = shape
+    if not K.fits(hq // hkv, d, dv, dtype):
+        pytest.skip("these tiles do not fit (test_the_tiles_that_do_not_fit_are_refused): the engine's eager path")
     g = torch.Generator().manual_seed(0)
     num_blocks, bs = 48, 16
     k_cache = torch.randn(num_blocks, bs, hkv, d, generator=g).to(DEVICE, dtype)
@@ -94,6 +96,24 @@ def test_kernel_matches_a_float64_reference(dtype, shape, splits):
     tol = 1e-5 if dtype == torch.float32 else 2 ** -6 * ref.abs().max().item()  # bf16: the output's rounding
     assert out.shape == (len(LENS), hq, dv) and out.dtype == dtype
     assert (out.double() - ref).abs().max().item() <= tol
+
+
+def test_the_tiles_that_do_not_fit_are_refused(tmp_path):
+    """DeepSeek-V3's latent fits the kernel in bf16 and not in fp32 (262 KB of tiles: it does not compile
+    on an H100/H200), so an fp32 engine decodes that MLA on the eager path, and is not graphed."""
+    K = _kernels()
+    assert K.fits(16, 576, 512, torch.bfloat16) and not K.fits(16, 576, 512, torch.float32)
+    assert all(K.fits(hq // hkv, d, dv, torch.float32) for hq, hkv, d, dv in SHAPES[:3])
+    from rlcli.ops.attention import PagedAttention, PagedAttentionMetadata
+
+    meta = PagedAttentionMetadata(slot_mapping=torch.zeros(1, dtype=torch.int64), query_start=[0, 1],
+                                  context_lens=[1], block_tables=torch.zeros(1, 1, dtype=torch.int64), block_size=16,
+                                  num_decode=1)
+    attn = PagedAttention([], meta, paged_decode=True)
+    cache = torch.zeros(2, 16, 1, 576, device=DEVICE)
+    q = torch.zeros(1, 16, 576, device=DEVICE)
+    assert not attn.decodes_in_place(q, cache, cache[..., :512])
+    assert attn.decodes_in_place(q.bfloat16(), cache.bfloat16(), cache.bfloat16()[..., :512])
 
 
 def test_keys_split_only_where_the_programs_would_not_fill_the_gpu(monkeypatch):
