@@ -48,8 +48,9 @@ class NativeEngineConfig(EngineBase, tag="native"):
     """On CUDA, replay decode-only steps as CUDA graphs captured at start (rlcli/infer/cuda_graphs.py):
     one launch for the whole forward instead of one per kernel, at batch sizes up to max_num_seqs (at most
     512). GQA and MLA models with paged_decode on: dense ones in bf16/fp16/fp32, MoE ones where torch's
-    grouped GEMM runs (bf16 on CUDA), recording routes for R3; DSA, FP8 weights and
-    model.batch_invariant run eagerly. False runs every step eagerly (faster start)."""
+    grouped GEMM runs (bf16 on CUDA), recording routes for R3; DSA, FP8 weights, head widths whose
+    kernel tiles do not fit (DeepSeek-V3's MLA latent in fp32) and model.batch_invariant run eagerly.
+    False runs every step eagerly (faster start)."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
