@@ -473,8 +473,10 @@ class NativeEngine(SharedKVMixin):
         # A decode-only step samples every row once, in order, with the same settings throughout:
         # then nothing needs indexing or a copy to the device.
         row_logits = logits if rows == list(range(len(batch))) else logits[torch.tensor(rows, device=dev)]
+        greedy = sum(t <= 0 for t in temps)
         tokens, logprobs = sample(row_logits, _per_row(temps, dev), _per_row(top_ps, dev), self.generator, row_gens,
-                                  any_top_p=any(p < 1 for p in top_ps))
+                                  any_top_p=any(p < 1 for p in top_ps),
+                                  greedy_rows="none" if not greedy else "all" if greedy == len(temps) else None)
         if self.batch_invariant:
             logprobs = self._trainer_logprobs(row_logits, tokens, logprobs, temps, top_ps)
         tokens, logprobs = tokens.tolist(), logprobs.tolist()

@@ -24,12 +24,16 @@ from rlcli.ops.batch_invariant import row_cumsum
 def sample(logits_SV: torch.Tensor, temperature_S: torch.Tensor, top_p_S: torch.Tensor,
            generator: torch.Generator | None = None,
            row_generators: dict[int, torch.Generator] | None = None,
-           any_top_p: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           any_top_p: bool | None = None, greedy_rows: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens [S] (int64) and their logprobs [S] (float32). ``any_top_p``: whether some row has
     ``top_p < 1`` (the caller knows it from the requests); left None, it is read from ``top_p_S``,
-    which costs one host sync."""
+    which costs one host sync. ``greedy_rows``: ``"all"`` or ``"none"`` where the caller knows that
+    every row, or none, has temperature 0 (then the draw, or the argmax, is skipped); None: either."""
     logits = logits_SV.float()
     greedy = temperature_S <= 0
+    if greedy_rows == "all":  # no draw: the argmax, and its logprob under log_softmax(logits)
+        tokens = logits.argmax(dim=-1)
+        return tokens, torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
     temp = torch.where(greedy, torch.ones_like(temperature_S), temperature_S).float()
     logprobs = torch.log_softmax(logits / temp[:, None], dim=-1)
     probs = logprobs.exp()
@@ -42,7 +46,7 @@ def sample(logits_SV: torch.Tensor, temperature_S: torch.Tensor, top_p_S: torch.
         u[row] = torch.rand(1, generator=gen, dtype=torch.float64, device=probs.device)
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)
     sampled = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
-    tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
+    tokens = sampled if greedy_rows == "none" else torch.where(greedy, logits.argmax(dim=-1), sampled)
     return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
 
 

@@ -11,6 +11,22 @@ def test_greedy_rows_and_sampled_rows_in_one_batch():
     assert torch.allclose(lps[0], torch.log_softmax(logits[0], -1)[1])
 
 
+def test_the_callers_greedy_hint_changes_nothing_but_the_work():
+    """``greedy_rows="all"`` (every row at temperature 0) gives the argmax and its logprob, as without the
+    hint, and draws nothing from the generator; ``"none"`` gives the same draws as without it."""
+    logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(5))
+    zero, one, top_p = torch.zeros(6), torch.ones(6), torch.tensor([1.0, 0.5, 1.0, 0.9, 1.0, 1.0])
+    for p in (torch.ones(6), top_p):
+        want = sample(logits, zero, p, torch.Generator().manual_seed(0))
+        gen = torch.Generator().manual_seed(0)
+        got = sample(logits, zero, p, gen, greedy_rows="all")
+        assert torch.equal(got[0], want[0]) and torch.allclose(got[1], want[1])
+        assert torch.equal(gen.get_state(), torch.Generator().manual_seed(0).get_state())
+        want = sample(logits, one, p, torch.Generator().manual_seed(1))
+        got = sample(logits, one, p, torch.Generator().manual_seed(1), greedy_rows="none")
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_sampling_follows_the_distribution():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     logits = probs.log().expand(20000, 4).contiguous()
