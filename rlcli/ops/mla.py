@@ -378,9 +378,10 @@ def paged_latent_attention(attn: PagedAttention, layer_idx: int, q_NHL: torch.Te
     own indexer, ``index_cache [blocks, block_size, 1, Di]``. ``indexer`` is ``(q [N, Hi, Di],
     w [N, Hi], k [N, Di], topk, scale)`` for such a layer; a layer that shares an earlier
     layer's choice passes that layer's ``selection`` instead. The decoding sequences (one
-    query each) are attended in one batch (dense MLA with the engine's ``paged_decode``: the paged
-    decode kernel, one latent K/V head read in place; else padded and gathered), prefill chunks one by one; a DSA layer reads
-    only its chosen tokens, by cache slot, with the training kernel (the Triton one on CUDA). Returns
+    query each) are attended in one batch (dense MLA with the engine's ``paged_decode``: the
+    paged decode kernel, one latent K/V head read in place; else padded and gathered), prefill
+    chunks one by one; a DSA layer reads only its chosen tokens, by cache slot, with the training
+    kernel (the Triton one on CUDA). Returns
     ``(out [N, H, value_dim], selection)``: (the decode batch's, [each prefill's]) (token
     indices, valid), or None for dense MLA.
     """

@@ -168,6 +168,7 @@ H200's SM has 227 KB. DeepSeek-V3's latent (576 key, 512 value features) fits in
 in fp32 it would take 262 KB and does not compile."""
 
 
+@functools.lru_cache(maxsize=None)  # asked by every layer of every eager step
 def fits(G: int, D: int, Dv: int, dtype: torch.dtype) -> bool:
     """Whether the kernel's tiles for these head widths fit in an SM's shared memory."""
     BG, BD, BDV, BN = _tiles(G, D, Dv, dtype)
