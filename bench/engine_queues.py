@@ -15,8 +15,9 @@ by field (every ``seq in self.running`` was a deep compare: O(running^2) work pe
 import argparse
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+from _baseline import baseline_tree
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -65,24 +66,13 @@ def main() -> None:
     args = p.parse_args()
     if args.smoke:
         args.prompts, args.n, args.repeats = 4, 4, 1
-    with tempfile.TemporaryDirectory() as tmp:
-        base = REPO
-        if not args.smoke:
-            base = Path(tmp) / "baseline"
-            subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-f", str(base), args.baseline],
-                           check=True, capture_output=True)
-        try:
-            best = {"baseline": float("inf"), "tree": float("inf")}
-            for _ in range(args.repeats):
-                for arm, tree in (("baseline", base), ("tree", REPO)):
-                    seconds, steps = run(tree, args.prompts, args.n, args.tokens)
-                    best[arm] = min(best[arm], seconds)
-                    print(f"{arm:<9} {seconds:7.3f} s  ({steps} engine steps)", flush=True)
-        finally:
-            if base != REPO:
-                subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(base)],
-                               capture_output=True)
-    label = "working tree" if args.smoke else args.baseline
+    with baseline_tree(args.baseline, same=args.smoke) as (base, label):
+        best = {"baseline": float("inf"), "tree": float("inf")}
+        for _ in range(args.repeats):
+            for arm, tree in (("baseline", base), ("tree", REPO)):
+                seconds, steps = run(tree, args.prompts, args.n, args.tokens)
+                best[arm] = min(best[arm], seconds)
+                print(f"{arm:<9} {seconds:7.3f} s  ({steps} engine steps)", flush=True)
     print(f"{args.prompts} prompts x {args.n} x {args.tokens} tokens: baseline ({label}) {best['baseline']:.3f} s, "
           f"working tree {best['tree']:.3f} s: {best['baseline'] / best['tree']:.2f}x")
 
