@@ -14,6 +14,8 @@ the arms alternating ``--repeats`` times; the best time per concurrency counts.
     python bench/engine_decode.py --device cuda --paged-decode --baseline-tree .  # the paged decode kernel against the eager path
     python bench/engine_decode.py --device cuda --dtype bfloat16 --cuda-graphs --baseline-tree . --model qwen3-0.6b
                                                                           # decode steps as CUDA graphs against eager ones
+    python bench/engine_decode.py --device cuda --dtype bfloat16 --fused-kernels --baseline-tree . --model qwen3-0.6b
+                                                                          # graphed steps with the fused kernels against without
 
 ``--model qwen3-0.6b`` takes Qwen3-0.6B's shapes (recipes/models/qwen3-0.6b-config, random weights) instead,
 ``--model tiny-qwen3-moe`` the MoE recipe's model (8 experts, top-2; graphs need bf16 for its grouped GEMMs),
@@ -33,8 +35,9 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+from _baseline import baseline_tree
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -51,7 +54,8 @@ max_model_len = int(sys.argv[8])
 # paged_decode (on by default since 2026-12-06) and cuda_graphs set either way where the tree's engine
 # has the keyword
 params = inspect.signature(NativeEngine).parameters
-extra = {k: v == "1" for k, v in (("paged_decode", sys.argv[6]), ("cuda_graphs", sys.argv[7])) if k in params}
+extra = {k: v == "1" for k, v in (("paged_decode", sys.argv[6]), ("cuda_graphs", sys.argv[7]),
+                                   ("fused_kernels", sys.argv[11])) if k in params}
 torch.set_num_threads(1)
 model = load_model(model_dir, seed=0).eval().to(device, dtype)
 r3 = sys.argv[10] == "1"
@@ -104,13 +108,14 @@ MODELS = {"micro-llama": REPO / "recipes" / "models" / "micro-llama",
           "dsv3-1.7b": REPO / "recipes" / "models" / "dsv3-1.7b-random"}
 
 
-def run(tree: Path, args, paged: bool = False, graphs: bool = False) -> dict[int, tuple[float, float]]:
+def run(tree: Path, args, paged: bool = False, graphs: bool = False, fused: bool = True) -> dict[int, tuple[float, float]]:
     # The tree first; then the caller's path, where packages carried to a machine may be (/tmp/site).
     env = {"PYTHONPATH": os.pathsep.join([str(tree), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]),
            "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", WORKLOAD, args.device, args.dtype, str(args.tokens),
                           str(MODELS[args.model]), args.concurrency, "1" if paged else "0", "1" if graphs else "0",
-                          str(args.max_model_len), "1" if args.host_only else "0", "1" if args.r3 else "0"],
+                          str(args.max_model_len), "1" if args.host_only else "0", "1" if args.r3 else "0",
+                          "1" if fused else "0"],
                          env=env, capture_output=True, text=True, cwd=tree)
     if out.returncode != 0:
         raise SystemExit(f"{tree}: {out.stderr[-2000:]}")
@@ -134,6 +139,10 @@ def main() -> None:
     p.add_argument("--cuda-graphs", action="store_true",
                    help="the tree's arm replays decode steps as CUDA graphs (infer.engine.cuda_graphs) and both "
                         "arms decode through the paged kernel; without it both arms run eagerly")
+    p.add_argument("--fused-kernels", action="store_true",
+                   help="both arms decode through the paged kernel and replay CUDA graphs (the defaults); the tree's "
+                        "arm runs the fused kernels (infer.engine.fused_kernels), the baseline's not. Without it "
+                        "both arms run them where their tree has them (the default)")
     p.add_argument("--model", choices=sorted(MODELS), default="micro-llama")
     p.add_argument("--max-model-len", type=int, default=128)
     p.add_argument("--host-only", action="store_true",
@@ -144,31 +153,21 @@ def main() -> None:
     args = p.parse_args()
     if args.smoke:
         args.device, args.concurrency, args.tokens, args.repeats = "cpu", "1,8", 8, 1
-    with tempfile.TemporaryDirectory() as tmp:
-        base, label = REPO, "working tree"
-        if args.baseline_tree is not None:
-            base, label = args.baseline_tree.resolve(), str(args.baseline_tree)
-        elif not args.smoke:
-            base, label = Path(tmp) / "baseline", args.baseline
-            subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-f", str(base), args.baseline],
-                           check=True, capture_output=True)
-        try:
-            best: dict[str, dict[int, float]] = {"baseline": {}, "tree": {}}
-            build: dict[str, dict[int, float]] = {"baseline": {}, "tree": {}}
-            for _ in range(args.repeats):
-                for arm, tree in (("baseline", base), ("tree", REPO)):
-                    paged = args.cuda_graphs or args.host_only or (args.paged_decode and arm == "tree")
-                    graphs = args.host_only or (args.cuda_graphs and arm == "tree")
-                    for c, (ms, secs) in run(tree, args, paged, graphs).items():
-                        best[arm][c] = min(best[arm].get(c, float("inf")), ms)
-                        build[arm][c] = min(build[arm].get(c, float("inf")), secs)
-        finally:
-            if base != REPO and args.baseline_tree is None:
-                subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(base)],
-                               capture_output=True)
+    with baseline_tree(args.baseline, args.baseline_tree, same=args.smoke) as (base, label):
+        best: dict[str, dict[int, float]] = {"baseline": {}, "tree": {}}
+        build: dict[str, dict[int, float]] = {"baseline": {}, "tree": {}}
+        for _ in range(args.repeats):
+            for arm, tree in (("baseline", base), ("tree", REPO)):
+                paged = args.cuda_graphs or args.host_only or args.fused_kernels or (args.paged_decode and arm == "tree")
+                graphs = args.host_only or args.fused_kernels or (args.cuda_graphs and arm == "tree")
+                fused = not args.fused_kernels or arm == "tree"
+                for c, (ms, secs) in run(tree, args, paged, graphs, fused).items():
+                    best[arm][c] = min(best[arm].get(c, float("inf")), ms)
+                    build[arm][c] = min(build[arm].get(c, float("inf")), secs)
     print(f"# native engine ({args.model}), ms per step, {args.device} {args.dtype}, {args.tokens} new tokens; "
           f"baseline: {label}" + ("; tree with paged_decode" if args.paged_decode else "")
           + ("; tree with cuda_graphs, both arms paged_decode" if args.cuda_graphs else "")
+          + ("; tree with fused_kernels, both arms cuda_graphs" if args.fused_kernels else "")
           + ("; host work only (fixed logits)" if args.host_only else "") + ("; routes returned (R3)" if args.r3 else ""))
     print(f"{'sequences':>9} {'baseline':>9} {'tree':>9} {'ratio':>7} {'build s (baseline, tree)':>26}")
     for c in sorted(best["tree"]):

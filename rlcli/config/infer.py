@@ -52,6 +52,13 @@ class NativeEngineConfig(EngineBase, tag="native"):
     kernel tiles do not fit (DeepSeek-V3's MLA latent in fp32) and model.batch_invariant run eagerly.
     False runs every step eagerly (faster start)."""
 
+    fused_kernels: bool = True
+    """On CUDA (where Triton imports), run the forward's RMSNorms with their residual adds, the rotary
+    embedding with Qwen3's query and key norms, and SwiGLU's gate as single Triton kernels
+    (rlcli/infer/fused_layers.py), in every step, graphed or not. They round where the torch modules
+    round; outputs can differ in the last bit where the fp32 sum of squares lands on a rounding edge.
+    Off under model.batch_invariant (its own kernels). Elsewhere it has no effect."""
+
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"infer.engine.block_size must be a power of two, got {self.block_size}")

@@ -103,10 +103,12 @@ class NativeEngine(SharedKVMixin):
     def __init__(self, model: CausalLM, *, eos_token_ids: list[int], max_model_len: int, block_size: int = 16,
                  kv_cache_memory_mb: int = 256, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  enable_prefix_caching: bool = True, version: int = 0, seed: int = 0, role: str = "mixed",
-                 batch_invariant: bool = False, paged_decode: bool = True, cuda_graphs: bool = True):
+                 batch_invariant: bool = False, paged_decode: bool = True, cuda_graphs: bool = True,
+                 fused_kernels: bool = True):
         self.runner = ModelRunner(model, max_model_len=max_model_len, block_size=block_size,
                                   kv_cache_memory_mb=kv_cache_memory_mb, max_num_seqs=max_num_seqs, role=role,
-                                  batch_invariant=batch_invariant, paged_decode=paged_decode, cuda_graphs=cuda_graphs)
+                                  batch_invariant=batch_invariant, paged_decode=paged_decode, cuda_graphs=cuda_graphs,
+                                  fused_kernels=fused_kernels)
         self.model = self.runner.model
         self.batch_invariant, self.paged_decode = batch_invariant, paged_decode
         self.device, self.dtype = self.runner.device, self.runner.dtype
@@ -162,7 +164,7 @@ class NativeEngine(SharedKVMixin):
                      max_num_batched_tokens=icfg.max_num_batched_tokens,
                      enable_prefix_caching=icfg.enable_prefix_caching, version=version,
                      seed=cfg.seed * 1000 + instance, role=icfg.role, batch_invariant=cfg.model.batch_invariant,
-                     paged_decode=ecfg.paged_decode, cuda_graphs=ecfg.cuda_graphs)
+                     paged_decode=ecfg.paged_decode, cuda_graphs=ecfg.cuda_graphs, fused_kernels=ecfg.fused_kernels)
         engine.kv = make_kv_connector(icfg.kv_cache, engine.block_meta(), engine.device)
         return engine
 

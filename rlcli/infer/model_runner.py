@@ -12,19 +12,21 @@ import numpy as np
 import torch
 
 from rlcli.infer.cuda_graphs import DecodeGraphs, unsupported
+from rlcli.infer.fused_layers import fuse_layers
 from rlcli.models import CausalLM
-from rlcli.ops.attention import ForwardContext, PagedAttention, PagedAttentionMetadata, RoutingContext
+from rlcli.ops.attention import _PAGED_ON_CPU, ForwardContext, PagedAttention, PagedAttentionMetadata, RoutingContext
 from rlcli.ops.batch_invariant import batch_invariant_setup, make_batch_invariant
 
 
 class ModelRunner:
     """``model`` (in eval mode) with a paged KV cache of ``kv_cache_memory_mb``: ``num_blocks``
     blocks for the engine's block manager, and with graphs one more, their padding rows' scratch
-    block. ``batch_invariant`` makes the model's numerics batch-invariant; ``paged_decode`` and
-    ``cuda_graphs`` are ``infer.engine``'s."""
+    block. ``batch_invariant`` makes the model's numerics batch-invariant; ``paged_decode``,
+    ``cuda_graphs`` and ``fused_kernels`` are ``infer.engine``'s."""
 
     def __init__(self, model: CausalLM, *, max_model_len: int, block_size: int, kv_cache_memory_mb: float,
-                 max_num_seqs: int, role: str, batch_invariant: bool, paged_decode: bool, cuda_graphs: bool):
+                 max_num_seqs: int, role: str, batch_invariant: bool, paged_decode: bool, cuda_graphs: bool,
+                 fused_kernels: bool = True):
         self.model = model.eval()
         self.batch_invariant = batch_invariant
         self.paged_decode = paged_decode  # decodes through rlcli.ops.paged_decode on CUDA
@@ -32,6 +34,11 @@ class ModelRunner:
             batch_invariant_setup(next(model.parameters()).device)
             make_batch_invariant(model)
         self.device = next(model.parameters()).device
+        # The elementwise work in fused kernels (rlcli.infer.fused_layers), or why not.
+        self.fused_off = ("off (infer.engine.fused_kernels)" if not fused_kernels else
+                          "model.batch_invariant has kernels of its own" if batch_invariant else
+                          "not on CUDA" if not (self.device.type == "cuda" or _PAGED_ON_CPU) else
+                          fuse_layers(model))
         self.dtype = next(model.parameters()).dtype
         self.max_model_len, self.block_size, self.max_num_seqs = max_model_len, block_size, max_num_seqs
         spec = model.kv_cache_spec()  # per layer: (heads, dim) of each cache tensor (K, V or MLA latent, ...)
@@ -63,10 +70,11 @@ class ModelRunner:
     def decode_mode(self) -> str:
         """How decode steps run: replayed graphs, or eagerly and why."""
         g = self.graphs
+        fused = "fused kernels" if self.fused_off is None else f"unfused ({self.fused_off})"
         if g is None:
-            return f"eager ({self.graphs_off})"
+            return f"eager ({self.graphs_off}), {fused}"
         return (f"CUDA graphs at {len(g.sizes)} batch sizes up to {g.max_size} ({len(g.graphs)} graphs with the "
-                f"span counts, captured in {g.capture_s:.1f}s)")
+                f"span counts, captured in {g.capture_s:.1f}s), {fused}")
 
     def close(self) -> None:
         self.graphs = None

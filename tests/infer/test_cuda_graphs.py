@@ -85,14 +85,19 @@ def test_what_cannot_be_graphed_is_named(monkeypatch, tmp_path):
 
 
 def test_the_engine_says_how_it_decodes(tmp_path):
-    """rl-infer logs NativeEngine.decode_mode on a GPU: graphs, or eager and why."""
+    """rl-infer logs NativeEngine.decode_mode on a GPU: graphs, or eager and why; fused kernels, or
+    unfused and why."""
     from rlcli.infer.engine import NativeEngine
 
     model = load_model(write_tiny_model(tmp_path / "m"), seed=0)
-    off = NativeEngine(model, eos_token_ids=[], max_model_len=64, cuda_graphs=False)
-    assert off.graphs is None and off.decode_mode == "eager (off (infer.engine.cuda_graphs))"
+    off = NativeEngine(model, eos_token_ids=[], max_model_len=64, cuda_graphs=False, fused_kernels=False)
+    assert off.graphs is None
+    assert off.decode_mode == "eager (off (infer.engine.cuda_graphs)), unfused (off (infer.engine.fused_kernels))"
+    assert not any(type(m).__name__.startswith("Fused") for m in model.modules())
     if not torch.cuda.is_available():
-        assert NativeEngine(model, eos_token_ids=[], max_model_len=64).decode_mode == "eager (not on CUDA)"
+        mode = NativeEngine(model, eos_token_ids=[], max_model_len=64).decode_mode
+        assert mode.startswith("eager (not on CUDA), ")
+        assert mode.endswith("fused kernels" if ON_CPU else "unfused (not on CUDA)")
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))

@@ -1,0 +1,143 @@
+"""The native engine's fused layers (``infer.engine.fused_kernels``): the zoo's modules with their
+elementwise work in the kernels of :mod:`rlcli.ops.fused_kernels`, swapped in from outside.
+
+:func:`fuse_layers` changes the class of a model's modules in place (their parameters, buffers
+and hooks stay where they are, so weight loads, CUDA graphs' fingerprints and state dicts are
+unchanged), to a subclass whose ``forward`` runs the kernels where they serve the input (CUDA, no
+autograd, one dtype) and the module's own otherwise:
+
+- the transformer's layer loop carries the residual stream apart from each sublayer's output and
+  adds the two inside the next norm (:func:`~rlcli.ops.fused_kernels.add_rms_norm`): per layer two
+  kernels where the torch code ran two adds and two seven-kernel norms;
+- every other RMSNorm (Qwen3's query and key norms outside the attention below, MLA's latent norms)
+  is one kernel;
+- grouped-query attention rotates its queries and keys, after Qwen3's per-head norms, in one
+  kernel (:func:`~rlcli.ops.fused_kernels.rotary_`; the half-split layout over whole heads, the
+  zoo's dense models; interleaved or partial rotaries keep the module's code);
+- SwiGLU MLPs and MoE experts gate in one kernel (:func:`~rlcli.ops.fused_kernels.silu_mul`).
+
+Only the inference engine swaps them in: they have no backward, and the trainer's numerics stay the
+zoo's. What they change in the numbers is set out in :mod:`rlcli.ops.fused_kernels`.
+"""
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+
+from rlcli.models.layers import MLP, Attention, RMSNorm
+from rlcli.models.moe import GroupedExperts
+from rlcli.models.transformer import DecoderLayer, TransformerModel
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
+
+
+def kernels():
+    """:mod:`rlcli.ops.fused_kernels`, or None where Triton does not import."""
+    try:
+        from rlcli.ops import fused_kernels
+    except (ImportError, OSError):
+        return None
+    return fused_kernels
+
+
+def _serves(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels take these: on CUDA (or CPU under Triton's interpreter), no autograd,
+    one dtype."""
+    x = tensors[0]
+    return ((x.is_cuda or (_INTERPRET and x.device.type == "cpu")) and not torch.is_grad_enabled()
+            and all(t.dtype == x.dtype for t in tensors))
+
+
+class _FusedNorm:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _serves(x, self.weight):
+            return kernels().add_rms_norm(x, None, self.weight, self.eps)[1]
+        return super().forward(x)
+
+
+class _FusedMLP:
+    def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if _serves(gate, up):
+            return self.down_proj(kernels().silu_mul(gate, up))
+        return self.down_proj(F.silu(gate) * up)
+
+
+class _FusedExperts:
+    def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        offs = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+        gate, up = self.expert_mm(x_RD, self.w_gate, offs), self.expert_mm(x_RD, self.w_up, offs)
+        h_RI = kernels().silu_mul(gate, up) if _serves(gate, up) else F.silu(gate) * up
+        return self.expert_mm(h_RI, self.w_down, offs)
+
+
+class _FusedAttention:
+    def forward(self, x_BTD: torch.Tensor, rope, cos_sin, ctx) -> torch.Tensor:
+        cos, sin = cos_sin
+        if rope.interleave or cos.shape[-1] != self.head_dim or self.head_dim % 2:
+            return super().forward(x_BTD, rope, cos_sin, ctx)
+        B, T, _ = x_BTD.shape
+        q = self.q_proj(x_BTD).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)
+        norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else ()
+        if _serves(q, k, cos, sin, *norms):
+            kernels().rotary_(q, k, cos, sin, *norms, eps=self.q_norm.eps if norms else 0.0)
+        else:
+            if norms:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = rope.apply(q, *cos_sin), rope.apply(k, *cos_sin)
+        out = self.inner_attention(q, k, v, self.scale, ctx)
+        return self.o_proj(out.reshape(B, T, -1))
+
+
+class _FusedTransformer:
+    def forward(self, input_ids_BT, position_ids_BT, ctx) -> torch.Tensor:
+        h = self.embed_tokens(input_ids_BT)
+        if not (_serves(h, self.norm.weight) and all(_plain_norms(layer) for layer in self.layers)):
+            return super().forward(input_ids_BT, position_ids_BT, ctx)
+        k = kernels()
+        cos_sin = self.rotary_emb(position_ids_BT, h.dtype)
+        residual = None  # the stream: the last sublayer's output h is added to it inside the next norm
+        for layer in self.layers:
+            ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+            residual, x = k.add_rms_norm(h, residual, ln1.weight, ln1.eps)
+            if residual is None:
+                residual = h
+            h = layer.self_attn(x, self.rotary_emb, cos_sin, ctx)
+            residual, x = k.add_rms_norm(h, residual, ln2.weight, ln2.eps)
+            h = layer.mlp(x, ctx)
+        return k.add_rms_norm(h, residual, self.norm.weight, self.norm.eps)[1]
+
+
+def _plain_norms(layer: torch.nn.Module) -> bool:
+    """The layer is the zoo's DecoderLayer with plain RMSNorms (not another swap's, e.g.
+    ``model.batch_invariant``'s)."""
+    return type(layer) is DecoderLayer and all(type(n) in (RMSNorm, _swaps()[RMSNorm])
+                                               for n in (layer.input_layernorm, layer.post_attention_layernorm))
+
+
+@functools.cache
+def _swaps() -> dict[type, type]:
+    """Each class swapped, and its fused subclass."""
+    from rlcli.ops.fp8.convert import FP8GroupedExperts
+
+    mixins = ((TransformerModel, _FusedTransformer), (RMSNorm, _FusedNorm), (Attention, _FusedAttention),
+              (MLP, _FusedMLP), (GroupedExperts, _FusedExperts), (FP8GroupedExperts, _FusedExperts))
+    return {base: type(f"Fused{base.__name__}", (mixin, base), {}) for base, mixin in mixins}
+
+
+def fuse_layers(model: torch.nn.Module) -> str | None:
+    """Swap the fused classes into ``model`` in place; None, or why nothing was swapped (no Triton).
+    Only modules of exactly the zoo's classes are swapped (and FP8's experts, which keep their
+    GEMMs): a subclass with a forward of its own keeps it. Idempotent."""
+    if kernels() is None:
+        return "the fused kernels need Triton"
+    swaps = _swaps()
+    for module in model.modules():
+        cls = swaps.get(type(module))
+        if cls is not None:
+            module.__class__ = cls
+    return None

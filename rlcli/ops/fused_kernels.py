@@ -1,0 +1,163 @@
+"""Fused elementwise kernels for the native engine's forward on CUDA (Triton).
+
+A decode step of a small or mid-sized model is bound by its many small kernels, not by its GEMMs.
+In torch, one RMSNorm is seven kernels (cast, square, mean, add, rsqrt, product, cast back, then the
+weight), a rotary embedding five per tensor, Qwen3's per-head query and key norms seven each, and
+SwiGLU's gate two: a graphed Qwen3-0.6B decode step at 256 sequences ran ~1,100 kernels, ~40 a
+layer, most of them elementwise and a few microseconds each (H200, docs/benchmarks.md). Each
+function here is one of those patterns in one kernel, forward only:
+
+- :func:`add_rms_norm`: ``h = x + residual`` and ``rms_norm(h)``, or the norm of ``x`` alone;
+- :func:`rotary_`: queries and keys rotated in place (the half-split layout, whole heads), after
+  Qwen3's per-head RMSNorm where its weights are given;
+- :func:`silu_mul`: SwiGLU's ``silu(gate) * up``.
+
+They round where the torch code they replace rounds: every intermediate that code casts to the
+activation dtype (each product and sum of the rotary, the normalized row before its weight, the
+SiLU before its product) is cast here too. What differs is the order of the fp32 sum of squares
+and the fp32 ``exp`` inside the SiLU, so an output can differ from the module's by the last bit
+of its dtype where an fp32 value lands on a rounding edge (tests/ops/test_fused_kernels.py).
+
+Under ``TRITON_INTERPRET=1`` they run on CPU tensors (the tests).
+"""
+
+import functools
+
+import torch
+
+import triton
+import triton.language as tl
+
+SILU_BLOCK = 1024  # columns per silu_mul program
+
+
+@triton.jit
+def _add_rms_norm_kernel(X, R, W, Y, H, N, s_x, s_r, s_y, s_h, eps, RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(X + row * s_x + cols, mask=mask, other=0.0)
+    if RESIDUAL:  # h = x + residual, rounded to the activation dtype as torch's add does
+        r = tl.load(R + row * s_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(H.dtype.element_ty)
+        tl.store(H + row * s_h + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
+    y = (xf * inv).to(X.dtype.element_ty)  # cast back, then the weight: the model's RMSNorm order
+    w = tl.load(W + cols, mask=mask, other=0.0)
+    tl.store(Y + row * s_y + cols, (w.to(tl.float32) * y.to(tl.float32)).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotate_head(X, W, COS, SIN, t, h, s_t, s_h, s_c, eps, HALF, NORM: tl.constexpr, BLOCK: tl.constexpr):
+    """One head of one token, in place: ``x * cos + cat(-x2, x1) * sin`` (each product and the sum
+    rounded to the dtype, as in torch), after ``w * rms_norm(x)`` with ``NORM``."""
+    i = tl.arange(0, BLOCK)
+    m = i < HALF
+    dt = X.dtype.element_ty
+    base = X + t * s_t + h * s_h
+    x1 = tl.load(base + i, mask=m, other=0.0)
+    x2 = tl.load(base + HALF + i, mask=m, other=0.0)
+    if NORM:
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        inv = 1.0 / tl.sqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / (2 * HALF) + eps)
+        w1 = tl.load(W + i, mask=m, other=0.0).to(tl.float32)
+        w2 = tl.load(W + HALF + i, mask=m, other=0.0).to(tl.float32)
+        x1 = (w1 * (f1 * inv).to(dt).to(tl.float32)).to(dt)
+        x2 = (w2 * (f2 * inv).to(dt).to(tl.float32)).to(dt)
+    c1 = tl.load(COS + t * s_c + i, mask=m, other=0.0).to(tl.float32)
+    c2 = tl.load(COS + t * s_c + HALF + i, mask=m, other=0.0).to(tl.float32)
+    n1 = tl.load(SIN + t * s_c + i, mask=m, other=0.0).to(tl.float32)
+    n2 = tl.load(SIN + t * s_c + HALF + i, mask=m, other=0.0).to(tl.float32)
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    o1 = (f1 * c1).to(dt).to(tl.float32) + (-f2 * n1).to(dt).to(tl.float32)
+    o2 = (f2 * c2).to(dt).to(tl.float32) + (f1 * n2).to(dt).to(tl.float32)
+    tl.store(base + i, o1.to(dt), mask=m)
+    tl.store(base + HALF + i, o2.to(dt), mask=m)
+
+
+@triton.jit
+def _rotary_kernel(Q, K, WQ, WK, COS, SIN, HQ, HALF, s_qt, s_qh, s_kt, s_kh, s_c, eps, NORM: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    if h < HQ:
+        _rotate_head(Q, WQ, COS, SIN, t, h, s_qt, s_qh, s_c, eps, HALF, NORM, BLOCK)
+    else:
+        _rotate_head(K, WK, COS, SIN, t, h - HQ, s_kt, s_kh, s_c, eps, HALF, NORM, BLOCK)
+
+
+@triton.jit
+def _silu_mul_kernel(G, U, O, N, s_g, s_u, s_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    g = tl.load(G + row * s_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + row * s_u + cols, mask=mask, other=0.0).to(tl.float32)
+    s = (g / (1.0 + tl.exp(-g))).to(G.dtype.element_ty)  # F.silu in the gate's dtype, then the product
+    tl.store(O + row * s_o + cols, (s.to(tl.float32) * u).to(O.dtype.element_ty), mask=mask)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as 2-D rows over its last dim, unit-strided within a row (a view where it can be)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+@functools.cache
+def _warps(block: int) -> int:
+    return 4 if block <= 2048 else 8 if block <= 8192 else 16
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """``(h, weight * (h * rsqrt(mean(h^2) + eps)).to(h.dtype))`` over the last dim, with ``h = x +
+    residual`` (``None`` without a residual: then the norm of ``x``)."""
+    x2 = _rows(x)
+    N = x2.shape[1]
+    y = torch.empty(x2.shape, device=x.device, dtype=torch.promote_types(x.dtype, weight.dtype))
+    h = r2 = None
+    if residual is not None:
+        r2 = _rows(residual)
+        h = torch.empty(x2.shape, device=x.device, dtype=x.dtype)
+    if x2.shape[0]:
+        block = triton.next_power_of_2(N)
+        _add_rms_norm_kernel[(x2.shape[0],)](
+            x2, r2 if r2 is not None else x2, weight.contiguous(), y, h if h is not None else y, N, x2.stride(0),
+            r2.stride(0) if r2 is not None else 0, y.stride(0), h.stride(0) if h is not None else 0, float(eps),
+            RESIDUAL=residual is not None, BLOCK=block, num_warps=_warps(block))
+    shape = (*x.shape[:-1], N)
+    return (h.view(shape) if h is not None else None), y.view(shape)
+
+
+def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, eps: float = 0.0) -> None:
+    """Rotate ``q [..., Hq, D]`` and ``k [..., Hk, D]`` in place by ``cos``/``sin [..., D]`` (one row
+    per token; the half-split layout over the whole head), after the per-head RMSNorm of weights
+    ``q_weight``/``k_weight [D]`` (both or neither). Every token's heads must be laid out at one
+    stride (a projection's output viewed as heads is)."""
+    D = q.shape[-1]
+    HQ, HK = q.shape[-2], k.shape[-2]
+    q3, k3 = q.view(-1, HQ, D), k.view(-1, HK, D)
+    c2, s2 = cos.reshape(-1, D), sin.reshape(-1, D)
+    if c2.stride() != s2.stride() or c2.stride(-1) != 1:
+        c2, s2 = c2.contiguous(), s2.contiguous()
+    T = q3.shape[0]
+    if not T:
+        return
+    norm = q_weight is not None
+    block = triton.next_power_of_2(D // 2)
+    _rotary_kernel[(T, HQ + HK)](
+        q3, k3, q_weight if norm else c2, k_weight if norm else c2, c2, s2, HQ, D // 2, q3.stride(0), q3.stride(1),
+        k3.stride(0), k3.stride(1), c2.stride(0), float(eps), NORM=norm, BLOCK=block, num_warps=1 if block <= 64 else 2)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``F.silu(gate) * up``."""
+    g2, u2 = _rows(gate), _rows(up)
+    M, N = g2.shape
+    out = torch.empty((M, N), device=gate.device, dtype=torch.promote_types(gate.dtype, up.dtype))
+    if M:
+        _silu_mul_kernel[(M, triton.cdiv(N, SILU_BLOCK))](g2, u2, out, N, g2.stride(0), u2.stride(0), out.stride(0),
+                                                         BLOCK=SILU_BLOCK, num_warps=4)
+    return out.view(*gate.shape[:-1], N)

@@ -1,0 +1,141 @@
+"""rlcli.ops.fused_kernels (the native engine's fused norms, rotary and SwiGLU gate on CUDA) against
+the torch code they replace: in fp32 to float rounding, in half precision to at most two steps of
+the dtype (one step in an intermediate rounding, scaled by the weight's product) on the few
+elements whose fp32 value lands on a rounding edge, and the residual add bit for bit.
+
+They run on CUDA. Without CUDA, where triton is installed and its interpreter works,
+``test_under_the_interpreter`` runs this file in a child process on CPU tensors under Triton's
+interpreter, and ``test_zoo_under_the_interpreter`` (on CUDA hosts too) runs
+tests/models/test_fused_layers.py so: every architecture's forward with the fused layers.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import interpreter
+from rlcli.models.layers import RMSNorm, RotaryEmbedding
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu" if interpreter.ACTIVE else None
+TESTS = Path(__file__).resolve().parent.parent
+# Half precision on CUDA; the interpreter's bf16 is numpy's emulation, so there fp32 and fp16.
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+def _kernels():
+    if DEVICE is None:
+        pytest.skip("needs CUDA; without it test_under_the_interpreter runs these")
+    try:
+        from rlcli.ops import fused_kernels
+    except (ImportError, OSError):
+        pytest.skip("triton does not import")
+    return fused_kernels
+
+
+@pytest.mark.skipif(DEVICE is not None, reason="the kernels run here directly")
+def test_under_the_interpreter():
+    interpreter.run_child_or_skip(__file__)
+
+
+@pytest.mark.skipif(interpreter.ACTIVE, reason="the launcher of a child run")
+def test_zoo_under_the_interpreter():
+    interpreter.run_child_or_skip(str(TESTS / "models" / "test_fused_layers.py"))
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """fp32: equal to float rounding. Half precision: at most two steps of the dtype apart, on at
+    most 2% of the elements."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if want.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+        return
+    g, w = got.double(), want.double()
+    step = torch.finfo(want.dtype).eps * w.abs().clamp_min(torch.finfo(want.dtype).tiny)
+    off = (g - w).abs()
+    assert (off <= 2 * step).all(), f"more than two steps apart: {(off / step).max()}"
+    assert (off > 0).double().mean() <= 0.02, f"{(off > 0).double().mean():.3%} of the elements differ"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [64, 576, 2048, 5120])
+@torch.no_grad()
+def test_rms_norm_with_and_without_the_residual(dtype, width):
+    k = _kernels()
+    gen = torch.Generator().manual_seed(width)
+    x = (torch.randn(37, width, generator=gen) * 3).to(DEVICE, dtype)
+    r = torch.randn(37, width, generator=gen).to(DEVICE, dtype)
+    norm = RMSNorm(width, eps=1e-6).to(DEVICE, dtype)
+    norm.weight.copy_(torch.randn(width, generator=gen))
+    none, y = k.add_rms_norm(x, None, norm.weight, norm.eps)
+    assert none is None
+    assert_close(y, norm(x))
+    h, y = k.add_rms_norm(x, r, norm.weight, norm.eps)
+    assert torch.equal(h, x + r)  # the stream is bit for bit the torch add
+    assert_close(y, norm(x + r))
+
+
+@torch.no_grad()
+def test_rms_norm_of_strided_rows():
+    """MLA's latent norm takes a slice of a wider projection: rows at a stride, left in place."""
+    k = _kernels()
+    wide = torch.randn(2, 9, 576, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    x = wide[..., :512]
+    norm = RMSNorm(512).to(DEVICE)
+    norm.weight.copy_(torch.rand(512, generator=torch.Generator().manual_seed(2)) + 0.5)
+    y = k.add_rms_norm(x, None, norm.weight, norm.eps)[1]
+    assert y.shape == x.shape
+    assert_close(y, norm(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@torch.no_grad()
+def test_rotary_in_place_matches_the_zoos(dtype, qk_norm, head_dim):
+    """Queries and keys of 5 tokens at scattered positions (8 and 2 heads), rotated in place, after
+    Qwen3's per-head norms or not."""
+    k = _kernels()
+    gen = torch.Generator().manual_seed(head_dim)
+    T, HQ, HK = 5, 8, 2
+    rope = RotaryEmbedding(head_dim, 1e6, None, 4096).to(DEVICE)
+    rope.init_buffers()
+    pos = torch.tensor([[0, 3, 17, 900, 4000]], device=DEVICE)
+    cos, sin = rope(pos, dtype)
+    q = (torch.randn(1, T, HQ * head_dim, generator=gen) * 2).to(DEVICE, dtype).view(1, T, HQ, head_dim)
+    kk = (torch.randn(1, T, HK * head_dim, generator=gen) * 2).to(DEVICE, dtype).view(1, T, HK, head_dim)
+    if qk_norm:
+        qn, kn = RMSNorm(head_dim).to(DEVICE, dtype), RMSNorm(head_dim).to(DEVICE, dtype)
+        qn.weight.copy_(torch.rand(head_dim, generator=gen) + 0.5)
+        kn.weight.copy_(torch.rand(head_dim, generator=gen) + 0.5)
+        want_q, want_k = rope.apply(qn(q), cos, sin), rope.apply(kn(kk), cos, sin)
+        k.rotary_(q, kk, cos, sin, qn.weight, kn.weight, eps=qn.eps)
+    else:
+        want_q, want_k = rope.apply(q, cos, sin), rope.apply(kk, cos, sin)
+        k.rotary_(q, kk, cos, sin)
+    assert_close(q, want_q)
+    assert_close(kk, want_k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(7, 96), (33, 3000), (1, 1024)])
+@torch.no_grad()
+def test_silu_mul(dtype, shape):
+    k = _kernels()
+    gen = torch.Generator().manual_seed(shape[1])
+    g = (torch.randn(*shape, generator=gen) * 4).to(DEVICE, dtype)
+    u = torch.randn(*shape, generator=gen).to(DEVICE, dtype)
+    assert_close(k.silu_mul(g, u), F.silu(g) * u)
+
+
+@torch.no_grad()
+def test_empty_inputs():
+    k = _kernels()
+    x = torch.empty(0, 64, device=DEVICE)
+    w = torch.ones(64, device=DEVICE)
+    assert k.add_rms_norm(x, x, w, 1e-6)[1].shape == (0, 64)
+    assert k.silu_mul(x, x).shape == (0, 64)
+    q = torch.empty(1, 0, 4, 16, device=DEVICE)
+    k.rotary_(q, q[:, :, :2], torch.empty(1, 0, 16, device=DEVICE), torch.empty(1, 0, 16, device=DEVICE))
+
