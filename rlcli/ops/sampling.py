@@ -14,11 +14,31 @@ The returned logprob of a sampled token is under the distribution it was drawn f
 ``top_p < 1``. The trainer recomputes exactly that (same :func:`top_p_keep`), so the
 importance ratio is 1 when both hold the same weights. Greedy rows (T = 0) report
 ``log_softmax(logits)``.
+
+On CUDA, a batch without top-p draws in one Triton kernel per row (:mod:`rlcli.ops.sampling_kernel`)
+from the same uniforms; under Triton's interpreter with ``RLCLI_PAGED_DECODE_ON_CPU=1`` (the engine's
+kernel tests) on the CPU as well.
 """
+
+import os
 
 import torch
 
 from rlcli.ops.batch_invariant import row_cumsum
+
+_KERNEL_ON_CPU = (os.environ.get("RLCLI_PAGED_DECODE_ON_CPU") == "1"
+                  and os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True"))
+
+
+def _kernel_for(logits: torch.Tensor):
+    """:mod:`rlcli.ops.sampling_kernel` where it draws ``logits``' rows, else None."""
+    if not (logits.is_cuda or (_KERNEL_ON_CPU and logits.device.type == "cpu")):
+        return None
+    try:
+        from rlcli.ops import sampling_kernel
+    except (ImportError, OSError):
+        return None
+    return sampling_kernel
 
 
 def sample(logits_SV: torch.Tensor, temperature_S: torch.Tensor, top_p_S: torch.Tensor,
@@ -29,21 +49,26 @@ def sample(logits_SV: torch.Tensor, temperature_S: torch.Tensor, top_p_S: torch.
     ``top_p < 1`` (the caller knows it from the requests); left None, it is read from ``top_p_S``,
     which costs one host sync. ``greedy_rows``: ``"all"`` or ``"none"`` where the caller knows that
     every row, or none, has temperature 0 (then the draw, or the argmax, is skipped); None: either."""
-    logits = logits_SV.float()
     greedy = temperature_S <= 0
     if greedy_rows == "all":  # no draw: the argmax, and its logprob under log_softmax(logits)
+        logits = logits_SV.float()
         tokens = logits.argmax(dim=-1)
         return tokens, torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
+    top_p = any_top_p if any_top_p is not None else bool((top_p_S < 1).any())
+    u = torch.rand(logits_SV.shape[0], 1, generator=generator, dtype=torch.float64, device=logits_SV.device)
+    for row, gen in (row_generators or {}).items():
+        u[row] = torch.rand(1, generator=gen, dtype=torch.float64, device=logits_SV.device)
+    kernel = None if top_p else _kernel_for(logits_SV)
+    if kernel is not None:
+        return kernel.sample_rows(logits_SV, temperature_S, u)
+    logits = logits_SV.float()
     temp = torch.where(greedy, torch.ones_like(temperature_S), temperature_S).float()
     logprobs = torch.log_softmax(logits / temp[:, None], dim=-1)
     probs = logprobs.exp()
-    if any_top_p if any_top_p is not None else bool((top_p_S < 1).any()):
+    if top_p:
         keep = top_p_keep(probs, top_p_S.float()[:, None]) | (greedy | (top_p_S >= 1))[:, None]
         probs = probs.masked_fill(~keep, 0.0)
         logprobs = torch.log_softmax(logprobs.masked_fill(~keep, float("-inf")), dim=-1)
-    u = torch.rand(probs.shape[0], 1, generator=generator, dtype=torch.float64, device=probs.device)
-    for row, gen in (row_generators or {}).items():
-        u[row] = torch.rand(1, generator=gen, dtype=torch.float64, device=probs.device)
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)
     sampled = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
     tokens = sampled if greedy_rows == "none" else torch.where(greedy, logits.argmax(dim=-1), sampled)

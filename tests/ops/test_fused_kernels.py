@@ -139,3 +139,44 @@ def test_empty_inputs():
     q = torch.empty(1, 0, 4, 16, device=DEVICE)
     k.rotary_(q, q[:, :, :2], torch.empty(1, 0, 16, device=DEVICE), torch.empty(1, 0, 16, device=DEVICE))
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32])
+@pytest.mark.parametrize("vocab", [97, 4096, 151936])
+@torch.no_grad()
+def test_the_sampling_kernel_draws_what_the_torch_chain_draws(dtype, vocab):
+    """rlcli.ops.sampling_kernel against sample()'s torch chain (forced by a top-p of 1) at the same
+    uniforms: the same tokens, the same logprobs to float rounding; greedy rows (T = 0) the argmax,
+    the first of tied maxima, with log_softmax's logprob."""
+    _kernels()
+    from rlcli.ops import sampling_kernel
+    from rlcli.ops.sampling import sample
+
+    S = 12
+    gen = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(S, vocab, generator=gen) * 3).to(DEVICE, dtype)
+    logits[3, 5] = logits[3, vocab - 2] = logits[3].max() + 1  # a tie for the greedy row below
+    temps = torch.tensor([1.0, 0.7, 1.3, 0.0, 1.0, 0.0, 2.0, 0.5, 1.0, 1.0, 0.9, 1.1], device=DEVICE)
+    seeded = torch.Generator(DEVICE).manual_seed(11)
+    want_tok, want_lp = sample(logits, temps, torch.ones(S, device=DEVICE), seeded, any_top_p=True)
+    u = torch.rand(S, 1, generator=torch.Generator(DEVICE).manual_seed(11), dtype=torch.float64, device=DEVICE)
+    tok, lp = sampling_kernel.sample_rows(logits, temps, u)
+    assert tok.dtype == torch.int64 and lp.dtype == torch.float32
+    assert torch.equal(tok, want_tok)
+    assert tok[3] == 5
+    torch.testing.assert_close(lp, want_lp, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_the_sampling_kernel_takes_the_last_token_and_never_a_zero():
+    """u at its largest (torch.rand's is 1 - 2^-53) takes the last token of positive probability, not
+    the zero-probability ones after it; u at 0 the first of positive probability."""
+    _kernels()
+    from rlcli.ops import sampling_kernel
+
+    logits = torch.full((2, 300), -1e4, device=DEVICE)
+    logits[0, 7] = logits[0, 100] = 0.0
+    logits[1, 299] = 0.0
+    ones = torch.ones(2, device=DEVICE)
+    u = torch.tensor([[1 - 2**-53], [0.5]], dtype=torch.float64, device=DEVICE)
+    assert sampling_kernel.sample_rows(logits, ones, u)[0].tolist() == [100, 299]
+    assert sampling_kernel.sample_rows(logits, ones, torch.zeros_like(u))[0].tolist() == [7, 299]
