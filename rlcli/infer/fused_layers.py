@@ -13,7 +13,9 @@ autograd, one dtype) and the module's own otherwise:
   is one kernel;
 - grouped-query attention rotates its queries and keys, after Qwen3's per-head norms, in one
   kernel (:func:`~rlcli.ops.fused_kernels.rotary_`; the half-split layout over whole heads, the
-  zoo's dense models; interleaved or partial rotaries keep the module's code);
+  zoo's dense models; interleaved or partial rotaries keep the module's code), which in the
+  engine's steps also writes the keys and values to their slots of the paged KV cache (then the
+  backend only attends, :meth:`~rlcli.ops.attention.PagedAttention.attend`);
 - SwiGLU MLPs and MoE experts gate in one kernel (:func:`~rlcli.ops.fused_kernels.silu_mul`).
 
 Only the inference engine swaps them in: they have no backward, and the trainer's numerics stay the
@@ -29,6 +31,7 @@ import torch.nn.functional as F
 from rlcli.models.layers import MLP, Attention, RMSNorm
 from rlcli.models.moe import GroupedExperts
 from rlcli.models.transformer import DecoderLayer, TransformerModel
+from rlcli.ops.attention import PagedAttention
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
 
@@ -83,13 +86,21 @@ class _FusedAttention:
         k = self.k_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)
         norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else ()
-        if _serves(q, k, cos, sin, *norms):
-            kernels().rotary_(q, k, cos, sin, *norms, eps=self.q_norm.eps if norms else 0.0)
-        else:
+        if not _serves(q, k, v, cos, sin, *norms):
             if norms:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = rope.apply(q, *cos_sin), rope.apply(k, *cos_sin)
-        out = self.inner_attention(q, k, v, self.scale, ctx)
+            return self.o_proj(self.inner_attention(q, k, v, self.scale, ctx).reshape(B, T, -1))
+        eps = self.q_norm.eps if norms else 0.0
+        paged = ctx.attn if isinstance(ctx.attn, PagedAttention) and not ctx.attn.batch_invariant and B == 1 else None
+        caches = paged.kv_caches[self.layer_idx] if paged is not None else ()
+        if len(caches) == 2 and all(c.dtype == q.dtype and c.shape[2:] == k.shape[2:] for c in caches):
+            # the engine's paged cache: the keys and values written to their slots by the same kernel
+            kernels().rotary_(q, k, cos, sin, *norms, eps=eps, store=(v, *caches, paged.meta.slot_mapping))
+            out = paged.attend(q[0], *caches, self.scale)[None]
+        else:
+            kernels().rotary_(q, k, cos, sin, *norms, eps=eps)
+            out = self.inner_attention(q, k, v, self.scale, ctx)
         return self.o_proj(out.reshape(B, T, -1))
 
 

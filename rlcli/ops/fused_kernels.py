@@ -14,9 +14,10 @@ function here is one of those patterns in one kernel, forward only:
 
 They round where the torch code they replace rounds: every intermediate that code casts to the
 activation dtype (each product and sum of the rotary, the normalized row before its weight, the
-SiLU before its product) is cast here too. What differs is the order of the fp32 sum of squares
-and the fp32 ``exp`` inside the SiLU, so an output can differ from the module's by the last bit
-of its dtype where an fp32 value lands on a rounding edge (tests/ops/test_fused_kernels.py).
+SiLU before its product) is cast here too. What differs is in fp32 only: the order of the sum of
+squares, one over its root where torch takes ``rsqrt``, and the ``exp`` inside the SiLU. So an output
+can differ from the module's where an fp32 value lands on a rounding edge of its dtype, by a step
+of it (two after a weight's product); tests/ops/test_fused_kernels.py bounds that.
 
 Under ``TRITON_INTERPRET=1`` they run on CPU tensors (the tests).
 """
@@ -49,9 +50,11 @@ def _add_rms_norm_kernel(X, R, W, Y, H, N, s_x, s_r, s_y, s_h, eps, RESIDUAL: tl
 
 
 @triton.jit
-def _rotate_head(X, W, COS, SIN, t, h, s_t, s_h, s_c, eps, HALF, NORM: tl.constexpr, BLOCK: tl.constexpr):
+def _rotate_head(X, W, COS, SIN, OUT, t, h, s_t, s_h, s_c, s_ot, s_oh, eps, HALF, NORM: tl.constexpr,
+                 STORE: tl.constexpr, BLOCK: tl.constexpr):
     """One head of one token, in place: ``x * cos + cat(-x2, x1) * sin`` (each product and the sum
-    rounded to the dtype, as in torch), after ``w * rms_norm(x)`` with ``NORM``."""
+    rounded to the dtype, as in torch), after ``w * rms_norm(x)`` with ``NORM``; with ``STORE`` also
+    into ``OUT`` (the cache slot's row ``t``)."""
     i = tl.arange(0, BLOCK)
     m = i < HALF
     dt = X.dtype.element_ty
@@ -70,21 +73,32 @@ def _rotate_head(X, W, COS, SIN, t, h, s_t, s_h, s_c, eps, HALF, NORM: tl.conste
     n1 = tl.load(SIN + t * s_c + i, mask=m, other=0.0).to(tl.float32)
     n2 = tl.load(SIN + t * s_c + HALF + i, mask=m, other=0.0).to(tl.float32)
     f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-    o1 = (f1 * c1).to(dt).to(tl.float32) + (-f2 * n1).to(dt).to(tl.float32)
-    o2 = (f2 * c2).to(dt).to(tl.float32) + (f1 * n2).to(dt).to(tl.float32)
-    tl.store(base + i, o1.to(dt), mask=m)
-    tl.store(base + HALF + i, o2.to(dt), mask=m)
+    o1 = ((f1 * c1).to(dt).to(tl.float32) + (-f2 * n1).to(dt).to(tl.float32)).to(dt)
+    o2 = ((f2 * c2).to(dt).to(tl.float32) + (f1 * n2).to(dt).to(tl.float32)).to(dt)
+    tl.store(base + i, o1, mask=m)
+    tl.store(base + HALF + i, o2, mask=m)
+    if STORE:
+        out = OUT + t * s_ot + h * s_oh
+        tl.store(out + i, o1, mask=m)
+        tl.store(out + HALF + i, o2, mask=m)
 
 
 @triton.jit
-def _rotary_kernel(Q, K, WQ, WK, COS, SIN, HQ, HALF, s_qt, s_qh, s_kt, s_kh, s_c, eps, NORM: tl.constexpr,
-                   BLOCK: tl.constexpr):
+def _rotary_kernel(Q, K, V, WQ, WK, COS, SIN, KC, VC, SLOTS, HQ, HK, HALF, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_c,
+                   s_kcs, s_kch, s_vcs, s_vch, eps, NORM: tl.constexpr, STORE: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    slot = tl.load(SLOTS + t).to(tl.int64) if STORE else t
     if h < HQ:
-        _rotate_head(Q, WQ, COS, SIN, t, h, s_qt, s_qh, s_c, eps, HALF, NORM, BLOCK)
-    else:
-        _rotate_head(K, WK, COS, SIN, t, h - HQ, s_kt, s_kh, s_c, eps, HALF, NORM, BLOCK)
+        _rotate_head(Q, WQ, COS, SIN, Q, t, h, s_qt, s_qh, s_c, 0, 0, eps, HALF, NORM, False, BLOCK)
+    elif h < HQ + HK:
+        _rotate_head(K, WK, COS, SIN, KC + slot * s_kcs, t, h - HQ, s_kt, s_kh, s_c, 0, s_kch, eps, HALF, NORM, STORE,
+                     BLOCK)
+    else:  # STORE: the value head, copied to the cache as it is
+        i = tl.arange(0, 2 * BLOCK)
+        m = i < 2 * HALF
+        x = tl.load(V + t * s_vt + (h - HQ - HK) * s_vh + i, mask=m)
+        tl.store(VC + slot * s_vcs + (h - HQ - HK) * s_vch + i, x, mask=m)
 
 
 @triton.jit
@@ -131,11 +145,14 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 
 def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, eps: float = 0.0) -> None:
+            q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, eps: float = 0.0,
+            store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """Rotate ``q [..., Hq, D]`` and ``k [..., Hk, D]`` in place by ``cos``/``sin [..., D]`` (one row
     per token; the half-split layout over the whole head), after the per-head RMSNorm of weights
     ``q_weight``/``k_weight [D]`` (both or neither). Every token's heads must be laid out at one
-    stride (a projection's output viewed as heads is)."""
+    stride (a projection's output viewed as heads is). ``store``: ``(v [..., Hk, D], k_cache,
+    v_cache [blocks, block_size, Hk, D], slots [tokens])``: each token's rotated key and its value
+    written to its cache slot as well (the paged KV cache's write, in the same kernel)."""
     D = q.shape[-1]
     HQ, HK = q.shape[-2], k.shape[-2]
     q3, k3 = q.view(-1, HQ, D), k.view(-1, HK, D)
@@ -146,10 +163,18 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     if not T:
         return
     norm = q_weight is not None
+    if store is not None:
+        v, k_cache, v_cache, slots = store
+        v3, kc, vc = v.view(-1, HK, D), k_cache.view(-1, HK, D), v_cache.view(-1, HK, D)
+        extra = (v3, kc, vc, slots, v3.stride(0), v3.stride(1), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1))
+    else:
+        extra = (k3, k3, k3, c2, 0, 0, 0, 0, 0, 0)
+    v3, kc, vc, slots, s_vt, s_vh, s_kcs, s_kch, s_vcs, s_vch = extra
     block = triton.next_power_of_2(D // 2)
-    _rotary_kernel[(T, HQ + HK)](
-        q3, k3, q_weight if norm else c2, k_weight if norm else c2, c2, s2, HQ, D // 2, q3.stride(0), q3.stride(1),
-        k3.stride(0), k3.stride(1), c2.stride(0), float(eps), NORM=norm, BLOCK=block, num_warps=1 if block <= 64 else 2)
+    _rotary_kernel[(T, HQ + HK * (2 if store is not None else 1))](
+        q3, k3, v3, q_weight if norm else c2, k_weight if norm else c2, c2, s2, kc, vc, slots, HQ, HK, D // 2,
+        q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), s_vt, s_vh, c2.stride(0), s_kcs, s_kch, s_vcs, s_vch,
+        float(eps), NORM=norm, STORE=store is not None, BLOCK=block, num_warps=1 if block <= 64 else 2)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

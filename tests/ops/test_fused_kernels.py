@@ -118,6 +118,37 @@ def test_rotary_in_place_matches_the_zoos(dtype, qk_norm, head_dim):
     assert_close(kk, want_k)
 
 
+@pytest.mark.parametrize("qk_norm", [False, True])
+@torch.no_grad()
+def test_rotary_writes_keys_and_values_to_their_cache_slots(qk_norm):
+    """With ``store``, each token's rotated key (the one left in ``k``) and its value land in its slot
+    of the paged caches; every other slot keeps what it held."""
+    k = _kernels()
+    gen = torch.Generator().manual_seed(9)
+    T, HQ, HK, D, blocks, bs = 6, 4, 2, 32, 5, 4
+    rope = RotaryEmbedding(D, 1e4, None, 256).to(DEVICE)
+    rope.init_buffers()
+    cos, sin = rope(torch.arange(T, device=DEVICE)[None] * 7, torch.float32)
+    q = torch.randn(1, T, HQ, D, generator=gen).to(DEVICE)
+    kk = torch.randn(1, T, HK, D, generator=gen).to(DEVICE)
+    v = torch.randn(1, T, HK, D, generator=gen).to(DEVICE)
+    k_cache = torch.randn(blocks, bs, HK, D, generator=gen).to(DEVICE)
+    v_cache = torch.randn(blocks, bs, HK, D, generator=gen).to(DEVICE)
+    before = k_cache.clone(), v_cache.clone()
+    slots = torch.tensor([17, 2, 9, 3, 12, 0], device=DEVICE)
+    norms = (torch.rand(D, generator=gen).to(DEVICE) + 0.5, torch.rand(D, generator=gen).to(DEVICE) + 0.5) \
+        if qk_norm else ()
+    k.rotary_(q, kk, cos, sin, *norms, eps=1e-6, store=(v, k_cache, v_cache, slots))
+    want_k, want_v = [c.view(-1, HK, D).clone() for c in before]
+    want_k[slots], want_v[slots] = kk[0], v[0]
+    assert torch.equal(k_cache.view(-1, HK, D), want_k) and torch.equal(v_cache.view(-1, HK, D), want_v)
+    q3, k3 = torch.randn(1, T, HQ, D, generator=gen).to(DEVICE), torch.randn(1, T, HK, D, generator=gen).to(DEVICE)
+    r3 = q3.clone(), k3.clone()
+    k.rotary_(q3, k3, cos, sin, *norms, eps=1e-6)  # the same rotation without the store
+    k.rotary_(*r3, cos, sin, *norms, eps=1e-6, store=(v, k_cache, v_cache, slots))
+    assert torch.equal(r3[0], q3) and torch.equal(r3[1], k3)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(7, 96), (33, 3000), (1, 1024)])
 @torch.no_grad()
