@@ -16,6 +16,7 @@ from rlcli.infer.fused_layers import fuse_layers
 from rlcli.models import CausalLM
 from rlcli.ops.attention import _PAGED_ON_CPU, ForwardContext, PagedAttention, PagedAttentionMetadata, RoutingContext
 from rlcli.ops.batch_invariant import batch_invariant_setup, make_batch_invariant
+from rlcli.ops.sampling import sample
 
 
 class ModelRunner:
@@ -86,9 +87,10 @@ class ModelRunner:
         ``WARM_UP_CONTEXTS`` that ``max_model_len`` holds, so Triton compiles the decode path's
         kernels here (on CUDA, at construction) and not inside the first requests' steps, where
         each compile held up the whole step (the three took 2.1-2.8 s on an H100 with an empty Triton
-        cache; bench/engine_warm_up.py). Every position reads
-        block 0, and the one slot written is zeroed again, so it runs only while every block is
-        free (:meth:`NativeEngine.warm_up` checks). Without Triton, one decode at a context of 1."""
+        cache; bench/engine_warm_up.py), and samples from the last logits once (the sampling kernel).
+        Every position reads block 0, and the one slot written is zeroed again, so it runs only while
+        every block is free (:meth:`NativeEngine.warm_up` checks). Without Triton, one decode at a
+        context of 1."""
         try:
             from rlcli.ops import paged_decode
             contexts = paged_decode.WARM_UP_CONTEXTS
@@ -103,7 +105,9 @@ class ModelRunner:
                                           block_tables=inputs[3:].view(1, width), block_size=self.block_size,
                                           num_decode=1, block_tables_host=host[3:].reshape(1, width))
             ctx = ForwardContext(attn=PagedAttention(self.kv_caches, meta, self.batch_invariant, self.paged_decode))
-            self.model.lm_head(self.model.hidden_states(inputs[None, :1], inputs[None, 1:2], ctx)[0])
+            logits = self.model.lm_head(self.model.hidden_states(inputs[None, :1], inputs[None, 1:2], ctx)[0])
+        ones = torch.ones(1, device=self.device)
+        sample(logits, ones, ones, any_top_p=False, greedy_rows="none")  # the sampling kernel's compile, likewise
         for layer in self.kv_caches:
             for cache in layer:
                 cache[0].zero_()

@@ -204,16 +204,25 @@ def test_after_the_warm_up_nothing_compiles(tmp_path):
     """A fresh engine's warm-up compiles the kernel whole and split and the merge; then steps of
     every table width, span count and table alignment the engine makes (prompts from 3 to 2,300 tokens,
     sequences joining and finishing) compile nothing more: the arguments that change with them are
-    not specialized on. With CUDA graphs, their capture at every span count compiles nothing more either."""
+    not specialized on. With CUDA graphs, their capture at every span count compiles nothing more either.
+    Nor do the fused layers' kernels and the sampling kernel (greedy and sampled rows), which the
+    warm-up compiles too."""
     K = _kernels()
     from tiny import write_tiny_model
 
     from rlcli.infer.engine import NativeEngine
     from rlcli.models import load_model
+    from rlcli.ops import fused_kernels, sampling_kernel
     from rlcli.protocol import GenerateRequest, SamplingParams
 
     def variants():  # Triton's in-memory cache of compiled kernels, per device
         return [sum(len(c[0]) for c in k.device_caches.values()) for k in (K._paged_decode_kernel, K._merge_spans_kernel)]
+
+    others = (fused_kernels._add_rms_norm_kernel, fused_kernels._rotary_kernel, fused_kernels._silu_mul_kernel,
+              sampling_kernel._sample_kernel)
+
+    def other_variants():
+        return [sum(len(c[0]) for c in k.device_caches.values()) for k in others]
 
     model = load_model(write_tiny_model(tmp_path / "m"), seed=3).to("cuda").eval()
     for dtype, cuda_graphs in ((torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)):
@@ -223,15 +232,18 @@ def test_after_the_warm_up_nothing_compiles(tmp_path):
         engine = NativeEngine(model, eos_token_ids=[], max_model_len=4096, block_size=16, paged_decode=True,
                               kv_cache_memory_mb=64, cuda_graphs=cuda_graphs)  # graphs: captured at every span count
         assert variants() == [2, 1]
+        warm = other_variants()
+        assert all(warm)
         for i, n in enumerate((3, 17, 40, 700, 1100, 1600, 2300, 9, 31)):
             engine.add_request(GenerateRequest(request_id=str(i), prompt_ids=[(5 * i + j) % 250 for j in range(n)],
-                                               sampling=SamplingParams(temperature=0.0, max_tokens=20 + 3 * i,
-                                                                       ignore_eos=True)))
+                                               sampling=SamplingParams(temperature=0.0 if i % 2 else 1.0,
+                                                                       max_tokens=20 + 3 * i, ignore_eos=True)))
             for _ in range(i % 3 + 1):
                 engine.step()
         while engine.has_work():
             engine.step()
         assert variants() == [2, 1]
+        assert other_variants() == warm
         engine.close()
 
 
