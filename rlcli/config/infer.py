@@ -54,9 +54,10 @@ class NativeEngineConfig(EngineBase, tag="native"):
 
     fused_kernels: bool = True
     """On CUDA (where Triton imports), run the forward's RMSNorms with their residual adds, the rotary
-    embedding with Qwen3's query and key norms, and SwiGLU's gate as single Triton kernels
-    (rlcli/infer/fused_layers.py), in every step, graphed or not. They round where the torch modules
-    round; outputs can differ in the last bit where the fp32 sum of squares lands on a rounding edge.
+    embedding with Qwen3's query and key norms (and the paged KV cache's write), and SwiGLU's gate as
+    single Triton kernels (rlcli/infer/fused_layers.py), in every step, graphed or not; and draw a
+    batch without top-p in one kernel (rlcli/ops/sampling_kernel.py). They round where the torch code
+    rounds; an output can differ by a step of its dtype where an fp32 value lands on a rounding edge.
     Off under model.batch_invariant (its own kernels). Elsewhere it has no effect."""
 
     def __post_init__(self) -> None:

@@ -478,7 +478,8 @@ class NativeEngine(SharedKVMixin):
         greedy = sum(t <= 0 for t in temps)
         tokens, logprobs = sample(row_logits, _per_row(temps, dev), _per_row(top_ps, dev), self.generator, row_gens,
                                   any_top_p=any(p < 1 for p in top_ps),
-                                  greedy_rows="none" if not greedy else "all" if greedy == len(temps) else None)
+                                  greedy_rows="none" if not greedy else "all" if greedy == len(temps) else None,
+                                  kernel=self.runner.fused_off is None)
         if self.batch_invariant:
             logprobs = self._trainer_logprobs(row_logits, tokens, logprobs, temps, top_ps)
         tokens, logprobs = tokens.tolist(), logprobs.tolist()

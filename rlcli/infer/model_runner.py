@@ -107,7 +107,8 @@ class ModelRunner:
             ctx = ForwardContext(attn=PagedAttention(self.kv_caches, meta, self.batch_invariant, self.paged_decode))
             logits = self.model.lm_head(self.model.hidden_states(inputs[None, :1], inputs[None, 1:2], ctx)[0])
         ones = torch.ones(1, device=self.device)
-        sample(logits, ones, ones, any_top_p=False, greedy_rows="none")  # the sampling kernel's compile, likewise
+        sample(logits, ones, ones, any_top_p=False, greedy_rows="none",  # the sampling kernel's compile, likewise
+               kernel=self.fused_off is None)
         for layer in self.kv_caches:
             for cache in layer:
                 cache[0].zero_()

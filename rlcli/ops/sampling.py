@@ -16,7 +16,7 @@ importance ratio is 1 when both hold the same weights. Greedy rows (T = 0) repor
 ``log_softmax(logits)``.
 
 On CUDA, a batch without top-p draws in one Triton kernel per row (:mod:`rlcli.ops.sampling_kernel`)
-from the same uniforms; under Triton's interpreter with ``RLCLI_PAGED_DECODE_ON_CPU=1`` (the engine's
+from the same uniforms, unless the caller says not to (the engine's ``infer.engine.fused_kernels``); under Triton's interpreter with ``RLCLI_PAGED_DECODE_ON_CPU=1`` (the engine's
 kernel tests) on the CPU as well.
 """
 
@@ -44,11 +44,13 @@ def _kernel_for(logits: torch.Tensor):
 def sample(logits_SV: torch.Tensor, temperature_S: torch.Tensor, top_p_S: torch.Tensor,
            generator: torch.Generator | None = None,
            row_generators: dict[int, torch.Generator] | None = None,
-           any_top_p: bool | None = None, greedy_rows: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           any_top_p: bool | None = None, greedy_rows: str | None = None,
+           kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens [S] (int64) and their logprobs [S] (float32). ``any_top_p``: whether some row has
     ``top_p < 1`` (the caller knows it from the requests); left None, it is read from ``top_p_S``,
     which costs one host sync. ``greedy_rows``: ``"all"`` or ``"none"`` where the caller knows that
-    every row, or none, has temperature 0 (then the draw, or the argmax, is skipped); None: either."""
+    every row, or none, has temperature 0 (then the draw, or the argmax, is skipped); None: either.
+    ``kernel``: draw with the Triton kernel where it runs (the engine's ``infer.engine.fused_kernels``)."""
     greedy = temperature_S <= 0
     if greedy_rows == "all":  # no draw: the argmax, and its logprob under log_softmax(logits)
         logits = logits_SV.float()
@@ -58,9 +60,9 @@ def sample(logits_SV: torch.Tensor, temperature_S: torch.Tensor, top_p_S: torch.
     u = torch.rand(logits_SV.shape[0], 1, generator=generator, dtype=torch.float64, device=logits_SV.device)
     for row, gen in (row_generators or {}).items():
         u[row] = torch.rand(1, generator=gen, dtype=torch.float64, device=logits_SV.device)
-    kernel = None if top_p else _kernel_for(logits_SV)
-    if kernel is not None:
-        return kernel.sample_rows(logits_SV, temperature_S, u)
+    draw = _kernel_for(logits_SV) if kernel and not top_p else None
+    if draw is not None:
+        return draw.sample_rows(logits_SV, temperature_S, u)
     logits = logits_SV.float()
     temp = torch.where(greedy, torch.ones_like(temperature_S), temperature_S).float()
     logprobs = torch.log_softmax(logits / temp[:, None], dim=-1)
