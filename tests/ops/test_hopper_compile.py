@@ -1,0 +1,71 @@
+"""The engine's fused and sampling kernels compile for Hopper (sm_90a), here, without a GPU.
+
+Triton's interpreter (test_fused_kernels.py) checks what the kernels compute, not that they
+compile: a construct the interpreter runs can still fail in Triton's compiler or in ``ptxas``.
+This compiles each kernel ahead of time for an H100/H200 target, through ``ptxas`` to a cubin, at
+the signatures and launch settings the engine uses. It needs Triton (no GPU); the CI's Triton
+stage runs it in the vLLM virtualenv (test_triton_stage.py).
+"""
+
+import inspect
+import os
+
+import pytest
+
+triton = pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("compiles kernels: not under the interpreter", allow_module_level=True)
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from rlcli.ops import fused_kernels, sampling_kernel  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def compile_for_hopper(kernel, types: dict[str, str], constants: dict, num_warps: int) -> None:
+    """Compile ``kernel`` for sm_90a, through ``ptxas`` to a cubin, with argument ``types``
+    (pointers ``*dtype``, integers ``i32``, floats ``fp32``) and the ``constants`` of its constexprs."""
+    names = list(inspect.signature(kernel.fn).parameters)
+    signature = {n: "constexpr" if n in constants else types[n] for n in names}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants), target=TARGET,
+                              options={"num_warps": num_warps})
+    assert compiled.asm["cubin"], f"{kernel.fn.__name__}: no cubin"
+
+
+def ints(*names: str) -> dict[str, str]:
+    return dict.fromkeys(names, "i32")
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("residual", [False, True])
+def test_the_norm_compiles(dtype, residual):
+    for block, warps in ((1024, 4), (8192, 8)):
+        types = {**dict.fromkeys("XRWYH", f"*{dtype}"), **ints("N", "s_x", "s_r", "s_y", "s_h"), "eps": "fp32"}
+        compile_for_hopper(fused_kernels._add_rms_norm_kernel, types,
+                                            {"RESIDUAL": residual, "BLOCK": block}, warps)
+
+
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("store", [False, True])
+def test_the_rotary_compiles(norm, store):
+    types = {**{n: "*bf16" for n in ("Q", "K", "V", "WQ", "WK", "COS", "SIN", "KC", "VC")},
+             "SLOTS": "*i64" if store else "*bf16", "eps": "fp32",
+             **ints("HQ", "HK", "HALF", "s_qt", "s_qh", "s_kt", "s_kh", "s_vt", "s_vh", "s_c", "s_kcs", "s_kch",
+                    "s_vcs", "s_vch")}
+    compile_for_hopper(fused_kernels._rotary_kernel, types,
+                                        {"NORM": norm, "STORE": store, "BLOCK": 64}, 1)
+
+
+def test_the_gate_compiles():
+    types = {**dict.fromkeys("GUO", "*bf16"), **ints("N", "s_g", "s_u", "s_o")}
+    compile_for_hopper(fused_kernels._silu_mul_kernel, types,
+                                        {"BLOCK": fused_kernels.SILU_BLOCK}, 4)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+def test_the_sampling_kernel_compiles(dtype):
+    types = {"LOGITS": f"*{dtype}", "TEMP": "*fp32", "U": "*fp64", "TOKENS": "*i64", "LOGPROBS": "*fp32",
+             **ints("V", "s_l")}
+    compile_for_hopper(sampling_kernel._sample_kernel, types, {"BLOCK": sampling_kernel.BLOCK}, 8)
