@@ -142,7 +142,7 @@ def main() -> None:
     p.add_argument("--fused-kernels", action="store_true",
                    help="both arms decode through the paged kernel and replay CUDA graphs (the defaults); the tree's "
                         "arm runs the fused kernels (infer.engine.fused_kernels), the baseline's not. Without it "
-                        "both arms run them where their tree has them (the default)")
+                        "both arms run them (where their tree has them)")
     p.add_argument("--model", choices=sorted(MODELS), default="micro-llama")
     p.add_argument("--max-model-len", type=int, default=128)
     p.add_argument("--host-only", action="store_true",

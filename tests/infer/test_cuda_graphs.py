@@ -95,7 +95,7 @@ def test_the_engine_says_how_it_decodes(tmp_path):
     assert off.decode_mode == "eager (off (infer.engine.cuda_graphs)), unfused (off (infer.engine.fused_kernels))"
     assert not any(type(m).__name__.startswith("Fused") for m in model.modules())
     if not torch.cuda.is_available():
-        mode = NativeEngine(model, eos_token_ids=[], max_model_len=64).decode_mode
+        mode = NativeEngine(model, eos_token_ids=[], max_model_len=64, fused_kernels=True).decode_mode
         assert mode.startswith("eager (not on CUDA), ")
         assert mode.endswith("fused kernels" if ON_CPU else "unfused (not on CUDA)")
 
@@ -180,7 +180,8 @@ def test_replayed_decodes_match_the_eager_forward(arch, monkeypatch, tmp_path):
 def test_engine_with_graphs_generates_what_it_does_eagerly(tmp_path):
     """Greedy completions of requests that join and finish at different steps (decode batches of
     every size from 1 to 10 between graph sizes, prefix-shared forks, a context past one span) with
-    graphs and without: the same tokens and logprobs within fp32, and the decode steps replayed.
+    graphs and without (both with the fused kernels): the same tokens and logprobs within fp32, and
+    the decode steps replayed.
     A parameter rebound to new storage (as a collective load's first does) is caught by refresh and
     the graphs are captured again."""
     from rlcli.infer.engine import NativeEngine
@@ -190,7 +191,7 @@ def test_engine_with_graphs_generates_what_it_does_eagerly(tmp_path):
 
     def run(cuda_graphs: bool, engine: NativeEngine | None = None) -> tuple[list, NativeEngine]:
         engine = engine or NativeEngine(model, eos_token_ids=[], max_model_len=1400, block_size=16, max_num_seqs=12,
-                                        cuda_graphs=cuda_graphs, enable_prefix_caching=False)
+                                        cuda_graphs=cuda_graphs, enable_prefix_caching=False, fused_kernels=True)
         out = []
         for i, prompt_len in enumerate((5, 21, 9, 1100, 3)):
             engine.add_request(GenerateRequest(
@@ -238,7 +239,7 @@ def test_moe_engine_graphs_record_routes(arch, tmp_path):
 
     def run(graphs: bool) -> tuple[dict, NativeEngine]:
         engine = NativeEngine(model, eos_token_ids=[], max_model_len=256, block_size=16, max_num_seqs=8,
-                              cuda_graphs=graphs)
+                              cuda_graphs=graphs, fused_kernels=True)
         for i in range(3):
             engine.add_request(GenerateRequest(
                 request_id=str(i), prompt_ids=[(7 * i + j) % 250 for j in range(9 + 4 * i)],

@@ -230,7 +230,8 @@ def test_after_the_warm_up_nothing_compiles(tmp_path):
         K._paged_decode_kernel.device_caches.clear()
         K._merge_spans_kernel.device_caches.clear()
         engine = NativeEngine(model, eos_token_ids=[], max_model_len=4096, block_size=16, paged_decode=True,
-                              kv_cache_memory_mb=64, cuda_graphs=cuda_graphs)  # graphs: captured at every span count
+                              kv_cache_memory_mb=64, cuda_graphs=cuda_graphs,  # graphs: captured at every span count
+                              fused_kernels=True)
         assert variants() == [2, 1]
         warm = other_variants()
         assert all(warm)
