@@ -17,7 +17,10 @@ activation dtype (each product and sum of the rotary, the normalized row before 
 SiLU before its product) is cast here too. What differs is in fp32 only: the order of the sum of
 squares, one over its root where torch takes ``rsqrt``, and the ``exp`` inside the SiLU. So an output
 can differ from the module's where an fp32 value lands on a rounding edge of its dtype, by a step
-of it (two after a weight's product); tests/ops/test_fused_kernels.py bounds that.
+of it (two after a weight's product); tests/ops/test_fused_kernels.py bounds that. The rotary
+kernel is compiled without fused multiply-adds (``enable_fp_fusion=False``): with them, a product
+that torch rounds was contracted into the sum unrounded, and half-precision rotations landed
+several steps off torch's where the two terms nearly cancel (found on an H100).
 
 Under ``TRITON_INTERPRET=1`` they run on CPU tensors (the tests).
 """
@@ -174,7 +177,8 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     _rotary_kernel[(T, HQ + HK * (2 if store is not None else 1))](
         q3, k3, v3, q_weight if norm else c2, k_weight if norm else c2, c2, s2, kc, vc, slots, HQ, HK, D // 2,
         q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), s_vt, s_vh, c2.stride(0), s_kcs, s_kch, s_vcs, s_vch,
-        float(eps), NORM=norm, STORE=store is not None, BLOCK=block, num_warps=1 if block <= 64 else 2)
+        float(eps), NORM=norm, STORE=store is not None, BLOCK=block, num_warps=1 if block <= 64 else 2,
+        enable_fp_fusion=False)  # no fused multiply-add: each product is rounded before the sum, as in torch
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -132,11 +132,12 @@ def paged_step(model, caches, chunks, num_decode: int = 0, routing: RoutingConte
         query_start.append(query_start[-1] + len(new_ids))
         context_lens.append(start + len(new_ids))
         tables[i, :len(table)] = torch.tensor(table)
-    meta = PagedAttentionMetadata(slot_mapping=torch.tensor(slots), query_start=query_start,
-                                  context_lens=context_lens, block_tables=tables, block_size=BLOCK_SIZE,
+    dev = caches[0][0].device  # the model's (the tests on CUDA move it and the caches there)
+    meta = PagedAttentionMetadata(slot_mapping=torch.tensor(slots, device=dev), query_start=query_start,
+                                  context_lens=context_lens, block_tables=tables.to(dev), block_size=BLOCK_SIZE,
                                   num_decode=num_decode)
     ctx = ForwardContext(attn=PagedAttention(caches, meta), routing=routing)
-    return model(torch.cat(ids)[None], torch.cat(positions)[None], ctx)[0]
+    return model(torch.cat(ids)[None].to(dev), torch.cat(positions)[None].to(dev), ctx)[0]
 
 
 def scattered_blocks(seed: int, n: int) -> list[int]:
