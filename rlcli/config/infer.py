@@ -52,15 +52,13 @@ class NativeEngineConfig(EngineBase, tag="native"):
     kernel tiles do not fit (DeepSeek-V3's MLA latent in fp32) and model.batch_invariant run eagerly.
     False runs every step eagerly (faster start)."""
 
-    fused_kernels: bool = False
+    fused_kernels: bool = True
     """On CUDA (where Triton imports), run the forward's RMSNorms with their residual adds, the rotary
     embedding with Qwen3's query and key norms (and the paged KV cache's write), and SwiGLU's gate as
     single Triton kernels (rlcli/infer/fused_layers.py), in every step, graphed or not; and draw a
     batch without top-p in one kernel (rlcli/ops/sampling_kernel.py). They round where the torch code
     rounds; an output can differ by a step of its dtype where an fp32 value lands on a rounding edge.
-    Off under model.batch_invariant (its own kernels). Elsewhere it has no effect. Off by default: the
-    kernels are checked under Triton's interpreter and compiled for Hopper (sm_90a) in CI, but have not
-    run on a GPU yet."""
+    Off under model.batch_invariant (its own kernels). Elsewhere it has no effect."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

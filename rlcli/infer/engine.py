@@ -104,7 +104,7 @@ class NativeEngine(SharedKVMixin):
                  kv_cache_memory_mb: int = 256, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  enable_prefix_caching: bool = True, version: int = 0, seed: int = 0, role: str = "mixed",
                  batch_invariant: bool = False, paged_decode: bool = True, cuda_graphs: bool = True,
-                 fused_kernels: bool = False):
+                 fused_kernels: bool = True):
         self.runner = ModelRunner(model, max_model_len=max_model_len, block_size=block_size,
                                   kv_cache_memory_mb=kv_cache_memory_mb, max_num_seqs=max_num_seqs, role=role,
                                   batch_invariant=batch_invariant, paged_decode=paged_decode, cuda_graphs=cuda_graphs,

@@ -27,7 +27,7 @@ class ModelRunner:
 
     def __init__(self, model: CausalLM, *, max_model_len: int, block_size: int, kv_cache_memory_mb: float,
                  max_num_seqs: int, role: str, batch_invariant: bool, paged_decode: bool, cuda_graphs: bool,
-                 fused_kernels: bool = False):
+                 fused_kernels: bool = True):
         self.model = model.eval()
         self.batch_invariant = batch_invariant
         self.paged_decode = paged_decode  # decodes through rlcli.ops.paged_decode on CUDA
