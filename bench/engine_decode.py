@@ -158,7 +158,8 @@ def main() -> None:
         build: dict[str, dict[int, float]] = {"baseline": {}, "tree": {}}
         for _ in range(args.repeats):
             for arm, tree in (("baseline", base), ("tree", REPO)):
-                paged = args.cuda_graphs or args.host_only or args.fused_kernels or (args.paged_decode and arm == "tree")
+                paged = (args.cuda_graphs or args.host_only or args.fused_kernels
+                         or (args.paged_decode and arm == "tree"))
                 graphs = args.host_only or args.fused_kernels or (args.cuda_graphs and arm == "tree")
                 fused = not args.fused_kernels or arm == "tree"
                 for c, (ms, secs) in run(tree, args, paged, graphs, fused).items():

@@ -82,7 +82,8 @@ def main() -> None:
                 first[arm] = res["first"]
                 for s, ms in res["ms"].items():
                     best[arm][s] = min(best[arm].get(s, float("inf")), ms)
-    print(f"# sample(), ms per call, {args.device} {args.dtype}, vocabulary {args.vocab}, temperature 1; baseline: {label}")
+    print(f"# sample(), ms per call, {args.device} {args.dtype}, vocabulary {args.vocab}, temperature 1; "
+          f"baseline: {label}")
     print(f"{'rows':>6} {'baseline':>9} {'tree':>9} {'ratio':>7}")
     for s in best["tree"]:
         b, t = best["baseline"][s], best["tree"][s]

@@ -69,7 +69,8 @@ class ModelRunner:
 
     @property
     def decode_mode(self) -> str:
-        """How decode steps run: replayed graphs, or eagerly and why."""
+        """How decode steps run: replayed graphs, or eagerly and why; with the fused kernels, or
+        without and why."""
         g = self.graphs
         fused = "fused kernels" if self.fused_off is None else f"unfused ({self.fused_off})"
         if g is None:

@@ -16,8 +16,9 @@ importance ratio is 1 when both hold the same weights. Greedy rows (T = 0) repor
 ``log_softmax(logits)``.
 
 On CUDA, a batch without top-p draws in one Triton kernel per row (:mod:`rlcli.ops.sampling_kernel`)
-from the same uniforms, unless the caller says not to (the engine's ``infer.engine.fused_kernels``); under Triton's interpreter with ``RLCLI_PAGED_DECODE_ON_CPU=1`` (the engine's
-kernel tests) on the CPU as well.
+from the same uniforms, unless the caller says not to (the engine's ``infer.engine.fused_kernels``);
+under Triton's interpreter with ``RLCLI_PAGED_DECODE_ON_CPU=1`` (the engine's kernel tests) on the
+CPU as well.
 """
 
 import os
