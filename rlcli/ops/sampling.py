@@ -21,19 +21,15 @@ under Triton's interpreter with ``RLCLI_PAGED_DECODE_ON_CPU=1`` (the engine's ke
 CPU as well.
 """
 
-import os
-
 import torch
 
+from rlcli.ops.attention import _PAGED_ON_CPU
 from rlcli.ops.batch_invariant import row_cumsum
-
-_KERNEL_ON_CPU = (os.environ.get("RLCLI_PAGED_DECODE_ON_CPU") == "1"
-                  and os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True"))
 
 
 def _kernel_for(logits: torch.Tensor):
     """:mod:`rlcli.ops.sampling_kernel` where it draws ``logits``' rows, else None."""
-    if not (logits.is_cuda or (_KERNEL_ON_CPU and logits.device.type == "cpu")):
+    if not (logits.is_cuda or (_PAGED_ON_CPU and logits.device.type == "cpu")):  # the engine's kernels' switch
         return None
     try:
         from rlcli.ops import sampling_kernel
