@@ -16,6 +16,10 @@ the arms alternating ``--repeats`` times; the best time per concurrency counts.
                                                                           # decode steps as CUDA graphs against eager ones
     python bench/engine_decode.py --device cuda --dtype bfloat16 --fused-kernels --baseline-tree . --model qwen3-0.6b
                                                                           # graphed steps with the fused kernels against without
+    python bench/engine_decode.py --device cuda --dtype bfloat16 --cuda-graphs --fp8 --baseline-tree . --model qwen3-0.6b
+                                                                          # FP8 weights (rl-infer --fp8): graphed against eager
+    python bench/engine_decode.py --device cuda --dtype bfloat16 --fp8 tree --baseline-tree . --model qwen3-0.6b
+                                                                          # graphed steps: FP8 weights against bf16 ones
 
 ``--model qwen3-0.6b`` takes Qwen3-0.6B's shapes (recipes/models/qwen3-0.6b-config, random weights) instead,
 ``--model tiny-qwen3-moe`` the MoE recipe's model (8 experts, top-2; graphs need bf16 for its grouped GEMMs),
@@ -57,7 +61,12 @@ params = inspect.signature(NativeEngine).parameters
 extra = {k: v == "1" for k, v in (("paged_decode", sys.argv[6]), ("cuda_graphs", sys.argv[7]),
                                    ("fused_kernels", sys.argv[11])) if k in params}
 torch.set_num_threads(1)
-model = load_model(model_dir, seed=0).eval().to(device, dtype)
+if sys.argv[12] == "1":  # --fp8: FP8 weights and block scales in the linears, as rl-infer --fp8 loads them
+    from rlcli.config.model import Fp8Config
+    model = load_model(model_dir, device=device, dtype=dtype, seed=0, fp8=Fp8Config(enabled=True),
+                       fp8_storage=True).eval()
+else:
+    model = load_model(model_dir, seed=0).eval().to(device, dtype)
 r3 = sys.argv[10] == "1"
 if sys.argv[9] == "1":  # --host-only: the forward's output fixed, so a step is the engine's own host work
     fixed = torch.randn(max(concurrencies), model.args.vocab_size, device=device, dtype=dtype)
@@ -108,14 +117,15 @@ MODELS = {"micro-llama": REPO / "recipes" / "models" / "micro-llama",
           "dsv3-1.7b": REPO / "recipes" / "models" / "dsv3-1.7b-random"}
 
 
-def run(tree: Path, args, paged: bool = False, graphs: bool = False, fused: bool = True) -> dict[int, tuple[float, float]]:
+def run(tree: Path, args, paged: bool = False, graphs: bool = False, fused: bool = True,
+        fp8: bool = False) -> dict[int, tuple[float, float]]:
     # The tree first; then the caller's path, where packages carried to a machine may be (/tmp/site).
     env = {"PYTHONPATH": os.pathsep.join([str(tree), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]),
            "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", WORKLOAD, args.device, args.dtype, str(args.tokens),
                           str(MODELS[args.model]), args.concurrency, "1" if paged else "0", "1" if graphs else "0",
                           str(args.max_model_len), "1" if args.host_only else "0", "1" if args.r3 else "0",
-                          "1" if fused else "0"],
+                          "1" if fused else "0", "1" if fp8 else "0"],
                          env=env, capture_output=True, text=True, cwd=tree)
     if out.returncode != 0:
         raise SystemExit(f"{tree}: {out.stderr[-2000:]}")
@@ -143,6 +153,9 @@ def main() -> None:
                    help="both arms decode through the paged kernel and replay CUDA graphs (the defaults); the tree's "
                         "arm runs the fused kernels (infer.engine.fused_kernels), the baseline's not. Without it "
                         "both arms run them (where their tree has them)")
+    p.add_argument("--fp8", nargs="?", const="both", choices=("both", "tree"), default=None,
+                   help="FP8 weights and block scales in the linears (rl-infer --fp8; GEMM backend auto) in both "
+                        "arms, or in the tree's only (against the baseline's weights in --dtype)")
     p.add_argument("--model", choices=sorted(MODELS), default="micro-llama")
     p.add_argument("--max-model-len", type=int, default=128)
     p.add_argument("--host-only", action="store_true",
@@ -162,13 +175,15 @@ def main() -> None:
                          or (args.paged_decode and arm == "tree"))
                 graphs = args.host_only or args.fused_kernels or (args.cuda_graphs and arm == "tree")
                 fused = not args.fused_kernels or arm == "tree"
-                for c, (ms, secs) in run(tree, args, paged, graphs, fused).items():
+                fp8 = args.fp8 == "both" or (args.fp8 == "tree" and arm == "tree")
+                for c, (ms, secs) in run(tree, args, paged, graphs, fused, fp8).items():
                     best[arm][c] = min(best[arm].get(c, float("inf")), ms)
                     build[arm][c] = min(build[arm].get(c, float("inf")), secs)
     print(f"# native engine ({args.model}), ms per step, {args.device} {args.dtype}, {args.tokens} new tokens; "
           f"baseline: {label}" + ("; tree with paged_decode" if args.paged_decode else "")
           + ("; tree with cuda_graphs, both arms paged_decode" if args.cuda_graphs else "")
           + ("; tree with fused_kernels, both arms cuda_graphs" if args.fused_kernels else "")
+          + ({"both": "; FP8 weights in both arms", "tree": "; FP8 weights in the tree's arm"}.get(args.fp8, ""))
           + ("; host work only (fixed logits)" if args.host_only else "") + ("; routes returned (R3)" if args.r3 else ""))
     print(f"{'sequences':>9} {'baseline':>9} {'tree':>9} {'ratio':>7} {'build s (baseline, tree)':>26}")
     for c in sorted(best["tree"]):

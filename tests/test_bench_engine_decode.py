@@ -10,8 +10,8 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
 # --paged-decode, --cuda-graphs: the tree's arm with infer.engine.paged_decode or cuda_graphs (on the CPU both
-# keep the eager path); --host-only: both arms with fixed logits.
-@pytest.mark.parametrize("extra", [[], ["--paged-decode"], ["--cuda-graphs"], ["--host-only"]])
+# keep the eager path); --host-only: both arms with fixed logits; --fp8: FP8 weights (the emulated GEMMs here).
+@pytest.mark.parametrize("extra", [[], ["--paged-decode"], ["--cuda-graphs"], ["--host-only"], ["--fp8", "tree"]])
 def test_engine_decode_smoke_runs_both_arms_at_each_concurrency(extra):
     out = subprocess.run([sys.executable, str(BENCH / "engine_decode.py"), "--smoke", *extra], capture_output=True,
                          text=True, timeout=120)

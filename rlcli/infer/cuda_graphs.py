@@ -23,6 +23,12 @@ A graph fixes at capture what a step would vary, and each step is fitted to it:
 - **Weights.** A graph reads the parameters' storage. A weight load that copies in place keeps it;
   one that rebinds a parameter (a collective load's first, onto its arena) changes it, and
   :meth:`DecodeGraphs.refresh` captures the graphs again.
+- **FP8 weights** (``infer.fp8``). FP8 linears hold their FP8 weights and block scales as parameters
+  and buffers, and a graph reads those; each replays the activations' quantization and the block-scaled
+  GEMMs it captured. FP8 MoE experts keep master weights and an FP8 copy made from them: graphs read
+  the copy, which :meth:`DecodeGraphs.refresh` quantizes again in place after a load. Their grouped
+  GEMMs must read the per-expert offsets on the device (DeepGEMM's); the scaled_mm backend's loop
+  over the experts reads them on the host, and such engines decode eagerly.
 
 An MoE model's graphs record every row's experts (R3) in every replay (the routed experts' GEMMs are
 torch's grouped GEMM, which reads its offsets on the device); the engine keeps them where asked for.
@@ -39,6 +45,7 @@ import numpy as np
 import torch
 
 from rlcli.models.moe import MoE
+from rlcli.ops.fp8.convert import FP8GroupedExperts
 from rlcli.ops.attention import ForwardContext, PagedAttention, PagedAttentionMetadata, RoutingContext
 
 SMALL_SIZES = (1, 2, 4, 8)
@@ -70,8 +77,11 @@ def unsupported(model: torch.nn.Module, *, paged_decode: bool, batch_invariant: 
         return "MoE experts without torch's grouped GEMM (on CUDA: bf16) run one by one from host-side counts"
     if args.is_dsa:
         return "DSA's indexer sizes its top-k on the host by the longest context"
-    if any(p.dtype.itemsize == 1 for p in model.parameters()):
-        return "FP8 weights are not graphed yet"
+    host = sorted({m.backend.name for m in model.modules()
+                   if isinstance(m, FP8GroupedExperts) and not m.backend.grouped_on_device})
+    if host:
+        return (f"FP8 MoE experts on the {host[0]} GEMM backend loop over the experts from host-side counts "
+                "(DeepGEMM's grouped GEMM reads them on the device)")
     try:
         from rlcli.ops import paged_decode
     except (ImportError, OSError):
@@ -125,6 +135,7 @@ class DecodeGraphs:
         # (size, span count) -> (graph, its hidden states, its routes or None)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
         self.moe = [m for m in model.modules() if isinstance(m, MoE)]  # their routes recorded in every graph
+        self.fp8_experts = [m for m in model.modules() if isinstance(m, FP8GroupedExperts)]
         self.fingerprint: tuple[int, ...] = ()
         self.capture_s = 0.0
 
@@ -189,8 +200,12 @@ class DecodeGraphs:
         self.capture_s = time.perf_counter() - t0
 
     def refresh(self) -> bool:
-        """Capture again if a parameter's storage moved since the capture; whether it did."""
-        if self._weights() == self.fingerprint:
+        """After a weight load: capture again if a parameter's storage moved since the capture; whether
+        it did. FP8 experts' blocks, quantized from their weights at capture, are quantized again in
+        place first. Without a capture (:attr:`eager`) there is nothing to redo."""
+        for m in self.fp8_experts:
+            m.refresh_weights()
+        if self.eager or self._weights() == self.fingerprint:
             return False
         self.capture()
         return True

@@ -8,6 +8,7 @@ graph and which engines cannot be graphed are checked everywhere.
 """
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -44,6 +45,13 @@ MLA = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", nu
            first_k_dense_replace=1, n_shared_experts=1, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16,
            qk_rope_head_dim=8, v_head_dim=16, routed_scaling_factor=2.5)
 ARCHS = {"dense": {}, "moe": MOE, "mla": MLA}
+# rl-infer --fp8: FP8 weights and block scales in the linears (the router, embeddings and head stay).
+FP8 = SimpleNamespace(enabled=True, backend="auto", include=["*"], exclude=["*embed_tokens", "lm_head", "*.mlp.gate"],
+                      ue8m0=False)
+
+
+def _fp8_model(path, device: str, dtype: torch.dtype):
+    return load_model(path, device=device, dtype=dtype, seed=3, fp8=FP8, fp8_storage=True).eval()
 
 
 def test_capture_sizes():
@@ -79,6 +87,14 @@ def test_what_cannot_be_graphed_is_named(monkeypatch, tmp_path):
         wide = load_model(write_tiny_model(tmp_path / "wide", **dict(MLA, kv_lora_rank=512, qk_rope_head_dim=64)),
                           seed=0)
         assert "do not fit" in why(wide) and why(wide.to(torch.bfloat16)) is None
+    # FP8 linears are graphed (their weights and scales are parameters and buffers); FP8 experts only
+    # where their grouped GEMMs read the offsets on the device (DeepGEMM's), not the loop over experts.
+    assert why(_fp8_model(write_tiny_model(tmp_path / "f"), "cpu", torch.float32)) == why(dense)
+    fp8_moe = _fp8_model(write_tiny_model(tmp_path / "fm", **MOE), "cpu", torch.float32)
+    assert "FP8 MoE experts on the emulated GEMM backend" in why(fp8_moe)
+    from rlcli.ops.fp8.backends import EmulatedBackend
+    monkeypatch.setattr(EmulatedBackend, "grouped_on_device", True)
+    assert why(fp8_moe) == why(moe)
     assert "batch_invariant" in why(dense, batch_invariant=True)
     assert "paged_decode" in why(dense, paged_decode=False)
     assert "prefill" in why(dense, role="prefill")
@@ -100,23 +116,37 @@ def test_the_engine_says_how_it_decodes(tmp_path):
         assert mode.endswith("fused kernels" if ON_CPU else "unfused (not on CUDA)")
 
 
-@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("arch", sorted(ARCHS) + ["fp8", "fp8-moe"])
 @torch.no_grad()
 def test_replayed_decodes_match_the_eager_forward(arch, monkeypatch, tmp_path):
     """Three decodes (contexts of 1, 17 and 1,100 keys: the long one split in two on an H100's 132
     SMs) replayed at size 4: the logits (and an MoE's routes) of the eager paged forward of the same
     three plus the padding row, the same keys and values written to their slots, the padding row's
     only in the scratch block. MLA attends in latent form (one cache tensor per layer). The MoE
-    models run in bf16 on CUDA (torch's grouped GEMM)."""
+    models and the FP8 ones (FP8 weights and scales, rl-infer --fp8) run in bf16 on CUDA (torch's
+    grouped GEMM; FP8 experts need DeepGEMM's). Then other weights are loaded in place (a storage
+    kept, so no capture again; FP8 experts quantized again into the blocks the graphs read) and the
+    same holds with them."""
     device = _device()
     from rlcli.ops import paged_decode
     from rlcli.ops.attention import ForwardContext, PagedAttention, PagedAttentionMetadata, RoutingContext
 
     monkeypatch.setattr(paged_decode, "_num_sms", lambda device: 132)
-    model = load_model(write_tiny_model(tmp_path / "m", **ARCHS[arch]), seed=3)
-    moe = model.args.is_moe
-    dtype = torch.bfloat16 if moe and device == "cuda" else torch.float32
-    model = model.to(device, dtype).eval()
+    fp8 = arch.startswith("fp8")
+    config = write_tiny_model(tmp_path / "m", **(MOE if arch == "fp8-moe" else ARCHS.get(arch, {})))
+    moe = load_model(config).args.is_moe
+    dtype = torch.bfloat16 if (moe or fp8) and device == "cuda" else torch.float32
+
+    def model_of(seed: int) -> torch.nn.Module:
+        if fp8:
+            return load_model(config, device=device, dtype=dtype, seed=seed, fp8=FP8, fp8_storage=True).eval()
+        return load_model(config, seed=seed).to(device, dtype).eval()
+
+    model = model_of(3)
+    if arch == "fp8-moe" and device == "cuda":  # (on CPU the same forward runs without capture)
+        graphs_off = cuda_graphs.unsupported(model, paged_decode=True, batch_invariant=False, role="mixed")
+        if graphs_off is not None:
+            pytest.skip(graphs_off)
     a, bs, num_blocks = model.args, 8, 160
     g = torch.Generator().manual_seed(0)
     caches = [tuple(torch.randn(num_blocks + 1, bs, heads, dim, generator=g).to(device, dtype) for heads, dim in spec)
@@ -137,42 +167,49 @@ def test_replayed_decodes_match_the_eager_forward(arch, monkeypatch, tmp_path):
     ids = torch.tensor([5, 9, 200])
     pos = torch.tensor(lens) - 1
     slots = tables[torch.arange(3), pos // bs] * bs + pos % bs
-    before = [[c.clone() for c in layer] for layer in caches]
-
-    logits, routes = graphs.run(ids.numpy(), pos.numpy(), slots.numpy(), lens, tables.numpy())
-    logits, routes = logits.clone(), routes.clone() if routes is not None else None
-    assert (routes is not None) == moe
-    graphed = [[c.clone() for c in layer] for layer in caches]
-    for layer, saved in zip(caches, before):  # the eager forward writes the same slots again
-        for c, s in zip(layer, saved):
-            c.copy_(s)
-    # The eager reference: the same four rows, the padding row as the graph's (token 0 at position 0,
-    # its key in the scratch block), so every kernel sees the shapes the graph's did.
-    pad_tables = torch.full((4, tables.shape[1]), num_blocks, dtype=torch.int64)
-    pad_tables[:3] = tables.clamp(min=0)
-    meta = PagedAttentionMetadata(slot_mapping=torch.cat([slots, torch.tensor([num_blocks * bs])]).to(device),
-                                  query_start=[0, 1, 2, 3, 4], context_lens=lens + [1],
-                                  block_tables=pad_tables.to(device), block_size=bs, num_decode=4,
-                                  block_tables_host=pad_tables.numpy())
-    routing = RoutingContext(record=True) if moe else None
-    ctx = ForwardContext(attn=PagedAttention(caches, meta, paged_decode=True), routing=routing)
-    hidden = model.hidden_states(torch.cat([ids, torch.tensor([0])])[None].to(device),
-                                 torch.cat([pos, torch.tensor([0])])[None].to(device), ctx)[0]
-    want = model.lm_head(hidden[:3])
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    assert torch.allclose(logits.float(), want.float(), atol=tol, rtol=tol), (logits - want).abs().max()
-    if routing is not None:
-        assert torch.equal(routes, routing.stacked()[:3])
-        assert routes.shape == (3, len(graphs.moe), a.num_experts_per_tok)
-    written = torch.zeros(num_blocks + 1, bs, dtype=torch.bool)
-    written.view(-1)[slots] = True
-    for layer_g, layer_e, layer_0 in zip(graphed, caches, before):
-        for cg, ce, c0 in zip(layer_g, layer_e, layer_0):
-            cg, ce, c0 = cg.cpu(), ce.cpu(), c0.cpu()
-            assert torch.allclose(cg[written].float(), ce[written].float(), atol=tol)  # the step's keys and values
-            untouched = ~written
-            untouched[num_blocks] = False  # the scratch block: the padding row's
-            assert torch.equal(cg[untouched], c0[untouched])
+
+    def check() -> torch.Tensor:
+        before = [[c.clone() for c in layer] for layer in caches]
+        logits, routes = graphs.run(ids.numpy(), pos.numpy(), slots.numpy(), lens, tables.numpy())
+        logits, routes = logits.clone(), routes.clone() if routes is not None else None
+        assert (routes is not None) == moe
+        graphed = [[c.clone() for c in layer] for layer in caches]
+        for layer, saved in zip(caches, before):  # the eager forward writes the same slots again
+            for c, s in zip(layer, saved):
+                c.copy_(s)
+        # The eager reference: the same four rows, the padding row as the graph's (token 0 at position 0,
+        # its key in the scratch block), so every kernel sees the shapes the graph's did.
+        pad_tables = torch.full((4, tables.shape[1]), num_blocks, dtype=torch.int64)
+        pad_tables[:3] = tables.clamp(min=0)
+        meta = PagedAttentionMetadata(slot_mapping=torch.cat([slots, torch.tensor([num_blocks * bs])]).to(device),
+                                      query_start=[0, 1, 2, 3, 4], context_lens=lens + [1],
+                                      block_tables=pad_tables.to(device), block_size=bs, num_decode=4,
+                                      block_tables_host=pad_tables.numpy())
+        routing = RoutingContext(record=True) if moe else None
+        ctx = ForwardContext(attn=PagedAttention(caches, meta, paged_decode=True), routing=routing)
+        hidden = model.hidden_states(torch.cat([ids, torch.tensor([0])])[None].to(device),
+                                     torch.cat([pos, torch.tensor([0])])[None].to(device), ctx)[0]
+        want = model.lm_head(hidden[:3])
+        assert torch.allclose(logits.float(), want.float(), atol=tol, rtol=tol), (logits - want).abs().max()
+        if routing is not None:
+            assert torch.equal(routes, routing.stacked()[:3])
+            assert routes.shape == (3, len(graphs.moe), a.num_experts_per_tok)
+        written = torch.zeros(num_blocks + 1, bs, dtype=torch.bool)
+        written.view(-1)[slots] = True
+        for layer_g, layer_e, layer_0 in zip(graphed, caches, before):
+            for cg, ce, c0 in zip(layer_g, layer_e, layer_0):
+                cg, ce, c0 = cg.cpu(), ce.cpu(), c0.cpu()
+                assert torch.allclose(cg[written].float(), ce[written].float(), atol=tol)  # the step's keys and values
+                untouched = ~written
+                untouched[num_blocks] = False  # the scratch block: the padding row's
+                assert torch.equal(cg[untouched], c0[untouched])
+        return logits
+
+    first = check()
+    model.load_state_dict(model_of(4).state_dict())  # copies into the parameters' storage
+    assert not graphs.refresh()  # nothing moved: no capture again
+    assert not torch.allclose(check().float(), first.float(), atol=tol, rtol=tol)  # the new weights computed
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs")
@@ -221,6 +258,42 @@ def test_engine_with_graphs_generates_what_it_does_eagerly(tmp_path):
     again, _ = run(True, engine)
     assert engine.stats()["num_graph_steps"] > steps
     assert [(r, t) for r, t, _ in again] == [(r, t) for r, t, _ in graphed]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs")
+@torch.no_grad()
+def test_fp8_engine_replays_its_decodes(tmp_path):
+    """rl-infer --fp8 with the native engine on CUDA (FP8 weights and scales, bf16 activations) decodes
+    through its graphs and generates what it does eagerly: greedy completions agree token for token
+    until a near tie may part them (the GEMMs of a padded graph size and of the eager step's size may
+    sum in another order), with the logprobs of their common part within bf16's error."""
+    from rlcli.infer.engine import NativeEngine
+    from rlcli.protocol import GenerateRequest, SamplingParams
+
+    model = _fp8_model(write_tiny_model(tmp_path / "m"), "cuda", torch.bfloat16)
+
+    def run(graphs: bool) -> tuple[list, NativeEngine]:
+        engine = NativeEngine(model, eos_token_ids=[], max_model_len=512, block_size=16, max_num_seqs=12,
+                              cuda_graphs=graphs, fused_kernels=True)
+        out = []
+        for i, prompt_len in enumerate((5, 21, 9, 300)):
+            engine.add_request(GenerateRequest(
+                request_id=str(i), prompt_ids=[(7 * i + j) % 250 for j in range(prompt_len)],
+                sampling=SamplingParams(temperature=0.0, max_tokens=24, n=2, ignore_eos=True)))
+            out += engine.step()
+        while engine.has_work():
+            out += engine.step()
+        return sorted((r.request_id, c.token_ids, c.logprobs) for r in out for c in r.completions), engine
+
+    graphed, engine = run(True)
+    assert engine.decode_mode.startswith("CUDA graphs") and engine.stats()["num_graph_steps"] > 10
+    eager, _ = run(False)
+    same = total = 0
+    for (_, tokens, logprobs), (_, tokens2, logprobs2) in zip(graphed, eager):
+        common = next((i for i, (a, b) in enumerate(zip(tokens, tokens2)) if a != b), len(tokens))
+        same, total = same + common, total + len(tokens)
+        assert max((abs(x - y) for x, y in zip(logprobs[:common], logprobs2[:common])), default=0) < 5e-2
+    assert same >= 0.75 * total, (same, total)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs")

@@ -134,3 +134,38 @@ def test_fp8_engine_loads_the_trainers_high_precision_weights_in_flight(tmp_path
     assert got.keys() == ref.keys() and any(k.endswith("weight_scale_inv") for k in got)
     assert all(torch.equal(got[k].view(torch.uint8) if got[k].dtype == torch.float8_e4m3fn else got[k],
                            ref[k].view(torch.uint8) if ref[k].dtype == torch.float8_e4m3fn else ref[k]) for k in got)
+
+
+@torch.no_grad()
+def test_fp8_experts_quantize_a_loaded_weight_into_the_blocks_already_held():
+    """The native engine's decode graphs replay the expert blocks quantized at capture: after an in-place
+    weight load, refresh_weights writes the new weights' blocks into the same storage (the graphs read
+    it there), so the experts compute with the new weights; with nothing changed it does nothing."""
+    from rlcli.ops.fp8.quant import quantize_128x128
+
+    model = build_model(ModelArgs.from_hf(MOE))
+    model.init_weights(seed=0, std=0.1)
+    convert_to_fp8(model, CFG)
+    mlp = model.get_submodule("model.layers.0.mlp")
+    experts = mlp.experts
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(12, 160, generator=g)
+    idx = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(12)])
+    gates = torch.rand(12, 2, generator=g)
+    mlp.routed(x, idx, gates)  # fills the caches
+    assert not experts.refresh_weights()
+    held = [(c.q, c.s) for c in experts._caches]
+    ptrs = [(q.data_ptr(), s.data_ptr()) for q, s in held]
+    for w in (experts.w_gate, experts.w_up, experts.w_down):
+        w.copy_(torch.randn(w.shape, generator=g) * 0.1)  # an in-place load
+    assert experts.refresh_weights()
+    assert not experts.refresh_weights()
+    for (q, s), (pq, ps), w in zip(held, ptrs, (experts.w_gate, experts.w_up, experts.w_down)):
+        assert (q.data_ptr(), s.data_ptr()) == (pq, ps)
+        want_q, want_s = quantize_128x128(w, False)
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
+    fresh = build_model(ModelArgs.from_hf(MOE))
+    fresh.load_state_dict(model.state_dict())
+    convert_to_fp8(fresh, CFG)
+    torch.testing.assert_close(mlp.routed(x, idx, gates), fresh.get_submodule("model.layers.0.mlp").routed(x, idx, gates),
+                               rtol=0, atol=0)

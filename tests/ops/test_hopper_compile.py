@@ -1,4 +1,5 @@
-"""The engine's fused and sampling kernels compile for Hopper (sm_90a), here, without a GPU.
+"""The engine's fused, sampling and FP8 grouped GEMM kernels compile for Hopper (sm_90a), here,
+without a GPU.
 
 Triton's interpreter (test_fused_kernels.py) checks what the kernels compute, not that they
 compile: a construct the interpreter runs can still fail in Triton's compiler or in ``ptxas``.
@@ -20,17 +21,18 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from rlcli.ops import fused_kernels, sampling_kernel  # noqa: E402
+from rlcli.ops.fp8 import grouped_triton  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def compile_for_hopper(kernel, types: dict[str, str], constants: dict, num_warps: int) -> None:
+def compile_for_hopper(kernel, types: dict[str, str], constants: dict, num_warps: int, num_stages: int = 3) -> None:
     """Compile ``kernel`` for sm_90a, through ``ptxas`` to a cubin, with argument ``types``
     (pointers ``*dtype``, integers ``i32``, floats ``fp32``) and the ``constants`` of its constexprs."""
     names = list(inspect.signature(kernel.fn).parameters)
     signature = {n: "constexpr" if n in constants else types[n] for n in names}
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants), target=TARGET,
-                              options={"num_warps": num_warps})
+                              options={"num_warps": num_warps, "num_stages": num_stages})
     assert compiled.asm["cubin"], f"{kernel.fn.__name__}: no cubin"
 
 
@@ -69,3 +71,14 @@ def test_the_sampling_kernel_compiles(dtype):
     types = {"LOGITS": f"*{dtype}", "TEMP": "*fp32", "U": "*fp64", "TOKENS": "*i64", "LOGPROBS": "*fp32",
              **ints("V", "s_l")}
     compile_for_hopper(sampling_kernel._sample_kernel, types, {"BLOCK": sampling_kernel.BLOCK}, 8)
+
+
+@pytest.mark.parametrize("bm", [16, 32, 64])
+@pytest.mark.parametrize("out", ["bf16", "fp32"])
+def test_the_fp8_grouped_gemm_compiles(bm, out):
+    """FP8 operands (e4m3) into Hopper's FP8 tensor-core dot, at each tile height block_m picks."""
+    types = {"a_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "b_ptr": "*fp8e4nv", "sb_ptr": "*fp32", "out_ptr": f"*{out}",
+             "tile_group_ptr": "*i64", "tile_row_ptr": "*i64", "ends_ptr": "*i64",
+             **ints("N", "K", "G", "stride_am", "stride_sam", "stride_sak", "stride_bg", "stride_bn", "stride_sbg",
+                    "stride_sbn", "stride_om")}
+    compile_for_hopper(grouped_triton._grouped_kernel, types, {"BM": bm, "BN": 128, "BK": 128}, 4, 3)

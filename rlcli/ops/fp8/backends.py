@@ -12,8 +12,9 @@ three see bit-identical FP8 data and scales) and computes, with fp32 accumulatio
 ``emulated`` dequantizes and multiplies in fp32: the reference, on any device.
 ``torch`` calls ``torch.nn.functional.scaled_mm`` with ``BlockWise1x128`` x
 ``BlockWise128x128`` (cuBLASLt, Hopper): scale_a column-major ``(M, K/128)`` with stride
-``(1, M)``, scale_b the ``(N/128, K/128)`` block scales transposed. Its grouped GEMM
-loops over groups (one host sync for the offsets). ``deep_gemm`` calls DeepGEMM's
+``(1, M)``, scale_b the ``(N/128, K/128)`` block scales transposed. In training its grouped
+GEMM loops over groups (one host sync for the offsets); made for inference (FP8 weights) it runs
+the Triton kernel of :mod:`.grouped_triton` instead, which reads them on the device. ``deep_gemm`` calls DeepGEMM's
 ``fp8_gemm_nt`` and ``m_grouped_fp8_gemm_nt_contiguous``; the contiguous grouped layout
 needs every group's rows aligned to 128, which is built on the device (padding rows marked
 -1) so it needs no host sync; ``grouped_gemm_x`` quantizes high-precision rows straight into
@@ -40,7 +41,7 @@ from typing import Literal, Protocol
 import torch
 import torch.nn.functional as F
 
-from rlcli.ops.fp8 import runtime
+from rlcli.ops.fp8 import grouped_triton, runtime
 from rlcli.ops.fp8.quant import BLOCK, FP8_DTYPE, ceil_div, dequantize_1x128, dequantize_128x128
 from rlcli.transport.registry import expect_long
 
@@ -54,6 +55,9 @@ JIT_COMPILE_S = 180.0
 
 class GemmBackend(Protocol):
     name: str
+    grouped_on_device: bool
+    """Whether the grouped GEMMs read the group offsets on the device, with no host sync, so a CUDA
+    graph can hold them (the native engine's decode graphs of FP8 MoE models)."""
 
     def gemm(self, a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
              out_dtype: torch.dtype) -> torch.Tensor: ...
@@ -78,6 +82,7 @@ class EmulatedBackend:
     """Dequantize, then an fp32 matmul: the reference the kernels are checked against."""
 
     name = "emulated"
+    grouped_on_device = False  # a loop over the groups
 
     def gemm(self, a, sa, b, sb, out_dtype):
         return (dequantize_1x128(a, sa) @ dequantize_128x128(b, sb).T).to(out_dtype)
@@ -134,7 +139,10 @@ class TorchScaledMMBackend:
 
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, grouped_kernel: bool = False) -> None:
+        # Grouped GEMMs in rlcli.ops.fp8.grouped_triton (offsets read on the device; inference) or a
+        # loop of scaled_mm over the groups (one host sync; each group padded to 128 rows).
+        self.grouped_on_device = grouped_kernel and grouped_triton.available()
         self._fp32_out = True  # cuBLASLt builds without fp32 output for block scaling fall back to bf16
         self._st = getattr(F, "ScalingType", None) if hasattr(F, "scaled_mm") else None
 
@@ -168,6 +176,8 @@ class TorchScaledMMBackend:
         return _as(self._mm(a, _col_major(sa), b, _col_major(sb), "1x128", torch.bfloat16)[:M, :N], out_dtype)
 
     def grouped_gemm(self, a, sa, b, sb, offs, out_dtype):
+        if self.grouped_on_device and a.is_cuda:
+            return grouped_triton.grouped_gemm(a, sa, b, sb, offs, out_dtype)
         out = a.new_zeros(a.shape[0], b.shape[1], dtype=out_dtype)
         for g, (s, e) in enumerate(group_ranges(offs)):
             if e > s:
@@ -201,6 +211,12 @@ class DeepGemmBackend:
             self.align = int(dg.get_mk_alignment_for_contiguous_layout())
         except AttributeError:
             self.align = BLOCK
+
+    @property
+    def grouped_on_device(self) -> bool:
+        """The contiguous layout is built on the device, unless that kernel failed here and the
+        grouped GEMMs fell back to scaled_mm's loop."""
+        return "m_grouped_fp8_gemm_nt_contiguous" not in self.failed
 
     def _guarded(self, op: str, kernel, fallback):
         if op in self.failed:
@@ -396,8 +412,11 @@ def _is_sm90(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
-def make_backend(name: BackendName = "auto", device: torch.device | str = "cpu") -> GemmBackend:
+def make_backend(name: BackendName = "auto", device: torch.device | str = "cpu", inference: bool = False) -> GemmBackend:
     """The GEMM backend ``name`` for ``device``; ``auto`` prefers deep_gemm, then torch, then emulated.
+    ``inference`` (FP8 weights, the native engine): the torch backend's grouped GEMMs (MoE experts) run
+    in :mod:`rlcli.ops.fp8.grouped_triton`, one kernel reading the offsets on the device, instead of a
+    loop of ``scaled_mm`` over the experts (training keeps the loop).
     Raises ValueError naming the config key when a requested backend cannot run here."""
     device = torch.device(device)
     if name in ("auto", "deep_gemm") and device.type == "cuda":
@@ -410,8 +429,10 @@ def make_backend(name: BackendName = "auto", device: torch.device | str = "cpu")
             raise ValueError("fp8.backend = 'deep_gemm' but deep_gemm does not import; install it or set "
                              "fp8.backend = 'auto'")
     if name in ("auto", "torch") and _is_sm90(device):
-        log.info("fp8 GEMM backend: torch scaled_mm (blockwise 1x128 x 128x128)")
-        return TorchScaledMMBackend()
+        backend = TorchScaledMMBackend(grouped_kernel=inference)
+        log.info("fp8 GEMM backend: torch scaled_mm (blockwise 1x128 x 128x128)%s",
+                 ", grouped GEMMs in Triton" if backend.grouped_on_device else "")
+        return backend
     if name in ("deep_gemm", "torch"):
         raise ValueError(f"fp8.backend = {name!r} needs a Hopper (SM90) CUDA device, got {device}; "
                          "set fp8.backend = 'emulated' or 'auto'")

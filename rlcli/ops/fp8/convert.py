@@ -36,6 +36,12 @@ class FP8GroupedExperts(GroupedExperts):
         cache = self._caches[0 if w_ENK is self.w_gate else 1 if w_ENK is self.w_up else 2]
         return fp8_grouped_mm(x_RK, local_weight(w_ENK), offs_E, self.backend, cache, self.ue8m0)
 
+    def refresh_weights(self) -> bool:
+        """After a weight load: quantize the changed experts into the FP8 blocks already held, where
+        the decode graphs read them (:meth:`WeightCache.refresh_in_place`); whether any changed."""
+        return any([cache.refresh_in_place(local_weight(w), self.ue8m0)
+                    for cache, w in zip(self._caches, (self.w_gate, self.w_up, self.w_down))])
+
 
 def _matches(name: str, include: list[str], exclude: list[str]) -> bool:
     return (any(fnmatch.fnmatchcase(name, p) for p in include)
@@ -61,7 +67,7 @@ def convert_to_fp8(model: nn.Module, cfg, device: torch.device | str | None = No
         if device is None:
             p = next(model.parameters(), None)
             device = p.device if p is not None and not p.is_meta else "cpu"
-        backend = make_backend(cfg.backend, device)
+        backend = make_backend(cfg.backend, device, inference=fp8_storage)
     converted: list[str] = []
     for name, module in selected_modules(model, cfg):
         if type(module) is nn.Linear:

@@ -129,6 +129,27 @@ class WeightCache:
             self.key = key
         return ((self.q, self.s), (self.qt, self.st)) if transposed else (self.q, self.s)
 
+    @torch.no_grad()
+    def refresh_in_place(self, w: torch.Tensor, ue8m0: bool) -> bool:
+        """Quantize a changed ``w`` into the blocks already held, whose storage a CUDA graph may read
+        (the native engine's decode graphs replay the quantization they captured, not :meth:`get`);
+        whether it had changed. Nothing held, or a weight of another shape, is left to :meth:`get`."""
+        version = -1 if w.is_inference() else w._version
+        key = (w.data_ptr(), version, tuple(w.shape), ue8m0, _STEP[0])
+        if self.key is None or self.key == key or self.key[2:4] != key[2:4]:
+            return False
+        w = w.detach()
+        if self.qt is not None:
+            (q, s), (qt, st) = quantize_weight(w, ue8m0, True)
+            self.qt.copy_(qt)
+            self.st.copy_(st)
+        else:
+            q, s = quantize_weight(w, ue8m0)
+        self.q.copy_(q)
+        self.s.copy_(s)
+        self.key = key
+        return True
+
 
 def weight_fp8(w: torch.Tensor, cache: WeightCache | None, ue8m0: bool, transposed: bool = False,
                backward: bool = False):

@@ -1,0 +1,106 @@
+"""An FP8 block-scaled grouped GEMM in Triton that reads the group offsets on the device.
+
+``grouped_gemm(a, sa, b, sb, offs)`` computes, for every group ``g``, rows ``offs[g-1]:offs[g]``
+of ``a`` (1x128 tiles along K) times ``b[g]^T`` (128x128 blocks), with fp32 accumulation:
+the operands and result of :meth:`GemmBackend.grouped_gemm`. ``scaled_mm`` has no grouped form
+for block scales, so the torch backend otherwise loops over the groups, which reads the offsets
+on the host (one sync per MoE layer) and runs one GEMM per expert, each padded to 128 rows. In
+the native engine (inference, :func:`rlcli.ops.fp8.backends.make_backend` with ``inference``)
+that loop kept FP8 MoE models out of the decode graphs and launched ``experts x 3`` GEMMs a layer.
+
+Each program computes a ``BM x 128`` tile of one group's rows: the rows are cut into tiles per
+group on the device (tiles never straddle two groups), up to ``ceil(M / BM) + G`` tiles (a bound
+fixed by the shapes alone, so a CUDA graph holds it), and tiles past the groups' own return at
+once. Along K the program takes one 128-wide block at a time: ``dot(a_blk, b_blk^T)`` in fp32,
+times the rows' scales and the weight block's scale, summed over the blocks, the order
+DeepGEMM's kernels accumulate in. Rows that belong to no group are zero.
+"""
+
+import torch
+
+from rlcli.ops.fp8.quant import BLOCK
+
+try:
+    import triton
+    import triton.language as tl
+except (ImportError, OSError):  # CPU CI: no triton
+    triton = tl = None
+
+
+def available() -> bool:
+    return triton is not None
+
+
+def block_m(rows: int, groups: int) -> int:
+    """Rows per tile: 16 (``tl.dot``'s least) where the groups average at most 16 rows (decode
+    batches over many experts), up to 64 for larger groups."""
+    per_group = rows / max(groups, 1)
+    return 16 if per_group <= 16 else 32 if per_group <= 32 else 64
+
+
+if triton is not None:
+
+    @triton.jit
+    def _grouped_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, tile_group_ptr, tile_row_ptr, ends_ptr,
+                        N, K, G, stride_am, stride_sam, stride_sak, stride_bg, stride_bn, stride_sbg, stride_sbn,
+                        stride_om, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        g = tl.load(tile_group_ptr + tl.program_id(0))
+        if g >= G:  # a tile past every group's own
+            return
+        row0 = tl.load(tile_row_ptr + tl.program_id(0))
+        end = tl.load(ends_ptr + g)
+        rows = row0 + tl.arange(0, BM)
+        rmask = rows < end
+        nb = tl.program_id(1)
+        cols = nb * BN + tl.arange(0, BN)
+        cmask = cols < N
+        ks = tl.arange(0, BK)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for kb in range(0, tl.cdiv(K, BK)):
+            kk = kb * BK + ks
+            kmask = kk < K
+            a = tl.load(a_ptr + rows[:, None] * stride_am + kk[None, :], mask=rmask[:, None] & kmask[None, :],
+                        other=0.0)
+            b = tl.load(b_ptr + g * stride_bg + cols[:, None] * stride_bn + kk[None, :],
+                        mask=cmask[:, None] & kmask[None, :], other=0.0)
+            sa = tl.load(sa_ptr + rows * stride_sam + kb * stride_sak, mask=rmask, other=0.0)
+            sb = tl.load(sb_ptr + g * stride_sbg + nb * stride_sbn + kb)
+            acc += tl.dot(a, tl.trans(b)) * sa[:, None] * sb
+        tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=rmask[:, None] & cmask[None, :])
+
+
+def tile_map(offs_G: torch.Tensor, rows: int, bm: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(group of each tile, its first row, each group's row end) as int64 device tensors, for
+    ``ceil(rows / bm) + G`` tiles; a tile past the groups' own has group ``G``. No host sync."""
+    G = offs_G.shape[0]
+    ends = offs_G.to(torch.int64)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    tiles = (counts + bm - 1) // bm
+    tile_end = torch.cumsum(tiles, 0)
+    t = torch.arange(-(-rows // bm) + G, device=offs_G.device)
+    group = torch.searchsorted(tile_end, t, right=True)
+    g = group.clamp(max=G - 1)
+    first = (ends - counts)[g] + (t - (tile_end - tiles)[g]) * bm
+    return group, first, ends
+
+
+def grouped_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, offs: torch.Tensor,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    """``a [M, K]`` FP8 rows sorted by group with 1x128 scales ``sa [M, K/128]`` (any strides),
+    ``b [G, N, K]`` FP8 with 128x128 scales ``sb [G, N/128, K/128]``, ``offs [G]`` cumulative row
+    ends -> ``[M, N]`` in ``out_dtype`` (module docstring)."""
+    M, K = a.shape
+    G, N, _ = b.shape
+    out = torch.zeros(M, N, dtype=out_dtype, device=a.device)
+    if M == 0 or G == 0:
+        return out
+    a = a if a.stride(1) == 1 else a.contiguous()
+    b, sb = b.contiguous(), sb.contiguous()
+    bm = block_m(M, G)
+    group, first, ends = tile_map(offs, M, bm)
+    grid = (group.shape[0], triton.cdiv(N, BLOCK))
+    _grouped_kernel[grid](a, sa, b, sb, out, group, first, ends, N, K, G, a.stride(0), sa.stride(0), sa.stride(1),
+                          b.stride(0), b.stride(1), sb.stride(0), sb.stride(1), out.stride(0),
+                          BM=bm, BN=BLOCK, BK=BLOCK, num_warps=4, num_stages=3)
+    return out

@@ -1,0 +1,107 @@
+"""rlcli.ops.fp8.grouped_triton (the FP8 block-scaled grouped GEMM that reads the group offsets on
+the device) against the emulated reference (dequantize, fp32 matmul): groups empty and ragged, rows
+past the last group, K and N off the 128 grid, each tile height; the tile map without a host sync;
+and the torch backend with it (inference) against the loop over the groups.
+
+They run on CUDA. Without CUDA, where triton is installed and its interpreter works,
+``test_under_the_interpreter`` runs this file in a child process on CPU tensors.
+"""
+
+import pytest
+import torch
+
+import interpreter
+from rlcli.ops.fp8 import quant
+from rlcli.ops.fp8.backends import EmulatedBackend
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu" if interpreter.ACTIVE else None
+
+
+def _kernel():
+    if DEVICE is None:
+        pytest.skip("needs CUDA; without it test_under_the_interpreter runs these")
+    from rlcli.ops.fp8 import grouped_triton
+
+    if not grouped_triton.available():
+        pytest.skip("triton does not import")
+    return grouped_triton
+
+
+@pytest.mark.skipif(DEVICE is not None, reason="the kernel runs here directly")
+def test_under_the_interpreter():
+    interpreter.run_child_or_skip(__file__)
+
+
+def _operands(counts: list[int], extra: int, N: int, K: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    M = sum(counts) + extra
+    x = torch.randn(M, K, generator=g) * torch.exp(torch.randn(M, 1, generator=g))
+    w = torch.randn(len(counts), N, K, generator=g) * 0.05
+    a, sa = quant.quantize_1x128(x)
+    b, sb = quant.quantize_128x128(w)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    return [t.to(DEVICE) for t in (a, sa, b, sb, offs)]
+
+
+# (rows per group, rows past the last group, N, K): decode-like groups of 0-3 rows over many experts
+# (16-row tiles), mid and large groups (32- and 64-row tiles), N and K off the 128 grid.
+CASES = [([1, 0, 3, 2, 0, 0, 1, 2], 0, 256, 256),
+         ([0, 5, 0, 0], 3, 96, 200),
+         ([40, 17, 0, 33], 0, 130, 384),
+         ([70, 129, 1], 2, 128, 128),
+         ([0, 0, 0], 4, 128, 128)]
+
+
+@pytest.mark.parametrize("counts,extra,N,K", CASES)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_grouped_gemm_equals_the_dequantized_reference(counts, extra, N, K, out_dtype):
+    gt = _kernel()
+    if out_dtype == torch.bfloat16 and DEVICE == "cpu":
+        pytest.skip("the interpreter's bf16 is numpy's emulation")
+    a, sa, b, sb, offs = _operands(counts, extra, N, K)
+    sa_col = sa.t().contiguous().t()  # the quantizers' column-major layout, as the engine passes it
+    got = gt.grouped_gemm(a, sa_col, b, sb, offs, out_dtype)
+    want = EmulatedBackend().grouped_gemm(a, sa, b, sb, offs, torch.float32)
+    assert got.dtype == out_dtype and got.shape == want.shape
+    tol = 1e-5 if out_dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
+    if extra:
+        assert (got[sum(counts):] == 0).all()  # rows of no group
+
+
+def test_tile_map_cuts_every_group_into_its_own_tiles():
+    gt = _kernel()
+    counts = [3, 0, 17, 16, 0, 1]
+    offs = torch.tensor(counts, device=DEVICE).cumsum(0).to(torch.int32)
+    group, first, ends = gt.tile_map(offs, sum(counts), 16)
+    assert group.shape[0] == -(-sum(counts) // 16) + len(counts)  # fixed by the shapes: a graph holds it
+    real = group < len(counts)
+    assert group[real].tolist() == [0, 2, 2, 3, 5] and first[real].tolist() == [0, 3, 19, 20, 36]
+    assert ends.tolist() == [3, 3, 20, 36, 36, 37]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the torch backend needs SM90")
+@torch.no_grad()
+def test_inference_torch_backend_groups_on_the_device():
+    """make_backend(inference=True) on Hopper: grouped GEMMs through the kernel, no host sync (so the
+    decode graphs hold FP8 experts), equal to the training backend's loop over the groups."""
+    from rlcli.ops.fp8.backends import make_backend
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("scaled_mm's block scales need SM90")
+    infer, train = make_backend("torch", DEVICE, inference=True), make_backend("torch", DEVICE)
+    assert infer.grouped_on_device and not train.grouped_on_device
+    a, sa, b, sb, offs = _operands([2, 0, 5, 1], 0, 256, 512)
+    sa = sa.t().contiguous().t()
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    infer.grouped_gemm(a, sa, b, sb, offs, torch.bfloat16)  # compiles outside the capture
+    with torch.cuda.graph(graph, stream=stream):
+        out = infer.grouped_gemm(a, sa, b, sb, offs, torch.bfloat16)
+    graph.replay()
+    want = train.grouped_gemm(a, sa, b, sb, offs, torch.bfloat16)
+    torch.testing.assert_close(out.float(), want.float(), rtol=1e-2, atol=1e-2 * want.abs().max().item())
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q"]))
