@@ -23,7 +23,8 @@ the arms alternating ``--repeats`` times; the best time per concurrency counts.
 
 ``--model qwen3-0.6b`` takes Qwen3-0.6B's shapes (recipes/models/qwen3-0.6b-config, random weights) instead,
 ``--model tiny-qwen3-moe`` the MoE recipe's model (8 experts, top-2; graphs need bf16 for its grouped GEMMs),
-``--model dsv3-1.7b`` DeepSeek-V3's attention and routing at 1.7B (recipes/models/dsv3-1.7b-random: MLA, 32 experts).
+``--model dsv3-1.7b`` DeepSeek-V3's attention and routing at 1.7B (recipes/models/dsv3-1.7b-random: MLA, 32 experts),
+``--model dsv32-1.7b`` the same with DeepSeek-V3.2's sparse attention (a 64-head indexer choosing 2,048 tokens).
 Besides ms per step, each arm reports its engine's construction time (warm-up and graph capture).
 ``--host-only`` replaces the model's forward with fixed logits in both arms: what is left of a step is the
 engine's host work (scheduling, building the inputs, sampling, bookkeeping), which a graphed step of a
@@ -39,6 +40,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from _baseline import baseline_tree
@@ -114,7 +116,23 @@ print(json.dumps(out))
 MODELS = {"micro-llama": REPO / "recipes" / "models" / "micro-llama",
           "qwen3-0.6b": REPO / "recipes" / "models" / "qwen3-0.6b-config",
           "tiny-qwen3-moe": REPO / "recipes" / "models" / "tiny-qwen3-moe",
-          "dsv3-1.7b": REPO / "recipes" / "models" / "dsv3-1.7b-random"}
+          "dsv3-1.7b": REPO / "recipes" / "models" / "dsv3-1.7b-random",
+          "dsv32-1.7b": None}  # dsv3-1.7b with DeepSeek-V3.2's indexer, written at run time (model_dir)
+# DeepSeek-V3.2's lightning indexer (its config's values) on dsv3-1.7b-random's layout.
+DSV32 = {"architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "index_topk": 2048,
+         "index_n_heads": 64, "index_head_dim": 128}
+
+
+def model_dir(name: str, tmp: Path) -> Path:
+    """The model's directory; ``dsv32-1.7b``'s is written under ``tmp`` (a config.json only: random weights)."""
+    if MODELS[name] is not None:
+        return MODELS[name]
+    base = MODELS["dsv3-1.7b"]
+    out = tmp / name
+    out.mkdir(exist_ok=True)
+    (out / "config.json").write_text(json.dumps({**json.loads((base / "config.json").read_text()), **DSV32}))
+    (out / "tokenizer_config.json").write_text((base / "tokenizer_config.json").read_text())
+    return out
 
 
 def run(tree: Path, args, paged: bool = False, graphs: bool = False, fused: bool = True,
@@ -123,7 +141,7 @@ def run(tree: Path, args, paged: bool = False, graphs: bool = False, fused: bool
     env = {"PYTHONPATH": os.pathsep.join([str(tree), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]),
            "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", WORKLOAD, args.device, args.dtype, str(args.tokens),
-                          str(MODELS[args.model]), args.concurrency, "1" if paged else "0", "1" if graphs else "0",
+                          str(args.model_dir), args.concurrency, "1" if paged else "0", "1" if graphs else "0",
                           str(args.max_model_len), "1" if args.host_only else "0", "1" if args.r3 else "0",
                           "1" if fused else "0", "1" if fp8 else "0"],
                          env=env, capture_output=True, text=True, cwd=tree)
@@ -166,7 +184,9 @@ def main() -> None:
     args = p.parse_args()
     if args.smoke:
         args.device, args.concurrency, args.tokens, args.repeats = "cpu", "1,8", 8, 1
-    with baseline_tree(args.baseline, args.baseline_tree, same=args.smoke) as (base, label):
+    with baseline_tree(args.baseline, args.baseline_tree, same=args.smoke) as (base, label), \
+            tempfile.TemporaryDirectory() as tmp:
+        args.model_dir = model_dir(args.model, Path(tmp))
         best: dict[str, dict[int, float]] = {"baseline": {}, "tree": {}}
         build: dict[str, dict[int, float]] = {"baseline": {}, "tree": {}}
         for _ in range(args.repeats):

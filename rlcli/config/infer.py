@@ -50,8 +50,9 @@ class NativeEngineConfig(EngineBase, tag="native"):
     512). GQA and MLA models with paged_decode on: dense ones in bf16/fp16/fp32, MoE ones where torch's
     grouped GEMM runs (bf16 on CUDA), recording routes for R3, and with FP8 weights (infer.fp8) where the
     experts' grouped GEMMs read their offsets on the device (DeepGEMM's, or the torch backend's Triton
-    kernel); DSA, head widths whose kernel tiles do not fit (DeepSeek-V3's MLA latent in fp32) and
-    model.batch_invariant run eagerly. False runs every step eagerly (faster start)."""
+    kernel), and DSA's where its Triton kernels run; head widths whose kernel tiles do not fit
+    (DeepSeek-V3's MLA latent in fp32) and model.batch_invariant run eagerly. False runs every step
+    eagerly (faster start)."""
 
     fused_kernels: bool = True
     """On CUDA (where Triton imports), run the forward's RMSNorms with their residual adds, the rotary

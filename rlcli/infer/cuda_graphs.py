@@ -33,7 +33,9 @@ A graph fixes at capture what a step would vary, and each step is fitted to it:
 An MoE model's graphs record every row's experts (R3) in every replay (the routed experts' GEMMs are
 torch's grouped GEMM, which reads its offsets on the device); the engine keeps them where asked for.
 MLA models' graphs attend in latent form through the same kernel (one K/V head: the latent and the
-rotary key; the value a view of the latent).
+rotary key; the value a view of the latent). DSA models' choose their tokens without the host
+(:func:`rlcli.ops.mla.paged_select_topk`: the indexer's keys scored in place by block table, over the
+table's full width, ``max_model_len``, and always ``index_topk`` entries) and read them by cache slot.
 Prefill chunks, mixed steps and steps larger than the largest size run eagerly, as do engines the
 graphs do not cover (:func:`unsupported`).
 """
@@ -46,6 +48,7 @@ import torch
 
 from rlcli.models.moe import MoE
 from rlcli.ops.fp8.convert import FP8GroupedExperts
+from rlcli.ops import mla
 from rlcli.ops.attention import ForwardContext, PagedAttention, PagedAttentionMetadata, RoutingContext
 
 SMALL_SIZES = (1, 2, 4, 8)
@@ -75,8 +78,8 @@ def unsupported(model: torch.nn.Module, *, paged_decode: bool, batch_invariant: 
     param = next(model.parameters())
     if args.is_moe and not _grouped_kernel(param.device, param.dtype):
         return "MoE experts without torch's grouped GEMM (on CUDA: bf16) run one by one from host-side counts"
-    if args.is_dsa:
-        return "DSA's indexer sizes its top-k on the host by the longest context"
+    if args.is_dsa and not mla.dsa_decodes_in_place(args, param):
+        return "DSA's decodes need its Triton kernels (the indexer's scores by block table, sparse attention)"
     host = sorted({m.backend.name for m in model.modules()
                    if isinstance(m, FP8GroupedExperts) and not m.backend.grouped_on_device})
     if host:

@@ -175,14 +175,21 @@ class PagedAttention(nn.Module):
         return (q_NHD.is_cuda and q_NHD.dtype in (torch.float16, torch.bfloat16) and not self.batch_invariant
                 and q_NHD.shape[-1] == k_cache.shape[-1] == v_cache.shape[-1] and _varlen_attn() is not None)
 
+    def decode_lens(self, device: torch.device) -> torch.Tensor:
+        """The decodes' context lengths on ``device`` (int32), copied once per step and shared by
+        every layer (with the longest, for the kernel's spans); a graph's are its static buffer."""
+        meta = self.meta
+        if meta._decode_lens is None:
+            lens = meta.context_lens[:meta.num_decode]
+            meta._decode_lens = (torch.tensor(lens, dtype=torch.int32).to(device, non_blocking=True), max(lens))
+        return meta._decode_lens[0]
+
     def paged_decode_step(self, q_SHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           scale: float) -> torch.Tensor:
         """The decodes by :func:`rlcli.ops.paged_decode.paged_decode`, reading the cache in place."""
         meta = self.meta
-        if meta._decode_lens is None:  # one copy per step, shared by every layer, with the longest
-            lens = meta.context_lens[:meta.num_decode]
-            meta._decode_lens = (torch.tensor(lens, dtype=torch.int32).to(q_SHD.device, non_blocking=True), max(lens))
-        lens_t, longest = meta._decode_lens
+        lens_t = self.decode_lens(q_SHD.device)
+        longest = meta._decode_lens[1]
         spans = {"max_context_len": longest} if meta.decode_splits is None else {"num_splits": meta.decode_splits}
         return _paged_decode_for(q_SHD).paged_decode(q_SHD, k_cache, v_cache, meta.block_tables[:meta.num_decode],
                                                      lens_t, scale, **spans)

@@ -8,6 +8,10 @@ query and key only (fixed loop order over heads, one dot over the head dim), wha
 chunk or window it falls in; ``bench/dsa_attention.py`` checks on the GPU that the bits do not
 change with the block (Triton's CPU interpreter uses numpy's matmul, whose sums do).
 
+``paged_index_scores``: the same scores for the engine's decoding sequences, each against its own
+context's keys read in place from the paged index cache by block table (no gathered copy), in
+shapes fixed by the table's width (the decode graphs', rlcli.infer.cuda_graphs).
+
 ``sparse_attention``: one program per (query, head block) walks the query's selected token
 indices in blocks, loads those tokens' latent rows ``[c, k_rot]`` straight from ``kv`` (no
 gathered copy in memory) and runs an online softmax; the value is the latent ``c``. The
@@ -85,6 +89,26 @@ def index_scores(q_THD: torch.Tensor, w_TH: torch.Tensor, k_SD: torch.Tensor, sc
     return out
 
 
+@torch.no_grad()
+def paged_index_scores(q_THD: torch.Tensor, w_TH: torch.Tensor, k_cache_SD: torch.Tensor, tables_TW: torch.Tensor,
+                       lens_T: torch.Tensor, block_size: int, scale: float, width: int) -> torch.Tensor:
+    """Indexer scores [T, width] in fp32 of T decoding sequences (one query each) against the keys
+    of their contexts, read in place from the paged index cache ``[slots, D]`` through their block
+    tables ``[T, W]``; positions at or past each context length ``lens_T`` score -inf. No host sync
+    and no shape that varies with the context lengths: a CUDA graph holds it."""
+    T, Hi, D = q_THD.shape
+    assert k_cache_SD.dtype == q_THD.dtype and k_cache_SD.stride(-1) == 1, "index cache and queries differ"
+    q = q_THD if q_THD.stride(-1) == 1 else q_THD.contiguous()
+    w = w_TH.float().contiguous()
+    out = torch.empty(T, width, dtype=torch.float32, device=q.device)
+    BS = 128
+    _kernels()._paged_index_scores_kernel[(_cdiv(width, BS), T)](
+        q, w, k_cache_SD, tables_TW, lens_T, out, width, scale, q.stride(0), q.stride(1), w.stride(0),
+        k_cache_SD.stride(0), tables_TW.stride(0), out.stride(0), HI=Hi, DI=D, DP=_padded(D), BT=16, BS=BS,
+        BLOCK=block_size, PREC=_precision(q), num_warps=4)
+    return out
+
+
 _BK, _BK_BWD = 32, 16  # selected tokens per block (backward: smaller, for registers)
 
 
@@ -98,17 +122,18 @@ def _head_block(H: int) -> int:
 
 class _SparseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_THL, kv_SL, ids_Tk, rank: int, scale: float):
+    def forward(ctx, q_THL, kv_SL, ids_Tk, rank: int, scale: float, counts_T=None):
         T, H, L = q_THL.shape
         K = ids_Tk.shape[1]
         o = torch.empty(T, H, rank, dtype=q_THL.dtype, device=q_THL.device)
         lse = torch.empty(T, H, dtype=torch.float32, device=q_THL.device)
         HB = _head_block(H)
         grid = (T, _cdiv(H, HB))
-        _kernels()._sparse_fwd_kernel[grid](q_THL, kv_SL, ids_Tk, o, lse, scale, H, K, q_THL.stride(0), q_THL.stride(1),
+        _kernels()._sparse_fwd_kernel[grid](q_THL, kv_SL, ids_Tk, ids_Tk if counts_T is None else counts_T, o, lse,
+                                 scale, H, K, q_THL.stride(0), q_THL.stride(1),
                                  kv_SL.stride(0), ids_Tk.stride(0), o.stride(0), o.stride(1), HB=HB, R=rank,
                                  RP=_padded(rank), DR=L - rank, DRP=_padded(L - rank), BK=_BK, PREC=_precision(q_THL),
-                                 num_warps=4)
+                                 COUNTS=counts_T is not None, num_warps=4)
         ctx.save_for_backward(q_THL, kv_SL, ids_Tk, o, lse)
         ctx.rank, ctx.scale = rank, scale
         return o
@@ -126,12 +151,15 @@ class _SparseAttention(torch.autograd.Function):
             q_THL.stride(1), kv_SL.stride(0), ids_Tk.stride(0), o.stride(0), o.stride(1), HB=HB, R=ctx.rank,
             RP=_padded(ctx.rank), DR=L - ctx.rank, DRP=_padded(L - ctx.rank), BK=_BK_BWD, PREC=_precision(q_THL),
             num_warps=8)
-        return dq, dkv.to(kv_SL.dtype), None, None, None
+        return dq, dkv.to(kv_SL.dtype), None, None, None, None
 
 
 def sparse_attention(q_THL: torch.Tensor, kv_SL: torch.Tensor, idx_Tk: torch.Tensor, valid_Tk: torch.Tensor,
-                     value_dim: int, scale: float) -> torch.Tensor:
+                     value_dim: int, scale: float, counts_T: torch.Tensor | None = None) -> torch.Tensor:
     """Each query over its selected latent tokens: [T, H, value_dim] (as
-    :func:`rlcli.ops.mla.sparse_latent_attention`), differentiable in ``q`` and ``kv``."""
+    :func:`rlcli.ops.mla.sparse_latent_attention`), differentiable in ``q`` and ``kv``. ``counts_T``
+    (int32): every entry of query ``t`` past ``counts_T[t]`` is invalid, so its forward reads no further
+    (the engine's decodes, :func:`rlcli.ops.mla.paged_select_topk`: valid entries first)."""
     ids = torch.where(valid_Tk, idx_Tk, -1).to(torch.int32).contiguous()
-    return _SparseAttention.apply(q_THL.contiguous(), kv_SL.to(q_THL.dtype).contiguous(), ids, value_dim, scale)
+    return _SparseAttention.apply(q_THL.contiguous(), kv_SL.to(q_THL.dtype).contiguous(), ids, value_dim, scale,
+                                  counts_T)

@@ -29,9 +29,42 @@ def _index_scores_kernel(q_ptr, w_ptr, k_ptr, out_ptr, T, S, scale, sq_t, sq_h, 
 
 
 @triton.jit
-def _sparse_fwd_kernel(q_ptr, kv_ptr, idx_ptr, o_ptr, lse_ptr, scale, H, K: tl.constexpr, sq_t, sq_h, skv_s,
-                       si_t, so_t, so_h, HB: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, DR: tl.constexpr,
-                       DRP: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+def _paged_index_scores_kernel(q_ptr, w_ptr, k_ptr, tables_ptr, lens_ptr, out_ptr, S, scale, sq_t, sq_h, sw_t, sk_s,
+                               st_t, so_t, HI: tl.constexpr, DI: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr,
+                               BS: tl.constexpr, BLOCK: tl.constexpr, PREC: tl.constexpr):
+    # One decoding sequence t per program column, BS of its positions per program: each position's
+    # key is read from the paged index cache at its slot (the block table's block, the offset in it),
+    # scored as _index_scores_kernel scores a per-query key (the query in row 0 of a BT-row dot);
+    # positions at or past the sequence's context length score -inf, and blocks wholly past it read nothing.
+    pid_s, t = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    n = tl.load(lens_ptr + t)
+    s = pid_s * BS + tl.arange(0, BS)
+    ms = s < n
+    acc = tl.zeros([BT, BS], dtype=tl.float32)
+    if pid_s * BS < n:
+        i = tl.arange(0, BT)
+        d = tl.arange(0, DP)
+        mt, md = i < 1, d < DI
+        blk = tl.load(tables_ptr + t * st_t + s // BLOCK, mask=ms, other=0)
+        slot = blk.to(tl.int64) * BLOCK + s % BLOCK
+        k = tl.load(k_ptr + slot[:, None] * sk_s + d[None, :], mask=ms[:, None] & md[None, :], other=0.0)
+        kt = tl.trans(k)
+        for h in range(HI):
+            q = tl.load(q_ptr + t * sq_t + h * sq_h + i[:, None] * 0 + d[None, :], mask=mt[:, None] & md[None, :],
+                        other=0.0)
+            w = tl.load(w_ptr + t * sw_t + h + i * 0, mask=mt, other=0.0)
+            x = tl.dot(q, kt, input_precision=PREC) * scale
+            acc += w[:, None] * tl.maximum(x, 0.0)
+    row = tl.sum(acc, axis=0)  # rows past the first are zeros
+    tl.store(out_ptr + t * so_t + s, tl.where(ms, row, float("-inf")), mask=s < S)
+
+
+@triton.jit
+def _sparse_fwd_kernel(q_ptr, kv_ptr, idx_ptr, count_ptr, o_ptr, lse_ptr, scale, H, K: tl.constexpr, sq_t, sq_h,
+                       skv_s, si_t, so_t, so_h, HB: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, DR: tl.constexpr,
+                       DRP: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, COUNTS: tl.constexpr):
+    # COUNTS: a query's entries past count_ptr[t] are all invalid (the engine's decodes: valid first),
+    # so its loop stops there; an invalid block would add nothing (p = 0, alpha = 1) anyway.
     t, hb = tl.program_id(0).to(tl.int64), tl.program_id(1)
     h = hb * HB + tl.arange(0, HB)
     mh = h < H
@@ -43,7 +76,11 @@ def _sparse_fwd_kernel(q_ptr, kv_ptr, idx_ptr, o_ptr, lse_ptr, scale, H, K: tl.c
     m = tl.full([HB], float("-inf"), dtype=tl.float32)
     l = tl.zeros([HB], dtype=tl.float32)
     acc = tl.zeros([HB, RP], dtype=tl.float32)
-    for j in range(0, K, BK):
+    if COUNTS:
+        n = tl.minimum(tl.load(count_ptr + t), K)
+    else:
+        n = K
+    for j in range(0, n, BK):
         jj = j + tl.arange(0, BK)
         ids = tl.load(idx_ptr + t * si_t + jj, mask=jj < K, other=-1)
         ok = ids >= 0

@@ -54,16 +54,24 @@ def _chunk(per_row: int, device: torch.device) -> int:
     return max(1, budget // max(1, per_row))
 
 
-def _topk_earliest(scores_TW: torch.Tensor, k: int) -> torch.Tensor:
+def _topk_earliest(scores_TW: torch.Tensor, k: int, on_device: bool = False) -> torch.Tensor:
     """Indices (ascending) of the k largest scores per row, exact ties at the cut going to the
     smaller index: one float top-k finds the k-th value, then every larger score and the
-    earliest of the scores equal to it (a running count) are kept. Scores must not be NaN."""
+    earliest of the scores equal to it (a running count) are kept. Scores must not be NaN.
+    The k kept of each row are listed by ``nonzero`` (its count read on the host), or with
+    ``on_device`` scattered to their rank among them (no host sync; a CUDA graph holds it)."""
     kth_T1 = scores_TW.topk(k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
     above = scores_TW > kth_T1
     tied = scores_TW == kth_T1  # -0.0 == +0.0, as in the reference's comparisons
     need_T1 = k - above.sum(-1, keepdim=True, dtype=torch.int32)
     take = above | (tied & (tied.cumsum(-1, dtype=torch.int32) <= need_T1))
-    return take.nonzero()[:, 1].view(-1, k)
+    if not on_device:
+        return take.nonzero()[:, 1].view(-1, k)
+    T, W = take.shape
+    rank = torch.where(take, take.cumsum(-1) - 1, k)  # the rest all land in a column dropped after
+    out = torch.empty(T, k + 1, dtype=torch.long, device=take.device)
+    out.scatter_(1, rank, torch.arange(W, device=take.device).expand(T, W))
+    return out[:, :k]
 
 
 def _topk_earliest_int64(scores_TW: torch.Tensor, k: int) -> torch.Tensor:
@@ -148,6 +156,30 @@ def select_topk(q_THD: torch.Tensor, w_TH: torch.Tensor, k_SD: torch.Tensor, lo_
         idx_Tk[a:b, :kk] = (order + first).masked_fill(~keep, 0)  # invalid entries point at token 0
         valid_Tk[a:b, :kk] = keep
     return idx_Tk, valid_Tk
+
+
+def paged_select_topk(q_THD: torch.Tensor, w_TH: torch.Tensor, k_cache_SD: torch.Tensor, tables_TW: torch.Tensor,
+                      lens_T: torch.Tensor, block_size: int, topk: int,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`select_topk` for the engine's decodes, each query among its own context's keys
+    (``lo = 0``, ``hi = lens - 1``), the keys read in place from the paged index cache (the Triton
+    kernel, :func:`rlcli.ops.dsa_triton.paged_index_scores`): (positions [T, topk], valid [T, topk]),
+    always ``topk`` wide (a context shorter than that gets all its tokens, then invalid entries at
+    position 0), chosen by the same rule with no host sync, so a CUDA graph holds it."""
+    width = max(tables_TW.shape[1] * block_size, topk)
+    scores = dsa_triton.paged_index_scores(q_THD, w_TH, k_cache_SD, tables_TW, lens_T, block_size, scale, width)
+    idx = _topk_earliest(scores, topk, on_device=True)
+    valid = idx < lens_T[:, None]
+    return idx.masked_fill(~valid, 0), valid
+
+
+def dsa_decodes_in_place(args, x: torch.Tensor) -> bool:
+    """Whether an engine's DSA decodes run on ``x``'s device through the Triton kernels alone
+    (:func:`paged_select_topk`, then sparse attention by cache slot), with no host sync: the
+    kernels switched on (:data:`TRITON`) and importable, and the model's widths fitting them."""
+    return ((x.is_cuda if TRITON is None else TRITON) and dsa_triton.available(x)
+            and dsa_triton.scores_supported(args.index_head_dim)
+            and dsa_triton.attention_supported(args.kv_lora_rank, args.qk_rope_head_dim))
 
 
 def tree_key_layout(tree, rows: np.ndarray, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -406,6 +438,18 @@ def paged_latent_attention(attn: PagedAttention, layer_idx: int, q_NHL: torch.Te
     latent_v = caches[0][..., :value_dim]
     if D and not sparse and attn.decodes_in_place(q_NHL, caches[0], latent_v):  # dense MLA: the kernel, in place
         outs.append(attn.paged_decode_step(q_NHL[:D], caches[0], latent_v, scale))
+    elif D and sparse and not inv and attn.paged_decode and attend_chosen is dsa_triton.sparse_attention and \
+            (indexer is None or _fused_scores(iq_NHD)):
+        # The engine's kernels (infer.engine.paged_decode): keys scored and chosen tokens read in place
+        # by block table and cache slot, in shapes set by the table's width (graphs: max_model_len).
+        lens_D, bs = attn.decode_lens(q_NHL.device), meta.block_size
+        tables = meta.block_tables[:D]
+        decode_sel = (paged_select_topk(iq_NHD[:D], iw_NH[:D], ik_flat, tables, lens_D, bs, topk, iscale)
+                      if indexer is not None else selection[0])
+        idx_Dk, keep_Dk = decode_sel
+        slots_Dk = tables.gather(1, idx_Dk // bs).clamp(min=0) * bs + idx_Dk % bs
+        counts = lens_D.clamp(max=idx_Dk.shape[1])  # valid entries come first: the kernel reads no further
+        outs.append(attend_chosen(q_NHL[:D], kv_flat, slots_Dk, keep_Dk, value_dim, scale, counts))
     elif D:
         lens = meta.context_lens[:D]
         pos_L = torch.arange(max(lens), device=kv_flat.device)

@@ -44,7 +44,10 @@ MLA = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", nu
            moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
            first_k_dense_replace=1, n_shared_experts=1, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16,
            qk_rope_head_dim=8, v_head_dim=16, routed_scaling_factor=2.5)
-ARCHS = {"dense": {}, "moe": MOE, "mla": MLA}
+# DeepSeek-V3.2's sparse attention on the same layout: a lightning indexer choosing 5 tokens a query.
+DSA = dict(MLA, architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", index_topk=5, index_n_heads=8,
+           index_head_dim=16)
+ARCHS = {"dense": {}, "moe": MOE, "mla": MLA, "dsa": DSA}
 # rl-infer --fp8: FP8 weights and block scales in the linears (the router, embeddings and head stay).
 FP8 = SimpleNamespace(enabled=True, backend="auto", include=["*"], exclude=["*embed_tokens", "lm_head", "*.mlp.gate"],
                       ue8m0=False)
@@ -66,9 +69,7 @@ def test_what_cannot_be_graphed_is_named(monkeypatch, tmp_path):
     dense = load_model(write_tiny_model(tmp_path / "d"), seed=0)
     moe = load_model(write_tiny_model(tmp_path / "m", **MOE), seed=0)
     mla = load_model(write_tiny_model(tmp_path / "mla", **MLA), seed=0)
-    dsa = load_model(write_tiny_model(tmp_path / "dsa", **dict(MLA, architectures=["DeepseekV32ForCausalLM"],
-                                                                 model_type="deepseek_v32", index_topk=5,
-                                                                 index_n_heads=8, index_head_dim=16)), seed=0)
+    dsa = load_model(write_tiny_model(tmp_path / "dsa", **DSA), seed=0)
 
     def why(model, **kw):
         return cuda_graphs.unsupported(model, **{"paged_decode": True, "batch_invariant": False, "role": "mixed", **kw})
@@ -82,7 +83,11 @@ def test_what_cannot_be_graphed_is_named(monkeypatch, tmp_path):
     assert "MoE" in why(moe)
     monkeypatch.setattr(cuda_graphs, "_grouped_kernel", lambda device, dtype: True)
     assert why(moe) == why(dense) == why(mla)
-    assert "DSA" in why(dsa)
+    from rlcli.ops import mla as mla_ops
+    if mla_ops.dsa_decodes_in_place(dsa.args, next(dsa.parameters())):  # (CUDA with Triton) on the paged kernels
+        assert why(dsa) == why(mla)
+    else:
+        assert "DSA's decodes need its Triton kernels" in why(dsa)
     if why(dense) is None:  # (Triton imports) DeepSeek-V3's latent width: the kernel's tiles fit bf16, not fp32
         wide = load_model(write_tiny_model(tmp_path / "wide", **dict(MLA, kv_lora_rank=512, qk_rope_head_dim=64)),
                           seed=0)
@@ -122,7 +127,8 @@ def test_replayed_decodes_match_the_eager_forward(arch, monkeypatch, tmp_path):
     """Three decodes (contexts of 1, 17 and 1,100 keys: the long one split in two on an H100's 132
     SMs) replayed at size 4: the logits (and an MoE's routes) of the eager paged forward of the same
     three plus the padding row, the same keys and values written to their slots, the padding row's
-    only in the scratch block. MLA attends in latent form (one cache tensor per layer). The MoE
+    only in the scratch block. MLA attends in latent form (one cache tensor per layer); DSA chooses
+    its tokens through the paged indexer kernel (its keys in a second cache tensor). The MoE
     models and the FP8 ones (FP8 weights and scales, rl-infer --fp8) run in bf16 on CUDA (torch's
     grouped GEMM; FP8 experts need DeepGEMM's). Then other weights are loaded in place (a storage
     kept, so no capture again; FP8 experts quantized again into the blocks the graphs read) and the
@@ -132,6 +138,9 @@ def test_replayed_decodes_match_the_eager_forward(arch, monkeypatch, tmp_path):
     from rlcli.ops.attention import ForwardContext, PagedAttention, PagedAttentionMetadata, RoutingContext
 
     monkeypatch.setattr(paged_decode, "_num_sms", lambda device: 132)
+    if device == "cpu":  # DSA's Triton kernels under the interpreter (on CUDA they are the default)
+        from rlcli.ops import mla as mla_ops
+        monkeypatch.setattr(mla_ops, "TRITON", True)
     fp8 = arch.startswith("fp8")
     config = write_tiny_model(tmp_path / "m", **(MOE if arch == "fp8-moe" else ARCHS.get(arch, {})))
     moe = load_model(config).args.is_moe
@@ -297,10 +306,10 @@ def test_fp8_engine_replays_its_decodes(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs")
-@pytest.mark.parametrize("arch", ["moe", "mla"])
+@pytest.mark.parametrize("arch", ["moe", "mla", "dsa"])
 @torch.no_grad()
 def test_moe_engine_graphs_record_routes(arch, tmp_path):
-    """A bf16 MoE engine on CUDA (Qwen3-MoE's GQA, DeepSeek-V3's MLA) replays its decode steps and
+    """A bf16 MoE engine on CUDA (Qwen3-MoE's GQA, DeepSeek-V3's MLA, V3.2's DSA) replays its decode steps and
     still returns every token's experts (R3): the routes of requests that ask for them cover every
     token, with two distinct experts each, and the prompt's (computed eagerly) are those of an engine
     without graphs."""

@@ -115,3 +115,91 @@ def test_model_on_triton_kernels_equals_the_torch_path(triton_kernels, hf_model_
     assert max_abs_diff(a, b) <= 1e-5
     assert ga.keys() == gb.keys()
     assert max(max_abs_diff(ga[n], gb[n]) for n in ga) <= 1e-5
+
+
+def test_topk_on_the_device_lists_what_nonzero_lists():
+    """_topk_earliest(on_device=True) scatters each kept index to its rank (no host sync): the same
+    ascending indices as the nonzero listing, ties and -inf rows included."""
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(50):
+        T, W = int(torch.randint(1, 9, (1,), generator=gen)), int(torch.randint(1, 50, (1,), generator=gen))
+        s = torch.randint(-2, 3, (T, W), generator=gen).float()
+        s[torch.rand(T, W, generator=gen) < 0.3] = -INF
+        for k in {1, W // 2 or 1, W}:
+            assert torch.equal(mla._topk_earliest(s, k, on_device=True), mla._topk_earliest(s, k))
+
+
+def test_paged_selection_equals_the_gathered_one(triton_kernels):
+    """The engine's decode selection, keys read in place from a paged index cache by block table
+    (shuffled blocks, block size 4, contexts shorter and longer than topk, a one-token context):
+    the same chosen positions as select_topk over each sequence's gathered keys, and invalid entries
+    (contexts shorter than topk) at position 0."""
+    gen = torch.Generator().manual_seed(4)
+    Hi, D, bs, topk, num_blocks = 3, 24, 4, 6, 40
+    lens = [1, 5, 6, 23, 37]
+    cache = torch.randn(num_blocks * bs, D, generator=gen)
+    cache[::7] = cache[1]  # exact ties between keys
+    owned = torch.randperm(num_blocks, generator=gen).tolist()
+    W = -(-max(lens) // bs)
+    tables = torch.full((len(lens), W), -1, dtype=torch.long)
+    for i, n in enumerate(lens):
+        tables[i, :-(-n // bs)] = torch.tensor([owned.pop() for _ in range(-(-n // bs))])
+    q, w = torch.randn(len(lens), Hi, D, generator=gen), torch.randn(len(lens), Hi, generator=gen)
+    idx, valid = mla.paged_select_topk(q, w, cache, tables, torch.tensor(lens, dtype=torch.int32), bs, topk, 0.3)
+    assert idx.shape == valid.shape == (len(lens), topk)
+    for i, n in enumerate(lens):
+        pos = torch.arange(n)
+        keys = cache[tables[i, pos // bs] * bs + pos % bs]
+        want, want_valid = mla.select_topk(q[i:i + 1], w[i:i + 1], keys, torch.zeros(1, dtype=torch.long),
+                                           torch.tensor([n - 1]), topk, 0.3)
+        assert idx[i][valid[i]].tolist() == want[0][want_valid[0]].tolist()
+        assert valid[i].sum() == min(n, topk) and (idx[i][~valid[i]] == 0).all()
+
+
+def test_engine_dsa_decodes_through_the_paged_kernels(triton_kernels, hf_model_dir):
+    """The native engine's DSA decodes on the paged path (scores by block table, positions to cache
+    slots, sparse attention by slot): greedy completions of prompts longer than index_topk equal
+    the model's full forward on the same (Triton) kernels, with the shared-selection layers of GLM-5."""
+    from zoo import random_ids
+
+    from rlcli.infer.engine import NativeEngine
+    from rlcli.models import load_model
+    from rlcli.protocol import GenerateRequest, SamplingParams
+
+    for arch in ("deepseek_v32", "glm_moe_dsa"):
+        model = load_model(hf_model_dir(arch)[0]).eval()
+        calls = []
+        real = mla.paged_select_topk
+        mla.paged_select_topk = lambda *a, **k: calls.append(1) or real(*a, **k)
+        try:
+            engine = NativeEngine(model, eos_token_ids=[], max_model_len=128, block_size=4, paged_decode=True)
+            prompt = random_ids(model.args.vocab_size, 1, model.args.index_topk + 9, seed=5)[0].tolist()
+            engine.add_request(GenerateRequest(request_id="r", prompt_ids=prompt,
+                                               sampling=SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)))
+            out = []
+            while engine.has_work():
+                out += engine.step()
+        finally:
+            mla.paged_select_topk = real
+        assert calls, "the decodes did not take the paged path"
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(6):
+                ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+        assert out[-1].completions[0].token_ids == ids[len(prompt):], arch
+
+
+def test_sparse_attention_stops_at_the_counts(triton_kernels):
+    """With valid entries first (the engine's decodes), a query's forward that stops at its count
+    equals the one that walks every entry, bit for bit; 40 entries (two blocks of 32), counts 0..40."""
+    gen = torch.Generator().manual_seed(6)
+    T, S, H, R, dr, K = 6, 50, 4, 16, 8, 40
+    q, kv = torch.randn(T, H, R + dr, generator=gen), torch.randn(S, R + dr, generator=gen)
+    counts = torch.tensor([1, 5, 31, 32, 33, 40], dtype=torch.int32)
+    idx = torch.stack([torch.randperm(S, generator=gen)[:K].sort().values for _ in range(T)])
+    valid = torch.arange(K)[None] < counts[:, None]
+    idx = idx.masked_fill(~valid, 0)
+    full = triton_kernels.sparse_attention(q, kv, idx, valid, R, 0.2)
+    assert torch.equal(triton_kernels.sparse_attention(q, kv, idx, valid, R, 0.2, counts), full)
+    ref = mla.sparse_latent_attention(q, kv, idx, valid, R, 0.2)
+    assert torch.allclose(full, ref, rtol=1e-5, atol=1e-5)

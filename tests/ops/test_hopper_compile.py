@@ -1,5 +1,5 @@
-"""The engine's fused, sampling and FP8 grouped GEMM kernels compile for Hopper (sm_90a), here,
-without a GPU.
+"""The engine's fused, sampling, FP8 grouped GEMM and DSA decode kernels compile for Hopper (sm_90a),
+here, without a GPU.
 
 Triton's interpreter (test_fused_kernels.py) checks what the kernels compute, not that they
 compile: a construct the interpreter runs can still fail in Triton's compiler or in ``ptxas``.
@@ -82,3 +82,28 @@ def test_the_fp8_grouped_gemm_compiles(bm, out):
              **ints("N", "K", "G", "stride_am", "stride_sam", "stride_sak", "stride_bg", "stride_bn", "stride_sbg",
                     "stride_sbn", "stride_om")}
     compile_for_hopper(grouped_triton._grouped_kernel, types, {"BM": bm, "BN": 128, "BK": 128}, 4, 3)
+
+
+def _dsa_kernels():
+    from rlcli.ops import dsa_triton_kernels
+
+    return dsa_triton_kernels
+
+
+def test_the_paged_indexer_scores_compile():
+    """DSA's decode scores by block table (DeepSeek-V3.2: 64 indexer heads of 128, 16-token blocks)."""
+    types = {"q_ptr": "*bf16", "w_ptr": "*fp32", "k_ptr": "*bf16", "tables_ptr": "*i64", "lens_ptr": "*i32",
+             "out_ptr": "*fp32", "scale": "fp32", **ints("S", "sq_t", "sq_h", "sw_t", "sk_s", "st_t", "so_t")}
+    compile_for_hopper(_dsa_kernels()._paged_index_scores_kernel, types,
+                       {"HI": 64, "DI": 128, "DP": 128, "BT": 16, "BS": 128, "BLOCK": 16, "PREC": "tf32"}, 4)
+
+
+@pytest.mark.parametrize("counts", [False, True])
+def test_the_sparse_attention_compiles(counts):
+    """DSA's sparse attention over the chosen tokens (latent 512 + rope 64, 2048 of them), stopping at each
+    query's count of valid entries (the engine's decodes) or walking all of them (training)."""
+    types = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "count_ptr": "*i32", "o_ptr": "*bf16",
+             "lse_ptr": "*fp32", "scale": "fp32", **ints("H", "sq_t", "sq_h", "skv_s", "si_t", "so_t", "so_h")}
+    compile_for_hopper(_dsa_kernels()._sparse_fwd_kernel, types,
+                       {"K": 2048, "HB": 16, "R": 512, "RP": 512, "DR": 64, "DRP": 64, "BK": 32, "PREC": "tf32",
+                        "COUNTS": counts}, 4)

@@ -412,7 +412,8 @@ def _is_sm90(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
-def make_backend(name: BackendName = "auto", device: torch.device | str = "cpu", inference: bool = False) -> GemmBackend:
+def make_backend(name: BackendName = "auto", device: torch.device | str = "cpu",
+                 inference: bool = False) -> GemmBackend:
     """The GEMM backend ``name`` for ``device``; ``auto`` prefers deep_gemm, then torch, then emulated.
     ``inference`` (FP8 weights, the native engine): the torch backend's grouped GEMMs (MoE experts) run
     in :mod:`rlcli.ops.fp8.grouped_triton`, one kernel reading the offsets on the device, instead of a
