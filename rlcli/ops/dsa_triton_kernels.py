@@ -1,11 +1,14 @@
 """The Triton kernels of :mod:`rlcli.ops.dsa_triton` (imported on first use: Triton reads
-``TRITON_INTERPRET`` once, when it is first imported)."""
+``TRITON_INTERPRET`` once, when it is first imported). The number of chosen tokens ``K`` and the
+scores' query and key counts ``T`` and ``S`` (with the row strides that follow them) are runtime
+arguments Triton does not specialize on: one kernel serves every prompt length (a prompt shorter
+than ``index_topk`` chooses all its tokens)."""
 
 import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "S", "sk_t", "so_t"])
 def _index_scores_kernel(q_ptr, w_ptr, k_ptr, out_ptr, T, S, scale, sq_t, sq_h, sw_t, sk_t, sk_s, so_t,
                          HI: tl.constexpr, DI: tl.constexpr, DP: tl.constexpr, ROWS: tl.constexpr,
                          BT: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr):
@@ -28,7 +31,7 @@ def _index_scores_kernel(q_ptr, w_ptr, k_ptr, out_ptr, T, S, scale, sq_t, sq_h, 
     tl.store(out_ptr + t[:, None] * so_t + s[None, :], acc, mask=mt[:, None] & ms[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S", "st_t", "so_t"])
 def _paged_index_scores_kernel(q_ptr, w_ptr, k_ptr, tables_ptr, lens_ptr, out_ptr, S, scale, sq_t, sq_h, sw_t, sk_s,
                                st_t, so_t, HI: tl.constexpr, DI: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr,
                                BS: tl.constexpr, BLOCK: tl.constexpr, PREC: tl.constexpr):
@@ -59,8 +62,8 @@ def _paged_index_scores_kernel(q_ptr, w_ptr, k_ptr, tables_ptr, lens_ptr, out_pt
     tl.store(out_ptr + t * so_t + s, tl.where(ms, row, float("-inf")), mask=s < S)
 
 
-@triton.jit
-def _sparse_fwd_kernel(q_ptr, kv_ptr, idx_ptr, count_ptr, o_ptr, lse_ptr, scale, H, K: tl.constexpr, sq_t, sq_h,
+@triton.jit(do_not_specialize=["K", "si_t"])
+def _sparse_fwd_kernel(q_ptr, kv_ptr, idx_ptr, count_ptr, o_ptr, lse_ptr, scale, H, K, sq_t, sq_h,
                        skv_s, si_t, so_t, so_h, HB: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, DR: tl.constexpr,
                        DRP: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, COUNTS: tl.constexpr):
     # COUNTS: a query's entries past count_ptr[t] are all invalid (the engine's decodes: valid first),
@@ -103,9 +106,9 @@ def _sparse_fwd_kernel(q_ptr, kv_ptr, idx_ptr, count_ptr, o_ptr, lse_ptr, scale,
     tl.store(lse_ptr + t * H + h, m + tl.log(l), mask=mh)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["K", "si_t"])
 def _sparse_bwd_kernel(q_ptr, kv_ptr, idx_ptr, o_ptr, do_ptr, lse_ptr, dq_ptr, dkv_ptr, scale, H,
-                       K: tl.constexpr, sq_t, sq_h, skv_s, si_t, so_t, so_h, HB: tl.constexpr, R: tl.constexpr,
+                       K, sq_t, sq_h, skv_s, si_t, so_t, so_h, HB: tl.constexpr, R: tl.constexpr,
                        RP: tl.constexpr, DR: tl.constexpr, DRP: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
     t, hb = tl.program_id(0).to(tl.int64), tl.program_id(1)
     h = hb * HB + tl.arange(0, HB)

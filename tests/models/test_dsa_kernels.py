@@ -203,3 +203,38 @@ def test_sparse_attention_stops_at_the_counts(triton_kernels):
     assert torch.equal(triton_kernels.sparse_attention(q, kv, idx, valid, R, 0.2, counts), full)
     ref = mla.sparse_latent_attention(q, kv, idx, valid, R, 0.2)
     assert torch.allclose(full, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="counts Triton's compiled kernels (CUDA)")
+@torch.no_grad()
+def test_prompts_of_any_length_compile_no_more_dsa_kernels(hf_model_dir):
+    """The engine's DSA kernels take the number of chosen tokens and the scores' width as unspecialized
+    runtime arguments: after a first request (the warm-up compiles the decodes' kernels, the first
+    prefill the prefill's), prompts shorter and longer than index_topk, decoded eagerly and in graphs,
+    compile none of them again."""
+    from rlcli.infer.engine import NativeEngine
+    from rlcli.models import load_model
+    from rlcli.ops import dsa_triton_kernels as K
+    from rlcli.protocol import GenerateRequest, SamplingParams
+
+    kernels = (K._index_scores_kernel, K._paged_index_scores_kernel, K._sparse_fwd_kernel)
+
+    def variants():
+        return [sum(len(c[0]) for c in k.device_caches.values()) for k in kernels]
+
+    model = load_model(hf_model_dir("deepseek_v32")[0]).to("cuda", torch.bfloat16).eval()
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=256, block_size=16, max_num_seqs=8)
+
+    def run(lengths):
+        for i, n in enumerate(lengths):
+            engine.add_request(GenerateRequest(request_id=f"{n}-{i}", prompt_ids=[(3 * i + j) % 90 for j in range(n)],
+                                               sampling=SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)))
+        while engine.has_work():
+            engine.step()
+
+    run([3])
+    first = variants()
+    assert all(first)
+    run([5, 7, 12, 19, 33, 64, 100, 2])
+    assert variants() == first
+    engine.close()

@@ -100,10 +100,10 @@ def test_the_paged_indexer_scores_compile():
 
 @pytest.mark.parametrize("counts", [False, True])
 def test_the_sparse_attention_compiles(counts):
-    """DSA's sparse attention over the chosen tokens (latent 512 + rope 64, 2048 of them), stopping at each
+    """DSA's sparse attention over the chosen tokens (latent 512 + rope 64), stopping at each
     query's count of valid entries (the engine's decodes) or walking all of them (training)."""
     types = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "count_ptr": "*i32", "o_ptr": "*bf16",
-             "lse_ptr": "*fp32", "scale": "fp32", **ints("H", "sq_t", "sq_h", "skv_s", "si_t", "so_t", "so_h")}
+             "lse_ptr": "*fp32", "scale": "fp32", **ints("H", "K", "sq_t", "sq_h", "skv_s", "si_t", "so_t", "so_h")}
     compile_for_hopper(_dsa_kernels()._sparse_fwd_kernel, types,
-                       {"K": 2048, "HB": 16, "R": 512, "RP": 512, "DR": 64, "DRP": 64, "BK": 32, "PREC": "tf32",
+                       {"HB": 16, "R": 512, "RP": 512, "DR": 64, "DRP": 64, "BK": 32, "PREC": "tf32",
                         "COUNTS": counts}, 4)
