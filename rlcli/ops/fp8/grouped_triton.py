@@ -14,6 +14,11 @@ fixed by the shapes alone, so a CUDA graph holds it), and tiles past the groups'
 once. Along K the program takes one 128-wide block at a time: ``dot(a_blk, b_blk^T)`` in fp32,
 times the rows' scales and the weight block's scale, summed over the blocks, the order
 DeepGEMM's kernels accumulate in. Rows that belong to no group are zero.
+
+``model.batch_invariant`` runs its own grouped kernel instead
+(:func:`rlcli.ops.invariant_kernels.fp8_grouped_mm`): fixed 128-row tiles over the batch's rows, each
+walking the groups inside it, so that a row's bits do not depend on the batch; here tiles follow the
+groups, so a decode batch spread over many experts computes 16-row tiles, not 128-row ones.
 """
 
 import torch
