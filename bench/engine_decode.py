@@ -1,10 +1,10 @@
 """The native engine's step time by concurrency on a device: the working tree against a baseline tree.
 
 The workload is #9's long-tail recipe's model (recipes/models/micro-llama, random weights): for each
-concurrency C, C/4 prompts of 16 tokens, n = 4 completions each (C sequences), 64 new tokens, EOS
-ignored, sampled at temperature 1. After two warm-up steps, milliseconds per engine step over the
-rest. At this size a step's cost is the host's (scheduling, bookkeeping, kernel launches and
-host-to-device copies), which is what bounds asynchronous RL's step on a GPU (docs/benchmarks.md,
+concurrency C, C/4 prompts of 16 tokens (``--prompt-tokens``), n = 4 completions each (C sequences), 64
+new tokens, EOS ignored, sampled at temperature 1. After two warm-up steps and the prompts' prefill,
+milliseconds per engine step over the rest. At this size a step's cost is the host's (scheduling,
+bookkeeping, kernel launches and host-to-device copies), which is what bounds asynchronous RL's step on a GPU (docs/benchmarks.md,
 twenty-fourth session). Each arm runs in its own process with its own tree first on ``PYTHONPATH``,
 the arms alternating ``--repeats`` times; the best time per concurrency counts.
 
@@ -33,6 +33,8 @@ the fixed forward, as a graphed engine's step would).
 
     python bench/engine_decode.py --host-only --baseline HEAD~1 --concurrency 64,256,512
     python bench/engine_decode.py --host-only --r3 --model tiny-qwen3-moe --tokens 2048   # with R3's routes kept
+    python bench/engine_decode.py --device cuda --dtype bfloat16 --baseline HEAD~1 --model dsv32-1.7b \
+        --prompt-tokens 3000 --max-model-len 4096 --kv-cache-mb 8192 --concurrency 16,64   # DSA at long contexts
 """
 
 import argparse
@@ -70,6 +72,7 @@ if sys.argv[12] == "1":  # --fp8: FP8 weights and block scales in the linears, a
 else:
     model = load_model(model_dir, seed=0).eval().to(device, dtype)
 r3 = sys.argv[10] == "1"
+prompt = int(sys.argv[13])
 if sys.argv[9] == "1":  # --host-only: the forward's output fixed, so a step is the engine's own host work
     fixed = torch.randn(max(concurrencies), model.args.vocab_size, device=device, dtype=dtype)
     a = model.args
@@ -94,20 +97,22 @@ for c in concurrencies:
     sync()
     t = time.perf_counter()
     engine = NativeEngine(model, eos_token_ids=[], max_model_len=max_model_len, max_num_seqs=max(c, 4),
-                          kv_cache_memory_mb=1024 if device.startswith("cuda") else 256, **extra)
+                          kv_cache_memory_mb=int(sys.argv[14]) if device.startswith("cuda") else 256, **extra)
     sync()
     build = time.perf_counter() - t
     for i in range(max(1, c // 4)):
-        engine.add_request(GenerateRequest(request_id=str(i), prompt_ids=[256] + [(i * 7 + j) % 250 for j in range(15)],
+        engine.add_request(GenerateRequest(request_id=str(i), prompt_ids=[256] + [(i * 7 + j) % 250 for j in range(prompt - 1)],
                                            sampling=SamplingParams(temperature=1.0, max_tokens=tokens, n=min(c, 4),
                                                                    ignore_eos=True, return_routing=r3)))
     engine.step(); engine.step()
+    while engine.waiting or any(s.num_computed < len(s.req.prompt_ids) for s in engine.running):
+        engine.step()  # long prompts: prefill done before the timed decode steps
     sync()
     t, steps = time.perf_counter(), 0
     while engine.has_work():
         engine.step()
         steps += 1
-    out[c] = ((time.perf_counter() - t) / steps * 1e3, build)
+    out[c] = ((time.perf_counter() - t) / max(steps, 1) * 1e3, build)
     engine.close()
 print(json.dumps(out))
 """
@@ -143,7 +148,7 @@ def run(tree: Path, args, paged: bool = False, graphs: bool = False, fused: bool
     out = subprocess.run([sys.executable, "-c", WORKLOAD, args.device, args.dtype, str(args.tokens),
                           str(args.model_dir), args.concurrency, "1" if paged else "0", "1" if graphs else "0",
                           str(args.max_model_len), "1" if args.host_only else "0", "1" if args.r3 else "0",
-                          "1" if fused else "0", "1" if fp8 else "0"],
+                          "1" if fused else "0", "1" if fp8 else "0", str(args.prompt_tokens), str(args.kv_cache_mb)],
                          env=env, capture_output=True, text=True, cwd=tree)
     if out.returncode != 0:
         raise SystemExit(f"{tree}: {out.stderr[-2000:]}")
@@ -159,6 +164,8 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--concurrency", default="1,16,64,192,512", help="comma-separated sequence counts")
     p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=16, help="prompt length (each prompt is sampled n = 4 times)")
+    p.add_argument("--kv-cache-mb", type=int, default=1024, help="the engine's KV cache on CUDA (MiB)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--paged-decode", action="store_true",
                    help="the tree's arm decodes through the paged decode kernel (infer.engine.paged_decode); "
