@@ -19,7 +19,9 @@ it drops one. The file is removed on clean exit.
 """
 
 import os
+import signal
 import socket
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -84,8 +86,33 @@ _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(Entry)
 
 
+_UNHANDLED: list["Registration"] = []
+"""Entries written while SIGTERM still had its default action (see :func:`_remove_then_die`)."""
+
+
+def _remove_then_die(signum: int, frame) -> None:
+    """SIGTERM to a process that registered but has not installed its service's handler yet
+    (:func:`rlcli.process.stop_on_signals`, which replaces this one): its entries are removed,
+    then it dies of the signal as it would have. Without this, a launcher's SIGTERM that came
+    between the registration and the handler (a busy host) left the entry of a dead process."""
+    for registration in list(_UNHANDLED):
+        registration.close()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def _guard_until_handled(registration: "Registration") -> None:
+    if threading.current_thread() is not threading.main_thread():
+        return  # handlers belong to the main thread
+    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, _remove_then_die):
+        signal.signal(signal.SIGTERM, _remove_then_die)
+        _UNHANDLED.append(registration)
+
+
 class Registration:
-    """This process's registry entry; the work loop keeps it fresh with :meth:`beat`."""
+    """This process's registry entry; the work loop keeps it fresh with :meth:`beat`. Until the
+    process installs its own SIGTERM handler, a SIGTERM removes the entry before the process dies
+    (:func:`_remove_then_die`)."""
 
     def __init__(self, registry_dir: str | Path, role: str, instance: str | int, endpoints: dict[str, str],
                  info: dict[str, Any] | None = None, interval: float = HEARTBEAT_INTERVAL_S):
@@ -97,6 +124,7 @@ class Registration:
         self._interval = interval
         clean_temporaries(self.path.parent)  # a killed process's half-written entry
         self._write()
+        _guard_until_handled(self)
 
     def beat(self, busy_s: float = 0.0) -> None:
         """Called by the work loop once per iteration: rewrites the entry when the last beat is
@@ -145,6 +173,8 @@ class Registration:
         global _long_op_notice
         if _long_op_notice == self.extend:
             _long_op_notice = None
+        if self in _UNHANDLED:
+            _UNHANDLED.remove(self)
         try:
             current = read_entry(self.path)
             if current is not None and current.incarnation == self.entry.incarnation:

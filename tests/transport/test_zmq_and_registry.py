@@ -174,3 +174,37 @@ def test_oversized_and_inconsistent_messages_get_error_replies():
         stop.set()
         t.join()
         server.close()
+
+
+@pytest.mark.parametrize("handled", [False, True])
+def test_sigterm_before_the_service_handler_removes_the_entry(tmp_path, handled):
+    """A process that registered and has not installed its service's SIGTERM handler yet (a launcher
+    stopping the run while the service finishes starting) removes its entry, then dies of the signal;
+    once stop_on_signals is installed, SIGTERM is the service's to handle (here: exit 0 after its close)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    child = f"""
+import sys, time
+from rlcli.transport.registry import Registration
+r = Registration({str(tmp_path)!r}, "infer", 0, {{}})
+if {handled}:
+    from rlcli.process import stop_on_signals
+    stopping = []
+    stop_on_signals(lambda: stopping.append(1))
+    print("ready", flush=True)
+    while not stopping:
+        time.sleep(0.01)
+    r.close()
+    sys.exit(0)
+print("ready", flush=True)
+time.sleep(60)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    assert (tmp_path / "infer-0.json").exists()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == (0 if handled else -signal.SIGTERM)
+    assert not (tmp_path / "infer-0.json").exists()
