@@ -413,7 +413,8 @@ def paged_latent_attention(attn: PagedAttention, layer_idx: int, q_NHL: torch.Te
     query each) are attended in one batch (dense MLA with the engine's ``paged_decode``: the
     paged decode kernel, one latent K/V head read in place; else padded and gathered), prefill
     chunks one by one; a DSA layer reads only its chosen tokens, by cache slot, with the training
-    kernel (the Triton one on CUDA). Returns
+    kernel (the Triton one on CUDA), its decodes (with ``paged_decode`` and the Triton kernels)
+    choosing them through :func:`paged_select_topk` without the host. Returns
     ``(out [N, H, value_dim], selection)``: (the decode batch's, [each prefill's]) (token
     indices, valid), or None for dense MLA.
     """
