@@ -63,7 +63,9 @@ def test_grouped_gemm_equals_the_dequantized_reference(counts, extra, N, K, out_
     got = gt.grouped_gemm(a, sa_col, b, sb, offs, out_dtype)
     want = EmulatedBackend().grouped_gemm(a, sa, b, sb, offs, torch.float32)
     assert got.dtype == out_dtype and got.shape == want.shape
-    tol = 1e-5 if out_dtype == torch.float32 else 1e-2
+    # On Hopper the FP8 MMA (wgmma, 64-row tiles) sums a 128-wide block in reduced precision, as in
+    # DeepGEMM (the block's result is then added in fp32): ~1e-4 of the output's largest value.
+    tol = 1e-2 if out_dtype == torch.bfloat16 else 1e-3 if DEVICE == "cuda" else 1e-5
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
     if extra:
         assert (got[sum(counts):] == 0).all()  # rows of no group
