@@ -37,7 +37,8 @@ rotary key; the value a view of the latent). DSA models' choose their tokens wit
 (:func:`rlcli.ops.mla.paged_select_topk`: the indexer's keys scored in place by block table, over the
 table's full width, ``max_model_len``, and always ``index_topk`` entries) and read them by cache slot.
 Prefill chunks, mixed steps and steps larger than the largest size run eagerly, as do engines the
-graphs do not cover (:func:`unsupported`).
+graphs do not cover (:func:`unsupported`) and engines whose capture failed (logged, and named by
+the engine's ``decode_mode``).
 """
 
 import bisect

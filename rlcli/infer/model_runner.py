@@ -8,6 +8,8 @@ each layer takes (:class:`~rlcli.ops.attention.PagedAttention`), and whether the
 as a graph (:mod:`rlcli.infer.cuda_graphs`).
 """
 
+import logging
+
 import numpy as np
 import torch
 
@@ -17,6 +19,8 @@ from rlcli.models import CausalLM
 from rlcli.ops.attention import _PAGED_ON_CPU, ForwardContext, PagedAttention, PagedAttentionMetadata, RoutingContext
 from rlcli.ops.batch_invariant import batch_invariant_setup, make_batch_invariant
 from rlcli.ops.sampling import sample
+
+log = logging.getLogger("rlcli.rl-infer")  # rl-infer's (rlcli.logging.setup_logging)
 
 
 class ModelRunner:
@@ -55,12 +59,24 @@ class ModelRunner:
                                             dtype=self.dtype, device=self.device) for h, d in layer) for layer in spec]
 
     def capture_graphs(self) -> None:
-        """Capture the decode graphs (after :meth:`warm_up`), unless ``graphs_off`` says why not."""
+        """Capture the decode graphs (after :meth:`warm_up`), unless ``graphs_off`` says why not. A
+        capture that fails (an operation a graph cannot hold, on a path :func:`unsupported` let through)
+        is logged, and the engine decodes eagerly, ``graphs_off`` naming the error."""
         if self.graphs_off is None:
-            self.graphs = DecodeGraphs(self.model, self.kv_caches, block_size=self.block_size,
-                                       max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
-                                       scratch_block=self.num_blocks)
-            self.graphs.capture()
+            graphs = DecodeGraphs(self.model, self.kv_caches, block_size=self.block_size,
+                                  max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
+                                  scratch_block=self.num_blocks)
+            try:
+                graphs.capture()
+            except RuntimeError as e:
+                first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+                self.graphs_off = f"capture failed: {type(e).__name__}: {first}"
+                log.warning("decode graphs: %s; decoding eagerly", self.graphs_off)
+                graphs.graphs.clear()
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                return
+            self.graphs = graphs
 
     def refresh_graphs(self) -> None:
         """After a weight load: capture again if a parameter's storage moved."""

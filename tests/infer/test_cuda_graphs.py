@@ -121,6 +121,34 @@ def test_the_engine_says_how_it_decodes(tmp_path):
         assert mode.endswith("fused kernels" if ON_CPU else "unfused (not on CUDA)")
 
 
+def test_a_failed_capture_leaves_the_engine_decoding_eagerly(monkeypatch, tmp_path):
+    """A graph capture that raises (an operation on a path unsupported() let through that a graph cannot
+    hold, e.g. a host sync) does not take the engine down: it decodes eagerly, and decode_mode names
+    the error (rl-infer logs it)."""
+    from rlcli.infer import model_runner
+    from rlcli.infer.engine import NativeEngine
+    from rlcli.protocol import GenerateRequest, SamplingParams
+
+    class Failing(cuda_graphs.DecodeGraphs):
+        def capture(self):
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
+
+    model = load_model(write_tiny_model(tmp_path / "m"), seed=0)
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=64, fused_kernels=False)
+    monkeypatch.setattr(model_runner, "DecodeGraphs", Failing)
+    engine.runner.graphs_off = None  # as on a GPU where the model passes unsupported()
+    engine.runner.capture_graphs()
+    assert engine.graphs is None
+    assert engine.decode_mode.startswith("eager (capture failed: RuntimeError: CUDA error: operation not permitted "
+                                         "when stream is capturing), ")
+    engine.add_request(GenerateRequest(request_id="r", prompt_ids=[1, 2, 3],
+                                       sampling=SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)))
+    out = []
+    while engine.has_work():
+        out += engine.step()
+    assert len(out[-1].completions[0].token_ids) == 4
+
+
 @pytest.mark.parametrize("arch", sorted(ARCHS) + ["fp8", "fp8-moe"])
 @torch.no_grad()
 def test_replayed_decodes_match_the_eager_forward(arch, monkeypatch, tmp_path):
