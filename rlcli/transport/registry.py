@@ -123,8 +123,8 @@ class Registration:
                            heartbeat=now, info=dict(info or {}))
         self._interval = interval
         clean_temporaries(self.path.parent)  # a killed process's half-written entry
+        _guard_until_handled(self)  # before the entry exists: no moment it is written and unguarded
         self._write()
-        _guard_until_handled(self)
 
     def beat(self, busy_s: float = 0.0) -> None:
         """Called by the work loop once per iteration: rewrites the entry when the last beat is

@@ -14,10 +14,10 @@ three see bit-identical FP8 data and scales) and computes, with fp32 accumulatio
 ``BlockWise128x128`` (cuBLASLt, Hopper): scale_a column-major ``(M, K/128)`` with stride
 ``(1, M)``, scale_b the ``(N/128, K/128)`` block scales transposed. In training its grouped
 GEMM loops over groups (one host sync for the offsets); made for inference (FP8 weights) it runs
-the Triton kernel of :mod:`.grouped_triton` instead, which reads them on the device. ``deep_gemm`` calls DeepGEMM's
-``fp8_gemm_nt`` and ``m_grouped_fp8_gemm_nt_contiguous``; the contiguous grouped layout
-needs every group's rows aligned to 128, which is built on the device (padding rows marked
--1) so it needs no host sync; ``grouped_gemm_x`` quantizes high-precision rows straight into
+the Triton kernel of :mod:`.grouped_triton` instead, which reads them on the device.
+``deep_gemm`` calls DeepGEMM's ``fp8_gemm_nt`` and ``m_grouped_fp8_gemm_nt_contiguous``; the
+contiguous grouped layout needs every group's rows aligned to 128, which is built on the device
+(padding rows marked -1) so it needs no host sync; ``grouped_gemm_x`` quantizes high-precision rows straight into
 that padded buffer (the quantizer writes row m to its padded row), the training path. Weight
 gradients (1x128 x 1x128) go through ``scaled_mm``'s ``BlockWise1x128`` pair, or, with
 deep_gemm, through DeepGEMM's SM90 1D1D kernel if the first weight gradient measured it faster
