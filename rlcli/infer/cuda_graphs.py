@@ -27,13 +27,14 @@ A graph fixes at capture what a step would vary, and each step is fitted to it:
   and buffers, and a graph reads those; each replays the activations' quantization and the block-scaled
   GEMMs it captured. FP8 MoE experts keep master weights and an FP8 copy made from them: graphs read
   the copy, which :meth:`DecodeGraphs.refresh` quantizes again in place after a load. Their grouped
-  GEMMs must read the per-expert offsets on the device (DeepGEMM's); the scaled_mm backend's loop
-  over the experts reads them on the host, and such engines decode eagerly.
+  GEMMs must read the per-expert offsets on the device: DeepGEMM's do, and so does the scaled_mm
+  backend's Triton kernel, made for inference (:mod:`rlcli.ops.fp8.grouped_triton`); a backend that
+  loops over the experts (the CPU emulation) reads them on the host, and its engine decodes eagerly.
 
 An MoE model's graphs record every row's experts (R3) in every replay (the routed experts' GEMMs are
 torch's grouped GEMM, which reads its offsets on the device); the engine keeps them where asked for.
 MLA models' graphs attend in latent form through the same kernel (one K/V head: the latent and the
-rotary key; the value a view of the latent). DSA models' choose their tokens without the host
+rotary key; the value a view of the latent). DSA models choose their tokens without the host
 (:func:`rlcli.ops.mla.paged_select_topk`: the indexer's keys scored in place by block table, over the
 table's full width, ``max_model_len``, and always ``index_topk`` entries) and read them by cache slot.
 Prefill chunks, mixed steps and steps larger than the largest size run eagerly, as do engines the
@@ -48,9 +49,9 @@ import numpy as np
 import torch
 
 from rlcli.models.moe import MoE
-from rlcli.ops.fp8.convert import FP8GroupedExperts
 from rlcli.ops import mla
 from rlcli.ops.attention import ForwardContext, PagedAttention, PagedAttentionMetadata, RoutingContext
+from rlcli.ops.fp8.convert import FP8GroupedExperts
 
 SMALL_SIZES = (1, 2, 4, 8)
 SIZE_STEP = 16
@@ -85,7 +86,7 @@ def unsupported(model: torch.nn.Module, *, paged_decode: bool, batch_invariant: 
                    if isinstance(m, FP8GroupedExperts) and not m.backend.grouped_on_device})
     if host:
         return (f"FP8 MoE experts on the {host[0]} GEMM backend loop over the experts from host-side counts "
-                "(DeepGEMM's grouped GEMM reads them on the device)")
+                "(DeepGEMM's grouped GEMM and the scaled_mm backend's Triton one read them on the device)")
     try:
         from rlcli.ops import paged_decode
     except (ImportError, OSError):

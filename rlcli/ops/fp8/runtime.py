@@ -106,6 +106,13 @@ def quantize_weight(w: torch.Tensor, ue8m0: bool, transposed: bool = False):
     return ((q, s), transpose_blocks(q, s)) if transposed else (q, s)
 
 
+def _weight_key(w: torch.Tensor, ue8m0: bool) -> tuple:
+    """What a cached quantization of ``w`` is valid for: its storage, version (inference tensors have
+    no version counter), shape, scale format and the optimizer steps so far."""
+    version = -1 if w.is_inference() else w._version
+    return (w.data_ptr(), version, tuple(w.shape), ue8m0, _STEP[0])
+
+
 class WeightCache:
     """FP8 copy of one weight (and of its transpose), valid until the weight changes (see module note)."""
 
@@ -117,8 +124,7 @@ class WeightCache:
         """The blocks of ``w`` (and ``w^T``). ``backward``: the weight is the one this step's forward
         used (autograd guarantees it), so its address is not compared: FSDP2 re-gathers the weight
         for the backward pass into storage that may sit elsewhere, with the same values."""
-        version = -1 if w.is_inference() else w._version  # inference tensors have no version counter
-        key = (w.data_ptr(), version, tuple(w.shape), ue8m0, _STEP[0])
+        key = _weight_key(w, ue8m0)
         hit = self.key is not None and (self.key[1:] == key[1:] if backward else self.key == key)
         if not hit or (transposed and self.qt is None):
             w = w.detach()
@@ -134,8 +140,7 @@ class WeightCache:
         """Quantize a changed ``w`` into the blocks already held, whose storage a CUDA graph may read
         (the native engine's decode graphs replay the quantization they captured, not :meth:`get`);
         whether it had changed. Nothing held, or a weight of another shape, is left to :meth:`get`."""
-        version = -1 if w.is_inference() else w._version
-        key = (w.data_ptr(), version, tuple(w.shape), ue8m0, _STEP[0])
+        key = _weight_key(w, ue8m0)
         if self.key is None or self.key == key or self.key[2:4] != key[2:4]:
             return False
         w = w.detach()
