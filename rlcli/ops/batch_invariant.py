@@ -255,6 +255,8 @@ class KernelGemm:
     """An FP8 GEMM backend (:mod:`rlcli.ops.fp8.backends`) whose ``gemm`` (forward and input
     gradient) runs the invariant ``fp8_mm`` kernel on CUDA; everything else is the wrapped one's."""
 
+    fused_rows = 0  # decode rows too go through the quantization and the invariant gemm
+
     def __init__(self, inner) -> None:
         self.inner = inner
         self.name = f"invariant+{inner.name}"
@@ -275,6 +277,11 @@ class KernelGemm:
 
             return grouped_gemm_x(self, x, ue8m0, b, sb, offs, out_dtype)
         return self.inner.grouped_gemm_x(x, ue8m0, b, sb, offs, out_dtype)
+
+    def gemm_x(self, x, ue8m0, b, sb, out_dtype):
+        from rlcli.ops.fp8.backends import gemm_x
+
+        return gemm_x(self, x, ue8m0, b, sb, out_dtype)
 
     def __getattr__(self, name: str):
         if name == "inner":  # not set yet (copy, unpickling): no recursion through __getattr__

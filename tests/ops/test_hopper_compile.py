@@ -1,4 +1,4 @@
-"""The engine's fused, sampling, FP8 grouped GEMM and DSA decode kernels compile for Hopper (sm_90a),
+"""The engine's fused, sampling, FP8 (grouped GEMM, decode linear) and DSA decode kernels compile for Hopper (sm_90a),
 here, without a GPU.
 
 Triton's interpreter (test_fused_kernels.py) checks what the kernels compute, not that they
@@ -21,7 +21,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from rlcli.ops import fused_kernels, sampling_kernel  # noqa: E402
-from rlcli.ops.fp8 import grouped_triton  # noqa: E402
+from rlcli.ops.fp8 import grouped_triton, linear_triton  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -82,6 +82,17 @@ def test_the_fp8_grouped_gemm_compiles(bm, out):
              **ints("N", "K", "G", "stride_am", "stride_sam", "stride_sak", "stride_bg", "stride_bn", "stride_sbg",
                     "stride_sbn", "stride_om")}
     compile_for_hopper(grouped_triton._grouped_kernel, types, {"BM": bm, "BN": 128, "BK": 128}, 4, 3)
+
+
+@pytest.mark.parametrize("bm", [16, 32, 64])
+@pytest.mark.parametrize("bn", [16, 32, 64, 128])
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_the_fp8_decode_linear_compiles(bm, bn, ue8m0):
+    """bf16 rows quantized in the kernel (the hardware e4m3 cast) into the FP8 dot, every tile shape."""
+    types = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "out_ptr": "*bf16",
+             **ints("M", "N", "K", "stride_xm", "stride_wn", "stride_wsn", "stride_om")}
+    compile_for_hopper(linear_triton._linear_kernel, types, {"BM": bm, "BN": bn, "UE8M0": ue8m0, "HW_CAST": True},
+                       4, 4)
 
 
 def _dsa_kernels():

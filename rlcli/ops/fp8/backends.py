@@ -9,12 +9,17 @@ three see bit-identical FP8 data and scales) and computes, with fp32 accumulatio
                                       b [G, N, K] 128x128, offs [G] int32      use b[g]
                                       cumulative row ends (torch grouped_mm's convention)
 
+and, from high-precision ``x``, ``gemm_x`` and ``grouped_gemm_x``: its 1x128 quantization (shared
+with the previous call on the same tensor), then ``gemm`` or ``grouped_gemm``.
+
 ``emulated`` dequantizes and multiplies in fp32: the reference, on any device.
 ``torch`` calls ``torch.nn.functional.scaled_mm`` with ``BlockWise1x128`` x
 ``BlockWise128x128`` (cuBLASLt, Hopper): scale_a column-major ``(M, K/128)`` with stride
 ``(1, M)``, scale_b the ``(N/128, K/128)`` block scales transposed. In training its grouped
 GEMM loops over groups (one host sync for the offsets); made for inference (FP8 weights) it runs
-the Triton kernel of :mod:`.grouped_triton` instead, which reads them on the device.
+the Triton kernel of :mod:`.grouped_triton` instead, which reads them on the device, and its
+``gemm_x`` of at most 64 rows (decode) runs :mod:`.linear_triton`, the quantization fused into the
+GEMM (one kernel instead of five), as does DeepGEMM's made for inference.
 ``deep_gemm`` calls DeepGEMM's ``fp8_gemm_nt`` and ``m_grouped_fp8_gemm_nt_contiguous``; the
 contiguous grouped layout needs every group's rows aligned to 128, which is built on the device
 (padding rows marked -1) so it needs no host sync; ``grouped_gemm_x`` quantizes high-precision rows straight into
@@ -41,7 +46,7 @@ from typing import Literal, Protocol
 import torch
 import torch.nn.functional as F
 
-from rlcli.ops.fp8 import grouped_triton, runtime
+from rlcli.ops.fp8 import grouped_triton, linear_triton, runtime
 from rlcli.ops.fp8.quant import BLOCK, FP8_DTYPE, ceil_div, dequantize_1x128, dequantize_128x128
 from rlcli.transport.registry import expect_long
 
@@ -71,6 +76,9 @@ class GemmBackend(Protocol):
     def grouped_gemm_x(self, x: torch.Tensor, ue8m0: bool, b: torch.Tensor, sb: torch.Tensor,
                        offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor: ...
 
+    def gemm_x(self, x: torch.Tensor, ue8m0: bool, b: torch.Tensor, sb: torch.Tensor,
+               out_dtype: torch.dtype) -> torch.Tensor: ...
+
 
 def group_ranges(offs: torch.Tensor) -> list[tuple[int, int]]:
     """(start, end) row range of every group; one host sync."""
@@ -99,6 +107,9 @@ class EmulatedBackend:
 
     def grouped_gemm_x(self, x, ue8m0, b, sb, offs, out_dtype):
         return grouped_gemm_x(self, x, ue8m0, b, sb, offs, out_dtype)
+
+    def gemm_x(self, x, ue8m0, b, sb, out_dtype):
+        return gemm_x(self, x, ue8m0, b, sb, out_dtype)
 
 
 def _pad_k(q: torch.Tensor) -> torch.Tensor:
@@ -139,10 +150,12 @@ class TorchScaledMMBackend:
 
     name = "torch"
 
-    def __init__(self, grouped_kernel: bool = False) -> None:
-        # Grouped GEMMs in rlcli.ops.fp8.grouped_triton (offsets read on the device; inference) or a
-        # loop of scaled_mm over the groups (one host sync; each group padded to 128 rows).
-        self.grouped_on_device = grouped_kernel and grouped_triton.available()
+    def __init__(self, inference: bool = False) -> None:
+        # Inference: grouped GEMMs in rlcli.ops.fp8.grouped_triton (offsets read on the device), else a
+        # loop of scaled_mm over the groups (one host sync; each group padded to 128 rows); and decode
+        # rows through rlcli.ops.fp8.linear_triton.
+        self.grouped_on_device = inference and grouped_triton.available()
+        self.fused_rows = linear_triton.MAX_ROWS if inference and linear_triton.available() else 0
         self._fp32_out = True  # cuBLASLt builds without fp32 output for block scaling fall back to bf16
         self._st = getattr(F, "ScalingType", None) if hasattr(F, "scaled_mm") else None
 
@@ -187,6 +200,9 @@ class TorchScaledMMBackend:
     def grouped_gemm_x(self, x, ue8m0, b, sb, offs, out_dtype):
         return grouped_gemm_x(self, x, ue8m0, b, sb, offs, out_dtype)
 
+    def gemm_x(self, x, ue8m0, b, sb, out_dtype):
+        return gemm_x(self, x, ue8m0, b, sb, out_dtype)
+
 
 class DeepGemmBackend:
     """DeepGEMM's JIT kernels (``fp8_gemm_nt``, ``m_grouped_fp8_gemm_nt_contiguous``).
@@ -197,9 +213,10 @@ class DeepGemmBackend:
 
     name = "deep_gemm"
 
-    def __init__(self, dg, strict: bool = False) -> None:
+    def __init__(self, dg, strict: bool = False, inference: bool = False) -> None:
         self.dg, self.strict = dg, strict
         self.torch = TorchScaledMMBackend()
+        self.fused_rows = linear_triton.MAX_ROWS if inference and linear_triton.available() else 0
         self.failed: set[str] = set()
         self._last = self._last_x = None
         self.wgrad_kernel: str | None = None  # "deep_gemm" | "torch", measured on the first weight gradient
@@ -321,6 +338,9 @@ class DeepGemmBackend:
         return self._guarded("m_grouped_fp8_gemm_nt_contiguous", kernel,
                              lambda: grouped_gemm_x(self.torch, x, ue8m0, b, sb, offs, out_dtype))
 
+    def gemm_x(self, x, ue8m0, b, sb, out_dtype):
+        return gemm_x(self, x, ue8m0, b, sb, out_dtype)
+
     def _padded_rows(self, x, ue8m0, offs, dst, M_pad):
         last = self._last_x
         key = (x._version if not x.is_inference() else None, offs._version, ue8m0, tuple(x.shape))
@@ -374,6 +394,20 @@ def padded_rows(rows: int, groups: int, align: int) -> int:
     return ceil_div(rows + groups * (align - 1), align) * align
 
 
+def gemm_x(backend: GemmBackend, x, ue8m0: bool, b, sb, out_dtype):
+    """``x [..., K]`` times the 128x128-block ``b [N, K]`` -> ``[..., N]``: a CUDA batch of at most
+    ``backend.fused_rows`` rows in :func:`rlcli.ops.fp8.linear_triton.linear` (quantized inside the
+    GEMM), any other through ``x``'s 1x128 quantization (shared with the previous call on the same
+    tensor) and ``backend.gemm``."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] <= getattr(backend, "fused_rows", 0) and x.is_cuda:
+        y = linear_triton.linear(x2, b, sb, ue8m0, out_dtype)
+    else:
+        (xq, xs), _ = runtime.quantize_input(x, ue8m0, cols=False)
+        y = backend.gemm(xq, xs, b, sb, out_dtype)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
 def grouped_gemm_x(backend: GemmBackend, x, ue8m0: bool, b, sb, offs, out_dtype):
     """``x``'s 1x128 quantization (shared with the previous call on the same tensor) times the grouped ``b``."""
     (xq, xs), _ = runtime.quantize_input(x, ue8m0, cols=False)
@@ -417,22 +451,24 @@ def make_backend(name: BackendName = "auto", device: torch.device | str = "cpu",
     """The GEMM backend ``name`` for ``device``; ``auto`` prefers deep_gemm, then torch, then emulated.
     ``inference`` (FP8 weights, the native engine): the torch backend's grouped GEMMs (MoE experts) run
     in :mod:`rlcli.ops.fp8.grouped_triton`, one kernel reading the offsets on the device, instead of a
-    loop of ``scaled_mm`` over the experts (training keeps the loop).
+    loop of ``scaled_mm`` over the experts (training keeps the loop); with either kernel backend, a
+    linear of at most 64 rows runs :mod:`rlcli.ops.fp8.linear_triton`.
     Raises ValueError naming the config key when a requested backend cannot run here."""
     device = torch.device(device)
     if name in ("auto", "deep_gemm") and device.type == "cuda":
         dg = import_deep_gemm()
         if dg is not None:
-            backend = DeepGemmBackend(dg)
-            log.info("fp8 GEMM backend: deep_gemm %s", getattr(dg, "__version__", "?"))
+            backend = DeepGemmBackend(dg, inference=inference)
+            log.info("fp8 GEMM backend: deep_gemm %s%s", getattr(dg, "__version__", "?"),
+                     ", decode rows in Triton" if backend.fused_rows else "")
             return backend
         if name == "deep_gemm":
             raise ValueError("fp8.backend = 'deep_gemm' but deep_gemm does not import; install it or set "
                              "fp8.backend = 'auto'")
     if name in ("auto", "torch") and _is_sm90(device):
-        backend = TorchScaledMMBackend(grouped_kernel=inference)
+        backend = TorchScaledMMBackend(inference=inference)
         log.info("fp8 GEMM backend: torch scaled_mm (blockwise 1x128 x 128x128)%s",
-                 ", grouped GEMMs in Triton" if backend.grouped_on_device else "")
+                 ", grouped GEMMs and decode rows in Triton" if backend.grouped_on_device else "")
         return backend
     if name in ("deep_gemm", "torch"):
         raise ValueError(f"fp8.backend = {name!r} needs a Hopper (SM90) CUDA device, got {device}; "

@@ -179,10 +179,8 @@ class FP8Linear(nn.Linear):
         if self.weight.is_meta:
             return F.linear(x, self.weight, self.bias)
         if self.fp8_storage:
-            (xq, xs), _ = quantize_input(x, self.ue8m0, cols=False)
-            y = self.backend.gemm(xq, xs, self.weight, self.weight_scale_inv, x.dtype)
-            y = y if self.bias is None else y + self.bias.to(y.dtype)
-            return y.view(*x.shape[:-1], y.shape[-1])
+            y = self.backend.gemm_x(x, self.ue8m0, self.weight, self.weight_scale_inv, x.dtype)
+            return y if self.bias is None else y + self.bias.to(y.dtype)
         if self.sibling_group is not None:  # q/k/v or gate/up as one GEMM (rlcli.ops.fp8.siblings)
             y = self.sibling_group.output(self, x)
             if y is not None:

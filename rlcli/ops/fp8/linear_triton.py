@@ -1,0 +1,101 @@
+"""An FP8 linear for a few rows (decode) in Triton: the activation's 1x128 quantization fused into the
+block-scaled GEMM.
+
+``linear(x, w, ws)`` computes ``Q1x128(x) . w^T`` for ``x [M, K]`` in high precision, ``w [N, K]``
+FP8 with 128x128 block scales ``ws [N/128, K/128]`` (an FP8 engine's weights), with fp32
+accumulation: what ``quantize_act`` followed by :meth:`GemmBackend.gemm` computes, in one kernel.
+Through ``scaled_mm`` a decode step's linear costs five kernels: the quantization, the rows padded
+to 128 (cuBLASLt has no algorithm for ragged M), the scales padded and re-laid out, and the GEMM,
+whose 128-row tile is mostly padding at decode batch sizes. Each is a few microseconds on a GPU;
+in a decode graph (:mod:`rlcli.infer.cuda_graphs`) those microseconds, times seven linears a layer,
+are the step.
+
+Each program computes a ``BM x BN`` tile of the output (``BN`` divides 128, so one weight block row
+per program). Along K it takes one 128-wide block at a time: it loads the rows' block of ``x``,
+quantizes it as :func:`rlcli.ops.fp8.quant.quantize_1x128` does (the same jitted scale and cast as
+:mod:`rlcli.ops.fp8.kernels`, so the FP8 data is bit-identical), and adds ``dot(q, w_blk^T)`` in fp32
+times the rows' scales and the block's scale, the order the grouped kernel
+(:mod:`.grouped_triton`) and DeepGEMM accumulate in. The quantization is redone by every column
+tile: ``N / BN`` times a few rows of ``x``, against reading ``N x K`` bytes of weight.
+
+Rows above :data:`MAX_ROWS` (prefill) take the quantize-then-GEMM path, where the GEMM is
+compute-bound and cuBLASLt's or DeepGEMM's tiles win.
+"""
+
+import torch
+
+from rlcli.ops.fp8.quant import BLOCK
+
+try:
+    import triton
+    import triton.language as tl
+
+    from rlcli.ops.fp8.kernels import _HW_CAST, _scale, _to_e4m3
+except (ImportError, OSError):  # CPU CI: no triton
+    triton = tl = None
+
+MAX_ROWS = 64
+"""The most rows :func:`linear` takes (``BM`` up to 64); larger batches quantize, then GEMM."""
+
+
+def available() -> bool:
+    return triton is not None
+
+
+def block_m(rows: int) -> int:
+    """Rows per tile: 16 (``tl.dot``'s least) up to 64."""
+    return 16 if rows <= 16 else 32 if rows <= 32 else 64
+
+
+def block_n(n: int) -> int:
+    """Output columns per program: 32 where the weight has at most 4096 rows (a small model's
+    linears, which give too few programs to fill the GPU at 64), else 64."""
+    return 32 if n <= 4096 else 64
+
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["M"])
+    def _linear_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_wsn, stride_om,
+                       BM: tl.constexpr, BN: tl.constexpr, UE8M0: tl.constexpr, HW_CAST: tl.constexpr):
+        pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+        rows = pid_m * BM + tl.arange(0, BM)
+        cols = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
+        rmask, cmask = rows < M, cols < N
+        ks = tl.arange(0, 128)
+        ws_row = ws_ptr + (pid_n * BN // 128) * stride_wsn  # BN divides 128: one block row per program
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for kb in range(0, tl.cdiv(K, 128)):
+            kk = kb * 128 + ks
+            kmask = kk < K
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=rmask[:, None] & kmask[None, :],
+                        other=0.0).to(tl.float32)
+            s, r = _scale(tl.max(tl.abs(x), 1), UE8M0)
+            q = _to_e4m3(x, r[:, None], HW_CAST)
+            w = tl.load(w_ptr + cols[:, None] * stride_wn + kk[None, :], mask=cmask[:, None] & kmask[None, :],
+                        other=0.0)
+            acc += tl.dot(q, tl.trans(w)) * s[:, None] * tl.load(ws_row + kb)
+        tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=rmask[:, None] & cmask[None, :])
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, ue8m0: bool, out_dtype: torch.dtype,
+           bn: int | None = None) -> torch.Tensor:
+    """``x [M, K]`` (M <= :data:`MAX_ROWS`, any float dtype) quantized in 1x128 tiles, times ``w [N, K]``
+    FP8 with 128x128 scales ``ws [ceil(N/128), ceil(K/128)]`` -> ``[M, N]`` in ``out_dtype``
+    (module docstring). ``bn`` overrides :func:`block_n` (a divisor of 128, at least 16)."""
+    M, K = x.shape
+    N = w.shape[0]
+    assert M <= MAX_ROWS and w.shape[1] == K, (x.shape, w.shape)
+    out = torch.empty(M, N, dtype=out_dtype, device=x.device)
+    if M == 0 or N == 0:
+        return out
+    x = x if x.stride(1) == 1 else x.contiguous()
+    w = w if w.stride(1) == 1 else w.contiguous()
+    ws = ws if ws.stride(1) == 1 else ws.contiguous()
+    bm, bn = block_m(M), bn or block_n(N)
+    assert BLOCK % bn == 0 and bn >= 16, bn
+    grid = (triton.cdiv(N, bn), triton.cdiv(M, bm))
+    _linear_kernel[grid](x, w, ws, out, M, N, K, x.stride(0), w.stride(0), ws.stride(0), out.stride(0),
+                         BM=bm, BN=bn, UE8M0=ue8m0, HW_CAST=_HW_CAST, num_warps=4, num_stages=4)
+    return out
