@@ -10,7 +10,8 @@ change with the block (Triton's CPU interpreter uses numpy's matmul, whose sums 
 
 ``paged_index_scores``: the same scores for the engine's decoding sequences, each against its own
 context's keys read in place from the paged index cache by block table (no gathered copy), in
-shapes fixed by the table's width (the decode graphs', rlcli.infer.cuda_graphs).
+shapes fixed by the table's width (the decode graphs', rlcli.infer.cuda_graphs); ``topk_rows``
+chooses among them reading each row up to its context length only.
 
 ``sparse_attention``: one program per (query, head block) walks the query's selected token
 indices in blocks, loads those tokens' latent rows ``[c, k_rot]`` straight from ``kv`` (no
@@ -106,6 +107,26 @@ def paged_index_scores(q_THD: torch.Tensor, w_TH: torch.Tensor, k_cache_SD: torc
         q, w, k_cache_SD, tables_TW, lens_T, out, width, scale, q.stride(0), q.stride(1), w.stride(0),
         k_cache_SD.stride(0), tables_TW.stride(0), out.stride(0), HI=Hi, DI=D, DP=_padded(D), BT=16, BS=BS,
         BLOCK=block_size, PREC=_precision(q), num_warps=4)
+    return out
+
+
+TOPK_CHUNK = 4096
+"""Scores a top-k program reads at a time (8 warps: 16 a thread)."""
+
+
+@torch.no_grad()
+def topk_rows(scores_TW: torch.Tensor, lens_T: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions [T, k] (int64, ascending) of the k largest of each row's first ``lens_T`` scores,
+    exact ties at the cut going to the earlier position (:func:`rlcli.ops.mla._topk_earliest`'s
+    rule; -0.0 ties +0.0; no NaN); a row of at most k scores gets ``0..k-1`` (those past its
+    length are the caller's invalid entries). One program per row, whose work follows the row's
+    length, not the width: a decode graph's scores span ``max_model_len`` whatever the contexts."""
+    T, W = scores_TW.shape
+    assert scores_TW.dtype == torch.float32 and scores_TW.stride(1) == 1 and k <= W, (scores_TW.shape, k)
+    out = torch.empty(T, k, dtype=torch.int64, device=scores_TW.device)
+    if T:
+        _kernels()._topk_rows_kernel[(T,)](scores_TW, lens_T, out, k, scores_TW.stride(0), out.stride(0),
+                                           CHUNK=TOPK_CHUNK, num_warps=8)
     return out
 
 

@@ -151,3 +151,54 @@ def _sparse_bwd_kernel(q_ptr, kv_ptr, idx_ptr, o_ptr, do_ptr, lse_ptr, dq_ptr, d
     dq_base = dq_ptr + t * sq_t + h[:, None] * sq_h
     tl.store(dq_base + r[None, :], dq_lat.to(dq_ptr.dtype.element_ty), mask=mh[:, None] & mr[None, :])
     tl.store(dq_base + R + d[None, :], dq_rot.to(dq_ptr.dtype.element_ty), mask=mh[:, None] & md[None, :])
+
+
+@triton.jit
+def _order_key(x):
+    """fp32 -> uint32 whose unsigned order is the floats' (-0.0 made +0.0, so the two tie)."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = tl.where(bits == -2147483648, 0, bits)
+    return tl.where(bits >= 0, bits ^ -2147483648, ~bits).to(tl.uint32, bitcast=True)
+
+
+@triton.jit(do_not_specialize=["K", "ss_t", "so_t"])
+def _topk_rows_kernel(s_ptr, lens_ptr, out_ptr, K, ss_t, so_t, CHUNK: tl.constexpr):
+    # One row per program, reading only its first lens[t] scores: the k-th largest key by radix
+    # select (4 rounds of 8 bits, a histogram of the digits among the keys whose higher digits
+    # match so far), then one pass listing every larger key and the earliest keys equal to it, in
+    # position order (running counts carried across chunks).
+    t = tl.program_id(0).to(tl.int64)
+    n = tl.load(lens_ptr + t)
+    c = tl.arange(0, CHUNK)
+    if n <= K:  # the whole context, then positions past it (the caller's invalid entries)
+        for c0 in range(0, K, CHUNK):
+            tl.store(out_ptr + t * so_t + c0 + c, (c0 + c).to(tl.int64), mask=c0 + c < K)
+    else:
+        bins = tl.arange(0, 256)
+        prefix = tl.full([], 0, tl.uint32)
+        need = K
+        for r in tl.static_range(4):
+            shift = 24 - 8 * r
+            hist = tl.zeros([256], dtype=tl.int32)
+            for c0 in range(0, n, CHUNK):
+                pos = c0 + c
+                m = pos < n
+                key = _order_key(tl.load(s_ptr + t * ss_t + pos, mask=m, other=0.0))
+                if r > 0:
+                    m = m & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
+                hist += tl.histogram(((key >> shift) & 0xFF).to(tl.int32), 256, mask=m)
+            at_least = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # keys whose digit is >= the bin's
+            d = tl.sum((at_least >= need).to(tl.int32), 0) - 1
+            need -= tl.sum(tl.where(bins == d, at_least - hist, 0), 0)  # less those above the digit
+            prefix = prefix | (d.to(tl.uint32) << shift)
+        taken = 0
+        ties = 0
+        for c0 in range(0, n, CHUNK):
+            pos = c0 + c
+            m = pos < n
+            key = _order_key(tl.load(s_ptr + t * ss_t + pos, mask=m, other=0.0))
+            eq = (m & (key == prefix)).to(tl.int32)
+            take = ((m & (key > prefix)) | ((eq == 1) & (ties + tl.cumsum(eq, 0) - eq < need))).to(tl.int32)
+            tl.store(out_ptr + t * so_t + taken + tl.cumsum(take, 0) - take, pos.to(tl.int64), mask=take == 1)
+            taken += tl.sum(take, 0)
+            ties += tl.sum(eq, 0)

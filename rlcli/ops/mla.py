@@ -54,24 +54,18 @@ def _chunk(per_row: int, device: torch.device) -> int:
     return max(1, budget // max(1, per_row))
 
 
-def _topk_earliest(scores_TW: torch.Tensor, k: int, on_device: bool = False) -> torch.Tensor:
+def _topk_earliest(scores_TW: torch.Tensor, k: int) -> torch.Tensor:
     """Indices (ascending) of the k largest scores per row, exact ties at the cut going to the
     smaller index: one float top-k finds the k-th value, then every larger score and the
-    earliest of the scores equal to it (a running count) are kept. Scores must not be NaN.
-    The k kept of each row are listed by ``nonzero`` (its count read on the host), or with
-    ``on_device`` scattered to their rank among them (no host sync; a CUDA graph holds it)."""
+    earliest of the scores equal to it (a running count) are kept, listed by ``nonzero`` (its
+    count read on the host). Scores must not be NaN. The engine's decodes choose by the same rule
+    with no host sync in :func:`rlcli.ops.dsa_triton.topk_rows`."""
     kth_T1 = scores_TW.topk(k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
     above = scores_TW > kth_T1
     tied = scores_TW == kth_T1  # -0.0 == +0.0, as in the reference's comparisons
     need_T1 = k - above.sum(-1, keepdim=True, dtype=torch.int32)
     take = above | (tied & (tied.cumsum(-1, dtype=torch.int32) <= need_T1))
-    if not on_device:
-        return take.nonzero()[:, 1].view(-1, k)
-    T, W = take.shape
-    rank = torch.where(take, take.cumsum(-1) - 1, k)  # the rest all land in a column dropped after
-    out = torch.empty(T, k + 1, dtype=torch.long, device=take.device)
-    out.scatter_(1, rank, torch.arange(W, device=take.device).expand(T, W))
-    return out[:, :k]
+    return take.nonzero()[:, 1].view(-1, k)
 
 
 def _topk_earliest_int64(scores_TW: torch.Tensor, k: int) -> torch.Tensor:
@@ -165,10 +159,11 @@ def paged_select_topk(q_THD: torch.Tensor, w_TH: torch.Tensor, k_cache_SD: torch
     (``lo = 0``, ``hi = lens - 1``), the keys read in place from the paged index cache (the Triton
     kernel, :func:`rlcli.ops.dsa_triton.paged_index_scores`): (positions [T, topk], valid [T, topk]),
     always ``topk`` wide (a context shorter than that gets all its tokens, then invalid entries at
-    position 0), chosen by the same rule with no host sync, so a CUDA graph holds it."""
+    position 0), chosen by the same rule (:func:`rlcli.ops.dsa_triton.topk_rows`) with no host sync,
+    so a CUDA graph holds it; the choice reads each context's scores only, not the table's width."""
     width = max(tables_TW.shape[1] * block_size, topk)
     scores = dsa_triton.paged_index_scores(q_THD, w_TH, k_cache_SD, tables_TW, lens_T, block_size, scale, width)
-    idx = _topk_earliest(scores, topk, on_device=True)
+    idx = dsa_triton.topk_rows(scores, lens_T, topk)
     valid = idx < lens_T[:, None]
     return idx.masked_fill(~valid, 0), valid
 

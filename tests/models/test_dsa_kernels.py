@@ -117,16 +117,31 @@ def test_model_on_triton_kernels_equals_the_torch_path(triton_kernels, hf_model_
     assert max(max_abs_diff(ga[n], gb[n]) for n in ga) <= 1e-5
 
 
-def test_topk_on_the_device_lists_what_nonzero_lists():
-    """_topk_earliest(on_device=True) scatters each kept index to its rank (no host sync): the same
-    ascending indices as the nonzero listing, ties and -inf rows included."""
+def test_topk_rows_is_the_rule_over_each_rows_context(triton_kernels):
+    """dsa_triton.topk_rows (the engine's decode choice, one program per row) lists what
+    _topk_earliest lists over each row's first lens[t] scores: many exact ties, -0.0 against +0.0,
+    negative and huge scores, contexts shorter than, equal to and longer than k, rows longer than
+    one chunk; what lies past a row's length (here larger than any score) is never read."""
     gen = torch.Generator().manual_seed(3)
-    for _ in range(50):
-        T, W = int(torch.randint(1, 9, (1,), generator=gen)), int(torch.randint(1, 50, (1,), generator=gen))
-        s = torch.randint(-2, 3, (T, W), generator=gen).float()
-        s[torch.rand(T, W, generator=gen) < 0.3] = -INF
-        for k in {1, W // 2 or 1, W}:
-            assert torch.equal(mla._topk_earliest(s, k, on_device=True), mla._topk_earliest(s, k))
+    triton_kernels.TOPK_CHUNK, chunk = 16, triton_kernels.TOPK_CHUNK  # several chunks per row
+    try:
+        for trial in range(30):
+            T, W = int(torch.randint(1, 7, (1,), generator=gen)), int(torch.randint(8, 70, (1,), generator=gen))
+            k = int(torch.randint(1, 9, (1,), generator=gen))
+            s = torch.randint(-3, 4, (T, W), generator=gen).float() * (1e30 if trial % 3 == 0 else 1.0)
+            s[torch.rand(T, W, generator=gen) < 0.15] = -0.0
+            s[torch.rand(T, W, generator=gen) < 0.1] = torch.randn(1, generator=gen).item()
+            lens = torch.randint(1, W + 1, (T,), generator=gen, dtype=torch.int32)
+            lens[0] = min(k, W)
+            past = torch.arange(W)[None] >= lens[:, None]
+            s[past] = 3e38  # past the context: must not be chosen, nor counted
+            got = triton_kernels.topk_rows(s, lens, k)
+            for t in range(T):
+                n = int(lens[t])
+                want = torch.arange(k) if n <= k else mla._topk_earliest(s[t:t + 1, :n], k)[0]
+                assert torch.equal(got[t], want), (trial, t, n, k, s[t, :n], got[t])
+    finally:
+        triton_kernels.TOPK_CHUNK = chunk
 
 
 def test_paged_selection_equals_the_gathered_one(triton_kernels):

@@ -109,6 +109,14 @@ def test_the_paged_indexer_scores_compile():
                        {"HI": 64, "DI": 128, "DP": 128, "BT": 16, "BS": 128, "BLOCK": 16, "PREC": "tf32"}, 4)
 
 
+def test_the_decode_topk_compiles():
+    """DSA's decode choice: radix select over each row's context (histograms of uint32 digits)."""
+    from rlcli.ops import dsa_triton
+
+    types = {"s_ptr": "*fp32", "lens_ptr": "*i32", "out_ptr": "*i64", **ints("K", "ss_t", "so_t")}
+    compile_for_hopper(_dsa_kernels()._topk_rows_kernel, types, {"CHUNK": dsa_triton.TOPK_CHUNK}, 8)
+
+
 @pytest.mark.parametrize("counts", [False, True])
 def test_the_sparse_attention_compiles(counts):
     """DSA's sparse attention over the chosen tokens (latent 512 + rope 64), stopping at each
