@@ -133,3 +133,60 @@ def test_fp8_checkpoint_errors_name_the_tensor(fp8_pair, tmp_path):
     (d / "config.json").write_text(json.dumps(hf))
     with pytest.raises(ModelLoadError, match="weight_block_size"):
         load_model(d)
+
+
+def _sharded_load(src):
+    """rl-train's load (rlcli.parallel.loading.load_sharded) into a materialized model, unsharded."""
+    from rlcli.models import ModelArgs, build_model
+    from rlcli.parallel.loading import load_sharded
+
+    model = build_model(ModelArgs.from_dir(src), device="meta", dtype=torch.float32, materialize=False)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    model.init_buffers()
+    load_sharded(model, src)
+    return model
+
+
+def test_the_trainers_loader_dequantizes_an_fp8_checkpoint(fp8_pair):
+    """rl-train from an FP8 base model (DeepSeek-V3 / Kimi-K2 releases): its sharded loader gives the
+    weights load_model gives (float8 data times its block scales), experts included; it once copied
+    the raw float8 values in (448 where the weight was 1e-2)."""
+    fp8_dir, _, _ = fp8_pair
+    want = load_model(fp8_dir, dtype=torch.float32).state_dict()
+    got = _sharded_load(fp8_dir).state_dict()
+    assert want.keys() == got.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+@pytest.mark.parametrize("box", [((0, 0), (300, 260)), ((37, 0), (100, 260)), ((128, 129), (172, 131)),
+                                 ((255, 5), (1, 1)), ((150, 200), (150, 60))])
+def test_a_shards_box_is_dequantized_with_the_scales_over_it(tmp_path, box):
+    """A rank's box of an FP8 weight (offsets off the 128 grid, boxes inside one block and across
+    several, a ragged last block) equals the same box of the whole dequantized weight."""
+    from rlcli.parallel.loading import _Reader
+
+    (r, c), (n, k) = box
+    w = torch.randn(300, 260) * torch.exp(torch.randn(300, 1))
+    q, s = quantize_128x128(w)
+    save_file({"w.weight": q, "w.weight_scale_inv": s}, str(tmp_path / "model.safetensors"))
+    got = _Reader(tmp_path).read("w.weight", (n, k), (r, c), [300, 260])
+    assert torch.equal(got, dequantize_128x128(q, s)[r:r + n, c:c + k])
+
+
+def test_the_trainers_loader_names_what_it_cannot_place(fp8_pair, tmp_path):
+    fp8_dir, _, tensors = fp8_pair
+    name = "model.layers.0.self_attn.o_proj.weight"
+    for edit, match in ((lambda t: t.pop(name + "_scale_inv"), f"{name} is float8 but the checkpoint has no "),
+                        (lambda t: t.update({name + "_scale_inv": torch.ones(3, 3)}), "o_proj.weight_scale_inv has shape"),
+                        (lambda t: t.update({"model.layers.0.self_attn.extra.weight": torch.ones(2)}),
+                         "unexpected tensor model.layers.0.self_attn.extra.weight")):
+        bad = dict(tensors)
+        edit(bad)
+        d = tmp_path / "bad"
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.copytree(fp8_dir, d)
+        save_file(bad, str(d / "model.safetensors"))
+        with pytest.raises(ModelLoadError, match=match):
+            _sharded_load(d)
