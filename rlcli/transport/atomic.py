@@ -9,8 +9,13 @@ never for the directory.
 
 Temporary names carry host, rank, pid and a random tag
 (``.name.tmp-<host>-r<rank>-<pid>-<hex>``): several ranks and hosts write into one shared
-run directory, and :func:`clean_temporaries` only removes what a dead process *of this
-host* left (it cannot tell whether a process on another host is alive). A directory
+run directory, and :func:`clean_temporaries` removes what a dead process of this host left
+(its pid is gone). Whether a process on another host is alive cannot be asked, so another
+host's temporary counts as abandoned once nothing in it has changed for
+:data:`STALE_TEMP_S` (a writer's files change as it writes), and another host's
+``.name.old-*`` standing in for a missing ``name`` once it has been there for
+:data:`REPLACE_GRACE_S` (its writer dies between two renames, or is past them in
+microseconds): after a Slurm requeue onto other nodes, a dead node's leftovers go too. A directory
 written by several ranks is built with :func:`begin_dir` / :func:`commit_dir`: one rank
 creates and later renames and marks it, after a barrier
 (``rlcli.parallel.dist.shared_atomic_dir``).
@@ -367,29 +372,50 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _owner_alive(name: str) -> bool:
+STALE_TEMP_S = 3600.0
+"""Another host's temporary in which nothing changed for this long is abandoned (module note)."""
+REPLACE_GRACE_S = 60.0
+"""Another host's complete ``.name.old-*`` with ``name`` missing this long: the replace died midway."""
+
+
+def _last_change(path: Path) -> float:
+    """The latest modification or status change of ``path`` or anything under it (0: gone)."""
+    latest = 0.0
+    for p in [path, *(path.rglob("*") if path.is_dir() else ())]:
+        try:
+            st = p.lstat()
+        except OSError:
+            continue
+        latest = max(latest, st.st_mtime, st.st_ctime)
+    return latest
+
+
+def _owner_alive(path: Path, mid_replace: bool = False) -> bool:
+    name = path.name
     m = _TEMP_RE.search(name)
     if m is None:  # an older name, ``.x.tmp-<pid>``: judged on this host
         pid = name.rsplit("-", 1)[-1]
         return pid.isdigit() and int(pid) != os.getpid() and _pid_alive(int(pid))
-    if m["host"] != _HOST:
-        return True  # another host's writer: only that host can tell
+    if m["host"] != _HOST:  # another host's writer: judged by how long its files stood still
+        return time.time() - _last_change(path) < (REPLACE_GRACE_S if mid_replace else STALE_TEMP_S)
     return int(m["pid"]) != os.getpid() and _pid_alive(int(m["pid"]))
 
 
 def clean_temporaries(parent: str | Path) -> None:
-    """Remove temporaries left in ``parent`` by writers of this host that are no longer running;
-    a complete ``.name.old-*`` whose ``name`` is missing (a crash mid-replace) is moved back."""
+    """Remove temporaries left in ``parent`` by writers that are no longer running (this host's:
+    their pid is gone; another host's: unchanged for :data:`STALE_TEMP_S`); a complete
+    ``.name.old-*`` whose ``name`` is missing (a crash mid-replace) is moved back."""
     parent = Path(parent)
     if not parent.is_dir():
         return
     for child in parent.iterdir():
         name = child.name
         if name.startswith(".") and (".tmp-" in name or ".old-" in name):
-            if _owner_alive(name):
-                continue
             final = parent / name[1:name.index(".old-")] if ".old-" in name else None
-            if final is not None and child.is_dir() and is_stable(child) and not final.exists():
+            restore = final is not None and child.is_dir() and is_stable(child) and not final.exists()
+            if _owner_alive(child, mid_replace=restore):
+                continue
+            if restore:
                 os.replace(child, final)
                 continue
             if child.is_dir():

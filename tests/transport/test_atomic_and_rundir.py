@@ -117,7 +117,7 @@ def test_metrics_skip_a_partial_last_line(tmp_path):
     assert run.read_metrics("train") == [{"step": 1}]
 
 
-def test_temporaries_carry_host_and_rank_and_other_hosts_are_left_alone(tmp_path, monkeypatch):
+def test_temporaries_carry_host_and_rank_and_other_hosts_live_ones_are_left_alone(tmp_path, monkeypatch):
     from rlcli.transport import atomic
 
     monkeypatch.setenv("RANK", "3")
@@ -126,12 +126,56 @@ def test_temporaries_carry_host_and_rank_and_other_hosts_are_left_alone(tmp_path
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()
     mine_dead = f".step_1.tmp-{atomic._HOST}-r0-{dead}"
-    other_host = f".step_2.tmp-other-node-07-r1-{dead}"  # same pid number, another host: may be alive
+    other_host = f".step_2.tmp-other-node-07-r1-{dead}"  # same pid number, another host, writing now
     (tmp_path / mine_dead).mkdir()
     (tmp_path / other_host).mkdir()
+    (tmp_path / other_host / "model.safetensors").write_bytes(b"x")
     (tmp_path / f".x.json.tmp-{atomic._HOST}-r2-{dead}-0123abcd").write_text("{}")
     clean_temporaries(tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == [other_host]
+
+
+def test_another_hosts_abandoned_temporaries_go_after_they_stand_still(tmp_path, monkeypatch):
+    """A dead node's half-written directory (a Slurm requeue put the job elsewhere): kept while any
+    file in it changed within STALE_TEMP_S, removed after; a file's change counts, not the folder's."""
+    from rlcli.transport import atomic
+
+    clock = [1e9]
+    monkeypatch.setattr(atomic.time, "time", lambda: clock[0])
+    stuck = tmp_path / ".step_3.tmp-dead-node-r0-4242"
+    stuck.mkdir()
+    (stuck / "shard-0.safetensors").write_bytes(b"half")
+    (tmp_path / ".STATE.json.tmp-dead-node-r0-4242-0123abcd").write_text("{")
+    changed = max(p.stat().st_mtime for p in [stuck, *stuck.iterdir()])
+    clock[0] = changed + atomic.STALE_TEMP_S - 5
+    clean_temporaries(tmp_path)
+    assert stuck.exists()
+    os.utime(stuck, (changed - 1e4, changed - 1e4))  # the folder old, its file still recent
+    clean_temporaries(tmp_path)
+    assert stuck.exists()
+    clock[0] = changed + atomic.STALE_TEMP_S + 5
+    clean_temporaries(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_another_hosts_interrupted_replace_is_moved_back_after_the_grace(tmp_path, monkeypatch):
+    """The fallback replace (NFS, Lustre) died on another node between its two renames: the complete
+    old directory comes back under its name once REPLACE_GRACE_S has passed, not before."""
+    from rlcli.transport import atomic
+
+    with atomic_dir(tmp_path / "step_1", {"v": 1}) as d:
+        (d / "a").write_text("old")
+    old = tmp_path / ".step_1.old-dead-node-r0-4242-0123abcd"
+    os.replace(tmp_path / "step_1", old)
+    moved = atomic._last_change(old)
+    clock = [moved + atomic.REPLACE_GRACE_S - 5]
+    monkeypatch.setattr(atomic.time, "time", lambda: clock[0])
+    clean_temporaries(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == [old.name]
+    clock[0] = moved + atomic.REPLACE_GRACE_S + 5
+    clean_temporaries(tmp_path)
+    assert is_stable(tmp_path / "step_1") and (tmp_path / "step_1" / "a").read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["step_1"]
 
 
 _watch: dict = {}
