@@ -50,6 +50,27 @@ SWITCH_INTERVAL_S = 2e-4
 """The interpreter's thread switch interval on the sending rank (see ``__init__``)."""
 
 
+STAGING_FREE_SHARE = 0.9
+"""Rank 0's staging buffer may take at most this share of the GPU memory free when it is made."""
+
+
+def check_staging(nbytes: int, device: torch.device, free_bytes: int | None = None) -> None:
+    """Raise ValueError, naming the setting to change, unless a staging buffer of ``nbytes`` (the whole
+    model as it travels) fits in rank 0's free GPU memory (``free_bytes``; by default the driver's
+    free memory plus what torch's allocator has cached unused). The collective transport stages the whole model there; for a model
+    that does not fit, the filesystem transports write each rank's own shards instead."""
+    if device.type != "cuda":
+        return
+    if free_bytes is None:  # the driver's free memory, and what torch's allocator holds unused
+        free_bytes = (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+                      - torch.cuda.memory_allocated(device))
+    free = free_bytes
+    if nbytes > STAGING_FREE_SHARE * free:
+        raise ValueError(f"sync.backend.kind = 'collective' stages the whole model on rank 0's GPU: "
+                         f"{nbytes / 2**30:.1f} GiB, with {free / 2**30:.1f} GiB free there; set "
+                         "sync.backend.kind = 'async_filesystem' for a model this large")
+
+
 def wire_dtype(t_dtype: torch.dtype, dtype: torch.dtype) -> torch.dtype:
     """What a model tensor travels as: floating masters in the model's dtype, others as they are."""
     return dtype if t_dtype.is_floating_point and t_dtype.itemsize > 1 else t_dtype
@@ -176,6 +197,8 @@ class CollectivePublisher:
             self.specs, self.buckets = specs, plan_buckets(specs, self.bucket_bytes)
             self.tensor_list = [[s.name, dtype_name(s.dtype), list(s.shape)] for s in specs]  # as posted
             total = sum(s.nbytes for s in specs)
+            self.staging = None  # the last model's buffer is not counted against the new one
+            check_staging(total, self.device)
             self.staging = torch.empty(total, dtype=torch.uint8, device=self.device)
             self.ranges = byte_ranges(specs, self.buckets)
             self.events = [torch.cuda.Event() for _ in self.buckets] if self.device.type == "cuda" else []

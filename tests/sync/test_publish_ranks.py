@@ -103,3 +103,16 @@ def test_two_ranks_with_dtensors_publish_the_reference(tmp_path):
         assert ours[k].dtype == t.dtype and torch.equal(ours[k].view(torch.uint8), t.view(torch.uint8)), k
     config = json.loads((tmp_path / "weights_fp8" / "step_3" / "config.json").read_text())
     assert config["quantization_config"] == json.loads((ref_dir / "config.json").read_text())["quantization_config"]
+
+
+def test_a_model_too_large_to_stage_on_rank_0s_gpu_is_refused_naming_the_setting():
+    """The collective transport stages the whole model on rank 0's GPU; a model that does not fit
+    (a trillion-parameter MoE) gets one error naming the transport to use instead, not an OOM."""
+    from rlcli.train.publish_collective import check_staging
+
+    cuda = torch.device("cuda", 0)
+    check_staging(80 << 30, cuda, free_bytes=100 << 30)
+    check_staging(10 << 40, torch.device("cpu"))  # gloo sends from host memory: nothing to check
+    with pytest.raises(ValueError, match="stages the whole model on rank 0's GPU: 2048.0 GiB, with 100.0 GiB "
+                                         "free there; set sync.backend.kind = 'async_filesystem'"):
+        check_staging(2 << 40, cuda, free_bytes=100 << 30)
