@@ -50,10 +50,6 @@ SWITCH_INTERVAL_S = 2e-4
 """The interpreter's thread switch interval on the sending rank (see ``__init__``)."""
 
 
-STAGING_FREE_SHARE = 0.9
-"""Rank 0's staging buffer may take at most this share of the GPU memory free when it is made."""
-
-
 def check_staging(nbytes: int, device: torch.device, free_bytes: int | None = None) -> None:
     """Raise ValueError, naming the setting to change, unless a staging buffer of ``nbytes`` (the whole
     model as it travels) fits in rank 0's free GPU memory (``free_bytes``; by default the driver's
@@ -65,7 +61,7 @@ def check_staging(nbytes: int, device: torch.device, free_bytes: int | None = No
         free_bytes = (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
                       - torch.cuda.memory_allocated(device))
     free = free_bytes
-    if nbytes > STAGING_FREE_SHARE * free:
+    if nbytes > free:
         raise ValueError(f"sync.backend.kind = 'collective' stages the whole model on rank 0's GPU: "
                          f"{nbytes / 2**30:.1f} GiB, with {free / 2**30:.1f} GiB free there; set "
                          "sync.backend.kind = 'async_filesystem' for a model this large")
