@@ -130,8 +130,8 @@ class CheckpointConfig(Config):
 
     background: bool = True
     """Write each checkpoint on a background thread from a host copy taken in the step (one in
-    flight; flushed at exit). Plain single-process trainers only: sharded ones (torchrun, or one
-    rank in bf16 with its fp32 masters) write them in the step."""
+    flight; flushed at exit); sharded trainers (torchrun) copy and write each rank's own shards,
+    their writers' collectives on a gloo group of their own. False: written in the step."""
 
 
 class ParallelConfig(Config):

@@ -86,25 +86,31 @@ def enabled() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def barrier() -> None:
+def new_cpu_group():
+    """A gloo group of every rank, for a thread's host-side collectives beside the main thread's
+    (a background checkpoint's); None without a process group. Collective: every rank calls it."""
+    return dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
+
+
+def barrier(group=None) -> None:
     if enabled():
-        dist.barrier(group=_cpu_group)
+        dist.barrier(group=group or _cpu_group)
 
 
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """``obj`` of rank ``src`` on every rank."""
+def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:
+    """``obj`` of rank ``src`` on every rank (``group``: host-side, default the process's gloo group)."""
     if not enabled():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src, group=_cpu_group)
+    dist.broadcast_object_list(box, src=src, group=group or _cpu_group)
     return box[0]
 
 
-def all_gather_objects(obj: Any) -> list[Any]:
+def all_gather_objects(obj: Any, group=None) -> list[Any]:
     if not enabled():
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj, group=_cpu_group)
+    dist.all_gather_object(out, obj, group=group or _cpu_group)
     return out
 
 
@@ -134,7 +140,7 @@ def all_reduce_max_int(value: int) -> int:
 
 @contextlib.contextmanager
 def shared_atomic_dir(final: str | Path, marker: dict[str, Any] | None = None,
-                      own_files: str | None = None) -> Iterator[Path]:
+                      own_files: str | None = None, group=None) -> Iterator[Path]:
     """:func:`rlcli.transport.atomic.atomic_dir` for a directory every rank writes into.
 
     Rank 0 creates the temporary directory (its name carries rank 0's host and pid) and
@@ -142,9 +148,11 @@ def shared_atomic_dir(final: str | Path, marker: dict[str, Any] | None = None,
     and marks it STABLE; a second barrier keeps any rank from racing ahead of the marker.
     ``own_files`` (a glob with ``{rank}``, e.g. DCP's ``__{rank}_*``) names the files each
     rank wrote: each rank takes their checksums itself (from its own page cache), so rank 0's
-    manifest reads no other rank's file.
+    manifest reads no other rank's file. ``group``: the host-side group its collectives run on
+    (:func:`new_cpu_group` for a writer thread; default the process's).
     """
-    tmp = Path(broadcast_object(str(begin_dir(final)) if not enabled() or dist.get_rank() == 0 else None))
+    tmp = Path(broadcast_object(str(begin_dir(final)) if not enabled() or dist.get_rank() == 0 else None,
+                                group=group))
     try:
         yield tmp
         sums: dict[str, str] = {}
@@ -152,11 +160,11 @@ def shared_atomic_dir(final: str | Path, marker: dict[str, Any] | None = None,
             rank = dist.get_rank() if enabled() else 0
             sums = {p.name: file_checksum(p) for p in tmp.glob(own_files.format(rank=rank))}
             if enabled():
-                sums = {k: v for part in all_gather_objects(sums) for k, v in part.items()}
-        barrier()
+                sums = {k: v for part in all_gather_objects(sums, group) for k, v in part.items()}
+        barrier(group)
         if not enabled() or dist.get_rank() == 0:
             commit_dir(tmp, final, marker, sums)
-        barrier()
+        barrier(group)
     except BaseException as e:
         full = storage_full(e, final, written=tmp)  # before the temporary's space is freed
         if not enabled() or dist.get_rank() == 0:

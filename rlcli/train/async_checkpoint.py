@@ -21,10 +21,13 @@ checkpoint that was committed is resumed, exactly as after a crash mid-save of t
 synchronous path: the work since it is redone from the batches the orchestrator keeps
 (it deletes none past the trainer's oldest checkpoint).
 
-Only single-process trainers save this way. Under torchrun (FSDP2 / EP / CP) the writer
-would run DCP's collectives and the commit barriers from a second thread beside the
-training collectives, which needs a process group of its own; those checkpoints stay
-synchronous (:func:`rlcli.train.checkpoint.save_checkpoint`).
+Sharded trainers (torchrun: FSDP2 / EP / CP, and one rank holding fp32 masters as DTensors)
+save this way too. Each rank copies its own shards (a DTensor's local tensor, wrapped again in
+the same sharding spec, so DCP writes the same files and metadata), and every rank's writer
+thread runs DCP's collectives and the commit's barriers on a gloo group of its own
+(``group``, :func:`rlcli.parallel.dist.new_cpu_group`), so they never interleave with the
+training's collectives on the main thread. All ranks save the same steps in the same order, so
+their writers meet in the same collectives.
 """
 
 import copy
@@ -43,8 +46,8 @@ from rlcli.transport.rundir import RunDir
 class AsyncCheckpointer:
     """Snapshot now, write in the background; one save in flight (see the module docstring)."""
 
-    def __init__(self, run: RunDir, keep: int, mesh: dict | None = None):
-        self.run, self.keep, self.mesh = run, keep, mesh
+    def __init__(self, run: RunDir, keep: int, mesh: dict | None = None, group=None):
+        self.run, self.keep, self.mesh, self.group = run, keep, mesh, group
         self._buffers: dict[str, torch.Tensor] = {}  # state path -> host copy, reused by every save
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -68,7 +71,9 @@ class AsyncCheckpointer:
         self._thread.start()
 
     def _live_tensors(self, obj: Any):
-        if isinstance(obj, torch.Tensor):
+        if isinstance(obj, DTensor):
+            yield obj.to_local()
+        elif isinstance(obj, torch.Tensor):
             yield obj
         elif isinstance(obj, dict):
             for v in obj.values():
@@ -79,8 +84,9 @@ class AsyncCheckpointer:
 
     def _copy(self, obj: Any, path: str) -> Any:
         """``obj`` with every tensor copied into this checkpointer's host buffer for ``path``."""
+        if isinstance(obj, DTensor):  # this rank's shard, under the same spec (mesh, placements, global shape)
+            return DTensor(self._copy(obj.to_local(), path), obj._spec, requires_grad=False)
         if isinstance(obj, torch.Tensor):
-            assert not isinstance(obj, DTensor), "sharded (torchrun) trainers checkpoint synchronously"
             buf = self._buffers.get(path)
             if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
                 buf = torch.empty(obj.shape, dtype=obj.dtype, device="cpu", pin_memory=obj.is_cuda)
@@ -97,7 +103,7 @@ class AsyncCheckpointer:
         try:
             if fence is not None:
                 fence.synchronize()  # the device-to-host copies are done
-            write_checkpoint(self.run, step, snapshot, self.keep, self.mesh)
+            write_checkpoint(self.run, step, snapshot, self.keep, self.mesh, self.group)
         except BaseException as e:  # surfaces on the next save / wait / close
             self._error = e
 

@@ -112,14 +112,17 @@ def save_checkpoint(run: RunDir, step: int, model: torch.nn.Module, optimizer: t
     write_checkpoint(run, step, state, keep, mesh)
 
 
-def write_checkpoint(run: RunDir, step: int, state: dict, keep: int, mesh: dict | None = None) -> None:
+def write_checkpoint(run: RunDir, step: int, state: dict, keep: int, mesh: dict | None = None,
+                     group=None) -> None:
     """Write ``state`` ({"model", "optim", "scheduler", "extra"}) as checkpoint ``step``, commit it
     (rename, then STABLE) and delete all but the newest ``keep``: the live state
-    (:func:`save_checkpoint`) or a host snapshot of it (``rlcli.train.async_checkpoint``)."""
+    (:func:`save_checkpoint`) or a host snapshot of it (``rlcli.train.async_checkpoint``).
+    ``group``: the gloo group DCP's and the commit's collectives run on (a writer thread's own;
+    default the process's)."""
     with pdist.shared_atomic_dir(run.checkpoint_dir(step), {"step": step, "parallel": mesh},
-                                 own_files="__{rank}_*") as tmp, warnings.catch_warnings():
+                                 own_files="__{rank}_*", group=group) as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "torch.distributed is disabled ... single process"
-        dcp.save(state, checkpoint_id=str(tmp))
+        dcp.save(state, checkpoint_id=str(tmp), process_group=group)
     if not pdist.enabled() or torch.distributed.get_rank() == 0:
         for old in run.stable_steps("checkpoints")[:-keep]:
             remove_dir(run.checkpoint_dir(old))

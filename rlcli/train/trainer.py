@@ -185,9 +185,9 @@ class Trainer:
                 log.info("checkpoint written with %s; resharded to %s", saved, self._mesh_record())
             log.info("resumed from checkpoint step %d", self.step)
         self.loss_fn = LOSSES[tcfg.loss.kind]
-        # Checkpoints behind the step (rlcli.train.async_checkpoint); of sharded parameters, in it.
-        self.checkpointer = AsyncCheckpointer(run, tcfg.checkpoint.keep, self._mesh_record()) \
-            if tcfg.checkpoint.background and not self.dims.fsdp else None
+        # Checkpoints behind the step (rlcli.train.async_checkpoint), the writers' collectives on a group of their own.
+        self.checkpointer = AsyncCheckpointer(run, tcfg.checkpoint.keep, self._mesh_record(), pdist.new_cpu_group()) \
+            if tcfg.checkpoint.background else None
 
     def _mesh_record(self) -> dict:
         return {"dp": self.dims.dp, "cp": self.dims.cp, "ep": self.dims.ep}

@@ -24,6 +24,7 @@ from rlcli.parallel import dist as pdist
 from rlcli.parallel.fsdp import clip_grad_norm_
 from rlcli.parallel.loading import load_sharded
 from rlcli.protocol.batch import decode_batch
+from rlcli.train.async_checkpoint import AsyncCheckpointer
 from rlcli.train.checkpoint import load_latest_checkpoint, save_checkpoint
 from rlcli.train.loss import LOSSES
 from rlcli.train.publish import FilesystemPublisher
@@ -121,9 +122,27 @@ def main() -> None:
         step(model, batch, dims)
         opt.step()
         resumed = {k: full(p).detach().clone() for k, p in model.named_parameters()}
+        # The same, the checkpoint written behind the step (AsyncCheckpointer): step 2 trains while
+        # each rank's writer thread writes step 1's snapshot, its collectives on a gloo group of its own.
+        writer = AsyncCheckpointer(RunDir(OUT / "run_async"), keep=2, mesh={"dp": 2, "cp": 1, "ep": 1},
+                                   group=pdist.new_cpu_group())
+        model, opt, sched = fresh()
+        for i in (1, 2):
+            step(model, batch, dims)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            if i == 1:
+                writer.save(1, model, opt, sched, {"step": 1})
+        writer.close()
+        model, opt, sched = fresh()
+        extra_async = load_latest_checkpoint(RunDir(OUT / "run_async"), model, opt, sched)
+        step(model, batch, dims)
+        opt.step()
+        resumed_async = {k: full(p).detach().clone() for k, p in model.named_parameters()}
         if rank == 0:
-            torch.save({"step1": params[0], "step2": params[1], "resumed": resumed, "extra": extra},
-                       OUT / "resume.pt")
+            torch.save({"step1": params[0], "step2": params[1], "resumed": resumed, "extra": extra,
+                        "resumed_async": resumed_async, "extra_async": extra_async}, OUT / "resume.pt")
         # train.parallel.reshard = "step": every rank runs two rows (rank 1 a padding pass), gradients
         # accumulate unsharded and are reduced once; then the same two optimizer steps as above.
         model = build(name, dims, "none", reshard="step")

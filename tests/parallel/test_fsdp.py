@@ -173,11 +173,14 @@ def test_dcp_resume_is_bit_identical_and_reshards_to_one_process(dist_run):
     assert any(not torch.equal(r["step1"][k], r["step2"][k]) for k in r["step1"])
     for k, v in r["step2"].items():
         assert torch.equal(r["resumed"][k], v), k
-    # The 2-rank checkpoint into a single, unsharded process (DCP reshards on load).
-    model = load_model(out / "models" / "dense")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    extra = load_latest_checkpoint(RunDir(out / "run"), model, opt, sched)
-    assert extra["step"] == 1
-    for k, p in model.named_parameters():
-        assert torch.equal(p.detach(), r["step1"][k]), k
+        assert torch.equal(r["resumed_async"][k], v), k  # written behind step 2, it holds step 1's state
+    assert r["extra_async"]["step"] == 1 and r["extra_async"]["parallel"] == {"dp": 2, "cp": 1, "ep": 1}
+    # The 2-rank checkpoints into a single, unsharded process (DCP reshards on load).
+    for run in ("run", "run_async"):
+        model = load_model(out / "models" / "dense")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        extra = load_latest_checkpoint(RunDir(out / run), model, opt, sched)
+        assert extra["step"] == 1
+        for k, p in model.named_parameters():
+            assert torch.equal(p.detach(), r["step1"][k]), (run, k)
