@@ -157,7 +157,10 @@ class DecodeGraphs:
         return paged_decode.splits_for(size, hq, hkv, d, dv, self.kv_caches[0][0].dtype, longest, self.device)
 
     def _weights(self) -> tuple[int, ...]:
-        return tuple(t.data_ptr() for t in (*self.model.parameters(), *self.model.buffers()))
+        """Where the tensors a weight load writes live: parameters and persistent buffers. Not the
+        other buffers: an MoE's ``num_tokens_per_expert`` (load-balance counts) is a new tensor after
+        every eager forward, and counting it recaptured every graph at every weight load."""
+        return tuple(t.data_ptr() for t in self.model.state_dict(keep_vars=True).values())
 
     def _forward(self, size: int, splits: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decode forward over the static buffers' first ``size`` rows: the final hidden states

@@ -149,6 +149,25 @@ def test_a_failed_capture_leaves_the_engine_decoding_eagerly(monkeypatch, tmp_pa
     assert len(out[-1].completions[0].token_ids) == 4
 
 
+@torch.no_grad()
+def test_the_weight_fingerprint_moves_with_weights_only(tmp_path):
+    """refresh() captures again only when a load moved a weight's storage. An MoE's load-balance
+    counts (num_tokens_per_expert, a new tensor after every eager forward) are not a weight: counted,
+    they made every weight load recapture every graph (found on an H100, thirty-second session)."""
+    model = load_model(write_tiny_model(tmp_path / "m", **MOE)).eval()
+    caches = [tuple(torch.zeros(5, 8, heads, dim) for heads, dim in spec) for spec in model.kv_cache_spec()]
+    graphs = cuda_graphs.DecodeGraphs(model, caches, block_size=8, max_model_len=32, max_num_seqs=2, scratch_block=4)
+    before = graphs._weights()
+    for _ in range(2):
+        model(torch.tensor([[1, 2, 3]]))
+    assert any(m.num_tokens_per_expert is not None for m in graphs.moe)
+    model.load_state_dict(load_model(tmp_path / "m", seed=1).state_dict())  # copied in place
+    assert graphs._weights() == before
+    p = model.get_parameter("model.layers.0.mlp.experts.w_up")
+    p.data = p.data.clone()  # a load that rebinds a parameter (a collective receive's first)
+    assert graphs._weights() != before
+
+
 @pytest.mark.parametrize("arch", sorted(ARCHS) + ["fp8", "fp8-moe"])
 @torch.no_grad()
 def test_replayed_decodes_match_the_eager_forward(arch, monkeypatch, tmp_path):
