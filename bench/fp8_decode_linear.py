@@ -8,7 +8,7 @@ engine does (FP8 weights, 128x128 block scales), on the layer shapes of Qwen3-0.
 DeepSeek-V3 (hidden 7168):
 
   fused     rlcli.ops.fp8.linear_triton.linear: the 1x128 quantization inside the GEMM, one kernel
-            (what ``make_backend(inference=True)`` now runs for <= 64 rows)
+            (what ``make_backend(inference=True)`` runs where ``linear_triton.serves``)
   baseline  the torch backend's quantize-then-GEMM (``gemm_x`` of a backend made for training):
             the Triton quantization, the rows and scales padded to cuBLASLt's 128, ``scaled_mm``
   bf16      ``F.linear`` on the bf16 weight

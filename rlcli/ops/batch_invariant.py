@@ -255,7 +255,7 @@ class KernelGemm:
     """An FP8 GEMM backend (:mod:`rlcli.ops.fp8.backends`) whose ``gemm`` (forward and input
     gradient) runs the invariant ``fp8_mm`` kernel on CUDA; everything else is the wrapped one's."""
 
-    fused_rows = 0  # decode rows too go through the quantization and the invariant gemm
+    fused_rows = False  # decode rows too go through the quantization and the invariant gemm
 
     def __init__(self, inner) -> None:
         self.inner = inner

@@ -90,7 +90,7 @@ def test_strided_rows_and_scales():
 
 
 class _Counting(EmulatedBackend):
-    fused_rows = 64
+    fused_rows = True
     calls = 0
 
     def gemm(self, a, sa, b, sb, out_dtype):
@@ -100,6 +100,10 @@ class _Counting(EmulatedBackend):
 
 def test_cpu_rows_quantize_then_gemm():
     """gemm_x sends only CUDA rows to the kernel; elsewhere the backend's quantize-then-gemm."""
+    from rlcli.ops.fp8 import linear_triton
+
+    assert linear_triton.serves(16, 3072) and not linear_triton.serves(17, 1024)
+    assert not linear_triton.serves(1, 7168)  # DeepSeek-V3's hidden size: slower fused (module docstring)
     be = _Counting()
     x = torch.randn(2, 3, 256)
     w, ws = quant.quantize_128x128(torch.randn(128, 256))
@@ -116,7 +120,7 @@ def test_the_invariant_wrapper_keeps_its_own_gemm():
 
     inner = _Counting()
     wrapped = KernelGemm(inner)
-    assert wrapped.fused_rows == 0 and inner.fused_rows == 64
+    assert not wrapped.fused_rows and inner.fused_rows
     w, ws = quant.quantize_128x128(torch.randn(128, 256))
     wrapped.gemm_x(torch.randn(4, 256), False, w, ws, torch.float32)
     assert inner.calls == 1  # the CPU path; on CUDA its own invariant fp8_mm
@@ -125,20 +129,21 @@ def test_the_invariant_wrapper_keeps_its_own_gemm():
 @pytest.mark.skipif(DEVICE != "cuda", reason="the kernel backends need SM90")
 @torch.no_grad()
 def test_inference_backend_sends_decode_rows_to_the_kernel_in_a_graph(monkeypatch):
-    """make_backend(inference=True): a linear of <= 64 rows runs the fused kernel (capturable in a
-    graph), 65 rows the quantize-then-scaled_mm path; both agree with the training backend."""
+    """make_backend(inference=True): a decode batch's linear (<= 16 rows, K <= 3,072) runs the fused
+    kernel (capturable in a graph), 17 rows the quantize-then-scaled_mm path; both agree with the
+    training backend."""
     from rlcli.ops.fp8 import linear_triton
     from rlcli.ops.fp8.backends import make_backend
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("scaled_mm's block scales need SM90")
     infer, train = make_backend("torch", DEVICE, inference=True), make_backend("torch", DEVICE)
-    assert infer.fused_rows == linear_triton.MAX_ROWS and train.fused_rows == 0
+    assert infer.fused_rows and not train.fused_rows
     calls = []
     real = linear_triton.linear
     monkeypatch.setattr(linear_triton, "linear", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
     w, ws = quant.quantize_128x128(torch.randn(512, 1024, device=DEVICE) * 0.05)
-    for rows in (3, 64, 65):
+    for rows in (3, 16, 17):
         x = torch.randn(rows, 1024, device=DEVICE, dtype=torch.bfloat16)
         infer.gemm_x(x, False, w, ws, torch.bfloat16)  # compiles outside the capture
         graph = torch.cuda.CUDAGraph()
@@ -147,7 +152,7 @@ def test_inference_backend_sends_decode_rows_to_the_kernel_in_a_graph(monkeypatc
         graph.replay()
         want = train.gemm_x(x, False, w, ws, torch.bfloat16)
         torch.testing.assert_close(out.float(), want.float(), rtol=1e-2, atol=1e-2 * want.abs().max().item())
-    assert calls == [3, 3, 64, 64]
+    assert calls == [3, 3, 16, 16]
 
 
 if __name__ == "__main__":

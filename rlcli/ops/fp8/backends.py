@@ -18,8 +18,8 @@ with the previous call on the same tensor), then ``gemm`` or ``grouped_gemm``.
 ``(1, M)``, scale_b the ``(N/128, K/128)`` block scales transposed. In training its grouped
 GEMM loops over groups (one host sync for the offsets); made for inference (FP8 weights) it runs
 the Triton kernel of :mod:`.grouped_triton` instead, which reads them on the device, and its
-``gemm_x`` of at most 64 rows (decode) runs :mod:`.linear_triton`, the quantization fused into the
-GEMM (one kernel instead of five), as does DeepGEMM's made for inference.
+``gemm_x`` of a decode batch (up to 16 rows, K up to 3,072) runs :mod:`.linear_triton`, the
+quantization fused into the GEMM (one kernel instead of five), as does DeepGEMM's made for inference.
 ``deep_gemm`` calls DeepGEMM's ``fp8_gemm_nt`` and ``m_grouped_fp8_gemm_nt_contiguous``; the
 contiguous grouped layout needs every group's rows aligned to 128, which is built on the device
 (padding rows marked -1) so it needs no host sync; ``grouped_gemm_x`` quantizes high-precision rows straight into
@@ -155,7 +155,7 @@ class TorchScaledMMBackend:
         # loop of scaled_mm over the groups (one host sync; each group padded to 128 rows); and decode
         # rows through rlcli.ops.fp8.linear_triton.
         self.grouped_on_device = inference and grouped_triton.available()
-        self.fused_rows = linear_triton.MAX_ROWS if inference and linear_triton.available() else 0
+        self.fused_rows = inference and linear_triton.available()
         self._fp32_out = True  # cuBLASLt builds without fp32 output for block scaling fall back to bf16
         self._st = getattr(F, "ScalingType", None) if hasattr(F, "scaled_mm") else None
 
@@ -216,7 +216,7 @@ class DeepGemmBackend:
     def __init__(self, dg, strict: bool = False, inference: bool = False) -> None:
         self.dg, self.strict = dg, strict
         self.torch = TorchScaledMMBackend()
-        self.fused_rows = linear_triton.MAX_ROWS if inference and linear_triton.available() else 0
+        self.fused_rows = inference and linear_triton.available()
         self.failed: set[str] = set()
         self._last = self._last_x = None
         self.wgrad_kernel: str | None = None  # "deep_gemm" | "torch", measured on the first weight gradient
@@ -395,12 +395,12 @@ def padded_rows(rows: int, groups: int, align: int) -> int:
 
 
 def gemm_x(backend: GemmBackend, x, ue8m0: bool, b, sb, out_dtype):
-    """``x [..., K]`` times the 128x128-block ``b [N, K]`` -> ``[..., N]``: a CUDA batch of at most
-    ``backend.fused_rows`` rows in :func:`rlcli.ops.fp8.linear_triton.linear` (quantized inside the
+    """``x [..., K]`` times the 128x128-block ``b [N, K]`` -> ``[..., N]``: with ``backend.fused_rows``,
+    a CUDA batch that :func:`rlcli.ops.fp8.linear_triton.serves` in its kernel (quantized inside the
     GEMM), any other through ``x``'s 1x128 quantization (shared with the previous call on the same
     tensor) and ``backend.gemm``."""
     x2 = x.reshape(-1, x.shape[-1])
-    if x2.shape[0] <= getattr(backend, "fused_rows", 0) and x.is_cuda:
+    if getattr(backend, "fused_rows", False) and x.is_cuda and linear_triton.serves(*x2.shape):
         y = linear_triton.linear(x2, b, sb, ue8m0, out_dtype)
     else:
         (xq, xs), _ = runtime.quantize_input(x, ue8m0, cols=False)
@@ -452,7 +452,7 @@ def make_backend(name: BackendName = "auto", device: torch.device | str = "cpu",
     ``inference`` (FP8 weights, the native engine): the torch backend's grouped GEMMs (MoE experts) run
     in :mod:`rlcli.ops.fp8.grouped_triton`, one kernel reading the offsets on the device, instead of a
     loop of ``scaled_mm`` over the experts (training keeps the loop); with either kernel backend, a
-    linear of at most 64 rows runs :mod:`rlcli.ops.fp8.linear_triton`.
+    decode batch's linear (:func:`rlcli.ops.fp8.linear_triton.serves`) runs in that module's kernel.
     Raises ValueError naming the config key when a requested backend cannot run here."""
     device = torch.device(device)
     if name in ("auto", "deep_gemm") and device.type == "cuda":

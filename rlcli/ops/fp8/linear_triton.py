@@ -18,8 +18,12 @@ times the rows' scales and the block's scale, the order the grouped kernel
 (:mod:`.grouped_triton`) and DeepGEMM accumulate in. The quantization is redone by every column
 tile: ``N / BN`` times a few rows of ``x``, against reading ``N x K`` bytes of weight.
 
-Rows above :data:`MAX_ROWS` (prefill) take the quantize-then-GEMM path, where the GEMM is
-compute-bound and cuBLASLt's or DeepGEMM's tiles win.
+The backends send a linear here only where it measured faster (:func:`serves`): on an H100
+(``bench/fp8_decode_linear.py``, docs/benchmarks.md, thirty-second session) it took 0.49-0.85x the
+time of quantize-then-``scaled_mm`` at 1 and 16 rows for K up to 3,072 (Qwen3-0.6B's linears, and
+DeepSeek-V3's ``q_b_proj``), but 1.2-1.6x at K = 7,168 and 16,384 (one program walks all of K:
+too few programs for the GPU) and 1.0-1.8x at 64 rows (the quantization is redone by every
+column tile).
 """
 
 import torch
@@ -35,11 +39,19 @@ except (ImportError, OSError):  # CPU CI: no triton
     triton = tl = None
 
 MAX_ROWS = 64
-"""The most rows :func:`linear` takes (``BM`` up to 64); larger batches quantize, then GEMM."""
+"""The most rows :func:`linear` takes (``BM`` up to 64)."""
+FUSED_ROWS, FUSED_K = 16, 3072
+"""The batches the backends send here (:func:`serves`): at most this many rows, K at most this."""
 
 
 def available() -> bool:
     return triton is not None
+
+
+def serves(rows: int, k: int) -> bool:
+    """Whether a linear of ``rows`` rows over ``k`` input features runs faster here than quantized,
+    then multiplied by ``scaled_mm`` (module docstring)."""
+    return rows <= FUSED_ROWS and k <= FUSED_K
 
 
 def block_m(rows: int) -> int:
@@ -48,9 +60,9 @@ def block_m(rows: int) -> int:
 
 
 def block_n(n: int) -> int:
-    """Output columns per program: 32 where the weight has at most 4096 rows (a small model's
-    linears, which give too few programs to fill the GPU at 64), else 64."""
-    return 32 if n <= 4096 else 64
+    """Output columns per program, the fastest of ``bench/fp8_decode_linear.py --sweep`` on an H100 by
+    the weight's rows: 16 up to 2,048 (more programs for a small weight), 32 up to 4,096, else 64."""
+    return 16 if n <= 2048 else 32 if n <= 4096 else 64
 
 
 if triton is not None:
