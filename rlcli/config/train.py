@@ -77,6 +77,12 @@ class LossConfig(Config):
     sequence_mask_high: float = 0.0
     """Mask every token of a sequence whose geometric-mean ratio is above this; 0 disables it."""
 
+    kl_tau: float = 0.0
+    """Weight of a penalty ``kl_tau * (log pi_train - log pi_infer)^2`` on every loss token, kept or
+    masked (prime-rl's KL term, from Kimi-K2.5): it pulls the trainer's policy toward the one that
+    sampled, which bounds how far a step can move off-policy tokens. 0 disables it (prime-rl's
+    default is 1e-3)."""
+
     entropy_coef: float = 0.0
     """Weight of an entropy bonus on the completion tokens the loss keeps (keeps small policies
     exploring); 0 disables it."""
@@ -87,6 +93,8 @@ class LossConfig(Config):
     what was learned."""
 
     def __post_init__(self) -> None:
+        if self.kl_tau < 0:
+            raise ValueError(f"train.loss.kl_tau must be >= 0, got {self.kl_tau}")
         if not 0 <= self.mask_low < 1 < self.mask_high:
             raise ValueError(
                 f"train.loss needs 0 <= mask_low < 1 < mask_high, got {self.mask_low}, {self.mask_high}"

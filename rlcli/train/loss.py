@@ -18,6 +18,11 @@ its own, ``exp(lp - sg(lp) + sg(mean log ratio))``: the value is the sequence's,
 gradient each token's ``grad log pi``, and the trust interval (or truncation) acts on the
 sequence. The token-level ratios still give the mismatch diagnostics.
 
+With ``kl_tau > 0`` both add prime-rl's KL term, ``kl_tau * (log pi_train - log pi_infer)^2`` on every
+loss token (masked ones too: it is what pulls a masked token's probability back), with gradient
+``2 kl_tau (log pi_train - log pi_infer) grad log pi``; a token outside the trainer's top-p nucleus
+(log pi_train = -inf) adds nothing.
+
 Every loss returns the *sum* over tokens, the boolean mask of the tokens it kept (the
 trainer applies the entropy bonus to those only) and mismatch diagnostics, all sums
 or counts except ``*_max``; the caller divides by the number of loss tokens in the
@@ -82,6 +87,21 @@ def _weighting_ratio(trainer_lp, ratio, log_ratio, mask, seq_ids, cfg: LossConfi
     return (own + _sequence_log_ratio(log_ratio, mask, seq_ids)).exp()
 
 
+def _kl_penalty(trainer_lp, infer_lp, mask, cfg: LossConfig) -> torch.Tensor:
+    """``sum over loss tokens of (log pi_train - log pi_infer)^2`` (module docstring), times nothing."""
+    finite = mask & torch.isfinite(trainer_lp)
+    log_ratio = torch.where(finite, trainer_lp - infer_lp, torch.zeros_like(trainer_lp))
+    return (log_ratio.square() * finite).sum()
+
+
+def _with_kl(loss, trainer_lp, infer_lp, mask, cfg: LossConfig, metrics: dict) -> torch.Tensor:
+    if cfg.kl_tau <= 0:
+        return loss
+    penalty = _kl_penalty(trainer_lp, infer_lp, mask, cfg)
+    metrics["kl_penalty"] = penalty.detach()
+    return loss + cfg.kl_tau * penalty
+
+
 def _metrics(ratio, log_ratio, mask, kept, low, high, seq_keep) -> dict[str, torch.Tensor]:
     r, lr = ratio.detach(), log_ratio.detach()
     m, k = mask.float(), kept.float()
@@ -109,7 +129,8 @@ def icepop_loss(trainer_lp, infer_lp, advantages, mask, seq_ids, cfg: LossConfig
     seq_keep = _sequence_keep(log_ratio, mask, seq_ids, cfg)
     kept = mask & ~low & ~high & seq_keep
     loss = -(weighting * advantages * kept).sum()
-    return loss, kept, _metrics(ratio, log_ratio, mask, kept, low, high, seq_keep)
+    metrics = _metrics(ratio, log_ratio, mask, kept, low, high, seq_keep)
+    return _with_kl(loss, trainer_lp, infer_lp, mask, cfg, metrics), kept, metrics
 
 
 def tis_loss(trainer_lp, infer_lp, advantages, mask, seq_ids, cfg: LossConfig):
@@ -117,10 +138,13 @@ def tis_loss(trainer_lp, infer_lp, advantages, mask, seq_ids, cfg: LossConfig):
     weight = _weighting_ratio(trainer_lp, ratio, log_ratio, mask, seq_ids, cfg).detach().clamp(max=cfg.mask_high)
     seq_keep = _sequence_keep(log_ratio, mask, seq_ids, cfg)
     kept = mask & seq_keep
-    # exp(lp - lp.detach()) is 1 in value and carries grad log pi.
-    loss = -(weight * (trainer_lp - trainer_lp.detach()).exp() * advantages * kept).sum()
+    # exp(lp - lp.detach()) is 1 in value and carries grad log pi; a token outside the trainer's
+    # nucleus (lp = -inf, weight 0) carries none (-inf - -inf would make the whole loss NaN).
+    own = torch.where(torch.isfinite(trainer_lp), trainer_lp - trainer_lp.detach(), torch.zeros_like(trainer_lp))
+    loss = -(weight * own.exp() * advantages * kept).sum()
     none = torch.zeros_like(mask)  # tis truncates: no token is masked by its own ratio
-    return loss, kept, _metrics(ratio, log_ratio, mask, kept, none, none, seq_keep)
+    metrics = _metrics(ratio, log_ratio, mask, kept, none, none, seq_keep)
+    return _with_kl(loss, trainer_lp, infer_lp, mask, cfg, metrics), kept, metrics
 
 
 LOSSES: dict[str, LossFn] = {"icepop": icepop_loss, "tis": tis_loss}

@@ -74,6 +74,8 @@ def step_metrics(totals: dict[str, float], num_loss_tokens: float) -> dict[str, 
         "logprob_diff_abs_mean": totals["logprob_diff_abs"] / n,
         "logprob_diff_abs_max": totals["logprob_diff_abs_max"],
     }
+    if "kl_penalty" in totals:  # train.loss.kl_tau: the mean squared log ratio it penalizes
+        out["kl_penalty"] = totals["kl_penalty"] / n
     if "router_pairs" in totals:
         out["router_disagreement"] = totals["router_disagree"] / max(totals["router_pairs"], 1)
     return out

@@ -189,3 +189,41 @@ def test_sequence_ratio_on_policy_is_the_policy_gradient_and_a_zero_probability_
         loss, _, _ = icepop_loss(lp, torch.full((1, 7), -0.4), adv, PACKED_MASK, seq, LossConfig(ratio=ratio))
         loss.backward()
         assert torch.isfinite(loss) and torch.isfinite(lp.grad).all() and lp.grad[0, 2] == 0, ratio
+
+
+@pytest.mark.parametrize("loss_fn", [icepop_loss, tis_loss])
+def test_kl_tau_adds_the_squared_log_ratio_on_every_loss_token(loss_fn):
+    """prime-rl's KL term: kl_tau * (log pi_train - log pi_infer)^2 on every loss token, masked ones
+    included; gradient 2 kl_tau log-ratio on each; a token outside the nucleus (-inf) adds nothing."""
+    infer_lp = torch.log(torch.tensor([[0.5, 0.5, 0.5, 0.5, 0.5]]))
+    p = torch.tensor([[0.5, 0.9, 0.1, 0.3, 0.0]])  # ratios 1, 1.8, 0.2 (icepop masks it), 0.6 (no loss token), 0
+    mask = torch.tensor([[True, True, True, False, True]])
+    adv = torch.zeros(1, 5)  # the policy-gradient term contributes nothing: the KL term alone
+    seq = torch.zeros(1, 5, dtype=torch.long)
+    cfg = LossConfig(mask_low=0.5, mask_high=2.0, kl_tau=0.1)
+    lp = p.log().requires_grad_()
+    loss, _, m = loss_fn(lp, infer_lp, adv, mask, seq, cfg)
+    log_ratio = (p.log() - infer_lp)[0, :3]
+    torch.testing.assert_close(loss.detach(), 0.1 * log_ratio.square().sum())
+    torch.testing.assert_close(m["kl_penalty"], log_ratio.square().sum())
+    loss.backward()
+    want = torch.zeros(1, 5)
+    want[0, :3] = 2 * 0.1 * log_ratio
+    torch.testing.assert_close(lp.grad, want)
+    plain, _, m0 = loss_fn(p.log(), infer_lp, adv, mask, seq, LossConfig(mask_low=0.5, mask_high=2.0))
+    assert plain.item() == 0 and "kl_penalty" not in m0
+
+
+def test_kl_tau_must_not_be_negative():
+    with pytest.raises(ValueError, match="kl_tau must be >= 0"):
+        LossConfig(kl_tau=-1e-3)
+
+
+def test_tis_stays_finite_on_a_token_outside_the_trainers_nucleus():
+    """top_p < 1: a sampled token the trainer's nucleus excludes has logprob -inf (ratio 0). tis
+    weighted exp(lp - lp.detach()) = exp(-inf + inf) = NaN there, which made the whole loss NaN."""
+    lp = torch.log(torch.tensor([[0.5, 0.0]])).requires_grad_()
+    loss, _, _ = tis_loss(lp, torch.log(torch.tensor([[0.5, 0.5]])), torch.tensor([[1.0, 1.0]]),
+                          torch.tensor([[True, True]]), torch.zeros(1, 2, dtype=torch.long), LossConfig())
+    loss.backward()
+    assert loss.item() == -1.0 and lp.grad.tolist() == [[-1.0, 0.0]]
