@@ -25,6 +25,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _timing import graph_us  # noqa: E402
+
 from rlcli.ops import dsa_triton  # noqa: E402
 
 
@@ -40,25 +42,6 @@ def baseline_choice(scores_TW: torch.Tensor, k: int) -> torch.Tensor:
     out = torch.empty(T, k + 1, dtype=torch.long, device=take.device)
     out.scatter_(1, rank, torch.arange(W, device=take.device).expand(T, W))
     return out[:, :k]
-
-
-def graph_us(fn, calls: int, replays: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:

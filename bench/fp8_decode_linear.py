@@ -29,6 +29,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _timing import graph_us  # noqa: E402
+
 from rlcli.ops.fp8 import linear_triton  # noqa: E402
 from rlcli.ops.fp8.backends import TorchScaledMMBackend  # noqa: E402
 from rlcli.ops.fp8.quant import quantize_128x128  # noqa: E402
@@ -45,26 +47,6 @@ SHAPES = [  # (name, N, K)
     ("dsv3 o_proj 16384->7168", 7168, 16384),
     ("dsv3 shared up 7168->4096", 4096, 7168),
 ]
-
-
-def graph_us(fn, calls: int, replays: int) -> float:
-    """Median microseconds per call of ``fn`` captured ``calls`` times in one CUDA graph."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
