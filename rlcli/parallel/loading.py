@@ -13,6 +13,7 @@ scales covering its box and multiplies, the values :func:`rlcli.models.hf_io.loa
 As there, a tensor the model has no place for is refused by name.
 """
 
+import json
 from pathlib import Path
 
 import torch
@@ -49,7 +50,6 @@ class _Reader:
         self.source = source
         self.where = _index(source)
         self.files: dict[Path, object] = {}
-        self.used: set[str] = set()
 
     def has(self, name: str) -> bool:
         return name in self.where
@@ -60,7 +60,6 @@ class _Reader:
             raise ModelLoadError(f"{self.source}: missing tensor {name}")
         if path not in self.files:
             self.files[path] = safe_open(str(path), framework="pt")
-        self.used.add(name)
         return self.files[path].get_slice(name)
 
     def read(self, name: str, shape: tuple[int, ...], offset: tuple[int, ...], expect: list[int]) -> torch.Tensor:
@@ -109,8 +108,6 @@ def load_sharded(model: torch.nn.Module, source: str | Path) -> None:
     is missing, mis-shaped, or unexpected for the model."""
     source = Path(source)
     if (source / "config.json").exists():
-        import json
-
         is_fp8_checkpoint(json.loads((source / "config.json").read_text()), str(source))  # refuses other schemes
     reader = _Reader(source)
     unexpected = reader.unused(model)

@@ -53,14 +53,14 @@ SWITCH_INTERVAL_S = 2e-4
 def check_staging(nbytes: int, device: torch.device, free_bytes: int | None = None) -> None:
     """Raise ValueError, naming the setting to change, unless a staging buffer of ``nbytes`` (the whole
     model as it travels) fits in rank 0's free GPU memory (``free_bytes``; by default the driver's
-    free memory plus what torch's allocator has cached unused). The collective transport stages the whole model there; for a model
-    that does not fit, the filesystem transports write each rank's own shards instead."""
+    free memory plus what torch's allocator has cached unused). The collective transport stages the
+    whole model there; for a model that does not fit, the filesystem transports write each rank's own
+    shards instead."""
     if device.type != "cuda":
         return
-    if free_bytes is None:  # the driver's free memory, and what torch's allocator holds unused
-        free_bytes = (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
-                      - torch.cuda.memory_allocated(device))
     free = free_bytes
+    if free is None:  # the driver's free memory, and what torch's allocator holds unused
+        free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     if nbytes > free:
         raise ValueError(f"sync.backend.kind = 'collective' stages the whole model on rank 0's GPU: "
                          f"{nbytes / 2**30:.1f} GiB, with {free / 2**30:.1f} GiB free there; set "
