@@ -82,11 +82,16 @@ def run_cmd(
 
 
 def check_parallel(cfg, world_size: int) -> None:
+    from rlcli.errors import ConfigError
     from rlcli.models.config import ModelArgs
     from rlcli.parallel.dims import resolve_dims
 
     resolve_dims(cfg.train.parallel, world_size, ModelArgs.from_dir(cfg.model.path).num_experts,
                  cfg.orchestrate.num_train_ranks, cfg.train.micro_batch_tokens)
+    senders = getattr(cfg.sync.backend, "senders", 1)
+    if senders > world_size:
+        raise ConfigError(f"sync.backend.senders = {senders} is more than the trainer's {world_size} ranks; "
+                          f"set it to at most {world_size}")
 
 
 @app.command("sft", context_settings=OVERRIDES, epilog=OVERRIDES_HELP)

@@ -20,8 +20,14 @@ class AsyncFilesystemTransport(WeightTransportBase, tag="async_filesystem"):
 
 
 class CollectiveTransport(WeightTransportBase, tag="collective"):
-    """Bucketed broadcasts from the trainer's rank 0 to every server over a standalone
-    process group (NCCL on GPU, gloo on CPU); only policy 0 is written to disk."""
+    """Bucketed broadcasts from the trainer's ranks to every server over standalone process
+    groups (NCCL on GPU, gloo on CPU); only policy 0 is written to disk."""
+
+    senders: int = 1
+    """Trainer ranks that stage and send the weights: the buckets are dealt to them in
+    contiguous runs of about equal bytes, so each holds about 1/senders of the model in its
+    staging buffer (rank 0 alone holds all of it at 1). They are spread evenly over the
+    trainer's ranks (rank k * world_size // senders): one per node when it equals the nodes."""
 
     bucket_bytes: int = 256 << 20
     """Bytes per broadcast: tensors smaller than this share buckets of at most this size, a
@@ -31,6 +37,8 @@ class CollectiveTransport(WeightTransportBase, tag="collective"):
     def __post_init__(self) -> None:
         if self.bucket_bytes < 1024:
             raise ValueError(f"sync.backend.bucket_bytes must be >= 1024, got {self.bucket_bytes}")
+        if self.senders < 1:
+            raise ValueError(f"sync.backend.senders must be >= 1, got {self.senders}")
 
 
 WeightTransport = Union[FilesystemTransport, AsyncFilesystemTransport, CollectiveTransport]

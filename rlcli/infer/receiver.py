@@ -31,7 +31,7 @@ from rlcli.errors import ModelLoadError
 from rlcli.models.hf_io import _ignorable, hf_entries, hf_state_dict
 from rlcli.models.safetensors_io import SafetensorsFile, weight_files
 from rlcli.transport.atomic import checksums_of, marker_problem, read_marker, verify_dir
-from rlcli.transport.collective import Spec, WeightGroup, connect_store, parse_dtype, receive_flat
+from rlcli.transport.collective import Spec, WeightGroup, connect_store, parse_dtype, receive_flat, sender_group
 
 
 def destinations(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -171,15 +171,20 @@ class CollectiveReceiver:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.group: WeightGroup | None = None
+        self.groups: list[WeightGroup] = []  # this member's group of each trainer sender
         self.key: tuple = ()
         self.torn = False
         self.arena: Arena | None = None
         self.at: dict[str, float] = {}  # when each phase of the last load ended (time.monotonic())
 
     @torch.no_grad()
+    @property
+    def group(self) -> WeightGroup | None:
+        """The group of the round's first sender, None when not joined."""
+        return self.groups[0] if self.groups else None
+
     def load(self, model: torch.nn.Module, store: str, group: str, rank: int, world_size: int, version: int,
-             specs: Sequence[Spec], bucket_bytes: int, timeout_s: float) -> None:
+             specs: Sequence[Spec], bucket_bytes: int, timeout_s: float, senders: int = 1) -> None:
         self.at = {"start": time.monotonic()}
         fits = self.arena is not None and self.arena.fits(model, specs)  # checked when it was built
         dests = {} if fits else destinations(model)
@@ -191,7 +196,7 @@ class CollectiveReceiver:
             missing = [n for n in dests if n not in covered]
             problem = f"the transfer lacks tensor {missing[0]}" if missing else None
         try:
-            self.join(store, group, rank, world_size, timeout_s)
+            self.join(store, group, rank, world_size, timeout_s, senders)
             self.at["joined"] = time.monotonic()
             if problem is None:
                 if not fits:
@@ -203,14 +208,14 @@ class CollectiveReceiver:
                     self.torn = True
                     self.at["header"] = time.monotonic()
 
-                receive_flat(self.group, version, specs, bucket_bytes, self.arena.flat, landing)
+                receive_flat(self.groups, version, specs, bucket_bytes, self.arena.flat, landing)
                 self.at["received"] = time.monotonic()
                 self.arena.scatter()
                 if self.device.type == "cuda":
                     torch.cuda.current_stream(self.device).synchronize()
                 self.torn = False
             else:  # received all the same (the other members' transfer goes on), then refused
-                receive_flat(self.group, version, specs, bucket_bytes,
+                receive_flat(self.groups, version, specs, bucket_bytes,
                              torch.empty(sum(s.nbytes for s in specs), dtype=torch.uint8, device=self.device))
         except Exception:
             self.close()  # a broken group is never reused
@@ -219,19 +224,24 @@ class CollectiveReceiver:
         if problem is not None:
             raise ModelLoadError(f"weights v{version} do not fit this model: {problem}")
 
-    def join(self, store: str, group: str, rank: int, world_size: int, timeout_s: float) -> WeightGroup:
-        """The round's group: this server's current one when the round names it, else a new one."""
-        key = (store, group, rank, world_size)  # a restarted rl-sync reuses group names with a new store
-        if self.group is None or self.key != key:
+    def join(self, store: str, group: str, rank: int, world_size: int, timeout_s: float,
+             senders: int = 1) -> list[WeightGroup]:
+        """The round's groups, one per trainer sender: this server's current ones when the round
+        names them, else new ones."""
+        key = (store, group, rank, world_size, senders)  # a restarted rl-sync reuses group names with a new store
+        if not self.groups or self.key != key:
             self.close()
-            self.group = WeightGroup(connect_store(store, timeout_s), group, rank, world_size, self.device, timeout_s)
+            client = connect_store(store, timeout_s)
+            for k in range(senders):
+                self.groups.append(WeightGroup(client, sender_group(group, k), rank, world_size, self.device,
+                                               timeout_s))
             self.key = key
-        return self.group
+        return self.groups
 
     def close(self) -> None:
-        if self.group is not None:
-            self.group.close()
-            self.group = None
+        for g in self.groups:
+            g.close()
+        self.groups = []
 
 
 class WeightReceiver:
@@ -261,7 +271,7 @@ class WeightReceiver:
                 self._specs = [Spec(t.name, parse_dtype(t.dtype), tuple(t.shape)) for t in ref.tensors]
             specs = self._specs
             self.collective.load(model, ref.store, ref.group, ref.rank, ref.world_size, version, specs,
-                                 ref.bucket_bytes, ref.timeout_s)
+                                 ref.bucket_bytes, ref.timeout_s, ref.senders)
         else:
             raise ValueError(f"the native engine cannot receive {type(ref).__name__}")
 

@@ -404,7 +404,8 @@ class VllmEngine:
             self.torn = True  # until the last byte has landed
             self.llm.collective_rpc("rlcli_receive_collective", kwargs={
                 "store": ref.store, "group": ref.group, "rank": ref.rank, "world_size": ref.world_size,
-                "version": version, "tensors": tensors, "bucket_bytes": ref.bucket_bytes, "timeout_s": ref.timeout_s})
+                "version": version, "tensors": tensors, "bucket_bytes": ref.bucket_bytes, "timeout_s": ref.timeout_s,
+                "senders": ref.senders})
         else:
             if checksums_of(ref.path):  # marker, sizes, checksums; vLLM's loader then reads the files again
                 from rlcli.infer.receiver import verified_files

@@ -120,7 +120,7 @@ class WeightsExtension:
 
     def rlcli_receive_collective(self, store: str, group: str, rank: int, world_size: int, version: int,
                                  tensors: list[tuple[str, str, list[int]]], bucket_bytes: int,
-                                 timeout_s: float) -> int:
+                                 timeout_s: float, senders: int = 1) -> int:
         """Receive one collective weight update into the model (see module docstring)."""
         from rlcli.infer.receiver import CollectiveReceiver
         from rlcli.transport.collective import Spec, parse_dtype, receive_tensors
@@ -132,8 +132,8 @@ class WeightsExtension:
             receiver = self._rlcli_receiver = CollectiveReceiver(device)
         try:
             # ``rank`` is the server's first; its tensor-parallel workers take the ranks from there in order.
-            g = receiver.join(store, group, rank + self.rank, world_size, timeout_s)
-            received = receive_tensors(g, version, specs, bucket_bytes)
+            groups = receiver.join(store, group, rank + self.rank, world_size, timeout_s, senders)
+            received = receive_tensors(groups, version, specs, bucket_bytes)
             return self.rlcli_load_weights((specs[i].name, t) for i, t in received)
         except Exception:
             receiver.close()  # a broken group is never reused

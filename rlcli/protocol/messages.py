@@ -182,6 +182,9 @@ class NcclWeights(msgspec.Struct, tag="nccl", kw_only=True):
     (vLLM's tensor-parallel workers) gives them ``rank``, ``rank + 1``, ... in worker order."""
     world_size: int = 0
     """Members of the group: the trainer plus every receiver of every server of this generation."""
+    senders: int = 1
+    """Trainer ranks that send, each over a group of its own with the same members and ranks
+    (``rlcli.transport.collective.sender_group``); bucket b comes from sender ``plan_owners(...)[b]``."""
     timeout_s: float = 120.0
     """Deadline of each collective op; a missed one fails the load instead of hanging it."""
 

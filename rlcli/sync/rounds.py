@@ -3,7 +3,8 @@
 rl-sync hosts the store and writes its address to RUN/sync/store.json. A round moves
 the trainer's staged version to every admitted server at once:
 
-1. order: ``round/<r>`` = (group ``gen<g>``, world size = 1 + the servers' receivers,
+1. order: ``round/<r>`` = (group ``gen<g>``, world size = 1 + the servers' receivers; with
+   several trainer senders, sender k >= 1 has a group of its own of that size, ``gen<g>.s<k>``;
    min_version = the oldest admitted server's version + 1), placed as soon as no round is in
    flight, so it normally waits for the trainer's next version. A server has one receiver
    per process that joins the group (a vLLM engine: one per tensor-parallel worker, which
@@ -48,6 +49,7 @@ class Round:
     def __init__(self, r: int, min_version: int, group: str, members: dict[str, int], world_size: int):
         self.r, self.version, self.group, self.members = r, min_version, group, members  # key -> first rank
         self.world_size = world_size
+        self.senders = 1  # the trainer's sending ranks, as posted with the version it took
         self.phase = "open"  # then "load" once the trainer took it (self.version: the version it took)
         self.started = self.sent_at = time.monotonic()
         self.acks: dict[str, str] = {}  # key -> "" (ok) or the error
@@ -127,7 +129,7 @@ class Rounds:
     def _send_loads(self, rnd: Round) -> None:
         pub = self.published
         tensors = [TensorSpec(name=n, dtype=d, shape=list(shape)) for n, d, shape in pub["tensors"]]
-        rnd.phase, rnd.sent_at = "load", time.monotonic()
+        rnd.phase, rnd.sent_at, rnd.senders = "load", time.monotonic(), int(pub.get("senders", 1))
         for key, rank in rnd.members.items():
             s = self.syncer.servers.get(key)
             if s is None:
@@ -135,7 +137,7 @@ class Rounds:
                 continue
             rid = new_request_id()
             ref = NcclWeights(group=rnd.group, tensors=tensors, bucket_bytes=pub["bucket_bytes"], store=self.addr,
-                              rank=rank, world_size=rnd.world_size,
+                              rank=rank, world_size=rnd.world_size, senders=rnd.senders,
                               timeout_s=self.cfg.sync.ack_timeout_s / 2)
             if s.client.send(LoadWeights(request_id=rid, version=rnd.version, weights=ref)):
                 s.pending = (rid, rnd.version, rnd.sent_at)
@@ -151,8 +153,11 @@ class Rounds:
         outcome = rnd.outcome or {"error": "no report from the trainer", "timing": {}}
         failed = bool(outcome["error"]) or any(rnd.acks.get(k, "timeout") for k in rnd.members)
         if failed:
-            log.warning("round %d (v%d, %s) failed: trainer %s; servers %s", rnd.r, rnd.version, rnd.group,
-                        outcome["error"] or "ok", {k: rnd.acks.get(k, "timeout") or "ok" for k in rnd.members})
+            others = {k: self.ctl.outcome(rnd.r, k) for k in range(1, rnd.senders)}
+            others = {k: (o["error"] or "ok") if o else "no report" for k, o in others.items()}
+            log.warning("round %d (v%d, %s) failed: trainer %s%s; servers %s", rnd.r, rnd.version, rnd.group,
+                        outcome["error"] or "ok", f" (senders 1.. {others})" if others else "",
+                        {k: rnd.acks.get(k, "timeout") or "ok" for k in rnd.members})
             self.new_generation()
             self.not_before = time.monotonic() + self.cfg.sync.poll_interval_s
         seen, timing = self.syncer.published_at.get(rnd.version, (None, {}))

@@ -18,10 +18,11 @@ The trainer's ranks hold the weights, so they publish them; rl-sync only coordin
   snapshot taken during ``publish``. STABLE is written only after every byte is fsynced;
   the next ``publish`` first waits for the previous one, and a failed write raises there
   (or in ``wait``/``close``).
-- ``collective``: rank 0 copies the HF tensors (gathered per tensor, in broadcast order)
-  into one flat staging buffer laid out bucket by bucket, posts the tensor list to rl-sync's
-  store and returns; a sender thread then serves the rounds rl-sync orders, broadcasting
-  the staged buckets to the servers while the next step trains. It keeps the snapshot,
+- ``collective``: each sending rank (``sync.backend.senders``; rank 0 alone by default) copies
+  the HF tensors of its share of the buckets (gathered per tensor, in broadcast order) into
+  a flat staging buffer laid out bucket by bucket; rank 0 posts the tensor list to rl-sync's
+  store, and a sender thread on each then serves the rounds rl-sync orders, broadcasting
+  the staged buckets to the servers while the next step trains. They keep the snapshot,
   so a server that (re)joins later is brought up to date from it. The next ``publish``
   waits only for a round in progress, never for a version nobody asked for.
 

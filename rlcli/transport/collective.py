@@ -1,8 +1,9 @@
 """Weight-transfer groups and the bucketed broadcast both ends of a collective update run.
 
 Group. A standalone torch.distributed process group (NCCL on GPU, gloo on CPU), never the
-trainer's default world: rank 0 is the trainer's sending rank, ranks 1.. are inference
-servers. It is built from the TCPStore that rl-sync hosts (address in RUN/sync/store.json)
+trainer's default world: rank 0 is a trainer rank that sends, ranks 1.. are inference
+servers. With several senders (``sync.backend.senders``) each has a group of its own with
+the same servers at the same ranks (:func:`sender_group` names them). It is built from the TCPStore that rl-sync hosts (address in RUN/sync/store.json)
 with a ``PrefixStore`` per generation: rl-sync bumps the generation whenever membership
 changes (a server joins, restarts, is skipped or re-admitted, or a transfer failed), so
 the keys of a dead group never meet a new one. Every op has a deadline (``timeout_s``): a
@@ -18,6 +19,13 @@ every bucket straight into its parameters. Everything travels as uint8 (gloo can
 broadcast float8; the bytes are the same). A 3-int64 header (version, number of buckets,
 total bytes) goes first, so a receiver in the wrong round fails before touching a
 parameter.
+
+Senders. The buckets are dealt to the senders in contiguous runs of about equal bytes
+(:func:`plan_owners`): sender k stages and broadcasts only its run, so no trainer rank
+holds more than its share of the model. Every sender sends the header on its group, and a
+receiver checks all of them before the first byte lands; it then takes the buckets in
+order, each from its owner's group, one after another (a bucket's op is ordered after the
+last on the receiver's stream, so the communicators never run at once).
 
 Pipelining. The sender queues the header and every bucket without a host wait: on NCCL
 they run on the communicator's stream back to back, and one wait at the end (bounded by
@@ -82,6 +90,25 @@ def plan_buckets(specs: Sequence[Spec], bucket_bytes: int) -> list[list[int]]:
     if current:
         buckets.append(current)
     return buckets
+
+
+def plan_owners(specs: Sequence[Spec], buckets: Sequence[list[int]], senders: int) -> list[int]:
+    """The sender of each bucket: bucket b goes to the sender whose equal share of the byte
+    stream holds its middle byte, so each sender's buckets are one contiguous run of about
+    ``total / senders`` bytes (a sender may get none when buckets are fewer than senders)."""
+    assert senders >= 1
+    total = max(1, sum(s.nbytes for s in specs))
+    owners, start = [], 0
+    for bucket in buckets:
+        size = sum(specs[j].nbytes for j in bucket)
+        owners.append(min(senders - 1, (2 * start + size) * senders // (2 * total)))
+        start += size
+    return owners
+
+
+def sender_group(group: str, k: int) -> str:
+    """The group name of sender ``k`` in the round whose group is ``group`` (sender 0's)."""
+    return group if k == 0 else f"{group}.s{k}"
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -172,53 +199,65 @@ def _header(version: int, num_buckets: int, total_bytes: int, device: torch.devi
 
 
 def send(group: WeightGroup, version: int, specs: Sequence[Spec], buckets: Sequence[list[int]],
-         bucket_data: Iterable[torch.Tensor]) -> dict[str, float]:
-    """Rank 0: broadcast the header, then each bucket's bytes as yielded by ``bucket_data``
-    (one flat uint8 tensor per bucket, on the group's device). Returns when each phase
-    ended (``time.monotonic()``): ``header`` (every peer is there), ``issued`` (the last
+         bucket_data: Iterable[torch.Tensor], mine: Sequence[int] | None = None) -> dict[str, float]:
+    """A sender (rank 0 of its group): broadcast the header, then the bytes of each of its
+    buckets (``mine``, indices into ``buckets``; all of them by default) as yielded by
+    ``bucket_data`` (one flat uint8 tensor per bucket, on the group's device). Returns when
+    each phase ended (``time.monotonic()``): ``header`` (queued), ``issued`` (the last
     bucket is queued), ``sent``."""
     total = sum(s.nbytes for s in specs)
+    mine = range(len(buckets)) if mine is None else mine
     # Not waited for: the buckets queue behind it on the stream, and the one bounded wait at
     # the end covers a missing peer (a host wait here would cost NCCL's 1 ms polling step).
     group.broadcast(_header(version, len(buckets), total, group.device), block=False)
     at = {"header": time.monotonic()}
     n = 0
-    for i, data in enumerate(bucket_data):
+    for i, data in zip(mine, bucket_data):
         expected = sum(specs[j].nbytes for j in buckets[i])
         assert data.dtype == torch.uint8 and data.numel() == expected, f"bucket {i}: {data.numel()} != {expected} bytes"
         group.broadcast(data, block=False)
         n += 1
-    assert n == len(buckets), f"sent {n} of {len(buckets)} buckets"
+    assert n == len(mine), f"sent {n} of {len(mine)} buckets"
     at["issued"] = time.monotonic()
     group.synchronize()
     at["sent"] = time.monotonic()
     return at
 
 
-def _receive_header(group: WeightGroup, version: int, specs: Sequence[Spec], bucket_bytes: int) -> list[list[int]]:
-    """Receive the header and check it against this end's plan; returns the plan."""
+def _receive_headers(groups: Sequence[WeightGroup], version: int, specs: Sequence[Spec], bucket_bytes: int
+                     ) -> tuple[list[list[int]], list[WeightGroup]]:
+    """Receive every sender's header and check each against this end's plan; returns the plan
+    and the group each bucket comes over."""
     buckets = plan_buckets(specs, bucket_bytes)
-    header = _header(-1, 0, 0, group.device)
-    group.broadcast(header, block=False)
-    group.synchronize()  # bounded, and polls finer than a blocking NCCL wait
-    got = header.tolist()
+    headers = [_header(-1, 0, 0, g.device) for g in groups]
+    for g, header in zip(groups, headers):
+        g.broadcast(header, block=False)
+    groups[0].synchronize()  # bounded, and polls finer than a blocking NCCL wait; covers every group's
     expected = [version, len(buckets), sum(s.nbytes for s in specs)]
-    if got != expected:
-        raise ValueError(f"weight transfer header {got} does not match the order {expected} "
-                         "(version, buckets, bytes): the trainer sends another version or layout")
-    return buckets
+    for k, header in enumerate(headers):
+        got = header.tolist()
+        if got != expected:
+            raise ValueError(f"weight transfer header {got} from sender {k} does not match the order {expected} "
+                             "(version, buckets, bytes): the trainer sends another version or layout")
+    return buckets, [groups[k] for k in plan_owners(specs, buckets, len(groups))]
 
 
-def receive_tensors(group: WeightGroup, version: int, specs: Sequence[Spec], bucket_bytes: int
-                    ) -> Iterator[tuple[int, torch.Tensor]]:
+def _groups(group: WeightGroup | Sequence[WeightGroup]) -> list[WeightGroup]:
+    return [group] if isinstance(group, WeightGroup) else list(group)
+
+
+def receive_tensors(group: WeightGroup | Sequence[WeightGroup], version: int, specs: Sequence[Spec],
+                    bucket_bytes: int) -> Iterator[tuple[int, torch.Tensor]]:
     """Rank > 0, for a loader that takes tensors rather than destinations (vLLM's
     ``reload_weights``): yields ``(i, tensor of spec i)`` as each bucket arrives. Every bucket
     lands in a buffer of its own, so a tensor stays valid for as long as the loader keeps
-    it; the allocator reuses the memory once it is dropped."""
-    buckets = _receive_header(group, version, specs, bucket_bytes)
-    for bucket in buckets:
-        buf = torch.empty(sum(specs[j].nbytes for j in bucket), dtype=torch.uint8, device=group.device)
-        group.broadcast(buf, block=False)
+    it; the allocator reuses the memory once it is dropped. ``group``: this member's group of
+    each sender, in sender order (one group: one sender)."""
+    groups = _groups(group)
+    buckets, over = _receive_headers(groups, version, specs, bucket_bytes)
+    for bucket, g in zip(buckets, over):
+        buf = torch.empty(sum(specs[j].nbytes for j in bucket), dtype=torch.uint8, device=g.device)
+        g.broadcast(buf, block=False)
         offset = 0
         for j in bucket:
             s = specs[j]
@@ -226,7 +265,7 @@ def receive_tensors(group: WeightGroup, version: int, specs: Sequence[Spec], buc
             raw = raw if offset % s.dtype.itemsize == 0 else raw.clone()  # a dtype view needs alignment
             yield j, raw.view(s.dtype).view(s.shape)
             offset += s.nbytes
-    group.synchronize()
+    groups[0].synchronize()
 
 
 def byte_ranges(specs: Sequence[Spec], buckets: Sequence[list[int]]) -> list[tuple[int, int]]:
@@ -237,14 +276,16 @@ def byte_ranges(specs: Sequence[Spec], buckets: Sequence[list[int]]) -> list[tup
     return [(starts[b[0]], starts[b[-1] + 1]) for b in buckets]
 
 
-def receive_flat(group: WeightGroup, version: int, specs: Sequence[Spec], bucket_bytes: int,
-                 flat: torch.Tensor, on_header: Callable[[], None] = lambda: None) -> None:
+def receive_flat(group: WeightGroup | Sequence[WeightGroup], version: int, specs: Sequence[Spec],
+                 bucket_bytes: int, flat: torch.Tensor, on_header: Callable[[], None] = lambda: None) -> None:
     """Rank > 0: receive a transfer's byte stream into ``flat`` (uint8, the total bytes),
-    each bucket straight into its slice: no scratch, no copy. ``on_header`` runs once the
-    header checked out, just before the first byte may land."""
-    buckets = _receive_header(group, version, specs, bucket_bytes)
+    each bucket straight into its slice: no scratch, no copy. ``on_header`` runs once every
+    header checked out, just before the first byte may land. ``group`` as for
+    :func:`receive_tensors`."""
+    groups = _groups(group)
+    buckets, over = _receive_headers(groups, version, specs, bucket_bytes)
     assert flat.dtype == torch.uint8 and flat.numel() == sum(s.nbytes for s in specs)
     on_header()
-    for a, b in byte_ranges(specs, buckets):
-        group.broadcast(flat[a:b], block=False)
-    group.synchronize()
+    for (a, b), g in zip(byte_ranges(specs, buckets), over):
+        g.broadcast(flat[a:b], block=False)
+    groups[0].synchronize()

@@ -6,8 +6,9 @@ rendezvous, as for every other peer. The store carries the weight-transfer group
 ``PrefixStore`` per generation, see :mod:`rlcli.transport.collective`) and a small control
 protocol between the trainer's sending rank and rl-sync, all JSON values:
 
-- ``ctl/published``: the newest version the trainer holds staged, its tensor list and
-  ``bucket_bytes`` (the trainer rewrites it on every publish and after rl-sync restarts);
+- ``ctl/published``: the newest version the trainer holds staged, its tensor list,
+  ``bucket_bytes`` and how many of its ranks send (the trainer rewrites it on every publish
+  and after rl-sync restarts);
 - ``ctl/round/<r>``: rl-sync orders round ``r`` (group, world size, ``min_version``: the
   oldest version its members want); ``ctl/rounds`` counts the rounds ordered so far. An
   order stays open until the trainer takes it, so rl-sync places the next one as soon as
@@ -16,8 +17,13 @@ protocol between the trainer's sending rank and rl-sync, all JSON values:
 - ``ctl/accept/<r>``: written once, by compare-and-set: the trainer takes the round for the
   version it holds (``{"version": v}``, v >= min_version), or rl-sync withdraws it
   (``"withdrawn"``: its membership changed first). Servers are told to receive only once
-  the trainer took it;
-- ``ctl/sent/<r>``: the trainer's outcome (ok or the error) and its send time.
+  the trainer took it. With several senders, the first takes rounds and the others follow
+  these keys: each sends its share of every round taken for the version it holds;
+- ``ctl/sent/<r>``: the trainer's outcome (ok or the error) and its send time;
+  ``ctl/sent/<r>/s<k>``: sender k's (k >= 1), read into rl-sync's report of a failed round;
+- ``ctl/stopped/<token>``: the first round a closing first sender did not take (``token``
+  names the trainer's run of the publisher): the other senders serve the rounds before it
+  and stop.
 """
 
 import json
@@ -74,9 +80,10 @@ class Control:
         return value
 
     # trainer side
-    def post_published(self, version: int, tensors: list[list], bucket_bytes: int, timing: dict[str, float]) -> None:
+    def post_published(self, version: int, tensors: list[list], bucket_bytes: int, timing: dict[str, float],
+                       senders: int = 1) -> None:
         self._set("published", {"version": version, "tensors": tensors, "bucket_bytes": bucket_bytes,
-                                "timing": timing})
+                                "timing": timing, "senders": senders})
 
     def open_round(self) -> int:
         """The round a (re)started sender serves next: the last ordered one while nobody has
@@ -91,8 +98,24 @@ class Control:
     def withdrawn(self, r: int) -> bool:
         return self._get(f"accept/{r}") == "withdrawn"
 
-    def sent(self, r: int, error: str, timing: dict[str, float]) -> None:
-        self._set(f"sent/{r}", {"error": error, "timing": timing})
+    def sent(self, r: int, error: str, timing: dict[str, float], sender: int = 0) -> None:
+        self._set(f"sent/{r}" + (f"/s{sender}" if sender else ""), {"error": error, "timing": timing})
+
+    def stop_senders(self, token: str, r: int) -> None:
+        """The first sender (of the trainer run ``token``) is closing: it took no round from ``r`` on."""
+        self._set(f"stopped/{token}", r)
+
+    def senders_stopped(self, token: str) -> int | None:
+        """The first round the closing first sender of run ``token`` did not take; None while it runs."""
+        return self._get(f"stopped/{token}")
+
+    def round_of(self, r: int) -> dict[str, Any] | None:
+        """Round ``r``'s order, or None if it is not ordered yet."""
+        return self._get(f"round/{r}")
+
+    def rounds(self) -> int:
+        """How many rounds rl-sync has ordered."""
+        return int(self._get("rounds") or 0)
 
     # rl-sync side
     def published(self) -> dict[str, Any] | None:
@@ -110,8 +133,8 @@ class Control:
         """``{"version": v}`` once the trainer took round ``r``, ``"withdrawn"``, or None."""
         return self._get(f"accept/{r}")
 
-    def outcome(self, r: int) -> dict[str, Any] | None:
-        return self._get(f"sent/{r}")
+    def outcome(self, r: int, sender: int = 0) -> dict[str, Any] | None:
+        return self._get(f"sent/{r}" + (f"/s{sender}" if sender else ""))
 
     def _decide(self, r: int, value: Any) -> bool:
         want = json.dumps(value)

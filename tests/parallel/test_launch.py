@@ -78,7 +78,10 @@ def test_torchrun_command_from_slurm_and_flags():
 def test_rl_train_refuses_a_bad_mesh_before_launching(tmp_path, tiny_model_dir):
     recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, tmp_path / "run")
     for flags, needle in [(["--dp", "3", "--cp", "2"], "--dp 3 --cp 2 needs 6 ranks, torchrun gave 4"),
-                          (["--ep", "2"], "--ep 2 needs a mixture-of-experts model")]:
+                          (["--ep", "2"], "--ep 2 needs a mixture-of-experts model"),
+                          (["--sync.backend.kind", "collective", "--sync.backend.senders", "8", "--dp", "2", "--cp", "2",
+                            "--orchestrate.num_train_ranks", "2"],
+                           "sync.backend.senders = 8 is more than the trainer's 4 ranks; set it to at most 4")]:
         out = subprocess.run([sys.executable, "-m", "rlcli.cli.train", "--config", str(recipe), "--nproc-per-node",
                               "4", *flags], capture_output=True, text=True, timeout=120)
         lines = [line for line in out.stderr.splitlines() if line.strip()]

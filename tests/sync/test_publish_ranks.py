@@ -106,8 +106,8 @@ def test_two_ranks_with_dtensors_publish_the_reference(tmp_path):
 
 
 def test_a_model_too_large_to_stage_on_rank_0s_gpu_is_refused_naming_the_setting():
-    """The collective transport stages the whole model on rank 0's GPU; a model that does not fit
-    (a trillion-parameter MoE) gets one error naming the transport to use instead, not an OOM."""
+    """The collective transport stages each sender's share of the model on its GPU; a share that does
+    not fit (a trillion-parameter MoE) gets one error naming the settings to change, not an OOM."""
     from rlcli.train.publish_collective import check_staging
 
     cuda = torch.device("cuda", 0)
@@ -116,3 +116,7 @@ def test_a_model_too_large_to_stage_on_rank_0s_gpu_is_refused_naming_the_setting
     with pytest.raises(ValueError, match="stages the whole model on rank 0's GPU: 2048.0 GiB, with 100.0 GiB "
                                          "free there; set sync.backend.kind = 'async_filesystem'"):
         check_staging(2 << 40, cuda, free_bytes=100 << 30)
+    with pytest.raises(ValueError, match=r"stages 1/8 of the model on each sending rank's GPU: 256.0 GiB, with 100.0 "
+                                         r"GiB free there; raise sync.backend.senders \(now 8, at most the trainer's "
+                                         r"64 ranks\) or set sync.backend.kind = 'async_filesystem'"):
+        check_staging(256 << 30, cuda, free_bytes=100 << 30, senders=8, world_size=64)
