@@ -19,7 +19,9 @@ the arms alternating ``--repeats`` times; the best time per concurrency counts.
     python bench/engine_decode.py --device cuda --dtype bfloat16 --cuda-graphs --fp8 --baseline-tree . --model qwen3-0.6b
                                                                           # FP8 weights (rl-infer --fp8): graphed against eager
     python bench/engine_decode.py --device cuda --dtype bfloat16 --fp8 tree --baseline-tree . --model qwen3-0.6b
-                                                                          # graphed steps: FP8 weights against bf16 ones
+                                                                          # eager steps: FP8 weights against bf16 ones
+    python bench/engine_decode.py --device cuda --dtype bfloat16 --fp8 tree --cuda-graphs --baseline-tree . --model qwen3-0.6b
+                                                                          # the same, both arms graphed
 
 ``--model qwen3-0.6b`` takes Qwen3-0.6B's shapes (recipes/models/qwen3-0.6b-config, random weights) instead,
 ``--model tiny-qwen3-moe`` the MoE recipe's model (8 experts, top-2; graphs need bf16 for its grouped GEMMs),
@@ -173,7 +175,8 @@ def main() -> None:
                         "--baseline-tree . the baseline is the same code without the kernel")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="the tree's arm replays decode steps as CUDA graphs (infer.engine.cuda_graphs) and both "
-                        "arms decode through the paged kernel; without it both arms run eagerly")
+                        "arms decode through the paged kernel; without it both arms run eagerly. With --fp8 tree "
+                        "both arms replay graphs: FP8 against the baseline's --dtype, both graphed")
     p.add_argument("--fused-kernels", action="store_true",
                    help="both arms decode through the paged kernel and replay CUDA graphs (the defaults); the tree's "
                         "arm runs the fused kernels (infer.engine.fused_kernels), the baseline's not. Without it "
@@ -200,7 +203,8 @@ def main() -> None:
             for arm, tree in (("baseline", base), ("tree", REPO)):
                 paged = (args.cuda_graphs or args.host_only or args.fused_kernels
                          or (args.paged_decode and arm == "tree"))
-                graphs = args.host_only or args.fused_kernels or (args.cuda_graphs and arm == "tree")
+                graphs = args.host_only or args.fused_kernels or (args.cuda_graphs and (arm == "tree" or
+                                                                                        args.fp8 == "tree"))
                 fused = not args.fused_kernels or arm == "tree"
                 fp8 = args.fp8 == "both" or (args.fp8 == "tree" and arm == "tree")
                 for c, (ms, secs) in run(tree, args, paged, graphs, fused, fp8).items():
@@ -208,7 +212,8 @@ def main() -> None:
                     build[arm][c] = min(build[arm].get(c, float("inf")), secs)
     print(f"# native engine ({args.model}), ms per step, {args.device} {args.dtype}, {args.tokens} new tokens; "
           f"baseline: {label}" + ("; tree with paged_decode" if args.paged_decode else "")
-          + ("; tree with cuda_graphs, both arms paged_decode" if args.cuda_graphs else "")
+          + (("; both arms cuda_graphs" if args.fp8 == "tree" else "; tree with cuda_graphs, both arms paged_decode")
+             if args.cuda_graphs else "")
           + ("; tree with fused_kernels, both arms cuda_graphs" if args.fused_kernels else "")
           + ({"both": "; FP8 weights in both arms", "tree": "; FP8 weights in the tree's arm"}.get(args.fp8, ""))
           + ("; host work only (fixed logits)" if args.host_only else "") + ("; routes returned (R3)" if args.r3 else ""))

@@ -58,7 +58,8 @@ def main() -> None:
     ap.add_argument("--rows", default="1,16,64", help="comma-separated decode batch sizes (<= 64)")
     ap.add_argument("--calls", type=int, default=50, help="calls per captured graph")
     ap.add_argument("--replays", type=int, default=20)
-    ap.add_argument("--sweep", action="store_true", help="also time every tile width BN")
+    ap.add_argument("--sweep", action="store_true", help="also time every tile width BN (K unsplit) and K split "
+                    "(default BN)")
     args = ap.parse_args()
     if not torch.cuda.is_available() or not linear_triton.available():
         raise SystemExit("fp8_decode_linear: needs a CUDA GPU (Hopper) and Triton")
@@ -67,9 +68,12 @@ def main() -> None:
     baseline = TorchScaledMMBackend()  # made for training: no fused rows
     rows = [int(r) for r in args.rows.split(",")]
     widths = (16, 32, 64, 128) if args.sweep else ()
-    print(f"{torch.cuda.get_device_name()}; us per call, {args.calls} calls a graph; ratios: x/fused")
-    head = f"{'shape':34s} {'M':>3s} {'bf16':>7s} {'base':>7s} {'fused':>7s} {'base/f':>7s} {'bf16/f':>7s} {'err':>8s}"
-    print(head + "".join(f" {'BN' + str(w):>7s}" for w in widths))
+    splits = (1, 2, 4, 8, 16) if args.sweep else ()
+    print(f"{torch.cuda.get_device_name()}; us per call, {args.calls} calls a graph; ratios: x/fused; "
+          "sk: the K splits the fused arm chose")
+    head = (f"{'shape':34s} {'M':>3s} {'bf16':>7s} {'base':>7s} {'fused':>7s} {'sk':>3s} {'base/f':>7s} {'bf16/f':>7s} "
+            f"{'err':>8s}")
+    print(head + "".join(f" {'BN' + str(w):>7s}" for w in widths) + "".join(f" {'SK' + str(k):>7s}" for k in splits))
     totals = {m: [0.0, 0.0, 0.0] for m in rows}
     for name, N, K in SHAPES:
         w = (torch.randn(N, K, generator=gen) * 0.02).to(dev, torch.bfloat16)
@@ -82,11 +86,14 @@ def main() -> None:
             t_base = graph_us(lambda: baseline.gemm_x(x, False, wq, ws, torch.bfloat16), args.calls, args.replays)
             t_fused = graph_us(lambda: linear_triton.linear(x, wq, ws, False, torch.bfloat16), args.calls,
                                args.replays)
-            sweep = [graph_us(lambda bn=bn: linear_triton.linear(x, wq, ws, False, torch.bfloat16, bn=bn),
+            sweep = [graph_us(lambda bn=bn: linear_triton.linear(x, wq, ws, False, torch.bfloat16, bn=bn, splits=1),
                               args.calls, args.replays) for bn in widths]
+            sweep += [graph_us(lambda k=k: linear_triton.linear(x, wq, ws, False, torch.bfloat16, splits=k),
+                               args.calls, args.replays) for k in splits]
+            sk = linear_triton.split_k(N, K, linear_triton.block_n(N), linear_triton._sms(dev))
             for i, t in enumerate((t_bf16, t_base, t_fused)):
                 totals[m][i] += t
-            print(f"{name:34s} {m:3d} {t_bf16:7.2f} {t_base:7.2f} {t_fused:7.2f} {t_base / t_fused:6.2f}x "
+            print(f"{name:34s} {m:3d} {t_bf16:7.2f} {t_base:7.2f} {t_fused:7.2f} {sk:3d} {t_base / t_fused:6.2f}x "
                   f"{t_bf16 / t_fused:6.2f}x {err:8.1e}" + "".join(f" {t:7.2f}" for t in sweep), flush=True)
     for m, (b16, base, fused) in totals.items():
         print(f"all shapes, M={m}: bf16 {b16:.1f} us, baseline {base:.1f} us, fused {fused:.1f} us: "

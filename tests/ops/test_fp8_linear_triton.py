@@ -49,9 +49,10 @@ def test_the_fused_quantization_is_the_reference_bit_for_bit(ue8m0):
     rand[3] = 0.0  # an all-zero row: the amax floor
     for x in (cases, cases.reshape(1, -1), rand[:, :200], rand):
         w, ws = _identity(x.shape[1])
-        got = lt.linear(x.to(DEVICE), w, ws, ue8m0, torch.float32).cpu()
         want = quant.dequantize_1x128(*quant.quantize_1x128(x, ue8m0))
-        assert torch.equal(got, want), (got - want).abs().max()
+        for splits in (1, 2):  # split K: the other blocks add exact zeros
+            got = lt.linear(x.to(DEVICE), w, ws, ue8m0, torch.float32, splits=splits).cpu()
+            assert torch.equal(got, want), (got - want).abs().max()
 
 
 # (rows, N, K): one row (a single decode), each tile height, N and K off the 128 grid
@@ -70,10 +71,21 @@ def test_linear_equals_the_dequantized_reference(M, N, K, out_dtype):
     want = EmulatedBackend().gemm(*quant.quantize_1x128(x), w, ws, torch.float32)
     # Hopper's FP8 MMA sums a 128-wide block in reduced precision (test_fp8_grouped_triton.py)
     tol = 1e-2 if out_dtype == torch.bfloat16 else 1e-3 if DEVICE == "cuda" else 1e-5
-    for bn in (None, 16, 64, 128):
-        got = lt.linear(x.to(DEVICE), w.to(DEVICE), ws.to(DEVICE), False, out_dtype, bn=bn)
+    for bn, splits in ((None, 1), (16, 1), (64, 1), (128, 1), (None, 2), (32, 3), (None, None)):
+        got = lt.linear(x.to(DEVICE), w.to(DEVICE), ws.to(DEVICE), False, out_dtype, bn=bn, splits=splits)
         assert got.dtype == out_dtype and got.shape == (M, N)
         torch.testing.assert_close(got.float().cpu(), want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+def test_split_k_fills_the_gpu_and_keeps_two_blocks_a_split():
+    from rlcli.ops.fp8.linear_triton import split_k
+
+    assert split_k(24576, 1536, 64, 132) == 1  # 384 column tiles fill an H100 alone
+    assert split_k(1536, 7168, 16, 132) == 6  # 96 tiles: 6 splits of 10 blocks
+    assert split_k(576, 7168, 16, 132) == 15  # 36 tiles
+    assert split_k(1024, 1024, 16, 132) == 4  # 8 blocks: at least 2 a split
+    assert split_k(1024, 256, 16, 132) == 1  # 2 blocks: no split
+    assert split_k(7168, 16384, 64, 132) == 5
 
 
 def test_strided_rows_and_scales():
@@ -102,8 +114,10 @@ def test_cpu_rows_quantize_then_gemm():
     """gemm_x sends only CUDA rows to the kernel; elsewhere the backend's quantize-then-gemm."""
     from rlcli.ops.fp8 import linear_triton
 
-    assert linear_triton.serves(16, 3072) and not linear_triton.serves(17, 1024)
-    assert not linear_triton.serves(1, 7168)  # DeepSeek-V3's hidden size: slower fused (module docstring)
+    assert linear_triton.serves(16, 3072, 1024) and linear_triton.serves(1, 16384, 7168)
+    assert linear_triton.serves(32, 7168, 4096) and not linear_triton.serves(32, 16384, 7168)
+    assert linear_triton.serves(64, 7168, 576) and not linear_triton.serves(64, 7168, 1536)
+    assert not linear_triton.serves(65, 1024, 1024)
     be = _Counting()
     x = torch.randn(2, 3, 256)
     w, ws = quant.quantize_128x128(torch.randn(128, 256))
@@ -129,9 +143,9 @@ def test_the_invariant_wrapper_keeps_its_own_gemm():
 @pytest.mark.skipif(DEVICE != "cuda", reason="the kernel backends need SM90")
 @torch.no_grad()
 def test_inference_backend_sends_decode_rows_to_the_kernel_in_a_graph(monkeypatch):
-    """make_backend(inference=True): a decode batch's linear (<= 16 rows, K <= 3,072) runs the fused
-    kernel (capturable in a graph), 17 rows the quantize-then-scaled_mm path; both agree with the
-    training backend."""
+    """make_backend(inference=True): a decode batch's linear (<= 16 rows; 32 for this 2M-element
+    weight) runs the fused kernel (capturable in a graph), 33 rows of a 16M-element one the
+    quantize-then-scaled_mm path; both agree with the training backend."""
     from rlcli.ops.fp8 import linear_triton
     from rlcli.ops.fp8.backends import make_backend
 
@@ -142,9 +156,10 @@ def test_inference_backend_sends_decode_rows_to_the_kernel_in_a_graph(monkeypatc
     calls = []
     real = linear_triton.linear
     monkeypatch.setattr(linear_triton, "linear", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
-    w, ws = quant.quantize_128x128(torch.randn(512, 1024, device=DEVICE) * 0.05)
-    for rows in (3, 16, 17):
-        x = torch.randn(rows, 1024, device=DEVICE, dtype=torch.bfloat16)
+    small = quant.quantize_128x128(torch.randn(512, 4096, device=DEVICE) * 0.05)
+    large = quant.quantize_128x128(torch.randn(4096, 4096, device=DEVICE) * 0.05)
+    for rows, (w, ws) in ((3, small), (16, large), (32, small), (33, large)):
+        x = torch.randn(rows, 4096, device=DEVICE, dtype=torch.bfloat16)
         infer.gemm_x(x, False, w, ws, torch.bfloat16)  # compiles outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -152,7 +167,7 @@ def test_inference_backend_sends_decode_rows_to_the_kernel_in_a_graph(monkeypatc
         graph.replay()
         want = train.gemm_x(x, False, w, ws, torch.bfloat16)
         torch.testing.assert_close(out.float(), want.float(), rtol=1e-2, atol=1e-2 * want.abs().max().item())
-    assert calls == [3, 3, 16, 16]
+    assert calls == [3, 3, 16, 16, 32, 32]
 
 
 if __name__ == "__main__":

@@ -400,7 +400,7 @@ def gemm_x(backend: GemmBackend, x, ue8m0: bool, b, sb, out_dtype):
     GEMM), any other through ``x``'s 1x128 quantization (shared with the previous call on the same
     tensor) and ``backend.gemm``."""
     x2 = x.reshape(-1, x.shape[-1])
-    if getattr(backend, "fused_rows", False) and x.is_cuda and linear_triton.serves(*x2.shape):
+    if getattr(backend, "fused_rows", False) and x.is_cuda and linear_triton.serves(*x2.shape, b.shape[0]):
         y = linear_triton.linear(x2, b, sb, ue8m0, out_dtype)
     else:
         (xq, xs), _ = runtime.quantize_input(x, ue8m0, cols=False)

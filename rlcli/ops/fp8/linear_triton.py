@@ -11,7 +11,9 @@ in a decode graph (:mod:`rlcli.infer.cuda_graphs`) those microseconds, times sev
 are the step.
 
 Each program computes a ``BM x BN`` tile of the output (``BN`` divides 128, so one weight block row
-per program). Along K it takes one 128-wide block at a time: it loads the rows' block of ``x``,
+per program) over its share of K (:func:`split_k`: a weight with too few column tiles to fill the
+GPU is cut along K too, each split writing an fp32 partial that a second kernel sums in split
+order). Along K it takes one 128-wide block at a time: it loads the rows' block of ``x``,
 quantizes it as :func:`rlcli.ops.fp8.quant.quantize_1x128` does (the same jitted scale and cast as
 :mod:`rlcli.ops.fp8.kernels`, so the FP8 data is bit-identical), and adds ``dot(q, w_blk^T)`` in fp32
 times the rows' scales and the block's scale, the order the grouped kernel
@@ -19,12 +21,14 @@ times the rows' scales and the block's scale, the order the grouped kernel
 tile: ``N / BN`` times a few rows of ``x``, against reading ``N x K`` bytes of weight.
 
 The backends send a linear here only where it measured faster (:func:`serves`): on an H100
-(``bench/fp8_decode_linear.py``, docs/benchmarks.md, thirty-second session) it took 0.49-0.85x the
-time of quantize-then-``scaled_mm`` at 1 and 16 rows for K up to 3,072 (Qwen3-0.6B's linears, and
-DeepSeek-V3's ``q_b_proj``), but 1.2-1.6x at K = 7,168 and 16,384 (one program walks all of K:
-too few programs for the GPU) and 1.0-1.8x at 64 rows (the quantization is redone by every
-column tile).
+(``bench/fp8_decode_linear.py``, docs/benchmarks.md, thirty-third session), over Qwen3-0.6B's and
+DeepSeek-V3's linears, it took 0.36-0.85x the time of quantize-then-``scaled_mm`` at 1 and 16 rows
+(1.70x less in all); at 32 rows 0.44-0.98x for weights of up to 38M elements, but 1.48x for
+DeepSeek-V3's ``o_proj`` (16,384 x 7,168); at 64 rows 0.54-0.93x for weights of up to 4M elements,
+1.29-2.03x for larger ones (the quantization is redone by every column tile).
 """
+
+import functools
 
 import torch
 
@@ -40,18 +44,19 @@ except (ImportError, OSError):  # CPU CI: no triton
 
 MAX_ROWS = 64
 """The most rows :func:`linear` takes (``BM`` up to 64)."""
-FUSED_ROWS, FUSED_K = 16, 3072
-"""The batches the backends send here (:func:`serves`): at most this many rows, K at most this."""
+FUSED = ((16, 1 << 62), (32, 1 << 26), (64, 1 << 23))
+"""The batches the backends send here (:func:`serves`): (most rows, weights of fewer elements)."""
 
 
 def available() -> bool:
     return triton is not None
 
 
-def serves(rows: int, k: int) -> bool:
-    """Whether a linear of ``rows`` rows over ``k`` input features runs faster here than quantized,
-    then multiplied by ``scaled_mm`` (module docstring)."""
-    return rows <= FUSED_ROWS and k <= FUSED_K
+def serves(rows: int, k: int, n: int) -> bool:
+    """Whether a linear of ``rows`` rows, ``k`` input and ``n`` output features runs faster here than
+    quantized, then multiplied by ``scaled_mm`` (module docstring): up to 16 rows; 32 for a weight
+    of fewer than 64M elements; 64 for one of fewer than 8M."""
+    return any(rows <= most and n * k < below for most, below in FUSED)
 
 
 def block_m(rows: int) -> int:
@@ -65,19 +70,37 @@ def block_n(n: int) -> int:
     return 16 if n <= 2048 else 32 if n <= 4096 else 64
 
 
+@functools.lru_cache(maxsize=None)
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def split_k(n: int, k: int, bn: int, sms: int) -> int:
+    """How many programs share K for an ``[n, k]`` weight at tile width ``bn`` on a GPU of ``sms``
+    multiprocessors: column tiles times splits about four per multiprocessor, each split at least
+    two 128-wide blocks; 1 where the column tiles alone fill the GPU. The fastest of
+    ``bench/fp8_decode_linear.py --sweep`` on an H100 (1 to 16 splits) for DeepSeek-V3's K of 7,168
+    and 16,384 was 4 to 16 splits, within 10% of what this picks."""
+    tiles, blocks = -(-n // bn), -(-k // BLOCK)
+    if tiles >= sms:
+        return 1
+    return max(1, min(-(-4 * sms // tiles), blocks // 2))
+
+
 if triton is not None:
 
     @triton.jit(do_not_specialize=["M"])
-    def _linear_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_wsn, stride_om,
-                       BM: tl.constexpr, BN: tl.constexpr, UE8M0: tl.constexpr, HW_CAST: tl.constexpr):
-        pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+    def _linear_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, KB_PER, stride_xm, stride_wn, stride_wsn, stride_os,
+                       stride_om, BM: tl.constexpr, BN: tl.constexpr, UE8M0: tl.constexpr, HW_CAST: tl.constexpr):
+        pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = pid_m * BM + tl.arange(0, BM)
         cols = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
         rmask, cmask = rows < M, cols < N
         ks = tl.arange(0, 128)
         ws_row = ws_ptr + (pid_n * BN // 128) * stride_wsn  # BN divides 128: one block row per program
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for kb in range(0, tl.cdiv(K, 128)):
+        kb0 = pid_k * KB_PER  # this program's share of K: KB_PER 128-wide blocks
+        for kb in range(kb0, tl.minimum(kb0 + KB_PER, tl.cdiv(K, 128))):
             kk = kb * 128 + ks
             kmask = kk < K
             x = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=rmask[:, None] & kmask[None, :],
@@ -87,15 +110,26 @@ if triton is not None:
             w = tl.load(w_ptr + cols[:, None] * stride_wn + kk[None, :], mask=cmask[:, None] & kmask[None, :],
                         other=0.0)
             acc += tl.dot(q, tl.trans(w)) * s[:, None] * tl.load(ws_row + kb)
-        tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=rmask[:, None] & cmask[None, :])
+        tl.store(out_ptr + pid_k * stride_os + rows[:, None] * stride_om + cols[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+
+    @triton.jit
+    def _sum_splits_kernel(part_ptr, out_ptr, MN, SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+        mask = offs < MN
+        acc = tl.zeros((BLOCK_SIZE,), dtype=tl.float32)
+        for sp in tl.static_range(SPLITS):  # in split order: the sum is the same every call
+            acc += tl.load(part_ptr + sp * MN + offs, mask=mask, other=0.0)
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, ue8m0: bool, out_dtype: torch.dtype,
-           bn: int | None = None) -> torch.Tensor:
+           bn: int | None = None, splits: int | None = None) -> torch.Tensor:
     """``x [M, K]`` (M <= :data:`MAX_ROWS`, any float dtype) quantized in 1x128 tiles, times ``w [N, K]``
     FP8 with 128x128 scales ``ws [ceil(N/128), ceil(K/128)]`` -> ``[M, N]`` in ``out_dtype``
-    (module docstring). ``bn`` overrides :func:`block_n` (a divisor of 128, at least 16)."""
+    (module docstring). ``bn`` overrides :func:`block_n` (a divisor of 128, at least 16), ``splits``
+    :func:`split_k`: with more than one, each program sums its share of K's blocks into an fp32
+    partial, and a second kernel adds the partials in split order."""
     M, K = x.shape
     N = w.shape[0]
     assert M <= MAX_ROWS and w.shape[1] == K, (x.shape, w.shape)
@@ -107,7 +141,14 @@ def linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, ue8m0: bool, out_
     ws = ws if ws.stride(1) == 1 else ws.contiguous()
     bm, bn = block_m(M), bn or block_n(N)
     assert BLOCK % bn == 0 and bn >= 16, bn
-    grid = (triton.cdiv(N, bn), triton.cdiv(M, bm))
-    _linear_kernel[grid](x, w, ws, out, M, N, K, x.stride(0), w.stride(0), ws.stride(0), out.stride(0),
+    blocks = triton.cdiv(K, BLOCK)
+    splits = min(max(1, splits or split_k(N, K, bn, _sms(x.device))), blocks)
+    per = triton.cdiv(blocks, splits)
+    splits = triton.cdiv(blocks, per)  # no split without a block
+    dst = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), splits)
+    _linear_kernel[grid](x, w, ws, dst, M, N, K, per, x.stride(0), w.stride(0), ws.stride(0), M * N, N,
                          BM=bm, BN=bn, UE8M0=ue8m0, HW_CAST=_HW_CAST, num_warps=4, num_stages=4)
+    if splits > 1:
+        _sum_splits_kernel[(triton.cdiv(M * N, 1024),)](dst, out, M * N, SPLITS=splits, BLOCK_SIZE=1024)
     return out
