@@ -18,7 +18,7 @@ with the previous call on the same tensor), then ``gemm`` or ``grouped_gemm``.
 ``(1, M)``, scale_b the ``(N/128, K/128)`` block scales transposed. In training its grouped
 GEMM loops over groups (one host sync for the offsets); made for inference (FP8 weights) it runs
 the Triton kernel of :mod:`.grouped_triton` instead, which reads them on the device, and its
-``gemm_x`` of a decode batch (up to 16 rows, K up to 3,072) runs :mod:`.linear_triton`, the
+``gemm_x`` of a decode batch (``linear_triton.serves``: up to 16-64 rows by weight size) runs :mod:`.linear_triton`, the
 quantization fused into the GEMM (one kernel instead of five), as does DeepGEMM's made for inference.
 ``deep_gemm`` calls DeepGEMM's ``fp8_gemm_nt`` and ``m_grouped_fp8_gemm_nt_contiguous``; the
 contiguous grouped layout needs every group's rows aligned to 128, which is built on the device
