@@ -3,10 +3,11 @@
 Group. A standalone torch.distributed process group (NCCL on GPU, gloo on CPU), never the
 trainer's default world: rank 0 is a trainer rank that sends, ranks 1.. are inference
 servers. With several senders (``sync.backend.senders``) each has a group of its own with
-the same servers at the same ranks (:func:`sender_group` names them). It is built from the TCPStore that rl-sync hosts (address in RUN/sync/store.json)
-with a ``PrefixStore`` per generation: rl-sync bumps the generation whenever membership
-changes (a server joins, restarts, is skipped or re-admitted, or a transfer failed), so
-the keys of a dead group never meet a new one. Every op has a deadline (``timeout_s``): a
+the same servers at the same ranks (:func:`sender_group` names them). A group is built from
+the TCPStore that rl-sync hosts (address in RUN/sync/store.json) with a ``PrefixStore`` per
+generation: rl-sync bumps the generation whenever membership changes (a server joins,
+restarts, is skipped or re-admitted, or a transfer failed), so the keys of a dead group
+never meet a new one. Every op has a deadline (``timeout_s``): a
 stuck peer makes the op raise instead of hanging its group forever.
 
 Plan. Both ends derive the same bucket plan from the tensor list (name, dtype, shape) and
