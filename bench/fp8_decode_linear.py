@@ -12,6 +12,8 @@ DeepSeek-V3 (hidden 7168):
   baseline  the torch backend's quantize-then-GEMM (``gemm_x`` of a backend made for training):
             the Triton quantization, the rows and scales padded to cuBLASLt's 128, ``scaled_mm``
   bf16      ``F.linear`` on the bf16 weight
+  q+f       the activation quantized by its own kernel (``kernels.quantize_act``), then the fused
+            kernel reading the FP8 rows (``linear(..., xs=...)``): no quantization redone per tile
 
 Each arm is captured in a CUDA graph of ``--calls`` back-to-back calls and the graph replayed, as
 the engine's decode graphs run them, so the figure is device time with no launch overhead (the
@@ -33,6 +35,7 @@ from _timing import graph_us  # noqa: E402
 
 from rlcli.ops.fp8 import linear_triton  # noqa: E402
 from rlcli.ops.fp8.backends import TorchScaledMMBackend  # noqa: E402
+from rlcli.ops.fp8.kernels import quantize_act  # noqa: E402
 from rlcli.ops.fp8.quant import quantize_128x128  # noqa: E402
 
 SHAPES = [  # (name, N, K)
@@ -72,7 +75,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}; us per call, {args.calls} calls a graph; ratios: x/fused; "
           "sk: the K splits the fused arm chose")
     head = (f"{'shape':34s} {'M':>3s} {'bf16':>7s} {'base':>7s} {'fused':>7s} {'sk':>3s} {'base/f':>7s} {'bf16/f':>7s} "
-            f"{'err':>8s}")
+            f"{'err':>8s} {'q+f':>7s}")
     print(head + "".join(f" {'BN' + str(w):>7s}" for w in widths) + "".join(f" {'SK' + str(k):>7s}" for k in splits))
     totals = {m: [0.0, 0.0, 0.0] for m in rows}
     for name, N, K in SHAPES:
@@ -91,10 +94,17 @@ def main() -> None:
             sweep += [graph_us(lambda k=k: linear_triton.linear(x, wq, ws, False, torch.bfloat16, splits=k),
                                args.calls, args.replays) for k in splits]
             sk = linear_triton.split_k(N, K, linear_triton.block_n(N), linear_triton._sms(dev))
+
+            def prequantized():
+                xq, xs = quantize_act(x, False)
+                return linear_triton.linear(xq, wq, ws, False, torch.bfloat16, xs=xs)
+
+            t_preq = graph_us(prequantized, args.calls, args.replays)
             for i, t in enumerate((t_bf16, t_base, t_fused)):
                 totals[m][i] += t
             print(f"{name:34s} {m:3d} {t_bf16:7.2f} {t_base:7.2f} {t_fused:7.2f} {sk:3d} {t_base / t_fused:6.2f}x "
-                  f"{t_bf16 / t_fused:6.2f}x {err:8.1e}" + "".join(f" {t:7.2f}" for t in sweep), flush=True)
+                  f"{t_bf16 / t_fused:6.2f}x {err:8.1e} {t_preq:7.2f}" + "".join(f" {t:7.2f}" for t in sweep),
+                  flush=True)
     for m, (b16, base, fused) in totals.items():
         print(f"all shapes, M={m}: bf16 {b16:.1f} us, baseline {base:.1f} us, fused {fused:.1f} us: "
               f"baseline/fused {base / fused:.2f}x, bf16/fused {b16 / fused:.2f}x")

@@ -75,6 +75,12 @@ def test_linear_equals_the_dequantized_reference(M, N, K, out_dtype):
         got = lt.linear(x.to(DEVICE), w.to(DEVICE), ws.to(DEVICE), False, out_dtype, bn=bn, splits=splits)
         assert got.dtype == out_dtype and got.shape == (M, N)
         torch.testing.assert_close(got.float().cpu(), want, rtol=tol, atol=tol * want.abs().max().item())
+    xq, xs = quant.quantize_1x128(x)
+    xs_cols = xs.t().contiguous().t()  # column-major, as the quantization kernel lays its scales out
+    for splits in (1, 2):  # already quantized: read as it is
+        got = lt.linear(xq.to(DEVICE), w.to(DEVICE), ws.to(DEVICE), False, out_dtype, splits=splits,
+                        xs=xs_cols.to(DEVICE))
+        torch.testing.assert_close(got.float().cpu(), want, rtol=tol, atol=tol * want.abs().max().item())
 
 
 def test_split_k_fills_the_gpu_and_keeps_two_blocks_a_split():
@@ -114,9 +120,8 @@ def test_cpu_rows_quantize_then_gemm():
     """gemm_x sends only CUDA rows to the kernel; elsewhere the backend's quantize-then-gemm."""
     from rlcli.ops.fp8 import linear_triton
 
-    assert linear_triton.serves(16, 3072, 1024) and linear_triton.serves(1, 16384, 7168)
-    assert linear_triton.serves(32, 7168, 4096) and not linear_triton.serves(32, 16384, 7168)
-    assert linear_triton.serves(64, 7168, 576) and not linear_triton.serves(64, 7168, 1536)
+    assert linear_triton.serves(16, 3072, 1024) and linear_triton.serves(32, 16384, 7168)
+    assert linear_triton.serves(64, 7168, 4096) and not linear_triton.serves(64, 16384, 7168)
     assert not linear_triton.serves(65, 1024, 1024)
     be = _Counting()
     x = torch.randn(2, 3, 256)
@@ -143,9 +148,9 @@ def test_the_invariant_wrapper_keeps_its_own_gemm():
 @pytest.mark.skipif(DEVICE != "cuda", reason="the kernel backends need SM90")
 @torch.no_grad()
 def test_inference_backend_sends_decode_rows_to_the_kernel_in_a_graph(monkeypatch):
-    """make_backend(inference=True): a decode batch's linear (<= 16 rows; 32 for this 2M-element
-    weight) runs the fused kernel (capturable in a graph), 33 rows of a 16M-element one the
-    quantize-then-scaled_mm path; both agree with the training backend."""
+    """make_backend(inference=True): a decode batch's linear (<= 32 rows; 64 for weights under 64M
+    elements) runs the kernel on its quantized rows (capturable in a graph), 65 rows the
+    scaled_mm path; both agree with the training backend."""
     from rlcli.ops.fp8 import linear_triton
     from rlcli.ops.fp8.backends import make_backend
 
@@ -158,7 +163,7 @@ def test_inference_backend_sends_decode_rows_to_the_kernel_in_a_graph(monkeypatc
     monkeypatch.setattr(linear_triton, "linear", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
     small = quant.quantize_128x128(torch.randn(512, 4096, device=DEVICE) * 0.05)
     large = quant.quantize_128x128(torch.randn(4096, 4096, device=DEVICE) * 0.05)
-    for rows, (w, ws) in ((3, small), (16, large), (32, small), (33, large)):
+    for rows, (w, ws) in ((3, small), (16, large), (32, small), (64, large), (65, small)):
         x = torch.randn(rows, 4096, device=DEVICE, dtype=torch.bfloat16)
         infer.gemm_x(x, False, w, ws, torch.bfloat16)  # compiles outside the capture
         graph = torch.cuda.CUDAGraph()
@@ -167,7 +172,7 @@ def test_inference_backend_sends_decode_rows_to_the_kernel_in_a_graph(monkeypatc
         graph.replay()
         want = train.gemm_x(x, False, w, ws, torch.bfloat16)
         torch.testing.assert_close(out.float(), want.float(), rtol=1e-2, atol=1e-2 * want.abs().max().item())
-    assert calls == [3, 3, 16, 16, 32, 32]
+    assert calls == [3, 3, 16, 16, 32, 32, 64, 64]
 
 
 if __name__ == "__main__":

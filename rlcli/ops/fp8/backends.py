@@ -18,8 +18,9 @@ with the previous call on the same tensor), then ``gemm`` or ``grouped_gemm``.
 ``(1, M)``, scale_b the ``(N/128, K/128)`` block scales transposed. In training its grouped
 GEMM loops over groups (one host sync for the offsets); made for inference (FP8 weights) it runs
 the Triton kernel of :mod:`.grouped_triton` instead, which reads them on the device, and its
-``gemm_x`` of a decode batch (``linear_triton.serves``: up to 16-64 rows by weight size) runs :mod:`.linear_triton`, the
-quantization fused into the GEMM (one kernel instead of five), as does DeepGEMM's made for inference.
+``gemm_x`` of a decode batch (``linear_triton.serves``: up to 32 rows, 64 for most weights) runs
+:mod:`.linear_triton` on the quantized rows (two kernels instead of four: no padding), as does
+DeepGEMM's made for inference.
 ``deep_gemm`` calls DeepGEMM's ``fp8_gemm_nt`` and ``m_grouped_fp8_gemm_nt_contiguous``; the
 contiguous grouped layout needs every group's rows aligned to 128, which is built on the device
 (padding rows marked -1) so it needs no host sync; ``grouped_gemm_x`` quantizes high-precision rows straight into
@@ -395,15 +396,15 @@ def padded_rows(rows: int, groups: int, align: int) -> int:
 
 
 def gemm_x(backend: GemmBackend, x, ue8m0: bool, b, sb, out_dtype):
-    """``x [..., K]`` times the 128x128-block ``b [N, K]`` -> ``[..., N]``: with ``backend.fused_rows``,
-    a CUDA batch that :func:`rlcli.ops.fp8.linear_triton.serves` in its kernel (quantized inside the
-    GEMM), any other through ``x``'s 1x128 quantization (shared with the previous call on the same
-    tensor) and ``backend.gemm``."""
+    """``x [..., K]`` times the 128x128-block ``b [N, K]`` -> ``[..., N]``: ``x``'s 1x128 quantization
+    (shared with the previous call on the same tensor), then, with ``backend.fused_rows``, a CUDA
+    batch that :func:`rlcli.ops.fp8.linear_triton.serves` through its kernel, any other through
+    ``backend.gemm``."""
     x2 = x.reshape(-1, x.shape[-1])
+    (xq, xs), _ = runtime.quantize_input(x, ue8m0, cols=False)
     if getattr(backend, "fused_rows", False) and x.is_cuda and linear_triton.serves(*x2.shape, b.shape[0]):
-        y = linear_triton.linear(x2, b, sb, ue8m0, out_dtype)
+        y = linear_triton.linear(xq, b, sb, ue8m0, out_dtype, xs=xs)
     else:
-        (xq, xs), _ = runtime.quantize_input(x, ue8m0, cols=False)
         y = backend.gemm(xq, xs, b, sb, out_dtype)
     return y.view(*x.shape[:-1], y.shape[-1])
 

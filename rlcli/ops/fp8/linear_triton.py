@@ -1,31 +1,34 @@
-"""An FP8 linear for a few rows (decode) in Triton: the activation's 1x128 quantization fused into the
-block-scaled GEMM.
+"""An FP8 linear for a few rows (decode) in Triton: the block-scaled GEMM of rows quantized in 1x128
+tiles, by the quantization kernel beforehand or inside the GEMM.
 
 ``linear(x, w, ws)`` computes ``Q1x128(x) . w^T`` for ``x [M, K]`` in high precision, ``w [N, K]``
 FP8 with 128x128 block scales ``ws [N/128, K/128]`` (an FP8 engine's weights), with fp32
-accumulation: what ``quantize_act`` followed by :meth:`GemmBackend.gemm` computes, in one kernel.
-Through ``scaled_mm`` a decode step's linear costs five kernels: the quantization, the rows padded
-to 128 (cuBLASLt has no algorithm for ragged M), the scales padded and re-laid out, and the GEMM,
-whose 128-row tile is mostly padding at decode batch sizes. Each is a few microseconds on a GPU;
-in a decode graph (:mod:`rlcli.infer.cuda_graphs`) those microseconds, times seven linears a layer,
-are the step.
+accumulation: what ``quantize_act`` followed by :meth:`GemmBackend.gemm` computes; given ``xs``, ``x``
+is ``quantize_act``'s output and the kernel reads it. Through ``scaled_mm`` a decode step's linear
+costs four kernels besides the quantization: the rows padded to 128 (cuBLASLt has no algorithm for
+ragged M), the scales padded and re-laid out, and the GEMM, whose 128-row tile is mostly padding at
+decode batch sizes. Each is a few microseconds on a GPU; in a decode graph
+(:mod:`rlcli.infer.cuda_graphs`) those microseconds, times seven linears a layer, are the step.
 
 Each program computes a ``BM x BN`` tile of the output (``BN`` divides 128, so one weight block row
 per program) over its share of K (:func:`split_k`: a weight with too few column tiles to fill the
 GPU is cut along K too, each split writing an fp32 partial that a second kernel sums in split
-order). Along K it takes one 128-wide block at a time: it loads the rows' block of ``x``,
-quantizes it as :func:`rlcli.ops.fp8.quant.quantize_1x128` does (the same jitted scale and cast as
-:mod:`rlcli.ops.fp8.kernels`, so the FP8 data is bit-identical), and adds ``dot(q, w_blk^T)`` in fp32
-times the rows' scales and the block's scale, the order the grouped kernel
-(:mod:`.grouped_triton`) and DeepGEMM accumulate in. The quantization is redone by every column
-tile: ``N / BN`` times a few rows of ``x``, against reading ``N x K`` bytes of weight.
+order). Along K it takes one 128-wide block at a time: it loads the rows' block of ``x`` (and
+without ``xs`` quantizes it as :func:`rlcli.ops.fp8.quant.quantize_1x128` does: the same jitted scale
+and cast as :mod:`rlcli.ops.fp8.kernels`, so the FP8 data is bit-identical), and adds
+``dot(q, w_blk^T)`` in fp32 times the rows' scales and the block's scale, the order the grouped kernel
+(:mod:`.grouped_triton`) and DeepGEMM accumulate in.
 
-The backends send a linear here only where it measured faster (:func:`serves`): on an H100
+The backends (:func:`rlcli.ops.fp8.backends.gemm_x`, made for inference) send a linear here only
+where it measured faster than ``scaled_mm`` (:func:`serves`), and with its rows already quantized
+(``xs``: the quantization kernel's output, shared by linears reading the same input): on an H100
 (``bench/fp8_decode_linear.py``, docs/benchmarks.md, thirty-third session), over Qwen3-0.6B's and
-DeepSeek-V3's linears, it took 0.36-0.85x the time of quantize-then-``scaled_mm`` at 1 and 16 rows
-(1.70x less in all); at 32 rows 0.44-0.98x for weights of up to 38M elements, but 1.48x for
-DeepSeek-V3's ``o_proj`` (16,384 x 7,168); at 64 rows 0.54-0.93x for weights of up to 4M elements,
-1.29-2.03x for larger ones (the quantization is redone by every column tile).
+DeepSeek-V3's linears, quantizing inside the GEMM took 0.36-0.85x the time of quantize-then-``scaled_mm``
+at 1 and 16 rows, but quantizing first and reading the FP8 rows took less again on DeepSeek-V3's weights
+(``q_b_proj`` 10.7 against 15.9 µs, 0.40x ``scaled_mm``'s), within 0.5 µs of it on Qwen3-0.6B's, and
+less than ``scaled_mm`` at 64 rows on every shape but DeepSeek-V3's ``o_proj`` (16,384 x 7,168: 1.09x).
+Quantizing inside the GEMM redoes it for every column tile; :func:`linear` still does that without
+``xs`` (the bench's *fused* arm, and the test of its bits).
 """
 
 import functools
@@ -44,7 +47,7 @@ except (ImportError, OSError):  # CPU CI: no triton
 
 MAX_ROWS = 64
 """The most rows :func:`linear` takes (``BM`` up to 64)."""
-FUSED = ((16, 1 << 62), (32, 1 << 26), (64, 1 << 23))
+SERVED = ((32, 1 << 62), (64, 1 << 26))
 """The batches the backends send here (:func:`serves`): (most rows, weights of fewer elements)."""
 
 
@@ -53,10 +56,10 @@ def available() -> bool:
 
 
 def serves(rows: int, k: int, n: int) -> bool:
-    """Whether a linear of ``rows`` rows, ``k`` input and ``n`` output features runs faster here than
-    quantized, then multiplied by ``scaled_mm`` (module docstring): up to 16 rows; 32 for a weight
-    of fewer than 64M elements; 64 for one of fewer than 8M."""
-    return any(rows <= most and n * k < below for most, below in FUSED)
+    """Whether a linear of ``rows`` already quantized rows, ``k`` input and ``n`` output features runs
+    faster here than through ``scaled_mm`` (module docstring): up to 32 rows; 64 for a weight of fewer
+    than 64M elements."""
+    return any(rows <= most and n * k < below for most, below in SERVED)
 
 
 def block_m(rows: int) -> int:
@@ -90,8 +93,9 @@ def split_k(n: int, k: int, bn: int, sms: int) -> int:
 if triton is not None:
 
     @triton.jit(do_not_specialize=["M"])
-    def _linear_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, KB_PER, stride_xm, stride_wn, stride_wsn, stride_os,
-                       stride_om, BM: tl.constexpr, BN: tl.constexpr, UE8M0: tl.constexpr, HW_CAST: tl.constexpr):
+    def _linear_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, KB_PER, stride_xm, stride_xsm, stride_xsk,
+                       stride_wn, stride_wsn, stride_os, stride_om, BM: tl.constexpr, BN: tl.constexpr,
+                       UE8M0: tl.constexpr, HW_CAST: tl.constexpr, PREQ: tl.constexpr):
         pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = pid_m * BM + tl.arange(0, BM)
         cols = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
@@ -103,10 +107,15 @@ if triton is not None:
         for kb in range(kb0, tl.minimum(kb0 + KB_PER, tl.cdiv(K, 128))):
             kk = kb * 128 + ks
             kmask = kk < K
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=rmask[:, None] & kmask[None, :],
-                        other=0.0).to(tl.float32)
-            s, r = _scale(tl.max(tl.abs(x), 1), UE8M0)
-            q = _to_e4m3(x, r[:, None], HW_CAST)
+            if PREQ:  # x is already FP8, its 1x128 scales beside it
+                q = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=rmask[:, None] & kmask[None, :],
+                            other=0.0)
+                s = tl.load(xs_ptr + rows * stride_xsm + kb * stride_xsk, mask=rmask, other=0.0)
+            else:
+                x = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=rmask[:, None] & kmask[None, :],
+                            other=0.0).to(tl.float32)
+                s, r = _scale(tl.max(tl.abs(x), 1), UE8M0)
+                q = _to_e4m3(x, r[:, None], HW_CAST)
             w = tl.load(w_ptr + cols[:, None] * stride_wn + kk[None, :], mask=cmask[:, None] & kmask[None, :],
                         other=0.0)
             acc += tl.dot(q, tl.trans(w)) * s[:, None] * tl.load(ws_row + kb)
@@ -124,12 +133,13 @@ if triton is not None:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, ue8m0: bool, out_dtype: torch.dtype,
-           bn: int | None = None, splits: int | None = None) -> torch.Tensor:
+           bn: int | None = None, splits: int | None = None, xs: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K]`` (M <= :data:`MAX_ROWS`, any float dtype) quantized in 1x128 tiles, times ``w [N, K]``
     FP8 with 128x128 scales ``ws [ceil(N/128), ceil(K/128)]`` -> ``[M, N]`` in ``out_dtype``
     (module docstring). ``bn`` overrides :func:`block_n` (a divisor of 128, at least 16), ``splits``
     :func:`split_k`: with more than one, each program sums its share of K's blocks into an fp32
-    partial, and a second kernel adds the partials in split order."""
+    partial, and a second kernel adds the partials in split order. With ``xs`` (its 1x128 scales,
+    ``[M, ceil(K/128)]``, any strides), ``x`` is already quantized and is read as it is."""
     M, K = x.shape
     N = w.shape[0]
     assert M <= MAX_ROWS and w.shape[1] == K, (x.shape, w.shape)
@@ -147,8 +157,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, ue8m0: bool, out_
     splits = triton.cdiv(blocks, per)  # no split without a block
     dst = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), splits)
-    _linear_kernel[grid](x, w, ws, dst, M, N, K, per, x.stride(0), w.stride(0), ws.stride(0), M * N, N,
-                         BM=bm, BN=bn, UE8M0=ue8m0, HW_CAST=_HW_CAST, num_warps=4, num_stages=4)
+    sx = xs if xs is not None else ws  # unread without xs
+    _linear_kernel[grid](x, sx, w, ws, dst, M, N, K, per, x.stride(0), sx.stride(0), sx.stride(1), w.stride(0),
+                         ws.stride(0), M * N, N, BM=bm, BN=bn, UE8M0=ue8m0, HW_CAST=_HW_CAST, PREQ=xs is not None,
+                         num_warps=4, num_stages=4)
     if splits > 1:
         _sum_splits_kernel[(triton.cdiv(M * N, 1024),)](dst, out, M * N, SPLITS=splits, BLOCK_SIZE=1024)
     return out
