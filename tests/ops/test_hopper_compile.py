@@ -86,13 +86,18 @@ def test_the_fp8_grouped_gemm_compiles(bm, out):
 
 @pytest.mark.parametrize("bm", [16, 32, 64])
 @pytest.mark.parametrize("bn", [16, 32, 64, 128])
-@pytest.mark.parametrize("ue8m0", [False, True])
-def test_the_fp8_decode_linear_compiles(bm, bn, ue8m0):
-    """bf16 rows quantized in the kernel (the hardware e4m3 cast) into the FP8 dot, every tile shape."""
-    types = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "out_ptr": "*bf16",
-             **ints("M", "N", "K", "stride_xm", "stride_wn", "stride_wsn", "stride_om")}
-    compile_for_hopper(linear_triton._linear_kernel, types, {"BM": bm, "BN": bn, "UE8M0": ue8m0, "HW_CAST": True},
-                       4, 4)
+@pytest.mark.parametrize("ue8m0,preq", [(False, False), (True, False), (False, True)])
+def test_the_fp8_decode_linear_compiles(bm, bn, ue8m0, preq):
+    """bf16 rows quantized in the kernel (the hardware e4m3 cast) into the FP8 dot, or FP8 rows read as
+    they are; the split sum of its fp32 partials; every tile shape."""
+    ints_ = ints("M", "N", "K", "KB_PER", "stride_xm", "stride_xsm", "stride_xsk", "stride_wn", "stride_wsn",
+                 "stride_os", "stride_om")
+    types = {"x_ptr": "*fp8e4nv" if preq else "*bf16", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32",
+             "out_ptr": "*fp32", **ints_}
+    compile_for_hopper(linear_triton._linear_kernel, types, {"BM": bm, "BN": bn, "UE8M0": ue8m0, "HW_CAST": True,
+                                                             "PREQ": preq}, 4, 4)
+    compile_for_hopper(linear_triton._sum_splits_kernel, {"part_ptr": "*fp32", "out_ptr": "*bf16", "MN": "i32"},
+                       {"SPLITS": 3, "BLOCK_SIZE": 1024}, 4)
 
 
 def _dsa_kernels():
