@@ -45,8 +45,8 @@ import torch.distributed as dist
 
 from rlcli.logging import setup_logging
 from rlcli.train.publish import Announce, FilesystemPublisher, Transform, iter_hf_tensors, world
-from rlcli.transport.collective import (Spec, WeightGroup, as_bytes, byte_ranges, connect_store, dtype_name,
-                                        plan_buckets, plan_owners, send, sender_group)
+from rlcli.transport.collective import (Spec, WeightGroup, as_bytes, connect_store, dtype_name, plan_buckets,
+                                        plan_owners, send, sender_group)
 from rlcli.transport.rendezvous import Control, read_store_file
 
 if TYPE_CHECKING:
