@@ -42,7 +42,7 @@ if os.path.isdir(os.path.join(ROOT, ".dg")):
     sys.path.insert(0, os.path.join(ROOT, ".dg"))
 
 from rlcli.models import ModelArgs, build_model  # noqa: E402
-from rlcli.ops.fp8.backends import make_backend  # noqa: E402
+from rlcli.ops.fp8.backends import TorchScaledMMBackend, make_backend  # noqa: E402
 from rlcli.ops.fp8.convert import convert_to_fp8  # noqa: E402
 from rlcli.ops.fp8 import runtime  # noqa: E402
 
@@ -79,6 +79,8 @@ def classify(name: str) -> str:
 
     if has(r"_quant_kernel"):
         return "quant"
+    if has(r"^_grouped_kernel$"):  # rlcli.ops.fp8.grouped_triton
+        return "fp8 gemm"
     if has(r"flash|fmha|attention|sdpa"):
         return "attention"
     if has(r"^triton_(poi|red|per)_"):
@@ -205,15 +207,21 @@ def build_arm(hf: dict, arm: str, backend: str, device, seed: int = 0):
     if arm == "bf16":
         return model, None
     cfg = SimpleNamespace(backend=backend, include=["*"], exclude=["*embed_tokens", "lm_head", "*.mlp.gate"],
-                          ue8m0=False, fuse_siblings={"fp8": ["qkv"], "fp8-gate-up": ["qkv", "gate_up"]}.get(arm, []))
+                          ue8m0=False, fuse_siblings={"fp8": ["qkv"], "fp8-loop": ["qkv"], "fp8-gate-up": ["qkv", "gate_up"]}.get(arm, []))
     gemm = make_backend(backend, device)
+    if arm == "fp8-loop":  # the torch backend's grouped GEMMs as a loop of scaled_mm over the experts (before the Triton kernel)
+        if not isinstance(gemm, TorchScaledMMBackend):
+            raise SystemExit(f"--arms fp8-loop needs --backend torch, got {gemm.name}")
+        gemm.grouped_on_device = False
     convert_to_fp8(model, cfg, device, backend=gemm)
     return model, gemm
 
 
 def train(hf: dict, arm: str, backend: str, data: list[torch.Tensor], steps: int, device, lr: float,
           seed: int = 0, profile: bool = False, graph: bool = False, compile_blocks: bool = False):
-    """``arm``: bf16, fp8 (q/k/v stacked, rl-train's default), fp8-gate-up (gate/up stacked too) or fp8-unfused."""
+    """``arm``: bf16, fp8 (q/k/v stacked, rl-train's default), fp8-gate-up (gate/up stacked too), fp8-unfused,
+    or fp8-loop (fp8 with the torch backend's grouped GEMMs looped over the experts, the path before
+    rlcli.ops.fp8.grouped_triton served training)."""
     model, gemm = build_arm(hf, arm, backend, device, seed)
     if compile_blocks:  # as rl-train --compile: each decoder block compiled in place (FP8 linears run eagerly between its pieces)
         for block in model.model.layers:
@@ -301,7 +309,7 @@ def main() -> None:
                          "without host overhead)")
     ap.add_argument("--arms", default="bf16,fp8",
                     help="comma list of bf16, fp8 (q/k/v stacked: rl-train's default), fp8-gate-up (gate/up "
-                         "stacked too), fp8-unfused")
+                         "stacked too), fp8-unfused, fp8-loop (MoE experts looped, --backend torch)")
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--profile", action="store_true", help="(default on the GPU; kept for old command lines)")
     ap.add_argument("--noise", action="store_true",

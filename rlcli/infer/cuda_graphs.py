@@ -28,8 +28,8 @@ A graph fixes at capture what a step would vary, and each step is fitted to it:
   GEMMs it captured. FP8 MoE experts keep master weights and an FP8 copy made from them: graphs read
   the copy, which :meth:`DecodeGraphs.refresh` quantizes again in place after a load. Their grouped
   GEMMs must read the per-expert offsets on the device: DeepGEMM's do, and so does the scaled_mm
-  backend's Triton kernel, made for inference (:mod:`rlcli.ops.fp8.grouped_triton`); a backend that
-  loops over the experts (the CPU emulation) reads them on the host, and its engine decodes eagerly.
+  backend's Triton kernel (:mod:`rlcli.ops.fp8.grouped_triton`); a backend that loops over the
+  experts (the CPU emulation) reads them on the host, and its engine decodes eagerly.
 
 An MoE model's graphs record every row's experts (R3) in every replay (the routed experts' GEMMs are
 torch's grouped GEMM, which reads its offsets on the device); the engine keeps them where asked for.

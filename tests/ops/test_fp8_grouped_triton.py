@@ -1,7 +1,7 @@
 """rlcli.ops.fp8.grouped_triton (the FP8 block-scaled grouped GEMM that reads the group offsets on
 the device) against the emulated reference (dequantize, fp32 matmul): groups empty and ragged, rows
 past the last group, K and N off the 128 grid, each tile height; the tile map without a host sync;
-and the torch backend with it (inference) against the loop over the groups.
+and the torch backend with it (training and inference) against the loop over the groups.
 
 They run on CUDA. Without CUDA, where triton is installed and its interpreter works,
 ``test_under_the_interpreter`` runs this file in a child process on CPU tensors.
@@ -75,34 +75,54 @@ def test_tile_map_cuts_every_group_into_its_own_tiles():
     gt = _kernel()
     counts = [3, 0, 17, 16, 0, 1]
     offs = torch.tensor(counts, device=DEVICE).cumsum(0).to(torch.int32)
-    group, first, ends = gt.tile_map(offs, sum(counts), 16)
-    assert group.shape[0] == -(-sum(counts) // 16) + len(counts)  # fixed by the shapes: a graph holds it
-    real = group < len(counts)
-    assert group[real].tolist() == [0, 2, 2, 3, 5] and first[real].tolist() == [0, 3, 19, 20, 36]
-    assert ends.tolist() == [3, 3, 20, 36, 36, 37]
+    rows = sum(counts) + 3  # three rows past the last group: a tile of their own, group G
+    group, first, ends = gt.tile_map(offs, rows, 16)
+    assert group.shape[0] == -(-rows // 16) + len(counts) + 1  # fixed by the shapes: a graph holds it
+    real = group <= len(counts)
+    assert group[real].tolist() == [0, 2, 2, 3, 5, 6] and first[real].tolist() == [0, 3, 19, 20, 36, 37]
+    assert ends.tolist() == [3, 3, 20, 36, 36, 37, 40]
+
+
+@pytest.mark.parametrize("tile", [(128, 8, 3), (64, 4, 2), (16, 4, 3)])
+def test_every_tile_shape_computes_the_same(tile):
+    """Tiles of 128 rows (eight warps), 64 and 16, forced on the same operands, including rows past
+    the last group (zeroed by their own tiles; the output is not memset)."""
+    gt = _kernel()
+    a, sa, b, sb, offs = _operands([130, 0, 7, 260], 5, 384, 256, seed=3)
+    want = EmulatedBackend().grouped_gemm(a, sa, b, sb, offs, torch.float32)
+    got = gt.grouped_gemm(a, sa, b, sb, offs, torch.float32, tile=tile)
+    tol = 1e-3 if DEVICE == "cuda" else 1e-5
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+    assert (got[397:] == 0).all()
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the torch backend needs SM90")
 @torch.no_grad()
-def test_inference_torch_backend_groups_on_the_device():
-    """make_backend(inference=True) on Hopper: grouped GEMMs through the kernel, no host sync (so the
-    decode graphs hold FP8 experts), equal to the training backend's loop over the groups."""
+def test_torch_backend_groups_on_the_device():
+    """make_backend("torch") on Hopper, for training and inference: grouped GEMMs through the kernel,
+    no host sync (so the decode graphs hold FP8 experts, and an MoE training step does not wait on
+    the host per layer), equal to the loop of scaled_mm over the groups."""
     from rlcli.ops.fp8.backends import make_backend
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("scaled_mm's block scales need SM90")
     infer, train = make_backend("torch", DEVICE, inference=True), make_backend("torch", DEVICE)
-    assert infer.grouped_on_device and not train.grouped_on_device
-    a, sa, b, sb, offs = _operands([2, 0, 5, 1], 0, 256, 512)
-    sa = sa.t().contiguous().t()
-    stream = torch.cuda.Stream()
-    graph = torch.cuda.CUDAGraph()
-    infer.grouped_gemm(a, sa, b, sb, offs, torch.bfloat16)  # compiles outside the capture
-    with torch.cuda.graph(graph, stream=stream):
-        out = infer.grouped_gemm(a, sa, b, sb, offs, torch.bfloat16)
-    graph.replay()
-    want = train.grouped_gemm(a, sa, b, sb, offs, torch.bfloat16)
-    torch.testing.assert_close(out.float(), want.float(), rtol=1e-2, atol=1e-2 * want.abs().max().item())
+    assert infer.grouped_on_device and train.grouped_on_device
+    loop = make_backend("torch", DEVICE)
+    loop.grouped_on_device = False
+    for counts, N, K in (([2, 0, 5, 1], 256, 512), ([700, 0, 300, 1100], 384, 1024)):
+        a, sa, b, sb, offs = _operands(counts, 0, N, K)
+        sa = sa.t().contiguous().t()
+        stream = torch.cuda.Stream()
+        graph = torch.cuda.CUDAGraph()
+        infer.grouped_gemm(a, sa, b, sb, offs, torch.bfloat16)  # compiles outside the capture
+        with torch.cuda.graph(graph, stream=stream):
+            out = infer.grouped_gemm(a, sa, b, sb, offs, torch.bfloat16)
+        graph.replay()
+        want = loop.grouped_gemm(a, sa, b, sb, offs, torch.bfloat16)
+        torch.testing.assert_close(out.float(), want.float(), rtol=1e-2, atol=1e-2 * want.abs().max().item())
+        torch.testing.assert_close(train.grouped_gemm(a, sa, b, sb, offs, torch.bfloat16).float(), want.float(),
+                                   rtol=1e-2, atol=1e-2 * want.abs().max().item())
 
 
 if __name__ == "__main__":

@@ -15,10 +15,10 @@ with the previous call on the same tensor), then ``gemm`` or ``grouped_gemm``.
 ``emulated`` dequantizes and multiplies in fp32: the reference, on any device.
 ``torch`` calls ``torch.nn.functional.scaled_mm`` with ``BlockWise1x128`` x
 ``BlockWise128x128`` (cuBLASLt, Hopper): scale_a column-major ``(M, K/128)`` with stride
-``(1, M)``, scale_b the ``(N/128, K/128)`` block scales transposed. In training its grouped
-GEMM loops over groups (one host sync for the offsets); made for inference (FP8 weights) it runs
-the Triton kernel of :mod:`.grouped_triton` instead, which reads them on the device, and its
-``gemm_x`` of a decode batch (``linear_triton.serves``: up to 32 rows, 64 for most weights) runs
+``(1, M)``, scale_b the ``(N/128, K/128)`` block scales transposed. ``scaled_mm`` has no grouped
+form for block scales: the grouped GEMM runs the Triton kernel of :mod:`.grouped_triton`, which
+reads the offsets on the device (a loop of ``scaled_mm`` over the groups, one host sync for the
+offsets, where triton does not import). Made for inference (FP8 weights), its ``gemm_x`` of a decode batch (``linear_triton.serves``: up to 32 rows, 64 for most weights) runs
 :mod:`.linear_triton` on the quantized rows (two kernels instead of four: no padding), as does
 DeepGEMM's made for inference.
 ``deep_gemm`` calls DeepGEMM's ``fp8_gemm_nt`` and ``m_grouped_fp8_gemm_nt_contiguous``; the
@@ -152,10 +152,10 @@ class TorchScaledMMBackend:
     name = "torch"
 
     def __init__(self, inference: bool = False) -> None:
-        # Inference: grouped GEMMs in rlcli.ops.fp8.grouped_triton (offsets read on the device), else a
-        # loop of scaled_mm over the groups (one host sync; each group padded to 128 rows); and decode
-        # rows through rlcli.ops.fp8.linear_triton.
-        self.grouped_on_device = inference and grouped_triton.available()
+        # Grouped GEMMs in rlcli.ops.fp8.grouped_triton (offsets read on the device), else a loop of
+        # scaled_mm over the groups (one host sync; each group padded to 128 rows); for inference,
+        # decode rows through rlcli.ops.fp8.linear_triton.
+        self.grouped_on_device = grouped_triton.available()
         self.fused_rows = inference and linear_triton.available()
         self._fp32_out = True  # cuBLASLt builds without fp32 output for block scaling fall back to bf16
         self._st = getattr(F, "ScalingType", None) if hasattr(F, "scaled_mm") else None
@@ -232,9 +232,9 @@ class DeepGemmBackend:
 
     @property
     def grouped_on_device(self) -> bool:
-        """The contiguous layout is built on the device, unless that kernel failed here and the
-        grouped GEMMs fell back to scaled_mm's loop."""
-        return "m_grouped_fp8_gemm_nt_contiguous" not in self.failed
+        """The contiguous layout is built on the device; where that kernel failed here, the grouped
+        GEMMs fell back to the torch backend's."""
+        return "m_grouped_fp8_gemm_nt_contiguous" not in self.failed or self.torch.grouped_on_device
 
     def _guarded(self, op: str, kernel, fallback):
         if op in self.failed:
@@ -450,10 +450,10 @@ def _is_sm90(device: torch.device) -> bool:
 def make_backend(name: BackendName = "auto", device: torch.device | str = "cpu",
                  inference: bool = False) -> GemmBackend:
     """The GEMM backend ``name`` for ``device``; ``auto`` prefers deep_gemm, then torch, then emulated.
-    ``inference`` (FP8 weights, the native engine): the torch backend's grouped GEMMs (MoE experts) run
-    in :mod:`rlcli.ops.fp8.grouped_triton`, one kernel reading the offsets on the device, instead of a
-    loop of ``scaled_mm`` over the experts (training keeps the loop); with either kernel backend, a
-    decode batch's linear (:func:`rlcli.ops.fp8.linear_triton.serves`) runs in that module's kernel.
+    The torch backend's grouped GEMMs (MoE experts) run in :mod:`rlcli.ops.fp8.grouped_triton`, one
+    kernel reading the offsets on the device, instead of a loop of ``scaled_mm`` over the experts.
+    ``inference`` (FP8 weights, the native engine): with either kernel backend, a decode batch's
+    linear (:func:`rlcli.ops.fp8.linear_triton.serves`) runs in that module's kernel.
     Raises ValueError naming the config key when a requested backend cannot run here."""
     device = torch.device(device)
     if name in ("auto", "deep_gemm") and device.type == "cuda":
@@ -468,8 +468,9 @@ def make_backend(name: BackendName = "auto", device: torch.device | str = "cpu",
                              "fp8.backend = 'auto'")
     if name in ("auto", "torch") and _is_sm90(device):
         backend = TorchScaledMMBackend(inference=inference)
-        log.info("fp8 GEMM backend: torch scaled_mm (blockwise 1x128 x 128x128)%s",
-                 ", grouped GEMMs and decode rows in Triton" if backend.grouped_on_device else "")
+        log.info("fp8 GEMM backend: torch scaled_mm (blockwise 1x128 x 128x128)%s%s",
+                 ", grouped GEMMs in Triton" if backend.grouped_on_device else "",
+                 ", decode rows in Triton" if backend.fused_rows else "")
         return backend
     if name in ("deep_gemm", "torch"):
         raise ValueError(f"fp8.backend = {name!r} needs a Hopper (SM90) CUDA device, got {device}; "

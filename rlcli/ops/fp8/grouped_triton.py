@@ -9,11 +9,19 @@ the native engine (inference, :func:`rlcli.ops.fp8.backends.make_backend` with `
 that loop kept FP8 MoE models out of the decode graphs and launched ``experts x 3`` GEMMs a layer.
 
 Each program computes a ``BM x 128`` tile of one group's rows: the rows are cut into tiles per
-group on the device (tiles never straddle two groups), up to ``ceil(M / BM) + G`` tiles (a bound
-fixed by the shapes alone, so a CUDA graph holds it), and tiles past the groups' own return at
-once. Along K the program takes one 128-wide block at a time: ``dot(a_blk, b_blk^T)`` in fp32,
-times the rows' scales and the weight block's scale, summed over the blocks, the order
-DeepGEMM's kernels accumulate in. Rows that belong to no group are zero.
+group on the device (tiles never straddle two groups), up to ``ceil(M / BM) + G + 1`` tiles (a
+bound fixed by the shapes alone, so a CUDA graph holds it), and tiles past the groups' own return
+at once. Along K the program takes one 128-wide block at a time: ``dot(a_blk, b_blk^T)`` in fp32,
+times the row's scale times the weight block's scale, summed over the blocks, the order
+DeepGEMM's kernels accumulate in. Rows that belong to no group are zero, written by tiles of
+their own (the output is not memset first).
+
+The tile follows the rows per group (:func:`block_m`): 16 to 64 rows by 128 columns. The programs
+are numbered column block first, so the programs running at once share a few row tiles (read from
+L2 once per column block) and one group's weight. The same kernel serves training's grouped GEMMs
+(forward and input gradient) where DeepGEMM does not run; on an H100 it ran at 0.40-0.81x bf16
+``grouped_mm``'s TFLOP/s (six expert shapes), against 0.04-0.34x for the loop of ``scaled_mm`` it
+replaced (docs/benchmarks.md).
 
 ``model.batch_invariant`` runs its own grouped kernel instead
 (:func:`rlcli.ops.invariant_kernels.fp8_grouped_mm`): fixed 128-row tiles over the batch's rows, each
@@ -38,7 +46,8 @@ def available() -> bool:
 
 def block_m(rows: int, groups: int) -> int:
     """Rows per tile: 16 (``tl.dot``'s least) where the groups average at most 16 rows (decode
-    batches over many experts), up to 64 for larger groups."""
+    batches over many experts), up to 64 for larger groups. On an H100, 128-row tiles with eight
+    warps were no faster on training's groups (docs/benchmarks.md, thirty-fourth session)."""
     per_group = rows / max(groups, 1)
     return 16 if per_group <= 16 else 32 if per_group <= 32 else 64
 
@@ -49,63 +58,73 @@ if triton is not None:
     def _grouped_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, tile_group_ptr, tile_row_ptr, ends_ptr,
                         N, K, G, stride_am, stride_sam, stride_sak, stride_bg, stride_bn, stride_sbg, stride_sbn,
                         stride_om, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        g = tl.load(tile_group_ptr + tl.program_id(0))
-        if g >= G:  # a tile past every group's own
+        pid = tl.program_id(0)
+        NB = tl.cdiv(N, BN)
+        tile = pid // NB
+        nb = pid % NB
+        g = tl.load(tile_group_ptr + tile)
+        if g > G:  # a tile past every group's own
             return
-        row0 = tl.load(tile_row_ptr + tl.program_id(0))
+        row0 = tl.load(tile_row_ptr + tile)
         end = tl.load(ends_ptr + g)
         rows = row0 + tl.arange(0, BM)
         rmask = rows < end
-        nb = tl.program_id(1)
         cols = nb * BN + tl.arange(0, BN)
         cmask = cols < N
+        if g == G:  # rows past the last group: zeros
+            tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :],
+                     tl.zeros((BM, BN), dtype=out_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+            return
         ks = tl.arange(0, BK)
+        a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :]
+        b_ptrs = b_ptr + g * stride_bg + cols[:, None] * stride_bn + ks[None, :]
+        sa_ptrs = sa_ptr + rows * stride_sam
+        sb_ptrs = sb_ptr + g * stride_sbg + nb * stride_sbn
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for kb in range(0, tl.cdiv(K, BK)):
-            kk = kb * BK + ks
-            kmask = kk < K
-            a = tl.load(a_ptr + rows[:, None] * stride_am + kk[None, :], mask=rmask[:, None] & kmask[None, :],
-                        other=0.0)
-            b = tl.load(b_ptr + g * stride_bg + cols[:, None] * stride_bn + kk[None, :],
-                        mask=cmask[:, None] & kmask[None, :], other=0.0)
-            sa = tl.load(sa_ptr + rows * stride_sam + kb * stride_sak, mask=rmask, other=0.0)
-            sb = tl.load(sb_ptr + g * stride_sbg + nb * stride_sbn + kb)
-            acc += tl.dot(a, tl.trans(b)) * sa[:, None] * sb
+            kmask = kb * BK + ks < K
+            a = tl.load(a_ptrs + kb * BK, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            b = tl.load(b_ptrs + kb * BK, mask=cmask[:, None] & kmask[None, :], other=0.0)
+            # the row's scale times the block's first, as DeepGEMM promotes: one FMA per element
+            scale = tl.load(sa_ptrs + kb * stride_sak, mask=rmask, other=0.0) * tl.load(sb_ptrs + kb)
+            acc += tl.dot(a, tl.trans(b)) * scale[:, None]
         tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=rmask[:, None] & cmask[None, :])
 
 
 def tile_map(offs_G: torch.Tensor, rows: int, bm: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(group of each tile, its first row, each group's row end) as int64 device tensors, for
-    ``ceil(rows / bm) + G`` tiles; a tile past the groups' own has group ``G``. No host sync."""
+    ``ceil(rows / bm) + G + 1`` tiles. The rows past the last group are group ``G`` (ending at
+    ``rows``); a tile past them all has group ``G + 1``. No host sync."""
     G = offs_G.shape[0]
-    ends = offs_G.to(torch.int64)
+    ends = torch.cat([offs_G.to(torch.int64), offs_G.new_full((1,), rows, dtype=torch.int64)])
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
     tiles = (counts + bm - 1) // bm
     tile_end = torch.cumsum(tiles, 0)
-    t = torch.arange(-(-rows // bm) + G, device=offs_G.device)
+    t = torch.arange(-(-rows // bm) + G + 1, device=offs_G.device)
     group = torch.searchsorted(tile_end, t, right=True)
-    g = group.clamp(max=G - 1)
+    g = group.clamp(max=G)
     first = (ends - counts)[g] + (t - (tile_end - tiles)[g]) * bm
     return group, first, ends
 
 
 def grouped_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, offs: torch.Tensor,
-                 out_dtype: torch.dtype) -> torch.Tensor:
+                 out_dtype: torch.dtype, tile: tuple[int, int, int] | None = None) -> torch.Tensor:
     """``a [M, K]`` FP8 rows sorted by group with 1x128 scales ``sa [M, K/128]`` (any strides),
     ``b [G, N, K]`` FP8 with 128x128 scales ``sb [G, N/128, K/128]``, ``offs [G]`` cumulative row
-    ends -> ``[M, N]`` in ``out_dtype`` (module docstring)."""
+    ends -> ``[M, N]`` in ``out_dtype`` (module docstring). ``tile``: ``(BM, num_warps, num_stages)``
+    in place of ``(block_m(M, G), 4, 3)``."""
     M, K = a.shape
     G, N, _ = b.shape
-    out = torch.zeros(M, N, dtype=out_dtype, device=a.device)
     if M == 0 or G == 0:
-        return out
+        return torch.zeros(M, N, dtype=out_dtype, device=a.device)
+    out = torch.empty(M, N, dtype=out_dtype, device=a.device)
     a = a if a.stride(1) == 1 else a.contiguous()
     b, sb = b.contiguous(), sb.contiguous()
-    bm = block_m(M, G)
+    bm, warps, stages = tile or (block_m(M, G), 4, 3)
     group, first, ends = tile_map(offs, M, bm)
-    grid = (group.shape[0], triton.cdiv(N, BLOCK))
+    grid = (group.shape[0] * triton.cdiv(N, BLOCK),)
     _grouped_kernel[grid](a, sa, b, sb, out, group, first, ends, N, K, G, a.stride(0), sa.stride(0), sa.stride(1),
                           b.stride(0), b.stride(1), sb.stride(0), sb.stride(1), out.stride(0),
-                          BM=bm, BN=BLOCK, BK=BLOCK, num_warps=4, num_stages=3)
+                          BM=bm, BN=BLOCK, BK=BLOCK, num_warps=warps, num_stages=stages)
     return out
