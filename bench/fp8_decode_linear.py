@@ -14,6 +14,8 @@ DeepSeek-V3 (hidden 7168):
   bf16      ``F.linear`` on the bf16 weight
   q+f       the activation quantized by its own kernel (``kernels.quantize_act``), then the fused
             kernel reading the FP8 rows (``linear(..., xs=...)``): no quantization redone per tile
+  q+f1      the same unsplit along K (past 64 rows the row tiles alone may fill the GPU)
+  q+g       the activation quantized, then the grouped kernel (rlcli.ops.fp8.grouped_triton) with one group
 
 Each arm is captured in a CUDA graph of ``--calls`` back-to-back calls and the graph replayed, as
 the engine's decode graphs run them, so the figure is device time with no launch overhead (the
@@ -33,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _timing import graph_us  # noqa: E402
 
-from rlcli.ops.fp8 import linear_triton  # noqa: E402
+from rlcli.ops.fp8 import grouped_triton, linear_triton  # noqa: E402
 from rlcli.ops.fp8.backends import TorchScaledMMBackend  # noqa: E402
 from rlcli.ops.fp8.kernels import quantize_act  # noqa: E402
 from rlcli.ops.fp8.quant import quantize_128x128  # noqa: E402
@@ -58,7 +60,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rows", default="1,16,64", help="comma-separated decode batch sizes (<= 64)")
+    ap.add_argument("--rows", default="1,16,64", help="comma-separated decode batch sizes")
     ap.add_argument("--calls", type=int, default=50, help="calls per captured graph")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--sweep", action="store_true", help="also time every tile width BN (K unsplit) and K split "
@@ -75,7 +77,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}; us per call, {args.calls} calls a graph; ratios: x/fused; "
           "sk: the K splits the fused arm chose")
     head = (f"{'shape':34s} {'M':>3s} {'bf16':>7s} {'base':>7s} {'fused':>7s} {'sk':>3s} {'base/f':>7s} {'bf16/f':>7s} "
-            f"{'err':>8s} {'q+f':>7s}")
+            f"{'err':>8s} {'q+f':>7s} {'q+f1':>7s} {'q+g':>7s}")
     print(head + "".join(f" {'BN' + str(w):>7s}" for w in widths) + "".join(f" {'SK' + str(k):>7s}" for k in splits))
     totals = {m: [0.0, 0.0, 0.0] for m in rows}
     for name, N, K in SHAPES:
@@ -99,11 +101,23 @@ def main() -> None:
                 xq, xs = quantize_act(x, False)
                 return linear_triton.linear(xq, wq, ws, False, torch.bfloat16, xs=xs)
 
+            def prequantized_unsplit():
+                xq, xs = quantize_act(x, False)
+                return linear_triton.linear(xq, wq, ws, False, torch.bfloat16, xs=xs, splits=1)
+
+            one = torch.tensor([m], dtype=torch.int32, device=dev)
+
+            def grouped():
+                xq, xs = quantize_act(x, False)
+                return grouped_triton.grouped_gemm(xq, xs, wq[None], ws[None], one, torch.bfloat16)
+
             t_preq = graph_us(prequantized, args.calls, args.replays)
+            t_preq1 = graph_us(prequantized_unsplit, args.calls, args.replays)
+            t_grp = graph_us(grouped, args.calls, args.replays)
             for i, t in enumerate((t_bf16, t_base, t_fused)):
                 totals[m][i] += t
             print(f"{name:34s} {m:3d} {t_bf16:7.2f} {t_base:7.2f} {t_fused:7.2f} {sk:3d} {t_base / t_fused:6.2f}x "
-                  f"{t_bf16 / t_fused:6.2f}x {err:8.1e} {t_preq:7.2f}" + "".join(f" {t:7.2f}" for t in sweep),
+                  f"{t_bf16 / t_fused:6.2f}x {err:8.1e} {t_preq:7.2f} {t_preq1:7.2f} {t_grp:7.2f}" + "".join(f" {t:7.2f}" for t in sweep),
                   flush=True)
     for m, (b16, base, fused) in totals.items():
         print(f"all shapes, M={m}: bf16 {b16:.1f} us, baseline {base:.1f} us, fused {fused:.1f} us: "

@@ -256,6 +256,7 @@ class KernelGemm:
     gradient) runs the invariant ``fp8_mm`` kernel on CUDA; everything else is the wrapped one's."""
 
     fused_rows = False  # decode rows too go through the quantization and the invariant gemm
+    row_align = 1  # its kernel takes any rows (not inner's padding)
 
     def __init__(self, inner) -> None:
         self.inner = inner

@@ -3,7 +3,8 @@ Triton's interpreter (``TRITON_INTERPRET=1``, in a child process: the interprete
 kernels are defined). Skipped where triton does not import (CI); the torch path is tested in test_fp8.py.
 
 Checked: 1x128 rows, the transposed 1x128 (x^T along tokens) and both in one pass; rows stored
-to mapped rows of a padded buffer (the grouped MoE layout); 128x128 blocks
+to mapped rows of a padded buffer (the grouped MoE layout); zero rows appended to 128 in the
+same pass (scaled_mm's tiles); 128x128 blocks
 and their transpose, 2-D and stacked experts; fp32 and bf16 inputs, ragged shapes, UE8M0; every
 e4m3 value, every rounding midpoint and its neighbours, subnormals and signed zeros; and the FP8
 linear and grouped GEMM run through the Triton path give the same outputs and gradients as
@@ -70,6 +71,15 @@ def _main() -> None:
             q, s = runtime.quantize_rows_to(x, ue8m0, row_map, 520)
             assert q.shape == (520, 200) and s.shape == (520, 2) and s.stride() == (1, 520), impl
             same(q[row_map], r[0], f"mapped q {impl}"), same(s[row_map], r[1], f"mapped s {impl}")
+    # zero rows appended in the quantizing pass (scaled_mm's 128-row tiles): the reference of x padded
+    # with zero rows, both paths (the kernel's scales column-major over the padded rows)
+    for ue8m0 in (False, True):
+        r = quant.quantize_1x128(torch.nn.functional.pad(x, (0, 0, 0, 84)), ue8m0)
+        for impl in ("torch", "triton"):
+            runtime.IMPL["name"] = impl
+            q, s = runtime.quantize_act(x, ue8m0, rows_to=384)
+            assert q.shape == (384, 200) and (impl == "torch" or s.stride() == (1, 384)), impl
+            same(q, r[0], f"padded q {impl}"), same(s, r[1], f"padded s {impl}")
     runtime.IMPL["name"] = "auto"
     w = torch.randn(3, 200, 300, generator=g).bfloat16()
     (q, s), (qt, st) = kernels.quantize_weight(w, False, transposed=True)

@@ -55,8 +55,10 @@ def test_the_fused_quantization_is_the_reference_bit_for_bit(ue8m0):
             assert torch.equal(got, want), (got - want).abs().max()
 
 
-# (rows, N, K): one row (a single decode), each tile height, N and K off the 128 grid
-CASES = [(1, 256, 256), (5, 96, 200), (16, 384, 128), (17, 130, 384), (40, 256, 640), (64, 512, 256)]
+# (rows, N, K): one row (a single decode), each tile height, N and K off the 128 grid, and rows over
+# several 64-row tiles
+CASES = [(1, 256, 256), (5, 96, 200), (16, 384, 128), (17, 130, 384), (40, 256, 640), (64, 512, 256),
+         (130, 256, 384)]
 
 
 @pytest.mark.parametrize("M,N,K", CASES)
@@ -130,6 +132,32 @@ def test_cpu_rows_quantize_then_gemm():
     assert be.calls == 1 and y.shape == (2, 3, 128)
     torch.testing.assert_close(y, EmulatedBackend().gemm(*quant.quantize_1x128(x.view(6, 256)), w, ws,
                                                          torch.float32).view(2, 3, 128))
+
+
+class _Aligned(_Counting):
+    """A backend whose GEMM wants whole 128-row tiles, as scaled_mm's (``row_align``)."""
+
+    fused_rows = False
+    row_align = 128
+    shapes: list
+
+    def gemm(self, a, sa, b, sb, out_dtype):
+        assert a.shape[0] % 128 == 0 and sa.shape[0] == a.shape[0], (a.shape, sa.shape)
+        self.shapes = [*getattr(self, "shapes", []), a.shape[0]]
+        return super().gemm(a, sa, b, sb, out_dtype)
+
+
+def test_rows_are_quantized_into_whole_tiles_where_the_gemm_wants_them():
+    """gemm_x of 3 or 192 rows through a backend with row_align 128: the quantization appends the
+    zero rows (no pad copies in gemm), the output is the rows asked for, equal to the unpadded
+    product; 256 rows take no padding."""
+    be = _Aligned()
+    w, ws = quant.quantize_128x128(torch.randn(128, 256))
+    for rows, padded in ((3, 128), (192, 256), (256, 256)):
+        x = torch.randn(rows, 256)
+        y = gemm_x(be, x, False, w, ws, torch.float32)
+        assert y.shape == (rows, 128) and be.shapes[-1] == padded
+        torch.testing.assert_close(y, EmulatedBackend().gemm(*quant.quantize_1x128(x), w, ws, torch.float32))
 
 
 def test_the_invariant_wrapper_keeps_its_own_gemm():

@@ -78,10 +78,10 @@ def test_the_sampling_kernel_compiles(dtype):
 def test_the_fp8_grouped_gemm_compiles(bm, out):
     """FP8 operands (e4m3) into Hopper's FP8 tensor-core dot, at each tile height block_m picks."""
     types = {"a_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "b_ptr": "*fp8e4nv", "sb_ptr": "*fp32", "out_ptr": f"*{out}",
-             "tile_group_ptr": "*i64", "tile_row_ptr": "*i64", "ends_ptr": "*i64",
-             **ints("N", "K", "G", "stride_am", "stride_sam", "stride_sak", "stride_bg", "stride_bn", "stride_sbg",
-                    "stride_sbn", "stride_om")}
-    compile_for_hopper(grouped_triton._grouped_kernel, types, {"BM": bm, "BN": 128, "BK": 128}, 4, 3)
+             "offs_ptr": "*i32",
+             **ints("M", "N", "K", "G", "stride_am", "stride_sam", "stride_sak", "stride_bg", "stride_bn",
+                    "stride_sbg", "stride_sbn", "stride_om")}
+    compile_for_hopper(grouped_triton._grouped_kernel, types, {"BM": bm, "BN": 128, "BK": 128, "GP": 256}, 4, 3)
 
 
 @pytest.mark.parametrize("bm", [16, 32, 64])

@@ -150,6 +150,7 @@ class TorchScaledMMBackend:
     """``torch.nn.functional.scaled_mm`` with DeepSeek-style block scales (cuBLASLt on SM90)."""
 
     name = "torch"
+    row_align = BLOCK  # cuBLASLt has no algorithm for ragged M: gemm pads the rows to 128 (gemm_x quantizes them so)
 
     def __init__(self, inference: bool = False) -> None:
         # Grouped GEMMs in rlcli.ops.fp8.grouped_triton (offsets read on the device), else a loop of
@@ -170,7 +171,7 @@ class TorchScaledMMBackend:
 
     def gemm(self, a, sa, b, sb, out_dtype):
         kb = sb.shape[1]
-        sbp = F.pad(sb, (0, (-kb) % 4), value=1.0)  # cuBLASLt wants the K-block count rounded up to 4
+        sbp = F.pad(sb, (0, (-kb) % 4), value=1.0) if kb % 4 else sb  # cuBLASLt wants the K-block count rounded up to 4
         M, N = a.shape[0], b.shape[0]
         # Rows of both to multiples of 128: cuBLASLt found no algorithm for ragged M (expert groups)
         # on the H200, and refused N = 96 (CUBLAS_STATUS_NOT_SUPPORTED; a 96-wide MoE expert).
@@ -399,13 +400,15 @@ def gemm_x(backend: GemmBackend, x, ue8m0: bool, b, sb, out_dtype):
     """``x [..., K]`` times the 128x128-block ``b [N, K]`` -> ``[..., N]``: ``x``'s 1x128 quantization
     (shared with the previous call on the same tensor), then, with ``backend.fused_rows``, a CUDA
     batch that :func:`rlcli.ops.fp8.linear_triton.serves` through its kernel, any other through
-    ``backend.gemm``."""
+    ``backend.gemm``. Where the backend's GEMM wants whole 128-row tiles (``row_align``, scaled_mm),
+    the quantization appends the zero rows in the same pass, so ``gemm`` copies nothing to pad."""
     x2 = x.reshape(-1, x.shape[-1])
-    (xq, xs), _ = runtime.quantize_input(x, ue8m0, cols=False)
-    if getattr(backend, "fused_rows", False) and x.is_cuda and linear_triton.serves(*x2.shape, b.shape[0]):
-        y = linear_triton.linear(xq, b, sb, ue8m0, out_dtype, xs=xs)
+    M, align = x2.shape[0], getattr(backend, "row_align", 1)
+    (xq, xs), _ = runtime.quantize_input(x, ue8m0, cols=False, rows_to=ceil_div(M, align) * align)
+    if getattr(backend, "fused_rows", False) and x.is_cuda and linear_triton.serves(M, x2.shape[1], b.shape[0]):
+        y = linear_triton.linear(xq[:M], b, sb, ue8m0, out_dtype, xs=xs[:M])
     else:
-        y = backend.gemm(xq, xs, b, sb, out_dtype)
+        y = backend.gemm(xq, xs, b, sb, out_dtype)[:M]
     return y.view(*x.shape[:-1], y.shape[-1])
 
 

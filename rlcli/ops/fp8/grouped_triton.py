@@ -9,9 +9,13 @@ the native engine (inference, :func:`rlcli.ops.fp8.backends.make_backend` with `
 that loop kept FP8 MoE models out of the decode graphs and launched ``experts x 3`` GEMMs a layer.
 
 Each program computes a ``BM x 128`` tile of one group's rows: the rows are cut into tiles per
-group on the device (tiles never straddle two groups), up to ``ceil(M / BM) + G + 1`` tiles (a
-bound fixed by the shapes alone, so a CUDA graph holds it), and tiles past the groups' own return
-at once. Along K the program takes one 128-wide block at a time: ``dot(a_blk, b_blk^T)`` in fp32,
+group (tiles never straddle two groups), up to ``ceil(M / BM) + G + 1`` tiles (a bound fixed by
+the shapes alone, so a CUDA graph holds it), and tiles past the groups' own return at once. Each
+program finds its tile from the offsets itself (the groups' tile counts, their running sum, and
+the group whose tiles hold its own: a few vector operations over the ``G`` offsets), so the
+launch is one kernel. Worked out by torch operations beforehand, the same map took some 18 small
+kernels: on an H100, in a CUDA graph, a one-group grouped GEMM of 64 rows then took 34.6 µs where
+the decode linear kernel took 5.9 on the same rows (docs/benchmarks.md, thirty-fourth session). Along K the program takes one 128-wide block at a time: ``dot(a_blk, b_blk^T)`` in fp32,
 times the row's scale times the weight block's scale, summed over the blocks, the order
 DeepGEMM's kernels accumulate in. Rows that belong to no group are zero, written by tiles of
 their own (the output is not memset first).
@@ -55,18 +59,27 @@ def block_m(rows: int, groups: int) -> int:
 if triton is not None:
 
     @triton.jit
-    def _grouped_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, tile_group_ptr, tile_row_ptr, ends_ptr,
-                        N, K, G, stride_am, stride_sam, stride_sak, stride_bg, stride_bn, stride_sbg, stride_sbn,
-                        stride_om, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    def _grouped_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, offs_ptr, M, N, K, G, stride_am, stride_sam,
+                        stride_sak, stride_bg, stride_bn, stride_sbg, stride_sbn, stride_om,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GP: tl.constexpr):
         pid = tl.program_id(0)
         NB = tl.cdiv(N, BN)
         tile = pid // NB
         nb = pid % NB
-        g = tl.load(tile_group_ptr + tile)
+        # The tile map, from the offsets (module docstring): group gi holds rows starts[gi]:ends[gi]; group G
+        # the rows past the last one (to M); the padding groups past it are empty.
+        gi = tl.arange(0, GP)
+        ends = tl.where(gi < G, tl.load(offs_ptr + gi, mask=gi < G, other=0), M)
+        starts = tl.where(gi == 0, 0, tl.where(gi <= G, tl.load(offs_ptr + gi - 1, mask=(gi >= 1) & (gi <= G),
+                                                                other=0), M))
+        tiles = (ends - starts + BM - 1) // BM
+        tile_end = tl.cumsum(tiles, 0)
+        g = tl.sum((tile_end <= tile).to(tl.int32), 0)  # the group whose tiles hold this one
         if g > G:  # a tile past every group's own
             return
-        row0 = tl.load(tile_row_ptr + tile)
-        end = tl.load(ends_ptr + g)
+        mine = gi == g
+        row0 = tl.sum(tl.where(mine, starts + (tile - (tile_end - tiles)) * BM, 0), 0).to(tl.int64)
+        end = tl.sum(tl.where(mine, ends, 0), 0)
         rows = row0 + tl.arange(0, BM)
         rmask = rows < end
         cols = nb * BN + tl.arange(0, BN)
@@ -92,20 +105,10 @@ if triton is not None:
                  mask=rmask[:, None] & cmask[None, :])
 
 
-def tile_map(offs_G: torch.Tensor, rows: int, bm: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(group of each tile, its first row, each group's row end) as int64 device tensors, for
-    ``ceil(rows / bm) + G + 1`` tiles. The rows past the last group are group ``G`` (ending at
-    ``rows``); a tile past them all has group ``G + 1``. No host sync."""
-    G = offs_G.shape[0]
-    ends = torch.cat([offs_G.to(torch.int64), offs_G.new_full((1,), rows, dtype=torch.int64)])
-    counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    tiles = (counts + bm - 1) // bm
-    tile_end = torch.cumsum(tiles, 0)
-    t = torch.arange(-(-rows // bm) + G + 1, device=offs_G.device)
-    group = torch.searchsorted(tile_end, t, right=True)
-    g = group.clamp(max=G)
-    first = (ends - counts)[g] + (t - (tile_end - tiles)[g]) * bm
-    return group, first, ends
+def tiles(rows: int, groups: int, bm: int) -> int:
+    """How many tiles the grid holds: ``ceil(rows / bm) + groups + 1``, enough for every group's own,
+    the rows past the last group, and none straddling two (a bound fixed by the shapes alone)."""
+    return -(-rows // bm) + groups + 1
 
 
 def grouped_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, offs: torch.Tensor,
@@ -120,11 +123,11 @@ def grouped_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.T
         return torch.zeros(M, N, dtype=out_dtype, device=a.device)
     out = torch.empty(M, N, dtype=out_dtype, device=a.device)
     a = a if a.stride(1) == 1 else a.contiguous()
-    b, sb = b.contiguous(), sb.contiguous()
+    b, sb, offs = b.contiguous(), sb.contiguous(), offs.contiguous()
     bm, warps, stages = tile or (block_m(M, G), 4, 3)
-    group, first, ends = tile_map(offs, M, bm)
-    grid = (group.shape[0] * triton.cdiv(N, BLOCK),)
-    _grouped_kernel[grid](a, sa, b, sb, out, group, first, ends, N, K, G, a.stride(0), sa.stride(0), sa.stride(1),
+    grid = (tiles(M, G, bm) * triton.cdiv(N, BLOCK),)
+    _grouped_kernel[grid](a, sa, b, sb, out, offs, M, N, K, G, a.stride(0), sa.stride(0), sa.stride(1),
                           b.stride(0), b.stride(1), sb.stride(0), sb.stride(1), out.stride(0),
-                          BM=bm, BN=BLOCK, BK=BLOCK, num_warps=warps, num_stages=stages)
+                          BM=bm, BN=BLOCK, BK=BLOCK, GP=triton.next_power_of_2(G + 1), num_warps=warps,
+                          num_stages=stages)
     return out

@@ -80,7 +80,7 @@ if triton is not None:
         return y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
 
     @triton.jit
-    def _quant_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, map_ptr, M, K,
+    def _quant_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, map_ptr, M, MO, K,
                       sxb, sxm, sxk, sqb, sqm, ssb, ssm, ssk, sqtb, sqtk, sstb, sstk, sstm,
                       BM: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, BLOCK2D: tl.constexpr,
                       UE8M0: tl.constexpr, MAPPED: tl.constexpr, HW_CAST: tl.constexpr):
@@ -108,8 +108,9 @@ if triton is not None:
                 if MAPPED:  # row m of x goes to row map[m] of q and s (a padded grouped layout)
                     rq = tl.load(map_ptr + rm, mask=rm < M, other=0)
                     q_ptrs = q_ptr + b * sqb + rq[:, None] * sqm + rk[None, :]
-                tl.store(q_ptrs, _to_e4m3(x, r[:, None], HW_CAST), mask=mask)
-                tl.store(s_ptr + b * ssb + rq * ssm + pid_k * ssk, s, mask=rm < M)
+                # rows M..MO (zero rows appended, ROW unmapped only): q 0 with the floor's scale
+                tl.store(q_ptrs, _to_e4m3(x, r[:, None], HW_CAST), mask=(rm[:, None] < MO) & (rk[None, :] < K))
+                tl.store(s_ptr + b * ssb + rq * ssm + pid_k * ssk, s, mask=rm < MO)
             if COL:
                 st, rt = _scale(tl.max(ax, 0), UE8M0)
                 tl.store(qt_ptrs, _to_e4m3(x, rt[None, :], HW_CAST), mask=mask)
@@ -147,13 +148,17 @@ def quantize_act(x: torch.Tensor, ue8m0: bool = False, rows: bool = True, cols: 
     Returns ``(q [M, K], s [M, K/128] column-major)`` and/or ``(qt [K, M], st [K, M/128]
     column-major)``: the values of ``quant.quantize_1x128(x)`` and ``quant.quantize_1x128(x.t())``.
     With ``row_map`` (int64 [M], rows only) row m is written to row ``row_map[m]`` of ``q [rows_out, K]``
-    and ``s [rows_out, K/128]`` (column-major); rows no one maps to are left unwritten."""
+    and ``s [rows_out, K/128]`` (column-major); rows no one maps to are left unwritten. Without it,
+    ``rows_out > M`` (rows only) appends zero rows: ``quant.quantize_1x128`` of ``x`` padded with
+    ``rows_out - M`` rows of zeros, in the same pass."""
     assert x.dim() == 2 and (rows or cols) and (row_map is None or (rows and not cols))
+    assert rows_out <= x.shape[0] or row_map is not None or not cols, "zero rows are appended to rows only"
     M, K = x.shape
     dev = x.device
     Kb = ceil_div(K, BLOCK)
     q = s = qt = st = dummy = _dummy(dev)
-    R = rows_out if row_map is not None else M
+    R = rows_out if row_map is not None else max(M, rows_out)
+    MO = R if row_map is None and rows else M
     if rows:
         q = torch.empty(R, K, dtype=FP8_DTYPE, device=dev)
         s = torch.empty_strided((R, Kb), (1, R), device=dev)
@@ -161,9 +166,9 @@ def quantize_act(x: torch.Tensor, ue8m0: bool = False, rows: bool = True, cols: 
         qt = torch.empty(K, M, dtype=FP8_DTYPE, device=dev)
         st = torch.empty_strided((K, ceil_div(M, BLOCK)), (1, K), device=dev)
     BM, warps = LAUNCH["both" if rows and cols else "rows" if rows else "cols"]
-    grid = (ceil_div(M, BM), Kb, 1)
-    if M and K:
-        _quant_kernel[grid](x, q, s, qt, st, dummy if row_map is None else row_map, M, K,
+    grid = (ceil_div(MO, BM), Kb, 1)
+    if MO and K:
+        _quant_kernel[grid](x, q, s, qt, st, dummy if row_map is None else row_map, M, MO, K,
                             0, x.stride(0), x.stride(1), 0, K, 0, 1 if rows else 0, R if rows else 0,
                             0, M, 0, 1 if cols else 0, K if cols else 0,
                             BM=BM, ROW=rows, COL=cols, BLOCK2D=False, UE8M0=ue8m0, MAPPED=row_map is not None,
@@ -185,7 +190,7 @@ def quantize_weight(w: torch.Tensor, ue8m0: bool = False, transposed: bool = Fal
     s = torch.empty(E, Nb, Kb, device=dev)
     qt = torch.empty(E, K, N, dtype=FP8_DTYPE, device=dev) if transposed else _dummy(dev)
     if E and N and K:
-        _quant_kernel[(Nb, Kb, E)](w3, q, s, qt, s, s, N, K, *w3.stride(), N * K, K, *s.stride(), K * N, N, 0, 0, 0,
+        _quant_kernel[(Nb, Kb, E)](w3, q, s, qt, s, s, N, N, K, *w3.stride(), N * K, K, *s.stride(), K * N, N, 0, 0, 0,
                                    BM=128, ROW=False, COL=transposed, BLOCK2D=True, UE8M0=ue8m0, MAPPED=False,
                                    HW_CAST=_HW_CAST, num_warps=LAUNCH["weight"][1])
     squeeze = (lambda t: t[0]) if w.dim() == 2 else (lambda t: t)

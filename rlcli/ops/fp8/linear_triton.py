@@ -45,8 +45,6 @@ try:
 except (ImportError, OSError):  # CPU CI: no triton
     triton = tl = None
 
-MAX_ROWS = 64
-"""The most rows :func:`linear` takes (``BM`` up to 64)."""
 SERVED = ((32, 1 << 62), (64, 1 << 26))
 """The batches the backends send here (:func:`serves`): (most rows, weights of fewer elements)."""
 
@@ -134,7 +132,7 @@ if triton is not None:
 
 def linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, ue8m0: bool, out_dtype: torch.dtype,
            bn: int | None = None, splits: int | None = None, xs: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [M, K]`` (M <= :data:`MAX_ROWS`, any float dtype) quantized in 1x128 tiles, times ``w [N, K]``
+    """``x [M, K]`` (any float dtype; tiles of up to 64 rows) quantized in 1x128 tiles, times ``w [N, K]``
     FP8 with 128x128 scales ``ws [ceil(N/128), ceil(K/128)]`` -> ``[M, N]`` in ``out_dtype``
     (module docstring). ``bn`` overrides :func:`block_n` (a divisor of 128, at least 16), ``splits``
     :func:`split_k`: with more than one, each program sums its share of K's blocks into an fp32
@@ -142,7 +140,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, ue8m0: bool, out_
     ``[M, ceil(K/128)]``, any strides), ``x`` is already quantized and is read as it is."""
     M, K = x.shape
     N = w.shape[0]
-    assert M <= MAX_ROWS and w.shape[1] == K, (x.shape, w.shape)
+    assert w.shape[1] == K, (x.shape, w.shape)
     out = torch.empty(M, N, dtype=out_dtype, device=x.device)
     if M == 0 or N == 0:
         return out

@@ -67,13 +67,16 @@ def _triton_failed(e: Exception) -> None:
     IMPL["name"], IMPL["failed"] = "torch", f"{type(e).__name__}: {str(e)[:200]}"
 
 
-def quantize_act(x_MK: torch.Tensor, ue8m0: bool, rows: bool = True, cols: bool = False):
-    """1x128 tiles of ``x`` along K (``rows``) and of ``x^T`` along M (``cols``); both -> a pair of pairs."""
+def quantize_act(x_MK: torch.Tensor, ue8m0: bool, rows: bool = True, cols: bool = False, rows_to: int = 0):
+    """1x128 tiles of ``x`` along K (``rows``) and of ``x^T`` along M (``cols``); both -> a pair of pairs.
+    ``rows_to`` (rows only): zero rows appended up to that many, in the same pass."""
     if use_triton(x_MK):
         try:
-            return kernels.quantize_act(x_MK, ue8m0, rows, cols)
+            return kernels.quantize_act(x_MK, ue8m0, rows, cols, rows_out=rows_to)
         except Exception as e:  # noqa: BLE001 -- any compile/launch error; see _triton_failed
             _triton_failed(e)
+    if rows_to > x_MK.shape[0]:
+        x_MK = torch.nn.functional.pad(x_MK, (0, 0, 0, rows_to - x_MK.shape[0]))
     r = quant.quantize_1x128(x_MK, ue8m0) if rows else None
     c = quant.quantize_1x128(x_MK.t(), ue8m0) if cols else None
     return (r, c) if rows and cols else (r if rows else c)
@@ -172,15 +175,16 @@ class _LastInput:
         self.key: tuple | None = None
         self.value = None
 
-    def get(self, x: torch.Tensor, ue8m0: bool, cols: bool):
-        """``((q, s), (qt, st) or None)`` of ``x`` flattened to ``[M, K]``."""
+    def get(self, x: torch.Tensor, ue8m0: bool, cols: bool, rows_to: int = 0):
+        """``((q, s), (qt, st) or None)`` of ``x`` flattened to ``[M, K]`` (``q, s`` with zero rows
+        appended up to ``rows_to``; not with ``cols``)."""
         x2 = x.reshape(-1, x.shape[-1])
         if x.is_inference():  # no version counter (torch.inference_mode): nothing to key a reuse on
-            return quantize_act(x2, ue8m0, True, True) if cols else (quantize_act(x2, ue8m0), None)
-        key = (x._version, ue8m0, tuple(x.shape))
+            return quantize_act(x2, ue8m0, True, True) if cols else (quantize_act(x2, ue8m0, rows_to=rows_to), None)
+        key = (x._version, ue8m0, tuple(x.shape), rows_to)
         if self.ref is not None and self.ref() is x and self.key == key and (self.value[1] is not None or not cols):
             return self.value
-        self.value = quantize_act(x2, ue8m0, True, True) if cols else (quantize_act(x2, ue8m0), None)
+        self.value = quantize_act(x2, ue8m0, True, True) if cols else (quantize_act(x2, ue8m0, rows_to=rows_to), None)
         self.ref, self.key = weakref.ref(x), key
         return self.value
 
@@ -188,7 +192,8 @@ class _LastInput:
 _LAST = _LastInput()
 
 
-def quantize_input(x: torch.Tensor, ue8m0: bool, cols: bool):
-    """Quantization of a linear's input ``x [..., K]`` (rows; with ``cols`` also ``x^T`` for the weight
-    gradient), shared with the previous linear when it read the same tensor."""
-    return _LAST.get(x, ue8m0, cols)
+def quantize_input(x: torch.Tensor, ue8m0: bool, cols: bool, rows_to: int = 0):
+    """Quantization of a linear's input ``x [..., K]`` (rows, with zero rows appended up to ``rows_to``;
+    with ``cols`` also ``x^T`` for the weight gradient), shared with the previous linear when it read
+    the same tensor the same way."""
+    return _LAST.get(x, ue8m0, cols, rows_to)
