@@ -14,7 +14,6 @@ import random
 import sys
 import textwrap
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
