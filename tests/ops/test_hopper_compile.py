@@ -1,5 +1,5 @@
-"""The engine's fused, sampling, FP8 (grouped GEMM, decode linear) and DSA decode kernels compile for Hopper (sm_90a),
-here, without a GPU.
+"""The engine's fused, sampling, FP8 (quantization, grouped GEMM, decode linear) and DSA decode kernels compile for
+Hopper (sm_90a), here, without a GPU.
 
 Triton's interpreter (test_fused_kernels.py) checks what the kernels compute, not that they
 compile: a construct the interpreter runs can still fail in Triton's compiler or in ``ptxas``.
@@ -21,7 +21,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from rlcli.ops import fused_kernels, sampling_kernel  # noqa: E402
-from rlcli.ops.fp8 import grouped_triton, linear_triton  # noqa: E402
+from rlcli.ops.fp8 import grouped_triton, kernels, linear_triton  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -71,6 +71,22 @@ def test_the_sampling_kernel_compiles(dtype):
     types = {"LOGITS": f"*{dtype}", "TEMP": "*fp32", "U": "*fp64", "TOKENS": "*i64", "LOGPROBS": "*fp32",
              **ints("V", "s_l")}
     compile_for_hopper(sampling_kernel._sample_kernel, types, {"BLOCK": sampling_kernel.BLOCK}, 8)
+
+
+@pytest.mark.parametrize("launch", ["rows", "both", "weight"])
+@pytest.mark.parametrize("mapped", [False, True])
+def test_the_fp8_quantization_compiles(launch, mapped):
+    """The one quantization kernel in each of its uses: 1x128 rows (zero rows appended up to MO, or
+    stored to mapped rows), rows and the transpose from one read, 128x128 weight blocks."""
+    if mapped and launch != "rows":
+        pytest.skip("only rows are mapped")
+    bm, warps = kernels.LAUNCH[launch]
+    types = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "qt_ptr": "*fp8e4nv", "st_ptr": "*fp32",
+             "map_ptr": "*i64", **ints("M", "MO", "K", "sxb", "sxm", "sxk", "sqb", "sqm", "ssb", "ssm", "ssk", "sqtb",
+                                       "sqtk", "sstb", "sstk", "sstm")}
+    compile_for_hopper(kernels._quant_kernel, types,
+                       {"BM": bm, "ROW": launch != "weight", "COL": launch != "rows", "BLOCK2D": launch == "weight",
+                        "UE8M0": False, "MAPPED": mapped, "HW_CAST": True}, warps)
 
 
 @pytest.mark.parametrize("bm", [16, 32, 64])
