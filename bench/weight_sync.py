@@ -18,13 +18,24 @@ process and N server processes holding the same model architecture:
 - the ratio of the two. Medians over ``--updates`` updates; every server's weights are
   checked bit-identical to the trainer's at the end.
 
+Several trainer ranks: ``--train-nproc N`` runs the trainer as N processes in one
+``torch.distributed`` group (gloo, NCCL with ``--gpu``), the model FSDP2-sharded as rl-train
+shards it, every rank publishing each version; ``--senders 1,2`` runs the collective transport
+once per ``sync.backend.senders`` value (the other transports once). It then also prints the
+largest share of the transfer one rank staged (senders split it).
+
 Needs torch, safetensors and rich only (no pyzmq/msgspec), so it runs as-is on a GPU box:
-``--gpu`` puts the trainer on cuda:0 and one server on cuda:1 and uses NCCL.
+``--gpu`` puts trainer rank k on cuda:k and server r on the GPU after the trainer's, and uses
+NCCL (a sender and its servers must sit on different GPUs: 2 senders and 1 server take 3).
+
+    python bench/weight_sync.py --smoke --train-nproc 2 --senders 1,2 --modes collective
+    python bench/weight_sync.py --gpu --train-nproc 2 --senders 1,2 --modes collective   # 3 GPUs
 """
 
 import argparse
 import json
 import os
+import queue
 import shutil
 import statistics
 import sys
@@ -67,28 +78,30 @@ def build(args, device: torch.device, seed: int, dtype: str | None = None):
 
 
 def fake_cfg(args, model_dir: Path):
-    backend = SimpleNamespace(bucket_bytes=args.bucket_mb << 20)
+    backend = SimpleNamespace(bucket_bytes=int(args.bucket_mb * 2**20), senders=args.senders)
     return SimpleNamespace(sync=SimpleNamespace(backend=backend, ack_timeout_s=120.0),
                            model=SimpleNamespace(path=str(model_dir), dtype=args.dtype),
-                           train=SimpleNamespace(fp8=SimpleNamespace(enabled=False, publish=False)))
+                           train=SimpleNamespace(fp8=SimpleNamespace(enabled=False, publish=False)),
+                           infer=SimpleNamespace(fp8=SimpleNamespace(enabled=False)))
 
 
 def checksum(model, dtype: str) -> str:
     """sha256 of every HF tensor's bytes in ``dtype`` (what servers hold): equal digests
-    mean bit-identical weights."""
+    mean bit-identical weights. A sharded model's tensors are gathered (every trainer rank runs it)."""
     import hashlib
 
-    from rlcli.models.hf_io import hf_state_dict
+    from rlcli.train.publish import iter_hf_tensors
     from rlcli.transport.collective import as_bytes
 
     h = hashlib.sha256()
-    for name, t in hf_state_dict(model).items():
+    for _, name, t in iter_hf_tensors(model):
         h.update(name.encode())
         h.update(as_bytes(t.to(getattr(torch, dtype)).contiguous()).cpu().numpy().tobytes())
     return h.hexdigest()
 
 
 def device_of(args, role: int) -> torch.device:
+    """Trainer rank k's device is role k, server r's (1-based) role ``train_nproc + r - 1``."""
     return torch.device(f"cuda:{role}") if args.gpu else torch.device("cpu")
 
 
@@ -100,38 +113,59 @@ def sync(device: torch.device) -> None:
 # ------------------------------------------------------------------ processes
 
 
-def trainer(args, mode: str, run_root: str, to_parent, from_parent) -> None:
+def trainer(args, mode: str, run_root: str, to_parent, from_parent, rank: int = 0, port: int = 0) -> None:
+    import torch.distributed as dist
+
     from rlcli.train.publish import AsyncFilesystemPublisher, FilesystemPublisher
     from rlcli.train.publish_collective import CollectivePublisher
     from rlcli.transport.collective import WeightGroup, connect_store
 
-    device = device_of(args, 0)
+    device = device_of(args, rank)
+    sharded = args.train_nproc > 1
+    if sharded:  # rl-train's ranks: one group, the model FSDP2-sharded over it
+        from torch.distributed.fsdp import fully_shard
+
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=rank, world_size=args.train_nproc)
     model = build(args, device, seed=1, dtype=args.trainer_dtype)
+    if sharded:
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    lead = rank == 0  # talks to this script, as rank 0 talks to rl-sync
     cfg = fake_cfg(args, Path(run_root))
     # The collective sender also announces to wake rl-sync (timing not in yet): only the final one counts here.
     announce = lambda step, path, timing: to_parent.put(("published", step, path, timing)) \
-        if mode != "collective" or timing else None  # noqa: E731
+        if lead and (mode != "collective" or timing) else None  # noqa: E731
     pub = {"collective": CollectivePublisher, "filesystem": FilesystemPublisher,
            "async_filesystem": AsyncFilesystemPublisher}[mode]
     pub = (pub(cfg, Path(run_root), announce, device) if mode == "collective"
            else pub(cfg, Path(run_root) / "weights", announce))
     for v in range(1, args.updates + 2):
         assert from_parent.get() == "go"
-        with torch.no_grad():  # the "optimizer step"
+        with torch.no_grad():  # the "optimizer step" (on each rank's shards)
             for p in model.parameters():
                 p.mul_(1.0 + 1e-3 * v)
         sync(device)
         t_ready = time.monotonic()
         pub.publish(v, model)
-        to_parent.put(("ready", v, t_ready, time.monotonic() - t_ready))
+        if lead:
+            to_parent.put(("ready", v, t_ready, time.monotonic() - t_ready))
     pub.wait()
     assert from_parent.get() == "close"
-    to_parent.put(("trace", dict(getattr(pub, "trace", {}))))
+    if lead:
+        to_parent.put(("trace", dict(getattr(pub, "trace", {}))))
     wire = getattr(torch, args.dtype).itemsize
-    to_parent.put(("checksum", checksum(model, args.dtype), sum(p.numel() * wire for p in model.parameters())))
+    total = sum(p.numel() * wire for p in model.parameters())  # the full sizes, sharded or not
+    digest = checksum(model, args.dtype)
+    if lead:
+        to_parent.put(("checksum", digest, total))
+    staging = getattr(pub, "staging", None)
+    to_parent.put(("staged", rank, staging.numel() if staging is not None else 0))
     pub.close()
-    if mode == "collective":  # the floor: one flat tensor of the same bytes, same members
-        total = sum(t.numel() * wire for t in model.parameters())
+    if mode == "collective" and lead:  # the floor: one flat tensor of the same bytes, one sender, same servers
         flat = torch.empty(total, dtype=torch.uint8, device=device)
         addr = json.loads((Path(run_root) / "sync" / "store.json").read_text())["addr"]
         group = WeightGroup(connect_store(addr, 60), "floor", 0, args.servers + 1, device, 300)
@@ -144,6 +178,8 @@ def trainer(args, mode: str, run_root: str, to_parent, from_parent) -> None:
             group.synchronize()
             to_parent.put(("floor_start", t0, total))
         group.close()
+    if sharded:
+        dist.destroy_process_group()
     to_parent.put(("done",))
 
 
@@ -151,17 +187,17 @@ def server(args, mode: str, rank: int, run_root: str, to_parent, from_parent) ->
     from rlcli.infer.receiver import CollectiveReceiver, load_from_files
     from rlcli.transport.collective import Spec, WeightGroup, connect_store, parse_dtype
 
-    device = device_of(args, 1 if args.gpu else 0)
+    device = device_of(args, args.train_nproc + rank - 1 if args.gpu else 0)
     model = build(args, device, seed=100 + rank)
     receiver = CollectiveReceiver(device)
     last_tensors, specs = None, []
     while (msg := from_parent.get()) != "close":
         t0 = time.monotonic()  # the order reached the server
         if mode == "collective":
-            v, store, group, world, tensors, bucket_bytes = msg
+            v, store, group, world, tensors, bucket_bytes, senders = msg
             if tensors != last_tensors:  # parsed once, as rl-infer's WeightReceiver does
                 last_tensors, specs = tensors, [Spec(n, parse_dtype(d), tuple(s)) for n, d, s in tensors]
-            receiver.load(model, store, group, rank, world, v, specs, bucket_bytes, 120.0)
+            receiver.load(model, store, group, rank, world, v, specs, bucket_bytes, 120.0, senders=senders)
         else:
             v, path = msg
             load_from_files(model, path)
@@ -199,8 +235,9 @@ def run_mode(args, mode: str) -> dict:
     write_store_file(run_root, addr)
     ctl = Control(store)
     up = ctx.Queue()
-    t_q, s_qs = ctx.Queue(), [ctx.Queue() for _ in range(args.servers)]
-    procs = [ctx.Process(target=trainer, args=(args, mode, str(run_root), up, t_q))]
+    t_qs, s_qs = [ctx.Queue() for _ in range(args.train_nproc)], [ctx.Queue() for _ in range(args.servers)]
+    port = free_port()
+    procs = [ctx.Process(target=trainer, args=(args, mode, str(run_root), up, q, k, port)) for k, q in enumerate(t_qs)]
     procs += [ctx.Process(target=server, args=(args, mode, r + 1, str(run_root), up, q)) for r, q in enumerate(s_qs)]
     for p in procs:
         p.start()
@@ -210,8 +247,18 @@ def run_mode(args, mode: str) -> dict:
         for i, m in enumerate(pending):
             if m[0] == kind:
                 return pending.pop(i)
+        deadline = time.monotonic() + 600
         while True:
-            m = up.get(timeout=600)
+            try:
+                m = up.get(timeout=2)
+            except queue.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    for p in procs:
+                        p.kill()
+                    raise SystemExit(f"weight_sync {mode}: waiting for {kind!r}: " + (
+                        f"a process exited with {dead[0].exitcode} (its traceback is above)" if dead else "timed out"))
+                continue
             if m[0] == kind:
                 return m
             pending.append(m)
@@ -223,7 +270,8 @@ def run_mode(args, mode: str) -> dict:
         if mode == "collective":  # as rl-sync: a round stays open for the next version; the trainer takes it
             r = v - 1
             ctl.order(r, v, "g0", args.servers + 1)
-        t_q.put("go")
+        for q in t_qs:
+            q.put("go")
         if mode == "collective":
             while not isinstance(a := ctl.accepted(r), dict):
                 time.sleep(0.0002)
@@ -232,7 +280,7 @@ def run_mode(args, mode: str) -> dict:
             p = ctl.published()
             assert p["version"] == v, p["version"]
             for rank, q in enumerate(s_qs, 1):
-                q.put((v, addr, "g0", args.servers + 1, p["tensors"], p["bucket_bytes"]))
+                q.put((v, addr, "g0", args.servers + 1, p["tensors"], p["bucket_bytes"], p.get("senders", 1)))
         else:
             _, _, t_ready, pub_s = wait_for("ready")
             _, step, path, timing = wait_for("published")
@@ -259,11 +307,11 @@ def run_mode(args, mode: str) -> dict:
             load_s.append(max(a[4] for a in acks))
         if mode != "collective":
             shutil.rmtree(path, ignore_errors=True)
-    t_q.put("close")
-    for q in s_qs:
+    for q in [*t_qs, *s_qs]:
         q.put("close")
     trace = wait_for("trace")[1]
-    sums = [wait_for("checksum") for _ in procs]
+    sums = [wait_for("checksum") for _ in range(1 + args.servers)]
+    staged = [wait_for("staged")[2] for _ in t_qs]
     identical = all(s[1] == sums[0][1] for s in sums)
     nbytes = max(s[2] for s in sums if len(s) > 2)
     if mode == "collective":
@@ -282,7 +330,8 @@ def run_mode(args, mode: str) -> dict:
             p.kill()
             p.join()
     shutil.rmtree(run_root, ignore_errors=True)
-    return {"mode": mode, "bytes": nbytes, "update_s": statistics.median(e2e), "update_min_s": min(e2e),
+    return {"mode": mode, "bytes": nbytes, "staged_share": max(staged) / nbytes,
+            "update_s": statistics.median(e2e), "update_min_s": min(e2e),
             "publish_blocks_s": statistics.median(publish_s), "load_s": statistics.median(load_s),
             "floor_s": floor, "ratio": statistics.median(e2e) / floor, "bit_identical": identical,
             "timeline_s": {k: statistics.median(h[k] for h in hops) for k in hops[0]} if hops else {},
@@ -314,6 +363,14 @@ def phases(ready_at: dict, trace: dict, at_server: dict) -> dict[str, float]:
     return out
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def file_floor(run_root: Path, nbytes: int, readers: int) -> float:
     """Raw write + fsync of one file of ``nbytes``, then ``readers`` reads of it, in this process."""
     data = torch.empty(nbytes, dtype=torch.uint8).numpy()
@@ -336,7 +393,7 @@ def file_floor(run_root: Path, nbytes: int, readers: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--gpu", action="store_true", help="trainer on cuda:0, one server on cuda:1, NCCL")
+    ap.add_argument("--gpu", action="store_true", help="trainer rank k on cuda:k, the server on the next GPU, NCCL")
     ap.add_argument("--smoke", action="store_true", help="tiny model, 2 updates: checks the script runs")
     ap.add_argument("--model", choices=list(MODELS), default=None)
     ap.add_argument("--dtype", default=None)
@@ -345,10 +402,16 @@ def main() -> None:
                          "a comma list runs each")
     ap.add_argument("--servers", type=int, default=None)
     ap.add_argument("--updates", type=int, default=None)
-    ap.add_argument("--bucket-mb", default="256", help="bucket size in MiB; a comma list runs each")
+    ap.add_argument("--bucket-mb", default="256", help="bucket size in MiB (fractions allowed); a comma list runs each")
     ap.add_argument("--modes", default="collective,filesystem,async_filesystem")
     ap.add_argument("--tmp", default=None, help="directory for the filesystem modes (default: the system temp)")
+    ap.add_argument("--train-nproc", type=int, default=1, help="trainer ranks (FSDP2-sharded, one process group)")
+    ap.add_argument("--senders", default="1",
+                    help="sync.backend.senders for the collective transport; a comma list runs each")
     args = ap.parse_args()
+    senders = [int(k) for k in args.senders.split(",")]
+    if max(senders) > args.train_nproc:
+        ap.error(f"--senders {max(senders)} is more than --train-nproc {args.train_nproc}: raise --train-nproc")
     args.model = args.model or ("smoke" if args.smoke else "1b" if args.gpu else "cpu")
     args.dtype = args.dtype or ("bfloat16" if args.gpu else "float32")
     args.trainer_dtype = args.trainer_dtype or args.dtype
@@ -356,29 +419,32 @@ def main() -> None:
     args.updates = args.updates or (2 if args.smoke else 5)
     if args.gpu:
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        assert torch.cuda.device_count() >= 2, "--gpu needs 2 GPUs"
-        assert args.servers == 1, "--gpu runs one server (cuda:1)"
-    variants = [(int(b), d) for d in args.trainer_dtype.split(",") for b in args.bucket_mb.split(",")]
+        need = args.train_nproc + args.servers
+        if torch.cuda.device_count() < need:
+            ap.error(f"--gpu with --train-nproc {args.train_nproc} and --servers {args.servers} needs {need} GPUs, "
+                     f"this machine has {torch.cuda.device_count()}")
+    variants = [(float(b), d) for d in args.trainer_dtype.split(",") for b in args.bucket_mb.split(",")]
     rows = []
     for mode in args.modes.split(","):
-        for bucket_mb, trainer_dtype in variants:
-            row = run_mode(argparse.Namespace(**{**vars(args), "bucket_mb": bucket_mb, "trainer_dtype": trainer_dtype}),
-                           mode)
-            if len(variants) > 1:
-                short = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(trainer_dtype, trainer_dtype)
-                row["mode"] = f"{mode} {bucket_mb}M {short}"
+        for (bucket_mb, trainer_dtype), k in [(v, k) for v in variants for k in (senders if mode == "collective" else [1])]:
+            row = run_mode(argparse.Namespace(**{**vars(args), "bucket_mb": bucket_mb, "trainer_dtype": trainer_dtype,
+                                                 "senders": k}), mode)
+            short = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(trainer_dtype, trainer_dtype)
+            row["mode"] = " ".join([mode] + ([f"{bucket_mb:g}M {short}"] if len(variants) > 1 else [])
+                                   + ([f"s{k}"] if len(senders) > 1 and mode == "collective" else []))
             rows.append(row)
             print(f"[{row['mode']}] update {row['update_s']:.4f} s, floor {row['floor_s']:.4f} s, "
                   f"ratio {row['ratio']:.2f}, bit-identical {row['bit_identical']}", flush=True)
-    where = "2x GPU, NCCL" if args.gpu else f"CPU, gloo, {args.servers} servers"
+    where = (f"{args.train_nproc + args.servers}x GPU, NCCL" if args.gpu else "CPU, gloo") + \
+        f", {args.train_nproc} trainer rank(s), {args.servers} server(s)"
     print(f"\nweight sync, model {args.model} ({rows[0]['bytes'] / 2**30:.2f} GiB), {where}, "
           f"median of {args.updates} updates")
     print(f"{'mode':<22}{'update s':>10}{'floor s':>10}{'ratio':>8}{'trainer blocked s':>19}{'load s':>9}"
-          f"{'GB/s':>8}  bit-identical")
+          f"{'GB/s':>8}{'staged/rank':>13}  bit-identical")
     for r in rows:
         print(f"{r['mode']:<22}{r['update_s']:>10.4f}{r['floor_s']:>10.4f}{r['ratio']:>8.2f}"
-              f"{r['publish_blocks_s']:>19.4f}{r['load_s']:>9.4f}{r['bytes'] / r['update_s'] / 1e9:>8.2f}  "
-              f"{r['bit_identical']}")
+              f"{r['publish_blocks_s']:>19.4f}{r['load_s']:>9.4f}{r['bytes'] / r['update_s'] / 1e9:>8.2f}"
+              f"{r['staged_share']:>13.2f}  {r['bit_identical']}")
     for r in rows:
         if r["timeline_s"]:
             print(f"{r['mode']} timeline, ms after the trainer's weights are ready (median):")
