@@ -15,10 +15,12 @@ with the previous call on the same tensor), then ``gemm`` or ``grouped_gemm``.
 ``emulated`` dequantizes and multiplies in fp32: the reference, on any device.
 ``torch`` calls ``torch.nn.functional.scaled_mm`` with ``BlockWise1x128`` x
 ``BlockWise128x128`` (cuBLASLt, Hopper): scale_a column-major ``(M, K/128)`` with stride
-``(1, M)``, scale_b the ``(N/128, K/128)`` block scales transposed. ``scaled_mm`` has no grouped
-form for block scales: the grouped GEMM runs the Triton kernel of :mod:`.grouped_triton`, which
-reads the offsets on the device (a loop of ``scaled_mm`` over the groups, one host sync for the
-offsets, where triton does not import). Made for inference (FP8 weights), its ``gemm_x`` of a decode batch (``linear_triton.serves``: up to 32 rows, 64 for most weights) runs
+``(1, M)``, scale_b the ``(N/128, K/128)`` block scales transposed; M in whole 128-row tiles
+(``gemm_x`` quantizes the zero rows in; ``gemm`` pads other operands). ``scaled_mm`` has no
+grouped form for block scales: the grouped GEMM runs the Triton kernel of :mod:`.grouped_triton`,
+which reads the offsets on the device (a loop of ``scaled_mm`` over the groups, one host sync for
+the offsets, where triton does not import). Made for inference (FP8 weights), its ``gemm_x`` of a
+decode batch (``linear_triton.serves``: up to 32 rows, 64 for most weights) runs
 :mod:`.linear_triton` on the quantized rows (two kernels instead of four: no padding), as does
 DeepGEMM's made for inference.
 ``deep_gemm`` calls DeepGEMM's ``fp8_gemm_nt`` and ``m_grouped_fp8_gemm_nt_contiguous``; the
@@ -171,7 +173,8 @@ class TorchScaledMMBackend:
 
     def gemm(self, a, sa, b, sb, out_dtype):
         kb = sb.shape[1]
-        sbp = F.pad(sb, (0, (-kb) % 4), value=1.0) if kb % 4 else sb  # cuBLASLt wants the K-block count rounded up to 4
+        # cuBLASLt wants the K-block count rounded up to 4 (a copy only where it is not)
+        sbp = F.pad(sb, (0, (-kb) % 4), value=1.0) if kb % 4 else sb.contiguous()
         M, N = a.shape[0], b.shape[0]
         # Rows of both to multiples of 128: cuBLASLt found no algorithm for ragged M (expert groups)
         # on the H200, and refused N = 96 (CUBLAS_STATUS_NOT_SUPPORTED; a 96-wide MoE expert).

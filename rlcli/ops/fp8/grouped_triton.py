@@ -15,17 +15,19 @@ program finds its tile from the offsets itself (the groups' tile counts, their r
 the group whose tiles hold its own: a few vector operations over the ``G`` offsets), so the
 launch is one kernel. Worked out by torch operations beforehand, the same map took some 18 small
 kernels: on an H100, in a CUDA graph, a one-group grouped GEMM of 64 rows then took 34.6 µs where
-the decode linear kernel took 5.9 on the same rows (docs/benchmarks.md, thirty-fourth session). Along K the program takes one 128-wide block at a time: ``dot(a_blk, b_blk^T)`` in fp32,
-times the row's scale times the weight block's scale, summed over the blocks, the order
-DeepGEMM's kernels accumulate in. Rows that belong to no group are zero, written by tiles of
-their own (the output is not memset first).
+the decode linear kernel took 5.9 on the same rows (docs/benchmarks.md, thirty-fourth session).
+
+Along K the program takes one 128-wide block at a time: ``dot(a_blk, b_blk^T)`` in fp32, times
+the row's scale times the weight block's scale, summed over the blocks, the order DeepGEMM's
+kernels accumulate in. Rows that belong to no group are zero, written by tiles of their own (the
+output is not memset first).
 
 The tile follows the rows per group (:func:`block_m`): 16 to 64 rows by 128 columns. The programs
 are numbered column block first, so the programs running at once share a few row tiles (read from
 L2 once per column block) and one group's weight. The same kernel serves training's grouped GEMMs
 (forward and input gradient) where DeepGEMM does not run; on an H100 it ran at 0.40-0.81x bf16
-``grouped_mm``'s TFLOP/s (six expert shapes), against 0.04-0.34x for the loop of ``scaled_mm`` it
-replaced (docs/benchmarks.md).
+``grouped_mm``'s TFLOP/s (six expert shapes; its tile map then still worked out by torch), against
+0.04-0.34x for the loop of ``scaled_mm`` it replaced (docs/benchmarks.md).
 
 ``model.batch_invariant`` runs its own grouped kernel instead
 (:func:`rlcli.ops.invariant_kernels.fp8_grouped_mm`): fixed 128-row tiles over the batch's rows, each
