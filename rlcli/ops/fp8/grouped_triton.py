@@ -9,8 +9,8 @@ the native engine (inference, :func:`rlcli.ops.fp8.backends.make_backend` with `
 that loop kept FP8 MoE models out of the decode graphs and launched ``experts x 3`` GEMMs a layer.
 
 Each program computes a ``BM x 128`` tile of one group's rows: the rows are cut into tiles per
-group (tiles never straddle two groups), up to ``ceil(M / BM) + G + 1`` tiles (a bound fixed by
-the shapes alone, so a CUDA graph holds it), and tiles past the groups' own return at once. Each
+group (tiles never straddle two groups), up to ``ceil(M / BM) + min(G, M) + 1`` tiles (a bound
+fixed by the shapes alone, so a CUDA graph holds it), and tiles past the groups' own return at once. Each
 program finds its tile from the offsets itself (the groups' tile counts, their running sum, and
 the group whose tiles hold its own: a few vector operations over the ``G`` offsets), so the
 launch is one kernel. Worked out by torch operations beforehand, the same map took some 18 small
@@ -108,9 +108,12 @@ if triton is not None:
 
 
 def tiles(rows: int, groups: int, bm: int) -> int:
-    """How many tiles the grid holds: ``ceil(rows / bm) + groups + 1``, enough for every group's own,
-    the rows past the last group, and none straddling two (a bound fixed by the shapes alone)."""
-    return -(-rows // bm) + groups + 1
+    """How many tiles the grid holds: enough for every group's own (a group of ``c`` rows takes
+    ``ceil(c / bm)`` tiles, at most ``c / bm + 1``, and only groups with rows take any, at most
+    ``min(groups, rows)`` of them) and the rows past the last group: ``ceil(rows / bm) +
+    min(groups, rows) + 1``, a bound fixed by the shapes alone. A decode batch of 64 rows over 256
+    experts launches 69 tiles a column block, not 261."""
+    return -(-rows // bm) + min(groups, rows) + 1
 
 
 def grouped_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, offs: torch.Tensor,
