@@ -57,7 +57,7 @@ def summarize(run_dir: Path, warmup: int) -> dict:
         "train_tokens_per_s": tokens / wall,
         "lag_max": max(m["off_policy_lag"] for m in train),
         "stale_dropped": sum(m["num_stale_dropped"] for m in orch),
-        "aborted": sum(m.get("num_aborted", 0) for m in orch),
+        "redispatched": sum(m.get("num_redispatched", 0) for m in orch),
         "dispatched": sum(m.get("num_dispatched", 0) for m in orch),
         "completion_len_mean": statistics.fmean(m["completion_len_mean"] for m in orch[warmup:]),
         "generated_len_mean": statistics.fmean(m.get("generated_len_mean", 0.0) for m in orch[warmup:]),
@@ -109,14 +109,14 @@ def main() -> None:
     sync = results["max_async=0"]
     width = max(14, *(len(name) + 2 for name in results))
     print(f"{'mode':<{width}}{'step s':>8}{'ratio':>7}{'idle':>7}{'tok/s':>8}{'ratio':>7}{'len':>6}{'ratio':>7}"
-          f"{'gen len':>8}{'lag':>5}{'dropped':>9}")
+          f"{'gen len':>8}{'lag':>5}{'dropped':>9}{'resent':>8}")
     for name, r in results.items():
-        dropped = (r["stale_dropped"] + r["aborted"]) / max(r["dispatched"], 1)
+        dropped = r["stale_dropped"] / max(r["dispatched"], 1)
         print(f"{name:<{width}}{r['step_s']:>8.3f}{sync['step_s'] / r['step_s']:>6.2f}x"
               f"{r['trainer_idle']:>7.1%}{r['train_tokens_per_s']:>8.0f}"
               f"{r['train_tokens_per_s'] / sync['train_tokens_per_s']:>6.2f}x{r['completion_len_mean']:>6.1f}"
               f"{r['completion_len_mean'] / sync['completion_len_mean']:>6.2f}x{r['generated_len_mean']:>8.1f}"
-              f"{r['lag_max']:>5d}{dropped:>9.1%}")
+              f"{r['lag_max']:>5d}{dropped:>9.1%}{r['redispatched']:>8d}")
     for name, r in results.items():
         if r is sync:
             continue

@@ -70,7 +70,10 @@ class OrchestrateConfig(Config):
     """Advantage estimation."""
 
     request_timeout_s: float = 300.0
-    """Re-dispatch a request that an rl-infer server has not answered for this long."""
+    """How long an rl-infer server may leave the orchestrator's question "which of these requests
+    do you hold?" unanswered (asked every 10 s, or this often if shorter) before its requests are
+    aborted there and sent elsewhere. A request its server holds is never timed out, however
+    long it decodes; one it does not hold is sent again at its next answer."""
 
     keep_rollouts: int = 8
     """Delete rollout batches this many steps behind the trainer."""

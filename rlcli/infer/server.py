@@ -160,7 +160,9 @@ class InferServer:
                 self.engine.abort(request_id)
                 self.clients.pop(request_id, None)
         elif isinstance(msg, HealthRequest):
-            self.server.reply(identity, self.health(msg.request_id))
+            reply = self.health(msg.request_id)
+            reply.unknown = [r for r in msg.request_ids if r not in self.clients]
+            self.server.reply(identity, reply)
         elif isinstance(msg, Shutdown):
             self.server.reply(identity, self.health(msg.request_id))
             self.stopping = True

@@ -64,6 +64,9 @@ class Episode:
     reward: float | None = None
     error: str | None = None
     truncated: bool = False
+    server: str = ""
+    """The rl-infer server that answered the last model turn: its prefix cache holds the episode
+    so far, so the next turn is sent there (see :meth:`rlcli.orchestrate.pool.InferPool.submit`)."""
 
     @property
     def num_model_turns(self) -> int:
@@ -104,14 +107,15 @@ class Episodes:
         return min(wanted, limit)
 
     # ------------------------------------------------------------------ replies
-    def first_turn(self, group: Group, reply: GenerateResponse) -> None:
+    def first_turn(self, group: Group, reply: GenerateResponse, server: str = "") -> None:
         now = time.monotonic()
-        group.episodes = [Episode(started=now) for _ in reply.completions]
+        group.episodes = [Episode(started=now, server=server) for _ in reply.completions]
         self.groups[id(group)] = group
         for i, c in enumerate(reply.completions):
             self._model_turn(group, i, c, reply.num_prompt_tokens, reply.num_cached_tokens)
 
-    def next_turn(self, group: Group, index: int, reply: GenerateResponse) -> None:
+    def next_turn(self, group: Group, index: int, reply: GenerateResponse, server: str = "") -> None:
+        group.episodes[index].server = server
         prev = group.episodes[index].turns[-2]  # the model turn before the environment's
         self.cont_earlier_kv_tokens += prev.num_prompt_tokens + prev.end - prev.start - 1
         self.num_turns += 1

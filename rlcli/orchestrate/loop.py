@@ -122,6 +122,7 @@ class Orchestrator:
         self.gen_completions = 0
         self.num_dispatched = 0
         self.num_stale = 0
+        self.num_redispatched = 0  # requests lost with their server (or on the way) and sent again
         self.num_filtered = 0
         self.num_zero_variance_kept = 0
         self.num_errors = 0
@@ -134,9 +135,10 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ policy version
     def refresh(self) -> None:
-        for request in self.pool.refresh() + self.pool.expired():
+        for request in self.pool.refresh() + self.pool.lost():
             group = self.inflight.pop(request.request_id, None)
             if group is not None:  # the pool said why, in one line per server
+                self.num_redispatched += 1
                 if request.request_id in self.turns:  # a later turn of one episode: send that turn again
                     self._send_turn(group, self.turns.pop(request.request_id), self.episodes.resend(request))
                 else:
@@ -198,8 +200,13 @@ class Orchestrator:
                 continue
             self._send(group)
             self.num_dispatched += 1
-        while self.unsent and self.pool.submit(self.unsent[0]):
+        while self.unsent and self.pool.submit(self.unsent[0], prefer=self._server_of(self.unsent[0])):
             self.unsent.pop(0)
+
+    def _server_of(self, request: GenerateRequest) -> str:
+        """Where a later turn's earlier turns are cached: the server that answered the last one."""
+        index = self.turns.get(request.request_id)
+        return "" if index is None else self.inflight[request.request_id].episodes[index].server
 
     def _send(self, group: Group) -> None:
         s = self.ocfg.sampling
@@ -226,7 +233,7 @@ class Orchestrator:
         self.unsent.append(request)
 
     # ------------------------------------------------------------------ completions
-    def on_reply(self, request: GenerateRequest, reply) -> None:
+    def on_reply(self, request: GenerateRequest, reply, server: str = "") -> None:
         group = self.inflight.pop(request.request_id, None)
         index = self.turns.pop(request.request_id, None)
         if group is None:
@@ -240,9 +247,9 @@ class Orchestrator:
         self.gen_tokens += sum(len(c.token_ids) for c in reply.completions)
         if index is None:
             self.gen_completions += len(reply.completions)
-            self.episodes.first_turn(group, reply)
+            self.episodes.first_turn(group, reply, server)
         else:
-            self.episodes.next_turn(group, index, reply)
+            self.episodes.next_turn(group, index, reply, server)
         self.collect()
 
     def collect(self) -> None:
@@ -346,7 +353,8 @@ class Orchestrator:
             "off_policy_lag_mean": sum(lags) / len(lags), "off_policy_lag_max": max(lags),
             "generated_len_mean": self.gen_tokens / self.gen_completions if self.gen_completions else 0.0,
             "policy_version": self.policy_version, "num_dispatched": self.num_dispatched,
-            "num_stale_dropped": self.num_stale, "num_aborted": 0,
+            "num_stale_dropped": self.num_stale,
+            "num_redispatched": self.num_redispatched,
             "dropped_fraction": self.num_stale / max(self.num_dispatched, 1),
             "num_filtered": self.num_filtered, "num_zero_variance_kept": self.num_zero_variance_kept,
             "num_errors": self.num_errors, "straggler_wait_s": self.straggler_wait_s, "step_s": elapsed,
@@ -388,8 +396,8 @@ class Orchestrator:
             idle = not self.inflight and not (self.http is not None and self.http.pending)
             t0 = time.monotonic()
             # Woken at once by a reply, a finished reward or a new policy (none waits out the 20 ms).
-            for request, reply in self.pool.poll(20, wake=(self.sub.sock, self.episodes.runner.wake_fd)):
-                self.on_reply(request, reply)
+            for request, reply, server in self.pool.poll(20, wake=(self.sub.sock, self.episodes.runner.wake_fd)):
+                self.on_reply(request, reply, server)
             self.collect()
             if idle:
                 self.wait_s += time.monotonic() - t0  # blocked on the policy gate: nothing to generate

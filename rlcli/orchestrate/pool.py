@@ -1,11 +1,18 @@
 """The orchestrator's view of the inference servers: dispatch, replies, failures.
 
 Servers come from RUN/registry (or fixed ``--connect`` endpoints). Each request goes to
-the server with the fewest outstanding sequences. A request is *lost* when its server
-leaves the registry, restarts (new incarnation: ZeroMQ reconnects on its own, but what
-was in flight died with the process) or does not answer within ``request_timeout_s``;
-lost requests are handed back to the caller to re-dispatch. A timed-out request is
-also aborted on its server, so it stops decoding.
+the server with the fewest outstanding sequences, or to the one its caller prefers (the
+server that holds an episode's earlier turns in its prefix cache) while that one is not
+much busier. A request is *lost* when
+- its server leaves the registry, or restarts (a new incarnation: ZeroMQ reconnects on its
+  own, but what was in flight died with the process);
+- its server, asked, says it does not hold it. Every ``PROBE_EVERY_S`` (or
+  ``request_timeout_s`` if shorter) the pool sends each server with requests in flight a
+  :class:`HealthRequest` listing them; the answer names those the server does not hold;
+- its server has not answered such a question for ``request_timeout_s``. Its requests are
+  aborted there, so they stop decoding.
+Lost requests are handed back to the caller to re-dispatch. A request its server holds is
+never given up, however long it decodes: a 100k-token completion may take an hour.
 
 Request ids start with ``<owner>.<incarnation>.``: on first contact with a server the
 pool aborts every request of the same owner but another incarnation, so a restarted
@@ -17,7 +24,8 @@ KV is in the shared store; its answer is not the caller's. The same request then
 the least loaded decode server, which pulls that KV and generates; that answer is. With
 no prefill server live, decode servers serve as mixed ones; with only prefill servers live,
 requests wait (a prefill server's one-token answer is never a caller's; before this, the first
-steps of a run whose decode server registered late trained on one-token completions).
+steps of a run whose decode server registered late trained on one-token completions). A
+prefilled request that no decode server takes within ``request_timeout_s`` is lost.
 """
 
 import logging
@@ -37,6 +45,10 @@ log = logging.getLogger("rl-orchestrate")
 
 
 HANDOFF = ""  # the server of a prefilled request no decode server has taken yet
+PROBE_EVERY_S = 10.0  # how often a server with requests in flight is asked which it holds
+# A preferred server takes a request unless it holds this many sequences more than the least loaded
+# one, and half as many again (SGLang's router balances its cache-aware choice alike).
+AFFINITY_SLACK = 32
 
 
 @dataclass
@@ -47,12 +59,21 @@ class Outstanding:
     prefill: bool = False  # at a prefill server; the answer sends it on to a decode server
 
 
+@dataclass
+class Probe:
+    """A question to a server: which of these requests do you hold?"""
+    request_id: str
+    sent: float
+
+
 class ServerHandle:
     def __init__(self, key: str, endpoint: str, incarnation: str = "", role: str = "mixed"):
         self.key, self.endpoint, self.incarnation, self.role = key, endpoint, incarnation, role
         self.client = RpcClient(endpoint)
         self.num_outstanding = 0  # sequences, not requests
         self.greeting: AbortRequests | None = None  # sent once the connection is up, before any request
+        self.probe: Probe | None = None  # unanswered
+        self.last_probe = time.monotonic()
 
     def send(self, msg) -> bool:
         if self.greeting is not None:
@@ -71,6 +92,8 @@ class InferPool:
         self.servers: dict[str, ServerHandle] = {}
         self.outstanding: dict[str, Outstanding] = {}
         self.entries: dict[str, object] = {}  # key -> registry Entry seen when the server joined
+        self.probe_every_s = min(request_timeout_s, PROBE_EVERY_S)
+        self.found_lost: list[Outstanding] = []  # named by a server's answer, for the next lost()
         for i, endpoint in enumerate(self.fixed):
             self._add(ServerHandle(f"connect-{i}", endpoint))
 
@@ -108,19 +131,39 @@ class InferPool:
                 self.entries[key] = entry
         return [o.request for o in lost]
 
-    def expired(self) -> list[GenerateRequest]:
-        """Requests unanswered for ``request_timeout_s``: aborted on their server, handed back."""
+    def lost(self) -> list[GenerateRequest]:
+        """Requests lost on servers still registered: those a server said it does not hold, all of
+        a server's that has not answered a probe for ``request_timeout_s`` (aborted there), and
+        prefilled ones no decode server took in that time. Sends the probes that are due."""
         now = time.monotonic()
-        lost = self._drop(lambda o: now - o.sent > self.timeout_s)
-        by_server: dict[str, list[str]] = {}
-        for o in lost:
-            by_server.setdefault(o.server, []).append(o.request.request_id)
-        for key, rids in by_server.items():
-            if key in self.servers:
-                log.warning("%s did not answer %d request(s) in %.0fs; aborted there, re-dispatching", key,
-                            len(rids), self.timeout_s)
-                self.servers[key].send(AbortRequests(request_ids=rids))
+        lost, self.found_lost = self.found_lost, []
+        lost += self._drop(lambda o: o.server == HANDOFF and now - o.sent > self.timeout_s)
+        for s in self.servers.values():
+            mine = [rid for rid, o in self.outstanding.items() if o.server == s.key]
+            if s.probe is not None and now - s.probe.sent > self.timeout_s:
+                silent = self._drop(lambda o: o.server == s.key)
+                s.probe = None
+                if silent:
+                    log.warning("%s has not said in %.0fs which requests it holds; aborted its %d request(s) "
+                                "there, re-dispatching", s.key, self.timeout_s, len(silent))
+                    s.send(AbortRequests(request_ids=[o.request.request_id for o in silent]))
+                lost += silent
+            elif s.probe is None and mine and now - s.last_probe >= self.probe_every_s:
+                probe = Probe(new_request_id(), now)
+                if s.send(HealthRequest(request_id=probe.request_id, request_ids=mine)):
+                    s.probe, s.last_probe = probe, now
         return [o.request for o in lost]
+
+    def _answered(self, s: ServerHandle, reply: HealthResponse) -> None:
+        """A probe's answer: what ``s`` was sent before the probe and does not hold is lost (a
+        reply sent before the answer has already been taken: one socket keeps their order)."""
+        sent, s.probe = s.probe.sent, None
+        unknown = set(reply.unknown)
+        gone = self._drop(lambda o: o.server == s.key and o.request.request_id in unknown and o.sent <= sent)
+        if gone:
+            log.warning("%s does not hold %d request(s) sent to it (lost on the way); re-dispatching", s.key,
+                        len(gone))
+            self.found_lost += gone
 
     def _drop(self, pred) -> list[Outstanding]:
         out = []
@@ -149,27 +192,37 @@ class InferPool:
         if not self.submit(request, stage="decode") and waiting is None:
             self.outstanding[request.request_id] = Outstanding(request, HANDOFF, time.monotonic())
 
-    def submit(self, request: GenerateRequest, stage: str = "") -> bool:
+    def submit(self, request: GenerateRequest, stage: str = "", prefer: str = "") -> bool:
         """Send to the least loaded server that can take this hop; False when none can now.
 
         A request goes first to a prefill server when one is live beside a server that generates
         (decode or mixed); ``stage`` "decode" marks the second hop. A prefill server answers one
         token, so it is never sent a request whose answer is the caller's: with only prefill
-        servers live, nothing is sent (the request waits for a decode server to register)."""
+        servers live, nothing is sent (the request waits for a decode server to register).
+
+        ``prefer`` names a server (a reply's, from :meth:`poll`) that takes the request if it can
+        take this hop and holds at most ``AFFINITY_SLACK`` sequences more than the least loaded
+        one, plus half of that one's."""
         generating = any(s.role != "prefill" for s in self.servers.values())
         prefill = stage != "decode" and generating and any(s.role == "prefill" for s in self.servers.values())
-        for s in sorted(self.servers.values(), key=lambda s: s.num_outstanding):
-            if (s.role == "prefill") != prefill:
-                continue
+        able = sorted((s for s in self.servers.values() if (s.role == "prefill") == prefill),
+                      key=lambda s: s.num_outstanding)
+        first = self.servers.get(prefer)
+        if first in able and first.num_outstanding <= able[0].num_outstanding * 3 // 2 + AFFINITY_SLACK:
+            able.remove(first)
+            able.insert(0, first)
+        for s in able:
             if s.send(request):
                 s.num_outstanding += request.sampling.n
                 self.outstanding[request.request_id] = Outstanding(request, s.key, time.monotonic(), prefill)
                 return True
         return False
 
-    def poll(self, timeout_ms: int, wake: tuple = ()) -> list[tuple[GenerateRequest, GenerateResponse | ErrorReply]]:
-        """Replies that arrived within ``timeout_ms``, paired with their requests; the wait also
-        ends when one of ``wake`` (sockets or file descriptors the caller reads) is readable."""
+    def poll(self, timeout_ms: int, wake: tuple = ()) -> list[tuple[GenerateRequest, GenerateResponse | ErrorReply,
+                                                                     str]]:
+        """Replies that arrived within ``timeout_ms``, each with its request and the key of the
+        server that answered; the wait also ends when one of ``wake`` (sockets or file
+        descriptors the caller reads) is readable."""
         for request in [o.request for o in self.outstanding.values() if o.server == HANDOFF]:
             self._hand_off(request)
         poller = zmq.Poller()
@@ -184,6 +237,10 @@ class InferPool:
         out = []
         for s in self.servers.values():
             while (reply := s.client.recv(0)) is not None:
+                if isinstance(reply, HealthResponse):
+                    if s.probe is not None and reply.request_id == s.probe.request_id:
+                        self._answered(s, reply)
+                    continue
                 o = self.outstanding.pop(getattr(reply, "request_id", ""), None)
                 if o is None:
                     continue  # a reply to a request already re-dispatched
@@ -191,7 +248,7 @@ class InferPool:
                 if o.prefill and isinstance(reply, GenerateResponse):
                     self._hand_off(o.request)
                     continue
-                out.append((o.request, reply))
+                out.append((o.request, reply, s.key))
         return out
 
     def close(self) -> None:

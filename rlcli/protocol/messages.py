@@ -213,6 +213,9 @@ class WeightsLoaded(Message, tag="weights_loaded", kw_only=True):
 class HealthRequest(Message, tag="health", kw_only=True):
     request_id: str = ""
     """Caller-chosen id."""
+    request_ids: list[str] = []
+    """Generation requests the caller has sent this server and awaits; the answer's ``unknown``
+    lists those the server does not hold (lost on the way, or dropped without a reply)."""
 
 
 class HealthResponse(Message, tag="health_response", kw_only=True):
@@ -228,6 +231,8 @@ class HealthResponse(Message, tag="health_response", kw_only=True):
     """Requests queued."""
     stats: dict[str, float] = {}
     """Counters (tokens generated, prefix-cache hit rate, ...)."""
+    unknown: list[str] = []
+    """Of the request's ``request_ids``, those this server holds no request for."""
 
 
 class ErrorReply(Message, tag="error", kw_only=True):

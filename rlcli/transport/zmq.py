@@ -107,7 +107,7 @@ class RpcClient:
     completed connection, so sending to a peer that is down fails fast (``send`` returns
     False) instead of queueing forever. ZeroMQ reconnects by itself when a server comes
     back on the same endpoint, but requests in flight at its death are lost: the caller
-    re-sends them (see the orchestrator's timeout and incarnation checks).
+    re-sends them (see the orchestrator's probes and incarnation checks).
     """
 
     def __init__(self, endpoint: str, hwm: int = DEFAULT_HWM):

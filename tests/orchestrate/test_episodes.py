@@ -1,6 +1,6 @@
-"""Multi-turn episodes against a live rl-infer: token ids in and out, loss masks, per-turn policy
-versions, prefix-cache reuse of every earlier turn, and environments that fail without stopping
-the loop. The Orchestrator's own dispatch / reply / collect methods run in this process."""
+"""Multi-turn episodes against two live rl-infer servers: token ids in and out, loss masks, per-turn
+policy versions, prefix-cache reuse of every earlier turn (each turn goes back to the server that
+answered the one before), and environments that fail without stopping the loop. The Orchestrator's own dispatch / reply / collect methods run in this process."""
 
 import logging
 import textwrap
@@ -65,8 +65,9 @@ def server(tmp_path_factory):
     serve_initial_policy(run_dir, model_dir)
     procs = Procs(tmp / "logs")
     procs.start("infer-0", recipe, "--id", "0")
+    procs.start("infer-1", recipe, "--id", "1")  # a later turn must find its earlier turns' KV all the same
     try:
-        wait_until(lambda: list_entries(run_dir / "registry", "infer"), 120, "rl-infer registered", procs)
+        wait_until(lambda: len(list_entries(run_dir / "registry", "infer")) == 2, 120, "rl-infer registered", procs)
         yield tmp, recipe, run_dir
     finally:
         procs.stop_all()
@@ -83,8 +84,8 @@ def run_groups(recipe, run_dir, monkeypatch, tmp, overrides=None, num_groups=2):
             assert time.monotonic() < deadline, "episodes did not finish"
             o.refresh()
             o.dispatch()
-            for request, reply in o.pool.poll(20):
-                o.on_reply(request, reply)
+            for request, reply, server in o.pool.poll(20):
+                o.on_reply(request, reply, server)
             o.collect()
     finally:
         o.close()

@@ -1,20 +1,28 @@
 """rl-orchestrate across restarts and failures: retention never deletes a batch a restarting
 trainer needs, a missing batch is written again, timed-out requests and a dead predecessor's
-requests are aborted on the (real, in-process) rl-infer server."""
+requests are aborted on the (real, in-process) rl-infer server; a request is given up only
+when its server says it does not hold it, or does not answer."""
 
 import threading
+import time
+
+import zmq
 
 import pytest
 
 from procs import serve_initial_policy, wait_until, write_recipe
 from rlcli.config import load_recipe
+from rlcli.errors import ConfigError
 from rlcli.envs import Task
 from rlcli.infer.server import InferServer
 from rlcli.orchestrate.pool import InferPool
 from rlcli.orchestrate.rollouts import Group
-from rlcli.protocol import BatchWritten, GenerateRequest, HealthRequest, HealthResponse, SamplingParams
+from rlcli.protocol import (AbortRequests, BatchWritten, GenerateRequest, GenerateResponse, HealthRequest,
+                            HealthResponse, SamplingParams)
+from rlcli.protocol.messages import decode
 from rlcli.protocol.batch import decode_batch
 from rlcli.transport.atomic import atomic_dir, remove_dir
+from rlcli.transport.registry import Registration
 from rlcli.transport.rundir import RunDir
 from rlcli.transport.zmq import RpcClient, new_request_id
 from test_staleness import bare_orchestrator, finish
@@ -96,14 +104,76 @@ def long_request(pool: InferPool) -> GenerateRequest:
                            sampling=SamplingParams(max_tokens=250, ignore_eos=True, n=16))
 
 
-def test_timed_out_and_predecessor_requests_stop_decoding(server, tmp_path):
+def answers(pool: InferPool, request: GenerateRequest, timeout_s: float = 60):
+    """Poll until ``request`` is answered; returns the reply and every request lost meanwhile."""
+    lost, deadline = [], time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        lost += pool.lost()
+        for req, reply, _ in pool.poll(20):
+            if req.request_id == request.request_id:
+                return reply, lost
+    raise AssertionError("no reply")
+
+
+def test_a_request_its_server_holds_is_never_given_up(server):
+    """Decoding for many times request_timeout_s is fine while the server says it holds the request
+    (before, any request older than the timeout was aborted and sent again, so no completion
+    longer than request_timeout_s could ever finish)."""
+    pool = InferPool(server.run, [server.server.endpoint], request_timeout_s=0.05)
+    request = long_request(pool)
+    wait_until(lambda: pool.submit(request), 30, "connected")
+    t0 = time.monotonic()
+    reply, lost = answers(pool, request)
+    assert isinstance(reply, GenerateResponse) and lost == []
+    assert time.monotonic() - t0 > 4 * pool.timeout_s and server.engine.stats()["num_aborted"] == 0
+    pool.close()
+
+
+def test_a_request_its_server_does_not_hold_is_sent_again(server):
+    pool = InferPool(server.run, [server.server.endpoint], request_timeout_s=0.5)
+    request = long_request(pool)
+    wait_until(lambda: pool.submit(request), 30, "connected")
+    wait_until(lambda: request.request_id in server.clients, 30, "the request running")
+    other = RpcClient(server.server.endpoint)  # the request vanishes on the server: no reply will come
+    other.send(AbortRequests(request_ids=[request.request_id]))
+    wait_until(lambda: request.request_id not in server.clients, 30, "the request gone")
+    lost: list = []
+    wait_until(lambda: (pool.poll(20), lost.extend(pool.lost()))[1] or lost, 30, "the loss found")
+    assert lost == [request] and pool.outstanding == {}
+    other.close()
+    pool.close()
+
+
+def test_a_server_that_does_not_answer_has_its_requests_aborted_and_sent_again():
+    """A wedged server (here: a socket nobody serves) is asked, does not answer within
+    request_timeout_s, and gets an abort for what it was sent; the requests come back."""
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    pool = InferPool(RunDir("."), [f"tcp://127.0.0.1:{port}"], request_timeout_s=0.3)
+    request = long_request(pool)
+    wait_until(lambda: pool.submit(request), 30, "connected")
+    lost: list = []
+    wait_until(lambda: (pool.poll(20), lost.extend(pool.lost()))[1] or lost, 30, "the requests given up")
+    assert lost == [request] and pool.outstanding == {}
+    received = []
+    while router.poll(1000):
+        received.append(decode(router.recv_multipart()[-1]))
+    kinds = [type(m).__name__ for m in received]
+    assert kinds == ["AbortRequests", "GenerateRequest", "HealthRequest", "AbortRequests"], kinds
+    assert received[2].request_ids == [request.request_id] and received[3].request_ids == [request.request_id]
+    router.close(linger=0)
+    pool.close()
+
+
+def test_predecessor_requests_stop_decoding(server):
     endpoint = server.server.endpoint
     aborted = lambda: server.engine.stats()["num_aborted"]  # noqa: E731
-    first = InferPool(server.run, [endpoint], request_timeout_s=0.0)
+    first = InferPool(server.run, [endpoint], request_timeout_s=300.0)
     wait_until(lambda: first.submit(long_request(first)), 30, "connected")
     wait_until(lambda: busy(endpoint) > 0, 30, "the request running")
-    assert len(first.expired()) == 1
-    wait_until(lambda: aborted() == 1, 30, "the timed-out request aborted on the server")
+    first.abort(list(first.outstanding))
+    wait_until(lambda: aborted() == 1, 30, "the request aborted on the server")
     assert busy(endpoint) == 0
 
     mine = long_request(first)  # then this orchestrator dies; its successor connects

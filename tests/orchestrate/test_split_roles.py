@@ -41,7 +41,7 @@ def test_pool_routes_prefill_then_decode_and_decode_matches_single_server(tmp_pa
         replies = {}
         deadline = time.monotonic() + 120
         while len(replies) < len(requests) and time.monotonic() < deadline:
-            for req, reply in pool.poll(100):
+            for req, reply, _ in pool.poll(100):
                 replies[req.request_id] = reply
         assert all(isinstance(r, GenerateResponse) for r in replies.values()), (replies, procs.logs())
         health = {}
