@@ -48,6 +48,7 @@ import time
 
 from rlcli.config import RecipeConfig
 from rlcli.envs import make_env, render_prompt
+from rlcli.errors import ConfigError
 from rlcli.logging import setup_logging
 from rlcli.models.tokenizer import load_tokenizer
 from rlcli.orchestrate.advantages import group_advantages
@@ -152,8 +153,13 @@ class Orchestrator:
 
     def find_missing(self) -> None:
         """Steps already written that the trainer has yet to train and that are gone (deleted as corrupt)."""
-        trainer = [int(e.info["waiting_for"]) for e in list_entries(self.run.registry_dir(), "train")
-                   if "waiting_for" in e.info]
+        entries = list_entries(self.run.registry_dir(), "train")
+        for e in entries:
+            if int(e.info.get("dp", self.ocfg.num_train_ranks)) != self.ocfg.num_train_ranks:
+                raise ConfigError(f"rl-train runs {e.info['dp']} data-parallel rank(s) but rollout batches are split "
+                                  f"for orchestrate.num_train_ranks = {self.ocfg.num_train_ranks}: set "
+                                  f"orchestrate.num_train_ranks = {e.info['dp']} for rl-orchestrate")
+        trainer = [int(e.info["waiting_for"]) for e in entries if "waiting_for" in e.info]
         low = min(trainer + [int(self.run.read_progress("train").get("step", 0)) + 1])
         rewrite = [s for s in range(low, self.next_step) if not is_stable(self.run.rollouts_dir(s))]
         if rewrite != self.rewrite and rewrite:

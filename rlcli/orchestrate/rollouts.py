@@ -55,7 +55,8 @@ def write_batch(run: RunDir, step: int, groups: list[Group], num_ranks: int, cap
     min_v = min(g.min_version for g in groups)
     max_v = max(g.max_version for g in groups)
     sums: dict[str, str] = {}  # the manifest's checksums, taken on the bytes in memory
-    with atomic_dir(run.rollouts_dir(step), {"step": step, "num_samples": len(samples)}, sums) as tmp:
+    meta = {"step": step, "num_samples": len(samples), "num_ranks": num_ranks}  # the trainer checks its dp
+    with atomic_dir(run.rollouts_dir(step), meta, sums) as tmp:
         for rank, rows in enumerate(per_rank):
             micro_batches = [build_micro_batch([samples[i] for i in row], temperature, top_p, share_prompts)
                              for row in rows]

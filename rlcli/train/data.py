@@ -15,7 +15,7 @@ import torch
 
 from rlcli.protocol.batch import MicroBatch, TrainingBatch, decode_batch
 from rlcli.errors import CorruptFile
-from rlcli.transport.atomic import checksums_of, is_stable, marker_problem
+from rlcli.transport.atomic import checksums_of, is_stable, marker_problem, read_marker
 from rlcli.transport.checksum import verify
 from rlcli.transport.rundir import RunDir
 
@@ -29,11 +29,12 @@ def batch_path(run: RunDir, step: int, rank: int) -> Path:
 
 
 def wait_for_batch(run: RunDir, step: int, rank: int, timeout_s: float = 0.0, poll_s: float = 0.05,
-                   should_stop=lambda: False, sleep=time.sleep) -> TrainingBatch | None:
+                   should_stop=lambda: False, sleep=time.sleep, num_ranks: int | None = None) -> TrainingBatch | None:
     """Block until RUN/rollouts/step_<step> is STABLE, then read and verify this rank's file.
     Returns None on timeout or when ``should_stop()`` turns true. Between two looks at the marker
     it calls ``sleep(poll_s)``, which may return early (the trainer's wakes on rl-orchestrate's
-    ``BatchWritten``)."""
+    ``BatchWritten``). A batch split for other than ``num_ranks`` data-parallel ranks (the
+    trainer's) is unusable: part of it would never be read, or a rank would find no file."""
     start = time.monotonic()
     directory = run.rollouts_dir(step)
     while not is_stable(directory):
@@ -44,6 +45,11 @@ def wait_for_batch(run: RunDir, step: int, rank: int, timeout_s: float = 0.0, po
     bad_marker = marker_problem(directory)
     if bad_marker is not None:
         raise BatchCorrupt(bad_marker)
+    if num_ranks is not None:
+        split = (read_marker(directory) or {}).get("num_ranks")  # None: written before batches said
+        if split is not None and split != num_ranks:
+            raise BatchCorrupt(f"it is split for {split} trainer rank(s) but rl-train has {num_ranks} data-parallel "
+                               f"rank(s): set orchestrate.num_train_ranks = {num_ranks} for rl-orchestrate")
     try:
         expected = checksums_of(directory).get(path.name)
         legacy = path.with_suffix(".msgpack.sha256")  # batches written before checksum manifests

@@ -162,8 +162,8 @@ class Trainer:
         self._pub_lock = threading.Lock()  # announcements also come from the weight publisher's thread
         self.batch_news = Subscriber()  # rl-orchestrate's BatchWritten: wakes the wait for a batch
         self._next_scan = 0.0
-        self.registration = Registration(run.registry_dir(), "train", 0, {"pub": self.publisher.endpoint}) \
-            if main else None
+        self.registration = Registration(run.registry_dir(), "train", 0, {"pub": self.publisher.endpoint},
+                                         {"dp": self.dims.dp}) if main else None  # rl-orchestrate splits for dp
         self.beat(busy_s=self.busy_s)  # building, warm-up, loading the checkpoint: the loop starts after
         if main:
             self.registration.take_long_op_notices()  # a kernel's first-use compile inside a step (fp8 backends)
@@ -409,7 +409,8 @@ class Trainer:
         while True:
             try:
                 batch = wait_for_batch(self.run, step, self.dp_rank, self.cfg.train.wait_timeout_s,
-                                       should_stop=lambda: self.beat() or self.stopping, sleep=self._sleep)
+                                       should_stop=lambda: self.beat() or self.stopping, sleep=self._sleep,
+                                       num_ranks=self.dims.dp)
                 problem = ""
             except BatchCorrupt as e:
                 batch, problem = None, str(e)

@@ -188,3 +188,19 @@ def test_predecessor_requests_stop_decoding(server):
     second.abort([theirs.request_id])
     first.close()
     second.close()
+
+
+def test_a_trainer_with_another_data_parallel_size_is_refused(tmp_path):
+    """rl-train registers its data-parallel size; batches split for another would leave ranks'
+    files unread or missing, so rl-orchestrate stops with the setting to change."""
+    run = RunDir(tmp_path)
+    o = bare_orchestrator(1, 2, 30)
+    o.run, o.next_step, o.rewrite = run, 1, []
+    trainer = Registration(run.registry_dir(), "train", 0, {}, {"dp": 2})
+    try:
+        with pytest.raises(ConfigError, match="set orchestrate.num_train_ranks = 2 for rl-orchestrate"):
+            o.find_missing()
+        o.ocfg.num_train_ranks = 2
+        o.find_missing()
+    finally:
+        trainer.close()

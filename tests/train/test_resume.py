@@ -124,13 +124,15 @@ def test_a_flipped_byte_in_policy_zero_writes_it_again(setup, monkeypatch):
         again.close()
 
 
-@pytest.mark.parametrize("damage", ["file", "marker"])
-def test_a_corrupt_batch_is_deleted_and_the_rewrite_is_trained(setup, damage):
+@pytest.mark.parametrize("damage", ["file", "marker", "split"])
+def test_a_corrupt_batch_is_deleted_and_the_rewrite_is_trained(setup, damage, caplog):
+    """A damaged batch, or one split for another number of trainer ranks than this rl-train's
+    (its rank 0 would train half of it), is deleted; the trainer waits for the rewrite."""
     cfg, run = setup
-    write_batch(run, 1, groups(4), 1, 256, 1.0)
+    write_batch(run, 1, groups(4), 2 if damage == "split" else 1, 256, 1.0)
     if damage == "file":
         flip_byte(run.rollouts_dir(1) / "0.msgpack")
-    else:
+    elif damage == "marker":
         flip_marker_step(run.rollouts_dir(1))
     trainer = Trainer(cfg, run)
     got = []
@@ -143,6 +145,8 @@ def test_a_corrupt_batch_is_deleted_and_the_rewrite_is_trained(setup, damage):
         write_batch(run, 1, groups(4), 1, 256, 1.0)  # rl-orchestrate's rewrite
         reader.join(timeout=60)
         assert got and got[0].step == 1 and got[0].num_samples == 8
+        if damage == "split":
+            assert "set orchestrate.num_train_ranks = 1 for rl-orchestrate" in caplog.text
     finally:
         trainer.stopping = True
         reader.join()
