@@ -87,3 +87,22 @@ class RecipeConfig(Config):
                 f"train.micro_batch_tokens ({self.train.micro_batch_tokens}) must be >= model.max_seq_len "
                 f"({self.model.max_seq_len}) so every sequence fits one packed row"
             )
+
+
+SHARED_SETTINGS: dict[str, tuple[str, ...]] = {
+    "num_steps": ("orchestrate", "train"),  # a trainer with more would wait for batches never written
+    "r3": ("orchestrate", "train"),  # routes requested and replayed, or neither
+    "sync.backend.kind": ("train", "sync"),  # files or a broadcast: each waits for the other's
+    "train.micro_batch_tokens": ("orchestrate", "train"),  # the orchestrator packs rows to the trainer's size
+}
+"""Recipe keys that the processes of one run, of the commands named, must agree on. Each process
+registers its values (``info["settings"]``); one that registers later than a live peer with
+another value stops, naming the key (:func:`rlcli.transport.registry.check_settings`)."""
+
+
+def shared_settings(cfg: RecipeConfig, role: str) -> dict:
+    """The values of the :data:`SHARED_SETTINGS` that ``role`` (a command) must agree on."""
+    from rlcli.config.load import get_dotted
+
+    tree = msgspec.to_builtins(cfg)
+    return {key: get_dotted(tree, key) for key, roles in SHARED_SETTINGS.items() if role in roles}

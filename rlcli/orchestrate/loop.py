@@ -47,6 +47,7 @@ import random
 import time
 
 from rlcli.config import RecipeConfig
+from rlcli.config.recipe import shared_settings
 from rlcli.envs import make_env, render_prompt
 from rlcli.errors import ConfigError
 from rlcli.logging import setup_logging
@@ -82,7 +83,8 @@ class Orchestrator:
             self.pool.check_reachable()
         self.sub = Subscriber()
         self.pub = Publisher(cfg.infer.host, 0)  # BatchWritten wakes the trainer (the STABLE marker is the truth)
-        self.registration = Registration(run.registry_dir(), "orchestrate", 0, {"pub": self.pub.endpoint})
+        self.registration = Registration(run.registry_dir(), "orchestrate", 0, {"pub": self.pub.endpoint},
+                                         {"settings": shared_settings(cfg, "orchestrate")})
         clean_temporaries(run.root / "rollouts")
         done = max(int(run.read_progress("orchestrate").get("step", 0)), run.latest_stable("rollouts") or 0)
         self._init_schedule(done + 1, policy_version=-1)

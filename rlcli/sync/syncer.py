@@ -31,6 +31,7 @@ import time
 import zmq
 
 from rlcli.config import RecipeConfig
+from rlcli.config.recipe import shared_settings
 from rlcli.logging import setup_logging
 from rlcli.process import stop_on_signals
 from rlcli.protocol import ErrorReply, FsWeights, LoadWeights, PolicyUpdated, WeightsLoaded, WeightsPublished
@@ -97,7 +98,8 @@ class Syncer:
 
             self.rounds = Rounds(self)
             endpoints["store"] = self.rounds.addr
-        self.registration = Registration(run.registry_dir(), "sync", 0, endpoints)
+        self.registration = Registration(run.registry_dir(), "sync", 0, endpoints,
+                                         {"settings": shared_settings(cfg, "sync")})
 
     # ------------------------------------------------------------------ membership
     def scan(self) -> None:

@@ -29,6 +29,7 @@ import msgspec
 import torch
 
 from rlcli.config import RecipeConfig
+from rlcli.config.recipe import shared_settings
 from rlcli.config.train import LossConfig, OptimConfig
 from rlcli.errors import ConfigError
 from rlcli.logging import setup_logging
@@ -163,7 +164,8 @@ class Trainer:
         self.batch_news = Subscriber()  # rl-orchestrate's BatchWritten: wakes the wait for a batch
         self._next_scan = 0.0
         self.registration = Registration(run.registry_dir(), "train", 0, {"pub": self.publisher.endpoint},
-                                         {"dp": self.dims.dp}) if main else None  # rl-orchestrate splits for dp
+                                         {"dp": self.dims.dp, "settings": shared_settings(cfg, "train")}) \
+            if main else None  # rl-orchestrate splits batches for dp
         self.beat(busy_s=self.busy_s)  # building, warm-up, loading the checkpoint: the loop starts after
         if main:
             self.registration.take_long_op_notices()  # a kernel's first-use compile inside a step (fp8 backends)

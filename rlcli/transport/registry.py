@@ -16,6 +16,13 @@ seconds (and past any promised ``busy_until``) marks the process dead or stopped
 changed incarnation tells a peer that the process restarted (so its in-flight requests
 are lost and must be re-sent). :func:`describe_gone` is the one line a peer logs when
 it drops one. The file is removed on clean exit.
+
+Two checks run when a process registers:
+- one role and id is one process: an entry of another live process under the same key (on
+  this host: its pid runs; on another: its heartbeat moves within a few beats) is refused;
+- processes agree on the settings they share (:data:`rlcli.config.recipe.SHARED_SETTINGS`,
+  registered as ``info["settings"]``): a process that finds a live peer registered before it
+  with another value of one stops, naming the key (:func:`check_settings`).
 """
 
 import os
@@ -29,6 +36,7 @@ from typing import Any, Callable
 
 import msgspec
 
+from rlcli.errors import ConfigError, RunDirError
 from rlcli.transport.atomic import atomic_write_bytes, clean_temporaries
 
 HEARTBEAT_INTERVAL_S = 1.0
@@ -123,8 +131,18 @@ class Registration:
                            heartbeat=now, info=dict(info or {}))
         self._interval = interval
         clean_temporaries(self.path.parent)  # a killed process's half-written entry
+        holder = _live_holder(self.path)
+        if holder is not None:
+            other = "pass another --id, " if role == "infer" else ""
+            raise RunDirError(f"{self.entry.key} is already running in {self.path.parent.parent} (pid {holder.pid} on "
+                              f"{holder.host}): {other}stop that process, or use another --run-dir")
         _guard_until_handled(self)  # before the entry exists: no moment it is written and unguarded
         self._write()
+        try:
+            check_settings(self.path.parent, self.entry)
+        except ConfigError:
+            self.close()
+            raise
 
     def beat(self, busy_s: float = 0.0) -> None:
         """Called by the work loop once per iteration: rewrites the entry when the last beat is
@@ -181,6 +199,63 @@ class Registration:
                 self.path.unlink(missing_ok=True)
         except OSError:
             pass
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` of this host runs (a zombie does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
+def _live_holder(path: Path, watch_s: float = 2 * HEARTBEAT_INTERVAL_S + 1) -> "Entry | None":
+    """The entry at ``path`` if another process that still runs wrote it. On this host its pid
+    says; an entry of another host that is not stale counts if its heartbeat moves within
+    ``watch_s`` (one that stops beating, even inside a promised busy time, is taken as dead)."""
+    entry = read_entry(path)
+    here = socket.gethostname()
+    if entry is None or (entry.host == here and entry.pid == os.getpid()):
+        return None
+    if entry.host == here:
+        return entry if _running(entry.pid) else None
+    if not entry.alive():
+        return None
+    deadline = time.monotonic() + watch_s
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = read_entry(path)
+        if now is not None and now.incarnation != entry.incarnation:
+            return None  # yet another process took it: it will find that one
+        if now is not None and now.heartbeat != entry.heartbeat:
+            return now
+    return None
+
+
+def check_settings(registry_dir: str | Path, me: Entry) -> None:
+    """Refuse ``me`` if a live peer registered before it holds another value of a setting both
+    registered (``info["settings"]``, a dotted key -> value)."""
+    mine = me.info.get("settings") or {}
+    for peer in list_entries(registry_dir):
+        if peer.incarnation == me.incarnation or (peer.started, peer.incarnation) > (me.started, me.incarnation):
+            continue
+        theirs = peer.info.get("settings") or {}
+        for key in sorted(mine.keys() & theirs.keys()):
+            if mine[key] != theirs[key]:
+                raise ConfigError(f"{key} = {_toml(mine[key])} here but {peer.key} (pid {peer.pid} on {peer.host}) "
+                                  f"runs with {key} = {_toml(theirs[key])}: give every process of the run the "
+                                  f"same {key}")
+
+
+def _toml(value: Any) -> str:
+    return ("true" if value else "false") if isinstance(value, bool) else repr(value).replace("'", '"')
 
 
 def read_entry(path: str | Path) -> Entry | None:

@@ -208,3 +208,88 @@ time.sleep(60)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == (0 if handled else -signal.SIGTERM)
     assert not (tmp_path / "infer-0.json").exists()
+
+
+def test_one_role_and_id_is_one_process(tmp_path):
+    """A second rl-infer under the same id would overwrite the first's entry at every beat, and peers
+    would drop and re-add the server each time: it is refused while the first runs (its pid, on this
+    host), and a dead holder's entry (even a zombie's) is taken over."""
+    import os
+    import subprocess
+    import sys
+
+    from rlcli.errors import RunDirError
+
+    child = f"""
+import time
+from rlcli.transport.registry import Registration
+r = Registration({str(tmp_path)!r}, "infer", 0, {{}})
+print("ready", flush=True)
+time.sleep(60)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        with pytest.raises(RunDirError, match=rf"infer-0 is already running .* \(pid {proc.pid} on .*\): pass "
+                                              r"another --id, stop that process, or use another --run-dir"):
+            Registration(tmp_path, "infer", 0, {})
+        Registration(tmp_path, "infer", 1, {}).close()  # another id is another process
+        proc.kill()
+        while not os.path.exists(f"/proc/{proc.pid}/stat") or open(f"/proc/{proc.pid}/stat").read().split()[2] != "Z":
+            time.sleep(0.01)  # killed, and a zombie until waited for: not running
+        reg = Registration(tmp_path, "infer", 0, {})
+        assert read_entry(tmp_path / "infer-0.json").incarnation == reg.entry.incarnation
+        reg.close()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_an_entry_of_another_host_is_taken_over_only_once_it_stops_beating(tmp_path):
+    reg = Registration(tmp_path, "sync", 0, {})
+    entry = read_entry(tmp_path / "sync-0.json")
+    reg._write = lambda: None  # noqa: E731  (this registration is only the "other host's" writer below)
+    entry.host = "another-host"
+    beating = threading.Event()
+
+    def other_host():
+        while not beating.is_set():
+            entry.heartbeat = time.time()
+            (tmp_path / "sync-0.tmp").write_bytes(msgspec.json.encode(entry))
+            (tmp_path / "sync-0.tmp").rename(tmp_path / "sync-0.json")
+            time.sleep(0.1)
+
+    t = threading.Thread(target=other_host)
+    t.start()
+    from rlcli.errors import RunDirError
+
+    while read_entry(tmp_path / "sync-0.json").host != "another-host":
+        time.sleep(0.01)
+    try:
+        with pytest.raises(RunDirError, match="sync-0 is already running .* on another-host"):
+            Registration(tmp_path, "sync", 0, {})
+    finally:
+        beating.set()
+        t.join()
+    taken = Registration(tmp_path, "sync", 0, {})  # a fresh entry that no longer beats: dead or hung
+    assert read_entry(tmp_path / "sync-0.json").incarnation == taken.entry.incarnation
+    taken.close()
+
+
+def test_processes_that_share_a_setting_must_agree_on_it(tmp_path):
+    """A process registering later than a live peer with another value of a shared setting stops,
+    naming the key; its entry is withdrawn. Settings only one of them registered are not compared."""
+    from rlcli.errors import ConfigError
+
+    train = Registration(tmp_path, "train", 0, {}, {"settings": {"num_steps": 10, "sync.backend.kind": "collective"}})
+    with pytest.raises(ConfigError, match=r'sync.backend.kind = "async_filesystem" here but train-0 \(pid \d+ on '
+                                          r'.*\) runs with sync.backend.kind = "collective": give every process of '
+                                          r'the run the same sync.backend.kind'):
+        Registration(tmp_path, "sync", 0, {}, {"settings": {"sync.backend.kind": "async_filesystem"}})
+    assert not (tmp_path / "sync-0.json").exists()
+    Registration(tmp_path, "sync", 0, {}, {"settings": {"sync.backend.kind": "collective"}}).close()
+    orchestrate = Registration(tmp_path, "orchestrate", 0, {}, {"settings": {"num_steps": 10, "r3": True}})
+    with pytest.raises(ConfigError, match="num_steps = 12 here but orchestrate-0"):  # the first peer in key order
+        Registration(tmp_path, "orchestrate", 1, {}, {"settings": {"num_steps": 12}})
+    orchestrate.close()
+    train.close()
