@@ -92,14 +92,15 @@ class Orchestrator:
     @classmethod
     def schedule_only(cls, cfg: RecipeConfig, tokenizer=None) -> "Orchestrator":
         """The scheduling state alone, at step 1 under policy 0: the dispatch cap, batch assembly and
-        staleness bookkeeping, with no run directory, servers or sockets (``run``, ``pool``, ``pub``
-        are unset; a caller that exercises a method needing one sets it). For models and tests of the
+        staleness bookkeeping, with no run directory, servers or sockets (``run`` and ``pub`` are
+        unset, ``pool`` is None; a caller that exercises a method needing one sets it). For models and tests of the
         schedule: bench/async_ceiling.py, tests/orchestrate/test_staleness.py."""
         self = cls.__new__(cls)
         self.cfg, self.ocfg = cfg, cfg.orchestrate
         self.env = make_env(cfg.env)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model.path)
         self.episodes = Episodes(cfg, self.env, self.tokenizer)
+        self.pool = None
         self._init_schedule(1, policy_version=0)
         return self
 
@@ -171,6 +172,8 @@ class Orchestrator:
     def _set_policy(self, version: int) -> None:
         if version > self.policy_version:
             self.policy_version = version
+            if self.pool is not None:
+                self.pool.serve_at_least(version)
 
     # ------------------------------------------------------------------ dispatch
     def num_to_dispatch(self) -> int:

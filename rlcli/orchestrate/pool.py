@@ -3,7 +3,9 @@
 Servers come from RUN/registry (or fixed ``--connect`` endpoints). Each request goes to
 the server with the fewest outstanding sequences, or to the one its caller prefers (the
 server that holds an episode's earlier turns in its prefix cache) while that one is not
-much busier. A request is *lost* when
+much busier. Only servers that serve the caller's policy (:meth:`InferPool.serve_at_least`)
+or a newer one take requests: one that rl-sync skipped, or that restarted on an older
+version, would generate tokens the batches may not take. A request is *lost* when
 - its server leaves the registry, or restarts (a new incarnation: ZeroMQ reconnects on its
   own, but what was in flight died with the process);
 - its server, asked, says it does not hold it. Every ``PROBE_EVERY_S`` (or
@@ -74,6 +76,7 @@ class ServerHandle:
         self.greeting: AbortRequests | None = None  # sent once the connection is up, before any request
         self.probe: Probe | None = None  # unanswered
         self.last_probe = time.monotonic()
+        self.version: int | None = None  # the policy it serves, from the registry (None: --connect, unknown)
 
     def send(self, msg) -> bool:
         if self.greeting is not None:
@@ -93,6 +96,8 @@ class InferPool:
         self.outstanding: dict[str, Outstanding] = {}
         self.entries: dict[str, object] = {}  # key -> registry Entry seen when the server joined
         self.probe_every_s = min(request_timeout_s, PROBE_EVERY_S)
+        self.policy = -1  # the oldest policy a server may serve and be sent requests
+        self.next_behind_log = 0.0
         self.found_lost: list[Outstanding] = []  # named by a server's answer, for the next lost()
         for i, endpoint in enumerate(self.fixed):
             self._add(ServerHandle(f"connect-{i}", endpoint))
@@ -129,7 +134,20 @@ class InferPool:
             if key not in self.servers:
                 self._add(ServerHandle(key, entry.endpoints["rpc"], entry.incarnation, entry.info.get("role", "mixed")))
                 self.entries[key] = entry
+            self.servers[key].version = int(entry.info.get("version", -1))
         return [o.request for o in lost]
+
+    def serve_at_least(self, policy: int) -> None:
+        """Send requests only to servers that serve ``policy`` or newer (their registry entries,
+        read again now: rl-sync announces a policy after its servers registered it)."""
+        if policy <= self.policy:
+            return
+        self.policy = policy
+        if not self.fixed:
+            for entry in list_entries(self.run.registry_dir(), "infer"):
+                s = self.servers.get(entry.key)
+                if s is not None and s.incarnation == entry.incarnation:
+                    s.version = int(entry.info.get("version", -1))
 
     def lost(self) -> list[GenerateRequest]:
         """Requests lost on servers still registered: those a server said it does not hold, all of
@@ -200,13 +218,17 @@ class InferPool:
         token, so it is never sent a request whose answer is the caller's: with only prefill
         servers live, nothing is sent (the request waits for a decode server to register).
 
-        ``prefer`` names a server (a reply's, from :meth:`poll`) that takes the request if it can
-        take this hop and holds at most ``AFFINITY_SLACK`` sequences more than the least loaded
+        Servers behind the policy of :meth:`serve_at_least` take nothing. ``prefer`` names a server
+        (a reply's, from :meth:`poll`) that takes the request if it can take this hop and holds at most ``AFFINITY_SLACK`` sequences more than the least loaded
         one, plus half of that one's."""
         generating = any(s.role != "prefill" for s in self.servers.values())
         prefill = stage != "decode" and generating and any(s.role == "prefill" for s in self.servers.values())
-        able = sorted((s for s in self.servers.values() if (s.role == "prefill") == prefill),
-                      key=lambda s: s.num_outstanding)
+        hop = [s for s in self.servers.values() if (s.role == "prefill") == prefill]
+        able = sorted((s for s in hop if s.version is None or s.version >= self.policy), key=lambda s: s.num_outstanding)
+        if hop and not able and time.monotonic() >= self.next_behind_log:
+            self.next_behind_log = time.monotonic() + 30
+            log.warning("no rl-infer server serves policy v%d yet (%s); requests wait for rl-sync to update one",
+                        self.policy, ", ".join(f"{s.key} serves v{s.version}" for s in hop))
         first = self.servers.get(prefer)
         if first in able and first.num_outstanding <= able[0].num_outstanding * 3 // 2 + AFFINITY_SLACK:
             able.remove(first)

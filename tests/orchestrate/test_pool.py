@@ -1,5 +1,6 @@
-"""InferPool's choice of server: the least loaded one, or the one a later turn prefers (it holds the
-episode's earlier turns in its prefix cache) while that one is not much busier."""
+"""InferPool's choice of server: of those that serve the policy, the least loaded one, or the one
+a later turn prefers (it holds the episode's earlier turns in its prefix cache) while that one is
+not much busier."""
 
 import zmq
 from procs import wait_until
@@ -7,6 +8,7 @@ from procs import wait_until
 from rlcli.orchestrate.pool import AFFINITY_SLACK, InferPool
 from rlcli.protocol import GenerateRequest, SamplingParams
 from rlcli.protocol.messages import decode
+from rlcli.transport.registry import Registration
 from rlcli.transport.rundir import RunDir
 
 
@@ -47,3 +49,36 @@ def test_a_preferred_server_takes_requests_until_it_is_much_busier_than_the_leas
         pool.close()
         for r in routers:
             r.close(linger=0)
+
+
+def test_servers_behind_the_policy_take_no_requests(tmp_path, caplog):
+    """A server rl-sync skipped, or one restarted on an older policy, would generate tokens too old
+    for the batches: requests wait for a server that serves the orchestrator's policy."""
+    ctx = zmq.Context.instance()
+    routers = [ctx.socket(zmq.ROUTER) for _ in range(2)]
+    ports = [r.bind_to_random_port("tcp://127.0.0.1") for r in routers]
+    run = RunDir(tmp_path)
+    regs = [Registration(run.registry_dir(), "infer", i, {"rpc": f"tcp://127.0.0.1:{p}"}, {"version": v})
+            for i, (p, v) in enumerate(zip(ports, [1, 2]))]
+    pool = InferPool(run, [], request_timeout_s=300)
+    try:
+        assert pool.refresh() == []
+        wait_until(lambda: all(s.client.sock.poll(0, zmq.POLLOUT) for s in pool.servers.values()), 30, "connected")
+        pool.serve_at_least(2)
+        busy = request(pool, 40)
+        assert pool.submit(busy) and pool.submit(request(pool, 1))  # both to infer-1, the one at v2
+        assert pool.servers["infer-0"].num_outstanding == 0 and pool.servers["infer-1"].num_outstanding == 41
+        pool.serve_at_least(3)
+        waiting = request(pool, 1)
+        assert not pool.submit(waiting)
+        assert "no rl-infer server serves policy v3 yet (infer-0 serves v1, infer-1 serves v2)" in caplog.text
+        regs[0].update(version=3)  # rl-sync brought infer-0 up to date
+        pool.refresh()
+        assert pool.submit(waiting)
+        assert received(routers[0]) == [waiting.request_id] and len(received(routers[1])) == 2
+    finally:
+        pool.close()
+        for r in routers:
+            r.close(linger=0)
+        for reg in regs:
+            reg.close()

@@ -93,7 +93,7 @@ class _Recorder:
     """A server handle that records what the pool sends it."""
 
     def __init__(self, key: str, role: str):
-        self.key, self.role, self.num_outstanding, self.sent = key, role, 0, []
+        self.key, self.role, self.num_outstanding, self.sent, self.version = key, role, 0, [], None
 
     def send(self, msg) -> bool:
         self.sent.append(msg.request_id)
