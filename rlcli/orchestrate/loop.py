@@ -116,6 +116,7 @@ class Orchestrator:
         self.stopping = False
         self.on_tick = lambda: None  # called once per loop iteration (live dashboard)
         self._next_refresh = 0.0
+        self.told_no_sync = False
         self.zero_variance_cap = (self.ocfg.advantage.max_zero_variance_drops
                                   if self.ocfg.advantage.max_zero_variance_drops >= 0 else 2 * self.ocfg.batch_size)
         self._reset_step_stats()
@@ -147,8 +148,13 @@ class Orchestrator:
                     self._send_turn(group, self.turns.pop(request.request_id), self.episodes.resend(request))
                 else:
                     self._send(group)
-        for entry in list_entries(self.run.registry_dir(), "sync"):
+        syncs = list_entries(self.run.registry_dir(), "sync")
+        for entry in syncs:
             self.sub.connect(entry.endpoints["pub"])
+        if self.policy_version < 0 and not syncs and not self.told_no_sync:
+            log.info("waiting for rl-sync to announce the first policy: none is registered in %s (start rl-sync, or "
+                     "keep \"sync\" in up.processes)", self.run.registry_dir())
+            self.told_no_sync = True
         version = self.run.read_progress("sync").get("version")
         if version is not None:
             self._set_policy(int(version))

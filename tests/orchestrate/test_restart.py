@@ -206,3 +206,22 @@ def test_a_trainer_with_another_data_parallel_size_is_refused(tmp_path):
         o.find_missing()
     finally:
         trainer.close()
+
+
+def test_a_run_without_rl_sync_says_what_it_waits_for(tmp_path, tiny_model_dir, caplog):
+    """No policy is announced without rl-sync, so nothing is dispatched: one line says so."""
+    import logging
+
+    from rlcli.orchestrate.loop import Orchestrator
+
+    run_dir = tmp_path / "run"
+    cfg = load_recipe(write_recipe(tmp_path / "r.toml", tiny_model_dir, run_dir))
+    RunDir(run_dir).claim("t", {})
+    o = Orchestrator(cfg, RunDir(run_dir))
+    try:
+        with caplog.at_level(logging.INFO, logger="rl-orchestrate"):
+            o.refresh()
+            o.refresh()
+        assert caplog.text.count("waiting for rl-sync to announce the first policy: none is registered") == 1
+    finally:
+        o.close()
