@@ -38,6 +38,20 @@ def test_help_is_light(module):
     assert out.stdout.strip() == "False"
 
 
+@pytest.mark.parametrize("command,module", COMMANDS.items())
+def test_short_help_and_version(command, module):
+    """-h is --help, before and after the subcommand (the default one included); --version names the
+    command and the package version."""
+    from rlcli import __version__
+
+    subcommand = {"rl-infer": "serve", "rl-cache": "serve"}.get(command, "run")
+    for args in (["-h"], [subcommand, "-h"]):
+        out = cli(module, *args)
+        assert out.returncode == 0 and "Usage:" in out.stdout, (args, out.stderr)
+    out = cli(module, "--version")
+    assert out.returncode == 0 and out.stdout == f"{command} {__version__}\n", out.stderr
+
+
 def test_the_orchestrator_and_the_client_do_not_import_torch():
     """rl-orchestrate's loop and the inference client (tokenizers, configs, messages) load without
     torch: rlcli.models loads its model exports on first use."""

@@ -8,12 +8,11 @@ import typer
 
 from rlcli.cli._errors import handle_errors
 from rlcli.cli.common import (
-    OVERRIDES, OVERRIDES_HELP, ConfigOpt, JsonConfigOpt, JsonOpt, PrintConfigOpt, RunDirOpt, emit_json, open_run, print_config,
-    resolve_config, run_app,
+    OVERRIDES, OVERRIDES_HELP, ConfigOpt, JsonConfigOpt, JsonOpt, PrintConfigOpt, RunDirOpt, command_app, emit_json,
+    open_run, print_config, resolve_config, run_app,
 )
 
-app = typer.Typer(help="Shared KV-cache block store.", add_completion=False, pretty_exceptions_enable=False,
-                  no_args_is_help=True)
+app = command_app("rl-cache", "Shared KV-cache block store.", no_args_is_help=True)
 
 
 class Backend(str, Enum):

@@ -100,6 +100,26 @@ COMPLETE_ARGS = "_TYPER_COMPLETE_ARGS"
 """Environment variable through which typer's zsh and fish scripts pass the command line."""
 
 
+def command_app(prog: str, help: str, **kwargs) -> typer.Typer:
+    """The typer app of command ``prog``: ``-h`` as well as ``--help``, and ``--version``."""
+    app = typer.Typer(help=help, add_completion=False, pretty_exceptions_enable=False,
+                      context_settings={"help_option_names": ["-h", "--help"]}, **kwargs)
+
+    def show_version(value: bool) -> None:
+        if value:
+            from rlcli import __version__
+
+            typer.echo(f"{prog} {__version__}")
+            raise typer.Exit()
+
+    @app.callback()
+    def _options(version: Annotated[bool, typer.Option("--version", is_eager=True, callback=show_version,
+                                                       help="Print the version and exit.")] = False) -> None:
+        pass
+
+    return app
+
+
 def run_app(app: typer.Typer, prog: str, default: Optional[str] = None) -> None:
     """Run ``app`` as ``prog``. With ``default`` (a subcommand name), a command line that names no
     subcommand runs that one: ``rl-train --config x.toml`` means ``rl-train run --config x.toml``.

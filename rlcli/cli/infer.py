@@ -10,7 +10,7 @@ import typer
 from rlcli.cli._errors import handle_errors
 from rlcli.cli.common import (
     OVERRIDES, OVERRIDES_HELP, BatchInvariantOpt, ConfigOpt, EngineOpt, JsonConfigOpt, JsonOpt, PrintConfigOpt,
-    R3Opt, RunDirOpt, emit_json, open_run, print_config, resolve_config, run_app,
+    R3Opt, RunDirOpt, command_app, emit_json, open_run, print_config, resolve_config, run_app,
 )
 
 
@@ -25,8 +25,7 @@ class DType(str, Enum):
     bfloat16 = "bfloat16"
     float16 = "float16"
 
-app = typer.Typer(help="Inference server: generates tokens with logprobs, loads new weights in flight.",
-                  add_completion=False, pretty_exceptions_enable=False)
+app = command_app("rl-infer", "Inference server: generates tokens with logprobs, loads new weights in flight.")
 
 
 @app.command("serve", context_settings=OVERRIDES, epilog=OVERRIDES_HELP)

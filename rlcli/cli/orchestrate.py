@@ -9,11 +9,11 @@ from rlcli.cli._errors import handle_errors
 from rlcli.errors import RunDirError
 from rlcli.cli.common import (
     OVERRIDES, OVERRIDES_HELP, BatchInvariantOpt, ConfigOpt, EngineOpt, JsonAlwaysOpt, JsonRunOpt, PrintConfigOpt,
-    R3Opt, RunDirOpt, SeedOpt, emit_json, finish, open_run, print_config, resolve_config, run_app,
+    R3Opt, RunDirOpt, SeedOpt, command_app, emit_json, finish, open_run, print_config, resolve_config, run_app,
 )
 
-app = typer.Typer(help="The RL loop: tasks, rewards, advantages, bounded off-policy batching.",
-                  add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True)
+app = command_app("rl-orchestrate", "The RL loop: tasks, rewards, advantages, bounded off-policy batching.",
+                  no_args_is_help=True)
 
 MaxAsyncOpt = Annotated[Optional[int], typer.Option("--max-async", help="Steps the orchestrator may run ahead "
                                                     "of the trainer; 0 is synchronous RL.")]

@@ -7,12 +7,11 @@ import typer
 
 from rlcli.cli._errors import handle_errors
 from rlcli.cli.common import (
-    OVERRIDES, OVERRIDES_HELP, ConfigOpt, JsonOpt, JsonRunOpt, PrintConfigOpt, RunDirOpt, emit_json, finish, open_run,
-    print_config, resolve_config, run_app,
+    OVERRIDES, OVERRIDES_HELP, ConfigOpt, JsonOpt, JsonRunOpt, PrintConfigOpt, RunDirOpt, command_app, emit_json,
+    finish, open_run, print_config, resolve_config, run_app,
 )
 
-app = typer.Typer(help="Coordinates weight updates: orders loads, collects acks, announces the policy.",
-                  add_completion=False, pretty_exceptions_enable=False)
+app = command_app("rl-sync", "Coordinates weight updates: orders loads, collects acks, announces the policy.")
 
 
 @app.command("run", context_settings=OVERRIDES, epilog=OVERRIDES_HELP)

@@ -7,12 +7,11 @@ import typer
 
 from rlcli.cli._errors import handle_errors
 from rlcli.cli.common import (
-    OVERRIDES, OVERRIDES_HELP, BatchInvariantOpt, ConfigOpt, JsonConfigOpt, JsonRunOpt, PrintConfigOpt, R3Opt,
-    RunDirOpt, SeedOpt, emit_json, finish, open_run, print_config, resolve_config, run_app,
+    OVERRIDES, OVERRIDES_HELP, BatchInvariantOpt, ConfigOpt, JsonRunOpt, PrintConfigOpt, R3Opt, RunDirOpt, SeedOpt,
+    command_app, emit_json, finish, open_run, print_config, resolve_config, run_app,
 )
 
-app = typer.Typer(help="Trainer: consumes rollout batches, writes weights and checkpoints.",
-                  add_completion=False, pretty_exceptions_enable=False)
+app = command_app("rl-train", "Trainer: consumes rollout batches, writes weights and checkpoints.")
 
 StepsOpt = Annotated[Optional[int], typer.Option("--steps", help="RL steps [default: num_steps].")]
 LrOpt = Annotated[Optional[float], typer.Option("--lr", help="Learning rate [default: train.optim.lr].")]
