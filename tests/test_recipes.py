@@ -82,6 +82,9 @@ def test_recipe_dry_run(case: Case, tmp_path):
     infer_hosts = {host for name, (host, _) in plan.items() if name.startswith("infer")}
     assert infer_hosts == ({"10.0.0.1"} if case.nodes == 1 else
                            {f"10.0.0.{i + 1}" for i in range(case.train_nodes, case.nodes)})
+    infer_gpus = 4 if case.nodes == 1 else 8 * (case.nodes - case.train_nodes)  # one rl-infer per tp GPUs
+    tp = getattr(cfg.infer.engine, "tensor_parallel_size", 1)
+    assert sum(name.startswith("infer") for name in plan) == infer_gpus // tp
 
 
 def slurm_plan(case: Case, tmp_path: Path, **extra: str) -> dict[str, tuple[str, str]]:

@@ -48,16 +48,33 @@ def test_dry_run_places_each_command(tmp_path, tiny_model_dir):
                          capture_output=True, text=True, timeout=60, check=True).stdout
     plan = [line.split("\t") for line in out.splitlines()]
     where = {name: host for host, name, _ in plan}
+    # One rl-infer per GPU of each inference node (tensor_parallel_size 1), ids counting up across nodes.
     assert where == {"cache": "10.0.0.1", "sync": "10.0.0.1", "orchestrate": "10.0.0.1", "train-0": "10.0.0.1",
-                     "train-1": "10.0.0.2", "infer-0": "10.0.0.3", "infer-1": "10.0.0.4"}
-    train1 = next(cmd for _, name, cmd in plan if name == "train-1")
-    assert "--nproc-per-node 8 --nnodes 2 --node-rank 1 --rdzv-endpoint 10.0.0.1:" in train1
+                     "train-1": "10.0.0.2", **{f"infer-{i}": "10.0.0.3" for i in range(8)},
+                     **{f"infer-{i}": "10.0.0.4" for i in range(8, 16)}}
+    cmds = {name: cmd for _, name, cmd in plan}
+    assert "--nproc-per-node 8 --nnodes 2 --node-rank 1 --rdzv-endpoint 10.0.0.1:" in cmds["train-1"]
+    assert "CUDA_VISIBLE_DEVICES=5 rl-infer" in cmds["infer-13"] and "--id 13 " in cmds["infer-13"]
+    # Every command's sockets bind where peers on other nodes reach them (rl-sync's store included).
+    for name in ("sync", "orchestrate", "train-0"):
+        assert "--sync.host {0} --orchestrate.host {0} --train.host {0}".format(env["BIND_HOST"]) in cmds[name]
+    tp2 = subprocess.run(["bash", str(SLURM / "multi-node.sbatch"), str(recipe), "--dry-run"],
+                         env={**env, "RLCLI_ARGS": "--infer.engine.name vllm --infer.engine.tensor_parallel_size 2"},
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    tp2 = {name: cmd for _, name, cmd in (line.split("\t") for line in tp2.splitlines())}
+    assert sorted(n for n in tp2 if n.startswith("infer-")) == sorted(f"infer-{i}" for i in range(8))
+    assert "CUDA_VISIBLE_DEVICES=6,7 rl-infer" in tp2["infer-3"] and "CUDA_VISIBLE_DEVICES=0,1 rl-infer" in tp2["infer-4"]
+    few = subprocess.run(["bash", str(SLURM / "single-node.sbatch"), str(recipe), "--dry-run"],
+                         env={**env, "FAKE_SLURM_HOSTS": "10.0.0.9", "SLURM_NNODES": "1", "TRAIN_GPUS": "6",
+                              "RLCLI_ARGS": "--infer.engine.name vllm --infer.engine.tensor_parallel_size 4"},
+                         capture_output=True, text=True, timeout=60)
+    assert few.returncode == 2 and "tensor_parallel_size=4 GPUs but 10.0.0.9 has 2 for it" in few.stderr
     single = subprocess.run(["bash", str(SLURM / "single-node.sbatch"), str(recipe), "--dry-run"],
                             env={**env, "FAKE_SLURM_HOSTS": "10.0.0.9", "SLURM_NNODES": "1"},
                             capture_output=True, text=True, timeout=60, check=True).stdout
     cmds = {name: cmd for _, name, cmd in (line.split("\t") for line in single.splitlines())}
-    assert "CUDA_VISIBLE_DEVICES=0,1,2,3 rl-train" in cmds["train"] and "CUDA_VISIBLE_DEVICES=4,5,6,7 rl-infer" in \
-        cmds["infer-0"]
+    assert "CUDA_VISIBLE_DEVICES=0,1,2,3 rl-train" in cmds["train"]
+    assert [cmds[f"infer-{i}"].split()[1] for i in range(4)] == [f"CUDA_VISIBLE_DEVICES={g}" for g in range(4, 8)]
     bad = subprocess.run(["bash", str(SLURM / "multi-node.sbatch"), str(recipe), "--dry-run"],
                          env={**env, "TRAIN_NODES": "4"}, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "TRAIN_NODES=4 + INFER_NODES=0" in bad.stderr

@@ -7,11 +7,12 @@
 #   head node        rl-sync, rl-orchestrate, rl-cache (light processes, no GPU)
 #   trainer nodes    rl-train under torchrun: TRAIN_NODES nodes x GPUS_PER_NODE ranks, rendezvous on the
 #                    first trainer node
-#   inference nodes  one rl-infer per node (INFER_NODES of them), or, on a single node, one rl-infer on
-#                    the GPUs the trainer does not use; on a one-GPU node (GPUS_PER_NODE=1) rl-infer and
-#                    rl-train share GPU 0 (size the engine's KV cache to leave the trainer room)
+#   inference nodes  one rl-infer per infer.engine.tensor_parallel_size GPUs of each node (INFER_NODES
+#                    of them), or, on a single node, of the GPUs the trainer does not use; ids count up
+#                    across nodes; on a one-GPU node (GPUS_PER_NODE=1) rl-infer and rl-train share GPU 0
+#                    (size the engine's KV cache to leave the trainer room)
 # Every process reads the same recipe and meets the others in RUN_DIR, which must be on a shared
-# filesystem. Logs: RUN_DIR/logs/<process>.log. The job ends 0 when rl-train and rl-orchestrate have
+# filesystem; the sockets of every command bind to BIND_HOST. Logs: RUN_DIR/logs/<process>.log. The job ends 0 when rl-train and rl-orchestrate have
 # both finished; if any process dies first, it names it, stops the rest and exits with its code.
 #
 # Environment: TRAIN_NODES (default 1, or 0 extra nodes when the job has one node), INFER_NODES
@@ -40,11 +41,32 @@ else
 fi
 # rl-orchestrate writes one rollout file per trainer data-parallel rank: the recipe's train.parallel.dp,
 # or the trainer's ranks divided by its cp (the resolved recipe, RLCLI_ARGS included).
-NUM_TRAIN_RANKS=$(rl-train --config "$RECIPE" "${EXTRA[@]}" --print-config --json | python3 -c '
+# Each rl-infer takes infer.engine.tensor_parallel_size GPUs (1 for the native engine).
+read -r NUM_TRAIN_RANKS INFER_TP < <(rl-train --config "$RECIPE" "${EXTRA[@]}" --print-config --json | python3 -c '
 import json, sys
-p = json.load(sys.stdin)["train"]["parallel"]
-print(p["dp"] if p["dp"] > 0 else int(sys.argv[1]) // p["cp"])' "$TRAIN_WORLD")
-COMMON=(--config "$RECIPE" --run-dir "$RUN_DIR" --orchestrate.num_train_ranks "$NUM_TRAIN_RANKS" "${EXTRA[@]}")
+cfg = json.load(sys.stdin)
+p = cfg["train"]["parallel"]
+print(p["dp"] if p["dp"] > 0 else int(sys.argv[1]) // p["cp"], cfg["infer"]["engine"].get("tensor_parallel_size", 1))' \
+  "$TRAIN_WORLD")
+COMMON=(--config "$RECIPE" --run-dir "$RUN_DIR" --orchestrate.num_train_ranks "$NUM_TRAIN_RANKS"
+        --sync.host "$BIND_HOST" --orchestrate.host "$BIND_HOST" --train.host "$BIND_HOST" "${EXTRA[@]}")
+
+# infer_plan NODE FIRST_ID GPU...: one rl-infer per INFER_TP of the GPUs listed (ids from FIRST_ID).
+infer_plan() {
+  local node=$1 id=$2; shift 2
+  local gpus=("$@")
+  if [ "${#gpus[@]}" -lt "$INFER_TP" ]; then
+    echo "rlcli-slurm: error: rl-infer takes infer.engine.tensor_parallel_size=$INFER_TP GPUs but $node has ${#gpus[@]} for it; lower it or give inference more GPUs" >&2
+    exit 2
+  fi
+  for (( g = 0; g + INFER_TP <= ${#gpus[@]}; g += INFER_TP )); do
+    local visible
+    visible=$(IFS=,; echo "${gpus[*]:$g:$INFER_TP}")
+    PLAN+=("infer-$id|$node|env CUDA_VISIBLE_DEVICES=$visible rl-infer ${COMMON[*]} --id $id --infer.host $BIND_HOST")
+    id=$(( id + 1 ))
+  done
+  NEXT_INFER_ID=$id
+}
 
 # name|node|command, in start order (servers first).
 PLAN=()
@@ -54,16 +76,16 @@ PLAN+=("sync|$HEAD|rl-sync ${COMMON[*]}")
 if [ "$NUM_NODES" -eq 1 ]; then
   TRAIN_GPUS=${TRAIN_GPUS:-$(( GPUS_PER_NODE > 1 ? GPUS_PER_NODE / 2 : 1 ))}
   if [ "$GPUS_PER_NODE" -eq 1 ] && [ "$TRAIN_GPUS" -eq 1 ]; then
-    INFER_GPUS=0  # one GPU: rl-infer shares it with rl-train
+    INFER_GPUS=(0)  # one GPU: rl-infer shares it with rl-train
   elif [ "$TRAIN_GPUS" -ge 1 ] && [ "$TRAIN_GPUS" -lt "$GPUS_PER_NODE" ]; then
-    INFER_GPUS=$(seq -s, "$TRAIN_GPUS" $(( GPUS_PER_NODE - 1 )))
+    mapfile -t INFER_GPUS < <(seq "$TRAIN_GPUS" $(( GPUS_PER_NODE - 1 )))
   else
     echo "rlcli-slurm: error: TRAIN_GPUS=$TRAIN_GPUS does not fit GPUS_PER_NODE=$GPUS_PER_NODE with a GPU left for rl-infer; set TRAIN_GPUS between 1 and $(( GPUS_PER_NODE > 1 ? GPUS_PER_NODE - 1 : 1 ))" >&2
     exit 2
   fi
   TRAIN_VISIBLE=$(seq -s, 0 $(( TRAIN_GPUS - 1 )))
   PLAN+=("train|$HEAD|env CUDA_VISIBLE_DEVICES=$TRAIN_VISIBLE rl-train ${COMMON[*]} --nproc-per-node $TRAIN_GPUS --nnodes 1 --node-rank 0 --rdzv-endpoint $HEAD:$RDZV_PORT")
-  PLAN+=("infer-0|$HEAD|env CUDA_VISIBLE_DEVICES=$INFER_GPUS rl-infer ${COMMON[*]} --id 0")
+  infer_plan "$HEAD" 0 "${INFER_GPUS[@]}"
 else
   TRAIN_NODES=${TRAIN_NODES:-1}
   INFER_NODES=${INFER_NODES:-$(( NUM_NODES - TRAIN_NODES ))}
@@ -75,8 +97,9 @@ else
   for (( r = 0; r < TRAIN_NODES; r++ )); do
     PLAN+=("train-$r|${NODES[$r]}|rl-train ${COMMON[*]} --nproc-per-node $GPUS_PER_NODE --nnodes $TRAIN_NODES --node-rank $r --rdzv-endpoint $TRAIN_HEAD:$RDZV_PORT")
   done
+  NEXT_INFER_ID=0
   for (( i = 0; i < INFER_NODES; i++ )); do
-    PLAN+=("infer-$i|${NODES[$(( TRAIN_NODES + i ))]}|rl-infer ${COMMON[*]} --id $i --infer.host $BIND_HOST")
+    infer_plan "${NODES[$(( TRAIN_NODES + i ))]}" "$NEXT_INFER_ID" $(seq 0 $(( GPUS_PER_NODE - 1 )))
   done
 fi
 PLAN+=("orchestrate|$HEAD|rl-orchestrate run ${COMMON[*]}")

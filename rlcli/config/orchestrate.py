@@ -78,6 +78,10 @@ class OrchestrateConfig(Config):
     keep_rollouts: int = 8
     """Delete rollout batches this many steps behind the trainer."""
 
+    host: str = "127.0.0.1"
+    """Interface the batch-written announcement socket binds to; 0.0.0.0 (every interface) lets
+    a trainer on another host subscribe, and peers are told this host's address."""
+
     connect: list[str] = []
     """Explicit rl-infer endpoints (tcp://host:port); empty discovers them in RUN/registry."""
 

@@ -51,6 +51,11 @@ class SyncConfig(Config):
     """Weight transport, chosen by ``kind``: async_filesystem (the default: the trainer's next step
     starts while the files are written), filesystem or collective."""
 
+    host: str = "127.0.0.1"
+    """Interface rl-sync's announcement socket binds to, and the address the collective transport's
+    rendezvous store (which listens on every interface) is given as; 0.0.0.0 lets servers and
+    trainer ranks on other hosts join, and peers are told this host's address."""
+
     keep_weights: int = 3
     """Keep this many newest weight versions on disk (never one a server still loads)."""
 

@@ -234,6 +234,10 @@ class TrainConfig(Config):
     """fixed: num_threads throughout; adaptive (CPU): this process's share of the host's cores among
     the run's processes computing right now (rl-infer, other ranks), re-read between layers."""
 
+    host: str = "127.0.0.1"
+    """Interface the weights-published announcement socket binds to; 0.0.0.0 (every interface)
+    lets an rl-sync on another host subscribe, and peers are told this host's address."""
+
     pub_port: int = 0
     """TCP port of the weights-published announcement socket; 0 picks a free one."""
 

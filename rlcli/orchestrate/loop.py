@@ -82,7 +82,7 @@ class Orchestrator:
         if self.ocfg.connect:
             self.pool.check_reachable()
         self.sub = Subscriber()
-        self.pub = Publisher(cfg.infer.host, 0)  # BatchWritten wakes the trainer (the STABLE marker is the truth)
+        self.pub = Publisher(self.ocfg.host, 0)  # BatchWritten wakes the trainer (the STABLE marker is the truth)
         self.registration = Registration(run.registry_dir(), "orchestrate", 0, {"pub": self.pub.endpoint},
                                          {"settings": shared_settings(cfg, "orchestrate")})
         clean_temporaries(run.root / "rollouts")

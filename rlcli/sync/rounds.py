@@ -30,7 +30,7 @@ from rlcli.logging import setup_logging
 from rlcli.protocol import ErrorReply, LoadWeights, NcclWeights, TensorSpec
 from rlcli.transport.collective import host_store
 from rlcli.transport.rendezvous import Control, write_store_file
-from rlcli.transport.zmq import new_request_id
+from rlcli.transport.zmq import advertised, new_request_id
 
 log = setup_logging("rl-sync")
 
@@ -59,8 +59,8 @@ class Round:
 class Rounds:
     def __init__(self, syncer):
         self.syncer, self.cfg = syncer, syncer.cfg
-        self.store = host_store(self.cfg.infer.host, 0)
-        self.addr = f"{self.cfg.infer.host}:{self.store.port}"
+        self.store = host_store(self.cfg.sync.host, 0)
+        self.addr = f"{advertised(self.cfg.sync.host)}:{self.store.port}"  # the store listens on every interface
         write_store_file(syncer.run.root, self.addr)
         self.ctl = Control(self.store)
         self.generation = 0

@@ -81,7 +81,7 @@ class Syncer:
         self.cfg, self.run = cfg, run
         self.kind = type(cfg.sync.backend).__struct_config__.tag
         self.sub = Subscriber()
-        self.pub = Publisher(cfg.infer.host, 0)
+        self.pub = Publisher(cfg.sync.host, 0)
         self.servers: dict[str, Server] = {}
         self.target = -1
         self.policy_version = int(run.read_progress("sync").get("version", -1))

@@ -159,7 +159,7 @@ class Trainer:
         self.stopping = False
         self.busy_s = 600.0  # the promised bound on one step (train + publish + checkpoint); measured after one
         main = self.dist.is_main
-        self.publisher = Publisher(cfg.infer.host, tcfg.pub_port) if main else None
+        self.publisher = Publisher(tcfg.host, tcfg.pub_port) if main else None
         self._pub_lock = threading.Lock()  # announcements also come from the weight publisher's thread
         self.batch_news = Subscriber()  # rl-orchestrate's BatchWritten: wakes the wait for a batch
         self._next_scan = 0.0

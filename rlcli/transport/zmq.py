@@ -28,14 +28,18 @@ def new_request_id() -> str:
     return uuid.uuid4().hex[:16]
 
 
+def advertised(host: str) -> str:
+    """The address peers are told for a socket bound to ``host``: for every interface (0.0.0.0),
+    this host's own, which peers on other hosts can reach."""
+    return socket.gethostbyname(socket.gethostname()) if host in ("0.0.0.0", "*") else host
+
+
 def _bind(sock: zmq.Socket, host: str, port: int) -> str:
     if port:
         sock.bind(f"tcp://{host}:{port}")
     else:
         port = sock.bind_to_random_port(f"tcp://{host}")
-    # Bound to every interface: advertise an address peers on other hosts can reach.
-    advertised = socket.gethostbyname(socket.gethostname()) if host in ("0.0.0.0", "*") else host
-    return f"tcp://{advertised}:{port}"
+    return f"tcp://{advertised(host)}:{port}"
 
 
 class RpcServer:

@@ -133,3 +133,27 @@ def test_a_silent_server_is_skipped_and_the_weights_it_serves_or_loads_are_kept(
         syncer.close()
         good.stop()
         stuck.stop()
+
+
+def test_on_every_interface_rl_sync_tells_peers_this_hosts_address(tmp_path):
+    """sync.host = 0.0.0.0 (Slurm's BIND_HOST): its announcements and the collective store are given as
+    an address servers and trainer ranks on other hosts can reach (the store once gave 0.0.0.0)."""
+    import socket
+
+    from rlcli.config.services import CollectiveTransport
+    from rlcli.transport.collective import connect_store
+    from rlcli.transport.rendezvous import read_store_file
+
+    run = RunDir(tmp_path / "run")
+    cfg = RecipeConfig(sync=SyncConfig(backend=CollectiveTransport(), host="0.0.0.0"))
+    syncer = Syncer(cfg, run)
+    try:
+        here = socket.gethostbyname(socket.gethostname())
+        addr = read_store_file(run.root)["addr"]
+        assert addr == syncer.rounds.addr and addr.startswith(f"{here}:")
+        assert syncer.pub.endpoint.startswith(f"tcp://{here}:")
+        client = connect_store(addr, 10)  # reachable at that address
+        client.set("probe", "1")
+        assert syncer.rounds.store.get("probe") == b"1"
+    finally:
+        syncer.close()
