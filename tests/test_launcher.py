@@ -109,3 +109,44 @@ def test_kill_9_on_up_stops_every_child(tmp_path, tiny_model_dir):
             if pid_alive(e.pid):
                 os.kill(e.pid, signal.SIGKILL)
     assert list_entries(run_dir / "registry", alive_only=False) == []  # they stopped cleanly, not killed
+
+
+def test_gpus_are_placed_as_the_slurm_launcher_places_them(tmp_path, tiny_model_dir, monkeypatch, capfd):
+    """Eight GPUs, a 4-rank trainer, 2 servers of tensor parallelism 2: train 0-3, infer-0 4,5, infer-1
+    6,7 (each child's CUDA_VISIBLE_DEVICES); too few GPUs, an explicit device index or one GPU: shared."""
+    from rlcli.config import load_recipe
+    from rlcli.orchestrate import launcher
+    from rlcli.transport.rundir import RunDir
+
+    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, tmp_path / "run")
+    over = {"infer.device": "cuda", "infer.engine.name": "vllm", "infer.engine.tensor_parallel_size": 2,
+            "up.num_infer": 2, "up.train_nproc_per_node": 4}
+    cfg = load_recipe(recipe, overrides=over)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    assert launcher.visible_gpus() == [str(g) for g in range(8)]
+    assert launcher.place_gpus(cfg, launcher.visible_gpus()) == {"train": "0,1,2,3", "infer-0": "4,5",
+                                                                "infer-1": "6,7"}
+    assert launcher.place_gpus(cfg, ["3", "5", "6", "7", "9", "10", "11", "12", "13"])["infer-1"] == "11,12"
+    assert launcher.place_gpus(cfg, [str(g) for g in range(7)]) == {}
+    assert "7 GPUs cannot give rl-train 4 and 2 rl-infer 2 each: they share" in capfd.readouterr().err
+    assert launcher.place_gpus(load_recipe(recipe, overrides={**over, "infer.device": "cuda:1"}),
+                               [str(g) for g in range(8)]) == {}
+    assert launcher.place_gpus(load_recipe(recipe, overrides={**over, "up.train_nproc_per_node": 1,
+                                                               "up.num_infer": 1}), ["0"]) == {}
+
+    started = {}
+
+    class Recorded:
+        def __init__(self, cmd, env, **_):
+            command = cmd[cmd.index("-m") + 1].rpartition(".")[2]
+            label = f"{command}-{cmd[cmd.index('--id') + 1]}" if "--id" in cmd else command
+            started[label] = env.get("CUDA_VISIBLE_DEVICES")
+            self.pid = 0
+
+    monkeypatch.setattr(launcher.subprocess, "Popen", Recorded)
+    run = RunDir(tmp_path / "run")
+    run.claim("t", {})
+    launcher.Launcher(cfg, run).start()
+    every = "0,1,2,3,4,5,6,7"
+    assert started == {"cache": every, "train": "0,1,2,3", "sync": every, "infer-0": "4,5", "infer-1": "6,7",
+                       "orchestrate": every}

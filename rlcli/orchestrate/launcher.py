@@ -6,6 +6,11 @@ stdout and stderr go to RUN/logs/<command>-<id>.log. Children are tracked and en
 by pid: when one fails, on Ctrl-C, or once the trainer and the orchestrator are done,
 every child gets SIGTERM (servers last), then SIGKILL after a grace period. If this command
 dies without that (``kill -9``), the kernel sends each child SIGTERM (``PR_SET_PDEATHSIG``).
+
+GPUs (:func:`place_gpus`): on a machine with several, and ``infer.device = "cuda"`` (no index),
+rl-train takes the first ``up.train_nproc_per_node`` and each rl-infer the next
+``infer.engine.tensor_parallel_size`` (``CUDA_VISIBLE_DEVICES`` per child), as the Slurm
+launcher places them on a node. With too few for that they share, as on one GPU.
 """
 
 import os
@@ -56,6 +61,36 @@ def resolved_recipe(cfg: RecipeConfig) -> RecipeConfig:
     return msgspec.convert(tree, RecipeConfig)
 
 
+def visible_gpus() -> list[str]:
+    """The GPUs children may use: ``CUDA_VISIBLE_DEVICES``, else those ``nvidia-smi -L`` lists
+    (torch is not imported here: ``up`` stays light)."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [g.strip() for g in listed.split(",") if g.strip() and not g.strip().startswith("-")]
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [str(i) for i in range(sum(line.startswith("GPU ") for line in out.splitlines()))]
+
+
+def place_gpus(cfg: RecipeConfig, gpus: list[str]) -> dict[str, str]:
+    """Child label (train, infer-<i>) -> its CUDA_VISIBLE_DEVICES; empty when the children share."""
+    tp = getattr(cfg.infer.engine, "tensor_parallel_size", 1)
+    nproc, servers = cfg.up.train_nproc_per_node, cfg.up.num_infer
+    if cfg.infer.device != "cuda" or len(gpus) < 2:
+        return {}
+    if len(gpus) < nproc + servers * tp:
+        log.warning("%d GPUs cannot give rl-train %d and %d rl-infer %d each: they share (the trainer's ranks "
+                    "from GPU 0, every rl-infer on %s)", len(gpus), nproc, servers, tp,
+                    "GPU 0" if tp == 1 else f"GPUs 0-{tp - 1}")
+        return {}
+    out = {"train": ",".join(gpus[:nproc])}
+    for i in range(servers):
+        out[f"infer-{i}"] = ",".join(gpus[nproc + i * tp:nproc + (i + 1) * tp])
+    return out
+
+
 class Launcher:
     def __init__(self, cfg: RecipeConfig, run: RunDir):
         self.cfg = resolved_recipe(cfg)
@@ -67,6 +102,9 @@ class Launcher:
 
     def start(self) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        placed = place_gpus(self.cfg, visible_gpus())
+        if placed:
+            log.info("GPUs: %s", ", ".join(f"{label} {gpus}" for label, gpus in placed.items()))
         for name in ORDER:
             if name not in self.cfg.up.processes:
                 continue
@@ -78,9 +116,12 @@ class Launcher:
                     cmd += ["--nproc-per-node", str(self.cfg.up.train_nproc_per_node)]
                 log_path = self.run.log_file(name, i)
                 log_path.parent.mkdir(parents=True, exist_ok=True)
+                label = f"infer-{i}" if name == "infer" else name
+                child_env = {**env, "CUDA_VISIBLE_DEVICES": placed[label]} if label in placed else env
                 with open(log_path, "ab") as f:
                     proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            env=env, start_new_session=True, preexec_fn=stop_with_parent(os.getpid()))
+                                            env=child_env, start_new_session=True,
+                                            preexec_fn=stop_with_parent(os.getpid()))
                 self.children.append(Child(name, i, proc, log_path))
 
     def role_args(self, i: int) -> list[str]:
