@@ -117,7 +117,9 @@ def status_cmd(
 
     if watch is not None:
         if json_out or watch <= 0:
-            raise ValueError("--watch takes a positive number of seconds and no --json (use --json without "
+            from rlcli.errors import ConfigError
+
+            raise ConfigError("--watch takes a positive number of seconds and no --json (use --json without "
                              "--watch for one snapshot)")
         return watch_status(run_dir, watch)
     s = status(run_dir)

@@ -3,8 +3,10 @@
 ``rl-train`` is a torchrun program: started by torchrun (RANK / WORLD_SIZE / LOCAL_RANK
 set), every rank runs the trainer. Given ``--nproc-per-node``, a plain ``rl-train``
 replaces itself (exec, so signals reach torchrun directly) with
-``python -m torch.distributed.run --nproc-per-node N ... -m rlcli.cli.train run <the same
-arguments minus the launch flags>``. Rendezvous:
+``python -m rlcli.cli.torchrun --nproc-per-node N ... -m rlcli.cli.train run <the same
+arguments minus the launch flags>``: torchrun's agent (``torch.distributed.run``) in that
+process, which says a failed rank in one line instead of torchrun's traceback and report
+(:func:`agent`). Rendezvous:
 
 * one node: ``--standalone`` (a free local port);
 * ``--rdzv-endpoint HOST:PORT``: the c10d rendezvous at that endpoint (any node count);
@@ -13,7 +15,7 @@ arguments minus the launch flags>``. Rendezvous:
   (expanded here, or by ``scontrol show hostnames`` when present), port ``MASTER_PORT``
   or 29500. ``SLURM_NNODES`` / ``SLURM_NODEID`` fill in ``--nnodes`` / ``--node-rank``.
 
-Stdlib only: this runs before torch is imported.
+Stdlib only, but for :func:`agent`: this runs before torch is imported.
 """
 
 import os
@@ -74,7 +76,7 @@ def torchrun_command(nproc: int, nnodes: int | None, node_rank: int | None, rdzv
                      args: list[str], env: dict | None = None) -> list[str]:
     """The torchrun command line that runs ``rlcli.cli.train run <args>`` on this node."""
     env = os.environ if env is None else env
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+    cmd = [sys.executable, "-m", "rlcli.cli.torchrun", "--nproc-per-node", str(nproc)]
     slurm_nodes = int(env.get("SLURM_NNODES", "1") or 1)
     if nnodes is None and slurm_nodes > 1 and env.get("SLURM_JOB_NODELIST"):
         nnodes = slurm_nodes
@@ -116,3 +118,32 @@ def world_size(nproc: int, nnodes: int | None, env: dict | None = None) -> int:
     if nnodes is None:
         nnodes = int(env.get("SLURM_NNODES", "1") or 1) if env.get("SLURM_JOB_NODELIST") else 1
     return nproc * nnodes
+
+
+def agent(argv: list[str]) -> int:
+    """Run torchrun's agent on ``argv`` (torchrun's own arguments) in this process; return the exit
+    code. A rank that failed is said in one line (its own output, above it, has the why), where
+    torchrun adds a traceback and a report. A rank that exited 2 said its usage error itself
+    (:mod:`rlcli.cli._errors`, one line from the first rank to hit it), so 2 passes on silently."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    try:
+        run(parse_args(argv))
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        code = failure.exitcode
+        if code == 2:
+            return 2
+        how = f"was killed by {failure.signal_name()}" if code < 0 else f"exited with code {code}"
+        print(f"rl-train: error: rank {rank} (pid {failure.pid}) {how}; its output above says why",
+              file=sys.stderr, flush=True)
+        return 128 - code if code < 0 else code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(agent(sys.argv[1:]))

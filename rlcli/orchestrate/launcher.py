@@ -24,6 +24,7 @@ from pathlib import Path
 import msgspec
 
 from rlcli.config import RecipeConfig, dump_toml, to_dict
+from rlcli.errors import ConfigError
 from rlcli.logging import console, setup_logging
 from rlcli.orchestrate.dashboard import LiveView, ProcessRow
 from rlcli.process import stop_with_parent
@@ -129,7 +130,7 @@ class Launcher:
         if not self.cfg.up.num_prefill:
             return []
         if not self.cfg.infer.kv_cache.endpoint and "cache" not in self.cfg.up.processes:
-            raise ValueError("up.num_prefill needs a shared KV store: add \"cache\" to up.processes or set "
+            raise ConfigError("up.num_prefill needs a shared KV store: add \"cache\" to up.processes or set "
                              "infer.kv_cache.endpoint")
         role = "prefill" if i < self.cfg.up.num_prefill else "decode"
         return ["--role", role, *([] if self.cfg.infer.kv_cache.endpoint else ["--kv-cache", "registry"])]

@@ -8,6 +8,7 @@ import pytest
 from procs import Procs, serve_initial_policy, wait_until, write_recipe
 
 from rlcli.config import load_recipe
+from rlcli.errors import ConfigError
 from rlcli.infer.engine import NativeEngine
 from rlcli.orchestrate.pool import InferPool
 from rlcli.protocol import GenerateRequest, GenerateResponse, HealthRequest, HealthResponse, SamplingParams
@@ -82,7 +83,7 @@ def test_up_launches_prefill_and_decode_servers(tmp_path, tiny_model_dir):
     assert launcher.role_args(2) == ["--role", "decode", "--kv-cache", "registry"]
     no_cache = write_recipe(tmp_path / "n.toml", tiny_model_dir, tmp_path / "run",
                             up={"num_infer": 2, "num_prefill": 1, "processes": ["infer", "train", "orchestrate"]})
-    with pytest.raises(ValueError, match="up.num_prefill needs a shared KV store"):
+    with pytest.raises(ConfigError, match="up.num_prefill needs a shared KV store"):
         Launcher(load_recipe(no_cache), RunDir(tmp_path / "run")).role_args(0)
     with pytest.raises(Exception, match="up.num_prefill"):
         load_recipe(write_recipe(tmp_path / "b.toml", tiny_model_dir, tmp_path / "run",

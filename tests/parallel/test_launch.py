@@ -65,7 +65,7 @@ def test_torchrun_command_from_slurm_and_flags():
     assert args == ["--config", "r.toml", "--ep", "8"]
     slurm = {"SLURM_JOB_NODELIST": "gpu[12-13]", "SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_ID": "77"}
     cmd = torchrun_command(8, None, None, None, args, env=slurm)
-    i = cmd.index("torch.distributed.run")
+    i = cmd.index("rlcli.cli.torchrun")
     assert cmd[i + 1:i + 11] == ["--nproc-per-node", "8", "--nnodes", "2", "--node-rank", "1", "--master-addr",
                                  "gpu12", "--master-port", "29500"]
     assert cmd[-6:] == ["rlcli.cli.train", "run", "--config", "r.toml", "--ep", "8"]
@@ -86,6 +86,19 @@ def test_rl_train_refuses_a_bad_mesh_before_launching(tmp_path, tiny_model_dir):
                               "4", *flags], capture_output=True, text=True, timeout=120)
         lines = [line for line in out.stderr.splitlines() if line.strip()]
         assert out.returncode == 2 and len(lines) == 1 and needle in lines[0], out.stderr
+
+
+
+def test_a_usage_error_the_ranks_find_is_one_line_and_exit_2(tmp_path, tiny_model_dir):
+    """An error found after the relaunch (here: the run directory is another recipe's) is said once by
+    the ranks; torchrun's traceback and report, and its exit 1, used to follow it."""
+    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, tmp_path / "run")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "run.json").write_text('{"name": "other", "fingerprint": "x", "identity": {}}')
+    out = subprocess.run([sys.executable, "-m", "rlcli.cli.train", "--config", str(recipe), "--nproc-per-node", "2",
+                          "--orchestrate.num_train_ranks", "2"], capture_output=True, text=True, timeout=120)
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 2 and len(lines) == 1 and "belongs to recipe 'other'" in lines[0], out.stderr
 
 
 def _alive(pid: int) -> bool:
@@ -131,3 +144,27 @@ def test_a_killed_torchrun_takes_its_ranks_with_it(tmp_path, tiny_model_dir):
                 pass
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("how,code,said", [("exit", 3, "rank 1 (pid {pid}) exited with code 3"),
+                                           ("kill", 137, "rank 1 (pid {pid}) was killed by SIGKILL"),
+                                           ("usage", 2, None)])
+def test_a_failed_rank_is_said_in_one_line(tmp_path, how, code, said):
+    """rl-train's torchrun: no traceback or report of torchrun's own, one line naming the rank (its
+    output says why); a usage error (exit 2) was said by the rank itself and passes on silently."""
+    script = tmp_path / "rank.py"
+    script.write_text(f"""
+import os, signal, sys
+if os.environ["RANK"] == "1":
+    print("pid", os.getpid(), file=sys.stderr, flush=True)
+    if {how!r} == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    sys.exit(3 if {how!r} == "exit" else 2)
+""")
+    out = subprocess.run([sys.executable, "-m", "rlcli.cli.torchrun", "--standalone", "--nproc-per-node", "2",
+                          str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == code, out.stderr
+    pid = next(line.split()[1] for line in out.stderr.splitlines() if line.startswith("pid "))
+    rest = [line for line in out.stderr.splitlines() if line.strip() and not line.startswith("pid ")]
+    assert rest == ([] if said is None else [f"rl-train: error: {said.format(pid=pid)}; its output above says why"]), \
+        out.stderr
