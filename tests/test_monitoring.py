@@ -92,3 +92,56 @@ def test_a_failing_sink_is_dropped_and_the_metrics_file_is_written(tmp_path):
     run.append_metrics("train", {"step": 1, "loss": 1.0})
     run.append_metrics("train", {"step": 2, "loss": 0.5})
     assert run.sinks == [] and [m["step"] for m in run.read_metrics("train")] == [1, 2]
+
+
+def test_rl_infer_and_rl_cache_append_a_record_for_each_busy_interval(tmp_path, tiny_model_dir):
+    """Servers have no steps: every metrics_interval_s in which they worked is one record of
+    RUN/metrics/<command>.jsonl (rates over the interval, gauges at its end); idle intervals write none."""
+    import threading
+    import time
+
+    from procs import serve_initial_policy, wait_until, write_recipe
+    from rlcli.cache.server import CacheService, record_metrics
+    from rlcli.cache.store import MemoryStore
+    from rlcli.infer.server import InferServer
+    from rlcli.protocol import GenerateRequest, GenerateResponse, SamplingParams
+    from rlcli.transport.interval import IntervalCounters
+    from rlcli.transport.zmq import RpcClient, new_request_id
+
+    run_dir = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, run_dir, model={"max_seq_len": 128},
+                          infer={"metrics_interval_s": 0.2})
+    serve_initial_policy(run_dir, tiny_model_dir)
+    server = InferServer(load_recipe(recipe), RunDir(run_dir), 3)
+    thread = threading.Thread(target=server.serve)
+    thread.start()
+    client = RpcClient(server.server.endpoint)
+    try:
+        for _ in range(2):
+            reply = client.call(GenerateRequest(request_id=new_request_id(), prompt_ids=[5, 6, 7],
+                                                sampling=SamplingParams(max_tokens=40, ignore_eos=True, n=4)), 60)
+            assert isinstance(reply, GenerateResponse)
+        records = wait_until(lambda: RunDir(run_dir).read_metrics("infer-3"), 30, "an rl-infer record")
+        time.sleep(0.6)  # idle intervals: no more records
+        assert len(RunDir(run_dir).read_metrics("infer-3")) == len(records)
+    finally:
+        server.stopping = True
+        thread.join()
+        client.close()
+        server.close()
+    records = RunDir(run_dir).read_metrics("infer-3")
+    assert sum(r["gen_tokens_per_s"] * r["interval_s"] for r in records) == pytest.approx(2 * 4 * 40)
+    assert sum(r["requests"] for r in records) == 2 and all(r["version"] == 0 for r in records)
+    assert [r["step"] for r in records] == sorted({r["step"] for r in records})
+    assert {"prefix_hit_rate", "kv_usage", "num_running", "num_waiting", "step_ms"} <= set(records[0])
+
+    run = RunDir(tmp_path / "cache-run")
+    service = CacheService(MemoryStore(1 << 20))
+    interval = IntervalCounters(0.01)
+    service.store.put([b"a", b"b"], [b"x" * 10, b"y" * 10])
+    service.store.get([b"a", b"c"])
+    record_metrics(run, service, interval)
+    record_metrics(run, service, interval)  # nothing happened since: no record
+    [record] = run.read_metrics("cache")
+    assert (record["puts"], record["hits"], record["misses"], record["hit_rate"]) == (2, 1, 1, 0.5)
+    assert record["num_blocks"] == 2 and record["bytes_used"] == 20

@@ -41,6 +41,7 @@ from rlcli.protocol import (
     HealthRequest, HealthResponse, Shutdown,
 )
 from rlcli.transport import shm
+from rlcli.transport.interval import IntervalCounters, ratio
 from rlcli.transport.registry import Registration
 from rlcli.transport.rundir import RunDir
 from rlcli.transport.zmq import RpcServer
@@ -237,6 +238,22 @@ def _answer(rid: str, make, *args):
         return ErrorReply(request_id=rid, message=f"{type(e).__name__}: {e}")
 
 
+COUNTERS = ("hits", "misses", "puts", "evictions", "rejected", "corrupt")
+
+
+def record_metrics(run: RunDir, service: CacheService, interval: IntervalCounters) -> None:
+    """One record of the interval that ends now, if the store was used in it (RUN/metrics/cache.jsonl)."""
+    with service.lock:
+        stats = service.store.stats()
+    d, dt = interval.take({k: stats.get(k, 0) for k in COUNTERS})
+    if not any(d.values()):
+        return
+    run.append_metrics("cache", {"step": interval.index, "time": time.time(), "interval_s": dt, **d,
+                                 "hit_rate": ratio(d["hits"], d["hits"] + d["misses"]),
+                                 "num_blocks": stats["num_blocks"], "bytes_used": stats["bytes_used"],
+                                 "capacity_bytes": stats["capacity_bytes"]})
+
+
 def serve(cfg: RecipeConfig, run: RunDir | None) -> int:
     service = CacheService(make_store(cfg.cache))
     server = RpcServer(cfg.cache.host, cfg.cache.port)
@@ -257,6 +274,7 @@ def serve(cfg: RecipeConfig, run: RunDir | None) -> int:
         os.write(wake_w, b"x")
 
     last_sweep = time.monotonic()
+    interval = IntervalCounters(cfg.cache.metrics_interval_s if run else 0.0)
     try:
         while not state["stop"]:
             if registration:
@@ -264,6 +282,8 @@ def serve(cfg: RecipeConfig, run: RunDir | None) -> int:
             if time.monotonic() - last_sweep > 5:
                 service.sweep()
                 last_sweep = time.monotonic()
+            if interval.due():
+                record_metrics(run, service, interval)
             poller.poll(200)
             try:
                 os.read(wake_r, 4096)

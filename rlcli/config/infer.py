@@ -160,6 +160,11 @@ class InferConfig(Config):
     host: str = "127.0.0.1"
     """Interface the ZeroMQ request socket binds to; the registry advertises it to peers."""
 
+    metrics_interval_s: float = 10.0
+    """Every this many seconds in which it generated, the server appends one record to
+    RUN/metrics/infer-<id>.jsonl: tokens per second, prefix-cache hit rate, requests, KV-cache use,
+    queue lengths, policy version. 0 turns it off."""
+
     port: int = 0
     """TCP port of the ZeroMQ request socket; 0 picks a free one."""
 

@@ -133,6 +133,11 @@ class CacheConfig(Config):
     port: int = 0
     """TCP port; 0 picks a free one."""
 
+    metrics_interval_s: float = 10.0
+    """Every this many seconds in which it was used, rl-cache appends one record to
+    RUN/metrics/cache.jsonl: hits, misses and hit rate, blocks stored and evicted, bytes held.
+    0 turns it off."""
+
     capacity_mb: int = 1024
     """Byte capacity of the RAM tier (the Mooncake segment with backend mooncake); least recently
     used blocks are evicted past it."""

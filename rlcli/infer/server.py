@@ -28,6 +28,7 @@ from rlcli.protocol import (
     NcclWeights,
     Shutdown, WeightsLoaded,
 )
+from rlcli.transport.interval import IntervalCounters, ratio
 from rlcli.transport.pins import pin_latest, unpin
 from rlcli.transport import registry
 from rlcli.transport.registry import Registration, list_entries
@@ -105,6 +106,7 @@ class InferServer:
                                          {"version": version, "role": icfg.role, "receivers": workers,
                                           "settings": shared_settings(cfg, "infer")})
         self.registration.take_long_op_notices()  # a kernel's first-use compile inside a step (fp8 backends)
+        self.interval = IntervalCounters(icfg.metrics_interval_s)
         self.clients: dict[str, bytes] = {}  # request_id -> ZeroMQ client identity
         self.sinks: dict[str, Sink] = {}  # request_id -> HTTP handler
         self.stopping = False
@@ -222,6 +224,26 @@ class InferServer:
             elif (identity := self.clients.pop(rid, None)) is not None:
                 self.server.reply(identity, out)
 
+    def record_metrics(self) -> None:
+        """One record of the interval that ends now, if the engine stepped in it (RUN/metrics/infer-<id>.jsonl)."""
+        stats = self.engine.stats()
+        d, dt = self.interval.take({k: v for k, v in stats.items()
+                                    if (k.startswith("num_") and k not in GAUGES) or k == "step_s"})
+        if not d.get("num_steps"):
+            return
+        kv = stats.get("kv_cache_usage")
+        if kv is None and stats.get("kv_blocks_total"):
+            kv = 1 - stats["kv_blocks_free"] / stats["kv_blocks_total"]
+        self.run.append_metrics(f"infer-{self.instance}", {
+            "step": self.interval.index, "time": time.time(), "interval_s": dt, "version": self.engine.version,
+            "gen_tokens_per_s": d.get("num_generated_tokens", 0.0) / dt,
+            "prompt_tokens_per_s": d.get("num_prompt_tokens", 0.0) / dt,
+            "prefix_hit_rate": ratio(d.get("num_cached_tokens", 0.0), d.get("num_prompt_tokens", 0.0)),
+            "requests": d.get("num_requests", 0.0), "aborted": d.get("num_aborted", 0.0),
+            "preemptions": d.get("num_preemptions", 0.0), "steps": d["num_steps"],
+            "step_ms": ratio(1e3 * d["step_s"], d["num_steps"]) if "step_s" in d else None,
+            "num_running": stats["num_running"], "num_waiting": stats["num_waiting"], "kv_usage": kv})
+
     def serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self.server.sock, zmq.POLLIN)
@@ -240,6 +262,8 @@ class InferServer:
                 if self.cores is not None:
                     self.cores.busy(True)  # and take this step's share of the cores
                 self.route(self.engine.step())
+            if self.interval.due():
+                self.record_metrics()
 
     def close(self) -> None:
         for sink in self.sinks.values():
@@ -252,6 +276,9 @@ class InferServer:
         self.engine.close()
         if self.cores is not None:
             self.cores.close()
+
+
+GAUGES = ("num_running", "num_waiting")  # engine stats named num_* that are not counters
 
 
 def run(cfg: RecipeConfig, run: RunDir, instance: int = 0) -> int:

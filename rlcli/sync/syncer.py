@@ -226,6 +226,9 @@ class Syncer:
                                 "load_s": max((s.load_s for s in admitted), default=0.0),
                                 "total_s": time.monotonic() - seen if seen is not None else None}
             self.write_status()  # first: whoever learns of v from progress or PolicyUpdated finds it in the status
+            self.run.append_metrics("sync", {"step": version, **self.last_update, "time": time.time(),
+                                             "num_servers": len(admitted),
+                                             "num_skipped": len(self.servers) - len(admitted)})
             self.run.write_progress("sync", version=version)
             self.pub.publish(PolicyUpdated(version=version))
             self.registration.update(version=version)

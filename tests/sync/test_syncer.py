@@ -86,6 +86,10 @@ def test_a_server_that_refuses_a_version_is_backed_off_skipped_and_readmitted(tm
         status = read_status(run.root)["servers"]["infer-1"]
         assert status["state"] == "skipped" and status["version"] == 0
         assert status["failed_loads"] == len(bad.asked) and status["last_error"] == "v1 damaged"
+        # Each policy made live is one record of RUN/metrics/sync.jsonl, the skipped server counted.
+        record = run.read_metrics("sync")[-1]
+        assert record["step"] == record["version"] == 1 and (record["num_servers"], record["num_skipped"]) == (1, 1)
+        assert record["total_s"] >= cfg.sync.ack_timeout_s
         # Skipped, but still asked (at most every ack_timeout_s); a newer version is asked for at once.
         bad.refuse.clear()
         syncer.see_published(2, {})
