@@ -190,6 +190,7 @@ class InferServer:
     def health(self, request_id: str) -> HealthResponse:
         stats = self.engine.stats()
         return HealthResponse(request_id=request_id, role="infer", version=self.engine.version,
+                              infer_role=self.cfg.infer.role,
                               num_running=int(stats["num_running"]), num_waiting=int(stats["num_waiting"]),
                               stats=stats)
 

@@ -111,11 +111,12 @@ class InferPool:
         s.greeting = AbortRequests(request_ids=[], prefix=f"{self.owner}.", except_prefix=self.prefix)
 
     def check_reachable(self, timeout_s: float = 10.0) -> None:
-        """Fail fast on fixed endpoints nobody answers on."""
+        """Fail fast on fixed endpoints nobody answers on; learn each one's role (prefill, decode, mixed)."""
         for s in self.servers.values():
             reply = s.client.call(HealthRequest(request_id=new_request_id()), timeout_s, peer="rl-infer")
             if not isinstance(reply, HealthResponse):
                 raise PeerUnreachable(f"{s.endpoint} is not an rl-infer server")
+            s.role = reply.infer_role or "mixed"
 
     def refresh(self) -> list[GenerateRequest]:
         """Sync the server set with the registry; requests lost to departed or restarted servers."""

@@ -225,6 +225,8 @@ class HealthResponse(Message, tag="health_response", kw_only=True):
     """Command that answered."""
     version: int = -1
     """Policy version being served (rl-infer)."""
+    infer_role: str = ""
+    """rl-infer's part in split serving: mixed, prefill or decode (``infer.role``)."""
     num_running: int = 0
     """Sequences decoding."""
     num_waiting: int = 0

@@ -35,6 +35,10 @@ def test_pool_routes_prefill_then_decode_and_decode_matches_single_server(tmp_pa
         entries = wait_until(lambda: len(list_entries(run_dir / "registry", "infer")) == 2
                              and list_entries(run_dir / "registry", "infer"), 120, "two rl-infer servers", procs)
         assert sorted(e.info["role"] for e in entries) == ["decode", "prefill"]
+        fixed = InferPool(RunDir(run_dir), [e.endpoints["rpc"] for e in entries], request_timeout_s=120)
+        fixed.check_reachable()  # --connect endpoints: each one's role from its health answer
+        assert [s.role for s in fixed.servers.values()] == [e.info["role"] for e in entries]
+        fixed.close()
         pool = InferPool(RunDir(run_dir), [], request_timeout_s=120)
         pool.refresh()
         for r in requests:
