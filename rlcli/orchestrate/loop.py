@@ -68,6 +68,12 @@ log = setup_logging("rl-orchestrate")
 REFRESH_S = 0.25
 
 
+def percentile(values: list[int], q: int) -> int:
+    """The nearest-rank ``q``-th percentile: the smallest value at least ``q`` percent of them do not exceed."""
+    ordered = sorted(values)
+    return ordered[max(0, -(-q * len(ordered) // 100) - 1)]
+
+
 class Orchestrator:
     http: HttpGroups | None = None
     """Groups whose episodes the environment runs itself over rl-infer's HTTP API, if it does."""
@@ -367,6 +373,7 @@ class Orchestrator:
             "step": step, "reward_mean": sum(rewards) / len(rewards),
             "reward_std": (sum((r - sum(rewards) / len(rewards)) ** 2 for r in rewards) / len(rewards)) ** 0.5,
             "completion_len_mean": sum(lengths) / len(lengths), "completion_len_max": max(lengths),
+            **{f"completion_len_p{q}": percentile(lengths, q) for q in (50, 90, 99)},
             "off_policy_lag_mean": sum(lags) / len(lags), "off_policy_lag_max": max(lags),
             "generated_len_mean": self.gen_tokens / self.gen_completions if self.gen_completions else 0.0,
             "policy_version": self.policy_version, "num_dispatched": self.num_dispatched,

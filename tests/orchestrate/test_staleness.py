@@ -136,3 +136,22 @@ def test_zero_variance_drops_are_capped_then_groups_join_anyway():
     o.episodes.runner.wait(30)  # rewards run on worker threads
     o.collect()
     assert o.num_filtered == 3 and o.num_zero_variance_kept == 2 and len(o.buffer) == 2
+
+
+def test_each_step_reports_the_trained_length_distribution():
+    """Mean and max hide a long tail: the step's record carries percentiles of the trained lengths."""
+    from rlcli.orchestrate.loop import percentile
+
+    o = bare_orchestrator(1, 2, 30)
+    o.http = None
+    o._reset_step_stats()
+    groups = []
+    for lengths in ([1] * 9, [100]):
+        g = Group(Task("t"), [0], 0)
+        g.completions = [Completion(token_ids=[1] * n, logprobs=[0.0] * n, versions=[0] * n, finish_reason="length")
+                         for n in lengths]
+        g.rewards = [0.0] * len(lengths)
+        groups.append(g)
+    m = o._metrics(1, groups, {})
+    assert (m["completion_len_p50"], m["completion_len_p90"], m["completion_len_p99"]) == (1, 1, 100)
+    assert m["completion_len_max"] == 100 and percentile([3, 1, 2], 50) == 2
