@@ -59,9 +59,17 @@ class EnvConfig(Config):
     """Reward and environment-turn calls run on this many worker threads, off the dispatch
     loop; 0 scores inline in the loop (a slow reward then stalls dispatch)."""
 
+    executor: Literal["threads", "processes"] = "threads"
+    """What runs those calls. threads: the orchestrator's own (an environment need not be
+    picklable; a pure-Python CPU-bound reward holds the GIL against the dispatch loop and the other
+    calls). processes: num_workers worker processes, each building its own copy of the environment
+    from this table, so CPU-bound rewards run in parallel, and one past its deadline is killed.
+    Calls and results are pickled, and no call may rely on state another call left in the
+    environment object."""
+
     reward_timeout_s: float = 60.0
     """A reward or environment turn that takes longer is scored env.on_error (its thread is
-    abandoned, not waited for). Only with num_workers > 0."""
+    abandoned, not waited for; its worker process is killed). Only with num_workers > 0."""
 
     on_error: float = 0.0
     """Reward of an episode whose environment raised, returned a non-number or ran past a budget."""
@@ -90,6 +98,8 @@ class EnvConfig(Config):
                              f"point in the group {ENTRY_POINT_GROUP}, or package.module:factory")
         if self.num_workers < 0:
             raise ValueError(f"env.num_workers must be >= 0, got {self.num_workers}")
+        if self.executor == "processes" and self.num_workers < 1:
+            raise ValueError("env.executor = \"processes\" needs env.num_workers >= 1")
         if self.reward_timeout_s <= 0:
             raise ValueError(f"env.reward_timeout_s must be > 0, got {self.reward_timeout_s}")
         if self.max_turns < 1:

@@ -4,23 +4,27 @@ The orchestrator's loop dispatches requests and polls replies every 20 ms; a ver
 that takes a second per completion, run inline, would stall both. :class:`EnvRunner` runs
 each ``reward`` / ``respond`` call on a worker thread, at most ``env.num_workers``
 at a time (the rest queue), and hands back results from :meth:`EnvRunner.poll` as they
-finish. Threads, not processes: a user's environment need not be picklable, and the
-calls that are slow in practice (sandboxed subprocesses, HTTP judges, sleeps) release
-the GIL. A pure-Python CPU-bound reward still competes with the loop for the GIL; give
-it a subprocess of its own.
+finish. By default the thread makes the call itself: a user's environment need not be
+picklable, and the calls that are slow in practice (sandboxed subprocesses, HTTP judges,
+sleeps) release the GIL. A pure-Python CPU-bound reward (math verification) holds the GIL
+against the loop and the other calls, so ``env.executor = "processes"`` gives each worker
+thread a worker process (:class:`EnvProcess`) that holds its own copy of the environment,
+built from the env table; the thread sends it the call and waits for the answer.
 
 A call past ``env.reward_timeout_s`` is given up: its result is ``env.on_error``, its slot
 is freed for the next call, and its thread (which Python cannot kill) finishes in the
-background and is ignored. A call that raises, or returns something of the wrong type
-(a reward must be a finite real number; a turn a string, a ``{"role", "content"}`` dict
-or None), is logged with the environment's name and also counts as an error; the run
-goes on. ``num_workers = 0`` runs calls inline, as the loop used to.
+background and is ignored; its worker process, if it has one, is killed. A call that
+raises, or returns something of the wrong type (a reward must be a finite real number; a
+turn a string, a ``{"role", "content"}`` dict or None), is logged with the environment's
+name and also counts as an error; the run goes on. ``num_workers = 0`` runs calls inline,
+as the loop used to.
 """
 
 import asyncio
 import inspect
 import logging
 import math
+import multiprocessing
 import numbers
 import os
 import queue
@@ -76,7 +80,67 @@ async def _await(awaitable):
 
 
 def describe(e: BaseException) -> str:
+    if isinstance(e, EnvProcessError):
+        return str(e)[:300]
     return f"{type(e).__name__}: {e}"[:300]
+
+
+class EnvProcessError(Exception):
+    """A call that failed in a worker process (its message: the failure there, described)."""
+
+
+def _serve(conn, env_table: dict) -> None:
+    """A worker process: build the environment, then answer ``(method, args)`` calls until EOF."""
+    import msgspec
+
+    from rlcli.config.env import EnvConfig
+    from rlcli.envs import make_env
+
+    env = make_env(msgspec.convert(env_table, EnvConfig))
+    while True:
+        try:
+            what, args = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            answer = (True, call(getattr(env, what), args, lambda value: value))
+        except BaseException as e:
+            answer = (False, describe(e))
+        try:
+            conn.send(answer)
+        except Exception as e:  # an answer that does not pickle
+            conn.send((False, f"{what} returned what cannot be sent back: {describe(e)}"))
+
+
+class EnvProcess:
+    """A worker process of ``env.executor = "processes"`` with its own copy of the environment."""
+
+    def __init__(self, env_table: dict):
+        ctx = multiprocessing.get_context("spawn")  # no fork of a process with sockets and threads
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, env_table), daemon=True, name="rl-env")
+        self.proc.start()
+        child.close()
+
+    def call(self, what: str, args: tuple) -> Any:
+        self.conn.send((what, args))
+        try:
+            ok, value = self.conn.recv()
+        except (EOFError, OSError):
+            self.proc.join(1)
+            raise EnvProcessError(f"the environment's worker process ended (exit code {self.proc.exitcode}) "
+                                  "during the call") from None
+        if not ok:
+            raise EnvProcessError(value)
+        return value
+
+    def alive(self) -> bool:
+        return self.proc.is_alive()
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(5)
+        self.conn.close()
 
 
 class EnvRunner:
@@ -88,8 +152,13 @@ class EnvRunner:
     its place) and exits when the call returns, its result ignored. Each result also writes a
     byte to :attr:`wake_fd`, so a caller blocked on a poller wakes for it at once."""
 
-    def __init__(self, name: str, num_workers: int, timeout_s: float):
+    def __init__(self, name: str, num_workers: int, timeout_s: float, processes: dict | None = None):
+        """``processes``: the env table (as builtins) each worker process builds its environment
+        from (``env.executor = "processes"``); None: calls run on the worker threads."""
         self.name, self.num_workers, self.timeout_s = name, num_workers, timeout_s
+        self.env_table = processes if num_workers > 0 else None
+        self.idle: list[EnvProcess] = [EnvProcess(processes) for _ in range(num_workers)] if self.env_table else []
+        self.process_of: dict[int, EnvProcess] = {}  # job -> the worker process running it
         self.results: queue.SimpleQueue = queue.SimpleQueue()  # (key, what, fallback, value, error, seconds)
         self.lock = threading.Lock()  # guards waiting and running, shared with the workers
         self.waiting: deque = deque()
@@ -136,7 +205,7 @@ class EnvRunner:
         key, what, fn, args, check, fallback = self.waiting.popleft()
         job, self.next_job = self.next_job, self.next_job + 1
         self.running[job] = (key, time.monotonic(), what, fallback)
-        return job, fn, args, check
+        return job, what, fn, args, check
 
     def _start(self) -> None:
         while True:
@@ -146,10 +215,29 @@ class EnvRunner:
                 return
             threading.Thread(target=self._work, args=work, daemon=True, name=f"env-{self.name}-{work[0]}").start()
 
-    def _work(self, job: int, fn: Callable, args: tuple, check: Callable) -> None:
+    def _run(self, job: int, what: str, fn: Callable, args: tuple, check: Callable) -> Any:
+        """One call: here, or in a worker process (one that is idle, or a new one in place of one
+        killed), which goes back to the idle ones unless the call timed out and it was killed."""
+        if self.env_table is None:
+            return call(fn, args, check)
+        with self.lock:
+            proc = self.idle.pop() if self.idle else None
+        if proc is None or not proc.alive():
+            proc = EnvProcess(self.env_table)
+        with self.lock:
+            self.process_of[job] = proc
+        try:
+            value = proc.call(what, args)
+        finally:
+            with self.lock:
+                if self.process_of.pop(job, None) is not None and proc.alive():
+                    self.idle.append(proc)
+        return check(value)
+
+    def _work(self, job: int, what: str, fn: Callable, args: tuple, check: Callable) -> None:
         while True:
             try:
-                value, error = call(fn, args, check), None
+                value, error = self._run(job, what, fn, args, check), None
             except BaseException as e:  # reported by poll() with the environment's name
                 value, error = None, describe(e)
             with self.lock:
@@ -165,7 +253,7 @@ class EnvRunner:
                 pass
             if work is None:
                 return
-            job, fn, args, check = work
+            job, what, fn, args, check = work
 
     def _failed(self, what: str, fallback: Any, error: str) -> Outcome:
         self.num_errors += 1
@@ -193,6 +281,9 @@ class EnvRunner:
             late = [(job, entry) for job, entry in self.running.items() if now - entry[1] > self.timeout_s]
             for job, _ in late:
                 del self.running[job]
+            killed = [p for p in (self.process_of.pop(job, None) for job, _ in late) if p is not None]
+        for proc in killed:  # its thread's wait ends with the process; the call's answer is this timeout
+            proc.kill()
         for job, (key, started, what, fallback) in late:
             self.num_timeouts += 1
             outcome = self._failed(what, fallback, f"no result within env.reward_timeout_s={self.timeout_s}")
@@ -211,6 +302,11 @@ class EnvRunner:
             self.done = self.poll()
 
     def close(self) -> None:
+        with self.lock:
+            procs, self.idle = self.idle + list(self.process_of.values()), []
+            self.process_of.clear()
+        for proc in procs:
+            proc.kill()
         for fd in (self._wake_r, self._wake_w):
             try:
                 os.close(fd)

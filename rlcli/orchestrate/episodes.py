@@ -83,7 +83,8 @@ class Episodes:
     def __init__(self, cfg: RecipeConfig, env: Any, tokenizer: Any, new_id: Callable[[], str] = new_request_id):
         self.cfg, self.ecfg, self.env, self.tokenizer = cfg, cfg.env, env, tokenizer
         self.new_id = new_id  # the pool's: ids carry the orchestrator's incarnation
-        self.runner = EnvRunner(cfg.env.name, cfg.env.num_workers, cfg.env.reward_timeout_s)
+        self.runner = EnvRunner(cfg.env.name, cfg.env.num_workers, cfg.env.reward_timeout_s,
+                                processes=msgspec.to_builtins(cfg.env) if cfg.env.executor == "processes" else None)
         self.multi_turn = is_multi_turn(env)
         self.encoder = TurnEncoder(tokenizer, cfg.env.use_chat_template) if self.multi_turn else None
         self.groups: dict[int, Group] = {}  # id(group) -> group with episodes not yet scored

@@ -92,3 +92,62 @@ def test_workers_drain_the_queue_without_waiting_for_poll():
     out = dict(runner.poll())
     assert {k: o.value for k, o in out.items()} == {i: float(i) for i in range(50)}
     assert len({t.name for t in threading.enumerate() if t.name.startswith("env-e-")}) <= 2
+
+
+CPU_ENV = '''
+import os
+from rlcli.envs import Task
+
+
+class Cpu:
+    def sample_task(self, rng):
+        return Task(prompt="x")
+
+    def reward(self, task, text):
+        if text == "raise":
+            raise ValueError("bad text")
+        if text == "forever":
+            while True:
+                pass
+        if text == "exit":
+            os._exit(3)
+        return float(os.getpid())
+'''
+
+
+def test_worker_processes_hold_their_own_environment_and_a_late_one_is_killed(tmp_path, monkeypatch):
+    """env.executor = "processes": calls run in num_workers processes that built the environment from
+    the env table (a CPU-bound reward no longer holds the orchestrator's GIL); a failure there is
+    described as there; a call past its deadline gets its process killed, and a new one takes its
+    place; a process that dies mid-call is an error, not a hang."""
+    import os
+
+    from rlcli.envs import Task
+
+    (tmp_path / "cpuenv.py").write_text(CPU_ENV)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    runner = EnvRunner("cpu", num_workers=2, timeout_s=3.0, processes={"name": "cpuenv:Cpu"})
+    task = Task(prompt="x")
+    try:
+        for i in range(6):
+            runner.submit(i, "reward", None, (task, "pid"), check_reward, -1.0)
+        pids = {o.value for o in collect(runner, 6).values()}
+        assert len(pids) == 2 and os.getpid() not in pids
+        runner.submit("raise", "reward", None, (task, "raise"), check_reward, -1.0)
+        runner.submit("exit", "reward", None, (task, "exit"), check_reward, -1.0)
+        out = collect(runner, 2)
+        assert out["raise"].value == -1.0 and out["raise"].error == "ValueError: bad text"
+        assert out["exit"].error == "the environment's worker process ended (exit code 3) during the call"
+        runner.submit("forever", "reward", None, (task, "forever"), check_reward, -1.0)
+        time.sleep(0.5)
+        [spinning] = runner.process_of.values()
+        out = collect(runner, 1)
+        assert "reward_timeout_s" in out["forever"].error and not spinning.alive()
+        for i in range(4):
+            runner.submit(i, "reward", None, (task, "pid"), check_reward, -1.0)
+        after = {o.value for o in collect(runner, 4).values()}
+        assert after and all(p > 0 for p in after) and int(spinning.proc.pid) not in after
+        procs = list(runner.idle)
+    finally:
+        runner.close()
+    assert procs and not any(p.alive() for p in procs)

@@ -36,6 +36,8 @@ def test_slurm_plan_resolves_for_every_command(tmp_path):
     for line in plan.splitlines():
         _, name, cmd = line.split("\t")
         argv = shlex.split(cmd)
+        if argv[0] == "env":  # env CUDA_VISIBLE_DEVICES=... rl-infer ...
+            argv = argv[next(i for i, a in enumerate(argv[1:], 1) if "=" not in a):]
         command = argv[0]
         if command in seen:
             continue

@@ -159,3 +159,13 @@ def test_token_budget_truncates_episodes(server, monkeypatch):
             if ep.truncated:
                 assert not any(ep.loss_mask)
     assert any(ep.truncated for g in o.buffer for ep in g.episodes)
+
+
+def test_episodes_run_the_same_in_worker_processes(server, monkeypatch):
+    """env.executor = "processes": every respond and reward runs in a worker process with its own copy of
+    the environment (mtenv.Chat, built there from the env table); the episodes are the same."""
+    tmp, recipe, run_dir = server
+    o = run_groups(recipe, run_dir, monkeypatch, tmp, overrides={"env.executor": "processes", "env.num_workers": 2})
+    for g in o.buffer:
+        assert g.rewards == [5.0, 5.0]
+        assert all([t.role for t in ep.turns] == ["model", "env", "model", "env", "model"] for ep in g.episodes)
