@@ -94,7 +94,6 @@ def forward_backward(model: torch.nn.Module, t: dict, normalizer: torch.Tensor, 
         attn = PackedCausalAttention(t["position_ids"], backend=attention, trees=trees, device=t["input_ids"].device)
     ctx = ForwardContext(attn=attn, routing=routing)
     h_BTD = model.hidden_states(t["input_ids"], t["position_ids"], ctx)
-    targets = t["targets"]
     lp, entropy = _loss_token_logprobs(h_BTD, model.lm_head.weight, t, chunk, keep_logits)
     mask = t["loss_mask"]
     seq_ids = t["segment_ids"] if "segment_ids" in t else sequence_ids(t["position_ids"])
