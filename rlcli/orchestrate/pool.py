@@ -158,7 +158,6 @@ class InferPool:
         lost, self.found_lost = self.found_lost, []
         lost += self._drop(lambda o: o.server == HANDOFF and now - o.sent > self.timeout_s)
         for s in self.servers.values():
-            mine = [rid for rid, o in self.outstanding.items() if o.server == s.key]
             if s.probe is not None and now - s.probe.sent > self.timeout_s:
                 silent = self._drop(lambda o: o.server == s.key)
                 s.probe = None
@@ -167,7 +166,8 @@ class InferPool:
                                 "there, re-dispatching", s.key, self.timeout_s, len(silent))
                     s.send(AbortRequests(request_ids=[o.request.request_id for o in silent]))
                 lost += silent
-            elif s.probe is None and mine and now - s.last_probe >= self.probe_every_s:
+            elif s.probe is None and s.num_outstanding and now - s.last_probe >= self.probe_every_s:
+                mine = [rid for rid, o in self.outstanding.items() if o.server == s.key]
                 probe = Probe(new_request_id(), now)
                 if s.send(HealthRequest(request_id=probe.request_id, request_ids=mine)):
                     s.probe, s.last_probe = probe, now
