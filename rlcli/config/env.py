@@ -49,6 +49,13 @@ class EnvConfig(Config):
     args: dict[str, Any] = {}
     """Keyword arguments of the environment's factory (free-form; the environment checks them)."""
 
+    order: Literal["epochs", "sample"] = "epochs"
+    """How rl-orchestrate draws tasks from a dataset environment (one with ``num_tasks`` and
+    ``task(index)``). epochs: every task once per epoch, in an order shuffled per epoch from the
+    recipe's seed; a restarted rl-orchestrate goes on where its last batch left off
+    (RUN/progress/orchestrate.json). sample: ``sample_task(rng)``, with replacement. Other
+    environments always sample."""
+
     use_chat_template: bool = False
     """Render each prompt (and each environment turn) through the tokenizer's chat template."""
 

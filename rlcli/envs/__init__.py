@@ -17,6 +17,9 @@ The interface is duck-typed; an environment is any object with
   never trains on it. ``None`` ends the episode, which is then scored with
   ``reward(task, messages)``.
 - optionally ``demonstration(task) -> str`` for ``rl-train sft``.
+- optionally ``num_tasks`` (an int) and ``task(index) -> Task`` for ``index`` in
+  ``range(num_tasks)``: a *dataset* environment, which rl-orchestrate draws from in epochs
+  (``env.order``, :class:`EpochOrder`).
 
 ``reward`` and ``respond`` may be ``async def``. They run on worker threads off the dispatch
 loop (:mod:`rlcli.envs.runner`), with a timeout; one that raises, returns a non-number or
@@ -63,6 +66,36 @@ class MultiTurnEnvironment(Environment, Protocol):
 
 def is_multi_turn(env: Any) -> bool:
     return callable(getattr(env, "respond", None))
+
+
+def is_dataset(env: Any) -> bool:
+    return callable(getattr(env, "task", None)) and isinstance(getattr(env, "num_tasks", None), int)
+
+
+class EpochOrder:
+    """Task indices of a dataset of ``num_tasks``: each once per epoch, the order of epoch e a
+    permutation shuffled from ``seed`` and e. ``position`` (indices drawn so far) is all its
+    state, so an order rebuilt at a saved position goes on exactly as the original would have."""
+
+    def __init__(self, num_tasks: int, seed: int, position: int = 0):
+        if num_tasks < 1:
+            raise ValueError(f"a dataset environment needs num_tasks >= 1, got {num_tasks}")
+        self.num_tasks, self.seed, self.position = num_tasks, seed, position
+        self._epoch, self._order = -1, []
+
+    @property
+    def epoch(self) -> float:
+        """Epochs drawn, fractional."""
+        return self.position / self.num_tasks
+
+    def next(self) -> int:
+        epoch, i = divmod(self.position, self.num_tasks)
+        if epoch != self._epoch:
+            self._order = list(range(self.num_tasks))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(self._order)
+            self._epoch = epoch
+        self.position += 1
+        return self._order[i]
 
 
 def make_env(cfg: EnvConfig) -> Environment:

@@ -46,8 +46,14 @@ class ReasoningGymEnv:
     def entry(self, index: int) -> dict[str, Any]:
         return self.dataset[index]
 
+    @property
+    def num_tasks(self) -> int:
+        return self.size
+
     def sample_task(self, rng: random.Random) -> Task:
-        index = rng.randrange(self.size)
+        return self.task(rng.randrange(self.size))
+
+    def task(self, index: int) -> Task:
         entry = self.entry(index)
         prompt = f"{self.system}\n{entry['question']}" if self.system else entry["question"]
         return Task(prompt=prompt, answer=entry["answer"], info={"dataset": self.name, "index": index})

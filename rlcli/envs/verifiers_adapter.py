@@ -14,8 +14,10 @@ subclass through ``__all__``; its ``load()`` yields tasks) whose tasks carry the
 agent harness that calls an OpenAI-compatible endpoint; this adapter instead lets rlcli's
 loop generate and uses the taskset for data and scoring only:
 
-- ``sample_task`` draws one of the taskset's tasks (``env.args.size`` of them at most, read
-  once); the prompt is the task's ``system_prompt`` and ``prompt_text``;
+- it is a dataset environment: ``task(index)`` is one of the taskset's ``num_tasks`` tasks
+  (``env.args.size`` of them at most, read once), which rl-orchestrate draws in epochs
+  (``env.order``); ``sample_task`` draws one at random. The prompt is the task's
+  ``system_prompt`` and ``prompt_text``;
 - ``reward`` builds a verifiers ``Trace`` holding the prompt and the completion as the one
   sampled assistant message and awaits the task's own ``score(trace)``; the reward is
   ``trace.reward``, the weighted sum verifiers reports. Reward functions that need a
@@ -72,8 +74,14 @@ class VerifiersEnv:
             raise ConfigError(f"env verifiers: taskset {taskset!r} yielded no tasks")
         self.name = taskset
 
+    @property
+    def num_tasks(self) -> int:
+        return len(self.tasks)
+
     def sample_task(self, rng: random.Random) -> Task:
-        index = rng.randrange(len(self.tasks))
+        return self.task(rng.randrange(len(self.tasks)))
+
+    def task(self, index: int) -> Task:
         data = self.tasks[index].data
         prompt = data.prompt_text
         if data.system_prompt:

@@ -48,7 +48,7 @@ import time
 
 from rlcli.config import RecipeConfig
 from rlcli.config.recipe import shared_settings
-from rlcli.envs import make_env, render_prompt
+from rlcli.envs import EpochOrder, is_dataset, make_env, render_prompt
 from rlcli.errors import ConfigError
 from rlcli.logging import setup_logging
 from rlcli.models.tokenizer import load_tokenizer
@@ -92,8 +92,9 @@ class Orchestrator:
         self.registration = Registration(run.registry_dir(), "orchestrate", 0, {"pub": self.pub.endpoint},
                                          {"settings": shared_settings(cfg, "orchestrate")})
         clean_temporaries(run.root / "rollouts")
-        done = max(int(run.read_progress("orchestrate").get("step", 0)), run.latest_stable("rollouts") or 0)
-        self._init_schedule(done + 1, policy_version=-1)
+        progress = run.read_progress("orchestrate")
+        done = max(int(progress.get("step", 0)), run.latest_stable("rollouts") or 0)
+        self._init_schedule(done + 1, policy_version=-1, tasks_drawn=int(progress.get("tasks_drawn", 0)))
 
     @classmethod
     def schedule_only(cls, cfg: RecipeConfig, tokenizer=None) -> "Orchestrator":
@@ -110,10 +111,13 @@ class Orchestrator:
         self._init_schedule(1, policy_version=0)
         return self
 
-    def _init_schedule(self, next_step: int, policy_version: int) -> None:
+    def _init_schedule(self, next_step: int, policy_version: int, tasks_drawn: int = 0) -> None:
         self.turns: dict[str, int] = {}  # request id of a later turn -> its episode's index in the group
         self.next_step = next_step
         self.rng = random.Random(self.cfg.seed * 1_000_003 + next_step)
+        # A dataset environment's tasks in epochs, from where the last batch written left them.
+        self.order = EpochOrder(self.env.num_tasks, self.cfg.seed, tasks_drawn) \
+            if is_dataset(self.env) and self.cfg.env.order == "epochs" else None
         self.policy_version = policy_version
         self.buffer: list[Group] = []
         self.inflight: dict[str, Group] = {}
@@ -206,7 +210,7 @@ class Orchestrator:
     def dispatch(self) -> None:
         for _ in range(self.num_to_dispatch()):
             try:
-                task = self.env.sample_task(self.rng)
+                task = self.env.task(self.order.next()) if self.order else self.env.sample_task(self.rng)
                 if self.http is not None:  # the environment renders its own prompts
                     self._send_http(Group(task, [], self.policy_version))
                     continue
@@ -356,7 +360,8 @@ class Orchestrator:
         info = write_batch(self.run, step, groups, self.ocfg.num_train_ranks, self.cfg.train.micro_batch_tokens,
                            self.ocfg.sampling.temperature, self.ocfg.sampling.top_p, self.ocfg.share_prompts)
         self.pub.publish(BatchWritten(step=step))
-        self.run.write_progress("orchestrate", step=step)
+        self.run.write_progress("orchestrate", step=step,
+                                **({"tasks_drawn": self.order.position} if self.order else {}))
         self.registration.update(step=step, policy=self.policy_version)
         self.run.append_metrics("orchestrate", self._metrics(step, groups, info))
         self.next_step += 1
@@ -384,6 +389,7 @@ class Orchestrator:
             "num_errors": self.num_errors, "straggler_wait_s": self.straggler_wait_s, "step_s": elapsed,
             "tokens_per_s": self.gen_tokens / elapsed if elapsed > 0 else 0.0, "wait_s": self.wait_s,
             "time": time.time(), **self.episodes.metrics(), **info,
+            **({"epoch": self.order.epoch} if self.order else {}),
             **(self.http.metrics() if self.http is not None else {}),
         }
         log.info("step %d reward %.3f len %.1f (generated %.1f) lag %.1f (max %d) dropped %.1f%% tok/s %.0f "

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from rlcli.config import load_recipe
-from rlcli.envs import make_env
+from rlcli.envs import is_dataset, make_env
 
 rg = pytest.importorskip("reasoning_gym", reason="reasoning-gym is the `reasoning-gym` extra")
 
@@ -29,6 +29,9 @@ def test_rewards_match_the_librarys_scoring(dataset, config):
             expected = reference.score_answer(answer=extract_answer(completion), entry=entry)
             assert env.reward(task, completion) == pytest.approx(expected), (dataset, completion)
         assert env.reward(task, f"<answer>{entry['answer']}</answer>") == 1.0
+    # A dataset environment (drawn in epochs by rl-orchestrate): task(i) is entry i.
+    assert is_dataset(env) and env.num_tasks == 50
+    assert all(env.task(i).prompt.endswith("\n" + e["question"]) for i, e in enumerate(reference))
 
 
 def test_unknown_dataset_names_the_key():

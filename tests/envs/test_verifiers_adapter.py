@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from rlcli.config import load_recipe
-from rlcli.envs import make_env
+from rlcli.envs import is_dataset, make_env
 
 pytest.importorskip("verifiers.v1", reason="verifiers is the `verifiers` extra")
 
@@ -81,6 +81,9 @@ def test_rewards_match_verifiers_scoring(taskset):
                                         + 0.25 * float(len(completion) <= 8))
             seen.add(got)
     assert seen >= {1.25, 1.0, 0.25, 0.0}  # every mix of the two weighted rewards came up
+    # A dataset environment (drawn in epochs by rl-orchestrate): task(i) is the taskset's i-th task.
+    assert is_dataset(env) and env.num_tasks == 7
+    assert sorted(env.task(i).prompt.split("\n\n", 1)[1] for i in range(7)) == sorted(reference)
 
 
 def test_unknown_taskset_is_a_config_error():

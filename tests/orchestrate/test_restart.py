@@ -73,6 +73,9 @@ class Announced(list):
     def publish(self, msg) -> None:
         self.append(msg)
 
+    def close(self) -> None:
+        pass
+
 
 @pytest.fixture
 def server(tmp_path, tiny_model_dir):
