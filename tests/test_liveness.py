@@ -83,3 +83,30 @@ def test_a_stopped_server_is_reported_and_dropped_then_comes_back(tmp_path, tiny
         assert states[0] == "alive" and "dead or stopped" in states and states[-1] == "alive", shown
     finally:
         procs.stop_all()
+
+
+def test_status_shows_what_each_server_is_doing(tmp_path):
+    """A server below the live policy is 'behind' (rl-orchestrate sends it nothing); one that generated
+    in the last minute shows its tokens per second from its newest metrics record."""
+    import time
+
+    from rlcli.orchestrate.entrypoints import render_status
+    from rlcli.transport.registry import Registration
+    from rlcli.transport.rundir import RunDir
+
+    run = RunDir(tmp_path / "run")
+    run.claim("t", {})
+    run.write_progress("sync", version=5)
+    regs = [Registration(run.registry_dir(), "infer", i, {"rpc": "tcp://127.0.0.1:1"}, {"version": v})
+            for i, v in enumerate([3, 5, 5])]
+    run.append_metrics("infer-1", {"step": 1, "time": time.time() - 5, "gen_tokens_per_s": 1234.4})
+    run.append_metrics("infer-2", {"step": 1, "time": time.time() - 600, "gen_tokens_per_s": 99.0})  # stale
+    try:
+        s = run_status(run.root)
+        work = {p["key"]: p["work"] for p in s["processes"]}
+        assert work == {"infer-0": "behind v5", "infer-1": "1234 tok/s", "infer-2": None}
+        table = render_status(s)
+        assert "behind v5" in table and "1234 tok/s" in table
+    finally:
+        for reg in regs:
+            reg.close()

@@ -83,12 +83,12 @@ def processes_table(rows: list[ProcessRow]) -> Table:
 def liveness_table(status: dict) -> Table:
     """The processes of ``rl-orchestrate status`` (liveness, policy version, lag, heartbeat age)."""
     table = Table(title="processes", title_justify="left")
-    for col in ("process", "state", "version", "lag", "silent", "pid@host"):
+    for col in ("process", "state", "version", "lag", "silent", "work", "pid@host"):
         table.add_column(col, justify="right" if col in ("version", "lag", "silent") else "left")
     for p in status["processes"]:
         style = {"alive": "green", "busy": "yellow"}.get(p["state"], "red")
         table.add_row(p["key"], f"[{style}]{p['state']}[/]", _fmt(p.get("version"), "d"), _fmt(p.get("lag"), "d"),
-                      f"{p['heartbeat_age_s']:.1f}s", f"{p['pid']}@{p['host']}")
+                      f"{p['heartbeat_age_s']:.1f}s", p.get("work") or "-", f"{p['pid']}@{p['host']}")
     return table
 
 

@@ -42,15 +42,19 @@ def liveness(entry: Entry) -> str:
     return "busy" if entry.alive() else "dead or stopped"
 
 
-def process_row(entry: Entry, progress: dict, newest_weights: int | None) -> dict:
+def process_row(entry: Entry, progress: dict, newest_weights: int | None, run: RunDir | None = None) -> dict:
     """One process of the registry with its liveness, version and lag.
 
     version: rl-infer the policy it serves, rl-sync the policy live everywhere, rl-train the
     last step it trained, rl-orchestrate the last batch it wrote. lag: rl-infer/rl-sync
     policies behind the newest published one, rl-train batches written but not trained yet,
-    rl-orchestrate steps ahead of the trainer."""
+    rl-orchestrate steps ahead of the trainer. work (rl-infer, given ``run``): see :func:`serving`."""
     trained = int(progress["train"].get("step", 0))
     written = int(progress["orchestrate"].get("step", 0))
+    work = None
+    if entry.role == "infer" and run is not None:
+        live = progress["sync"].get("version")
+        work = serving(entry, None if live is None else int(live), run)
     if entry.role in ("infer", "sync"):
         version = entry.info.get("version", progress["sync"].get("version") if entry.role == "sync" else None)
         lag = None if version is None or newest_weights is None else newest_weights - int(version)
@@ -62,7 +66,39 @@ def process_row(entry: Entry, progress: dict, newest_weights: int | None) -> dic
         version = lag = None
     return {"key": entry.key, "pid": entry.pid, "host": entry.host, "state": liveness(entry),
             "heartbeat_age_s": round(entry.silent_s(), 1), "version": version, "lag": lag,
-            "endpoints": entry.endpoints, "info": entry.info}
+            "endpoints": entry.endpoints, "info": entry.info, "work": work}
+
+
+def serving(entry: Entry, live: int | None, run: RunDir) -> str | None:
+    """An rl-infer's work, for the status table: behind (serving a policy older than the live one, so
+    rl-orchestrate sends it nothing) or its tokens per second in its newest metrics record, if that
+    ended within the last minute."""
+    version = entry.info.get("version")
+    if live is not None and version is not None and int(version) < live:
+        return f"behind v{live}"
+    record = last_record(run.metrics_file(entry.key))
+    if record is None or time.time() - record.get("time", 0) > 60:
+        return None
+    return f"{record['gen_tokens_per_s']:.0f} tok/s"
+
+
+def last_record(path: Path) -> dict | None:
+    """The last complete line of a metrics file, read from its end."""
+    import json
+
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - 65536))
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            return json.loads(line)
+        except ValueError:
+            continue
+    return None
 
 
 def status(run_dir: Path) -> dict:
@@ -77,7 +113,7 @@ def status(run_dir: Path) -> dict:
         "weights": weights,
         "rollouts": run.stable_steps("rollouts"),
         "checkpoints": run.stable_steps("checkpoints"),
-        "processes": [process_row(e, progress, weights[-1] if weights else None)
+        "processes": [process_row(e, progress, weights[-1] if weights else None, run)
                       for e in list_entries(run.registry_dir(), alive_only=False)],
     }
 
@@ -100,10 +136,10 @@ def watch_status(run_dir: Path, interval_s: float) -> None:
 
 def render_status(s: dict) -> str:
     """The status as a plain table: one line per process, then the run's durable state."""
-    lines = [f"{'process':<14} {'state':<16} {'version':>7} {'lag':>4} {'silent':>7}  pid@host"]
+    lines = [f"{'process':<14} {'state':<16} {'version':>7} {'lag':>4} {'silent':>7}  {'work':<12}  pid@host"]
     for p in s["processes"]:
         lines.append(f"{p['key']:<14} {p['state']:<16} {_dash(p['version']):>7} {_dash(p['lag']):>4} "
-                     f"{p['heartbeat_age_s']:>6.1f}s  {p['pid']}@{p['host']}")
+                     f"{p['heartbeat_age_s']:>6.1f}s  {_dash(p.get('work')):<12}  {p['pid']}@{p['host']}")
     last = lambda xs: xs[-1] if xs else "-"  # noqa: E731
     progress = s["progress"]
     lines.append(f"trained {progress['train'].get('step', 0)}, written {progress['orchestrate'].get('step', 0)}"
