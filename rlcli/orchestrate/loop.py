@@ -66,6 +66,7 @@ from rlcli.transport.zmq import Publisher, Subscriber
 log = setup_logging("rl-orchestrate")
 
 REFRESH_S = 0.25
+MAX_ERROR_BACKOFF_S = 10.0
 
 
 def percentile(values: list[int], q: int) -> int:
@@ -127,6 +128,8 @@ class Orchestrator:
         self.on_tick = lambda: None  # called once per loop iteration (live dashboard)
         self._next_refresh = 0.0
         self.told_no_sync = False
+        self.error_streak = 0  # rl-infer's rejections since its last answer
+        self.dispatch_after = 0.0  # new groups wait until then after a rejection
         self.zero_variance_cap = (self.ocfg.advantage.max_zero_variance_drops
                                   if self.ocfg.advantage.max_zero_variance_drops >= 0 else 2 * self.ocfg.batch_size)
         self._reset_step_stats()
@@ -208,7 +211,7 @@ class Orchestrator:
         return list(pending.values())
 
     def dispatch(self) -> None:
-        for _ in range(self.num_to_dispatch()):
+        for _ in range(self.num_to_dispatch() if time.monotonic() >= self.dispatch_after else 0):
             try:
                 task = self.env.task(self.order.next()) if self.order else self.env.sample_task(self.rng)
                 if self.http is not None:  # the environment renders its own prompts
@@ -267,10 +270,19 @@ class Orchestrator:
             return
         if isinstance(reply, ErrorReply):
             self.num_errors += 1
-            log.error("rl-infer rejected a request: %s", reply.message)
+            self.error_streak += 1
+            # A rejection that repeats (every prompt too long for the server, a setting it refuses)
+            # would otherwise be re-dispatched as fast as it comes back: new groups wait, 0.1 s after
+            # the first and twice as long after each next one, up to MAX_ERROR_BACKOFF_S.
+            backoff = min(MAX_ERROR_BACKOFF_S, 0.1 * 2 ** min(self.error_streak - 1, 10))
+            self.dispatch_after = time.monotonic() + backoff
+            if self.error_streak <= 3 or self.error_streak & (self.error_streak - 1) == 0:
+                log.error("rl-infer rejected a request%s: %s; new groups wait %.1fs",
+                          f" ({self.error_streak} in a row)" if self.error_streak > 1 else "", reply.message, backoff)
             if index is not None:
                 self.episodes.failed(group, index, f"rl-infer rejected its turn ({reply.message})")
             return
+        self.error_streak = 0
         self.gen_tokens += sum(len(c.token_ids) for c in reply.completions)
         if index is None:
             self.gen_completions += len(reply.completions)

@@ -228,3 +228,46 @@ def test_a_run_without_rl_sync_says_what_it_waits_for(tmp_path, tiny_model_dir, 
         assert caplog.text.count("waiting for rl-sync to announce the first policy: none is registered") == 1
     finally:
         o.close()
+
+
+def test_repeated_rejections_back_off_new_groups_and_are_logged_sparingly(caplog):
+    """A rejection that repeats (a setting the server refuses for every request) was re-dispatched as
+    fast as it came back, one error line each: new groups now wait, twice as long after each
+    rejection in a row (up to 10 s), and the lines thin out to the powers of two."""
+    import logging
+
+    from rlcli.orchestrate import loop
+    from rlcli.protocol import ErrorReply
+    from test_epochs import Held
+
+    o = bare_orchestrator(1, 2, 30)
+    o.pool = Held()
+    o.http = None
+    o.dispatch()
+    requests = {r.request_id: r for r in o.unsent}
+    assert len(o.inflight) == 4
+    loop.log.addHandler(caplog.handler)  # rl-orchestrate's logger may not propagate
+    try:
+        for i, rid in enumerate(list(o.inflight)):
+            t0 = time.monotonic()
+            o.on_reply(requests[rid], ErrorReply(request_id=rid, message="no routes here"))
+            assert o.dispatch_after - t0 == pytest.approx(0.1 * 2 ** i, abs=0.05)
+            o.dispatch()
+            assert len(o.inflight) == 3 - i  # nothing new while it waits
+        o.dispatch_after = 0.0
+        o.dispatch()
+        assert len(o.inflight) == 4
+        requests = {r.request_id: r for r in o.unsent}
+        for rid in list(o.inflight):  # rejections 5 to 8 in a row: only the 8th is logged
+            o.on_reply(requests[rid], ErrorReply(request_id=rid, message="no routes here"))
+    finally:
+        loop.log.removeHandler(caplog.handler)
+    said = {r.getMessage() for r in caplog.records if "no routes here" in r.getMessage()}
+    assert len(said) == 5 and any("(8 in a row)" in m for m in said) and not any("(5 in a row)" in m for m in said)
+    o.dispatch_after = 0.0
+    o.dispatch()
+    assert len(o.inflight) == 4
+    o.error_streak = 20
+    rid = next(iter(o.inflight))
+    o.on_reply(next(r for r in o.unsent if r.request_id == rid), ErrorReply(request_id=rid, message="x"))
+    assert o.dispatch_after - time.monotonic() == pytest.approx(loop.MAX_ERROR_BACKOFF_S, abs=0.05)
