@@ -234,8 +234,6 @@ def test_repeated_rejections_back_off_new_groups_and_are_logged_sparingly(caplog
     """A rejection that repeats (a setting the server refuses for every request) was re-dispatched as
     fast as it came back, one error line each: new groups now wait, twice as long after each
     rejection in a row (up to 10 s), and the lines thin out to the powers of two."""
-    import logging
-
     from rlcli.orchestrate import loop
     from rlcli.protocol import ErrorReply
     from test_epochs import Held
