@@ -363,13 +363,18 @@ def remove_dir(directory: str | Path) -> None:
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host runs (a zombie, dead but not yet waited for, does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True
 
 
 STALE_TEMP_S = 3600.0

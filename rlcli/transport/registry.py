@@ -37,7 +37,7 @@ from typing import Any, Callable
 import msgspec
 
 from rlcli.errors import ConfigError, RunDirError
-from rlcli.transport.atomic import atomic_write_bytes, clean_temporaries
+from rlcli.transport.atomic import _pid_alive, atomic_write_bytes, clean_temporaries
 
 HEARTBEAT_INTERVAL_S = 1.0
 STALE_AFTER_S = float(os.environ.get("RLCLI_STALE_AFTER_S", "10"))
@@ -201,21 +201,6 @@ class Registration:
             pass
 
 
-def _running(pid: int) -> bool:
-    """Whether process ``pid`` of this host runs (a zombie does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return True
-
-
 def _live_holder(path: Path, watch_s: float = 2 * HEARTBEAT_INTERVAL_S + 1) -> "Entry | None":
     """The entry at ``path`` if another process that still runs wrote it. On this host its pid
     says; an entry of another host that is not stale counts if its heartbeat moves within
@@ -225,7 +210,7 @@ def _live_holder(path: Path, watch_s: float = 2 * HEARTBEAT_INTERVAL_S + 1) -> "
     if entry is None or (entry.host == here and entry.pid == os.getpid()):
         return None
     if entry.host == here:
-        return entry if _running(entry.pid) else None
+        return entry if _pid_alive(entry.pid) else None
     if not entry.alive():
         return None
     deadline = time.monotonic() + watch_s
