@@ -210,6 +210,20 @@ def test_run_directory_of_another_recipe(tmp_path, tiny_model_dir):
     one_line_error(cli("rlcli.cli.train", "--config", str(other)), 2, "belongs to recipe 'e2e'", "--run-dir")
 
 
+def test_a_process_started_by_hand_logs_into_the_run(tmp_path, tiny_model_dir):
+    """RUN/logs/<command>-<id>.log gets the log lines of a process no launcher started, and the
+    one error line it ended with; stderr still gets them alone, once."""
+    run_dir = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, run_dir)
+    out = cli("rlcli.cli.orchestrate", "run", "--config", str(recipe), "--steps", "1", "--connect",
+              "tcp://127.0.0.1:9")
+    one_line_error(out, 1, "cannot reach rl-infer at tcp://127.0.0.1:9")
+    log = (run_dir / "logs" / "orchestrate-0.log").read_text().splitlines()
+    assert log[-1] == out.stderr.strip()
+    out = cli("rlcli.cli.infer", "--config", str(recipe), "--id", "3", "--json", "--print-config")
+    assert out.returncode == 0 and not (run_dir / "logs" / "infer-3.log").exists()  # it joined no run
+
+
 def test_status_of_a_directory_that_is_no_run_is_one_error_line(tmp_path):
     one_line_error(cli("rlcli.cli.orchestrate", "status", str(tmp_path)), 2, "not a run directory")
 

@@ -51,6 +51,10 @@ def test_up_runs_to_the_end_with_summary_and_plot(tmp_path, tiny_model_dir):
     assert len(read_jsonl(run_dir / "metrics" / "train.jsonl")) == 4
     assert sorted(p.name for p in (run_dir / "logs").iterdir()) == [
         "cache-0.log", "infer-0.log", "orchestrate-0.log", "sync-0.log", "train-0.log"]
+    # Each child sees its stderr is its log file and adds no second handler writing there.
+    for log in (run_dir / "logs").iterdir():
+        lines = [line for line in log.read_text().splitlines() if " INFO " in line]
+        assert lines and not [a for a, b in zip(lines, lines[1:]) if a == b], log.name
     assert list_entries(run_dir / "registry", alive_only=False) == []  # everyone deregistered
 
 

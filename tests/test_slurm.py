@@ -49,14 +49,14 @@ def test_dry_run_places_each_command(tmp_path, tiny_model_dir):
     plan = [line.split("\t") for line in out.splitlines()]
     where = {name: host for host, name, _ in plan}
     # One rl-infer per GPU of each inference node (tensor_parallel_size 1), ids counting up across nodes.
-    assert where == {"cache": "10.0.0.1", "sync": "10.0.0.1", "orchestrate": "10.0.0.1", "train-0": "10.0.0.1",
+    assert where == {"cache-0": "10.0.0.1", "sync-0": "10.0.0.1", "orchestrate-0": "10.0.0.1", "train-0": "10.0.0.1",
                      "train-1": "10.0.0.2", **{f"infer-{i}": "10.0.0.3" for i in range(8)},
                      **{f"infer-{i}": "10.0.0.4" for i in range(8, 16)}}
     cmds = {name: cmd for _, name, cmd in plan}
     assert "--nproc-per-node 8 --nnodes 2 --node-rank 1 --rdzv-endpoint 10.0.0.1:" in cmds["train-1"]
     assert "CUDA_VISIBLE_DEVICES=5 rl-infer" in cmds["infer-13"] and "--id 13 " in cmds["infer-13"]
     # Every command's sockets bind where peers on other nodes reach them (rl-sync's store included).
-    for name in ("sync", "orchestrate", "train-0"):
+    for name in ("sync-0", "orchestrate-0", "train-0"):
         assert "--sync.host {0} --orchestrate.host {0} --train.host {0}".format(env["BIND_HOST"]) in cmds[name]
     tp2 = subprocess.run(["bash", str(SLURM / "multi-node.sbatch"), str(recipe), "--dry-run"],
                          env={**env, "RLCLI_ARGS": "--infer.engine.name vllm --infer.engine.tensor_parallel_size 2"},
@@ -73,7 +73,7 @@ def test_dry_run_places_each_command(tmp_path, tiny_model_dir):
                             env={**env, "FAKE_SLURM_HOSTS": "10.0.0.9", "SLURM_NNODES": "1"},
                             capture_output=True, text=True, timeout=60, check=True).stdout
     cmds = {name: cmd for _, name, cmd in (line.split("\t") for line in single.splitlines())}
-    assert "CUDA_VISIBLE_DEVICES=0,1,2,3 rl-train" in cmds["train"]
+    assert "CUDA_VISIBLE_DEVICES=0,1,2,3 rl-train" in cmds["train-0"]
     assert [cmds[f"infer-{i}"].split()[1] for i in range(4)] == [f"CUDA_VISIBLE_DEVICES={g}" for g in range(4, 8)]
     bad = subprocess.run(["bash", str(SLURM / "multi-node.sbatch"), str(recipe), "--dry-run"],
                          env={**env, "TRAIN_NODES": "4"}, capture_output=True, text=True, timeout=60)
@@ -88,7 +88,7 @@ def test_dry_run_on_one_gpu_node_shares_gpu_0(tmp_path, tiny_model_dir):
     out = subprocess.run(["bash", str(SLURM / "single-node.sbatch"), str(recipe), "--dry-run"], env=env,
                          capture_output=True, text=True, timeout=60, check=True).stdout
     cmds = {name: cmd for _, name, cmd in (line.split("\t") for line in out.splitlines())}
-    assert "env CUDA_VISIBLE_DEVICES=0 rl-train " in cmds["train"] and "--nproc-per-node 1 " in cmds["train"]
+    assert "env CUDA_VISIBLE_DEVICES=0 rl-train " in cmds["train-0"] and "--nproc-per-node 1 " in cmds["train-0"]
     assert "env CUDA_VISIBLE_DEVICES=0 rl-infer " in cmds["infer-0"]
     for gpus, train in (("1", "2"), ("8", "8")):
         bad = subprocess.run(["bash", str(SLURM / "single-node.sbatch"), str(recipe), "--dry-run"],
@@ -110,8 +110,8 @@ def test_a_run_starts_coordinates_and_ends(script, hosts, tmp_path, tiny_model_d
     assert job.returncode == 0, err[-4000:]
     assert "run complete" in err and progress(tmp_path / "run", "train") == 2
     logs = sorted(p.name for p in (tmp_path / "run" / "logs").iterdir())
-    assert logs == ["cache.log", "infer-0.log", "orchestrate.log", "sync.log",
-                    "train.log" if len(hosts) == 1 else "train-0.log"]
+    # One log per process, each its own (the processes see their stderr is the file and add none).
+    assert logs == ["cache-0.log", "infer-0.log", "orchestrate-0.log", "sync-0.log", "train-0.log"]
 
 
 def test_a_killed_component_fails_the_job_naming_it(tmp_path, tiny_model_dir):

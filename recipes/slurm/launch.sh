@@ -12,7 +12,8 @@
 #                    across nodes; on a one-GPU node (GPUS_PER_NODE=1) rl-infer and rl-train share GPU 0
 #                    (size the engine's KV cache to leave the trainer room)
 # Every process reads the same recipe and meets the others in RUN_DIR, which must be on a shared
-# filesystem; the sockets of every command bind to BIND_HOST. Logs: RUN_DIR/logs/<process>.log. The job ends 0 when rl-train and rl-orchestrate have
+# filesystem; the sockets of every command bind to BIND_HOST. Logs: RUN_DIR/logs/<process>.log (<command>-<id>, the
+# names `rl-orchestrate up` gives them). The job ends 0 when rl-train and rl-orchestrate have
 # both finished; if any process dies first, it names it, stops the rest and exits with its code.
 #
 # Environment: TRAIN_NODES (default 1, or 0 extra nodes when the job has one node), INFER_NODES
@@ -71,8 +72,8 @@ infer_plan() {
 # name|node|command, in start order (servers first).
 PLAN=()
 HEAD=${NODES[0]}
-PLAN+=("cache|$HEAD|rl-cache serve ${COMMON[*]} --cache.host $BIND_HOST")
-PLAN+=("sync|$HEAD|rl-sync ${COMMON[*]}")
+PLAN+=("cache-0|$HEAD|rl-cache serve ${COMMON[*]} --cache.host $BIND_HOST")
+PLAN+=("sync-0|$HEAD|rl-sync ${COMMON[*]}")
 if [ "$NUM_NODES" -eq 1 ]; then
   TRAIN_GPUS=${TRAIN_GPUS:-$(( GPUS_PER_NODE > 1 ? GPUS_PER_NODE / 2 : 1 ))}
   if [ "$GPUS_PER_NODE" -eq 1 ] && [ "$TRAIN_GPUS" -eq 1 ]; then
@@ -84,7 +85,7 @@ if [ "$NUM_NODES" -eq 1 ]; then
     exit 2
   fi
   TRAIN_VISIBLE=$(seq -s, 0 $(( TRAIN_GPUS - 1 )))
-  PLAN+=("train|$HEAD|env CUDA_VISIBLE_DEVICES=$TRAIN_VISIBLE rl-train ${COMMON[*]} --nproc-per-node $TRAIN_GPUS --nnodes 1 --node-rank 0 --rdzv-endpoint $HEAD:$RDZV_PORT")
+  PLAN+=("train-0|$HEAD|env CUDA_VISIBLE_DEVICES=$TRAIN_VISIBLE rl-train ${COMMON[*]} --nproc-per-node $TRAIN_GPUS --nnodes 1 --node-rank 0 --rdzv-endpoint $HEAD:$RDZV_PORT")
   infer_plan "$HEAD" 0 "${INFER_GPUS[@]}"
 else
   TRAIN_NODES=${TRAIN_NODES:-1}
@@ -102,7 +103,7 @@ else
     infer_plan "${NODES[$(( TRAIN_NODES + i ))]}" "$NEXT_INFER_ID" $(seq 0 $(( GPUS_PER_NODE - 1 )))
   done
 fi
-PLAN+=("orchestrate|$HEAD|rl-orchestrate run ${COMMON[*]}")
+PLAN+=("orchestrate-0|$HEAD|rl-orchestrate run ${COMMON[*]}")
 
 if [ "$DRY_RUN" = "--dry-run" ]; then
   for entry in "${PLAN[@]}"; do IFS='|' read -r name node cmd <<< "$entry"; printf '%s\t%s\t%s\n' "$node" "$name" "$cmd"; done
@@ -128,7 +129,7 @@ stop_all() {
 }
 trap 'echo "rlcli-slurm: interrupted; stopping every process" >&2; stop_all; exit 130' INT TERM
 
-is_finite() { [[ "$1" =~ ^(train|train-[0-9]+|orchestrate)$ ]]; }
+is_finite() { [[ "$1" =~ ^(train-[0-9]+|orchestrate-0)$ ]]; }
 finite_left=0
 for p in "${PIDS[@]}"; do if is_finite "${NAME_OF[$p]}"; then finite_left=$(( finite_left + 1 )); fi; done
 # Poll rather than `wait -n`: bash 4.4 (still common on clusters) has no `wait -n -p`.

@@ -93,6 +93,9 @@ def handle_errors(command: str) -> Callable:
                 message, code = _describe(exc)
                 if code != EXIT_USAGE or first_to_say(message):
                     print(f"{command}: error: {message}", file=sys.stderr, flush=True)
+                    from rlcli.logging import log_error_line
+
+                    log_error_line(f"{command}: error: {message}")
                 raise typer.Exit(code) from None
 
         return inner

@@ -83,6 +83,12 @@ def open_run(cfg, command: str):
     run.claim(cfg.name, {"model": model, "env": to_dict(cfg.env)})
     run.clean_small_temporaries()
     run.write_config(command, dump_toml(to_dict(cfg)))
+    if command != "up":  # `up`'s children have their logs; its own lines stay on its terminal
+        from rlcli.logging import log_to_file
+
+        # A process started by hand keeps its log in the run too; under a launcher, stderr is that file.
+        name, _, instance = command.partition("-")
+        log_to_file(run.log_file(name, instance or 0), f"rl-{name}")
     # `up`'s children log for themselves; under torchrun only rank 0 writes metrics.
     if command != "up" and os.environ.get("RANK", "0") == "0":
         from rlcli.transport.sinks import make_sinks
