@@ -26,6 +26,40 @@ from rlcli.ops.batch_invariant import row_sum
 from rlcli.ops.grouped_gemm import grouped_mm
 
 
+class _Dispatch(torch.autograd.Function):
+    """``x[order // k]``: each token's ``k`` copies, sorted by expert (``order`` a permutation of the
+    N*k (token, slot) pairs, ``inverse`` its inverse). Backward puts the copies' gradients back in
+    (token, slot) order with the inverse permutation and sums each token's ``k``: a gather and a
+    reduction, where autograd's ``index`` backward adds the copies with atomics."""
+
+    @staticmethod
+    def forward(ctx, x_ND: torch.Tensor, order_R: torch.Tensor, inverse_R: torch.Tensor, k: int) -> torch.Tensor:
+        ctx.save_for_backward(inverse_R)
+        ctx.k = k
+        return x_ND.index_select(0, torch.div(order_R, k, rounding_mode="floor"))
+
+    @staticmethod
+    def backward(ctx, g_RD: torch.Tensor):
+        (inverse_R,) = ctx.saved_tensors
+        g = g_RD.index_select(0, inverse_R)
+        return g.view(-1, ctx.k, g.shape[-1]).sum(1), None, None, None
+
+
+class _Permute(torch.autograd.Function):
+    """``x[index]`` for a permutation ``index`` whose inverse is ``inverse``; backward is the gather
+    ``g[inverse]`` (no atomic adds: every row has one source)."""
+
+    @staticmethod
+    def forward(ctx, x_RD: torch.Tensor, index_R: torch.Tensor, inverse_R: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse_R)
+        return x_RD.index_select(0, index_R)
+
+    @staticmethod
+    def backward(ctx, g_RD: torch.Tensor):
+        (inverse_R,) = ctx.saved_tensors
+        return g_RD.index_select(0, inverse_R), None, None
+
+
 def check_routes(routes_TLk, args: ModelArgs, num_tokens: int,
                  value_range: tuple[int, int] | None = None) -> None:
     """Refuse recorded routes that do not fit this model (another checkpoint, a wrong config).
@@ -143,23 +177,27 @@ class MoE(nn.Module):
 
     def routed(self, x_ND: torch.Tensor, idx_Nk: torch.Tensor, gates_Nk: torch.Tensor) -> torch.Tensor:
         """Sort the N*k (token, expert) pairs by expert, run the experts, weight by the gates and
-        sum back per token. Counts stay on the device (no bincount: on CUDA it syncs)."""
+        sum back per token. Counts stay on the device (no bincount: on CUDA it syncs). The sort and
+        its inverse are permutations, so dispatch and combine are gathers both ways: no atomic adds
+        (``index_add_``), no zeroed buffers."""
         N, k = idx_Nk.shape
         flat = idx_Nk.reshape(-1)
-        order = flat.argsort(stable=True)
+        order = flat.argsort(stable=True)  # sorted row i is (token, slot) pair order[i]
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
         counts_E = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device)
         counts_E.scatter_add_(0, flat, torch.ones_like(flat))
         with torch.no_grad():
             seen = self.num_tokens_per_expert
             self.num_tokens_per_expert = counts_E.detach().clone() if seen is None else seen + counts_E
-        y_sorted = self.experts(x_ND[order // k], counts_E)
-        y_sorted = y_sorted * gates_Nk.reshape(-1)[order, None]
-        return self.combine(y_sorted, order, k, torch.zeros_like(x_ND))
+        y_sorted = self.experts(_Dispatch.apply(x_ND, order, inverse, k), counts_E)
+        return self.combine(_Permute.apply(y_sorted, inverse, order).view(N, k, -1), gates_Nk)
 
-    def combine(self, y_sorted_RD: torch.Tensor, order_R: torch.Tensor, k: int, out_ND: torch.Tensor) -> torch.Tensor:
-        """``out`` plus each token's ``k`` weighted expert outputs; row ``i`` of ``y_sorted`` is
-        (token, slot) pair ``order[i]``. The seam model.batch_invariant replaces."""
-        return out_ND.index_add_(0, order_R // k, y_sorted_RD.to(out_ND.dtype))
+    def combine(self, y_NkD: torch.Tensor, gates_Nk: torch.Tensor) -> torch.Tensor:
+        """Each token's ``k`` expert outputs (slot order) weighted by its gates and summed, ``[N, D]``:
+        one batched product, accumulated in fp32 and rounded once. The seam model.batch_invariant
+        replaces."""
+        return torch.bmm(gates_Nk.to(y_NkD.dtype).unsqueeze(1), y_NkD).squeeze(1)
 
     def forward(self, x_BTD: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         B, T, D = x_BTD.shape

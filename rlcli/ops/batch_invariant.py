@@ -68,8 +68,9 @@ its cumulative sum by the ``row_cumsum`` kernel and its logsumexp by :func:`row_
 CPU every expert's GEMMs run on that expert's rows alone, blocked (the grouped GEMM's per-expert row
 counts follow the batch); on CUDA one ``grouped_mm`` / ``fp8_grouped_mm`` kernel launch per
 projection computes each token's row on its expert's weight alone (:class:`rlcli.ops.invariant_layers._InvariantExperts`).
-A token's ``k`` weighted expert outputs are added in slot order on CUDA, where ``index_add_`` adds
-them with atomics (:class:`rlcli.ops.invariant_layers._InvariantMoE`). Gates, the top-k and the weighting are row-wise.
+A token's ``k`` weighted expert outputs are added in slot order, one rounded add at a time (the
+plain layer's batched product picks its kernel by the token count;
+:class:`rlcli.ops.invariant_layers._InvariantMoE`). Gates, the top-k and the weighting are row-wise.
 
 **MLA** (DeepSeek-V3 / Kimi-K2; :class:`rlcli.ops.invariant_layers._InvariantMLA`). The engine attends in latent form
 (``kv_b_proj`` absorbed into the query and output sides, one 576-wide K/V head for DeepSeek-V3) and

@@ -89,17 +89,14 @@ class _InvariantExperts:
 
 
 class _InvariantMoE:
-    """Mixin in front of an MoE layer's class: on CUDA a token's ``k`` weighted expert outputs are
-    added in slot order (``index_add_`` there adds them with atomics, in no fixed order)."""
+    """Mixin in front of an MoE layer's class: a token's ``k`` weighted expert outputs are added
+    in slot order, each rounded to the model dtype (the batched product of the plain layer picks
+    its kernel by the token count)."""
 
-    def combine(self, y_sorted_RD: torch.Tensor, order_R: torch.Tensor, k: int, out_ND: torch.Tensor) -> torch.Tensor:
-        if not on_kernels(out_ND):
-            return super().combine(y_sorted_RD, order_R, k, out_ND)
-        inverse = torch.empty_like(order_R)
-        inverse[order_R] = torch.arange(order_R.numel(), device=order_R.device)
-        y_NkD = y_sorted_RD[inverse].view(out_ND.shape[0], k, -1).to(out_ND.dtype)  # (token, slot) order
-        out = out_ND
-        for j in range(k):
+    def combine(self, y_NkD: torch.Tensor, gates_Nk: torch.Tensor) -> torch.Tensor:
+        y_NkD = y_NkD * gates_Nk.to(y_NkD.dtype)[:, :, None]
+        out = y_NkD[:, 0]
+        for j in range(1, y_NkD.shape[1]):
             out = out + y_NkD[:, j]
         return out
 

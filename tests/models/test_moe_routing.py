@@ -91,3 +91,43 @@ def test_routes_recorded_by_paged_inference_replay_in_training_forward(arch, moe
     assert engine_routes.shape == (12, model.args.num_moe_layers, model.args.num_experts_per_tok)
     trainer_logits = _forward(model, seq[None], torch.arange(12)[None], RoutingContext(replay=engine_routes))[0]
     assert max_abs_diff(trainer_logits, engine_logits) <= 1e-4
+
+
+def test_dispatch_and_combine_match_the_indexed_formula_with_gradients():
+    """The layer's dispatch and combine (gathers both ways, their own backward) give the output and
+    the gradients of the plain formula: ``x[order // k]`` in, weighted ``index_add_`` out, in float64."""
+    from rlcli.models.config import ModelArgs
+    from rlcli.models.moe import MoE
+
+    args = ModelArgs(model_type="qwen3_moe", vocab_size=1, hidden_size=16, intermediate_size=1, num_hidden_layers=1,
+                     num_attention_heads=1, num_key_value_heads=1, head_dim=1, num_experts=6,
+                     num_experts_per_tok=3, moe_intermediate_size=8, norm_topk_prob=True, moe_layers=[0])
+    torch.manual_seed(0)
+    layer = MoE(args, 0).double()
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(37, 16, dtype=torch.float64, requires_grad=True)
+    idx = layer.gate.select(layer.gate.scores(x.detach()))
+    dy = torch.randn(37, 16, dtype=torch.float64)
+
+    def reference():
+        N, k = idx.shape
+        order = idx.reshape(-1).argsort(stable=True)
+        counts = torch.bincount(idx.reshape(-1), minlength=6)
+        gates = layer.gate.gates(layer.gate.scores(x), idx, x.dtype)
+        y = layer.experts(x[order // k], counts) * gates.reshape(-1)[order, None]
+        return torch.zeros_like(x).index_add(0, order // k, y)
+
+    outs = []
+    for fn in (reference, lambda: layer.routed(x, idx, layer.gate.gates(layer.gate.scores(x), idx, x.dtype))):
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        y = fn()
+        y.backward(dy)
+        outs.append((y.detach(), x.grad.clone(), {n: p.grad.clone() for n, p in layer.named_parameters()}))
+    (y0, gx0, g0), (y1, gx1, g1) = outs
+    torch.testing.assert_close(y1, y0, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gx1, gx0, rtol=1e-12, atol=1e-12)
+    assert g0.keys() == g1.keys()
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-12, atol=1e-12, msg=name)
