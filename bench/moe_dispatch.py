@@ -27,6 +27,7 @@ from _baseline import baseline_tree
 SHAPES = {  # name: (hidden, experts, expert width, top-k)
     "qwen3-moe-1.8b": (2048, 32, 1024, 4),  # bench/fp8_train_step.py's MoE
     "qwen3-30b-a3b": (2048, 128, 768, 8),
+    "tiny-qwen3-moe": (128, 8, 96, 2),  # recipes/reverse-moe.toml's model (the CPU loop)
 }
 
 WORKER = r"""
@@ -101,7 +102,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--baseline", default="HEAD", help="git ref of the baseline arm")
     ap.add_argument("--baseline-tree", type=Path, default=None, help="an unpacked baseline tree instead")
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default="qwen3-moe-1.8b,qwen3-30b-a3b", help=f"of {', '.join(SHAPES)}")
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--profile", action="store_true", help="each arm's ops with the most device time")
