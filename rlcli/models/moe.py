@@ -30,7 +30,7 @@ class _Dispatch(torch.autograd.Function):
     """``x[order // k]``: each token's ``k`` copies, sorted by expert (``order`` a permutation of the
     N*k (token, slot) pairs, ``inverse`` its inverse). Backward puts the copies' gradients back in
     (token, slot) order with the inverse permutation and sums each token's ``k``: a gather and a
-    reduction, where autograd's ``index`` backward adds the copies with atomics."""
+    reduction, where autograd's ``index`` backward adds the copies one by one (with atomics on CUDA)."""
 
     @staticmethod
     def forward(ctx, x_ND: torch.Tensor, order_R: torch.Tensor, inverse_R: torch.Tensor, k: int) -> torch.Tensor:
@@ -211,7 +211,7 @@ class MoE(nn.Module):
             seen = self.num_tokens_per_expert
             self.num_tokens_per_expert = counts_E.detach().clone() if seen is None else seen + counts_E
         y_sorted = self.experts(_Dispatch.apply(x_ND, order, inverse, k), counts_E)
-        return self.combine(_Permute.apply(y_sorted, inverse, order).view(N, k, -1), gates_Nk)
+        return self.combine(_Permute.apply(y_sorted, inverse, order).view(N, k, -1), gates_Nk).to(x_ND.dtype)
 
     def combine(self, y_NkD: torch.Tensor, gates_Nk: torch.Tensor) -> torch.Tensor:
         """Each token's ``k`` expert outputs (slot order) weighted by its gates and summed, ``[N, D]``
