@@ -130,6 +130,8 @@ def test_a_killed_torchrun_takes_its_ranks_with_it(tmp_path, tiny_model_dir):
         assert len(ranks) == 2, f"ranks {ranks}; log: {(tmp_path / 'train.log').read_text()[-3000:]}"
         time.sleep(2.0)
         assert all(_alive(r) for r in ranks)
+        # Rank 0 keeps its log in the run as well (its stderr here is another file).
+        assert sorted(p.name for p in (run_dir / "logs").iterdir()) == ["train-0.log"]
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         deadline = time.monotonic() + 30
