@@ -24,6 +24,7 @@ the one host sync of a step.
 import math
 import threading
 import time
+from pathlib import Path
 
 import msgspec
 import torch
@@ -118,6 +119,34 @@ def loss_config_at(lcfg: LossConfig, step: int, num_steps: int) -> LossConfig:
     return msgspec.structs.replace(lcfg, entropy_coef=lcfg.entropy_coef * left)
 
 
+WAIT_NOTE_S = 30.0
+"""A wait for a step's batch longer than this is said (:class:`WaitNote`); rl-train is otherwise silent while it waits."""
+
+
+class WaitNote:
+    """What rl-train waits for, said after ``after_s`` of waiting for a step's batch: once per step
+    while no rl-orchestrate is registered; while one is (it is generating), once per process, since
+    long steps are then normal."""
+
+    def __init__(self, after_s: float):
+        self.after_s = after_s
+        self.step, self.since, self.said, self.said_live = -1, 0.0, True, False
+
+    def start(self, step: int, now: float | None = None) -> None:
+        if step != self.step:
+            self.step, self.since, self.said = step, time.monotonic() if now is None else now, False
+
+    def due(self, now: float, orchestrator_live: bool, batch_dir: Path) -> str:
+        """The line to log now, or ""."""
+        if self.said or now - self.since < self.after_s or (orchestrator_live and self.said_live):
+            return ""
+        self.said = True
+        self.said_live |= orchestrator_live
+        why = ("rl-orchestrate is registered but has not written it (said once)" if orchestrator_live
+               else "no rl-orchestrate is registered in this run (start `rl-orchestrate run` on the same recipe)")
+        return f"waiting {now - self.since:.0f}s for step {self.step}'s batch ({batch_dir}): {why}"
+
+
 class Trainer:
     def __init__(self, cfg: RecipeConfig, run: RunDir):
         self.cfg, self.run = cfg, run
@@ -163,6 +192,7 @@ class Trainer:
         self._pub_lock = threading.Lock()  # announcements also come from the weight publisher's thread
         self.batch_news = Subscriber()  # rl-orchestrate's BatchWritten: wakes the wait for a batch
         self._next_scan = 0.0
+        self._wait_note = WaitNote(WAIT_NOTE_S)
         self.registration = Registration(run.registry_dir(), "train", 0, {"pub": self.publisher.endpoint},
                                          {"dp": self.dims.dp, "settings": shared_settings(cfg, "train")}) \
             if main else None  # rl-orchestrate splits batches for dp
@@ -408,6 +438,7 @@ class Trainer:
     def next_batch(self, step: int) -> TrainingBatch | None:
         """This rank's batch of ``step`` (None on timeout or stop). A batch that any rank finds
         corrupt is deleted, and every rank waits for rl-orchestrate to write it again."""
+        self._wait_note.start(step)
         while True:
             try:
                 batch = wait_for_batch(self.run, step, self.dp_rank, self.cfg.train.wait_timeout_s,
@@ -429,10 +460,14 @@ class Trainer:
     def _sleep(self, timeout_s: float) -> None:
         """Wait up to ``timeout_s`` for a batch, woken at once by rl-orchestrate's announcement."""
         if time.monotonic() >= self._next_scan:
-            for entry in list_entries(self.run.registry_dir(), "orchestrate"):
+            producers = list_entries(self.run.registry_dir(), "orchestrate")
+            for entry in producers:
                 if "pub" in entry.endpoints:
                     self.batch_news.connect(entry.endpoints["pub"])
             self._next_scan = time.monotonic() + 1.0
+            note = self._wait_note.due(time.monotonic(), bool(producers), self.run.rollouts_dir(self._wait_note.step))
+            if note:
+                log.info("%s", note)
         self.batch_news.recv(int(timeout_s * 1000))
 
     def close(self) -> None:

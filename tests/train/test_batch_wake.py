@@ -32,3 +32,49 @@ def test_the_wait_for_a_batch_wakes_on_the_orchestrators_announcement(setup):
         registration.close()
         pub.close()
         trainer.close()
+
+
+def test_a_long_wait_for_a_batch_is_said_once_naming_what_is_missing(setup, caplog):
+    """rl-train is otherwise silent while it waits: past WAIT_NOTE_S (0 here) it says which batch it
+    waits for, and whether any rl-orchestrate is registered to write it; once per step while none is,
+    once per process while one is."""
+    import logging
+
+    from rlcli.train import trainer as trainer_module
+    from rlcli.train.trainer import WaitNote
+
+    cfg, run = setup
+    trainer = Trainer(cfg, run)
+    trainer_module.log.addHandler(caplog.handler)  # setup_logging's basicConfig may have replaced pytest's
+    caplog.set_level(logging.INFO)
+    pub = Publisher("127.0.0.1", 0)
+    registration = None
+    try:
+        trainer._wait_note = WaitNote(0.0)
+
+        def wait(step: int) -> list[str]:
+            caplog.clear()
+            trainer._wait_note.start(step)
+            for _ in range(2):
+                trainer._next_scan = 0.0
+                trainer._sleep(0.01)
+            records = dict.fromkeys(caplog.records)  # a record that reached the handler twice counts once
+            return [r.getMessage() for r in records if "waiting" in r.getMessage()]
+
+        lines = wait(1)
+        assert len(lines) == 1 and "step 1's batch" in lines[0] and "step_1" in lines[0], lines
+        assert "no rl-orchestrate is registered" in lines[0]
+        registration = Registration(run.registry_dir(), "orchestrate", 0, {"pub": pub.endpoint})
+        lines = wait(2)
+        assert len(lines) == 1 and "registered but has not written it" in lines[0], lines
+        assert wait(2) == []  # the same step again: said already
+        assert wait(3) == []  # an orchestrator is generating: long steps are normal, said once per process
+        registration.close()
+        registration = None
+        assert "no rl-orchestrate is registered" in wait(4)[0]
+    finally:
+        trainer_module.log.removeHandler(caplog.handler)
+        if registration is not None:
+            registration.close()
+        pub.close()
+        trainer.close()
