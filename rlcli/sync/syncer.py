@@ -92,6 +92,7 @@ class Syncer:
         self.rounds = None
         self._poller: zmq.Poller | None = None  # the subscriber and every server's socket; rebuilt when they change
         self._retain_due = False  # a server moved on: weights it held may go
+        self._said_missing: set[str] = set()  # what say_what_is_missing said is missing, until it is not
         endpoints = {"pub": self.pub.endpoint}
         if self.kind == "collective":
             from rlcli.sync.rounds import Rounds
@@ -124,6 +125,20 @@ class Syncer:
             latest = self.run.latest_stable("weights")
             if latest is not None:
                 self.see_published(latest, {})
+        self.say_what_is_missing()
+
+    def say_what_is_missing(self) -> None:
+        """One line, when it starts to be so, that no rl-infer is registered or that rl-train has
+        published nothing yet; rl-sync is otherwise silent while it waits for either."""
+        missing = {}
+        if not self.servers:
+            missing["infer"] = f"rl-infer servers to register in {self.run.registry_dir()}"
+        if self.target < 0 and self.policy_version < 0:
+            missing["train"] = "rl-train's first weights" + (" (posted to rl-sync's store)" if self.kind == "collective"
+                                                             else f" in {self.run.root / 'weights'}")
+        for key in [k for k in missing if k not in self._said_missing]:
+            log.info("waiting for %s", missing[key])
+        self._said_missing = set(missing)
 
     def membership_changed(self) -> None:
         if self.rounds is not None:

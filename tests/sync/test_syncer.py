@@ -161,3 +161,43 @@ def test_on_every_interface_rl_sync_tells_peers_this_hosts_address(tmp_path):
         assert syncer.rounds.store.get("probe") == b"1"
     finally:
         syncer.close()
+
+
+def test_what_rl_sync_waits_for_is_said_once_each_time_it_goes_missing(tmp_path, caplog):
+    """rl-sync is otherwise silent while nothing is registered or published: one line per missing
+    piece when it goes missing, none while it stays missing, one again after it came and went."""
+    import logging
+
+    from rlcli.sync import syncer as syncer_module
+
+    run = RunDir(tmp_path / "run")
+    syncer = Syncer(RecipeConfig(sync=SyncConfig(poll_interval_s=0.05)), run)
+    syncer_module.log.addHandler(caplog.handler)  # setup_logging's basicConfig may have replaced pytest's
+    caplog.set_level(logging.INFO)
+    server = None
+
+    def said() -> list[str]:
+        records = dict.fromkeys(caplog.records)  # a record that reached the handler twice counts once
+        lines = [r.getMessage() for r in records if r.getMessage().startswith("waiting for")]
+        caplog.clear()
+        return lines
+
+    try:
+        syncer.scan()
+        syncer.scan()
+        assert said() == [f"waiting for rl-infer servers to register in {run.registry_dir()}",
+                          f"waiting for rl-train's first weights in {run.root / 'weights'}"]
+        server = StandIn(run, 0, set())
+        run_until(syncer, lambda: syncer.servers, "a server")
+        assert said() == []
+        server.stop()
+        server.registration.close()
+        server = None
+        run_until(syncer, lambda: not syncer.servers, "the server gone")
+        syncer.scan()
+        assert said() == [f"waiting for rl-infer servers to register in {run.registry_dir()}"]
+    finally:
+        syncer_module.log.removeHandler(caplog.handler)
+        syncer.close()
+        if server is not None:
+            server.stop()
