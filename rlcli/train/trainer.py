@@ -132,9 +132,9 @@ class WaitNote:
         self.after_s = after_s
         self.step, self.since, self.said, self.said_live = -1, 0.0, True, False
 
-    def start(self, step: int, now: float | None = None) -> None:
+    def start(self, step: int) -> None:
         if step != self.step:
-            self.step, self.since, self.said = step, time.monotonic() if now is None else now, False
+            self.step, self.since, self.said = step, time.monotonic(), False
 
     def due(self, now: float, orchestrator_live: bool, batch_dir: Path) -> str:
         """The line to log now, or ""."""
