@@ -55,12 +55,13 @@ class NativeEngineConfig(EngineBase, tag="native"):
     eagerly (faster start)."""
 
     fused_kernels: bool = True
-    """On CUDA (where Triton imports), run the forward's RMSNorms with their residual adds, the rotary
-    embedding with Qwen3's query and key norms (and the paged KV cache's write), and SwiGLU's gate as
-    single Triton kernels (rlcli/infer/fused_layers.py), in every step, graphed or not; and draw a
+    """On CUDA (where Triton imports), run the forward's RMSNorms with their residual adds and the rotary
+    embedding with Qwen3's query and key norms (and the paged KV cache's write) as single Triton kernels
+    (rlcli/infer/fused_layers.py), in every step, graphed or not; and draw a
     batch without top-p in one kernel (rlcli/ops/sampling_kernel.py). They round where the torch code
     rounds; an output can differ by a step of its dtype where an fp32 value lands on a rounding edge.
-    Off under model.batch_invariant (its own kernels). Elsewhere it has no effect."""
+    Off under model.batch_invariant (its own kernels). Elsewhere it has no effect. (SwiGLU's gate is one
+    kernel on CUDA either way, as in the trainer: rlcli/ops/swiglu.py.)"""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -16,9 +16,10 @@ autograd, one dtype) and the module's own otherwise:
   zoo's dense models; interleaved or partial rotaries keep the module's code), which in the
   engine's steps also writes the keys and values to their slots of the paged KV cache (then the
   backend only attends, :meth:`~rlcli.ops.attention.PagedAttention.attend`);
-- SwiGLU MLPs and MoE experts gate in one kernel (:func:`~rlcli.ops.fused_kernels.silu_mul`).
+SwiGLU's gate needs no swap: the zoo's MLPs and MoE experts run it in one kernel on CUDA, in the
+engine and the trainer alike (:func:`rlcli.ops.swiglu.swiglu`).
 
-Only the inference engine swaps them in: they have no backward, and the trainer's numerics stay the
+Only the inference engine swaps these in: they have no backward, and the trainer's numerics stay the
 zoo's. What they change in the numbers is set out in :mod:`rlcli.ops.fused_kernels`.
 """
 
@@ -26,10 +27,8 @@ import functools
 import os
 
 import torch
-import torch.nn.functional as F
 
-from rlcli.models.layers import MLP, Attention, RMSNorm
-from rlcli.models.moe import GroupedExperts
+from rlcli.models.layers import Attention, RMSNorm
 from rlcli.models.transformer import DecoderLayer, TransformerModel
 from rlcli.ops.attention import PagedAttention
 
@@ -58,22 +57,6 @@ class _FusedNorm:
         if _serves(x, self.weight):
             return kernels().add_rms_norm(x, None, self.weight, self.eps)[1]
         return super().forward(x)
-
-
-class _FusedMLP:
-    def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        if _serves(gate, up):
-            return self.down_proj(kernels().silu_mul(gate, up))
-        return self.down_proj(F.silu(gate) * up)
-
-
-class _FusedExperts:
-    def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        offs = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
-        gate, up = self.expert_mm(x_RD, self.w_gate, offs), self.expert_mm(x_RD, self.w_up, offs)
-        h_RI = kernels().silu_mul(gate, up) if _serves(gate, up) else F.silu(gate) * up
-        return self.expert_mm(h_RI, self.w_down, offs)
 
 
 class _FusedAttention:
@@ -133,10 +116,7 @@ def _plain_norms(layer: torch.nn.Module) -> bool:
 @functools.cache
 def _swaps() -> dict[type, type]:
     """Each class swapped, and its fused subclass."""
-    from rlcli.ops.fp8.convert import FP8GroupedExperts
-
-    mixins = ((TransformerModel, _FusedTransformer), (RMSNorm, _FusedNorm), (Attention, _FusedAttention),
-              (MLP, _FusedMLP), (GroupedExperts, _FusedExperts), (FP8GroupedExperts, _FusedExperts))
+    mixins = ((TransformerModel, _FusedTransformer), (RMSNorm, _FusedNorm), (Attention, _FusedAttention))
     return {base: type(f"Fused{base.__name__}", (mixin, base), {}) for base, mixin in mixins}
 
 

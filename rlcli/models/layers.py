@@ -9,10 +9,10 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from rlcli.models.config import ModelArgs
 from rlcli.ops.attention import ForwardContext, InnerAttention
+from rlcli.ops.swiglu import swiglu
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -173,7 +173,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)); the gate in one kernel each way on CUDA
+    (:func:`rlcli.ops.swiglu.swiglu`)."""
 
     def __init__(self, dim: int, hidden: int, bias: bool = False):
         super().__init__()
@@ -182,4 +183,4 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=bias)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))

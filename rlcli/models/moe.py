@@ -24,6 +24,7 @@ from rlcli.models.layers import MLP
 from rlcli.ops.attention import ForwardContext
 from rlcli.ops.batch_invariant import row_sum
 from rlcli.ops.grouped_gemm import grouped_mm
+from rlcli.ops.swiglu import swiglu
 
 
 class _Dispatch(torch.autograd.Function):
@@ -177,7 +178,7 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         offs = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
-        h_RI = F.silu(self.expert_mm(x_RD, self.w_gate, offs)) * self.expert_mm(x_RD, self.w_up, offs)
+        h_RI = swiglu(self.expert_mm(x_RD, self.w_gate, offs), self.expert_mm(x_RD, self.w_up, offs))
         return self.expert_mm(h_RI, self.w_down, offs)
 
 

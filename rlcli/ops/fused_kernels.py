@@ -1,38 +1,49 @@
-"""Fused elementwise kernels for the native engine's forward on CUDA (Triton).
+"""Fused elementwise kernels on CUDA (Triton): the native engine's forward, and SwiGLU's gate both ways.
 
 A decode step of a small or mid-sized model is bound by its many small kernels, not by its GEMMs.
 In torch, one RMSNorm is seven kernels (cast, square, mean, add, rsqrt, product, cast back, then the
 weight), a rotary embedding five per tensor, Qwen3's per-head query and key norms seven each, and
 SwiGLU's gate two: a graphed Qwen3-0.6B decode step at 256 sequences ran ~1,100 kernels, ~40 a
 layer, most of them elementwise and a few microseconds each (H200, docs/benchmarks.md). Each
-function here is one of those patterns in one kernel, forward only:
+function here is one of those patterns in one kernel:
 
 - :func:`add_rms_norm`: ``h = x + residual`` and ``rms_norm(h)``, or the norm of ``x`` alone;
 - :func:`rotary_`: queries and keys rotated in place (the half-split layout, whole heads), after
   Qwen3's per-head RMSNorm where its weights are given;
-- :func:`silu_mul`: SwiGLU's ``silu(gate) * up``.
+- :func:`silu_mul`: SwiGLU's ``silu(gate) * up``, and :func:`silu_mul_backward` its gradients
+  (the trainer's, through :func:`rlcli.ops.swiglu.swiglu`).
 
 They round where the torch code they replace rounds: every intermediate that code casts to the
 activation dtype (each product and sum of the rotary, the normalized row before its weight, the
-SiLU before its product) is cast here too. What differs is in fp32 only: the order of the sum of
-squares, one over its root where torch takes ``rsqrt``, and the ``exp`` inside the SiLU. So an output
-can differ from the module's where an fp32 value lands on a rounding edge of its dtype, by a step
-of it (two after a weight's product); tests/ops/test_fused_kernels.py bounds that. The rotary
-kernel is compiled without fused multiply-adds (``enable_fp_fusion=False``): with them, a product
-that torch rounds was contracted into the sum unrounded, and half-precision rotations landed
-several steps off torch's where the two terms nearly cancel (found on an H100).
+SiLU before its product, each gradient of that product) is cast here too. The norms and the rotary
+differ in fp32 only: the order of the sum of squares, one over its root where torch takes ``rsqrt``.
+So an output can differ from the module's where an fp32 value lands on a rounding edge of its
+dtype, by a step of it (two after a weight's product); tests/ops/test_fused_kernels.py bounds that.
+The SwiGLU kernels compute what torch's do in the same order, with CUDA's ``expf`` (libdevice) and
+IEEE divisions. The rotary kernel is compiled without fused multiply-adds (``enable_fp_fusion=False``):
+with them, a product that torch rounds was contracted into the sum unrounded, and half-precision
+rotations landed several steps off torch's where the two terms nearly cancel (found on an H100).
 
-Under ``TRITON_INTERPRET=1`` they run on CPU tensors (the tests).
+Under ``TRITON_INTERPRET=1`` they run on CPU tensors (the tests); there the SiLU takes Triton's
+``exp`` (the interpreter has no libdevice), a few ulp off torch's CPU one in fp32.
 """
 
 import functools
+import os
 
 import torch
 
 import triton
 import triton.language as tl
 
+try:  # CUDA's libm: the exp torch's SiLU takes
+    from triton.language.extra import libdevice
+except ImportError:  # older Triton
+    libdevice = None
+
 SILU_BLOCK = 1024  # columns per silu_mul program
+# Compiled, the SiLU takes libdevice's exp (see the module note); the interpreter has no libdevice.
+_EXACT = libdevice is not None and os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True")
 
 
 @triton.jit
@@ -105,14 +116,42 @@ def _rotary_kernel(Q, K, V, WQ, WK, COS, SIN, KC, VC, SLOTS, HQ, HK, HALF, s_qt,
 
 
 @triton.jit
-def _silu_mul_kernel(G, U, O, N, s_g, s_u, s_o, BLOCK: tl.constexpr):
+def _exp(x, EXACT: tl.constexpr):
+    """``exp`` as CUDA's ``expf`` computes it (torch's SiLU), or Triton's where libdevice is missing (the
+    interpreter)."""
+    if EXACT:
+        return libdevice.exp(x)
+    return tl.exp(x)
+
+
+@triton.jit
+def _silu_mul_kernel(G, U, O, N, s_g, s_u, s_o, EXACT: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
     g = tl.load(G + row * s_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + row * s_u + cols, mask=mask, other=0.0).to(tl.float32)
-    s = (g / (1.0 + tl.exp(-g))).to(G.dtype.element_ty)  # F.silu in the gate's dtype, then the product
+    s = tl.math.div_rn(g, 1.0 + _exp(-g, EXACT)).to(G.dtype.element_ty)  # F.silu in the gate's dtype, then the product
     tl.store(O + row * s_o + cols, (s.to(tl.float32) * u).to(O.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_mul_backward_kernel(G, U, DH, DG, DU, N, s_g, s_u, s_dh, s_dg, s_du, EXACT: tl.constexpr,
+                              BLOCK: tl.constexpr):
+    """The gradients of ``h = silu(g) * u`` as autograd computes them from torch's two ops:
+    ``du = dh * silu(g)`` and ``ds = dh * u`` (each rounded to the dtype), then SiLU's backward of ``ds``."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    g = tl.load(G + row * s_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + row * s_u + cols, mask=mask, other=0.0).to(tl.float32)
+    dh = tl.load(DH + row * s_dh + cols, mask=mask, other=0.0).to(tl.float32)
+    e = 1.0 + _exp(-g, EXACT)
+    s = tl.math.div_rn(g, e).to(G.dtype.element_ty).to(tl.float32)
+    tl.store(DU + row * s_du + cols, (dh * s).to(DU.dtype.element_ty), mask=mask)
+    ds = (dh * u).to(G.dtype.element_ty).to(tl.float32)
+    sig = tl.math.div_rn(1.0, e)
+    tl.store(DG + row * s_dg + cols, (ds * sig * (1.0 + g * (1.0 - sig))).to(DG.dtype.element_ty), mask=mask)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -181,12 +220,38 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
         enable_fp_fusion=False)  # no fused multiply-add: each product is rounded before the sum, as in torch
 
 
+def _gate_rows(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """SwiGLU's operands as 2-D rows; where all are contiguous and a row holds several of a program's
+    blocks, as rows of one block each, so that programs launched one after another read memory
+    one after another (not one block of every row first)."""
+    rows = [_rows(t) for t in tensors]
+    N = rows[0].shape[1]
+    if N > SILU_BLOCK and N % SILU_BLOCK == 0 and all(r.is_contiguous() for r in rows):
+        return [r.view(-1, SILU_BLOCK) for r in rows]
+    return rows
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``F.silu(gate) * up``."""
-    g2, u2 = _rows(gate), _rows(up)
+    g2, u2 = _gate_rows(gate, up)
     M, N = g2.shape
     out = torch.empty((M, N), device=gate.device, dtype=torch.promote_types(gate.dtype, up.dtype))
     if M:
         _silu_mul_kernel[(M, triton.cdiv(N, SILU_BLOCK))](g2, u2, out, N, g2.stride(0), u2.stride(0), out.stride(0),
-                                                         BLOCK=SILU_BLOCK, num_warps=4)
-    return out.view(*gate.shape[:-1], N)
+                                                         EXACT=_EXACT, BLOCK=SILU_BLOCK, num_warps=4)
+    return out.view(*gate.shape[:-1], gate.shape[-1])
+
+
+def silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of :func:`silu_mul` (``gate`` and ``up`` of one dtype) for ``grad``, the output's:
+    ``(d gate, d up)``, shaped like ``gate``."""
+    g2, u2, d2 = _gate_rows(gate, up, grad)
+    M, N = g2.shape
+    dg = torch.empty((M, N), device=gate.device, dtype=gate.dtype)
+    du = torch.empty((M, N), device=gate.device, dtype=up.dtype)
+    if M:
+        _silu_mul_backward_kernel[(M, triton.cdiv(N, SILU_BLOCK))](
+            g2, u2, d2, dg, du, N, g2.stride(0), u2.stride(0), d2.stride(0), dg.stride(0), du.stride(0),
+            EXACT=_EXACT, BLOCK=SILU_BLOCK, num_warps=4,
+            enable_fp_fusion=True)  # 1 + g * (1 - sig) as one fused multiply-add, as nvcc compiles torch's
+    return dg.view(gate.shape), du.view(gate.shape)

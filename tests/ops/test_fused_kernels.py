@@ -1,7 +1,8 @@
-"""rlcli.ops.fused_kernels (the native engine's fused norms, rotary and SwiGLU gate on CUDA) against
-the torch code they replace: in fp32 to float rounding, in half precision to at most two steps of
-the dtype (one step in an intermediate rounding, scaled by the weight's product) on the few
-elements whose fp32 value lands on a rounding edge, and the residual add bit for bit.
+"""rlcli.ops.fused_kernels (the native engine's fused norms and rotary, and SwiGLU's gate both ways, on
+CUDA) against the torch code they replace: in fp32 to float rounding, in half precision to at most two
+steps of the dtype (one step in an intermediate rounding, scaled by the weight's product) on the few
+elements whose fp32 value lands on a rounding edge, and the residual add bit for bit; on CUDA the
+SwiGLU gate and its gradients bit for bit.
 
 They run on CUDA. Without CUDA, where triton is installed and its interpreter works,
 ``test_under_the_interpreter`` runs this file in a child process on CPU tensors under Triton's
@@ -150,14 +151,65 @@ def test_rotary_writes_keys_and_values_to_their_cache_slots(qk_norm):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(7, 96), (33, 3000), (1, 1024)])
+@pytest.mark.parametrize("shape", [(7, 96), (33, 3000), (1, 1024), (5, 3072)])
 @torch.no_grad()
 def test_silu_mul(dtype, shape):
     k = _kernels()
     gen = torch.Generator().manual_seed(shape[1])
     g = (torch.randn(*shape, generator=gen) * 4).to(DEVICE, dtype)
     u = torch.randn(*shape, generator=gen).to(DEVICE, dtype)
-    assert_close(k.silu_mul(g, u), F.silu(g) * u)
+    if DEVICE == "cuda":  # libdevice's exp and IEEE divisions, torch's roundings
+        assert torch.equal(k.silu_mul(g, u), F.silu(g) * u)
+    else:
+        assert_close(k.silu_mul(g, u), F.silu(g) * u)
+
+
+def _swiglu_grads(fn, g, u, dh):
+    g, u = g.clone().requires_grad_(), u.clone().requires_grad_()
+    h = fn(g, u)
+    h.backward(dh)
+    return h, g.grad, u.grad
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(7, 96), (33, 3000), (2, 5, 1024), (3, 2048)])
+def test_swiglu_forward_and_backward_against_torch(dtype, shape):
+    """rlcli.ops.swiglu's kernels against autograd through ``F.silu(g) * u``: on CUDA the output and
+    both gradients bit for bit (libdevice's exp and IEEE divisions, torch's roundings); under the
+    interpreter (Triton's exp) to float rounding, or two steps of a half-precision dtype."""
+    _kernels()
+    from rlcli.ops import swiglu
+
+    assert swiglu._kernels() is not None
+    gen = torch.Generator().manual_seed(shape[-1])
+    g = (torch.randn(*shape, generator=gen) * 4).to(DEVICE, dtype)
+    u = torch.randn(*shape, generator=gen).to(DEVICE, dtype)
+    dh = torch.randn(*shape, generator=gen).to(DEVICE, dtype)
+    got = _swiglu_grads(swiglu.SwiGLUFn.apply, g, u, dh)
+    want = _swiglu_grads(lambda a, b: F.silu(a) * b, g, u, dh)
+    for x, y in zip(got, want):
+        if DEVICE == "cuda":
+            assert torch.equal(x, y), f"{(x != y).sum().item()} elements differ"
+        else:
+            assert_close(x, y)
+    if DEVICE == "cuda":
+        assert swiglu.swiglu(g.requires_grad_(), u).grad_fn.name() == "SwiGLUFnBackward"  # the zoo's MLPs take the kernels
+
+
+def test_swiglu_reads_strided_halves():
+    """Gate and up as the two halves of one stacked projection's output (rows strided by twice the
+    width), and a strided gradient."""
+    _kernels()
+    from rlcli.ops import swiglu
+
+    swiglu._kernels()
+    gen = torch.Generator().manual_seed(5)
+    both = (torch.randn(9, 2 * 160, generator=gen) * 3).to(DEVICE)
+    dh = torch.randn(160, 9, generator=gen).to(DEVICE).t()
+    got = _swiglu_grads(swiglu.SwiGLUFn.apply, both[:, :160], both[:, 160:], dh)
+    want = _swiglu_grads(lambda a, b: F.silu(a) * b, both[:, :160], both[:, 160:], dh)
+    for x, y in zip(got, want):
+        assert_close(x, y)
 
 
 @torch.no_grad()

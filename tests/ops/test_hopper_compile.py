@@ -60,10 +60,16 @@ def test_the_rotary_compiles(norm, store):
                                         {"NORM": norm, "STORE": store, "BLOCK": 64}, 1)
 
 
-def test_the_gate_compiles():
-    types = {**dict.fromkeys("GUO", "*bf16"), **ints("N", "s_g", "s_u", "s_o")}
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_gate_compiles(dtype):
+    """SwiGLU's gate and its backward, with libdevice's exp (as they run on a GPU)."""
+    types = {**dict.fromkeys("GUO", f"*{dtype}"), **ints("N", "s_g", "s_u", "s_o")}
     compile_for_hopper(fused_kernels._silu_mul_kernel, types,
-                                        {"BLOCK": fused_kernels.SILU_BLOCK}, 4)
+                                        {"EXACT": True, "BLOCK": fused_kernels.SILU_BLOCK}, 4)
+    types = {**dict.fromkeys(("G", "U", "DH", "DG", "DU"), f"*{dtype}"),
+             **ints("N", "s_g", "s_u", "s_dh", "s_dg", "s_du")}
+    compile_for_hopper(fused_kernels._silu_mul_backward_kernel, types,
+                       {"EXACT": True, "BLOCK": fused_kernels.SILU_BLOCK}, 4)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
