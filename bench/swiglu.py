@@ -72,13 +72,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of: {', '.join(SHAPES)}")
     ap.add_argument("--dtypes", default="bfloat16")
-    ap.add_argument("--calls", type=int, default=5)
-    ap.add_argument("--replays", type=int, default=10)
+    ap.add_argument("--calls", type=int, default=5, help="calls per timed run")
+    ap.add_argument("--runs", type=int, default=10, help="timed runs of --calls calls per arm")
     a = ap.parse_args()
     if not torch.cuda.is_available() or swiglu._kernels() is None:
         sys.exit("bench/swiglu.py needs CUDA and Triton")
     print(f"# SwiGLU forward + backward, {torch.cuda.get_device_name()}, torch {torch.__version__}; "
-          f"us per call, median of {a.replays} runs of {a.calls} calls", flush=True)
+          f"us per call, median of {a.runs} runs of {a.calls} calls", flush=True)
     print(f"{'shape':<42} {'dtype':<9} {'torch us':>9} {'fused us':>9} {'ratio':>6} {'kept MB (torch, fused)':>23} "
           "bitwise", flush=True)
     for name in a.shapes.split(","):
@@ -96,7 +96,7 @@ def main() -> None:
                 outs[arm] = (h.detach(), g.grad.clone(), u.grad.clone())
             same = all(torch.equal(x, y) for x, y in zip(outs["torch"], outs["fused"]))
             us = _us({arm: _step(fn, g, u, dh) for arm, fn in (("torch", _torch), ("fused", swiglu.SwiGLUFn.apply))},
-                     a.calls, a.replays)
+                     a.calls, a.runs)
             kept = {arm: _kept(fn, g, u) / 2**20 for arm, fn in (("torch", _torch), ("fused", swiglu.SwiGLUFn.apply))}
             print(f"{name:<42} {str(dtype).removeprefix('torch.'):<9} {us['torch']:9.1f} {us['fused']:9.1f} "
                   f"{us['torch'] / us['fused']:5.2f}x {kept['torch']:11.0f} {kept['fused']:11.0f} {'yes' if same else 'NO'}",
