@@ -5,13 +5,17 @@ token) plus the router, forward and backward, in bf16 on one GPU, for each arm i
 process with its tree first on ``PYTHONPATH``: the same weights, inputs and routing in both.
 Prints per layer shape the milliseconds per step of each arm, the ratio (above 1: this tree is
 faster), and how far this tree's output and gradients are from the baseline's (relative to
-the largest baseline value). ``--profile`` adds each arm's ops with the most device time.
+the largest baseline value). ``--profile`` adds each arm's ops with the most device time. ``--ep``
+runs the layer under rl-train's expert-parallel hooks (``rlcli.parallel.expert.apply_ep``) on a
+one-rank process group (gloo on the CPU, NCCL on CUDA): the all-to-alls are copies, and the
+dispatch's and combine's permutations run as with more ranks.
 
     python bench/moe_dispatch.py --baseline HEAD~1          # a git ref, checked out beside
     python bench/moe_dispatch.py --baseline-tree /tmp/base  # an unpacked tree (no .git on the machine)
     python bench/moe_dispatch.py --smoke                    # CPU, fp32, a tiny layer, the tree against itself
+    python bench/moe_dispatch.py --ep ...                   # with the expert-parallel dispatch and combine
 
-Torch only (plus ``rlcli.models`` from each tree).
+Torch only (plus ``rlcli.models`` and, with ``--ep``, ``rlcli.parallel`` from each tree).
 """
 
 import argparse
@@ -36,7 +40,7 @@ import torch
 from rlcli.models.config import ModelArgs
 from rlcli.models.moe import MoE
 
-device, dtype, tokens, hidden, experts, width, topk, iters, profile, out = sys.argv[1:]
+device, dtype, tokens, hidden, experts, width, topk, iters, profile, ep, out = sys.argv[1:]
 device, dtype = torch.device(device), getattr(torch, dtype)
 tokens, hidden, experts, width, topk, iters = map(int, (tokens, hidden, experts, width, topk, iters))
 args = ModelArgs(model_type="qwen3_moe", vocab_size=1, hidden_size=hidden, intermediate_size=1, num_hidden_layers=1,
@@ -48,6 +52,11 @@ with torch.no_grad():
     for p in layer.parameters():
         p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
 layer = layer.to(device=device, dtype=dtype)
+if ep == "1":  # the expert-parallel hooks on a one-rank group: the all-to-alls are copies, the permutations run
+    import torch.distributed as dist
+    from rlcli.parallel.expert import apply_ep
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1, store=dist.HashStore())
+    apply_ep(layer, dist.group.WORLD)
 x = (torch.randn(tokens, hidden, generator=gen)).to(device, dtype).requires_grad_(True)
 dy = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
 with torch.no_grad():
@@ -75,7 +84,8 @@ layer.zero_grad(set_to_none=True)
 x.grad = None
 y = step().detach()
 grads = {"x": x.grad, **{n: p.grad for n, p in layer.named_parameters()}}
-torch.save({"y": y.float().cpu(), **{n: g.float().cpu() for n, g in grads.items()}}, out)
+local = lambda g: g.to_local() if hasattr(g, "to_local") else g  # EP: DTensor gradients
+torch.save({"y": y.float().cpu(), **{n: local(g).float().cpu() for n, g in grads.items()}}, out)
 top = []
 if profile == "1" and device.type == "cuda":
     from torch.profiler import ProfilerActivity, profile as prof
@@ -88,10 +98,12 @@ print(json.dumps({"ms": sorted(times)[len(times) // 2] * 1e3, "top": top}))
 """
 
 
-def run_arm(tree: Path, device: str, dtype: str, tokens: int, shape, iters: int, profile: bool, out: Path) -> dict:
+def run_arm(tree: Path, device: str, dtype: str, tokens: int, shape, iters: int, profile: bool, ep: bool,
+            out: Path) -> dict:
     env_path = str(tree)  # also the working directory: `python -c` puts it first on sys.path
     proc = subprocess.run([sys.executable, "-c", WORKER, device, dtype, str(tokens), *map(str, shape), str(iters),
-                           "1" if profile else "0", str(out)], capture_output=True, text=True, cwd=env_path,
+                           "1" if profile else "0", "1" if ep else "0", str(out)], capture_output=True, text=True,
+                          cwd=env_path,
                           env={**os.environ, "PYTHONPATH": env_path})
     if proc.returncode != 0:
         raise SystemExit(f"the arm in {tree} failed:\n{proc.stderr[-3000:]}")
@@ -106,6 +118,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--profile", action="store_true", help="each arm's ops with the most device time")
+    ap.add_argument("--ep", action="store_true",
+                    help="with rl-train's expert-parallel hooks (rlcli.parallel.expert) on a one-rank group")
     ap.add_argument("--smoke", action="store_true", help="CPU, fp32, a tiny layer, the tree against itself")
     args = ap.parse_args()
     import torch
@@ -115,7 +129,8 @@ def main() -> None:
     if args.smoke:
         args.tokens, args.iters, shapes = 256, 3, {"tiny": (64, 8, 32, 2)}
     tree = Path(__file__).resolve().parents[1]
-    print(f"# MoE layer forward + backward, {device} {dtype}, {args.tokens} tokens, median of {args.iters} steps")
+    print(f"# MoE layer forward + backward{', expert-parallel hooks (one rank)' if args.ep else ''}, {device} {dtype}, "
+          f"{args.tokens} tokens, median of {args.iters} steps")
     with baseline_tree(args.baseline, args.baseline_tree, same=args.smoke) as (base, label), \
             tempfile.TemporaryDirectory() as tmp:
         print(f"# baseline: {label}")
@@ -123,7 +138,7 @@ def main() -> None:
         for name, shape in shapes.items():
             res = {}
             for arm, root in (("baseline", base), ("tree", tree)):
-                res[arm] = run_arm(root, device, dtype, args.tokens, shape, args.iters, args.profile,
+                res[arm] = run_arm(root, device, dtype, args.tokens, shape, args.iters, args.profile, args.ep,
                                    Path(tmp) / f"{arm}.pt")
             a, b = torch.load(Path(tmp) / "baseline.pt"), torch.load(Path(tmp) / "tree.pt")
             rel = {k: ((b[k] - a[k]).abs().max() / a[k].abs().max().clamp(min=1e-30)).item() for k in a}

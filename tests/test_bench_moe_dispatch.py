@@ -5,12 +5,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
-def test_moe_dispatch_smoke_times_both_arms_and_compares_them():
-    out = subprocess.run([sys.executable, str(BENCH / "moe_dispatch.py"), "--smoke"], capture_output=True, text=True,
-                         timeout=120)
+@pytest.mark.parametrize("ep", [[], ["--ep"]], ids=["layer", "expert-parallel"])
+def test_moe_dispatch_smoke_times_both_arms_and_compares_them(ep):
+    out = subprocess.run([sys.executable, str(BENCH / "moe_dispatch.py"), "--smoke", *ep], capture_output=True,
+                         text=True, timeout=120)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     row = next(line for line in out.stdout.splitlines() if line.startswith("tiny"))
     # The tree against itself: the same numbers to the bit.

@@ -48,7 +48,7 @@ class _Dispatch(torch.autograd.Function):
 
 class _Permute(torch.autograd.Function):
     """``x[index]`` for a permutation ``index`` whose inverse is ``inverse``; backward is the gather
-    ``g[inverse]`` (no atomic adds: every row has one source)."""
+    ``g[inverse]`` (no atomic adds: every row has one source). :func:`permute`."""
 
     @staticmethod
     def forward(ctx, x_RD: torch.Tensor, index_R: torch.Tensor, inverse_R: torch.Tensor) -> torch.Tensor:
@@ -59,6 +59,20 @@ class _Permute(torch.autograd.Function):
     def backward(ctx, g_RD: torch.Tensor):
         (inverse_R,) = ctx.saved_tensors
         return g_RD.index_select(0, inverse_R), None, None
+
+
+def permute(x_RD: torch.Tensor, index_R: torch.Tensor, inverse_R: torch.Tensor) -> torch.Tensor:
+    """``x[index]`` for a permutation ``index`` of the rows (``inverse``: its inverse), differentiable:
+    the gradient is gathered back through ``inverse``, where autograd's backward of ``x[index]``
+    accumulates into a zeroed tensor (atomic adds on CUDA)."""
+    return _Permute.apply(x_RD, index_R, inverse_R)
+
+
+def inverse_permutation(order_R: torch.Tensor) -> torch.Tensor:
+    """The permutation that undoes ``order`` (``x[order][inverse] == x``), on ``order``'s device."""
+    inverse = torch.empty_like(order_R)
+    inverse[order_R] = torch.arange(order_R.numel(), device=order_R.device)
+    return inverse
 
 
 class _Combine(torch.autograd.Function):
@@ -204,15 +218,14 @@ class MoE(nn.Module):
         N, k = idx_Nk.shape
         flat = idx_Nk.reshape(-1)
         order = flat.argsort(stable=True)  # sorted row i is (token, slot) pair order[i]
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
+        inverse = inverse_permutation(order)
         counts_E = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device)
         counts_E.scatter_add_(0, flat, torch.ones_like(flat))
         with torch.no_grad():
             seen = self.num_tokens_per_expert
             self.num_tokens_per_expert = counts_E.detach().clone() if seen is None else seen + counts_E
         y_sorted = self.experts(_Dispatch.apply(x_ND, order, inverse, k), counts_E)
-        return self.combine(_Permute.apply(y_sorted, inverse, order).view(N, k, -1), gates_Nk).to(x_ND.dtype)
+        return self.combine(permute(y_sorted, inverse, order).view(N, k, -1), gates_Nk).to(x_ND.dtype)
 
     def combine(self, y_NkD: torch.Tensor, gates_Nk: torch.Tensor) -> torch.Tensor:
         """Each token's ``k`` expert outputs (slot order) weighted by its gates and summed, ``[N, D]``

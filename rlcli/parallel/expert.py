@@ -18,6 +18,8 @@ with two hooks; the model file is untouched:
   rows (source-rank major) are permuted to local-expert major order for the grouped GEMM.
 * combine (post-hook): the inverse permutation, then the reverse all-to-all.
 
+Both permutations are gathers forward and backward (``rlcli.models.moe.permute``): no atomic adds.
+
 Both all-to-alls are autograd-aware (backward is the reverse all-to-all). **The one host
 sync** of an EP layer is reading the split sizes: ``all_to_all_single`` with uneven splits
 takes them as Python ints. Everything else (counts, permutation) stays on the device.
@@ -37,7 +39,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from rlcli.errors import ConfigError
-from rlcli.models.moe import GroupedExperts, MoE
+from rlcli.models.moe import GroupedExperts, MoE, inverse_permutation, permute
 
 
 def _group(group_or_mesh):
@@ -95,7 +97,7 @@ class ExpertParallel:
 
     def __init__(self, group, ep_rank: int, ep_size: int):
         self.group, self.ep_rank, self.ep_size = group, ep_rank, ep_size
-        self._pending: tuple[torch.Tensor, list[int], list[int]] | None = None
+        self._pending: tuple[torch.Tensor, torch.Tensor, list[int], list[int]] | None = None
 
     def dispatch(self, module: GroupedExperts, args):
         x_RD, counts_E = args
@@ -109,15 +111,14 @@ class ExpertParallel:
         input_splits, output_splits = splits
         x_recv = all_to_all(x_RD, output_splits, input_splits, self.group)
         order = source_major_to_expert_major(recv_counts, x_recv.shape[0])
-        self._pending = (order, input_splits, output_splits)
-        return x_recv[order], recv_counts.sum(0)
+        inverse = inverse_permutation(order)
+        self._pending = (order, inverse, input_splits, output_splits)
+        return permute(x_recv, order, inverse), recv_counts.sum(0)
 
     def combine(self, module: GroupedExperts, args, y_RD: torch.Tensor) -> torch.Tensor:
-        order, input_splits, output_splits = self._pending
+        order, inverse, input_splits, output_splits = self._pending
         self._pending = None
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        return all_to_all(y_RD[inverse], input_splits, output_splits, self.group)
+        return all_to_all(permute(y_RD, inverse, order), input_splits, output_splits, self.group)
 
 
 def apply_ep(model: nn.Module, ep_mesh) -> None:

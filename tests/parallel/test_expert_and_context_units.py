@@ -163,6 +163,24 @@ def test_apply_ep_refuses_a_dense_model_and_keeps_a_one_rank_moe_exact():
         apply_ep(model, dist.group.WORLD)
         experts = model.model.layers[0].mlp.experts
         assert type(experts.w_gate).__name__ == "DTensor" and experts.w_gate.shape == (6, 16, 32)
-        torch.testing.assert_close(model(ids), expected)
+        out = model(ids)
+        torch.testing.assert_close(out, expected)
+        # Dispatch and combine permute rows both ways by gathers: no backward accumulates into zeros
+        # (autograd's backward of x[index] is an index_put with accumulate: atomic adds on CUDA).
+        nodes = _autograd_nodes(out)
+        assert "_PermuteBackward" in nodes and not nodes & {"IndexBackward0", "IndexAddBackward0"}, nodes
     finally:
         dist.destroy_process_group()
+
+
+def _autograd_nodes(t: torch.Tensor) -> set[str]:
+    """The names of every node in ``t``'s backward graph."""
+    seen, todo, names = set(), [t.grad_fn], set()
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.add(fn.name())
+        todo += [f for f, _ in fn.next_functions]
+    return names
