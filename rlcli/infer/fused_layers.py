@@ -15,7 +15,8 @@ autograd, one dtype) and the module's own otherwise:
   kernel (:func:`~rlcli.ops.fused_kernels.rotary_`; the half-split layout over whole heads, the
   zoo's dense models; interleaved or partial rotaries keep the module's code), which in the
   engine's steps also writes the keys and values to their slots of the paged KV cache (then the
-  backend only attends, :meth:`~rlcli.ops.attention.PagedAttention.attend`);
+  backend only attends, :meth:`~rlcli.ops.attention.PagedAttention.attend`).
+
 SwiGLU's gate needs no swap: the zoo's MLPs and MoE experts run it in one kernel on CUDA, in the
 engine and the trainer alike (:func:`rlcli.ops.swiglu.swiglu`).
 
