@@ -135,35 +135,44 @@ def test_cpu_rows_quantize_then_gemm():
 
 
 class _Aligned(_Counting):
-    """A backend whose GEMM wants whole 128-row tiles, as scaled_mm's (``row_align``)."""
+    """A backend whose GEMM wants whole 128-row tiles, as scaled_mm's (``row_align``); it keeps the
+    operands it was given."""
 
     fused_rows = False
     row_align = 128
-    shapes: list
+
+    def __init__(self):
+        self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def gemm(self, a, sa, b, sb, out_dtype):
         assert a.shape[0] % 128 == 0 and sa.shape[0] == a.shape[0], (a.shape, sa.shape)
-        self.shapes = [*getattr(self, "shapes", []), a.shape[0]]
+        self.seen.append((a.clone(), sa.clone()))
         return super().gemm(a, sa, b, sb, out_dtype)
 
 
 def test_rows_are_quantized_into_whole_tiles_where_the_gemm_wants_them():
     """gemm_x of 3 or 192 rows through a backend with row_align 128: the quantization appends the
-    zero rows (no pad copies in gemm), the output is the rows asked for, equal to the unpadded
-    product; 256 rows take no padding. (The reference quantizes as gemm_x does, by the runtime's
-    quantizer: the Triton kernel where it imports, which may round a scale one ulp apart from
-    quant.quantize_1x128.)"""
+    zero rows (no pad copies in gemm): the GEMM gets the unpadded quantization bit for bit, then zero FP8
+    rows; the output is the rows asked for. 256 rows take no padding. (The
+    reference quantizes as gemm_x does, by the runtime's quantizer: the Triton kernel where it
+    imports, which may round a scale one ulp apart from quant.quantize_1x128. The products are
+    compared to fp32 summation order: a 128-row and a 3-row matmul may sum K in different orders.)"""
     from rlcli.ops.fp8 import runtime
 
-    be = _Aligned()
-    w, ws = quant.quantize_128x128(torch.randn(128, 256))
+    g = torch.Generator().manual_seed(0)
+    w, ws = quant.quantize_128x128(torch.randn(128, 256, generator=g))
     for rows, padded in ((3, 128), (192, 256), (256, 256)):
-        x = torch.randn(rows, 256)
+        be = _Aligned()
+        x = torch.randn(rows, 256, generator=g)
         y = gemm_x(be, x, False, w, ws, torch.float32)
-        assert y.shape == (rows, 128) and be.shapes[-1] == padded
+        (a, sa), = be.seen
+        assert y.shape == (rows, 128) and a.shape[0] == padded
         (xq, xs), _ = runtime.quantize_input(x.clone(), False, cols=False)  # unpadded, not the cached padded one
         assert xq.shape[0] == rows
-        torch.testing.assert_close(y, EmulatedBackend().gemm(xq, xs, w, ws, torch.float32))
+        assert torch.equal(a[:rows].view(torch.uint8), xq.view(torch.uint8)) and torch.equal(sa[:rows], xs)
+        assert not a[rows:].view(torch.uint8).any()
+        want = EmulatedBackend().gemm(xq, xs, w, ws, torch.float32)
+        torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
 def test_the_invariant_wrapper_keeps_its_own_gemm():
