@@ -21,3 +21,19 @@ def test_ci_runs_the_readme_test_command():
     ci = [line for line in (REPO / ".ci" / "run").read_text().splitlines()
           if line.strip() and not line.startswith("#")]
     assert ci[-1] == readme_commands()[1]
+
+
+def test_the_engine_table_lists_each_engines_own_keys():
+    """README's rl-infer table names every key of each engine's config (`infer.engine.*`), no more."""
+    import re
+
+    import msgspec
+
+    from rlcli.config.infer import NativeEngineConfig, VllmEngineConfig
+
+    text = (REPO / "README.md").read_text()
+    for cfg in (NativeEngineConfig, VllmEngineConfig):
+        name = cfg.__struct_config__.tag
+        row = next(line for line in text.splitlines() if line.startswith(f"| `{name}`"))
+        listed = set(re.findall(r"`(\w+)`", row.rsplit("|", 2)[-2]))
+        assert listed == {f.name for f in msgspec.structs.fields(cfg)} - {"name"}, name

@@ -72,3 +72,31 @@ def test_guide_examples_use_real_options():
                     assert word.split("=")[0] in opts, f"{path.name}: {prog} {name} has no option {word}"
             checked += 1
     assert checked > 40
+
+
+def test_print_config_examples_print_what_they_show():
+    """A guide example `rl-X ... --print-config --json | jq -c .a.b` followed by `# {...}` shows
+    what that command prints today (run here, the jq path taken in Python)."""
+    import json
+    import re
+    import shlex
+    import subprocess
+    import sys
+
+    root = reference.OUT.parent.parent
+    pattern = re.compile(r"^(rl-[\w-]+ .*--print-config --json) \| jq -c (\.[\w.]+)\n# (\{.*\})$", re.M)
+    checked = 0
+    for path in sorted((root / "docs" / "guide").glob("*.md")):
+        for command, jq_path, shown in pattern.findall(path.read_text()):
+            words = shlex.split(command)
+            code = (f"import sys; sys.argv = {words!r}; "
+                    f"from {reference.MODULES[words[0]]} import main; main()")
+            out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                                 timeout=120)
+            assert out.returncode == 0, out.stderr
+            value = json.loads(out.stdout)
+            for key in jq_path.strip(".").split("."):
+                value = value[key]
+            assert value == json.loads(shown), f"{path.name}: `{command} | jq -c {jq_path}` prints {json.dumps(value)}"
+            checked += 1
+    assert checked >= 2
