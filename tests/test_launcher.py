@@ -38,6 +38,13 @@ def start_up(recipe, *args):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+TRAIN_METRICS = {"loss", "entropy", "mismatch_kl", "mismatch_kl_kept", "masked_low_fraction", "masked_high_fraction",
+                 "masked_by_sequence_fraction", "logprob_diff_abs_mean", "logprob_diff_abs_max", "tokens_unique",
+                 "tokens_total", "compute_us_per_unique_token"}
+ORCHESTRATE_METRICS = {"reward_mean", "completion_len_mean", "generated_len_mean", "dropped_fraction",
+                       "straggler_wait_s", "num_redispatched", "off_policy_lag_max"}
+
+
 def test_up_runs_to_the_end_with_summary_and_plot(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "run"
     recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, run_dir, top={"num_steps": 4})
@@ -48,7 +55,11 @@ def test_up_runs_to_the_end_with_summary_and_plot(tmp_path, tiny_model_dir):
     assert summary["steps"] == 4 and summary["reward_first5"] is not None
     png = (run_dir / "reward.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n")
-    assert len(read_jsonl(run_dir / "metrics" / "train.jsonl")) == 4
+    train, orchestrate = (read_jsonl(run_dir / "metrics" / f"{name}.jsonl") for name in ("train", "orchestrate"))
+    assert len(train) == 4 and len(orchestrate) == 4
+    # the per-step names README and docs/asynchrony.md promise (dashboards and jq scripts read them)
+    assert all(TRAIN_METRICS <= set(m) for m in train), TRAIN_METRICS - set(train[-1])
+    assert all(ORCHESTRATE_METRICS <= set(m) for m in orchestrate), ORCHESTRATE_METRICS - set(orchestrate[-1])
     assert sorted(p.name for p in (run_dir / "logs").iterdir()) == [
         "cache-0.log", "infer-0.log", "orchestrate-0.log", "sync-0.log", "train-0.log"]
     # Each child sees its stderr is its log file and adds no second handler writing there.
