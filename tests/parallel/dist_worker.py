@@ -7,7 +7,8 @@ For each model in OUT/models/<name> with batches in OUT/batches/<name>/<dp_rank>
     each rank loads its own slices -> publish sharded HF weights (OUT/pub_<name>/step_0);
   * one forward/backward over this rank's rows: loss and every gradient -> grads_<name>_<ac>.pt;
   * dense only: AdamW step, DCP checkpoint (OUT/run), second step -> params after each;
-    then a fresh model + optimizer resumes from the checkpoint and redoes step 2.
+    then a fresh model + optimizer resumes from the checkpoint and redoes step 2; and with one
+    byte of rank 1's shard of a newer checkpoint flipped, both ranks resume the one before.
 """
 
 import sys
@@ -30,6 +31,9 @@ from rlcli.train.loss import LOSSES
 from rlcli.train.publish import FilesystemPublisher
 from rlcli.train.step import accumulate
 from rlcli.transport.rundir import RunDir
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from integrity import flip_byte  # noqa: E402
 
 OUT = Path(sys.argv[1])
 # "fsdp": 2 ranks, --dp 2 (everything below); "epcp": 4 ranks, --dp 2 --cp 2 on the dense
@@ -117,8 +121,20 @@ def main() -> None:
             params.append({k: full(p).detach().clone() for k, p in model.named_parameters()})
             if i == 1:
                 save_checkpoint(run, 1, model, opt, sched, {"step": 1}, keep=2, mesh={"dp": 2, "cp": 1, "ep": 1})
+            # and both steps into OUT/run_fallback, whose newest gets one damaged shard below
+            save_checkpoint(RunDir(OUT / "run_fallback"), i, model, opt, sched, {"step": i}, keep=2,
+                            mesh={"dp": 2, "cp": 1, "ep": 1})
         model, opt, sched = fresh()
         extra = load_latest_checkpoint(run, model, opt, sched)
+        # A flipped byte in rank 1's shard of the newest checkpoint: both ranks fall back to step 1 together.
+        fallback = RunDir(OUT / "run_fallback")
+        if rank == 1:
+            flip_byte(fallback.checkpoint_dir(2) / "__1_0.distcp")
+        dist.barrier()
+        model_fb, opt_fb, sched_fb = fresh()
+        extra_fb = load_latest_checkpoint(fallback, model_fb, opt_fb, sched_fb)
+        torch.save({"step": extra_fb["step"], "params": {k: full(p).detach().clone() for k, p in model_fb.named_parameters()}},
+                   OUT / f"fallback_{rank}.pt")
         step(model, batch, dims)
         opt.step()
         resumed = {k: full(p).detach().clone() for k, p in model.named_parameters()}

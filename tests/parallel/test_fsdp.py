@@ -175,6 +175,12 @@ def test_dcp_resume_is_bit_identical_and_reshards_to_one_process(dist_run):
         assert torch.equal(r["resumed"][k], v), k
         assert torch.equal(r["resumed_async"][k], v), k  # written behind step 2, it holds step 1's state
     assert r["extra_async"]["step"] == 1 and r["extra_async"]["parallel"] == {"dp": 2, "cp": 1, "ep": 1}
+    # One rank's damaged shard of the newest checkpoint: every rank falls back to the one before.
+    fallback = [torch.load(out / f"fallback_{rank}.pt") for rank in (0, 1)]
+    assert [f["step"] for f in fallback] == [1, 1]
+    for f in fallback:
+        for k, v in r["step1"].items():
+            assert torch.equal(f["params"][k], v), k
     # The 2-rank checkpoints into a single, unsharded process (DCP reshards on load).
     for run in ("run", "run_async"):
         model = load_model(out / "models" / "dense")
