@@ -169,3 +169,47 @@ def test_a_kill_during_a_background_write_resumes_the_checkpoint_before(setup, t
     finally:
         again.close()
     assert not [p for p in (run.root / "checkpoints").iterdir() if ".tmp-" in p.name]
+
+
+TERM_CHILD = """
+import sys, time
+from pathlib import Path
+from rlcli.config import load_recipe
+from rlcli.train import checkpoint, trainer
+from rlcli.transport.rundir import RunDir
+
+save = checkpoint.dcp.save
+
+def slow_save(*args, **kwargs):  # the background write of step 1 is still going when SIGTERM comes
+    Path(sys.argv[2]).write_text("writing")
+    time.sleep(3)
+    save(*args, **kwargs)
+
+checkpoint.dcp.save = slow_save
+cfg = load_recipe(sys.argv[1])
+sys.exit(trainer.run(cfg, RunDir(cfg.run_dir)))
+"""
+
+
+def test_sigterm_exits_after_the_pending_checkpoint_is_committed(setup, tmp_path):
+    """rl-train's own exit path (rlcli.train.trainer.run): SIGTERM while step 1's checkpoint is
+    written behind the trainer (which waits for batch 2) ends the process cleanly, and only
+    after that checkpoint is committed."""
+    from test_resume import groups
+
+    from rlcli.orchestrate.rollouts import write_batch
+
+    cfg, run = setup
+    write_batch(run, 1, groups(4), 1, 256, 1.0)
+    flag = tmp_path / "writing"
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(TERM_CHILD), str(tmp_path / "r.toml"), str(flag)])
+    try:
+        wait_until(lambda: flag.exists() or child.poll() is not None, 240, "step 1's checkpoint being written")
+        assert child.poll() is None, "the child exited early"
+        assert not is_stable(run.checkpoint_dir(1))
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(60) == 0
+    finally:
+        child.kill()
+        child.wait()
+    assert run.stable_steps("checkpoints") == [1], "SIGTERM's exit did not wait for the pending checkpoint"
