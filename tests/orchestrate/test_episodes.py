@@ -161,6 +161,43 @@ def test_token_budget_truncates_episodes(server, monkeypatch):
     assert any(ep.truncated for g in o.buffer for ep in g.episodes)
 
 
+@pytest.mark.parametrize("truncation", ["on_error", "reward"])
+def test_a_cut_episode_is_worth_what_env_truncation_says(server, monkeypatch, truncation):
+    """Past env.max_episode_tokens: "on_error" scores the cut episode env.on_error, "reward" has the
+    environment score it and trains it (its model tokens keep their loss)."""
+    tmp, recipe, run_dir = server
+    o = run_groups(recipe, run_dir, monkeypatch, tmp, {"env.max_episode_tokens": 24, "env.truncation": truncation,
+                                                      "env.on_error": -1.0})
+    cut = [(ep, reward) for g in o.buffer for ep, reward in zip(g.episodes, g.rewards) if ep.truncated]
+    assert cut
+    for ep, reward in cut:
+        model_turns = [t for t in ep.turns if t.role == "model"]
+        if truncation == "on_error":
+            assert reward == -1.0
+        else:
+            assert reward == float(len(ep.messages)) and reward > 0  # mtenv.Chat's reward: its message count
+            assert sum(ep.loss_mask) == sum(t.end - t.start for t in model_turns) > 0
+
+
+def test_max_turns_ends_the_episode_and_scores_it(server, monkeypatch):
+    """env.max_turns = 2 under an environment that would go on for three model turns: the episode
+    ends after its second model turn and is scored by the environment's reward."""
+    tmp, recipe, run_dir = server
+    o = run_groups(recipe, run_dir, monkeypatch, tmp, {"env.max_turns": 2})
+    for g in o.buffer:
+        assert g.rewards == [3.0, 3.0]  # two model turns and the environment's one answer
+        assert all([t.role for t in ep.turns] == ["model", "env", "model"] and not ep.truncated for ep in g.episodes)
+
+
+def test_an_episode_past_its_time_budget_is_scored_on_error(server, monkeypatch, caplog):
+    tmp, recipe, run_dir = server
+    with caplog.at_level(logging.WARNING, logger="rlcli.envs"):
+        o = run_groups(recipe, run_dir, monkeypatch, tmp, {"env.episode_timeout_s": 1e-3, "env.on_error": -1.0})
+    assert all(g.rewards == [-1.0, -1.0] for g in o.buffer)
+    assert all(ep.error == "episode ran past its time budget of 0.001s" for g in o.buffer for ep in g.episodes)
+    assert any("time budget" in r.getMessage() for r in caplog.records)
+
+
 def test_episodes_run_the_same_in_worker_processes(server, monkeypatch):
     """env.executor = "processes": every respond and reward runs in a worker process with its own copy of
     the environment (mtenv.Chat, built there from the env table); the episodes are the same."""
