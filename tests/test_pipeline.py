@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from procs import Procs, serve_initial_policy, wait_until, write_recipe
 
-from rlcli.orchestrate.pipeline import pass_at_k
+from rlcli.orchestrate.pipeline import pass_at_k, summarize_eval
 from rlcli.transport.registry import list_entries
 
 REPO = Path(__file__).resolve().parent.parent
@@ -26,6 +26,19 @@ def readme_pipeline() -> str:
 def test_pass_at_k():
     assert pass_at_k(4, 0, 1) == 0.0 and pass_at_k(4, 4, 1) == 1.0 and pass_at_k(4, 1, 4) == 1.0
     assert pass_at_k(4, 1, 1) == pytest.approx(0.25) and pass_at_k(4, 2, 2) == pytest.approx(1 - 1 / 6)
+
+
+def test_eval_counts_a_pass_at_the_threshold_and_names_the_policies():
+    """`rl-orchestrate eval`'s summary: a completion passes when its reward >= --threshold (equal
+    counts), pass@1 and pass@k are means over tasks, and the policy versions seen are listed."""
+    scored = [{"rewards": [1.0, 0.5], "reward_mean": 0.75, "versions": [[3, 3], [3, 4]]},
+              {"rewards": [0.25, 0.0], "reward_mean": 0.125, "versions": [[4]]}]
+    out = summarize_eval(scored, 2, 1.0)
+    assert out["pass@1"] == pytest.approx(0.25) and out["pass@2"] == pytest.approx(0.5)
+    assert out["policy_versions"] == [3, 4] and out["reward_mean"] == pytest.approx(0.4375)
+    out = summarize_eval(scored, 2, 0.5)  # the 0.5 passes now
+    assert out["pass@1"] == pytest.approx(0.5) and out["pass@2"] == pytest.approx(0.5)
+    assert summarize_eval(scored, 2, 0.25)["pass@2"] == 1.0
 
 
 def test_readme_pipeline_runs(tmp_path, tiny_model_dir):

@@ -84,6 +84,7 @@ def test_models_and_registry(server):
     status, body = call(server, "/v1/models")
     assert status == 200 and [m["id"] for m in body["data"]] == ["tiny"]
     assert body["data"][0]["max_model_len"] == MAX_LEN
+    assert call(server, "/health") == (200, {"status": "ok"})
 
 
 def test_completion_matches_the_zeromq_path_and_returns_the_extras(server):

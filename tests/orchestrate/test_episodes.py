@@ -3,7 +3,6 @@ policy versions, prefix-cache reuse of every earlier turn (each turn goes back t
 answered the one before), and environments that fail without stopping the loop. The Orchestrator's own dispatch / reply / collect methods run in this process."""
 
 import logging
-import textwrap
 import time
 
 import pytest
