@@ -200,6 +200,9 @@ def test_recipe_runs_rl_steps_with_a_verifiers_env_over_http(server, tmp_path):
     assert [m["step"] for m in read_jsonl(run_dir / "metrics" / "train.jsonl")] == [1, 2]
     metrics = read_jsonl(run_dir / "metrics" / "orchestrate.jsonl")
     assert all(m["http_env_errors"] == 0 and m["num_samples"] == 4 for m in metrics)
+    # the names docs/envs.md gives; a single-turn taskset has no turn after an episode's first
+    assert all(m["http_turns"] == 0 and m["http_turn_cached_fraction"] == m["http_turn_kv_reuse"] == 0.0
+               for m in metrics)
     batch = decode_batch((run_dir / "rollouts" / "step_1" / "0.msgpack").read_bytes())
     import transformers
 
@@ -208,3 +211,17 @@ def test_recipe_runs_rl_steps_with_a_verifiers_env_over_http(server, tmp_path):
     ids, loss = mb.input_ids.numpy().tolist(), mb.loss_mask.numpy().tolist()
     assert "<|im_start|>system\nBe brief." in tok.decode(ids) and any(loss)
     assert {v for v, m in zip(mb.versions.numpy().tolist(), loss) if m} == {0}  # step 1 trains policy 0's tokens
+
+
+def test_r3_is_refused_for_episodes_run_over_http(tmp_path):
+    """HTTP returns no expert routes: an env that runs its groups over HTTP with r3 = true is a config
+    error that names both ways out."""
+    from rlcli.config import load_recipe
+    from rlcli.errors import ConfigError
+    from rlcli.orchestrate.http_groups import HttpGroups
+
+    model_dir = write_tiny_model(tmp_path / "tiny")
+    cfg = load_recipe(write_recipe(tmp_path / "r.toml", model_dir, tmp_path / "run", top={"r3": True},
+                                   env={"name": "verifiers", "args": {"taskset": "vf_echo"}}, infer={"http_port": 0}))
+    with pytest.raises(ConfigError, match="set r3 = false, or infer.http_port = -1"):
+        HttpGroups(cfg, None, None)
