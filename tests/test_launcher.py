@@ -67,6 +67,9 @@ def test_up_runs_to_the_end_with_summary_and_plot(tmp_path, tiny_model_dir):
         lines = [line for line in log.read_text().splitlines() if " INFO " in line]
         assert lines and not [a for a, b in zip(lines, lines[1:]) if a == b], log.name
     assert list_entries(run_dir / "registry", alive_only=False) == []  # everyone deregistered
+    # threads = "adaptive" (the default) shared the host's cores through RUN/cores/<host>/; each left
+    assert [p for p in (run_dir / "cores").iterdir() if p.is_dir()]
+    assert not [p for p in (run_dir / "cores").rglob("*") if p.is_file()]
 
 
 def test_a_failed_child_stops_the_run(tmp_path, tiny_model_dir):
