@@ -37,6 +37,9 @@ def test_second_replica_fetches_the_prefix_and_matches(tiny_model_dir, cache, tr
     ref = run(solo, requests(PREFIX, TAILS))
     stats = b.stats()
     assert stats["num_kv_fetched_tokens"] >= 40 and stats["kv_fetched_blocks"] >= 10
+    # the timing counters docs/guide/rl-cache.md names: a fetch took time, waiting on the store within it
+    assert stats["kv_fetch_s"] >= stats["kv_fetch_store_s"] > 0 and stats["kv_fetch_idle_s"] >= 0
+    assert a.stats()["kv_publish_engine_s"] > 0
     for rid, resp in ref.items():
         got = out_b[rid].completions[0]
         assert got.token_ids == resp.completions[0].token_ids
