@@ -163,3 +163,133 @@ def test_fp8_on_one_side_only_or_alike_on_both_is_accepted():
     load_recipe(None, {}, parse_overrides(["--infer.fp8.enabled", "true", "--infer.fp8.exclude", "['lm_head']"]))
     load_recipe(None, {}, parse_overrides(["--train.fp8.enabled", "true", "--infer.fp8.enabled", "true",
                                            "--train.fp8.backend", "torch"]))  # kernels may differ
+
+
+REVERSE = REPO / "recipes" / "reverse.toml"
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    # train.optim
+    ("train.optim.max_grad_norm", "-1", "train.optim.max_grad_norm must be >= 0 (0 turns clipping off), got -1"),
+    ("train.optim.max_grad_norm", "nan", "train.optim.max_grad_norm must be >= 0"),
+    ("train.optim.lr", "0", "train.optim.lr (--lr) must be > 0 and finite"),
+    ("train.optim.lr", "-1e-5", "train.optim.lr (--lr) must be > 0 and finite"),
+    ("train.optim.lr", "nan", "train.optim.lr (--lr) must be > 0 and finite, got nan"),
+    ("train.optim.lr", "inf", "train.optim.lr (--lr) must be > 0 and finite, got inf"),
+    ("train.optim.beta1", "1", "train.optim.beta1 must be in [0, 1)"),
+    ("train.optim.beta1", "-0.1", "train.optim.beta1 must be in [0, 1)"),
+    ("train.optim.beta2", "1.0", "train.optim.beta2 must be in [0, 1)"),
+    ("train.optim.beta2", "nan", "train.optim.beta2 must be in [0, 1)"),
+    ("train.optim.eps", "0", "train.optim.eps must be > 0 and finite"),
+    ("train.optim.eps", "inf", "train.optim.eps must be > 0 and finite"),
+    ("train.optim.weight_decay", "-0.1", "train.optim.weight_decay must be >= 0 and finite"),
+    ("train.optim.weight_decay", "nan", "train.optim.weight_decay must be >= 0 and finite"),
+    ("train.optim.weight_decay", "inf", "train.optim.weight_decay must be >= 0 and finite"),
+    ("train.optim.warmup_steps", "-1", "train.optim.warmup_steps must be >= 0"),
+    ("train.optim.min_lr_ratio", "nan", "train.optim.min_lr_ratio must be in [0, 1]"),
+    ("train.optim.min_lr_ratio", "-0.5", "train.optim.min_lr_ratio must be in [0, 1]"),
+    # train.checkpoint
+    ("train.checkpoint.interval", "0", "train.checkpoint.interval must be >= 1"),
+    ("train.checkpoint.keep", "0", "train.checkpoint.keep must be >= 1"),
+    ("train.checkpoint.keep", "-1", "train.checkpoint.keep must be >= 1"),
+    # train.sft
+    ("train.sft.num_steps", "-1", "train.sft.num_steps must be >= 0 (0 skips the warm-up)"),
+    ("train.sft.batch_size", "0", "train.sft.batch_size must be >= 1"),
+    ("train.sft.lr", "0", "train.sft.lr must be > 0 and finite"),
+    ("train.sft.lr", "nan", "train.sft.lr must be > 0 and finite"),
+    ("train.sft.lr", "inf", "train.sft.lr must be > 0 and finite"),
+    ("train.sft.warmup_steps", "-1", "train.sft.warmup_steps must be >= 0"),
+    # train
+    ("train.num_threads", "-1", "train.num_threads (--threads) must be >= 0"),
+    ("train.logprob_chunk_tokens", "0", "train.logprob_chunk_tokens must be >= 1"),
+    ("train.pub_port", "99999", "train.pub_port must be in [0, 65535]"),
+    ("train.pub_port", "-1", "train.pub_port must be in [0, 65535]"),
+    ("train.wait_timeout_s", "-1", "train.wait_timeout_s must be >= 0 (0 waits forever)"),
+    ("train.wait_timeout_s", "nan", "train.wait_timeout_s must be >= 0"),
+    # infer
+    ("infer.engine.num_threads", "-1", "infer.engine.num_threads (--threads) must be >= 0"),
+    ("infer.engine.kv_cache_memory_mb", "nan", "infer.engine.kv_cache_memory_mb must be > 0 and finite"),
+    ("infer.engine.kv_cache_memory_mb", "inf", "infer.engine.kv_cache_memory_mb must be > 0 and finite"),
+    ("infer.kv_cache.publish_queue_mb", "nan", "infer.kv_cache.publish_queue_mb must be > 0"),
+    ("infer.kv_cache.timeout_s", "nan", "infer.kv_cache.timeout_s must be > 0"),
+    ("infer.metrics_interval_s", "-1", "infer.metrics_interval_s must be >= 0 (0 turns it off)"),
+    ("infer.metrics_interval_s", "nan", "infer.metrics_interval_s must be >= 0"),
+    # orchestrate
+    ("orchestrate.sampling.temperature", "nan", "orchestrate.sampling.temperature must be > 0 and finite"),
+    ("orchestrate.sampling.temperature", "inf", "orchestrate.sampling.temperature must be > 0 and finite"),
+    ("orchestrate.sampling.temperature", "-1", "orchestrate.sampling.temperature must be > 0 and finite"),
+    ("orchestrate.sampling.top_p", "nan", "orchestrate.sampling.top_p must be in (0, 1]"),
+    ("orchestrate.sampling.top_p", "0", "orchestrate.sampling.top_p must be in (0, 1]"),
+    ("orchestrate.sampling.max_tokens", "0", "orchestrate.sampling.max_tokens must be >= 1"),
+    ("orchestrate.advantage.max_zero_variance_drops", "-2", "orchestrate.advantage.max_zero_variance_drops must be"),
+    ("orchestrate.request_timeout_s", "0", "orchestrate.request_timeout_s must be > 0"),
+    ("orchestrate.request_timeout_s", "nan", "orchestrate.request_timeout_s must be > 0"),
+    ("orchestrate.keep_rollouts", "-1", "orchestrate.keep_rollouts must be >= 0"),
+    ("orchestrate.num_train_ranks", "0", "orchestrate.num_train_ranks must be >= 1"),
+    # sync
+    ("sync.keep_weights", "0", "sync.keep_weights (--keep-weights) must be >= 1"),
+    ("sync.keep_weights", "-1", "sync.keep_weights (--keep-weights) must be >= 1"),
+    ("sync.poll_interval_s", "0", "sync.poll_interval_s must be > 0 and finite"),
+    ("sync.poll_interval_s", "nan", "sync.poll_interval_s must be > 0 and finite"),
+    ("sync.poll_interval_s", "inf", "sync.poll_interval_s must be > 0 and finite"),
+    ("sync.ack_timeout_s", "0", "sync.ack_timeout_s must be > 0 and finite"),
+    ("sync.ack_timeout_s", "nan", "sync.ack_timeout_s must be > 0 and finite"),
+    ("sync.ack_timeout_s", "inf", "sync.ack_timeout_s must be > 0 and finite"),
+    # cache
+    ("cache.port", "99999", "cache.port must be in [0, 65535], got 99999"),
+    ("cache.port", "-1", "cache.port must be in [0, 65535], got -1"),
+    ("cache.capacity_mb", "0", "cache.capacity_mb must be >= 1"),
+    ("cache.metrics_interval_s", "-1", "cache.metrics_interval_s must be >= 0 (0 turns it off)"),
+])
+def test_numeric_values_out_of_range_are_refused_naming_the_key(key, value, expected):
+    with pytest.raises(ConfigError) as e:
+        load_recipe(REVERSE, {}, parse_overrides([f"--{key}", value]))
+    message = str(e.value)
+    assert expected in message and key in message
+    assert "\n" not in message
+    assert message.count(key) == 1  # named once: "train.optim: train.optim.lr ..." repeated it
+
+
+def test_vllm_kv_cache_space_must_be_finite():
+    with pytest.raises(ConfigError, match=r"infer\.engine\.cpu_kvcache_space_gb must be > 0 and finite, got nan"):
+        load_recipe(REVERSE, {}, parse_overrides(["--infer.engine.name", "vllm", "--infer.engine.cpu_kvcache_space_gb",
+                                                  "nan"]))
+
+
+@pytest.mark.parametrize("overrides", [
+    ["--train.optim.max_grad_norm", "0"],  # clipping off
+    ["--train.optim.max_grad_norm", "inf"],  # never clips
+    ["--train.optim.beta1", "0"],
+    ["--train.optim.weight_decay", "0.1"],
+    ["--train.sft.num_steps", "0"],  # no warm-up
+    ["--train.num_threads", "0", "--infer.engine.num_threads", "0"],  # torch's default / every core
+    ["--train.wait_timeout_s", "0"],  # waits forever
+    ["--infer.metrics_interval_s", "0", "--cache.metrics_interval_s", "0"],  # off
+    ["--orchestrate.keep_rollouts", "0", "--orchestrate.advantage.max_zero_variance_drops", "-1"],
+    ["--sync.keep_weights", "1"],
+    ["--cache.port", "65535", "--train.pub_port", "65535"],
+    ["--train.checkpoint.interval", "1", "--train.checkpoint.keep", "1"],
+])
+def test_boundary_values_are_accepted(overrides):
+    load_recipe(REVERSE, {}, parse_overrides(overrides))
+
+
+def test_defaults_pass_the_value_checks():
+    from rlcli.config.services import CacheConfig, SyncConfig
+    from rlcli.config.train import CheckpointConfig, OptimConfig, SFTConfig
+
+    for cls in (OptimConfig, SFTConfig, CheckpointConfig, SyncConfig, CacheConfig, RecipeConfig):
+        cls()
+    load_recipe(None)
+
+
+def test_direct_construction_runs_the_same_checks():
+    from rlcli.config.services import SyncConfig
+    from rlcli.config.train import CheckpointConfig, OptimConfig
+
+    with pytest.raises(ValueError, match=r"train\.optim\.max_grad_norm must be >= 0"):
+        OptimConfig(max_grad_norm=-1.0)
+    with pytest.raises(ValueError, match=r"train\.checkpoint\.interval must be >= 1"):
+        CheckpointConfig(interval=0)
+    with pytest.raises(ValueError, match=r"sync\.keep_weights \(--keep-weights\) must be >= 1"):
+        SyncConfig(keep_weights=0)

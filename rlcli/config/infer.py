@@ -1,6 +1,7 @@
 """rl-infer's config: knobs every engine shares on ``infer``, and a tagged union on
 ``infer.engine.name`` for each engine's own (``[infer.engine]`` in a recipe)."""
 
+import math
 import re
 from typing import Literal, Union
 
@@ -66,8 +67,11 @@ class NativeEngineConfig(EngineBase, tag="native"):
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"infer.engine.block_size must be a power of two, got {self.block_size}")
-        if self.kv_cache_memory_mb <= 0:
-            raise ValueError(f"infer.engine.kv_cache_memory_mb must be > 0, got {self.kv_cache_memory_mb}")
+        if not (self.kv_cache_memory_mb > 0 and math.isfinite(self.kv_cache_memory_mb)):
+            raise ValueError(f"infer.engine.kv_cache_memory_mb must be > 0 and finite, got {self.kv_cache_memory_mb}")
+        if self.num_threads < 0:
+            raise ValueError(f"infer.engine.num_threads (--threads) must be >= 0 (0: torch's default, or every core "
+                             f"with threads = adaptive), got {self.num_threads}")
 
 
 class VllmEngineConfig(EngineBase, tag="vllm"):
@@ -105,8 +109,9 @@ class VllmEngineConfig(EngineBase, tag="vllm"):
         if self.expert_parallel and self.tensor_parallel_size == 1:
             raise ValueError("infer.engine.expert_parallel spreads experts over tensor-parallel devices; set "
                              "infer.engine.tensor_parallel_size > 1 or drop expert_parallel")
-        if self.cpu_kvcache_space_gb <= 0:
-            raise ValueError(f"infer.engine.cpu_kvcache_space_gb must be > 0, got {self.cpu_kvcache_space_gb}")
+        if not (self.cpu_kvcache_space_gb > 0 and math.isfinite(self.cpu_kvcache_space_gb)):
+            raise ValueError(f"infer.engine.cpu_kvcache_space_gb must be > 0 and finite, got "
+                             f"{self.cpu_kvcache_space_gb}")
 
 
 EngineConfig = Union[NativeEngineConfig, VllmEngineConfig]
@@ -140,9 +145,9 @@ class KVCacheConfig(Config):
     def __post_init__(self) -> None:
         if self.publish_queue < 1:
             raise ValueError(f"infer.kv_cache.publish_queue must be >= 1, got {self.publish_queue}")
-        if self.publish_queue_mb <= 0:
+        if not self.publish_queue_mb > 0:
             raise ValueError(f"infer.kv_cache.publish_queue_mb must be > 0, got {self.publish_queue_mb}")
-        if self.timeout_s <= 0:
+        if not self.timeout_s > 0:
             raise ValueError(f"infer.kv_cache.timeout_s must be > 0, got {self.timeout_s}")
 
 
@@ -212,3 +217,5 @@ class InferConfig(Config):
             raise ValueError(f"infer.role {self.role} needs a shared KV store: pass --kv-cache ENDPOINT")
         if self.http_max_body_bytes < 1024:
             raise ValueError(f"infer.http_max_body_bytes must be >= 1024, got {self.http_max_body_bytes}")
+        if not self.metrics_interval_s >= 0:
+            raise ValueError(f"infer.metrics_interval_s must be >= 0 (0 turns it off), got {self.metrics_interval_s}")

@@ -129,7 +129,8 @@ def describe_validation_error(message: str) -> str:
         return f"missing key '{key}'"
     if where and where.endswith(".name") and "Invalid value" in what:
         return f"unknown {where} {what.split('Invalid value', 1)[1].strip()}"
-    return f"{where}: {what}" if where and not what.startswith(where.split(".")[-1]) else what
+    named = what.startswith((where, where.split(".")[-1])) if where else True  # a check's own message names its key
+    return what if named else f"{where}: {what}"
 
 
 def to_dict(cfg: msgspec.Struct) -> dict[str, Any]:

@@ -1,3 +1,4 @@
+import math
 from typing import Optional
 
 import msgspec
@@ -19,8 +20,8 @@ class SamplingConfig(Config):
     """Most tokens per completion (an environment may ask for fewer)."""
 
     def __post_init__(self) -> None:
-        if self.temperature <= 0:
-            raise ValueError("orchestrate.sampling.temperature must be > 0 for RL")
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"orchestrate.sampling.temperature must be > 0 and finite for RL, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"orchestrate.sampling.top_p must be in (0, 1], got {self.top_p}")
         if self.max_tokens < 1:
@@ -39,6 +40,11 @@ class AdvantageConfig(Config):
     max_zero_variance_drops: int = -1
     """Most zero-variance groups dropped per step; beyond it they join the batch anyway (so a
     saturated task set cannot stall the run; reported as num_zero_variance_kept). -1: 2 x batch_size."""
+
+    def __post_init__(self) -> None:
+        if self.max_zero_variance_drops < -1:
+            raise ValueError(f"orchestrate.advantage.max_zero_variance_drops must be >= 0 or -1 (2 x batch_size), "
+                             f"got {self.max_zero_variance_drops}")
 
 
 class OrchestrateConfig(Config):
@@ -100,6 +106,12 @@ class OrchestrateConfig(Config):
             raise ValueError(f"orchestrate.max_async must be >= 0, got {self.max_async}")
         if self.max_off_policy_steps is not None and self.max_off_policy_steps < 0:
             raise ValueError(f"orchestrate.max_off_policy_steps must be >= 0, got {self.max_off_policy_steps}")
+        if not self.request_timeout_s > 0:
+            raise ValueError(f"orchestrate.request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if self.keep_rollouts < 0:
+            raise ValueError(f"orchestrate.keep_rollouts must be >= 0, got {self.keep_rollouts}")
+        if self.num_train_ranks < 1:
+            raise ValueError(f"orchestrate.num_train_ranks must be >= 1, got {self.num_train_ranks}")
 
     @property
     def off_policy_bound(self) -> int:

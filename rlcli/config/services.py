@@ -1,3 +1,4 @@
+import math
 from typing import Literal, Union
 
 import msgspec
@@ -69,8 +70,12 @@ class SyncConfig(Config):
     """How often the run directory is scanned when no announcement arrives."""
 
     def __post_init__(self) -> None:
-        if self.ack_timeout_s <= 0:
-            raise ValueError(f"sync.ack_timeout_s must be > 0, got {self.ack_timeout_s}")
+        if not (self.ack_timeout_s > 0 and math.isfinite(self.ack_timeout_s)):
+            raise ValueError(f"sync.ack_timeout_s must be > 0 and finite, got {self.ack_timeout_s}")
+        if not (self.poll_interval_s > 0 and math.isfinite(self.poll_interval_s)):
+            raise ValueError(f"sync.poll_interval_s must be > 0 and finite, got {self.poll_interval_s}")
+        if self.keep_weights < 1:
+            raise ValueError(f"sync.keep_weights (--keep-weights) must be >= 1, got {self.keep_weights}")
 
 
 class CacheBackendBase(Config, tag_field="name"):
@@ -145,6 +150,10 @@ class CacheConfig(Config):
     def __post_init__(self) -> None:
         if self.capacity_mb < 1:
             raise ValueError(f"cache.capacity_mb must be >= 1, got {self.capacity_mb}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"cache.port must be in [0, 65535], got {self.port}")
+        if not self.metrics_interval_s >= 0:
+            raise ValueError(f"cache.metrics_interval_s must be >= 0 (0 turns it off), got {self.metrics_interval_s}")
 
 
 PROCESS_NAMES = ("cache", "infer", "sync", "train", "orchestrate")

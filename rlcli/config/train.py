@@ -1,3 +1,4 @@
+import math
 from typing import Literal
 
 import msgspec
@@ -42,10 +43,22 @@ class OptimConfig(Config):
     """Where a decaying schedule ends, as a fraction of lr."""
 
     def __post_init__(self) -> None:
-        if self.lr <= 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"train.optim.lr (--lr) must be > 0 and finite, got {self.lr}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"train.optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not 0 <= self.beta1 < 1:
+            raise ValueError(f"train.optim.beta1 must be in [0, 1), got {self.beta1}")
+        if not 0 <= self.beta2 < 1:
+            raise ValueError(f"train.optim.beta2 must be in [0, 1), got {self.beta2}")
+        if not (self.eps > 0 and math.isfinite(self.eps)):
+            raise ValueError(f"train.optim.eps must be > 0 and finite, got {self.eps}")
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            raise ValueError(f"train.optim.weight_decay must be >= 0 and finite, got {self.weight_decay}")
+        if not self.max_grad_norm >= 0:
+            raise ValueError(f"train.optim.max_grad_norm must be >= 0 (0 turns clipping off), got {self.max_grad_norm}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"train.optim.warmup_steps must be >= 0 (0: no warm-up), got {self.warmup_steps}")
 
 
 DEFAULT_MASK_LOW = 0.5
@@ -126,6 +139,16 @@ class SFTConfig(Config):
     """'env' draws demonstrations from the recipe's environment; otherwise a JSONL file of
     {"prompt": ..., "completion": ...} objects."""
 
+    def __post_init__(self) -> None:
+        if self.num_steps < 0:
+            raise ValueError(f"train.sft.num_steps must be >= 0 (0 skips the warm-up), got {self.num_steps}")
+        if self.batch_size < 1:
+            raise ValueError(f"train.sft.batch_size must be >= 1, got {self.batch_size}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"train.sft.lr must be > 0 and finite, got {self.lr}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"train.sft.warmup_steps must be >= 0 (0: no warm-up), got {self.warmup_steps}")
+
 
 class CheckpointConfig(Config):
     """Full trainer state for resume."""
@@ -140,6 +163,13 @@ class CheckpointConfig(Config):
     """Write each checkpoint on a background thread from a host copy taken in the step (one in
     flight; flushed at exit); sharded trainers (torchrun) copy and write each rank's own shards,
     their writers' collectives on a gloo group of their own. False: written in the step."""
+
+    def __post_init__(self) -> None:
+        if self.interval < 1:
+            raise ValueError(f"train.checkpoint.interval must be >= 1 (a checkpoint every this many steps), got "
+                             f"{self.interval}")
+        if self.keep < 1:
+            raise ValueError(f"train.checkpoint.keep must be >= 1, got {self.keep}")
 
 
 class ParallelConfig(Config):
@@ -253,3 +283,12 @@ class TrainConfig(Config):
             raise ValueError(f"train.profile_step must be >= 0 (0: no profiled step), got {self.profile_step}")
         if self.schedule_steps < 0:
             raise ValueError(f"train.schedule_steps must be >= 0 (0: num_steps), got {self.schedule_steps}")
+        if self.num_threads < 0:
+            raise ValueError(f"train.num_threads (--threads) must be >= 0 (0: torch's default, or every core with "
+                             f"threads = adaptive), got {self.num_threads}")
+        if self.logprob_chunk_tokens < 1:
+            raise ValueError(f"train.logprob_chunk_tokens must be >= 1, got {self.logprob_chunk_tokens}")
+        if not 0 <= self.pub_port < 65536:
+            raise ValueError(f"train.pub_port must be in [0, 65535], got {self.pub_port}")
+        if not self.wait_timeout_s >= 0:
+            raise ValueError(f"train.wait_timeout_s must be >= 0 (0 waits forever), got {self.wait_timeout_s}")
