@@ -42,13 +42,13 @@ def parse_overrides(args: Iterable[str]) -> dict[str, Any]:
         if not arg.startswith("--") or len(arg) <= 2:
             raise ConfigError(f"unexpected argument {arg!r}; overrides look like --section.key VALUE")
         key, eq, value = arg[2:].partition("=")
+        if "." not in key and key.replace("-", "_") not in RecipeConfig.__struct_fields__:  # a mistyped flag
+            raise ConfigError(f"no such option --{key} (see --help; recipe keys take --section.key VALUE)")
         if not eq:
             if i + 1 >= len(args) or (args[i + 1].startswith("--") and not _is_number(args[i + 1])):
                 raise ConfigError(f"override --{key} needs a value: --{key} VALUE")
             value = args[i + 1]
             i += 1
-        if "." not in key and key not in RecipeConfig.__struct_fields__:
-            raise ConfigError(f"no such option --{key} (see --help; recipe keys take --section.key VALUE)")
         out[key.replace("-", "_")] = parse_value(value)
         i += 1
     return out
@@ -85,11 +85,13 @@ def get_dotted(tree: dict[str, Any], key: str) -> Any:
 def read_toml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"recipe {path} not found; pass --config with a TOML recipe from recipes/")
+        raise ConfigError(f"recipe {path} not found; give the path of a TOML recipe (see recipes/)")
     try:
-        return tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); a recipe is a TOML file") from None
 
 
 def load_recipe(
@@ -99,6 +101,7 @@ def load_recipe(
 ) -> RecipeConfig:
     """Build and validate a recipe. ``flags`` maps dotted keys to values (None = not given)."""
     tree: dict[str, Any] = read_toml(path) if path else {}
+    migrate_env_table(tree.get("env"))  # the recipe's own first: --env.args.<key> then beats its [env] <key>
     given = {k: v for k, v in {**(flags or {}), **(overrides or {})}.items() if v is not None}
     for key, value in sorted(given.items(), key=lambda kv: not kv[0].endswith(".name")):
         if key.endswith(".name"):

@@ -29,6 +29,16 @@ def test_old_env_keys_move_into_env_args_and_unknown_ones_name_the_new_key():
         env_from("--env.args.min_len", "9")
 
 
+def test_an_override_beats_the_recipes_old_style_env_key_in_either_spelling(tmp_path):
+    """A recipe with `min_len` directly in [env] (before env.args): --env.args.min_len and
+    --env.min_len both win over it (the recipe's keys move into env.args before overrides apply)."""
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('[env]\nname = "reverse"\nmin_len = 3\nmax_len = 6\n')
+    for key in ("--env.args.min_len", "--env.min_len"):
+        assert load_recipe(recipe, {}, parse_overrides([key, "4"])).env.args == {"min_len": 4, "max_len": 6}, key
+    assert load_recipe(recipe).env.args == {"min_len": 3, "max_len": 6}
+
+
 def test_module_factory_and_entry_points(tmp_path, monkeypatch):
     pkg = tmp_path / "userpkg"
     pkg.mkdir()
