@@ -262,3 +262,201 @@ def test_process_title_names_the_command(tmp_path, tiny_model_dir):
         assert b"--config" in title
     finally:
         procs.stop_all()
+
+
+def invoke(module: str, *args: str, input: str | None = None) -> subprocess.CompletedProcess:
+    """``module``'s typer app run in this process (faster than a subprocess on a busy machine), as a
+    CompletedProcess for one_line_error. The subcommand must be named (run_app adds the default one)."""
+    import importlib
+
+    from typer.testing import CliRunner
+
+    result = CliRunner().invoke(importlib.import_module(module).app, list(args), input=input)
+    return subprocess.CompletedProcess(args, result.exit_code, result.stdout, result.stderr)
+
+
+NO_PEER = "tcp://127.0.0.1:9"
+
+
+def test_launch_flags_below_one_name_the_flag(tmp_path, tiny_model_dir):
+    """--nproc-per-node 0 or -2 and --nnodes 0 were reported as a mismatch of orchestrate.num_train_ranks
+    and train.parallel.dp, keys the user never set."""
+    recipe = str(write_recipe(tmp_path / "r.toml", tiny_model_dir, tmp_path / "run"))
+    for args, needle in ((["--nproc-per-node", "0"], "--nproc-per-node must be >= 1, got 0"),
+                         (["--nproc-per-node", "-2"], "--nproc-per-node must be >= 1, got -2"),
+                         (["--nproc-per-node", "1", "--nnodes", "0"], "--nnodes must be >= 1, got 0"),
+                         (["--nproc-per-node", "1", "--node-rank", "-1"], "--node-rank")):
+        one_line_error(invoke("rlcli.cli.train", "run", "-c", recipe, *args), 2, needle)
+    assert not (tmp_path / "run").exists()
+
+
+def test_sampling_flags_are_checked_up_front_naming_each(tmp_path, tiny_model_dir):
+    """rl-infer generate --n 0 / --max-tokens 0 / --temperature -1 ended in `ValueError: sampling...`,
+    exit 1, and rl-orchestrate eval's -k / --max-tokens / --temperature the same or another message."""
+    model = ["--model", str(tiny_model_dir), "--connect", NO_PEER]
+    for args, needle in ((["--n", "0"], "--n must be >= 1, got 0"),
+                         (["--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
+                         (["--max-tokens", "-1"], "--max-tokens must be >= 1, got -1"),
+                         (["--temperature", "-1"], "--temperature must be a finite number >= 0")):
+        one_line_error(invoke("rlcli.cli.infer", "generate", "hi", *model, *args), 2, needle)
+    recipe = str(write_recipe(tmp_path / "r.toml", tiny_model_dir, tmp_path / "run"))
+    for args, needle in ((["-k", "0"], "-k must be >= 1, got 0"),
+                         (["--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
+                         (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
+                         (["-n", "0"], "-n/--num must be >= 1, got 0"), (["-n", "-1"], "-n/--num must be >= 1")):
+        one_line_error(invoke("rlcli.cli.orchestrate", "eval", "-c", recipe, "--connect", NO_PEER, *args), 2, needle)
+
+
+def test_timeouts_must_be_positive(tmp_path, tiny_model_dir):
+    """A --timeout of 0 or less reported a live peer as 'cannot reach ... (is it running?)'."""
+    recipe = str(write_recipe(tmp_path / "r.toml", tiny_model_dir, tmp_path / "run"))
+    for module, args in (("rlcli.cli.infer", ["generate", "hi", "--model", str(tiny_model_dir)]),
+                         ("rlcli.cli.orchestrate", ["eval", "-c", recipe]),
+                         ("rlcli.cli.cache", ["stats"]), ("rlcli.cli.cache", ["ls"]),
+                         ("rlcli.cli.cache", ["prune"])):
+        for value in ("0", "-1"):
+            one_line_error(invoke(module, *args, "--connect", NO_PEER, "--timeout", value), 2,
+                           f"--timeout must be > 0 seconds, got {value}")
+
+
+def test_a_malformed_connect_endpoint_names_the_flag(tmp_path, tiny_model_dir):
+    """--connect bogus was `ZMQError: Invalid argument (addr='bogus')`, exit 1."""
+    from rlcli.errors import ConfigError
+    from rlcli.transport.zmq import RpcClient, check_endpoint
+
+    recipe = str(write_recipe(tmp_path / "r.toml", tiny_model_dir, tmp_path / "run"))
+    for module, args in (("rlcli.cli.infer", ["generate", "hi", "--model", str(tiny_model_dir)]),
+                         ("rlcli.cli.orchestrate", ["eval", "-c", recipe]),
+                         ("rlcli.cli.orchestrate", ["run", "-c", recipe]),
+                         ("rlcli.cli.cache", ["stats"]), ("rlcli.cli.cache", ["ls"])):
+        for bogus in ("bogus", "tcp://127.0.0.1", "tcp://127.0.0.1:abc", "tcp://127.0.0.1:70000"):
+            one_line_error(invoke(module, *args, "--connect", bogus), 2, "--connect", repr(bogus),
+                           "tcp://HOST:PORT")
+    assert not (tmp_path / "run").exists()  # refused before the run directory is claimed
+    assert check_endpoint("tcp://[::1]:5555") and check_endpoint("tcp://node-3.cluster:80")
+    with pytest.raises(ConfigError, match="tcp://HOST:PORT"):  # the library's own fallback
+        RpcClient("bogus")
+
+
+def test_a_failed_bind_names_the_address_and_what_to_change(tmp_path, tiny_model_dir, monkeypatch):
+    """A port in use or a host that is no address of this machine was a raw ZMQError; rl-cache serve
+    also left its /dev/shm arena behind, having made it before binding."""
+    import socket
+
+    from rlcli.cache import server as cache_server
+    from rlcli.config import load_recipe
+    from rlcli.errors import ConfigError
+    from rlcli.transport.zmq import Publisher, RpcServer
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    port = held.getsockname()[1]
+    try:
+        with pytest.raises(ConfigError, match=f"cannot bind tcp://127.0.0.1:{port}: the address is already in use"):
+            RpcServer("127.0.0.1", port)
+        with pytest.raises(ConfigError, match=r"cannot bind tcp://999.1.1.1:\*"):
+            Publisher("999.1.1.1", 0)
+        stores = []
+        monkeypatch.setattr(cache_server, "make_store", lambda cfg: stores.append(cfg) or pytest.fail("no bind"))
+        cfg = load_recipe(None, {"cache.port": port}, {})
+        with pytest.raises(ConfigError, match="already in use"):
+            cache_server.serve(cfg, None)
+        assert stores == []  # no store (no /dev/shm arena) before the socket is bound
+        one_line_error(cli("rlcli.cli.cache", "serve", "--port", str(port)), 2, f"tcp://127.0.0.1:{port}",
+                       "already in use", "--port or cache.port")
+    finally:
+        held.close()
+    one_line_error(cli("rlcli.cli.cache", "serve", "--host", "999.1.1.1"), 2, "tcp://999.1.1.1",
+                   "--host or cache.host")
+    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, tmp_path / "run")
+    one_line_error(cli("rlcli.cli.sync", "--config", str(recipe), "--sync.host", "999.1.1.1"), 2,
+                   "tcp://999.1.1.1", "--sync.host")
+
+
+def test_disk_capacity_of_zero_names_the_flag(tmp_path):
+    """--disk-capacity-mb 0 said `missing key 'cache.backend.name'` (a 0 was taken as not given)."""
+    one_line_error(invoke("rlcli.cli.cache", "serve", "--disk-capacity-mb", "0", "--print-config"), 2,
+                   "--disk-capacity-mb must be >= 1, got 0")
+    out = invoke("rlcli.cli.cache", "serve", "--disk-dir", str(tmp_path / "d"), "--disk-capacity-mb", "5",
+                 "--print-config", "--json")
+    assert out.returncode == 0, out.stderr
+    backend = json.loads(out.stdout)["cache"]["backend"]
+    assert (backend["name"], backend["disk_capacity_mb"]) == ("memory", 5)
+
+
+def test_prune_tier_is_a_choice_and_ls_limit_positive():
+    """--tier floppy reached the store (an ErrorReply, or 'cannot reach'); --limit -5 listed nothing, exit 0."""
+    out = cli("rlcli.cli.cache", "prune", "--connect", NO_PEER, "--tier", "floppy", "--timeout", "1")
+    one_line_error(out, 2, "--tier", "floppy")
+    one_line_error(invoke("rlcli.cli.cache", "ls", "--connect", NO_PEER, "--limit", "-5"), 2,
+                   "--limit must be >= 1, got -5")
+    one_line_error(invoke("rlcli.cli.cache", "ls", "--connect", NO_PEER, "--limit", "0"), 2, "--limit")
+
+
+def test_generate_names_the_stdin_line_it_cannot_read(tiny_model_dir):
+    """A `{` line that is not JSON, or a record whose prompt is no string, was a JSONDecodeError or
+    AttributeError without a line number; `rl-orchestrate score` names the line, and so does this."""
+    args = ("generate", "--model", str(tiny_model_dir), "--connect", NO_PEER, "--timeout", "1")
+    one_line_error(invoke("rlcli.cli.infer", *args, input="{bad json\n"), 2, "stdin line 1", "not JSON")
+    one_line_error(invoke("rlcli.cli.infer", *args, input='hello\n\n{"prompt": 5}\n'), 2, "stdin line 3",
+                   '"prompt" must be a string, got int')
+    one_line_error(invoke("rlcli.cli.infer", *args, input='{"prompt": "x", "max_tokens": "many"}\n'), 2,
+                   "stdin line 1", '"max_tokens"')
+    # Readable lines go on to the server (none here).
+    one_line_error(invoke("rlcli.cli.infer", *args, input='hello\n{"prompt": "x"}\n{"other": 1}\n'), 1,
+                   "cannot reach rl-infer")
+
+
+@pytest.mark.parametrize("text", ["{}", "[1, 2]", '{"backend": "collective", "poli', '{"backend": "x", '
+                                  '"policy_version": 1, "latest_published": 1, "servers": {"infer-0": 3}}'])
+def test_sync_status_of_a_damaged_file_says_so(tmp_path, text):
+    """A status.json of {} or [1,2] was a KeyError/TypeError (exit 1); a truncated one was reported
+    as missing."""
+    (tmp_path / "sync").mkdir()
+    (tmp_path / "sync" / "status.json").write_text(text)
+    one_line_error(invoke("rlcli.cli.sync", "status", str(tmp_path)), 2, "sync/status.json is ", "damaged (",
+                   "rl-sync rewrites it")
+    one_line_error(invoke("rlcli.cli.sync", "status", str(tmp_path / "nothing")), 2, "has no sync/status.json")
+
+
+def test_tasks_num_must_be_positive(tmp_path, tiny_model_dir):
+    """-n -3 wrote nothing and exited 0."""
+    recipe = str(write_recipe(tmp_path / "r.toml", tiny_model_dir, tmp_path / "run"))
+    for value in ("-3", "0"):
+        one_line_error(invoke("rlcli.cli.orchestrate", "tasks", "-c", recipe, "--env", "reverse", "-n", value), 2,
+                       f"-n/--num must be >= 1, got {value}")
+    out = cli("rlcli.cli.orchestrate", "tasks", "-c", recipe, "-n", "2")  # write_records' stdout is bound at import
+    assert out.returncode == 0 and len(out.stdout.splitlines()) == 2, out.stderr
+
+
+def test_convert_refuses_a_file_as_output_and_names_overwrite(tmp_path):
+    """OUT a regular file was NotADirectoryError (exit 1); a non-empty one said 'allow overwriting'."""
+    pytest.importorskip("gguf")
+    gguf = tmp_path / "fake.gguf"
+    gguf.write_bytes(b"not read before the output is checked")
+    (tmp_path / "afile").write_text("x")
+    one_line_error(invoke("rlcli.cli.train", "convert", str(gguf), str(tmp_path / "afile")), 2,
+                   "is a file, not a directory")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep").write_text("x")
+    one_line_error(invoke("rlcli.cli.train", "convert", str(gguf), str(tmp_path / "full")), 2, "not empty",
+                   "--overwrite")
+
+
+def test_infer_id_must_not_be_negative(tmp_path, tiny_model_dir):
+    """--id -1 was accepted and registered as infer--1."""
+    recipe = str(write_recipe(tmp_path / "r.toml", tiny_model_dir, tmp_path / "run"))
+    one_line_error(invoke("rlcli.cli.infer", "serve", "-c", recipe, "--id", "-1", "--print-config"), 2,
+                   "--id must be >= 0, got -1")
+    assert invoke("rlcli.cli.infer", "serve", "-c", recipe, "--id", "0", "--print-config").returncode == 0
+
+
+@pytest.mark.parametrize("text", ["{bad", "[1]", "{}", "\xff"])
+def test_status_of_a_damaged_run_json_says_so(tmp_path, text):
+    """A malformed run.json printed an empty table and exited 0."""
+    (tmp_path / "run.json").write_bytes(text.encode("latin-1"))
+    for args in ([], ["--json"]):
+        one_line_error(invoke("rlcli.cli.orchestrate", "status", str(tmp_path), *args), 2, "run.json is ",
+                       "damaged (")
+    one_line_error(invoke("rlcli.cli.orchestrate", "plot", str(tmp_path)), 2, "run.json is ", "damaged (")

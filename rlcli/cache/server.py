@@ -255,9 +255,18 @@ def record_metrics(run: RunDir, service: CacheService, interval: IntervalCounter
 
 
 def serve(cfg: RecipeConfig, run: RunDir | None) -> int:
-    service = CacheService(make_store(cfg.cache))
+    # Bind first: a bind that fails (port in use, no such interface) leaves no /dev/shm arena behind,
+    # and a store that cannot register (another rl-cache holds the run) removes its arena.
     server = RpcServer(cfg.cache.host, cfg.cache.port)
-    registration = Registration(run.registry_dir(), "cache", 0, {"rpc": server.endpoint}) if run else None
+    service = None
+    try:
+        service = CacheService(make_store(cfg.cache))
+        registration = Registration(run.registry_dir(), "cache", 0, {"rpc": server.endpoint}) if run else None
+    except BaseException:
+        if service is not None:
+            service.close()
+        server.close()
+        raise
     log.info("%s store of %d MiB on %s", cfg.cache.backend.name, cfg.cache.capacity_mb, server.endpoint)
     state = {"stop": False}
     stop_on_signals(lambda: state.update(stop=True))

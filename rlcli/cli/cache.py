@@ -20,6 +20,11 @@ class Backend(str, Enum):
     mooncake = "mooncake"
 
 
+class Tier(str, Enum):
+    ram = "ram"
+    disk = "disk"
+
+
 ConnectOpt = Annotated[Optional[str], typer.Option(help="Store endpoint (tcp://host:port) [default: the run "
                                                    "directory's registry].")]
 TimeoutOpt = Annotated[float, typer.Option(help="Seconds to wait for the answer.")]
@@ -46,7 +51,12 @@ def serve(
     json_: JsonConfigOpt = False,
 ) -> None:
     """Run the block store (registers in the run directory when a recipe or --run-dir is given)."""
-    if backend is None and (disk_dir or disk_capacity_mb or mooncake_master):
+    if disk_capacity_mb is not None and disk_capacity_mb < 1:  # the disk tier is off without --disk-dir
+        from rlcli.errors import ConfigError
+
+        raise ConfigError(f"--disk-capacity-mb must be >= 1, got {disk_capacity_mb} (for no disk tier, leave out "
+                          "--disk-dir)")
+    if backend is None and (disk_dir is not None or disk_capacity_mb is not None or mooncake_master):
         backend = Backend.mooncake if mooncake_master else Backend.memory
     cfg = resolve_config(ctx, config, {"run_dir": str(run_dir) if run_dir else None, "cache.host": host,
                                        "cache.port": port, "cache.capacity_mb": capacity_mb,
@@ -58,13 +68,26 @@ def serve(
         return print_config(cfg, json_)
     run = open_run(cfg, "cache") if (config or run_dir) else None
     from rlcli.cache.server import serve as serve_forever
+    from rlcli.transport.zmq import name_bind_keys
+
+    name_bind_keys("--host or cache.host", "--port or cache.port")
 
     raise typer.Exit(serve_forever(cfg, run))
+
+
+def _check(connect: Optional[str], timeout: float) -> None:
+    """--connect and --timeout, before the store is looked for."""
+    from rlcli.transport.zmq import check_endpoint, check_timeout
+
+    check_timeout(timeout)
+    if connect is not None:
+        check_endpoint(connect, "--connect")
 
 
 def _client(run_dir, connect, timeout):
     from rlcli.cache.client import CacheClient, find_endpoint
 
+    _check(connect, timeout)
     return CacheClient(find_endpoint(run_dir, connect), timeout)
 
 
@@ -75,6 +98,7 @@ def stats(run_dir: RunDirOpt = None, connect: ConnectOpt = None, timeout: Timeou
     """Print the store's counters: hit rate, blocks and bytes per tier, evictions, rejected and corrupt blocks."""
     from rlcli.cache.client import query_stats
 
+    _check(connect, timeout)
     result = query_stats(run_dir, connect, timeout)
     if json_:
         emit_json(result)
@@ -89,6 +113,10 @@ def ls(run_dir: RunDirOpt = None, connect: ConnectOpt = None, timeout: TimeoutOp
        limit: Annotated[int, typer.Option(help="Most blocks to list, most recently used first.")] = 100,
        json_: JsonOpt = False) -> None:
     """List stored blocks: key, tier, bytes, model fingerprint, dtype and shape."""
+    if limit < 1:  # 0 would list nothing, not everything
+        from rlcli.errors import ConfigError
+
+        raise ConfigError(f"--limit must be >= 1, got {limit}")
     client = _client(run_dir, connect, timeout)
     try:
         entries = client.ls(limit)
@@ -107,12 +135,13 @@ def ls(run_dir: RunDirOpt = None, connect: ConnectOpt = None, timeout: TimeoutOp
 @handle_errors("rl-cache")
 def prune(run_dir: RunDirOpt = None, connect: ConnectOpt = None, timeout: TimeoutOpt = 30.0,
           fingerprint: Annotated[str, typer.Option(help="Remove only blocks of this model fingerprint.")] = "",
-          tier: Annotated[str, typer.Option(help="Remove only from this tier: ram or disk.")] = "",
+          tier: Annotated[Optional[Tier], typer.Option(help="Remove only from this tier [default: every "
+                                                       "tier].", show_default=False)] = None,
           json_: JsonOpt = False) -> None:
     """Remove blocks (all, or one model's, or one tier's); prints how many and how many bytes."""
     client = _client(run_dir, connect, timeout)
     try:
-        result = client.prune(fingerprint, tier)
+        result = client.prune(fingerprint, tier.value if tier else "")
     finally:
         client.close()
     if json_:

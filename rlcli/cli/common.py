@@ -69,11 +69,15 @@ def finish(run, command: str, code: int, as_json: bool):
 
 
 def open_run(cfg, command: str):
-    """Create or join the run directory, check it belongs to this recipe, record the config."""
+    """Create or join the run directory, check it belongs to this recipe, record the config.
+
+    The claim binds the directory to this recipe's model and environment, so what can refuse the
+    recipe is checked first (the model directory here; a command's own checks before it calls this):
+    a refused start leaves no claim that would refuse the corrected one."""
     from rlcli.config import dump_toml, to_dict
     from rlcli.transport.rundir import RunDir
 
-    if command in ("train", "orchestrate", "up"):
+    if command != "cache":  # every other process reads model.path, and the claim below records it
         from rlcli.models.config import ModelArgs
 
         ModelArgs.from_dir(cfg.model.path)  # fail early, in one line, on a missing model directory
@@ -151,7 +155,22 @@ def run_app(app: typer.Typer, prog: str, default: Optional[str] = None) -> None:
             argv = [default, *argv]
         if os.environ.get(f"_{prog.replace('-', '_').upper()}_COMPLETE"):
             _complete_with_default(names, default)
-    app(args=argv, prog_name=prog)
+    try:  # not standalone: click's usage errors come here instead of printing its Usage box
+        code = app(args=argv, prog_name=prog, standalone_mode=False)
+    except typer.Abort:
+        print(f"{prog}: aborted", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except Exception as e:  # click's ClickException (typer vendors click, so matched by its interface)
+        if not (callable(getattr(e, "format_message", None)) and isinstance(getattr(e, "exit_code", None), int)):
+            raise
+        if not e.format_message():  # a group called with no arguments: its help, as click shows it
+            e.show()
+            sys.exit(e.exit_code)
+        ctx = getattr(e, "ctx", None)  # an unknown option, a bad value, a missing argument
+        where = ctx.command_path if ctx is not None else prog
+        print(f"{prog}: error: {e.format_message()} (see `{where} --help`)", file=sys.stderr, flush=True)
+        sys.exit(e.exit_code)
+    sys.exit(code if isinstance(code, int) else 0)  # typer.Exit's code; a command's own return is None
 
 
 def _complete_with_default(names: set[str], default: str) -> None:

@@ -59,6 +59,10 @@ def serve(
     json_: JsonConfigOpt = False,
 ) -> None:
     """Serve GenerateRequests over ZeroMQ (and the OpenAI API over HTTP) (the default command)."""
+    if instance < 0:
+        from rlcli.errors import ConfigError
+
+        raise ConfigError(f"--id must be >= 0, got {instance}")
     cfg = resolve_config(ctx, config, {"run_dir": str(run_dir) if run_dir else None, "infer.host": host,
                                        "infer.port": port, "infer.http_port": http_port,
                                        "infer.engine.name": engine.value if engine else None,
@@ -69,6 +73,11 @@ def serve(
                                        "model.batch_invariant": True if batch_invariant else None, "r3": r3})
     if print_config_:
         return print_config(cfg, json_)
+    from rlcli.transport.zmq import check_endpoint, name_bind_keys
+
+    if cfg.infer.kv_cache.endpoint not in ("", "registry"):
+        check_endpoint(cfg.infer.kv_cache.endpoint, "--kv-cache (infer.kv_cache.endpoint)")
+    name_bind_keys("--host or infer.host", "--port or infer.port")
     run = open_run(cfg, f"infer-{instance}")
     from rlcli.infer.server import run as serve_forever
 
@@ -95,17 +104,10 @@ def generate(
 
     Lines of stdin that are JSON objects with a "prompt" (as `rl-orchestrate tasks` writes them) keep
     every field in the --json output, so `rl-orchestrate score` can read the answers after them."""
-    import json
+    from rlcli.infer.client import check_sampling_flags, generate_texts
 
-    from rlcli.infer.client import generate_texts
-
-    items: list = list(prompts or [])
-    if not items:
-        for line in sys.stdin:
-            if not line.strip():
-                continue
-            record = json.loads(line) if line.lstrip().startswith("{") else None
-            items.append(record if isinstance(record, dict) and "prompt" in record else line.rstrip("\n"))
+    check_sampling_flags(max_tokens=max_tokens, temperature=temperature, n=n, timeout=timeout)
+    items: list = list(prompts or []) or read_prompts(sys.stdin)
     for item, (prompt, result) in zip(items, generate_texts(
             items, run_dir=run_dir, connect=connect, model=model, max_tokens=max_tokens, temperature=temperature,
             n=n, timeout=timeout)):
@@ -115,6 +117,42 @@ def generate(
             for text in result["completions"]:
                 sys.stdout.write(text.replace("\n", "\\n") + "\n")
     sys.stdout.flush()
+
+
+def read_prompts(stream) -> list:
+    """The prompts of ``stream``, one per non-empty line: a line that starts with ``{`` is a JSON
+    object (a record with a "prompt" string, as `rl-orchestrate tasks` writes them, or any object,
+    taken as text); any other line is a prompt as it is. A ``{`` line that is not JSON, or a record
+    whose "prompt" or "max_tokens" cannot be used, is an error naming its line number, as
+    `rl-orchestrate score`'s are."""
+    import json
+
+    from rlcli.errors import ConfigError
+
+    items: list = []
+    for number, line in enumerate(stream, 1):
+        if not line.strip():
+            continue
+        if not line.lstrip().startswith("{"):
+            items.append(line.rstrip("\n"))
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"stdin line {number} starts with '{{' but is not JSON ({e.msg}); pipe in a JSON "
+                              "object with a \"prompt\" per line, or plain-text prompts") from None
+        if not isinstance(record, dict) or "prompt" not in record:
+            items.append(line.rstrip("\n"))
+            continue
+        if not isinstance(record["prompt"], str):
+            raise ConfigError(f"stdin line {number}: \"prompt\" must be a string, got "
+                              f"{type(record['prompt']).__name__}")
+        limit = record.get("max_tokens")
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+            raise ConfigError(f"stdin line {number}: \"max_tokens\" must be an integer >= 1 (0: --max-tokens), "
+                              f"got {limit!r}")
+        items.append(record)
+    return items
 
 
 def main() -> None:

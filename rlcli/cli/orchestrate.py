@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 import typer
 
 from rlcli.cli._errors import handle_errors
-from rlcli.errors import RunDirError
+from rlcli.errors import ConfigError, RunDirError
 from rlcli.cli.common import (
     OVERRIDES, OVERRIDES_HELP, BatchInvariantOpt, ConfigOpt, EngineOpt, JsonAlwaysOpt, JsonRunOpt, PrintConfigOpt,
     R3Opt, RunDirOpt, SeedOpt, command_app, emit_json, finish, open_run, print_config, resolve_config, run_app,
@@ -50,10 +50,16 @@ def run_cmd(
                                        "seed": seed, "r3": r3})
     if print_config_:
         return print_config(cfg, json_)
-    run = open_run(cfg, "orchestrate")
-    from rlcli.orchestrate.entrypoints import orchestrate
+    from rlcli.transport.zmq import check_endpoint, name_bind_keys
 
-    finish(run, "orchestrate", orchestrate(cfg, run), json_)
+    for endpoint in cfg.orchestrate.connect:
+        check_endpoint(endpoint, "--connect/orchestrate.connect")
+    name_bind_keys("--orchestrate.host")
+    from rlcli.orchestrate.entrypoints import orchestrate, prepare
+
+    env, tokenizer = prepare(cfg)
+    run = open_run(cfg, "orchestrate")
+    finish(run, "orchestrate", orchestrate(cfg, run, env, tokenizer), json_)
 
 
 @app.command("up", context_settings=OVERRIDES, epilog=OVERRIDES_HELP)
@@ -95,8 +101,10 @@ def up_cmd(
         cfg = resolve_config(ctx, recipe, {**flags, "orchestrate.num_train_ranks": dp})
     if print_config_:
         return print_config(cfg, json_)
+    from rlcli.orchestrate.launcher import preflight, up
+
+    preflight(cfg)
     run = open_run(cfg, "up")
-    from rlcli.orchestrate.launcher import up
 
     code, summary = up(cfg, run)
     emit_json(summary)
@@ -117,16 +125,39 @@ def status_cmd(
 
     if watch is not None:
         if json_out or watch <= 0:
-            from rlcli.errors import ConfigError
-
             raise ConfigError("--watch takes a positive number of seconds and no --json (use --json without "
                              "--watch for one snapshot)")
+        check_run_json(run_dir)
         return watch_status(run_dir, watch)
+    check_run_json(run_dir)
     s = status(run_dir)
     if json_out:
         emit_json(s)
     else:
         print(render_status(s), flush=True)
+
+
+def check_run_json(run_dir: Path) -> None:
+    """A RunDirError if RUN/run.json exists but is not the object a run writes (a status of a
+    damaged run would otherwise show an empty table as if nothing had run)."""
+    import json
+
+    path = run_dir / "run.json"
+    if not path.is_file():
+        return  # status() says it is no run directory
+    try:
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError) as e:  # ValueError: JSONDecodeError, or bytes that are not UTF-8
+        reason = (e.strerror if isinstance(e, OSError) else f"not JSON: {e.msg}" if hasattr(e, "msg")
+                  else "not UTF-8")
+        raise RunDirError(f"{path} is unreadable or damaged ({reason}); is {run_dir} a run directory?") from None
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+        raise RunDirError(f"{path} is damaged (not a run's record: no recipe name); is {run_dir} a run directory?")
+
+
+def _at_least(flag: str, value: int, low: int = 1) -> None:
+    if value < low:
+        raise ConfigError(f"{flag} must be >= {low}, got {value}")
 
 
 @app.command("plot")
@@ -143,6 +174,7 @@ def plot_cmd(
 
     if not (run_dir / "run.json").is_file():
         raise RunDirError(f"{run_dir} is not a run directory (no run.json)")
+    check_run_json(run_dir)
     emit_json({"plot": str(plot_run(RunDir(run_dir), out))})
 
 
@@ -166,6 +198,7 @@ def tasks_cmd(
     json_: JsonAlwaysOpt = False,
 ) -> None:
     """Sample tasks from an environment as JSON lines (prompt, answer, info) for a pipeline."""
+    _at_least("-n/--num", num)
     from rlcli.orchestrate.pipeline import sample_tasks, write_records
 
     write_records(sample_tasks(_env_config(ctx, config, env), num, seed))
@@ -205,9 +238,15 @@ def eval_cmd(
     json_: JsonAlwaysOpt = False,
 ) -> None:
     """Evaluate the policy a live rl-infer serves on an environment: pass@k and mean reward as JSON."""
-    from rlcli.infer.client import generate_texts
+    from rlcli.infer.client import check_sampling_flags, generate_texts
     from rlcli.orchestrate.pipeline import sample_tasks, score_records, summarize_eval
 
+    _at_least("-n/--num", num)
+    check_sampling_flags(max_tokens=max_tokens, temperature=temperature, n=k, timeout=timeout, n_flag="-k")
+    if connect is not None:
+        from rlcli.transport.zmq import check_endpoint
+
+        check_endpoint(connect, "--connect")
     cfg = resolve_config(ctx, config, {"run_dir": str(run_dir) if run_dir else None, "env.name": env})
     tasks = list(sample_tasks(cfg.env, num, seed))
     generated = [{**task, **result} for task, (_, result) in zip(tasks, generate_texts(

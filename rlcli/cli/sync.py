@@ -29,6 +29,9 @@ def run_cmd(
                                        "sync.keep_weights": keep_weights})
     if print_config_:
         return print_config(cfg, json_)
+    from rlcli.transport.zmq import name_bind_keys
+
+    name_bind_keys("--sync.host")
     run = open_run(cfg, "sync")
     from rlcli.sync.syncer import run as sync
 

@@ -57,6 +57,7 @@ def run_cmd(
 ) -> None:
     """Train on rollout batches as they arrive (the default command); resumes from the newest checkpoint.
     Runs under torchrun (one rank per device), or launches torchrun itself with --nproc-per-node."""
+    check_launch_flags(nproc_per_node, nnodes, node_rank)
     cfg = resolve_config(ctx, config, {"run_dir": str(run_dir) if run_dir else None, "num_steps": steps,
                                        "train.optim.lr": lr, "train.micro_batch_tokens": micro_batch_tokens,
                                        "train.num_threads": threads, "train.fp8.enabled": True if fp8 else None,
@@ -76,8 +77,23 @@ def run_cmd(
         die_with_parent()  # a rank outlives a killed torchrun otherwise (its own session)
     run = open_run(cfg, "train")
     from rlcli.train.trainer import run as train
+    from rlcli.transport.zmq import name_bind_keys
+
+    name_bind_keys("--train.host", "--train.pub_port")
 
     finish(run, "train", train(cfg, run), json_)
+
+
+def check_launch_flags(nproc_per_node: Optional[int], nnodes: Optional[int], node_rank: Optional[int]) -> None:
+    """The launch flags, before they become a world size (a zero or negative one would be
+    reported as a mismatch of recipe keys the user never set)."""
+    from rlcli.errors import ConfigError
+
+    for flag, value in (("--nproc-per-node", nproc_per_node), ("--nnodes", nnodes)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {value}")
+    if node_rank is not None and not 0 <= node_rank < (nnodes or node_rank + 1):
+        raise ConfigError(f"--node-rank must be >= 0 and below --nnodes, got {node_rank}")
 
 
 def check_parallel(cfg, world_size: int) -> None:
@@ -102,6 +118,7 @@ def sft_cmd(
     steps: Annotated[Optional[int], typer.Option("--steps", help="SFT steps [default: train.sft.num_steps].")] = None,
     lr: Annotated[Optional[float], typer.Option("--lr", help="SFT learning rate.")] = None,
     threads: ThreadsOpt = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace --out if it already holds files.")] = False,
     print_config_: PrintConfigOpt = False,
     json_: Annotated[bool, typer.Option("--json", help="JSON on stdout: --print-config as JSON, and one line "
                                         "(output directory, steps) at the end.")] = False,
@@ -111,6 +128,12 @@ def sft_cmd(
                                        "train.num_threads": threads})
     if print_config_:
         return print_config(cfg, json_)
+    from rlcli.errors import ConfigError
+
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; pass a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:  # checked before training, not after
+        raise ConfigError(f"--out {out} already holds files; pass --overwrite to replace them, or another --out")
     from rlcli.train.entrypoints import sft
 
     sft(cfg, out)

@@ -8,15 +8,32 @@ from rlcli.models.tokenizer import load_tokenizer
 from rlcli.protocol import ErrorReply, GenerateRequest, GenerateResponse, SamplingParams
 from rlcli.transport.registry import list_entries
 from rlcli.transport.rundir import RunDir
-from rlcli.transport.zmq import RpcClient, new_request_id
+from rlcli.transport.zmq import RpcClient, check_endpoint, check_timeout, new_request_id
+
+
+def check_sampling_flags(*, max_tokens: int, temperature: float, n: int, timeout: float,
+                         n_flag: str = "--n") -> None:
+    """The command line's sampling flags, checked before any prompt is read or server reached:
+    a ConfigError naming the first flag out of range (``n_flag``: how the command spells the
+    completions per prompt)."""
+    if max_tokens < 1:
+        raise ConfigError(f"--max-tokens must be >= 1, got {max_tokens}")
+    if n < 1:
+        raise ConfigError(f"{n_flag} must be >= 1, got {n}")
+    if not temperature >= 0 or temperature == float("inf"):
+        raise ConfigError(f"--temperature must be a finite number >= 0 (0 is greedy), got {temperature:g}")
+    check_timeout(timeout)
 
 
 def generate_texts(prompts: list[str | dict], *, run_dir: Path | None, connect: str | None, model: Path | None,
                    max_tokens: int, temperature: float, n: int, timeout: float) -> Iterator[tuple[str, dict]]:
     """(prompt, result) per prompt, in order. A prompt is a string or a record with a ``prompt`` field
     (and optionally its own ``max_tokens``), as ``rl-orchestrate tasks`` writes them."""
+    check_sampling_flags(max_tokens=max_tokens, temperature=temperature, n=n, timeout=timeout)
     run = RunDir(run_dir) if run_dir else None
-    if connect is None:
+    if connect is not None:
+        check_endpoint(connect, "--connect")
+    else:
         if run is None:
             raise ConfigError("pass --connect tcp://host:port or --run-dir of a run with a live rl-infer")
         entries = list_entries(run.registry_dir(), "infer")

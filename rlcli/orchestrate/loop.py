@@ -79,10 +79,12 @@ class Orchestrator:
     http: HttpGroups | None = None
     """Groups whose episodes the environment runs itself over rl-infer's HTTP API, if it does."""
 
-    def __init__(self, cfg: RecipeConfig, run: RunDir):
+    def __init__(self, cfg: RecipeConfig, run: RunDir, env=None, tokenizer=None):
+        """``env`` and ``tokenizer``: already built from ``cfg`` (rl-orchestrate run builds them before it
+        claims the run directory, so a bad env.args leaves no claim); None builds them here."""
         self.cfg, self.run, self.ocfg = cfg, run, cfg.orchestrate
-        self.env = make_env(cfg.env)
-        self.tokenizer = load_tokenizer(cfg.model.path)
+        self.env = env if env is not None else make_env(cfg.env)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model.path)
         self.pool = InferPool(run, self.ocfg.connect, self.ocfg.request_timeout_s)
         self.episodes = Episodes(cfg, self.env, self.tokenizer, self.pool.new_request_id)
         self.http = HttpGroups(cfg, self.env, run) if uses_http(cfg, self.env) else None

@@ -17,6 +17,7 @@ from typing import Any, Iterable, Iterator, TextIO
 from rlcli.envs import Task, is_multi_turn, make_env
 from rlcli.envs.runner import call, check_reward, describe, log
 from rlcli.errors import ConfigError
+from rlcli.transport.jsonl import json_objects
 
 
 def task_record(task: Task) -> dict[str, Any]:
@@ -32,15 +33,7 @@ def sample_tasks(env_cfg, num_tasks: int, seed: int) -> Iterator[dict[str, Any]]
 
 def read_records(stream: TextIO) -> Iterator[dict[str, Any]]:
     """JSON objects, one per non-empty line; a line that is not one is an error naming it."""
-    for number, line in enumerate(stream, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"stdin line {number} is not JSON ({e.msg}); pipe in JSON lines") from None
-        if not isinstance(obj, dict):
-            raise ConfigError(f"stdin line {number} is a JSON {type(obj).__name__}, expected an object")
+    for _, obj in json_objects(stream, "stdin"):
         yield obj
 
 
@@ -94,7 +87,8 @@ def summarize_eval(scored: list[dict[str, Any]], k: int, threshold: float) -> di
     return out
 
 
-def write_records(records: Iterable[dict[str, Any]], stream: TextIO = sys.stdout) -> None:
+def write_records(records: Iterable[dict[str, Any]], stream: TextIO | None = None) -> None:
+    stream = stream if stream is not None else sys.stdout  # looked up now: a caller may have replaced it
     for rec in records:
         stream.write(json.dumps(rec, sort_keys=True) + "\n")
         stream.flush()

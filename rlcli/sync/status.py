@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from rlcli.errors import RunDirError
 from rlcli.transport.atomic import atomic_write_bytes, read_json
 
 STATUS_FILE = Path("sync") / "status.json"
@@ -37,10 +38,43 @@ def write_status(run, kind: str, policy_version: int, target: int, servers: dict
 
 
 def read_status(run_root: str | Path) -> dict[str, Any] | None:
+    """The status rl-sync last wrote; None when there is none yet. A file that is there but cannot
+    be read, or is not what rl-sync writes (a truncated copy, another program's), is a RunDirError
+    naming it: rl-sync replaces it whole at its next change."""
+    path = Path(run_root) / STATUS_FILE
     try:
-        return read_json(Path(run_root) / STATUS_FILE)
-    except (OSError, json.JSONDecodeError):
+        status = read_json(path)
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
+        reason = (e.strerror if isinstance(e, OSError) else f"not JSON: {e.msg}" if hasattr(e, "msg")
+                  else "not UTF-8")
+        raise RunDirError(f"{path} is unreadable or damaged ({reason}); rl-sync rewrites it at its next update "
+                          "(or delete it)") from None
+    if status is None:
         return None
+    problem = _problem(status)
+    if problem:
+        raise RunDirError(f"{path} is damaged ({problem}); rl-sync rewrites it at its next update (or delete it)")
+    return status
+
+
+_SERVER_KEYS = ("version", "state", "host", "pid")
+
+
+def _problem(status: Any) -> str:
+    """What makes ``status`` other than what :func:`write_status` writes ('' if nothing)."""
+    if not isinstance(status, dict):
+        return f"a JSON {type(status).__name__}, not an object"
+    missing = [k for k in ("backend", "policy_version", "latest_published", "servers") if k not in status]
+    if missing:
+        return f"no {', '.join(missing)}"
+    if not isinstance(status["servers"], dict) or not all(
+            isinstance(s, dict) and all(k in s for k in _SERVER_KEYS) for s in status["servers"].values()):
+        return f"servers is not a table of {', '.join(_SERVER_KEYS)}"
+    update = status.get("last_update") or {}
+    if not isinstance(update, dict) or (update and "version" not in update) or not all(
+            v is None or isinstance(v, (int, float)) for k, v in update.items() if k.endswith("_s")):
+        return "last_update is not a table of a version and its timings"
+    return ""
 
 
 def render(status: dict[str, Any]) -> str:

@@ -10,7 +10,6 @@ up, clipped and stepped in fp32, the result rounded back into the model): AdamW 
 parameters would round away every update below their spacing.
 """
 
-import json
 import random
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ from rlcli.envs import Task, make_env, render_prompt
 from rlcli.errors import ConfigError
 from rlcli.ops.attention import ForwardContext, PackedCausalAttention
 from rlcli.protocol.batch import pack_rows
+from rlcli.transport.jsonl import json_objects
 
 
 def demonstrations(cfg: RecipeConfig, tokenizer, seed: int) -> Iterator[tuple[list[int], list[int]]]:
@@ -41,9 +41,13 @@ def demonstrations(cfg: RecipeConfig, tokenizer, seed: int) -> Iterator[tuple[li
     path = Path(cfg.train.sft.dataset)
     if not path.is_file():
         raise ConfigError(f"train.sft.dataset {path} not found; give a JSONL file or 'env'")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if not rows or not all("prompt" in r and "completion" in r for r in rows):
-        raise ConfigError(f"train.sft.dataset {path}: every line needs 'prompt' and 'completion'")
+    rows = []
+    for number, row in json_objects(path.read_text(errors="replace").splitlines(), f"train.sft.dataset {path},"):
+        if not (isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str)):
+            raise ConfigError(f"train.sft.dataset {path}, line {number}: needs 'prompt' and 'completion' strings")
+        rows.append(row)
+    if not rows:
+        raise ConfigError(f"train.sft.dataset {path} has no examples")
     while True:
         rng.shuffle(rows)
         for r in rows:

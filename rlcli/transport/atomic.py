@@ -341,8 +341,11 @@ def atomic_dir(final: str | Path, marker: dict[str, Any] | None = None,
     An existing ``final`` (complete or not) is replaced by an atomic exchange (see the
     module note), so readers see either the old complete directory or the new one. On
     error the temporary directory is removed. ``checksums`` may be filled inside the block
-    with the checksums of files written from memory (no read-back for the manifest).
+    with the checksums of files written from memory (no read-back for the manifest). A ``final``
+    that is a file is refused before anything is written (the exchange would move the file aside).
     """
+    if Path(final).exists() and not Path(final).is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "a directory cannot replace this file", str(final))
     tmp = begin_dir(final)
     try:
         yield tmp

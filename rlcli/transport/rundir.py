@@ -85,9 +85,16 @@ class RunDir:
         # Another process may be between its O_EXCL create and its write (an empty file): wait.
         existing = self._read_run_json(path) if path.exists() else None
         if existing is None:
-            self.root.mkdir(parents=True, exist_ok=True)
-            for sub in ("config", "registry", "rollouts", "weights", "checkpoints", "progress", "metrics", "logs"):
-                (self.root / sub).mkdir(exist_ok=True)
+            if self.root.exists() and not self.root.is_dir():
+                raise RunDirError(f"run directory {self.root} is a file; pass another --run-dir")
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                for sub in ("config", "registry", "rollouts", "weights", "checkpoints", "progress", "metrics",
+                            "logs"):
+                    (self.root / sub).mkdir(exist_ok=True)
+            except (FileExistsError, NotADirectoryError, PermissionError, FileNotFoundError) as e:
+                raise RunDirError(f"cannot create run directory {self.root} ({e.strerror}: {e.filename}); "
+                                  "pass another --run-dir") from None
             try:
                 # O_EXCL: of several processes creating the run at once, one writes run.json.
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)

@@ -5,6 +5,8 @@ with ``linger=0``: a process that exits never blocks on undelivered messages, be
 every durable fact also lives in the run directory.
 """
 
+import errno
+import re
 import socket
 import time
 import uuid
@@ -12,7 +14,7 @@ from typing import Iterable
 
 import zmq
 
-from rlcli.errors import PeerUnreachable
+from rlcli.errors import ConfigError, PeerUnreachable
 from rlcli.protocol import ErrorReply, Message, decode, decode_envelope, encode
 
 DEFAULT_HWM = 10_000
@@ -34,12 +36,67 @@ def advertised(host: str) -> str:
     return socket.gethostbyname(socket.gethostname()) if host in ("0.0.0.0", "*") else host
 
 
+_BIND_KEYS = {"host": "", "port": ""}
+"""The flags or recipe keys that set the interface and port this process binds (named by bind errors)."""
+
+
+def name_bind_keys(host: str, port: str = "") -> None:
+    """Say which flag or recipe key sets the host (and the port, where the user chooses one) of
+    the sockets this process binds, so that a failed bind names what to change. Each serving
+    command calls it before it binds: ``name_bind_keys("--host or cache.host", "--port or cache.port")``."""
+    _BIND_KEYS.update(host=host, port=port)
+
+
 def _bind(sock: zmq.Socket, host: str, port: int) -> str:
-    if port:
-        sock.bind(f"tcp://{host}:{port}")
-    else:
-        port = sock.bind_to_random_port(f"tcp://{host}")
+    address = f"tcp://{host}:{port or '*'}"
+    try:
+        if port:
+            sock.bind(address)
+        else:
+            port = sock.bind_to_random_port(f"tcp://{host}")
+    except zmq.ZMQError as e:
+        sock.close(linger=0)
+        raise bind_error(address, e) from None
     return f"tcp://{advertised(host)}:{port}"
+
+
+def bind_error(address: str, e: zmq.ZMQError) -> ConfigError:
+    """One line for a bind that failed: the address, why, and the flag or key to change. A usage
+    error (exit 2), as the HTTP listener's is (rlcli.infer.http): the user picks another port or host."""
+    if e.errno == errno.EADDRINUSE:
+        return ConfigError(f"cannot bind {address}: the address is already in use; change "
+                           f"{_BIND_KEYS['port'] or 'the port'} (0 picks a free port)")
+    reason = e.strerror.split(" (addr=")[0]
+    return ConfigError(f"cannot bind {address} ({reason}); set {_BIND_KEYS['host'] or 'the host'} to an address "
+                       "of this host (127.0.0.1, or 0.0.0.0 for every interface)")
+
+
+_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):([0-9]{1,5})")
+
+
+def check_endpoint(endpoint: str, flag: str = "--connect") -> str:
+    """``endpoint`` if it has the form tcp://HOST:PORT that rlcli's servers listen on; a
+    ConfigError naming ``flag`` otherwise."""
+    m = _ENDPOINT.fullmatch(endpoint)
+    if m is None or not 1 <= int(m.group(2)) <= 65535:
+        raise ConfigError(f"{flag} {endpoint!r} is not an endpoint; expected tcp://HOST:PORT "
+                          "(e.g. tcp://127.0.0.1:5555)")
+    return endpoint
+
+
+def check_timeout(timeout: float, flag: str = "--timeout") -> None:
+    """A ConfigError naming ``flag`` unless ``timeout`` is a positive number of seconds (a zero or
+    negative one would report a live peer as unreachable)."""
+    if not timeout > 0:  # NaN too
+        raise ConfigError(f"{flag} must be > 0 seconds, got {timeout:g}")
+
+
+def _connect(sock: zmq.Socket, endpoint: str) -> None:
+    try:
+        sock.connect(endpoint)
+    except zmq.ZMQError as e:
+        raise ConfigError(f"cannot connect to {endpoint!r} ({e.strerror.split(' (addr=')[0]}); an endpoint "
+                          "looks like tcp://HOST:PORT (check --connect)") from None
 
 
 class RpcServer:
@@ -123,7 +180,11 @@ class RpcClient:
         self.sock.setsockopt(zmq.IMMEDIATE, 1)
         self.sock.setsockopt(zmq.RECONNECT_IVL, 100)
         self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-        self.sock.connect(endpoint)
+        try:
+            _connect(self.sock, endpoint)
+        except ConfigError:
+            self.sock.close(linger=0)
+            raise
         self._pending: dict[str, Message] = {}
 
     def send(self, msg: Message, timeout_s: float = 0.0) -> bool:
@@ -214,7 +275,7 @@ class Subscriber:
 
     def connect(self, endpoint: str) -> None:
         if endpoint not in self.connected:
-            self.sock.connect(endpoint)
+            _connect(self.sock, endpoint)
             self.connected.add(endpoint)
 
     def disconnect(self, endpoint: str) -> None:

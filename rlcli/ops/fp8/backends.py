@@ -49,6 +49,7 @@ from typing import Literal, Protocol
 import torch
 import torch.nn.functional as F
 
+from rlcli.errors import ConfigError
 from rlcli.ops.fp8 import grouped_triton, linear_triton, runtime
 from rlcli.ops.fp8.quant import BLOCK, FP8_DTYPE, ceil_div, dequantize_1x128, dequantize_128x128
 from rlcli.transport.registry import expect_long
@@ -460,7 +461,7 @@ def make_backend(name: BackendName = "auto", device: torch.device | str = "cpu",
     kernel reading the offsets on the device, instead of a loop of ``scaled_mm`` over the experts.
     ``inference`` (FP8 weights, the native engine): with either kernel backend, a decode batch's
     linear (:func:`rlcli.ops.fp8.linear_triton.serves`) runs in that module's kernel.
-    Raises ValueError naming the config key when a requested backend cannot run here."""
+    Raises ConfigError naming the config key when a requested backend cannot run here."""
     device = torch.device(device)
     if name in ("auto", "deep_gemm") and device.type == "cuda":
         dg = import_deep_gemm()
@@ -470,8 +471,8 @@ def make_backend(name: BackendName = "auto", device: torch.device | str = "cpu",
                      ", decode rows in Triton" if backend.fused_rows else "")
             return backend
         if name == "deep_gemm":
-            raise ValueError("fp8.backend = 'deep_gemm' but deep_gemm does not import; install it or set "
-                             "fp8.backend = 'auto'")
+            raise ConfigError("fp8.backend = 'deep_gemm' but deep_gemm does not import; install it or set "
+                              "fp8.backend = 'auto'")
     if name in ("auto", "torch") and _is_sm90(device):
         backend = TorchScaledMMBackend(inference=inference)
         log.info("fp8 GEMM backend: torch scaled_mm (blockwise 1x128 x 128x128)%s%s",
@@ -479,7 +480,7 @@ def make_backend(name: BackendName = "auto", device: torch.device | str = "cpu",
                  ", decode rows in Triton" if backend.fused_rows else "")
         return backend
     if name in ("deep_gemm", "torch"):
-        raise ValueError(f"fp8.backend = {name!r} needs a Hopper (SM90) CUDA device, got {device}; "
-                         "set fp8.backend = 'emulated' or 'auto'")
+        raise ConfigError(f"fp8.backend = {name!r} needs a Hopper (SM90) CUDA device, got {device}; "
+                          "set fp8.backend = 'emulated' or 'auto'")
     log.info("fp8 GEMM backend: emulated (dequantize + fp32 matmul) on %s", device)
     return EmulatedBackend()

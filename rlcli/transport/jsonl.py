@@ -1,0 +1,21 @@
+"""JSON lines read from a user's file or pipe: each bad line is an error that names it."""
+
+import json
+from typing import Any, Iterable, Iterator
+
+from rlcli.errors import ConfigError
+
+
+def json_objects(lines: Iterable[str], where: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) of each non-empty line; a line that is not a JSON object is a
+    ConfigError naming ``where`` (e.g. "stdin", or a file and the key that named it) and the line."""
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{where} line {number} is not JSON ({e.msg}); give one JSON object per line") from None
+        if not isinstance(obj, dict):
+            raise ConfigError(f"{where} line {number} is a JSON {type(obj).__name__}, expected an object")
+        yield number, obj
