@@ -191,12 +191,15 @@ def test_missing_model_directory(tmp_path, tiny_model_dir, module, args):
     assert not (tmp_path / "run").exists()
 
 
+FAST_FAIL = ("--orchestrate.request_timeout_s", "1")  # an unreachable --connect fails after 1 s, not 10
+
+
 def test_unreachable_peers(tmp_path, tiny_model_dir):
     one_line_error(cli("rlcli.cli.cache", "stats", "--connect", "tcp://127.0.0.1:9", "--timeout", "1"), 1,
                    "cannot reach rl-cache at tcp://127.0.0.1:9")
     recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, tmp_path / "run")
-    one_line_error(cli("rlcli.cli.orchestrate", "run", "--config", str(recipe), "--connect", "tcp://127.0.0.1:9"),
-                   1, "cannot reach rl-infer at tcp://127.0.0.1:9")
+    one_line_error(cli("rlcli.cli.orchestrate", "run", "--config", str(recipe), "--connect", "tcp://127.0.0.1:9",
+                       *FAST_FAIL), 1, "cannot reach rl-infer at tcp://127.0.0.1:9")
     one_line_error(cli("rlcli.cli.infer", "generate", "hello", "--run-dir", str(tmp_path / "empty")), 1,
                    "no live rl-infer")
 
@@ -205,7 +208,7 @@ def test_run_directory_of_another_recipe(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "run"
     first = write_recipe(tmp_path / "a.toml", tiny_model_dir, run_dir)
     assert cli("rlcli.cli.orchestrate", "run", "--config", str(first), "--steps", "1",
-               "--connect", "tcp://127.0.0.1:9").returncode == 1  # claims the run directory, then fails
+               "--connect", "tcp://127.0.0.1:9", *FAST_FAIL).returncode == 1  # claims the run directory, then fails
     other = write_recipe(tmp_path / "b.toml", tiny_model_dir, run_dir, top={"name": "other"})
     one_line_error(cli("rlcli.cli.train", "--config", str(other)), 2, "belongs to recipe 'e2e'", "--run-dir")
 
@@ -216,7 +219,7 @@ def test_a_process_started_by_hand_logs_into_the_run(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "run"
     recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, run_dir)
     out = cli("rlcli.cli.orchestrate", "run", "--config", str(recipe), "--steps", "1", "--connect",
-              "tcp://127.0.0.1:9")
+              "tcp://127.0.0.1:9", *FAST_FAIL)
     one_line_error(out, 1, "cannot reach rl-infer at tcp://127.0.0.1:9")
     log = (run_dir / "logs" / "orchestrate-0.log").read_text().splitlines()
     assert log[-1] == out.stderr.strip()

@@ -79,7 +79,8 @@ class OrchestrateConfig(Config):
     """How long an rl-infer server may leave the orchestrator's question "which of these requests
     do you hold?" unanswered (asked every 10 s, or this often if shorter) before its requests are
     aborted there and sent elsewhere. A request its server holds is never timed out, however
-    long it decodes; one it does not hold is sent again at its next answer."""
+    long it decodes; one it does not hold is sent again at its next answer. At start, a --connect
+    endpoint that does not answer within 10 s (or this, if shorter) stops the orchestrator."""
 
     keep_rollouts: int = 8
     """Delete rollout batches this many steps behind the trainer."""

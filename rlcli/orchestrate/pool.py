@@ -110,8 +110,10 @@ class InferPool:
         # Whatever an earlier incarnation of this owner left running there is unwanted now.
         s.greeting = AbortRequests(request_ids=[], prefix=f"{self.owner}.", except_prefix=self.prefix)
 
-    def check_reachable(self, timeout_s: float = 10.0) -> None:
-        """Fail fast on fixed endpoints nobody answers on; learn each one's role (prefill, decode, mixed)."""
+    def check_reachable(self, timeout_s: float | None = None) -> None:
+        """Fail fast on fixed endpoints nobody answers on (within 10 s, or ``request_timeout_s`` if
+        shorter); learn each one's role (prefill, decode, mixed)."""
+        timeout_s = timeout_s if timeout_s is not None else min(10.0, self.timeout_s)
         for s in self.servers.values():
             reply = s.client.call(HealthRequest(request_id=new_request_id()), timeout_s, peer="rl-infer")
             if not isinstance(reply, HealthResponse):
