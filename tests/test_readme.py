@@ -37,3 +37,20 @@ def test_the_engine_table_lists_each_engines_own_keys():
         row = next(line for line in text.splitlines() if line.startswith(f"| `{name}`"))
         listed = set(re.findall(r"`(\w+)`", row.rsplit("|", 2)[-2]))
         assert listed == {f.name for f in msgspec.structs.fields(cfg)} - {"name"}, name
+
+
+def test_the_settings_a_run_must_agree_on_are_the_ones_readme_names():
+    """README names the settings live processes must agree on; SHARED_SETTINGS is what they register
+    and compare, and each role registers the ones it shares."""
+    import re
+
+    from rlcli.config import load_recipe
+    from rlcli.config.recipe import SHARED_SETTINGS, shared_settings
+
+    text = " ".join((REPO / "README.md").read_text().split())
+    named = re.search(r"So is one whose settings shared with a live peer differ: (.*?) \(", text).group(1)
+    assert set(re.findall(r"`([\w.]+)`", named)) == set(SHARED_SETTINGS)
+    cfg = load_recipe(REPO / "recipes" / "reverse.toml")
+    assert set(shared_settings(cfg, "train")) == set(SHARED_SETTINGS)  # the trainer shares every one
+    assert set(shared_settings(cfg, "infer")) == {"r3"} and set(shared_settings(cfg, "sync")) == {"sync.backend.kind"}
+    assert set(shared_settings(cfg, "orchestrate")) == {"num_steps", "r3", "train.micro_batch_tokens"}
