@@ -133,19 +133,6 @@ def test_a_bad_sft_dataset_line_is_named(tmp_path, tiny_model_dir):
     assert not out.exists()
 
 
-def test_an_fp8_kernel_backend_off_hopper_is_a_config_error():
-    import torch
-
-    from rlcli.errors import ConfigError
-    from rlcli.ops.fp8.backends import make_backend
-
-    if torch.cuda.is_available():
-        pytest.skip("a CUDA device may be Hopper")
-    for name in ("torch", "deep_gemm"):
-        with pytest.raises(ConfigError, match="fp8.backend"):
-            make_backend(name, "cpu")
-
-
 def test_a_mistyped_flag_is_named_as_no_such_option_not_as_an_override(tmp_path):
     from rlcli.config.load import parse_overrides
     from rlcli.errors import ConfigError
