@@ -37,18 +37,40 @@ def digest(value: bytes) -> bytes:
     return hashlib.blake2b(value, digest_size=16).digest()
 
 
+def _hold(root: Path):
+    """An exclusive lock on ``root/.lock`` for this process's lifetime (the open file is returned and
+    kept); a directory another live store holds is a ConfigError naming --disk-dir."""
+    import fcntl
+
+    from rlcli.errors import ConfigError
+
+    f = open(root / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        raise ConfigError(f"disk tier {root} is in use by another rl-cache; give each store its own --disk-dir "
+                          "(cache.backend.disk_dir)") from None
+    return f
+
+
 class DiskStore:
     """Blocks as checksummed files, LRU-bounded by ``capacity_bytes``."""
 
     def __init__(self, root: str | Path, capacity_bytes: int):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        self._lock = _hold(self.root)  # one store per directory: its index and capacity are the files'
         self.capacity = capacity_bytes
         self.index: OrderedDict[bytes, tuple[int, BlockMeta | None]] = OrderedDict()  # key -> (nbytes, meta)
         self.bytes_used = 0
         self.num_evictions = 0
         self.num_corrupt = 0
         self._scan()
+
+    def close(self) -> None:
+        """Release the directory's lock (another store may take it)."""
+        self._lock.close()
 
     def _path(self, key: bytes) -> Path:
         h = key.hex()
@@ -96,10 +118,14 @@ class DiskStore:
         path.parent.mkdir(exist_ok=True)
         header = _encode(_Header(meta, len(value), digest(value)))
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        with open(tmp, "wb") as f:
-            f.write(MAGIC + struct.pack("<I", len(header)) + header)
-            f.write(value)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(MAGIC + struct.pack("<I", len(header)) + header)
+                f.write(value)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a full disk leaves no torn temporary behind
+            raise
         self.index[key] = (len(value), meta)
         self.bytes_used += len(value)
         return True
@@ -229,6 +255,9 @@ class TieredStore:
 
     def close(self) -> None:
         # RAM contents go down to disk, so a restarted store serves them.
-        for key, value, meta in self.ram.items():
-            self.disk.write(key, value, meta)
-        self.ram.close()
+        try:
+            for key, value, meta in self.ram.items():
+                self.disk.write(key, value, meta)
+        finally:
+            self.ram.close()
+            self.disk.close()

@@ -17,12 +17,14 @@
 A process that missed a ZeroMQ announcement recovers by reading this directory.
 """
 
+import errno
 import hashlib
 import json
 import logging
 import os
 import re
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,8 @@ from rlcli.transport.atomic import (
     is_stable,
     read_checked_json,
     read_marker,
+    storage_full,
+    temp_tag,
     verify_dir,
     write_checked_json,
 )
@@ -82,7 +86,7 @@ class RunDir:
         """
         fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
         path = self.root / "run.json"
-        # Another process may be between its O_EXCL create and its write (an empty file): wait.
+        # A creator without hard links may be between its O_EXCL create and its write: wait.
         existing = self._read_run_json(path) if path.exists() else None
         if existing is None:
             if self.root.exists() and not self.root.is_dir():
@@ -95,18 +99,11 @@ class RunDir:
             except (FileExistsError, NotADirectoryError, PermissionError, FileNotFoundError) as e:
                 raise RunDirError(f"cannot create run directory {self.root} ({e.strerror}: {e.filename}); "
                                   "pass another --run-dir") from None
-            try:
-                # O_EXCL: of several processes creating the run at once, one writes run.json.
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                existing = self._read_run_json(path)
-            else:
-                with os.fdopen(fd, "w") as f:
-                    json.dump({"name": name, "fingerprint": fingerprint, "identity": identity,
-                               "created": time.time()}, f, indent=1, sort_keys=True)
-                    f.flush()
-                    os.fsync(f.fileno())
+            record = json.dumps({"name": name, "fingerprint": fingerprint, "identity": identity,
+                                 "created": time.time()}, indent=1, sort_keys=True).encode()
+            if self._create_run_json(path, record):
                 return
+            existing = self._read_run_json(path)
         if existing.get("name") != name or existing.get("fingerprint") != fingerprint:
             what = "recipe" if existing.get("name") != name else "model or environment of recipe"
             raise RunDirError(
@@ -120,8 +117,44 @@ class RunDir:
         for sub in ("config", "registry", "progress", "sync", "weights/.pins"):
             clean_temporaries(self.root / sub)
 
+    @staticmethod
+    def _create_run_json(path: Path, record: bytes) -> bool:
+        """Create run.json whole, or return False if another process created it first: the record is
+        written and fsynced under a temporary name, then hard-linked to run.json (a link fails if the
+        name exists), so run.json is never seen empty or torn, even after a kill or a full disk.
+        Where the filesystem has no hard links, an exclusive create and a write in place."""
+        tmp = path.with_name(f".{path.name}.tmp-{temp_tag()}-{uuid.uuid4().hex[:8]}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(record)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return False
+            except OSError as e:
+                if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+                    raise
+                try:  # no hard links here: O_EXCL picks one creator (a reader retries while it writes)
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                except FileExistsError:
+                    return False
+                with os.fdopen(fd, "wb") as f:
+                    f.write(record)
+                    f.flush()
+                    os.fsync(f.fileno())
+            return True
+        except OSError as e:
+            full = storage_full(e, path)
+            if full is not None:
+                raise full from None
+            raise
+        finally:
+            tmp.unlink(missing_ok=True)
+
     def _read_run_json(self, path: Path) -> dict[str, Any]:
-        for _ in range(50):  # the creator is between O_EXCL and fsync
+        for _ in range(50):  # a creator without hard links is between its O_EXCL create and its write
             try:
                 return json.loads(path.read_text())
             except (json.JSONDecodeError, FileNotFoundError):
@@ -186,8 +219,19 @@ class RunDir:
         (W&B, TensorBoard; see :mod:`rlcli.transport.sinks`). A failing sink is dropped with a warning."""
         path = self.metrics_file(command)
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a") as f:
-            f.write(json.dumps(record, sort_keys=True) + "\n")
+        line = (json.dumps(record, sort_keys=True) + "\n").encode()
+        try:
+            with open(path, "ab+") as f:
+                if f.seek(0, os.SEEK_END):
+                    f.seek(-1, os.SEEK_END)
+                    if f.read(1) != b"\n":  # a write cut short (a kill, a full disk) left a torn line:
+                        line = b"\n" + line  # it stays alone, skipped by readers, and this record is whole
+                f.write(line)
+        except OSError as e:
+            full = storage_full(e, path)
+            if full is not None:
+                raise full from None
+            raise
         for sink in list(self.sinks):
             try:
                 sink.log(command, record)

@@ -49,10 +49,27 @@ def test_corrupt_disk_block_is_dropped_not_served(tmp_path):
     raw = bytearray(path.read_bytes())
     raw[-5] ^= 0x40  # one flipped bit in the payload
     path.write_bytes(bytes(raw))
+    disk.close()  # the writer's store has gone (it held the directory)
     store = TieredStore(META.nbytes, tmp_path, 10 * META.nbytes)
     assert store.get(keys, META) == [values[0], None, values[2]]
     assert store.stats()["corrupt"] == 1 and not path.exists()
     assert store.get(keys, META, prefix=True) == [values[0], None, None]  # the run stops at the hole
+
+
+def test_a_disk_directory_serves_one_store_at_a_time(tmp_path):
+    """Each store indexes and evicts the directory's files as its own: a second live store on it is
+    refused naming --disk-dir; once the first has closed (or died), the directory is free."""
+    from rlcli.errors import ConfigError
+
+    keys, values = blocks(2)
+    first = TieredStore(META.nbytes, tmp_path, 10 * META.nbytes)
+    first.put(keys, values, META)
+    with pytest.raises(ConfigError, match="--disk-dir"):
+        DiskStore(tmp_path, 10 * META.nbytes)
+    first.close()  # the RAM tier goes down to disk, the lock is released
+    again = DiskStore(tmp_path, 10 * META.nbytes)
+    assert set(again.index) == set(keys)
+    again.close()
 
 
 def test_eviction_respects_capacity(tmp_path):

@@ -63,8 +63,9 @@ def test_atomic_json(tmp_path):
 
 
 def test_run_dir_claim_waits_for_a_creator_between_create_and_write(tmp_path):
-    """Processes of one run start together: one creates run.json (O_EXCL, empty for a moment),
-    the others read it; an empty file is waited for, not a JSONDecodeError."""
+    """Processes of one run start together: one creates run.json, the others read it; where it is
+    created in place (no hard links: O_EXCL, empty for a moment), an empty file is waited for, not a
+    JSONDecodeError."""
     import threading
 
     first = RunDir(tmp_path / "run")
@@ -109,12 +110,47 @@ def test_resolve_weights_follows_source_marker(tmp_path):
     assert run.resolve_weights(1) == run.weights_dir(1)
 
 
-def test_metrics_skip_a_partial_last_line(tmp_path):
+def test_metrics_skip_a_partial_last_line_and_the_next_record_is_kept_whole(tmp_path):
+    """A write cut short (a kill, a full disk) leaves a torn last line: readers skip it, and the next
+    append starts a line of its own instead of gluing its record onto the fragment."""
     run = RunDir(tmp_path)
     run.append_metrics("train", {"step": 1})
     with open(run.metrics_file("train"), "a") as f:
         f.write('{"step": 2, "lo')
     assert run.read_metrics("train") == [{"step": 1}]
+    run.append_metrics("train", {"step": 3})
+    run.append_metrics("train", {"step": 4})
+    assert run.read_metrics("train") == [{"step": 1}, {"step": 3}, {"step": 4}]
+
+
+def test_run_json_is_created_whole_or_not_at_all(tmp_path, monkeypatch):
+    """run.json is written under a temporary name and linked into place: a full disk leaves no
+    run.json (and no temporary) to refuse the next start; without hard links, O_EXCL creates it."""
+    import errno
+
+    from rlcli.errors import StorageFull
+
+    real_open = open
+
+    def full_disk(file, mode="r", *args, **kwargs):
+        if ".run.json.tmp-" in str(file):
+            raise OSError(errno.ENOSPC, "No space left on device", str(file))
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", full_disk)
+    with pytest.raises(StorageFull):
+        RunDir(tmp_path / "run").claim("reverse", {"model": {"path": "/m"}})
+    monkeypatch.setattr("builtins.open", real_open)
+    assert not [p for p in (tmp_path / "run").iterdir() if "run.json" in p.name]
+
+    def no_links(src, dst):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    RunDir(tmp_path / "run").claim("reverse", {"model": {"path": "/m"}})
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["name"] == "reverse"
+    RunDir(tmp_path / "run").claim("reverse", {"model": {"path": "/m"}})  # the second creator reads it
+    assert [p.name for p in (tmp_path / "run").iterdir() if "run.json" in p.name] == ["run.json"]
 
 
 def test_temporaries_carry_host_and_rank_and_other_hosts_live_ones_are_left_alone(tmp_path, monkeypatch):
