@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from rlcli.transport.atomic import atomic_write_bytes
+
 OUT_DIR = Path(__file__).resolve().parents[2] / "completions"
 
 PROGRAMS = ("rl-infer", "rl-train", "rl-sync", "rl-cache", "rl-orchestrate")
@@ -60,7 +62,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 return 1
         else:
             args.out_dir.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
+            atomic_write_bytes(path, text.encode(), fsync=False)  # never a truncated script to source
     return 0
 
 

@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from rlcli.transport.atomic import atomic_write_bytes
+
 OUT = Path(__file__).resolve().parents[2] / "docs" / "cli.md"
 
 MODULES = {"rl-infer": "rlcli.cli.infer", "rl-train": "rlcli.cli.train", "rl-sync": "rlcli.cli.sync",
@@ -54,7 +56,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"{OUT} is stale: run `{GENERATOR}`", file=sys.stderr)
             return 1
     elif args.out:
-        args.out.write_text(text)
+        atomic_write_bytes(args.out, text.encode(), fsync=False)
     else:
         sys.stdout.write(text)
     return 0

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import threading
 import time
 from pathlib import Path
@@ -49,7 +48,7 @@ from torch.distributed.tensor import DTensor
 from rlcli.logging import setup_logging
 from rlcli.models.hf_io import copy_tokenizer_files, hf_entries
 from rlcli.models.safetensors_io import plan_shards, write_index
-from rlcli.transport.atomic import commit_dir, storage_full
+from rlcli.transport.atomic import commit_dir, storage_full, temp_tag
 from rlcli.transport.checksum import file_checksum
 
 if TYPE_CHECKING:
@@ -133,7 +132,7 @@ class FilesystemPublisher:
         self.fp8 = cfg.train.fp8.enabled and cfg.train.fp8.publish
         self.rank, self.world_size = world()
         self.barrier_timeout_s = barrier_timeout_s
-        token = [f"{socket.gethostname()}-{os.getpid()}"]
+        token = [temp_tag()]  # rank 0's <host>-r0-<pid>: clean_temporaries knows whose it is, on any host
         if self.world_size > 1:
             dist.broadcast_object_list(token, src=0)  # one temporary name for all ranks
         self.token = token[0]

@@ -52,10 +52,14 @@ def write_payloads(payloads: Iterable[bytes | memoryview]) -> str:
     """Write payloads back to back into a new file; returns its name."""
     name = f"rlcli-kv-{uuid.uuid4().hex}"
     tmp = SHM_DIR / f".{name}.tmp"
-    with open(tmp, "wb") as f:
-        for p in payloads:
-            f.write(p)
-    os.replace(tmp, SHM_DIR / name)
+    try:
+        with open(tmp, "wb") as f:
+            for p in payloads:
+                f.write(p)
+        os.replace(tmp, SHM_DIR / name)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # /dev/shm is RAM: a payload cut short (full, interrupted) is freed
+        raise
     return name
 
 

@@ -199,6 +199,21 @@ def test_torn_or_unmarked_shard_is_never_loaded(tmp_path):
     assert all(torch.equal(v, before[k]) for k, v in hf_state_dict(server).items())
 
 
+def test_a_dead_publishers_temporary_is_known_as_its_hosts_and_removed(tmp_path, monkeypatch):
+    """The publisher's shared temporary carries rank 0's <host>-r0-<pid>, as every other temporary:
+    the trainer's restart removes a dead publisher's (here a pid that no longer runs on this host),
+    where a name without the rank was judged by the old rule only."""
+    from rlcli.transport import atomic
+
+    pub = FilesystemPublisher(cfg(tmp_path), tmp_path / "weights", lambda *a: None)
+    assert atomic._TEMP_RE.search(f".step_1.tmp-{pub.token}").group("rank") == "0"
+    pub.close()
+    dead = tmp_path / "weights" / f".step_2.tmp-{atomic._HOST}-r0-999999999"
+    (dead / "sub").mkdir(parents=True)
+    atomic.clean_temporaries(tmp_path / "weights")
+    assert not dead.exists()
+
+
 def test_status_names_each_server_and_the_update_breakdown():
     text = render({"backend": "collective", "policy_version": 4, "latest_published": 5,
                    "servers": {"infer-0": {"version": 4, "state": "admitted", "host": "h", "pid": 1, "last_error": ""},
