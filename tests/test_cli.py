@@ -319,7 +319,7 @@ def test_timeouts_must_be_positive(tmp_path, tiny_model_dir):
                          ("rlcli.cli.cache", ["prune"])):
         for value in ("0", "-1"):
             one_line_error(invoke(module, *args, "--connect", NO_PEER, "--timeout", value), 2,
-                           f"--timeout must be > 0 seconds, got {value}")
+                           f"--timeout must be > 0 and at most 1e6 seconds, got {value}")
 
 
 def test_a_malformed_connect_endpoint_names_the_flag(tmp_path, tiny_model_dir):

@@ -200,14 +200,14 @@ REVERSE = REPO / "recipes" / "reverse.toml"
     ("train.sft.lr", "inf", "train.sft.lr must be > 0 and finite"),
     ("train.sft.warmup_steps", "-1", "train.sft.warmup_steps must be >= 0"),
     # train
-    ("train.num_threads", "-1", "train.num_threads (--threads) must be >= 0"),
+    ("train.num_threads", "-1", "train.num_threads (--threads) must be in [0, 65536]"),
     ("train.logprob_chunk_tokens", "0", "train.logprob_chunk_tokens must be >= 1"),
     ("train.pub_port", "99999", "train.pub_port must be in [0, 65535]"),
     ("train.pub_port", "-1", "train.pub_port must be in [0, 65535]"),
     ("train.wait_timeout_s", "-1", "train.wait_timeout_s must be >= 0 (0 waits forever)"),
     ("train.wait_timeout_s", "nan", "train.wait_timeout_s must be >= 0"),
     # infer
-    ("infer.engine.num_threads", "-1", "infer.engine.num_threads (--threads) must be >= 0"),
+    ("infer.engine.num_threads", "-1", "infer.engine.num_threads (--threads) must be in [0, 65536]"),
     ("infer.engine.kv_cache_memory_mb", "nan", "infer.engine.kv_cache_memory_mb must be > 0 and finite"),
     ("infer.engine.kv_cache_memory_mb", "inf", "infer.engine.kv_cache_memory_mb must be > 0 and finite"),
     ("infer.kv_cache.publish_queue_mb", "nan", "infer.kv_cache.publish_queue_mb must be > 0"),

@@ -2,8 +2,10 @@
 click's usage errors, a run directory that cannot be one, a recipe refused before the run directory
 is claimed (so the corrected command is not refused in turn), and `rl-train sft --out`."""
 
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -47,6 +49,8 @@ def test_a_run_directory_that_cannot_be_one_is_named(tmp_path, tiny_model_dir):
     ("rlcli.cli.orchestrate", ["run", "--env.args.min_len", "0"], "env.args.min_len"),
     ("rlcli.cli.infer", ["--model.path", "{tmp}/tiny-lama"], "check model.path"),
     ("rlcli.cli.sync", ["--model.path", "{tmp}/tiny-lama"], "check model.path"),
+    ("rlcli.cli.infer", ["--env.args.min_len", "0"], "env.args.min_len"),  # the claim records env.args too
+    ("rlcli.cli.cache", ["--env.args.min_len", "0"], "env.args.min_len"),
 ])
 def test_a_refused_recipe_leaves_no_claim_on_the_run_directory(tmp_path, tiny_model_dir, module, args, needle):
     """The run directory records the recipe's model and environment when a process claims it: a start
@@ -57,6 +61,8 @@ def test_a_refused_recipe_leaves_no_claim_on_the_run_directory(tmp_path, tiny_mo
     args = [a.format(tmp=tmp_path) for a in args]
     if args[0] == "run":
         args = ["run", "--config", str(recipe), *args[1:]]
+    elif module == "rlcli.cli.cache":
+        args = ["serve", "--config", str(recipe), *args]
     else:
         args = ["--config", str(recipe), *args]
     one_line_error(cli(module, *args), 2, needle)
@@ -65,7 +71,7 @@ def test_a_refused_recipe_leaves_no_claim_on_the_run_directory(tmp_path, tiny_mo
 
 @pytest.mark.parametrize("args, needle", [
     (["--env.args.min_len", "0"], "env.args.min_len"),
-    (["--engine", "vllm"], "vLLM is not installed here"),
+    (["--engine", "vllm"], "needs vLLM, which is not installed here"),
     (["--train-nproc", "2", "--train.parallel.ep", "2"], "--ep 2 needs a mixture-of-experts model"),
 ])
 def test_up_refuses_what_would_stop_a_child_before_starting_any(tmp_path, tiny_model_dir, args, needle):
@@ -152,3 +158,76 @@ def test_a_recipe_that_is_not_text_is_named(tmp_path):
     recipe.write_bytes(b"name = \"x\"\n\xff\xfe\x00")
     with pytest.raises(ConfigError, match=r"bin.toml: not UTF-8 text \(byte 11\)"):
         load_recipe(recipe)
+
+
+def test_rl_infer_without_vllm_refuses_the_engine_before_claiming(tmp_path, tiny_model_dir):
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm is installed here")
+    run_dir = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, run_dir)
+    one_line_error(cli("rlcli.cli.infer", "--config", str(recipe), "--engine", "vllm"), 2, "needs vLLM")
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("override, needle", [
+    (["--train.loss.kl_tau", "nan"], "train.loss.kl_tau"),
+    (["--train.loss.entropy_coef", "nan"], "train.loss.entropy_coef"),
+    (["--seed", str(10 ** 23)], "seed (--seed)"),
+    (["--train.num_threads", str(10 ** 20)], "train.num_threads"),
+    (["--infer.engine.num_threads", str(10 ** 20)], "infer.engine.num_threads"),
+])
+def test_values_that_overflow_or_poison_the_step_are_refused(override, needle):
+    from rlcli.config import load_recipe
+    from rlcli.config.load import parse_overrides
+    from rlcli.errors import ConfigError
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "reverse.toml"
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        load_recipe(recipe, {}, parse_overrides(override))
+
+
+def test_seconds_and_thresholds_must_be_finite(tmp_path):
+    from rlcli.errors import ConfigError
+    from rlcli.transport.zmq import check_timeout
+
+    for bad in (0.0, -1.0, float("nan"), float("inf"), 1e300):
+        with pytest.raises(ConfigError, match="--timeout must be > 0"):
+            check_timeout(bad)
+    (tmp_path / "run.json").write_text('{"name": "x"}')
+    one_line_error(cli("rlcli.cli.orchestrate", "status", str(tmp_path), "--watch", "nan"), 2, "--watch")
+    one_line_error(cli("rlcli.cli.orchestrate", "eval", "--env", "reverse", "--connect", "tcp://127.0.0.1:9",
+                       "--threshold", "nan"), 2, "--threshold must be a finite reward")
+
+
+def test_an_argument_that_is_not_text_is_still_one_line(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "rlcli.cli.orchestrate", "status", str(tmp_path).encode() + b"/\xff"],
+                         capture_output=True, timeout=120)
+    assert out.returncode == 2 and b"Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_odd_targets_leave_nothing_behind(tmp_path):
+    """atomic_write_bytes onto a directory fails without a temporary left; metrics with a damaged
+    byte lose that line only; a disk tier or a recipe that is not what it should be is named."""
+    from rlcli.cache.disk import DiskStore
+    from rlcli.config import load_recipe
+    from rlcli.errors import ConfigError
+    from rlcli.transport.atomic import atomic_write_bytes
+    from rlcli.transport.rundir import RunDir
+
+    (tmp_path / "adir").mkdir()
+    with pytest.raises(OSError):
+        atomic_write_bytes(tmp_path / "adir", b"x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir"]
+    run = RunDir(tmp_path / "run")
+    run.append_metrics("train", {"step": 1})
+    with open(run.metrics_file("train"), "ab") as f:
+        f.write(b'{"step": "\xff"}\n')
+    run.append_metrics("train", {"step": 3})
+    assert [m["step"] for m in run.read_metrics("train")] == [1, "\ufffd", 3]
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ConfigError, match="pass another --disk-dir"):
+        DiskStore(tmp_path / "afile", 1 << 20)
+    with pytest.raises(ConfigError, match="is not a file"):
+        load_recipe(tmp_path / "adir")

@@ -59,7 +59,13 @@ class DiskStore:
 
     def __init__(self, root: str | Path, capacity_bytes: int):
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            from rlcli.errors import ConfigError
+
+            raise ConfigError(f"cannot use {root} as the disk tier ({e.strerror}); pass another --disk-dir "
+                              "(cache.backend.disk_dir)") from None
         self._lock = _hold(self.root)  # one store per directory: its index and capacity are the files'
         self.capacity = capacity_bytes
         self.index: OrderedDict[bytes, tuple[int, BlockMeta | None]] = OrderedDict()  # key -> (nbytes, meta)

@@ -81,6 +81,10 @@ def open_run(cfg, command: str):
         from rlcli.models.config import ModelArgs
 
         ModelArgs.from_dir(cfg.model.path)  # fail early, in one line, on a missing model directory
+    from rlcli.config.env import BUILTIN_ARGS, builtin_args
+
+    if cfg.env.name in BUILTIN_ARGS:  # the claim records env.args too: a built-in's are checked first
+        builtin_args(cfg.env.name, dict(cfg.env.args))
     run = RunDir(cfg.run_dir)
     model = to_dict(cfg.model)
     model["path"] = os.path.abspath(model["path"]) if model["path"] else ""
@@ -147,7 +151,7 @@ def run_app(app: typer.Typer, prog: str, default: Optional[str] = None) -> None:
         from setproctitle import setproctitle
 
         setproctitle(" ".join([prog, *argv])[:200])  # `ps` and `top` show rl-infer, not python
-    except ImportError:
+    except (ImportError, UnicodeError):  # an argument that is not text (a non-UTF-8 path) keeps python's title
         pass
     if default is not None:
         names = {c.name or c.callback.__name__.replace("_", "-") for c in app.registered_commands}

@@ -73,8 +73,10 @@ def serve(
                                        "model.batch_invariant": True if batch_invariant else None, "r3": r3})
     if print_config_:
         return print_config(cfg, json_)
+    from rlcli.config.infer import check_engine_installed
     from rlcli.transport.zmq import check_endpoint, name_bind_keys
 
+    check_engine_installed(cfg.infer.engine.name)
     if cfg.infer.kv_cache.endpoint not in ("", "registry"):
         check_endpoint(cfg.infer.kv_cache.endpoint, "--kv-cache (infer.kv_cache.endpoint)")
     name_bind_keys("--host or infer.host", "--port or infer.port")

@@ -124,7 +124,7 @@ def status_cmd(
     from rlcli.orchestrate.entrypoints import render_status, status, watch_status
 
     if watch is not None:
-        if json_out or watch <= 0:
+        if json_out or not 0 < watch < float("inf"):
             raise ConfigError("--watch takes a positive number of seconds and no --json (use --json without "
                              "--watch for one snapshot)")
         check_run_json(run_dir)
@@ -242,6 +242,8 @@ def eval_cmd(
     from rlcli.orchestrate.pipeline import sample_tasks, score_records, summarize_eval
 
     _at_least("-n/--num", num)
+    if threshold != threshold or abs(threshold) == float("inf"):  # nan would pass nothing and print no JSON
+        raise ConfigError(f"--threshold must be a finite reward, got {threshold}")
     check_sampling_flags(max_tokens=max_tokens, temperature=temperature, n=k, timeout=timeout, n_flag="-k")
     if connect is not None:
         from rlcli.transport.zmq import check_endpoint

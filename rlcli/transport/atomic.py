@@ -139,10 +139,10 @@ def atomic_write_bytes(path: str | Path, data: bytes, *, fsync: bool = True) -> 
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())
+        os.replace(tmp, path)  # a target that cannot be replaced (a directory) leaves no temporary either
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise (storage_full(e, path) or e) from None
-    os.replace(tmp, path)
     if fsync:
         _fsync_dir(path.parent)
 

@@ -96,7 +96,7 @@ class RunDir:
                 for sub in ("config", "registry", "rollouts", "weights", "checkpoints", "progress", "metrics",
                             "logs"):
                     (self.root / sub).mkdir(exist_ok=True)
-            except (FileExistsError, NotADirectoryError, PermissionError, FileNotFoundError) as e:
+            except OSError as e:  # a file in the way, no permission, a read-only filesystem, ...
                 raise RunDirError(f"cannot create run directory {self.root} ({e.strerror}: {e.filename}); "
                                   "pass another --run-dir") from None
             record = json.dumps({"name": name, "fingerprint": fingerprint, "identity": identity,
@@ -243,7 +243,7 @@ class RunDir:
     def read_metrics(self, command: str) -> list[dict[str, Any]]:
         """All complete records (a partially written last line is skipped)."""
         try:
-            text = self.metrics_file(command).read_text()
+            text = self.metrics_file(command).read_text(errors="replace")  # a damaged byte spoils one line
         except FileNotFoundError:
             return []
         out = []

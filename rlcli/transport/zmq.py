@@ -87,8 +87,8 @@ def check_endpoint(endpoint: str, flag: str = "--connect") -> str:
 def check_timeout(timeout: float, flag: str = "--timeout") -> None:
     """A ConfigError naming ``flag`` unless ``timeout`` is a positive number of seconds (a zero or
     negative one would report a live peer as unreachable)."""
-    if not timeout > 0:  # NaN too
-        raise ConfigError(f"{flag} must be > 0 seconds, got {timeout:g}")
+    if not 0 < timeout <= 1e6:  # NaN and inf too (zmq's poll takes milliseconds as a C int)
+        raise ConfigError(f"{flag} must be > 0 and at most 1e6 seconds, got {timeout:g}")
 
 
 def _connect(sock: zmq.Socket, endpoint: str) -> None:
