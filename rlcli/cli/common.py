@@ -72,7 +72,8 @@ def open_run(cfg, command: str):
     """Create or join the run directory, check it belongs to this recipe, record the config.
 
     The claim binds the directory to this recipe's model and environment, so what can refuse the
-    recipe is checked first (the model directory here; a command's own checks before it calls this):
+    recipe is checked first (here the model directory and a built-in environment's env.args; a
+    command's own checks before it calls this):
     a refused start leaves no claim that would refuse the corrected one."""
     from rlcli.config import dump_toml, to_dict
     from rlcli.transport.rundir import RunDir
