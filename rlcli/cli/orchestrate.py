@@ -140,17 +140,15 @@ def status_cmd(
 def check_run_json(run_dir: Path) -> None:
     """A RunDirError if RUN/run.json exists but is not the object a run writes (a status of a
     damaged run would otherwise show an empty table as if nothing had run)."""
-    import json
+    from rlcli.transport.atomic import read_json, why_unreadable
 
     path = run_dir / "run.json"
     if not path.is_file():
         return  # status() says it is no run directory
     try:
-        data = json.loads(path.read_bytes())
+        data = read_json(path)
     except (OSError, ValueError) as e:  # ValueError: JSONDecodeError, or bytes that are not UTF-8
-        reason = (e.strerror if isinstance(e, OSError) else f"not JSON: {e.msg}" if hasattr(e, "msg")
-                  else "not UTF-8")
-        raise RunDirError(f"{path} is unreadable or damaged ({reason}); is {run_dir} a run directory?") from None
+        raise RunDirError(f"{path} is unreadable or damaged ({why_unreadable(e)}); is {run_dir} a run directory?") from None
     if not isinstance(data, dict) or not isinstance(data.get("name"), str):
         raise RunDirError(f"{path} is damaged (not a run's record: no recipe name); is {run_dir} a run directory?")
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from rlcli.errors import RunDirError
-from rlcli.transport.atomic import atomic_write_bytes, read_json
+from rlcli.transport.atomic import atomic_write_bytes, read_json, why_unreadable
 
 STATUS_FILE = Path("sync") / "status.json"
 _last: dict[str, str] = {}
@@ -45,9 +45,7 @@ def read_status(run_root: str | Path) -> dict[str, Any] | None:
     try:
         status = read_json(path)
     except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
-        reason = (e.strerror if isinstance(e, OSError) else f"not JSON: {e.msg}" if hasattr(e, "msg")
-                  else "not UTF-8")
-        raise RunDirError(f"{path} is unreadable or damaged ({reason}); rl-sync rewrites it at its next update "
+        raise RunDirError(f"{path} is unreadable or damaged ({why_unreadable(e)}); rl-sync rewrites it at its next update "
                           "(or delete it)") from None
     if status is None:
         return None

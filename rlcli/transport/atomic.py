@@ -159,6 +159,14 @@ def read_json(path: str | Path, default: Any = None) -> Any:
         return default
 
 
+def why_unreadable(e: OSError | ValueError) -> str:
+    """A few words on why :func:`read_json` raised ``e``: the OS's reason, the JSON error, or bytes
+    that are not UTF-8."""
+    if isinstance(e, OSError):
+        return e.strerror or str(e)
+    return f"not JSON: {e.msg}" if isinstance(e, json.JSONDecodeError) else "not UTF-8"
+
+
 def write_checked_json(path: str | Path, payload: dict[str, Any], *, fsync: bool = True) -> None:
     """A small JSON state file (progress) with the checksum of its own content, as a marker."""
     payload = {k: v for k, v in payload.items() if k != "checksum"}
