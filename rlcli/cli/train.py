@@ -57,7 +57,7 @@ def run_cmd(
 ) -> None:
     """Train on rollout batches as they arrive (the default command); resumes from the newest checkpoint.
     Runs under torchrun (one rank per device), or launches torchrun itself with --nproc-per-node."""
-    check_launch_flags(nproc_per_node, nnodes, node_rank)
+    check_launch_flags(nproc_per_node, nnodes, node_rank, rdzv_endpoint)
     cfg = resolve_config(ctx, config, {"run_dir": str(run_dir) if run_dir else None, "num_steps": steps,
                                        "train.optim.lr": lr, "train.micro_batch_tokens": micro_batch_tokens,
                                        "train.num_threads": threads, "train.fp8.enabled": True if fp8 else None,
@@ -84,9 +84,13 @@ def run_cmd(
     finish(run, "train", train(cfg, run), json_)
 
 
-def check_launch_flags(nproc_per_node: Optional[int], nnodes: Optional[int], node_rank: Optional[int]) -> None:
+def check_launch_flags(nproc_per_node: Optional[int], nnodes: Optional[int], node_rank: Optional[int],
+                       rdzv_endpoint: Optional[str] = None) -> None:
     """The launch flags, before they become a world size (a zero or negative one would be
-    reported as a mismatch of recipe keys the user never set)."""
+    reported as a mismatch of recipe keys the user never set) or a torchrun command line (a
+    malformed rendezvous endpoint would surface as torchrun's traceback, after the relaunch)."""
+    import re
+
     from rlcli.errors import ConfigError
 
     for flag, value in (("--nproc-per-node", nproc_per_node), ("--nnodes", nnodes)):
@@ -94,6 +98,16 @@ def check_launch_flags(nproc_per_node: Optional[int], nnodes: Optional[int], nod
             raise ConfigError(f"{flag} must be >= 1, got {value}")
     if node_rank is not None and not 0 <= node_rank < (nnodes or node_rank + 1):
         raise ConfigError(f"--node-rank must be >= 0 and below --nnodes, got {node_rank}")
+    if rdzv_endpoint is not None:
+        # torchrun's c10d form: HOST or HOST:PORT, an IPv6 host in brackets; no scheme
+        m = re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)(?::(\d+))?", rdzv_endpoint)
+        if m is None or (m.group(2) is not None and not 1 <= int(m.group(2)) <= 65535):
+            raise ConfigError(f"--rdzv-endpoint {rdzv_endpoint!r} is not HOST:PORT (e.g. node01:29400)")
+    if nproc_per_node is None:
+        given = [flag for flag, value in (("--nnodes", nnodes), ("--node-rank", node_rank),
+                                          ("--rdzv-endpoint", rdzv_endpoint)) if value is not None]
+        if given:  # they only shape the torchrun command line --nproc-per-node makes
+            raise ConfigError(f"{given[0]} needs --nproc-per-node N (the ranks to start on this node)")
 
 
 def check_parallel(cfg, world_size: int) -> None:
