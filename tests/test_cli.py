@@ -283,12 +283,18 @@ NO_PEER = "tcp://127.0.0.1:9"
 
 def test_launch_flags_below_one_name_the_flag(tmp_path, tiny_model_dir):
     """--nproc-per-node 0 or -2 and --nnodes 0 were reported as a mismatch of orchestrate.num_train_ranks
-    and train.parallel.dp, keys the user never set."""
+    and train.parallel.dp, keys the user never set; a malformed --rdzv-endpoint reached torchrun, and
+    --nnodes or --rdzv-endpoint without --nproc-per-node was ignored."""
     recipe = str(write_recipe(tmp_path / "r.toml", tiny_model_dir, tmp_path / "run"))
     for args, needle in ((["--nproc-per-node", "0"], "--nproc-per-node must be >= 1, got 0"),
                          (["--nproc-per-node", "-2"], "--nproc-per-node must be >= 1, got -2"),
                          (["--nproc-per-node", "1", "--nnodes", "0"], "--nnodes must be >= 1, got 0"),
-                         (["--nproc-per-node", "1", "--node-rank", "-1"], "--node-rank")):
+                         (["--nproc-per-node", "1", "--node-rank", "-1"], "--node-rank"),
+                         (["--nproc-per-node", "1", "--rdzv-endpoint", "bogus:port"], "--rdzv-endpoint 'bogus:port'"),
+                         (["--nproc-per-node", "1", "--rdzv-endpoint", "tcp://h:29400"], "is not HOST:PORT"),
+                         (["--nproc-per-node", "1", "--rdzv-endpoint", "h:70000"], "is not HOST:PORT"),
+                         (["--rdzv-endpoint", "h:29400"], "--rdzv-endpoint needs --nproc-per-node N"),
+                         (["--nnodes", "2"], "--nnodes needs --nproc-per-node N")):
         one_line_error(invoke("rlcli.cli.train", "run", "-c", recipe, *args), 2, needle)
     assert not (tmp_path / "run").exists()
 
@@ -372,6 +378,35 @@ def test_a_failed_bind_names_the_address_and_what_to_change(tmp_path, tiny_model
         held.close()
     one_line_error(cli("rlcli.cli.cache", "serve", "--host", "999.1.1.1"), 2, "tcp://999.1.1.1",
                    "--host or cache.host")
+
+
+def test_a_second_store_on_a_held_run_makes_no_store_and_says_one_line(tmp_path, tiny_model_dir, monkeypatch):
+    """rl-cache serve on a run another rl-cache holds made its /dev/shm arena and logged its start
+    before the registry refused it."""
+    from rlcli.cache import server as cache_server
+    from rlcli.config import load_recipe
+    from rlcli.errors import RunDirError
+    from rlcli.cli.common import open_run
+
+    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, tmp_path / "run")
+    cfg = load_recipe(recipe, {"cache.port": 0}, {})
+    run = open_run(cfg, "cache")
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from rlcli.transport.registry import "
+                               "Registration; Registration(sys.argv[1], 'cache', 0, {'rpc': 'tcp://127.0.0.1:9'}); "
+                               "print(flush=True); time.sleep(120)", str(run.registry_dir())],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        holder.stdout.readline()  # registered
+        stores = []
+        monkeypatch.setattr(cache_server, "make_store", lambda cfg: stores.append(cfg) or pytest.fail("a store"))
+        with pytest.raises(RunDirError, match="cache-0 is already running"):
+            cache_server.serve(cfg, run)
+        assert stores == []
+        out = cli("rlcli.cli.cache", "serve", "-c", str(recipe), "--port", "0")
+        one_line_error(out, 2, "cache-0 is already running")  # nothing logged before it
+    finally:
+        holder.kill()
+        holder.wait()
     recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, tmp_path / "run")
     one_line_error(cli("rlcli.cli.sync", "--config", str(recipe), "--sync.host", "999.1.1.1"), 2,
                    "tcp://999.1.1.1", "--sync.host")

@@ -231,3 +231,38 @@ def test_odd_targets_leave_nothing_behind(tmp_path):
         DiskStore(tmp_path / "afile", 1 << 20)
     with pytest.raises(ConfigError, match="is not a file"):
         load_recipe(tmp_path / "adir")
+
+
+def test_piped_lines_that_are_not_utf8_or_not_strings_are_named(tiny_model_dir):
+    """Python reads a pipe with surrogateescape, so bytes that are not UTF-8 reached the tokenizer or
+    the JSON writer and failed there without a line number; a completion that is no string was handed
+    to the reward, which failed, and the record was scored env.on_error as if the model had been wrong."""
+    def piped(module: str, data: bytes, *args: str) -> subprocess.CompletedProcess:
+        out = subprocess.run([sys.executable, "-m", module, *args], input=data, capture_output=True, timeout=120)
+        return subprocess.CompletedProcess(out.args, out.returncode, out.stdout.decode(errors="replace"),
+                                           out.stderr.decode(errors="replace"))
+
+    generate = ("generate", "--model", str(tiny_model_dir), "--connect", "tcp://127.0.0.1:9", "--timeout", "1")
+    one_line_error(piped("rlcli.cli.infer", b"hello\n\xff\xfe world\n", *generate), 2,
+                   "stdin line 2 is not UTF-8 text")
+    one_line_error(piped("rlcli.cli.infer", b'{"prompt": "caf\xe9"}\n', *generate), 2, "stdin line 1 is not UTF-8")
+    score = ("score", "--env", "reverse")
+    one_line_error(piped("rlcli.cli.orchestrate", b'\n{"prompt": "ab", "completions": ["b\xffa"]}\n', *score), 2,
+                   "stdin line 2 is not UTF-8 text")
+    one_line_error(piped("rlcli.cli.orchestrate", b'{"prompt": "ab", "completions": ["ba", 5]}\n', *score), 2,
+                   "record 1: each of 'completions' must be a string, got int")
+    one_line_error(piped("rlcli.cli.orchestrate", b'{"prompt": null, "completions": ["ba"]}\n', *score), 2,
+                   "record 1: 'prompt' must be a string, got NoneType")
+    ok = piped("rlcli.cli.orchestrate", '{"prompt": "é", "completions": ["é", "x"]}\n'.encode(), *score)
+    assert ok.returncode == 0 and '"rewards"' in ok.stdout, ok.stderr
+
+
+@pytest.mark.parametrize("module, sub", [("rlcli.cli.train", "run"), ("rlcli.cli.infer", "serve"),
+                                         ("rlcli.cli.orchestrate", "run"), ("rlcli.cli.orchestrate", "up"),
+                                         ("rlcli.cli.sync", "run"), ("rlcli.cli.cache", "serve")])
+def test_an_empty_run_dir_is_refused_not_taken_as_the_working_directory(tmp_path, tiny_model_dir, module, sub):
+    """`--run-dir "$RUN"` with RUN unset gave Path(""), the working directory, and the run's files went there."""
+    recipe = str(write_recipe(tmp_path / "r.toml", tiny_model_dir, tmp_path / "run"))
+    args = [recipe] if sub == "up" else ["-c", recipe]
+    one_line_error(cli(module, sub, *args, "--run-dir", "", cwd=tmp_path), 2, "'--run-dir': is empty")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.toml", "tiny"]

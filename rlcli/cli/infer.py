@@ -125,16 +125,18 @@ def read_prompts(stream) -> list:
     """The prompts of ``stream``, one per non-empty line: a line that starts with ``{`` is a JSON
     object (a record with a "prompt" string, as `rl-orchestrate tasks` writes them, or any object,
     taken as text); any other line is a prompt as it is. A ``{`` line that is not JSON, or a record
-    whose "prompt" or "max_tokens" cannot be used, is an error naming its line number, as
-    `rl-orchestrate score`'s are."""
+    whose "prompt" or "max_tokens" cannot be used, or a line that is not UTF-8 text, is an error
+    naming its line number, as `rl-orchestrate score`'s are."""
     import json
 
     from rlcli.errors import ConfigError
+    from rlcli.transport.jsonl import check_text
 
     items: list = []
     for number, line in enumerate(stream, 1):
         if not line.strip():
             continue
+        check_text(line, "stdin", number)
         if not line.lstrip().startswith("{"):
             items.append(line.rstrip("\n"))
             continue

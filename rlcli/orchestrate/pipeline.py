@@ -59,6 +59,11 @@ def score_records(env_cfg, records: Iterable[dict[str, Any]]) -> Iterator[dict[s
         if not isinstance(completions, list) or "prompt" not in rec:
             raise ConfigError(f"record {number} needs 'prompt' and 'completions' (as `rl-infer generate --json` "
                               "writes them)")
+        bad = next((c for c in completions if not isinstance(c, str)), None) if completions else None
+        if bad is not None or not isinstance(rec["prompt"], str):  # else scored env.on_error, as if it failed
+            what = "'prompt'" if bad is None else "each of 'completions'"
+            got = type(rec["prompt"] if bad is None else bad).__name__
+            raise ConfigError(f"record {number}: {what} must be a string, got {got}")
         task = Task(prompt=rec["prompt"], answer=rec.get("answer"), info=rec.get("info") or {})
         rewards = [score(task, text) for text in completions]
         yield {**rec, "rewards": rewards, "reward_mean": sum(rewards) / len(rewards) if rewards else None}
