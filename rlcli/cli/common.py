@@ -14,8 +14,25 @@ OVERRIDES = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML recipe (see recipes/).",
                                                    show_default=False)]
+
+
+def _run_dir(value: str) -> Path:
+    """--run-dir's value as a Path; an empty one is refused. It comes from an unset shell variable
+    (``--run-dir "$RUN"``), and as Path("") it would make the working directory the run directory."""
+    if not value.strip():
+        raise typer.BadParameter("is empty (an unset shell variable?); name the run directory")
+    return Path(value)
+
+
+def _no_words(incomplete: str) -> list:
+    """No words of click's: the shell's own file completion, as for a Path option (a parser replaces
+    that type, and its completion with it)."""
+    return []
+
+
 RunDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", help="Run directory shared by all processes "
-                                                   "[default: runs/<recipe name>].", show_default=False)]
+                                                   "[default: runs/<recipe name>].", show_default=False,
+                                                   parser=_run_dir, metavar="<path>", autocompletion=_no_words)]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Seed of the run (default: the recipe's seed).",
                                                 show_default=False)]
 R3Opt = Annotated[Optional[bool], typer.Option("--r3/--no-r3", help="Routing replay for MoE models: the engine "
