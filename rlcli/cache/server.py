@@ -255,16 +255,17 @@ def record_metrics(run: RunDir, service: CacheService, interval: IntervalCounter
 
 
 def serve(cfg: RecipeConfig, run: RunDir | None) -> int:
-    # Bind first: a bind that fails (port in use, no such interface) leaves no /dev/shm arena behind,
-    # and a store that cannot register (another rl-cache holds the run) removes its arena.
+    # Bind, then register, then make the store: a bind that fails (port in use, no such interface) or
+    # a run another rl-cache holds is refused before a /dev/shm arena exists or its start is logged.
+    # Requests that arrive before the loop wait in the socket.
     server = RpcServer(cfg.cache.host, cfg.cache.port)
-    service = None
+    registration = None
     try:
-        service = CacheService(make_store(cfg.cache))
         registration = Registration(run.registry_dir(), "cache", 0, {"rpc": server.endpoint}) if run else None
+        service = CacheService(make_store(cfg.cache))
     except BaseException:
-        if service is not None:
-            service.close()
+        if registration is not None:
+            registration.close()
         server.close()
         raise
     log.info("%s store of %d MiB on %s", cfg.cache.backend.name, cfg.cache.capacity_mb, server.endpoint)
