@@ -136,6 +136,9 @@ def test_a_bad_sft_dataset_line_is_named(tmp_path, tiny_model_dir):
     data.write_text('{"prompt": "ab=", "completion": "ba"}\n{"prompt": "ab="}\n')
     one_line_error(cli("rlcli.cli.train", "sft", "--config", str(recipe), "--steps", "1", "--out", str(out)), 2,
                    "line 2: needs 'prompt' and 'completion' strings")
+    data.write_bytes(b'{"prompt": "ab=", "completion": "ba"}\n{"prompt": "\xe9=", "completion": "x"}\n')
+    one_line_error(cli("rlcli.cli.train", "sft", "--config", str(recipe), "--steps", "1", "--out", str(out)), 2,
+                   f"{data}, line 2 is not UTF-8 text")  # was trained on as U+FFFD
     assert not out.exists()
 
 
