@@ -1,4 +1,4 @@
-"""The sampler's draw (rlcli.ops.sampling.sample, no top-p) by batch size: the working tree against a baseline tree.
+"""The sampler's draw (rlcli.ops.sampling.sample) by batch size: the working tree against a baseline tree.
 
 Each arm runs in its own process with its tree first on ``PYTHONPATH``: ``--rows`` batches of logits
 over ``--vocab`` tokens (Qwen3's 151,936 by default) at temperature 1, from the same seeded
@@ -7,8 +7,13 @@ counts. Each arm also returns its tokens and logprobs at the first batch size, a
 how many tokens the arms share (the same uniforms: they differ only where one falls within
 rounding of a boundary between two tokens) and the largest logprob gap.
 
+``--top-p P`` (< 1) draws from each row's nucleus instead. Random logits of scale 3 spread a row's mass
+over thousands of tokens, where a language model's rarely does: ``--logit-scale`` sets the scale of
+the random logits (7: ~1.9 nats of entropy, a nucleus of tens of tokens at 0.95; 3: ~6.5 nats, thousands).
+
     python bench/sampling.py --device cuda --baseline HEAD~1
     python bench/sampling.py --device cuda --baseline-tree /tmp/base    # an unpacked tree (no .git on the machine)
+    python bench/sampling.py --top-p 0.95 --logit-scale 7 --rows 16,64 --iters 5   # the nucleus, on the CPU
     python bench/sampling.py --smoke                                    # CPU, the working tree as both arms
 """
 
@@ -30,19 +35,20 @@ from rlcli.ops.sampling import sample
 
 device, dtype, vocab, iters = sys.argv[1], getattr(torch, sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 rows = [int(r) for r in sys.argv[5].split(",")]
+p, scale = float(sys.argv[6]), float(sys.argv[7])
 sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 out, first = {}, None
 for S in rows:
-    logits = (torch.randn(S, vocab, generator=torch.Generator().manual_seed(S)) * 3).to(device, dtype)
-    temps, top_p = torch.ones(S, device=device), torch.ones(S, device=device)
+    logits = (torch.randn(S, vocab, generator=torch.Generator().manual_seed(S)) * scale).to(device, dtype)
+    temps, top_p = torch.ones(S, device=device), torch.full((S,), p, device=device)
     gen = torch.Generator(device).manual_seed(0)
-    tok, lp = sample(logits, temps, top_p, gen, any_top_p=False, greedy_rows="none")
+    tok, lp = sample(logits, temps, top_p, gen, any_top_p=p < 1, greedy_rows="none")
     if first is None:
         first = (tok.tolist(), lp.tolist())
     sync()
     t = time.perf_counter()
     for _ in range(iters):
-        sample(logits, temps, top_p, gen, any_top_p=False, greedy_rows="none")
+        sample(logits, temps, top_p, gen, any_top_p=p < 1, greedy_rows="none")
     sync()
     out[S] = (time.perf_counter() - t) / iters * 1e3
 print(json.dumps({"ms": out, "first": first}))
@@ -53,7 +59,7 @@ def run(tree: Path, args) -> dict:
     env = {"PYTHONPATH": os.pathsep.join([str(tree), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]),
            "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", WORKLOAD, args.device, args.dtype, str(args.vocab), str(args.iters),
-                          args.rows], env=env, capture_output=True, text=True, cwd=tree)
+                          args.rows, str(args.top_p), str(args.logit_scale)], env=env, capture_output=True, text=True, cwd=tree)
     if out.returncode != 0:
         raise SystemExit(f"{tree}: {out.stderr[-2000:]}")
     return json.loads(out.stdout.splitlines()[-1])
@@ -69,6 +75,8 @@ def main() -> None:
     p.add_argument("--rows", default="16,64,256,512", help="comma-separated batch sizes")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--top-p", type=float, default=1.0, help="every row's top-p [1: none]")
+    p.add_argument("--logit-scale", type=float, default=3.0, help="standard deviation of the random logits [3]")
     p.add_argument("--smoke", action="store_true", help="CPU, a small vocabulary, the working tree as both arms")
     args = p.parse_args()
     if args.smoke:
@@ -82,8 +90,8 @@ def main() -> None:
                 first[arm] = res["first"]
                 for s, ms in res["ms"].items():
                     best[arm][s] = min(best[arm].get(s, float("inf")), ms)
-    print(f"# sample(), ms per call, {args.device} {args.dtype}, vocabulary {args.vocab}, temperature 1; "
-          f"baseline: {label}")
+    print(f"# sample(), ms per call, {args.device} {args.dtype}, vocabulary {args.vocab}, temperature 1, "
+          f"top-p {args.top_p:g}, logits of scale {args.logit_scale:g}; baseline: {label}")
     print(f"{'rows':>6} {'baseline':>9} {'tree':>9} {'ratio':>7}")
     for s in best["tree"]:
         b, t = best["baseline"][s], best["tree"][s]

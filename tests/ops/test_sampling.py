@@ -1,6 +1,7 @@
 import torch
 
-from rlcli.ops.sampling import sample
+from rlcli.ops import sampling
+from rlcli.ops.sampling import _nucleus_by_sort, sample, top_p_keep
 
 
 def test_greedy_rows_and_sampled_rows_in_one_batch():
@@ -80,3 +81,69 @@ def test_sampling_never_reads_a_tensor_value_on_the_host():
                torch.Generator().manual_seed(0), {3: torch.Generator().manual_seed(1)}, any_top_p=True)
     assert "_local_scalar_dense" not in ops.names
     assert "searchsorted" in ops.names  # the ops were seen
+    # Past 2 x NUCLEUS_CANDIDATES tokens, a top-p batch reads one value: whether any row needs the whole sort.
+    logits = torch.randn(4, 3 * sampling.NUCLEUS_CANDIDATES) * 8
+
+    class Reads(Ops):
+        reads = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Reads.reads += func.overloadpacket.__name__ == "_local_scalar_dense"
+            return func(*args, **(kwargs or {}))
+
+    with Reads():
+        sample(logits, torch.ones(4), torch.tensor([1.0, 0.9, 1.0, 1.0]), torch.Generator().manual_seed(0),
+               any_top_p=True)
+    assert Reads.reads == 1
+
+
+def _rows_with_edges(V: int, K: int, g: torch.Generator) -> torch.Tensor:
+    """Probability rows of a V-token vocabulary that test where the candidates end (K): peaked and flat
+    rows, a row whose probabilities tie across the K-th place, a row whose nucleus ends on a tie at the
+    K-th place, rows of one token and of equal tokens."""
+    rows = [torch.softmax(torch.randn(V, generator=g) * s, -1) for s in (12.0, 7.0, 4.0, 2.0, 0.5)]
+    tie = torch.full((V,), 1e-9)
+    tie[torch.randperm(V, generator=g)[: 3 * K]] = 1.0  # 3K equal tokens: the top-k picks some of them
+    rows.append(tie / tie.sum())
+    edge = torch.full((V,), 1e-12)
+    order = torch.randperm(V, generator=g)
+    edge[order[: K - 4]] = torch.linspace(2.0, 1.5, K - 4)
+    edge[order[K - 4: K + 40]] = 1.0  # the nucleus at p = 0.99 runs into these, at the K-th place
+    rows.append(edge / edge.sum())
+    one = torch.zeros(V)
+    one[int(torch.randint(V, (1,), generator=g))] = 1.0
+    few = torch.full((V,), 1e-12)
+    few[torch.randperm(V, generator=g)[:8]] = 1.0  # a nucleus that ends inside ties, well above the K-th place
+    rows += [one, torch.full((V,), 1.0 / V), few / few.sum()]
+    return torch.stack(rows)
+
+
+def test_the_nucleus_from_the_candidates_is_the_whole_sorts():
+    """top_p_keep looks for a row's nucleus among its most likely tokens before sorting the row: its mask
+    equals the whole sort's, to the bit, for peaked, flat, tied and one-token rows, per-row and scalar
+    top-p, 2-D and 3-D (the trainer's [B, T, V]) input."""
+    g = torch.Generator().manual_seed(0)
+    K = sampling.NUCLEUS_CANDIDATES
+    probs = _rows_with_edges(3 * K, K, g)
+    for top_p in (0.5, 0.9, 0.99, 0.999999, torch.rand(probs.shape[0], 1, generator=g) * 0.98 + 0.01):
+        want = _nucleus_by_sort(probs, top_p)
+        assert torch.equal(top_p_keep(probs, top_p), want)
+        p3 = top_p.view(2, 5, 1) if isinstance(top_p, torch.Tensor) else top_p
+        assert torch.equal(top_p_keep(probs.view(2, 5, -1), p3), want.view(2, 5, -1))
+    tied = probs[6] == probs[6].sort(descending=True).values[K]  # the nucleus at 0.99 ends inside these
+    kept = _nucleus_by_sort(probs[6:7], 0.99)[0, tied]
+    assert kept.any() and not kept.all()
+    sizes = top_p_keep(probs, 0.9).sum(-1)
+    assert sizes[0] < K < sizes[4] and sizes[7] == 1 and sizes[9] == 8
+    assert top_p_keep(probs, 0.5).sum(-1)[9] == 4  # the first four of the eight by token
+
+
+def test_a_rows_nucleus_does_not_depend_on_its_batch():
+    """The engine and the trainer batch tokens differently: a peaked row's mask is the same beside a flat
+    row (which needs the whole sort) as alone."""
+    g = torch.Generator().manual_seed(1)
+    V = 3 * sampling.NUCLEUS_CANDIDATES
+    peaked, flat = torch.softmax(torch.randn(2, V, generator=g) * torch.tensor([[9.0], [0.3]]), -1)
+    both = top_p_keep(torch.stack([peaked, flat]), 0.95)
+    assert torch.equal(both[0], top_p_keep(peaked[None], 0.95)[0])
+    assert torch.equal(both[1], top_p_keep(flat[None], 0.95)[0])
