@@ -321,6 +321,25 @@ class Trainer:
         announces it."""
         self.weights.publish(step, self.model)
 
+    def _publish_resumed_policy(self) -> None:
+        """Publish the resumed step's policy again when no weights of it (or later) are on disk.
+
+        A step's checkpoint and its weights commit apart (``train.checkpoint.background`` and
+        ``async_filesystem`` write on two threads), so a trainer killed between the two resumed
+        past a policy that was never published: mid-run the servers skipped that version, and at
+        the last step the run ended without its final policy. File backends only: a collective
+        update's weights are the trainer's memory and are sent again from the next step."""
+        from rlcli.train.publish import FilesystemPublisher
+
+        if self.step == 0 or not isinstance(self.weights, FilesystemPublisher):
+            return
+        newest = self.run.latest_stable("weights") if self.dist.is_main else None
+        newest = pdist.broadcast_object(newest)  # one decision: publish() is collective
+        if newest is None or newest < self.step:
+            log.info("policy %d was checkpointed but not published (newest weights: %s); publishing it",
+                     self.step, "none" if newest is None else f"step {newest}")
+            self.publish(self.step)
+
     def announce(self, step: int, path: str | None = None, timing: dict | None = None) -> None:
         if self.publisher is None:
             return
@@ -367,6 +386,7 @@ class Trainer:
     # ------------------------------------------------------------------ loop
     def train(self) -> int:
         cfg, run = self.cfg, self.run
+        self._publish_resumed_policy()
         if self.step >= cfg.num_steps:
             log.info("already trained %d steps", self.step)
         while self.step < cfg.num_steps and not self.stopping:

@@ -197,3 +197,40 @@ def test_an_extended_run_keeps_its_schedule_with_schedule_steps(setup):
     assert [loss_config_at(loss, s, schedule_horizon(pinned)).entropy_coef for s in (10, 15)] == [0.0, 0.0]
     with pytest.raises(ConfigError, match="train.schedule_steps must be >= 0"):
         load_recipe(None, {"train.schedule_steps": -1})
+
+
+def test_a_checkpointed_step_whose_weights_never_committed_is_published_on_resume(setup):
+    """The checkpoint and the weights of a step commit on two threads: a trainer killed between them
+    resumed past a policy never published, and at the last step the run ended without its final one."""
+    import msgspec
+
+    cfg, run = setup
+    cfg = msgspec.structs.replace(cfg, num_steps=2)
+    trainer = Trainer(cfg, run)
+    try:
+        trainer.publish(1)
+        trainer.weights.wait()
+        save_checkpoint(run, 2, trainer.model, trainer.optimizer, trainer.scheduler, {"step": 2}, 2)
+        want = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    finally:
+        trainer.close()
+    assert run.stable_steps("weights") == [0, 1]  # killed before weights/step_2 committed
+    again = Trainer(cfg, run)
+    try:
+        assert again.step == 2
+        assert again.train() == 0  # "already trained", and policy 2 published
+    finally:
+        again.close()
+    assert run.stable_steps("weights") == [0, 1, 2] and not verify_files(run.weights_dir(2))
+    from rlcli.models import load_model
+
+    got = load_model(run.weights_dir(2), "cpu", torch.float32, 0).state_dict()
+    assert all(torch.equal(got[k].float(), want[k].float()) for k in want)
+    # Weights of the step (or later) on disk: nothing is published again.
+    stamp = (run.weights_dir(2) / "STABLE").stat().st_mtime_ns
+    third = Trainer(cfg, run)
+    try:
+        assert third.train() == 0
+    finally:
+        third.close()
+    assert (run.weights_dir(2) / "STABLE").stat().st_mtime_ns == stamp
