@@ -58,7 +58,8 @@ class SyncConfig(Config):
     trainer ranks on other hosts join, and peers are told this host's address."""
 
     keep_weights: int = 3
-    """Keep this many newest weight versions on disk (never one a server still loads)."""
+    """Keep this many newest weight versions on disk (never one a server still loads, nor policy 0
+    before the trainer's first checkpoint)."""
 
     ack_timeout_s: float = 120.0
     """A server that has not acknowledged a load in this long is skipped (logged, not waited

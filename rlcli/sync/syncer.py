@@ -261,11 +261,16 @@ class Syncer:
         write_status(self.run, self.kind, self.policy_version, self.target, self.servers, self.last_update)
 
     def retain(self) -> None:
+        """Prune weights past the newest ``sync.keep_weights``, but none a server uses or loads, and
+        not policy 0 while no checkpoint exists: a trainer restarted then builds from it, and without
+        it would run the SFT warm-up again and republish versions the servers already served."""
         keep = self.cfg.sync.keep_weights
         in_use = min([self.policy_version] + [s.version for s in self.servers.values()]
                      + [s.pending[1] for s in self.servers.values() if s.pending])
-        steps = self.run.stable_steps("weights")
-        for step in steps[:-keep] if keep else []:
+        old = self.run.stable_steps("weights")[:-keep] if keep else []
+        if old and old[0] == 0 and self.run.latest_stable("checkpoints") is None:
+            old = old[1:]
+        for step in old:
             if step < in_use:
                 prune_weights(self.run.weights_dir(step), step)  # spares a version a restarting server pinned
 

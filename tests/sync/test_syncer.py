@@ -139,6 +139,26 @@ def test_a_silent_server_is_skipped_and_the_weights_it_serves_or_loads_are_kept(
         stuck.stop()
 
 
+def test_policy_zero_is_kept_until_a_checkpoint_exists(tmp_path):
+    """A trainer restarted before its first checkpoint builds from weights/step_0; pruned, the SFT
+    warm-up ran again and versions 1.. were trained and published a second time."""
+    run = RunDir(tmp_path / "run")
+    syncer = Syncer(RecipeConfig(sync=SyncConfig(keep_weights=1)), run)
+    try:
+        for v in range(4):
+            with atomic_dir(run.weights_dir(v), {"step": v}) as tmp:
+                (tmp / "model.safetensors").write_bytes(b"w")
+        syncer.policy_version = 3
+        syncer.retain()
+        assert run.stable_steps("weights") == [0, 3]
+        with atomic_dir(run.checkpoint_dir(2), {"step": 2}) as tmp:
+            (tmp / "state").write_bytes(b"s")
+        syncer.retain()
+        assert run.stable_steps("weights") == [3]
+    finally:
+        syncer.close()
+
+
 def test_on_every_interface_rl_sync_tells_peers_this_hosts_address(tmp_path):
     """sync.host = 0.0.0.0 (Slurm's BIND_HOST): its announcements and the collective store are given as
     an address servers and trainer ranks on other hosts can reach (the store once gave 0.0.0.0)."""
