@@ -16,6 +16,7 @@ The audit at the end (printed as JSON, last line a table):
   work a trainer kill lost since its checkpoint is trained again from the same batch:
   counted as ``steps_redone``);
 - every batch written once (its STABLE marker never changes) and no step skipped;
+- the last step's weights published (STABLE), however the trainer's last kill fell;
 - policy versions monotone (rl-sync's live policy, and each server's served version);
 - no temporary directories left anywhere in the run directory;
 - every STABLE weights, checkpoint and rollout directory left intact: each file's size
@@ -46,6 +47,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from rlcli.config import dump_toml  # noqa: E402
+from rlcli.transport.rundir import RunDir  # noqa: E402
 
 MODULES = {"infer": ["rlcli.cli.infer", "serve"], "train": ["rlcli.cli.train", "run"], "sync": ["rlcli.cli.sync"],
            "cache": ["rlcli.cli.cache", "serve"], "orchestrate": ["rlcli.cli.orchestrate", "run"]}
@@ -290,6 +292,7 @@ def audit(run_dir: Path, steps: int, mon: Monitor) -> dict:
         all(a <= b for a, b in zip(seq, seq[1:])) for seq in mon.served.values())
     checks = {
         "every_step_trained": sorted(by_step) == list(range(1, steps + 1)),
+        "final_policy_published": RunDir(run_dir).latest_stable("weights") == steps,
         "each_step_on_its_own_batch": same_batch,
         "every_batch_written_once": not mon.rewritten and sorted(Counter(m["step"] for m in orch).values())[-1:] == [1],
         "weights_monotone": monotone,
@@ -341,6 +344,9 @@ def main() -> int:
     p.add_argument("--no-chaos", action="store_true", help="only the baseline")
     p.add_argument("--smoke", action="store_true", help="short setting: 14 steps, 1 kill each, 12 s stop")
     args = p.parse_args()
+    # The fleet runs in sessions of its own: on a SIGTERM (an outer `timeout`) unwind, so one_run's
+    # finally stops it instead of leaving six process groups running in the run directory.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     if args.smoke:
         args.steps, args.kills, args.sft_steps, args.stop_s, args.batch_size = 14, 1, 10, 12.0, 16
         args.aim_timeout_s = 20.0
