@@ -1,5 +1,5 @@
 """Batched token sampling: temperature, top-p, greedy, per-row seeds, no host sync (given ``any_top_p``;
-a top-p batch over more than ``2 * NUCLEUS_CANDIDATES`` tokens reads one flag, see :func:`top_p_keep`).
+a top-p batch over more than 2,048 tokens reads a flag or two, see :func:`top_p_keep`).
 
 Sampling inverts the CDF: one uniform ``u`` per row, and the token is the first whose
 cumulative probability (summed in float64) exceeds ``u`` times the row's total, which draws
@@ -75,8 +75,9 @@ def sample(logits_SV: torch.Tensor, temperature_S: torch.Tensor, top_p_S: torch.
     return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
 
 
-NUCLEUS_CANDIDATES = 1024
-"""Most likely tokens :func:`top_p_keep` looks at before it sorts a whole row."""
+NUCLEUS_CANDIDATES = (1024, 16384)
+"""How many of a row's most likely tokens :func:`top_p_keep` looks at, tier by tier, before it
+sorts the whole row."""
 
 
 def top_p_keep(probs_V: torch.Tensor, top_p: torch.Tensor | float) -> torch.Tensor:
@@ -84,36 +85,52 @@ def top_p_keep(probs_V: torch.Tensor, top_p: torch.Tensor | float) -> torch.Tens
     smallest set of most likely tokens whose mass reaches ``top_p`` (the most likely token
     always stays). ``top_p`` is a float or broadcasts against ``probs_V[..., :1]``.
 
-    A row's nucleus is looked for among its :data:`NUCLEUS_CANDIDATES` most likely tokens first
-    (a top-k, where sorting 151,936 entries cost ~14 ms a row on one CPU core). It is taken from
-    there when its least likely member is more likely than every token left out; a row whose
-    nucleus reaches that far (a flat distribution, or ties at the edge) is sorted whole. Either
-    way the mask is the whole sort's: the candidates are ordered as the sort orders them (by
-    probability, ties in token order), and the nucleus's mass is summed over the same members
-    in the same order. Rows are decided on their own, so a row's mask does not depend on the
-    rest of the batch (the engine and the trainer batch differently). Costs one host sync
-    (whether any row needs the whole sort) where a row is longer than twice the candidates;
+    A row's nucleus is looked for among its most likely tokens first, 1,024 then 16,384 of them
+    (:data:`NUCLEUS_CANDIDATES`; a top-k, where sorting 151,936 entries cost ~14 ms a row on one CPU
+    core). It is taken from there when its least likely member is more likely than every token left
+    out; a row whose nucleus reaches past the last tier (a flat distribution, or ties at the edge) is
+    sorted whole. Either way the mask is the whole sort's: the candidates are ordered as the sort
+    orders them (by probability, ties in token order), and the nucleus's mass is summed over the
+    same members in the same order. Rows are decided on their own, so a row's mask does not depend
+    on the rest of the batch (the engine and the trainer batch differently). Costs one host sync per
+    tier a row reaches (whether any row goes on) where a row is longer than twice the candidates;
     under torch.compile (the trainer's compiled logprobs) rows are sorted whole instead."""
     V = probs_V.shape[-1]
-    if V <= 2 * NUCLEUS_CANDIDATES or torch.compiler.is_compiling():  # traced: no graph break on the flag
+    tiers = [k for k in NUCLEUS_CANDIDATES if 2 * k <= V]
+    if not tiers or torch.compiler.is_compiling():  # traced: no graph break on the flag
         return _nucleus_by_sort(probs_V, top_p)
     rows = probs_V.reshape(-1, V)
     p_R1 = torch.as_tensor(top_p, dtype=probs_V.dtype, device=probs_V.device)
     p_R1 = p_R1.expand(*probs_V.shape[:-1], 1).reshape(-1, 1)
-    vals, idx = rows.topk(NUCLEUS_CANDIDATES, dim=-1)  # the order of ties is unspecified
+    keep = torch.zeros_like(rows, dtype=torch.bool)
+    left = None  # row numbers still open (None: all)
+    for k in tiers:
+        part, settled = _nucleus_among(rows if left is None else rows[left], p_R1 if left is None else p_R1[left], k)
+        if left is None:
+            keep = part
+        else:
+            keep[left] = part
+        if bool(settled.all()):
+            return keep.view(probs_V.shape)
+        open_ = (~settled).nonzero()[:, 0]
+        left = open_ if left is None else left[open_]
+    keep[left] = _nucleus_by_sort(rows[left], p_R1[left])
+    return keep.view(probs_V.shape)
+
+
+def _nucleus_among(rows_RV: torch.Tensor, p_R1: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the nucleus mask of each row found among its ``k`` most likely tokens, whether it is settled
+    there): see :func:`top_p_keep`."""
+    vals, idx = rows_RV.topk(k, dim=-1)  # the order of ties is unspecified
     idx, by_token = idx.sort(dim=-1)
     sorted_p, order = vals.gather(-1, by_token).sort(dim=-1, descending=True, stable=True)
-    cand_token = idx.gather(-1, order)  # by probability, ties in token order: the whole sort's first K
+    cand_token = idx.gather(-1, order)  # by probability, ties in token order: the whole sort's first k
     keep_sorted = (row_cumsum(sorted_p) - sorted_p) < p_R1
     size = keep_sorted.sum(-1, keepdim=True)  # >= 1: the first token's preceding mass is 0
     # Every token outside the candidates is at most the last candidate's probability; tokens
     # above it are all candidates, in the sort's order. A nucleus of only such tokens is settled.
     settled = sorted_p.gather(-1, size - 1)[:, 0] > sorted_p[:, -1]
-    keep = torch.zeros_like(rows, dtype=torch.bool).scatter_(-1, cand_token, keep_sorted)
-    if not bool(settled.all()):
-        whole = (~settled).nonzero()[:, 0]
-        keep[whole] = _nucleus_by_sort(rows[whole], p_R1[whole])
-    return keep.view(probs_V.shape)
+    return torch.zeros_like(rows_RV, dtype=torch.bool).scatter_(-1, cand_token, keep_sorted), settled
 
 
 def _nucleus_by_sort(probs_V: torch.Tensor, top_p: torch.Tensor | float) -> torch.Tensor:

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from rlcli.ops import sampling
@@ -81,8 +82,8 @@ def test_sampling_never_reads_a_tensor_value_on_the_host():
                torch.Generator().manual_seed(0), {3: torch.Generator().manual_seed(1)}, any_top_p=True)
     assert "_local_scalar_dense" not in ops.names
     assert "searchsorted" in ops.names  # the ops were seen
-    # Past 2 x NUCLEUS_CANDIDATES tokens, a top-p batch reads one value: whether any row needs the whole sort.
-    logits = torch.randn(4, 3 * sampling.NUCLEUS_CANDIDATES) * 8
+    # Past 2 x 1,024 tokens, a top-p batch of peaked rows reads one value: whether any row goes on.
+    logits = torch.randn(4, 3 * sampling.NUCLEUS_CANDIDATES[0]) * 8
 
     class Reads(Ops):
         reads = 0
@@ -97,52 +98,59 @@ def test_sampling_never_reads_a_tensor_value_on_the_host():
     assert Reads.reads == 1
 
 
-def _rows_with_edges(V: int, K: int, g: torch.Generator) -> torch.Tensor:
-    """Probability rows of a V-token vocabulary that test where the candidates end (K): peaked and flat
-    rows, a row whose probabilities tie across the K-th place, a row whose nucleus ends on a tie at the
-    K-th place, rows of one token and of equal tokens."""
+def _rows_with_edges(V: int, edges: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    """Probability rows of a V-token vocabulary that test where each tier of candidates ends (``edges``):
+    peaked and flat rows; per edge K, a row whose probabilities tie across the K-th place and a row whose
+    nucleus at 0.99 ends on a tie at the K-th place; rows of one token, of all tokens equal, and of eight
+    equal tokens."""
     rows = [torch.softmax(torch.randn(V, generator=g) * s, -1) for s in (12.0, 7.0, 4.0, 2.0, 0.5)]
-    tie = torch.full((V,), 1e-9)
-    tie[torch.randperm(V, generator=g)[: 3 * K]] = 1.0  # 3K equal tokens: the top-k picks some of them
-    rows.append(tie / tie.sum())
-    edge = torch.full((V,), 1e-12)
-    order = torch.randperm(V, generator=g)
-    edge[order[: K - 4]] = torch.linspace(2.0, 1.5, K - 4)
-    edge[order[K - 4: K + 40]] = 1.0  # the nucleus at p = 0.99 runs into these, at the K-th place
-    rows.append(edge / edge.sum())
+    for K in edges:
+        tie = torch.full((V,), 1e-9)
+        tie[torch.randperm(V, generator=g)[: 3 * K // 2]] = 1.0  # 1.5K equal tokens: the top-k picks some
+        rows.append(tie / tie.sum())
+        edge = torch.full((V,), 1e-12)
+        order = torch.randperm(V, generator=g)
+        edge[order[: K - 4]] = torch.linspace(2.0, 1.5, K - 4)
+        edge[order[K - 4: K + 40 + K // 32]] = min(1.0, 0.01 * (K - 4))  # the nucleus at 0.99 ends among these
+        rows.append(edge / edge.sum())
     one = torch.zeros(V)
     one[int(torch.randint(V, (1,), generator=g))] = 1.0
     few = torch.full((V,), 1e-12)
-    few[torch.randperm(V, generator=g)[:8]] = 1.0  # a nucleus that ends inside ties, well above the K-th place
+    few[torch.randperm(V, generator=g)[:8]] = 1.0  # a nucleus that ends inside ties, well above any edge
     rows += [one, torch.full((V,), 1.0 / V), few / few.sum()]
     return torch.stack(rows)
 
 
-def test_the_nucleus_from_the_candidates_is_the_whole_sorts():
-    """top_p_keep looks for a row's nucleus among its most likely tokens before sorting the row: its mask
-    equals the whole sort's, to the bit, for peaked, flat, tied and one-token rows, per-row and scalar
-    top-p, 2-D and 3-D (the trainer's [B, T, V]) input."""
+@pytest.mark.parametrize("tiers, V", [((16, 128), 384), (sampling.NUCLEUS_CANDIDATES, 40_000)])
+def test_the_nucleus_from_the_candidates_is_the_whole_sorts(monkeypatch, tiers, V):
+    """top_p_keep looks for a row's nucleus among its most likely tokens, tier by tier, before sorting the
+    row: its mask equals the whole sort's, to the bit, for peaked, flat, tied and one-token rows, rows that
+    stop at each tier and rows that go on to the whole sort, per-row and scalar top-p, 2-D and 3-D (the
+    trainer's [B, T, V]) input."""
+    monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", tiers)
     g = torch.Generator().manual_seed(0)
-    K = sampling.NUCLEUS_CANDIDATES
-    probs = _rows_with_edges(3 * K, K, g)
-    for top_p in (0.5, 0.9, 0.99, 0.999999, torch.rand(probs.shape[0], 1, generator=g) * 0.98 + 0.01):
+    probs = _rows_with_edges(V, tiers, g)
+    R = probs.shape[0]
+    for top_p in (0.5, 0.9, 0.99, 0.999999, torch.rand(R, 1, generator=g) * 0.98 + 0.01):
         want = _nucleus_by_sort(probs, top_p)
         assert torch.equal(top_p_keep(probs, top_p), want)
-        p3 = top_p.view(2, 5, 1) if isinstance(top_p, torch.Tensor) else top_p
-        assert torch.equal(top_p_keep(probs.view(2, 5, -1), p3), want.view(2, 5, -1))
-    tied = probs[6] == probs[6].sort(descending=True).values[K]  # the nucleus at 0.99 ends inside these
-    kept = _nucleus_by_sort(probs[6:7], 0.99)[0, tied]
-    assert kept.any() and not kept.all()
+        p3 = top_p.view(R // 4, 4, 1) if isinstance(top_p, torch.Tensor) else top_p
+        assert torch.equal(top_p_keep(probs.view(R // 4, 4, -1), p3), want.view(R // 4, 4, -1))
+    for i, K in enumerate(tiers):
+        edge = probs[6 + 2 * i]
+        tied = edge == edge.sort(descending=True).values[K]  # the nucleus at 0.99 ends inside these
+        kept = _nucleus_by_sort(edge[None], 0.99)[0, tied]
+        assert kept.any() and not kept.all()
     sizes = top_p_keep(probs, 0.9).sum(-1)
-    assert sizes[0] < K < sizes[4] and sizes[7] == 1 and sizes[9] == 8
-    assert top_p_keep(probs, 0.5).sum(-1)[9] == 4  # the first four of the eight by token
+    assert sizes[0] < tiers[0] < sizes[4] and sizes[-3] == 1 and sizes[-1] == 8 and sizes[-2] > 2 * tiers[-1]
+    assert top_p_keep(probs, 0.5).sum(-1)[-1] == 4  # the first four of the eight by token
 
 
 def test_a_rows_nucleus_does_not_depend_on_its_batch():
     """The engine and the trainer batch tokens differently: a peaked row's mask is the same beside a flat
     row (which needs the whole sort) as alone."""
     g = torch.Generator().manual_seed(1)
-    V = 3 * sampling.NUCLEUS_CANDIDATES
+    V = 3 * sampling.NUCLEUS_CANDIDATES[0]
     peaked, flat = torch.softmax(torch.randn(2, V, generator=g) * torch.tensor([[9.0], [0.3]]), -1)
     both = top_p_keep(torch.stack([peaked, flat]), 0.95)
     assert torch.equal(both[0], top_p_keep(peaked[None], 0.95)[0])
