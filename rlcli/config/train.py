@@ -67,9 +67,11 @@ DEFAULT_MASK_LOW = 0.5
 class LossConfig(Config):
     """Policy-gradient loss; ``kind`` picks a function from rlcli.train.loss.LOSSES."""
 
-    kind: Literal["icepop", "tis"] = "icepop"
+    kind: Literal["icepop", "tis", "dppo"] = "icepop"
     """icepop: mask tokens whose trainer/inference probability ratio leaves [mask_low, mask_high];
-    tis: truncate the ratio at mask_high instead of masking."""
+    tis: truncate the ratio at mask_high instead of masking; dppo: mask by how far a token's
+    *probability* moved, in the direction its advantage pushes (dppo_mask_low / dppo_mask_high;
+    DPPO-Binary-TV, prime-rl 0.6.0's default loss)."""
 
     ratio: Literal["token", "sequence"] = "token"
     """token: each token is weighted by its own ratio pi_train / pi_infer; sequence: every token of
@@ -83,6 +85,14 @@ class LossConfig(Config):
 
     mask_high: float = 2.0
     """Upper bound of the trust interval on pi_train / pi_infer."""
+
+    dppo_mask_low: float = 0.2
+    """dppo: mask a token of negative advantage whose probability under the trainer is below the
+    sampler's by more than this (pi_train - pi_infer < -dppo_mask_low)."""
+
+    dppo_mask_high: float = 0.2
+    """dppo: mask a token of positive advantage whose probability under the trainer is above the
+    sampler's by more than this (pi_train - pi_infer > dppo_mask_high)."""
 
     sequence_mask_low: float = 0.0
     """Mask every token of a sequence whose geometric-mean ratio is below this; 0 disables it."""
@@ -117,6 +127,16 @@ class LossConfig(Config):
         if self.kind == "tis" and self.mask_low != DEFAULT_MASK_LOW:
             raise ValueError(f"train.loss.mask_low ({self.mask_low}) has no effect with kind = tis, which only "
                              "truncates the ratio at mask_high: remove it or use kind = icepop")
+        for key in ("dppo_mask_low", "dppo_mask_high"):
+            value = getattr(self, key)
+            if not 0 < value <= 1:  # a difference of two probabilities
+                raise ValueError(f"train.loss.{key} must be in (0, 1], got {value}")
+            if self.kind != "dppo" and value != 0.2:
+                raise ValueError(f"train.loss.{key} ({value}) has no effect with kind = {self.kind}: remove it "
+                                 "or use kind = dppo")
+        if self.kind == "dppo" and (self.mask_low, self.mask_high) != (DEFAULT_MASK_LOW, 2.0):
+            raise ValueError("train.loss.mask_low / mask_high bound the ratio, which kind = dppo does not: "
+                             "set dppo_mask_low / dppo_mask_high (bounds on the probability's change) instead")
         if not 0 <= self.sequence_mask_low < 1 or not (self.sequence_mask_high == 0 or self.sequence_mask_high > 1):
             raise ValueError(f"train.loss needs 0 <= sequence_mask_low < 1 and sequence_mask_high = 0 or > 1, got "
                              f"{self.sequence_mask_low}, {self.sequence_mask_high}")

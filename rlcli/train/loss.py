@@ -9,16 +9,23 @@ keep it inside a trust interval:
 * ``icepop``: tokens whose ratio leaves ``[mask_low, mask_high]`` are masked out
   (IcePop / masked importance sampling); inside, the gradient is ``ratio * A * grad log pi``.
 * ``tis``: the ratio is truncated at ``mask_high`` instead (truncated importance sampling).
+* ``dppo``: the trust region is on the *probability*, and one-sided by the advantage's sign
+  (DPPO-Binary-TV, prime-rl 0.6.0's default loss): a token of positive advantage is masked
+  when ``pi_train - pi_infer > dppo_mask_high`` (the update already raised it too far), one of
+  negative advantage when ``pi_train - pi_infer < -dppo_mask_low``; a token of advantage 0 is
+  never masked (it carries no policy gradient). Kept tokens get ``ratio * A * grad log pi``,
+  untruncated. A ratio bound treats a rare token whose probability doubles (0.001 -> 0.002)
+  like a likely one's (0.4 -> 0.8); the probability's change does not.
 
-Both can also mask whole sequences (``sequence_mask_low/high``) whose geometric-mean
+All can also mask whole sequences (``sequence_mask_low/high``) whose geometric-mean
 ratio leaves an interval, as prime-rl does: one sequence drawn from a very different
 distribution is dropped whole instead of token by token. With ``ratio = "sequence"``
-(GSPO) both weight every token of a sequence by that geometric-mean ratio instead of
+(GSPO) all weight every token of a sequence by that geometric-mean ratio instead of
 its own, ``exp(lp - sg(lp) + sg(mean log ratio))``: the value is the sequence's, the
 gradient each token's ``grad log pi``, and the trust interval (or truncation) acts on the
 sequence. The token-level ratios still give the mismatch diagnostics.
 
-With ``kl_tau > 0`` both add prime-rl's KL term, ``kl_tau * (log pi_train - log pi_infer)^2`` on every
+With ``kl_tau > 0`` all add prime-rl's KL term, ``kl_tau * (log pi_train - log pi_infer)^2`` on every
 loss token (masked ones too: it is what pulls a masked token's probability back), with gradient
 ``2 kl_tau (log pi_train - log pi_infer) grad log pi``; a token outside the trainer's top-p nucleus
 (log pi_train = -inf) adds nothing.
@@ -147,7 +154,21 @@ def tis_loss(trainer_lp, infer_lp, advantages, mask, seq_ids, cfg: LossConfig):
     return _with_kl(loss, trainer_lp, infer_lp, mask, cfg, metrics), kept, metrics
 
 
-LOSSES: dict[str, LossFn] = {"icepop": icepop_loss, "tis": tis_loss}
+def dppo_loss(trainer_lp, infer_lp, advantages, mask, seq_ids, cfg: LossConfig):
+    ratio, log_ratio = _ratio(trainer_lp, infer_lp)
+    weighting = _weighting_ratio(trainer_lp, ratio, log_ratio, mask, seq_ids, cfg)
+    moved = trainer_lp.detach().exp() - infer_lp.exp()  # pi_train - pi_infer (0 - p outside the nucleus)
+    high = (advantages > 0) & (moved > cfg.dppo_mask_high)
+    low = (advantages < 0) & (moved < -cfg.dppo_mask_low)
+    seq_keep = _sequence_keep(log_ratio, mask, seq_ids, cfg)
+    kept = mask & ~low & ~high & seq_keep
+    # A kept token outside the trainer's nucleus (lp = -inf) weighs e^-20 (_ratio's clamp), with no gradient.
+    loss = -(weighting * advantages * kept).sum()
+    metrics = _metrics(ratio, log_ratio, mask, kept, low, high, seq_keep)
+    return _with_kl(loss, trainer_lp, infer_lp, mask, cfg, metrics), kept, metrics
+
+
+LOSSES: dict[str, LossFn] = {"icepop": icepop_loss, "tis": tis_loss, "dppo": dppo_loss}
 
 
 def token_logprobs(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor, temperature: float, top_p: float = 1.0

@@ -1,8 +1,10 @@
+import re
+
 import pytest
 import torch
 
 from rlcli.config.train import LossConfig
-from rlcli.train.loss import icepop_loss, sequence_ids, tis_loss, token_logprobs
+from rlcli.train.loss import dppo_loss, icepop_loss, sequence_ids, tis_loss, token_logprobs
 
 
 def test_token_logprobs_align_with_the_predicted_token():
@@ -191,7 +193,7 @@ def test_sequence_ratio_on_policy_is_the_policy_gradient_and_a_zero_probability_
         assert torch.isfinite(loss) and torch.isfinite(lp.grad).all() and lp.grad[0, 2] == 0, ratio
 
 
-@pytest.mark.parametrize("loss_fn", [icepop_loss, tis_loss])
+@pytest.mark.parametrize("loss_fn", [icepop_loss, tis_loss, dppo_loss])
 def test_kl_tau_adds_the_squared_log_ratio_on_every_loss_token(loss_fn):
     """prime-rl's KL term: kl_tau * (log pi_train - log pi_infer)^2 on every loss token, masked ones
     included; gradient 2 kl_tau log-ratio on each; a token outside the nucleus (-inf) adds nothing."""
@@ -227,3 +229,56 @@ def test_tis_stays_finite_on_a_token_outside_the_trainers_nucleus():
                           torch.tensor([[True, True]]), torch.zeros(1, 2, dtype=torch.long), LossConfig())
     loss.backward()
     assert loss.item() == -1.0 and lp.grad.tolist() == [[-1.0, 0.0]]
+
+
+def test_dppo_masks_by_the_probabilitys_change_in_the_direction_of_the_advantage():
+    """DPPO-Binary-TV (prime-rl 0.6.0's default): a token is masked when the trainer already moved its
+    probability past the bound in the direction its advantage pushes; a large ratio on a rare token is not
+    a large move, and a move against the advantage's push is left to the gradient."""
+    cfg = LossConfig(kind="dppo", dppo_mask_low=0.2, dppo_mask_high=0.2)
+    infer_p = torch.tensor([[0.5, 0.5, 0.5, 0.5, 0.001, 0.5, 0.5]])
+    train_p = torch.tensor([[0.8, 0.8, 0.2, 0.2, 0.004, 0.9, 0.1]])
+    adv = torch.tensor([[1.0, -1.0, -1.0, 1.0, 1.0, 0.0, 1.0]])
+    mask = torch.tensor([[True, True, True, True, True, True, False]])
+    lp = train_p.log().requires_grad_()
+    loss, kept, m = dppo_loss(lp, infer_p.log(), adv, mask, torch.zeros(1, 7, dtype=torch.long), cfg)
+    # +0.3 with A > 0: masked high; +0.3 with A < 0: kept; -0.3 with A < 0: masked low; -0.3 with A > 0:
+    # kept; ratio 4 but +0.003: kept (icepop's [0.5, 2] masks it); A = 0: kept; not a loss token.
+    assert kept.tolist() == [[False, True, False, True, True, True, False]]
+    assert m["masked_high"].item() == 1 and m["masked_low"].item() == 1 and m["masked_tokens"].item() == 2
+    _, icepop_kept, _ = icepop_loss(train_p.log(), infer_p.log(), adv, mask, torch.zeros(1, 7, dtype=torch.long),
+                                    LossConfig())
+    assert not icepop_kept[0, 4]
+    loss.backward()  # -ratio * A on the kept tokens, untruncated
+    ratio = train_p / infer_p
+    want = torch.where(kept, -ratio * adv, torch.zeros_like(adv))
+    torch.testing.assert_close(lp.grad, want)
+    torch.testing.assert_close(loss.detach(), (want * kept).sum())
+
+
+def test_dppo_on_policy_is_the_policy_gradient():
+    torch.manual_seed(1)
+    logits = torch.randn(1, 6, 7, requires_grad=True)
+    ids = torch.randint(0, 7, (1, 6))
+    adv = torch.randn(1, 6)
+    mask = torch.tensor([[False, False, True, True, True, True]])
+    lp, _ = token_logprobs(logits, ids, 1.0)
+    loss, kept, _ = dppo_loss(lp, lp.detach(), adv, mask, torch.zeros(1, 6, dtype=torch.long), LossConfig(kind="dppo"))
+    assert torch.equal(kept, mask)
+    loss.backward()
+    g1 = logits.grad.clone()
+    logits.grad = None
+    lp, _ = token_logprobs(logits, ids, 1.0)
+    (-(lp * adv * mask).sum()).backward()
+    torch.testing.assert_close(g1, logits.grad)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"kind": "dppo", "dppo_mask_high": 0.0}, "dppo_mask_high must be in (0, 1]"),
+    ({"kind": "dppo", "dppo_mask_low": 1.5}, "dppo_mask_low must be in (0, 1]"),
+    ({"dppo_mask_high": 0.3}, "has no effect with kind = icepop"),
+    ({"kind": "dppo", "mask_high": 3.0}, "set dppo_mask_low / dppo_mask_high"),
+])
+def test_dppo_settings_that_would_do_nothing_are_refused(kwargs, needle):
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        LossConfig(**kwargs)
