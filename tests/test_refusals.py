@@ -73,6 +73,8 @@ def test_a_refused_recipe_leaves_no_claim_on_the_run_directory(tmp_path, tiny_mo
     (["--env.args.min_len", "0"], "env.args.min_len"),
     (["--engine", "vllm"], "needs vLLM, which is not installed here"),
     (["--train-nproc", "2", "--train.parallel.ep", "2"], "--ep 2 needs a mixture-of-experts model"),
+    (["--train.loss.kind", "no_such_loss_module:fn"], "train.loss.kind 'no_such_loss_module:fn': cannot import"),
+    (["--train.loss.kind", "ppo"], "train.loss.kind 'ppo' is not a loss"),
 ])
 def test_up_refuses_what_would_stop_a_child_before_starting_any(tmp_path, tiny_model_dir, args, needle):
     if "vllm" in args:

@@ -85,12 +85,20 @@ def finish(run, command: str, code: int, as_json: bool):
     raise typer.Exit(code)
 
 
+def check_loss_kind(cfg) -> None:
+    """A loss of your own (``train.loss.kind = package.module:function``) imports and is callable."""
+    if ":" in cfg.train.loss.kind:
+        from rlcli.envs.registry import load_factory
+
+        load_factory(cfg.train.loss.kind, "train.loss.kind", "function")
+
+
 def open_run(cfg, command: str):
     """Create or join the run directory, check it belongs to this recipe, record the config.
 
     The claim binds the directory to this recipe's model and environment, so what can refuse the
-    recipe is checked first (here the model directory and a built-in environment's env.args; a
-    command's own checks before it calls this):
+    recipe is checked first (here the model directory, a built-in environment's env.args and
+    rl-train's own loss function, if it names one; a command's own checks before it calls this):
     a refused start leaves no claim that would refuse the corrected one."""
     from rlcli.config import dump_toml, to_dict
     from rlcli.transport.rundir import RunDir
@@ -103,6 +111,8 @@ def open_run(cfg, command: str):
 
     if cfg.env.name in BUILTIN_ARGS:  # the claim records env.args too: a built-in's are checked first
         builtin_args(cfg.env.name, dict(cfg.env.args))
+    if command == "train":
+        check_loss_kind(cfg)
     run = RunDir(cfg.run_dir)
     model = to_dict(cfg.model)
     model["path"] = os.path.abspath(model["path"]) if model["path"] else ""

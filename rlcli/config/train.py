@@ -64,14 +64,20 @@ class OptimConfig(Config):
 DEFAULT_MASK_LOW = 0.5
 
 
+BUILTIN_LOSSES = ("icepop", "tis", "dppo")
+"""The losses of rlcli.train.loss.LOSSES, by name (the config stays free of torch)."""
+
+
 class LossConfig(Config):
     """Policy-gradient loss; ``kind`` picks a function from rlcli.train.loss.LOSSES."""
 
-    kind: Literal["icepop", "tis", "dppo"] = "icepop"
+    kind: str = "icepop"
     """icepop: mask tokens whose trainer/inference probability ratio leaves [mask_low, mask_high];
     tis: truncate the ratio at mask_high instead of masking; dppo: mask by how far a token's
     *probability* moved, in the direction its advantage pushes (dppo_mask_low / dppo_mask_high;
-    DPPO-Binary-TV, prime-rl 0.6.0's default loss)."""
+    DPPO-Binary-TV, prime-rl 0.6.0's default loss); or ``package.module:function``, a loss of your
+    own with the signature of rlcli.train.loss.LossFn (it receives this section, so it can read
+    the keys above)."""
 
     ratio: Literal["token", "sequence"] = "token"
     """token: each token is weighted by its own ratio pi_train / pi_infer; sequence: every token of
@@ -116,6 +122,9 @@ class LossConfig(Config):
     what was learned."""
 
     def __post_init__(self) -> None:
+        if self.kind not in BUILTIN_LOSSES and ":" not in self.kind:
+            raise ValueError(f"train.loss.kind {self.kind!r} is not a loss: use {', '.join(BUILTIN_LOSSES)} or "
+                             "package.module:function")
         if not (self.kl_tau >= 0 and math.isfinite(self.kl_tau)):
             raise ValueError(f"train.loss.kl_tau must be >= 0 and finite, got {self.kl_tau}")
         if not math.isfinite(self.entropy_coef):
@@ -131,7 +140,7 @@ class LossConfig(Config):
             value = getattr(self, key)
             if not 0 < value <= 1:  # a difference of two probabilities
                 raise ValueError(f"train.loss.{key} must be in (0, 1], got {value}")
-            if self.kind != "dppo" and value != 0.2:
+            if self.kind in ("icepop", "tis") and value != 0.2:  # a loss of your own may read them
                 raise ValueError(f"train.loss.{key} ({value}) has no effect with kind = {self.kind}: remove it "
                                  "or use kind = dppo")
         if self.kind == "dppo" and (self.mask_low, self.mask_high) != (DEFAULT_MASK_LOW, 2.0):

@@ -30,23 +30,25 @@ def resolve(name: str) -> str:
                       f"in the group {ENTRY_POINT_GROUP}, or package.module:factory")
 
 
-def load_factory(spec: str):
+def load_factory(spec: str, key: str = "env.name", what: str = "factory"):
+    """The callable ``package.module:attr`` names (``key``: the setting that named it, for errors).
+    The working directory is importable, as for ``python -m``."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
-        raise ConfigError(f"env.name {spec!r} must look like package.module:factory")
+        raise ConfigError(f"{key} {spec!r} must look like package.module:{what}")
     if "" not in sys.path and str(Path.cwd()) not in sys.path:
         sys.path.append(str(Path.cwd()))
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as e:
-        raise ConfigError(f"env.name {spec!r}: cannot import {module_name} ({e}); install it or add its "
+        raise ConfigError(f"{key} {spec!r}: cannot import {module_name} ({e}); install it or add its "
                           "directory to PYTHONPATH") from None
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ConfigError(f"env.name {spec!r}: {module_name} has no attribute {attr}")
+            raise ConfigError(f"{key} {spec!r}: {module_name} has no attribute {attr}")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise ConfigError(f"env.name {spec!r}: {attr} is not callable")
+        raise ConfigError(f"{key} {spec!r}: {attr} is not callable")
     return obj
 
 

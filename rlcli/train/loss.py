@@ -33,9 +33,9 @@ loss token (masked ones too: it is what pulls a masked token's probability back)
 Every loss returns the *sum* over tokens, the boolean mask of the tokens it kept (the
 trainer applies the entropy bonus to those only) and mismatch diagnostics, all sums
 or counts except ``*_max``; the caller divides by the number of loss tokens in the
-whole step (token-level normalization across micro-batches and ranks). Add a loss by
-writing a function with the signature of :data:`LossFn` and registering it in
-:data:`LOSSES`.
+whole step (token-level normalization across micro-batches and ranks). A loss of your own
+is a function with the signature of :data:`LossFn`, named by ``train.loss.kind =
+"package.module:function"`` (:func:`resolve_loss`).
 """
 
 from typing import Callable
@@ -169,6 +169,15 @@ def dppo_loss(trainer_lp, infer_lp, advantages, mask, seq_ids, cfg: LossConfig):
 
 
 LOSSES: dict[str, LossFn] = {"icepop": icepop_loss, "tis": tis_loss, "dppo": dppo_loss}
+
+
+def resolve_loss(kind: str) -> LossFn:
+    """The loss ``train.loss.kind`` names: a built-in of :data:`LOSSES`, or ``package.module:function``."""
+    if kind in LOSSES:
+        return LOSSES[kind]
+    from rlcli.envs.registry import load_factory
+
+    return load_factory(kind, "train.loss.kind", "function")
 
 
 def token_logprobs(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor, temperature: float, top_p: float = 1.0

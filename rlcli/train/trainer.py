@@ -48,7 +48,7 @@ from rlcli.protocol.batch import TrainingBatch
 from rlcli.train.async_checkpoint import AsyncCheckpointer
 from rlcli.train.checkpoint import load_latest_checkpoint, save_checkpoint
 from rlcli.train.data import BatchCorrupt, wait_for_batch
-from rlcli.train.loss import LOSSES
+from rlcli.train.loss import resolve_loss
 from rlcli.train.profile import compile_counts, peak_gib, reduce_max, reset_peak, step_profile
 from rlcli.train.publish import make_publisher
 from rlcli.train.sft import run_sft
@@ -218,7 +218,7 @@ class Trainer:
             if saved and saved != self._mesh_record():
                 log.info("checkpoint written with %s; resharded to %s", saved, self._mesh_record())
             log.info("resumed from checkpoint step %d", self.step)
-        self.loss_fn = LOSSES[tcfg.loss.kind]
+        self.loss_fn = resolve_loss(tcfg.loss.kind)
         # Checkpoints behind the step (rlcli.train.async_checkpoint), the writers' collectives on a group of their own.
         self.checkpointer = AsyncCheckpointer(run, tcfg.checkpoint.keep, self._mesh_record(), pdist.new_cpu_group()) \
             if tcfg.checkpoint.background else None

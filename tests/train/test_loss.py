@@ -267,3 +267,15 @@ def test_dppo_masks_by_the_probabilitys_change_in_the_direction_of_the_advantage
 def test_dppo_settings_that_would_do_nothing_are_refused(kwargs, needle):
     with pytest.raises(ValueError, match=re.escape(needle)):
         LossConfig(**kwargs)
+
+
+def test_the_loss_kinds_are_the_built_ins_or_an_import_path():
+    from rlcli.config.train import BUILTIN_LOSSES
+    from rlcli.train.loss import LOSSES, resolve_loss
+
+    assert BUILTIN_LOSSES == tuple(LOSSES)  # the config's list (no torch there) and the functions agree
+    assert resolve_loss("dppo") is dppo_loss
+    with pytest.raises(ValueError, match="train.loss.kind 'ppo' is not a loss: use icepop, tis, dppo or "
+                                         "package.module:function"):
+        LossConfig(kind="ppo")
+    assert LossConfig(kind="mine:loss", dppo_mask_high=0.3).dppo_mask_high == 0.3  # a loss of your own may read it

@@ -234,3 +234,33 @@ def test_a_checkpointed_step_whose_weights_never_committed_is_published_on_resum
     finally:
         third.close()
     assert (run.weights_dir(2) / "STABLE").stat().st_mtime_ns == stamp
+
+
+def test_a_loss_of_ones_own_is_named_by_import_path_and_trained_with(setup):
+    """train.loss.kind = package.module:function: rl-train imports it and trains with it; a path that
+    does not import, or names something not callable, is refused before the run directory is claimed."""
+    import msgspec
+
+    import custom_loss_example
+    from rlcli.cli.common import open_run
+    from rlcli.errors import ConfigError
+
+    cfg, run = setup
+    loss = msgspec.structs.replace(cfg.train.loss, kind="custom_loss_example:halved_icepop")
+    cfg = msgspec.structs.replace(cfg, num_steps=1, train=msgspec.structs.replace(cfg.train, loss=loss))
+    write_batch(run, 1, groups(4), 1, 256, 1.0)
+    custom_loss_example.CALLS.clear()
+    trainer = Trainer(cfg, run)
+    try:
+        assert trainer.train() == 0
+    finally:
+        trainer.close()
+    assert sum(custom_loss_example.CALLS) == 8 * 2  # every loss token of the 8 samples went through it
+    for kind, needle in (("no_such_module_x:f", "cannot import no_such_module_x"),
+                         ("custom_loss_example:missing", "custom_loss_example has no attribute missing"),
+                         ("custom_loss_example:NOT_CALLABLE", "NOT_CALLABLE is not callable")):
+        bad = msgspec.structs.replace(cfg, run_dir=str(run.root.parent / "other"), train=msgspec.structs.replace(
+            cfg.train, loss=msgspec.structs.replace(loss, kind=kind)))
+        with pytest.raises(ConfigError, match=f"train.loss.kind '{kind}': {needle}"):
+            open_run(bad, "train")
+        assert not (run.root.parent / "other").exists()
