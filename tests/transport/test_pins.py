@@ -18,6 +18,8 @@ def test_retention_spares_a_pinned_version_until_it_is_unpinned(tmp_path, tiny_m
     for step in range(6):
         with atomic_dir(run.weights_dir(step), {"step": step}):
             pass
+    with atomic_dir(run.checkpoint_dir(4), {"step": 4}):  # else policy 0 is kept for a trainer restart
+        pass
     dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                               text=True).stdout)
     mine = pin(run.root, "infer-0", 1)  # a server loading v1 before it registers
