@@ -59,7 +59,8 @@ def run(tree: Path, args) -> dict:
     env = {"PYTHONPATH": os.pathsep.join([str(tree), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]),
            "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", WORKLOAD, args.device, args.dtype, str(args.vocab), str(args.iters),
-                          args.rows, str(args.top_p), str(args.logit_scale)], env=env, capture_output=True, text=True, cwd=tree)
+                          args.rows, str(args.top_p), str(args.logit_scale)],
+                         env=env, capture_output=True, text=True, cwd=tree)
     if out.returncode != 0:
         raise SystemExit(f"{tree}: {out.stderr[-2000:]}")
     return json.loads(out.stdout.splitlines()[-1])

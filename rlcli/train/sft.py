@@ -42,7 +42,8 @@ def demonstrations(cfg: RecipeConfig, tokenizer, seed: int) -> Iterator[tuple[li
     if not path.is_file():
         raise ConfigError(f"train.sft.dataset {path} not found; give a JSONL file or 'env'")
     rows = []
-    for number, row in json_objects(path.read_text(errors="surrogateescape").splitlines(), f"train.sft.dataset {path},"):
+    lines = path.read_text(errors="surrogateescape").splitlines()  # bytes that are not UTF-8: named, not replaced
+    for number, row in json_objects(lines, f"train.sft.dataset {path},"):
         if not (isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str)):
             raise ConfigError(f"train.sft.dataset {path}, line {number}: needs 'prompt' and 'completion' strings")
         rows.append(row)
