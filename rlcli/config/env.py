@@ -81,6 +81,12 @@ class EnvConfig(Config):
     on_error: float = 0.0
     """Reward of an episode whose environment raised, returned a non-number or ran past a budget."""
 
+    errors: Literal["reward", "mask"] = "reward"
+    """What such an episode trains. reward: it is scored env.on_error and trained like any other, so
+    the model learns to avoid what failed. mask: it trains nothing (its loss is masked) and its reward
+    is left out of its group's baseline, as when the failure is the infrastructure's (a sandbox that
+    timed out, a lost connection) and says nothing of the completion; prime-rl drops such rollouts."""
+
     max_turns: int = 8
     """Most model turns per multi-turn episode (single-turn environments have one)."""
 

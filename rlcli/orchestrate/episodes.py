@@ -228,6 +228,12 @@ class Episodes:
                        finish_reason=ep.finish_reason, routed_experts=ep.routed_experts)  # last turn: all routes
             for ep in group.episodes]
         group.rewards = [ep.reward for ep in group.episodes]
+        if any(ep.error is not None for ep in group.episodes):
+            group.errored = [ep.error is not None for ep in group.episodes]
+            if self.ecfg.errors == "mask":  # the failure trains nothing
+                for ep in group.episodes:
+                    if ep.error is not None:
+                        ep.loss_mask = [False] * len(ep.loss_mask)
         if self.multi_turn or any(not all(ep.loss_mask) for ep in group.episodes):
             group.loss_masks = [ep.loss_mask for ep in group.episodes]
         self.ready.append(group)

@@ -126,8 +126,12 @@ class HttpGroups:
         group.prompt_ids = first[:n]
         group.completions = [Completion(token_ids=s.token_ids[n:], logprobs=s.logprobs[n:], versions=s.versions[n:],
                                         finish_reason=s.finish_reason) for s in samples]
-        group.loss_masks = [s.loss_mask[n:] for s in samples]
+        failed = [s.error is not None for s in samples]
+        mask = self.cfg.env.errors == "mask"  # a failed episode trains nothing
+        group.loss_masks = [[False] * (len(s.loss_mask) - n) if bad and mask else s.loss_mask[n:]
+                            for s, bad in zip(samples, failed)]
         group.rewards = [s.reward for s in samples]
+        group.errored = failed if any(failed) else []
         return True
 
     def metrics(self) -> dict[str, float]:

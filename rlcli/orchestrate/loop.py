@@ -307,7 +307,11 @@ class Orchestrator:
                 self.on_scored(group)
 
     def on_scored(self, group: Group) -> None:
-        if self.ocfg.advantage.skip_zero_variance and max(group.rewards) == min(group.rewards):
+        # env.errors = mask: the baseline is that of the episodes whose environment did not fail.
+        counted = [not bad for bad in group.errored] if group.errored and self.cfg.env.errors == "mask" \
+            else [True] * len(group.rewards)
+        rewards = [r for r, c in zip(group.rewards, counted) if c]
+        if self.ocfg.advantage.skip_zero_variance and (not rewards or max(rewards) == min(rewards)):
             if self.num_filtered < self.zero_variance_cap:
                 self.num_filtered += 1
                 return
@@ -315,7 +319,8 @@ class Orchestrator:
                 log.warning("step %d: %d zero-variance groups dropped (advantage.max_zero_variance_drops); "
                             "the rest join the batch with zero advantage", self.next_step, self.num_filtered)
             self.num_zero_variance_kept += 1
-        group.advantages = group_advantages(group.rewards, self.ocfg.advantage.std_normalize)
+        advantages = iter(group_advantages(rewards, self.ocfg.advantage.std_normalize) if rewards else [])
+        group.advantages = [next(advantages) if c else 0.0 for c in counted]
         self.buffer.append(group)
 
     def deadline(self, group: Group) -> int:

@@ -23,6 +23,10 @@ class Group:
     loss_masks: list[list[bool]] = field(default_factory=list)
     """Per completion and completion token: trained (model) or context (environment turn);
     empty when every completion token is the model's."""
+    errored: list[bool] = field(default_factory=list)
+    """Per completion, whether its environment failed (scored env.on_error); empty when none did.
+    With env.errors = "mask" such a completion's loss is masked and its reward left out of the
+    group's baseline (:meth:`rlcli.orchestrate.loop.Orchestrator.on_scored`)."""
     episodes: list = field(default_factory=list)
     """Per completion, its :class:`rlcli.orchestrate.episodes.Episode` while it runs."""
     cache_salt: str = ""

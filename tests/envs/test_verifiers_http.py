@@ -225,3 +225,28 @@ def test_r3_is_refused_for_episodes_run_over_http(tmp_path):
                                    env={"name": "verifiers", "args": {"taskset": "vf_echo"}}, infer={"http_port": 0}))
     with pytest.raises(ConfigError, match="set r3 = false, or infer.http_port = -1"):
         HttpGroups(cfg, None, None)
+
+
+@pytest.mark.parametrize("errors", ["reward", "mask"])
+def test_a_failed_verifiers_episode_is_scored_on_error_and_masked_with_env_errors_mask(errors):
+    """A trace verifiers failed is scored env.on_error; with env.errors = "mask" its model tokens leave the
+    loss and the group marks it errored (the loop then leaves it out of the baseline)."""
+    from rlcli.config import RecipeConfig
+    from rlcli.config.env import EnvConfig
+    from rlcli.envs import Task
+    from rlcli.envs.verifiers_http import Sample
+    from rlcli.orchestrate.http_groups import HttpGroups
+    from rlcli.orchestrate.rollouts import Group
+
+    groups = HttpGroups.__new__(HttpGroups)
+    groups.cfg = RecipeConfig(env=EnvConfig(name="x:y", on_error=-1.0, errors=errors))
+    groups.reset_stats()
+    ok = Sample(token_ids=[1, 2, 3, 4], loss_mask=[False, False, True, True], logprobs=[0, 0, -1, -1],
+                     versions=[0] * 4, reward=1.0)
+    bad = Sample(token_ids=[1, 2, 5, 6], loss_mask=[False, False, True, True], logprobs=[0, 0, -1, -1],
+                      versions=[0] * 4, reward=1.0, error="the sandbox timed out")
+    group = Group(Task("t"), [], 0)
+    assert groups._fill(group, [ok, bad])
+    assert group.rewards == [1.0, -1.0] and group.errored == [False, True] and groups.num_errors == 1
+    assert group.loss_masks[0] == [True, True]
+    assert group.loss_masks[1] == ([False, False] if errors == "mask" else [True, True])

@@ -149,6 +149,17 @@ def test_a_failing_environment_is_scored_on_error_and_named(server, monkeypatch,
         assert all(g.rewards == [5.0, 5.0] for g in o.buffer)
 
 
+def test_with_env_errors_mask_a_failed_episode_trains_nothing(server, monkeypatch):
+    """env.errors = "mask": an episode whose environment raised keeps its on_error score for the record,
+    but no loss token and advantage 0, and the group marks it errored."""
+    tmp, recipe, run_dir = server
+    o = run_groups(recipe, run_dir, monkeypatch, tmp, {"env.args": {"fail": "respond-raises"}, "env.on_error": -1.0,
+                                                      "env.errors": "mask"})
+    for g in o.buffer:
+        assert g.errored == [True, True] and g.rewards == [-1.0, -1.0] and g.advantages == [0.0, 0.0]
+        assert all(not any(m) for m in g.loss_masks) and all(s.num_loss_tokens == 0 for s in g.samples())
+
+
 def test_token_budget_truncates_episodes(server, monkeypatch):
     tmp, recipe, run_dir = server
     o = run_groups(recipe, run_dir, monkeypatch, tmp, {"env.max_episode_tokens": 24, "env.truncation": "mask"})

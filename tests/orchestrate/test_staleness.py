@@ -8,9 +8,8 @@ from tiny import TINY_MODEL
 
 from rlcli.config import RecipeConfig
 from rlcli.config.orchestrate import AdvantageConfig, OrchestrateConfig
-from rlcli.envs import Task, make_env
+from rlcli.envs import Task
 from rlcli.models.tokenizer import load_tokenizer
-from rlcli.orchestrate.episodes import Episodes
 from rlcli.orchestrate.loop import Orchestrator
 from rlcli.orchestrate.rollouts import Group
 from rlcli.protocol import Completion
@@ -155,3 +154,32 @@ def test_each_step_reports_the_trained_length_distribution():
     m = o._metrics(1, groups, {})
     assert (m["completion_len_p50"], m["completion_len_p90"], m["completion_len_p99"]) == (1, 1, 100)
     assert m["completion_len_max"] == 100 and percentile([3, 1, 2], 50) == 2
+
+
+def test_failed_episodes_train_nothing_and_leave_the_baseline_with_env_errors_mask():
+    """env.errors = "mask": a completion whose environment failed (scored env.on_error) gets advantage 0
+    and the others are centred on their own mean; "reward" (the default) trains the on_error score. A group
+    that failed whole counts as zero-variance."""
+    from rlcli.config.env import EnvConfig
+
+    def scored(errors: str, rewards, errored, **advantage):
+        cfg = RecipeConfig(env=EnvConfig(errors=errors), orchestrate=OrchestrateConfig(
+            batch_size=2, group_size=len(rewards), advantage=AdvantageConfig(**advantage)))
+        o = Orchestrator.schedule_only(cfg, load_tokenizer(TINY_MODEL))
+        g = Group(Task("t"), [0], 0)
+        g.rewards, g.errored = list(rewards), list(errored)
+        o.on_scored(g)
+        return o, g
+
+    _, g = scored("mask", [-1.0, 1.0, 0.0], [True, False, False])
+    assert g.advantages == [0.0, 0.5, -0.5]
+    _, g = scored("reward", [-1.0, 1.0, 0.0], [True, False, False])
+    assert g.advantages == [-1.0, 1.0, 0.0]
+    _, g = scored("mask", [-1.0, -1.0], [True, True])
+    assert g.advantages == [0.0, 0.0]
+    o, g = scored("mask", [-1.0, 3.0], [True, True], skip_zero_variance=True)
+    assert o.num_filtered == 1 and not o.buffer
+    o, g = scored("reward", [-1.0, 3.0], [True, False], skip_zero_variance=True)
+    assert o.num_filtered == 0 and g.advantages == [-2.0, 2.0]
+    o, g = scored("mask", [-1.0, 3.0], [True, False], skip_zero_variance=True)  # one survivor: no variance
+    assert o.num_filtered == 1
