@@ -102,19 +102,17 @@ def top_p_keep(probs_V: torch.Tensor, top_p: torch.Tensor | float) -> torch.Tens
     rows = probs_V.reshape(-1, V)
     p_R1 = torch.as_tensor(top_p, dtype=probs_V.dtype, device=probs_V.device)
     p_R1 = p_R1.expand(*probs_V.shape[:-1], 1).reshape(-1, 1)
-    keep = torch.zeros_like(rows, dtype=torch.bool)
-    left = None  # row numbers still open (None: all)
-    for k in tiers:
-        part, settled = _nucleus_among(rows if left is None else rows[left], p_R1 if left is None else p_R1[left], k)
-        if left is None:
-            keep = part
-        else:
-            keep[left] = part
+    keep, settled = _nucleus_among(rows, p_R1, tiers[0])
+    left = torch.arange(rows.shape[0], device=rows.device)  # rows still open
+    for k in tiers[1:]:
         if bool(settled.all()):
             return keep.view(probs_V.shape)
-        open_ = (~settled).nonzero()[:, 0]
-        left = open_ if left is None else left[open_]
-    keep[left] = _nucleus_by_sort(rows[left], p_R1[left])
+        left = left[~settled]
+        part, settled = _nucleus_among(rows[left], p_R1[left], k)
+        keep[left] = part
+    if not bool(settled.all()):
+        left = left[~settled]
+        keep[left] = _nucleus_by_sort(rows[left], p_R1[left])
     return keep.view(probs_V.shape)
 
 
