@@ -85,14 +85,6 @@ def finish(run, command: str, code: int, as_json: bool):
     raise typer.Exit(code)
 
 
-def check_loss_kind(cfg) -> None:
-    """A loss of your own (``train.loss.kind = package.module:function``) imports and is callable."""
-    if ":" in cfg.train.loss.kind:
-        from rlcli.envs.registry import load_factory
-
-        load_factory(cfg.train.loss.kind, "train.loss.kind", "function")
-
-
 def open_run(cfg, command: str):
     """Create or join the run directory, check it belongs to this recipe, record the config.
 
@@ -112,7 +104,9 @@ def open_run(cfg, command: str):
     if cfg.env.name in BUILTIN_ARGS:  # the claim records env.args too: a built-in's are checked first
         builtin_args(cfg.env.name, dict(cfg.env.args))
     if command == "train":
-        check_loss_kind(cfg)
+        from rlcli.config.train import check_loss_importable
+
+        check_loss_importable(cfg.train.loss)
     run = RunDir(cfg.run_dir)
     model = to_dict(cfg.model)
     model["path"] = os.path.abspath(model["path"]) if model["path"] else ""

@@ -151,6 +151,15 @@ class LossConfig(Config):
                              f"{self.sequence_mask_low}, {self.sequence_mask_high}")
 
 
+def check_loss_importable(loss: LossConfig) -> None:
+    """A loss of your own (``train.loss.kind = package.module:function``) imports and is callable
+    (a ConfigError naming the key otherwise); checked before a run directory is claimed."""
+    if ":" in loss.kind:
+        from rlcli.envs.registry import load_factory
+
+        load_factory(loss.kind, "train.loss.kind", "function")
+
+
 class SFTConfig(Config):
     """Supervised warm-up (and `rl-train sft`)."""
 

@@ -99,6 +99,7 @@ def preflight(cfg: RecipeConfig) -> None:
     ``up.train_nproc_per_node``, a loss of your own, the vLLM engine's import, and the environment
     with its env.args. Light: no torch import (but what a loss or environment of your own imports)."""
     from rlcli.config.infer import check_engine_installed
+    from rlcli.config.train import check_loss_importable
     from rlcli.envs import make_env
     from rlcli.models.config import ModelArgs
     from rlcli.models.tokenizer import load_tokenizer
@@ -109,10 +110,7 @@ def preflight(cfg: RecipeConfig) -> None:
     if "train" in processes:
         resolve_dims(cfg.train.parallel, cfg.up.train_nproc_per_node, args.num_experts,
                      cfg.orchestrate.num_train_ranks, cfg.train.micro_batch_tokens)
-        if ":" in cfg.train.loss.kind:  # a loss of your own
-            from rlcli.envs.registry import load_factory
-
-            load_factory(cfg.train.loss.kind, "train.loss.kind", "function")
+        check_loss_importable(cfg.train.loss)
     if "infer" in processes:
         check_engine_installed(cfg.infer.engine.name)
     if "orchestrate" in processes:
