@@ -261,6 +261,15 @@ def chaos(args, run_dir: Path, fleet: Fleet, mon: Monitor) -> dict:
             "timed_out": time.monotonic() >= deadline}
 
 
+def unmarked(run_dir: Path) -> list[str]:
+    """``step_*`` directories without their STABLE marker: a deletion killed midway (readers skip
+    them, and nothing would ever remove them)."""
+    from rlcli.transport.atomic import is_stable
+
+    return [f"{kind}/{d.name}" for kind in ("weights", "checkpoints", "rollouts")
+            for d in sorted((run_dir / kind).glob("step_*")) if d.is_dir() and not is_stable(d)]
+
+
 def damaged(run_dir: Path) -> list[str]:
     """Every STABLE weights, checkpoint and rollout directory left, checked in full against its
     manifest (sizes and checksums of every file, the marker's own checksum): what survived the
@@ -297,13 +306,15 @@ def audit(run_dir: Path, steps: int, mon: Monitor) -> dict:
         "every_batch_written_once": not mon.rewritten and sorted(Counter(m["step"] for m in orch).values())[-1:] == [1],
         "weights_monotone": monotone,
         "no_temporaries": not temporaries(run_dir),
+        "no_unmarked_steps": not unmarked(run_dir),
         "stable_files_intact": not damaged(run_dir),
         "reward_rising": last > first if steps >= MIN_STEPS_FOR_REWARD else None,
     }
     return {"checks": checks, "ok": all(v is not False for v in checks.values()),
             "steps_redone": sum(len(ms) - 1 for ms in by_step.values()),
             "reward_first_fifth": round(first, 3), "reward_last_fifth": round(last, 3),
-            "policy_versions_seen": len(mon.policy), "temporaries": temporaries(run_dir), "damaged": damaged(run_dir),
+            "policy_versions_seen": len(mon.policy), "temporaries": temporaries(run_dir), "unmarked": unmarked(run_dir),
+            "damaged": damaged(run_dir),
             "rewritten_batches": sorted(mon.rewritten)}
 
 

@@ -36,6 +36,7 @@ from rlcli.logging import setup_logging
 from rlcli.process import stop_on_signals
 from rlcli.protocol import ErrorReply, FsWeights, LoadWeights, PolicyUpdated, WeightsLoaded, WeightsPublished
 from rlcli.sync.status import write_status
+from rlcli.transport.atomic import clean_temporaries
 from rlcli.transport.pins import prune_weights
 from rlcli.transport.registry import Entry, Registration, describe_gone, list_entries
 from rlcli.transport.rundir import RunDir
@@ -101,6 +102,7 @@ class Syncer:
             endpoints["store"] = self.rounds.addr
         self.registration = Registration(run.registry_dir(), "sync", 0, endpoints,
                                          {"settings": shared_settings(cfg, "sync")})
+        clean_temporaries(run.root / "weights")  # a version an earlier rl-sync was pruning when killed
 
     # ------------------------------------------------------------------ membership
     def scan(self) -> None:

@@ -115,6 +115,13 @@ def temp_tag() -> str:
     return f"{_HOST}-r{os.environ.get('RANK', '0')}-{os.getpid()}"
 
 
+def temp_name(path: Path, kind: str = "tmp") -> Path:
+    """``path``'s sibling ``.name.<kind>-<host>-r<rank>-<pid>-<hex>``, a name of this process's that
+    :func:`clean_temporaries` judges (``kind`` "old": a complete directory moved aside, put back if
+    its name is still free when its owner is gone)."""
+    return path.with_name(f".{path.name}.{kind}-{temp_tag()}-{uuid.uuid4().hex[:8]}")
+
+
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -132,7 +139,7 @@ def atomic_write_bytes(path: str | Path, data: bytes, *, fsync: bool = True) -> 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # Unique per call: two threads of one process may write the same file at once.
-    tmp = path.with_name(f".{path.name}.tmp-{temp_tag()}-{uuid.uuid4().hex[:8]}")
+    tmp = temp_name(path)
     try:
         with open(tmp, "wb") as f:
             f.write(data)
@@ -226,7 +233,7 @@ def begin_dir(final: str | Path) -> Path:
     """Create (empty) the temporary directory that :func:`commit_dir` will move to ``final``."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f".{final.name}.tmp-{temp_tag()}-{uuid.uuid4().hex[:8]}")
+    tmp = temp_name(final)
     tmp.mkdir()
     return tmp
 
@@ -334,7 +341,7 @@ def commit_dir(tmp: Path, final: str | Path, marker: dict[str, Any] | None = Non
         _fsync_dir(final.parent)
         remove_dir(tmp)
         return
-    old = final.with_name(f".{final.name}.old-{temp_tag()}-{uuid.uuid4().hex[:8]}")
+    old = temp_name(final, "old")
     os.replace(final, old)  # a crash here: clean_temporaries moves old back
     os.replace(tmp, final)
     _fsync_dir(final.parent)
@@ -367,10 +374,23 @@ def atomic_dir(final: str | Path, marker: dict[str, Any] | None = None,
 
 
 def remove_dir(directory: str | Path) -> None:
-    """Unmark, then delete: a reader never sees a marked directory being deleted."""
+    """Move ``directory`` to a temporary name of this process's, then delete it there. Its name and
+    marker go in one rename, so a reader never sees a marked directory being deleted; and a deleter
+    killed midway (a checkpoint of a large model takes a while) leaves a temporary that
+    :func:`clean_temporaries` removes, not a half-deleted, unmarked ``step_N`` that nothing would. A
+    directory already under a temporary name is deleted where it is."""
     directory = Path(directory)
-    (directory / STABLE).unlink(missing_ok=True)
-    shutil.rmtree(directory, ignore_errors=True)
+    doomed = directory
+    if not (directory.name.startswith(".") and _TEMP_RE.search(directory.name)):
+        doomed = temp_name(directory)
+        try:
+            os.replace(directory, doomed)
+        except FileNotFoundError:
+            return
+        except OSError:  # a filesystem that refuses the rename: unmark, then delete in place
+            doomed = directory
+    (doomed / STABLE).unlink(missing_ok=True)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _pid_alive(pid: int) -> bool:

@@ -7,9 +7,12 @@ RUN/weights/step_N before it registers, so it first writes a pin,
 registered (the registry entry protects the version from then on).
 
 The race between a pin and a deletion is closed by ordering: the reader writes its pin,
-*then* checks that step_N is still STABLE; the pruner removes the STABLE marker, *then*
-looks for pins, and puts the marker back if it finds one. Either the reader sees the
-marker gone (and picks again) or the pruner sees the pin. A pin whose writer is dead
+*then* checks that step_N is still STABLE; the pruner moves step_N aside (to
+``.step_N.old-<host>-r<rank>-<pid>-<hex>``, marker and all), *then* looks for pins, and moves
+it back if it finds one. Either the reader sees step_N gone (and picks again) or the pruner
+sees the pin. A pruner killed while the directory is aside leaves it complete and marked under
+a temporary name: :func:`~rlcli.transport.atomic.clean_temporaries` (run by rl-sync and rl-train
+when they start) moves it back, and it is pruned again later. A pin whose writer is dead
 (same host: pid gone; another host: older than ``PIN_TTL_S``) no longer counts.
 """
 
@@ -18,9 +21,7 @@ import socket
 import time
 from pathlib import Path
 
-from rlcli.transport.atomic import (
-    STABLE, _pid_alive, atomic_write_bytes, atomic_write_json, is_stable, read_json, remove_dir,
-)
+from rlcli.transport.atomic import _pid_alive, atomic_write_json, is_stable, read_json, remove_dir, temp_name
 
 PIN_TTL_S = 3600.0
 
@@ -61,15 +62,20 @@ def pinned_versions(run_root: str | Path) -> set[int]:
 
 def prune_weights(weights_dir: Path, version: int) -> bool:
     """Delete ``weights_dir`` (policy ``version``) unless a live reader pinned it; True if deleted."""
+    if not is_stable(weights_dir):
+        return False
+    aside = temp_name(weights_dir, "old")
     try:
-        marker = (weights_dir / STABLE).read_bytes()  # as written: a corrupt marker is pruned too
+        os.replace(weights_dir, aside)
     except FileNotFoundError:
         return False
-    (weights_dir / STABLE).unlink(missing_ok=True)
     if version in pinned_versions(weights_dir.parent.parent):
-        atomic_write_bytes(weights_dir / STABLE, marker)
-        return False
-    remove_dir(weights_dir)
+        try:
+            os.replace(aside, weights_dir)
+            return False
+        except OSError:  # written again meanwhile: the new one stands, the old one goes
+            pass
+    remove_dir(aside)
     return True
 
 

@@ -320,3 +320,46 @@ def test_progress_carries_a_checksum_and_a_damaged_one_reads_as_none(tmp_path, c
     assert "damaged" in caplog.text
     path.write_text('{"step": 5}')  # written before checksums: taken as is
     assert run.read_progress("orchestrate") == {"step": 5}
+
+
+def test_a_deleter_killed_midway_leaves_only_a_temporary_that_is_cleaned(tmp_path, monkeypatch):
+    from rlcli.transport import atomic
+
+    run = RunDir(tmp_path)
+    for step in (1, 2):
+        with atomic_dir(run.checkpoint_dir(step), {"step": step}) as d:
+            (d / "shard").write_bytes(b"x" * 100)
+
+    def killed(path, ignore_errors=False):
+        os.unlink(os.path.join(path, "shard"))  # part of the files gone, then the process dies
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(atomic.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        remove_dir(run.checkpoint_dir(1))
+    monkeypatch.undo()
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert "step_1" not in names and names[1] == "step_2" and names[0].startswith(".step_1.tmp-")
+    assert run.stable_steps("checkpoints") == [2]
+    clean_temporaries(tmp_path / "checkpoints")  # the next trainer's start (the deleter is gone)
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_2"]
+
+
+def test_a_pruner_killed_with_the_version_aside_has_it_put_back(tmp_path, monkeypatch):
+    from rlcli.transport import pins
+
+    final = tmp_path / "weights" / "step_1"
+    with atomic_dir(final, {"step": 1}) as d:
+        (d / "a").write_text("x")
+
+    def killed(run_root):
+        raise KeyboardInterrupt  # between moving step_1 aside and looking for pins
+
+    monkeypatch.setattr(pins, "pinned_versions", killed)
+    with pytest.raises(KeyboardInterrupt):
+        pins.prune_weights(final, 1)
+    monkeypatch.undo()
+    assert not final.exists()
+    clean_temporaries(tmp_path / "weights")
+    assert [p.name for p in (tmp_path / "weights").iterdir()] == ["step_1"] and verify_dir(final) == []
+    assert pins.prune_weights(final, 1) and list((tmp_path / "weights").iterdir()) == []

@@ -50,3 +50,22 @@ def test_a_reader_never_keeps_a_pin_on_a_version_that_is_gone(tmp_path):
 
     version, path = pin_latest(run.root, "infer-0", latest)
     assert version == 4 and is_stable(run.weights_dir(4)) and '"version": 4' in path.read_text()
+
+
+def test_rl_sync_puts_back_a_version_a_killed_rl_sync_had_moved_aside(tmp_path, tiny_model_dir):
+    from rlcli.transport.atomic import _HOST
+
+    run_dir = tmp_path / "run"
+    cfg = load_recipe(write_recipe(tmp_path / "r.toml", tiny_model_dir, run_dir))
+    run = RunDir(run_dir)
+    with atomic_dir(run.weights_dir(3), {"step": 3}):
+        pass
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+    run.weights_dir(3).rename(run.weights_dir(3).with_name(f".step_3.old-{_HOST}-r0-{dead}-0123abcd"))
+    assert run.stable_steps("weights") == []
+    syncer = Syncer(cfg, run)
+    try:
+        assert run.stable_steps("weights") == [3]
+    finally:
+        syncer.close()
