@@ -27,9 +27,10 @@ def run_up(recipe, *args, timeout=240):
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_max_async_0_is_exactly_synchronous(tmp_path, tiny_model_dir):
+def test_max_async_0_is_exactly_synchronous_with_evaluation_rounds_beside_it(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "run"
-    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, run_dir)
+    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, run_dir,
+                          orchestrate={"eval": {"interval": 2, "num_tasks": 3, "samples": 2, "max_tokens": 5}})
     out = run_up(recipe, "--max-async", "0", "--steps", "5")
     assert out.returncode == 0, out.stderr[-3000:]
     for step in range(1, 6):
@@ -38,6 +39,19 @@ def test_max_async_0_is_exactly_synchronous(tmp_path, tiny_model_dir):
     train = read_jsonl(run_dir / "metrics" / "train.jsonl")
     assert [m["step"] for m in train] == [1, 2, 3, 4, 5]
     assert all(m["min_version"] == m["max_version"] == m["step"] - 1 for m in train)
+    # Evaluation rounds ran beside training (policy 0, each multiple of 2, and the final policy, which
+    # rl-orchestrate stayed for) and none of their completions joined a batch.
+    orch = read_jsonl(run_dir / "metrics" / "orchestrate.jsonl")
+    assert {m["num_samples"] for m in orch} == {4 * 4}  # write_recipe's batch_size x group_size
+    evals = read_jsonl(run_dir / "metrics" / "eval.jsonl")
+    assert [m["step"] for m in evals] == [0, 2, 4, 5]
+    for m in evals:
+        assert m["num_tasks"] == 3 and m["samples_per_task"] == 2 and m["token_version_min"] >= m["step"]
+        assert 0 < m["completion_len_mean"] <= 5  # eval.max_tokens, not sampling.max_tokens (8)
+        records = read_jsonl(run_dir / "evals" / f"policy_{m['step']}.jsonl")
+        assert [len(r["completions"]) for r in records] == [2, 2, 2]
+        rewards = [x for r in records for x in r["rewards"]]
+        assert m["reward_mean"] == pytest.approx(sum(rewards) / len(rewards))
 
 
 def test_max_async_bounds_off_policy_lag(tmp_path, tiny_model_dir):

@@ -17,7 +17,7 @@ class SamplingConfig(Config):
     trainer recomputes the same truncation, so importance ratios stay unbiased."""
 
     max_tokens: int = 32
-    """Most tokens per completion (an environment may ask for fewer)."""
+    """Most tokens per completion (per model turn); a task's own ``max_tokens`` replaces it."""
 
     def __post_init__(self) -> None:
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
@@ -47,6 +47,63 @@ class AdvantageConfig(Config):
                              f"got {self.max_zero_variance_drops}")
 
 
+class EvalConfig(Config):
+    """Evaluation during training: every ``interval`` policy versions, rl-orchestrate samples a fixed
+    set of the environment's tasks under the policy the servers serve, scores them as training
+    episodes are scored, and appends pass@1, pass@k and the mean reward to RUN/metrics/eval.jsonl
+    (the completions to RUN/evals/policy_<version>.jsonl). The requests share the servers with
+    training's but never join a batch or count against max_async."""
+
+    interval: int = 0
+    """Evaluate policy 0 and then the served policy each time it crosses a multiple of this; 0: off."""
+
+    num_tasks: int = 64
+    """Tasks per evaluation, drawn once with ``seed`` (the same tasks for every version)."""
+
+    samples: int = 4
+    """Completions per task: pass@1 and pass@samples are reported."""
+
+    temperature: float = 1.0
+    """Sampling temperature of evaluation requests."""
+
+    top_p: float = 1.0
+    """Nucleus mass of evaluation requests."""
+
+    max_tokens: int = 0
+    """Most tokens per completion (per model turn); 0: orchestrate.sampling.max_tokens. A task's own
+    ``max_tokens`` replaces it, as in training."""
+
+    threshold: float = 1.0
+    """A completion passes when its reward is >= this."""
+
+    seed: int = 1234
+    """Task-sampling seed (rl-orchestrate eval's default: the same tasks as that command's)."""
+
+    final: bool = True
+    """Also evaluate the final policy (version num_steps): after the last batch, rl-orchestrate waits
+    for the servers to serve it, evaluates it, then exits."""
+
+    def __post_init__(self) -> None:
+        if self.interval < 0:
+            raise ValueError(f"orchestrate.eval.interval must be >= 0 (0: off), got {self.interval}")
+        if self.num_tasks < 1 or self.samples < 1:
+            raise ValueError("orchestrate.eval.num_tasks and orchestrate.eval.samples must be >= 1")
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"orchestrate.eval.temperature must be > 0 and finite, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"orchestrate.eval.top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 0:
+            raise ValueError(f"orchestrate.eval.max_tokens must be >= 0 (0: orchestrate.sampling.max_tokens), "
+                             f"got {self.max_tokens}")
+        if not math.isfinite(self.threshold):
+            raise ValueError(f"orchestrate.eval.threshold must be a finite reward, got {self.threshold}")
+
+    def sampling(self, train: SamplingConfig) -> SamplingConfig:
+        """The evaluation's sampling settings (max_tokens 0 takes ``train``'s)."""
+        return SamplingConfig(temperature=self.temperature, top_p=self.top_p,
+                              max_tokens=self.max_tokens or train.max_tokens)
+
+
 class OrchestrateConfig(Config):
     """rl-orchestrate: the RL loop."""
 
@@ -74,6 +131,9 @@ class OrchestrateConfig(Config):
 
     advantage: AdvantageConfig = msgspec.field(default_factory=AdvantageConfig)
     """Advantage estimation."""
+
+    eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
+    """Evaluation during training (off unless eval.interval > 0)."""
 
     request_timeout_s: float = 300.0
     """How long an rl-infer server may leave the orchestrator's question "which of these requests

@@ -192,7 +192,7 @@ class Episodes:
         ep.loss_mask += [False] * len(ids)
         ep.turns.append(Turn("env", start, len(ep.token_ids)))
         ep.messages.append(message)
-        s = self.cfg.orchestrate.sampling
+        s = group.sampling or self.cfg.orchestrate.sampling
         request = GenerateRequest(
             request_id=self.new_id(), prompt_ids=group.prompt_ids + ep.token_ids, cache_salt=group.cache_salt,
             sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p, n=1,

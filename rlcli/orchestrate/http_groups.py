@@ -73,13 +73,13 @@ class HttpGroups:
         for _, _, url in self.pending.values():
             if url in load:
                 load[url] += 1
-        s = self.cfg.orchestrate.sampling
         for group in self.waiting:
+            s = group.sampling or self.cfg.orchestrate.sampling
             url = min(load, key=load.get)
             load[url] += 1
             sampling = {"temperature": s.temperature, "top_p": s.top_p,
                         "max_tokens": min(group.task.max_tokens or s.max_tokens, self.cfg.model.max_seq_len)}
-            future = self.env.run_group(group.task, self.cfg.orchestrate.group_size, url, self.model,
+            future = self.env.run_group(group.task, group.num_samples or self.cfg.orchestrate.group_size, url, self.model,
                                         str(self.cfg.model.path), sampling, group.cache_salt, group.dispatch_version)
             self.pending[id(group)] = (group, future, url)
         self.waiting = []

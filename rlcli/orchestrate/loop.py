@@ -54,6 +54,7 @@ from rlcli.logging import setup_logging
 from rlcli.models.tokenizer import load_tokenizer
 from rlcli.orchestrate.advantages import group_advantages
 from rlcli.orchestrate.episodes import Episodes
+from rlcli.orchestrate.evaluation import Evaluation
 from rlcli.orchestrate.http_groups import HttpGroups, uses_http
 from rlcli.orchestrate.pool import InferPool
 from rlcli.orchestrate.rollouts import Group, write_batch
@@ -88,6 +89,8 @@ class Orchestrator:
         self.pool = InferPool(run, self.ocfg.connect, self.ocfg.request_timeout_s)
         self.episodes = Episodes(cfg, self.env, self.tokenizer, self.pool.new_request_id)
         self.http = HttpGroups(cfg, self.env, run) if uses_http(cfg, self.env) else None
+        self.evaluation = Evaluation(cfg, run, self.env, self.tokenizer, renders_prompts=self.http is None) \
+            if self.ocfg.eval.interval else None
         if self.ocfg.connect:
             self.pool.check_reachable()
         self.sub = Subscriber()
@@ -111,6 +114,7 @@ class Orchestrator:
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model.path)
         self.episodes = Episodes(cfg, self.env, self.tokenizer)
         self.pool = None
+        self.evaluation = None
         self._init_schedule(1, policy_version=0)
         return self
 
@@ -204,13 +208,14 @@ class Orchestrator:
         want = self.ocfg.batch_size * (last - self.next_step + 1 + len(self.rewrite))
         return max(0, want - len(self.buffer) - len(self._pending_groups()))
 
-    def _pending_groups(self) -> list[Group]:
-        """Groups dispatched and not yet buffered: requests in flight (or unsent), episodes running."""
+    def _pending_groups(self, evaluation: bool = False) -> list[Group]:
+        """Groups dispatched and not yet buffered: requests in flight (or unsent), episodes running;
+        training's, or with ``evaluation`` the evaluation round's."""
         pending = {id(g): g for g in self.inflight.values()}
         pending.update(self.episodes.groups)
         if self.http is not None:
             pending.update((id(g), g) for g in self.http.groups)
-        return list(pending.values())
+        return [g for g in pending.values() if (g.eval_version is not None) == evaluation]
 
     def dispatch(self) -> None:
         for _ in range(self.num_to_dispatch() if time.monotonic() >= self.dispatch_after else 0):
@@ -232,8 +237,21 @@ class Orchestrator:
                 continue
             self._send(group)
             self.num_dispatched += 1
+        self.dispatch_eval()
         while self.unsent and self.pool.submit(self.unsent[0], prefer=self._server_of(self.unsent[0])):
             self.unsent.pop(0)
+
+    def dispatch_eval(self) -> None:
+        """Start an evaluation round when the served policy is due one (orchestrate.eval)."""
+        ev = self.evaluation
+        if ev is None or ev.running or self.policy_version < 0 or not ev.due(self.policy_version):
+            return
+        for group in ev.start(self.policy_version):
+            if self.http is not None:
+                group.cache_salt, group.dispatch_version = f"v{self.policy_version}", self.policy_version
+                self.http.submit(group)
+            else:
+                self._send(group)
 
     def _server_of(self, request: GenerateRequest) -> str:
         """Where a later turn's earlier turns are cached: the server that answered the last one."""
@@ -241,13 +259,13 @@ class Orchestrator:
         return "" if index is None else self.inflight[request.request_id].episodes[index].server
 
     def _send(self, group: Group) -> None:
-        s = self.ocfg.sampling
+        s = group.sampling or self.ocfg.sampling
         max_tokens = min(group.task.max_tokens or s.max_tokens, self.episodes.budget(group) - len(group.prompt_ids))
         group.cache_salt = f"v{self.policy_version}"
         request = GenerateRequest(
             request_id=self.pool.new_request_id(), prompt_ids=group.prompt_ids, cache_salt=group.cache_salt,
             sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p, max_tokens=max_tokens,
-                                    n=self.ocfg.group_size, ignore_eos=group.task.ignore_eos,
+                                    n=group.num_samples or self.ocfg.group_size, ignore_eos=group.task.ignore_eos,
                                     return_routing=self.cfg.r3))
         group.dispatch_version = self.policy_version
         self.inflight[request.request_id] = group
@@ -285,9 +303,10 @@ class Orchestrator:
                 self.episodes.failed(group, index, f"rl-infer rejected its turn ({reply.message})")
             return
         self.error_streak = 0
-        self.gen_tokens += sum(len(c.token_ids) for c in reply.completions)
+        if group.eval_version is None:  # a step's generation figures are training's
+            self.gen_tokens += sum(len(c.token_ids) for c in reply.completions)
+            self.gen_completions += len(reply.completions) if index is None else 0
         if index is None:
-            self.gen_completions += len(reply.completions)
             self.episodes.first_turn(group, reply, server)
         else:
             self.episodes.next_turn(group, index, reply, server)
@@ -302,11 +321,16 @@ class Orchestrator:
             self.on_scored(group)
         if self.http is not None:
             for group in self.http.poll():
-                self.gen_tokens += sum(sum(m) for m in group.loss_masks)
-                self.gen_completions += len(group.completions)
+                if group.eval_version is None:
+                    self.gen_tokens += sum(sum(m) for m in group.loss_masks)
+                    self.gen_completions += len(group.completions)
                 self.on_scored(group)
+        if self.evaluation is not None:
+            self.evaluation.sweep(self._pending_groups(evaluation=True))
 
     def on_scored(self, group: Group) -> None:
+        if group.eval_version is not None:
+            return self.evaluation.scored(group)
         # env.errors = mask: the baseline is that of the episodes whose environment did not fail.
         counted = [not bad for bad in group.errored] if group.errored and self.cfg.env.errors == "mask" \
             else [True] * len(group.rewards)
@@ -429,7 +453,7 @@ class Orchestrator:
     def loop(self) -> int:
         announced = False
         self.refresh()
-        while (self.next_step <= self.cfg.num_steps or self.rewrite) and not self.stopping:
+        while (self.next_step <= self.cfg.num_steps or self.rewrite or self._final_eval_due()) and not self.stopping:
             self.registration.beat()
             now = time.monotonic()
             if now >= self._next_refresh:
@@ -458,6 +482,10 @@ class Orchestrator:
         if self.inflight:  # the run is complete: free the servers of groups no batch will take
             self.pool.abort(list(self.inflight))
         return 0
+
+    def _final_eval_due(self) -> bool:
+        """After the last batch: the final policy's evaluation (orchestrate.eval.final) is still to come."""
+        return self.evaluation is not None and self.evaluation.waiting_for_final()
 
     def close(self) -> None:
         self.episodes.runner.close()

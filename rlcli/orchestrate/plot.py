@@ -1,4 +1,5 @@
-"""Run plots with matplotlib (the optional ``plot`` extra): reward, mismatch KL, throughput, off-policy lag.
+"""Run plots with matplotlib (the optional ``plot`` extra): reward, evaluation pass@1, mismatch KL,
+throughput, off-policy lag.
 
 ``rl-orchestrate up`` draws RUN/reward.png at the end of a run and ``rl-orchestrate plot RUN`` draws it
 on demand, from the metrics files alone, so it works on a finished, running or copied run directory.
@@ -18,6 +19,7 @@ INSTALL_HINT = "plots need matplotlib: pip install 'rlcli[plot]'"
 PANELS = (
     # (title, metrics file, key, y label)
     ("mean reward", "orchestrate", "reward_mean", "reward"),
+    ("evaluation pass@1 (orchestrate.eval; step: the policy evaluated)", "eval", "pass@1", "pass@1"),
     ("mismatch KL (trainer vs inference)", "train", "mismatch_kl", "KL"),
     ("generation throughput", "orchestrate", "tokens_per_s", "tokens/s"),
     ("off-policy lag", "train", "off_policy_lag", "policy versions"),

@@ -1,6 +1,7 @@
 """Groups of completions (episodes) and the packed batch files written for the trainer."""
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from rlcli.envs import Task
 from rlcli.protocol import Completion
@@ -31,6 +32,13 @@ class Group:
     """Per completion, its :class:`rlcli.orchestrate.episodes.Episode` while it runs."""
     cache_salt: str = ""
     """Prefix-cache namespace of every turn of the group's episodes."""
+    sampling: Any = None
+    """Its :class:`~rlcli.config.orchestrate.SamplingConfig` when not the recipe's
+    orchestrate.sampling: an evaluation's (orchestrate.eval)."""
+    num_samples: int = 0
+    """Completions of its prompt; 0: orchestrate.group_size."""
+    eval_version: int | None = None
+    """The policy version a group of a scheduled evaluation evaluates; such a group never joins a batch."""
 
     @property
     def min_version(self) -> int:

@@ -2,6 +2,7 @@
 policy versions, prefix-cache reuse of every earlier turn (each turn goes back to the server that
 answered the one before), and environments that fail without stopping the loop. The Orchestrator's own dispatch / reply / collect methods run in this process."""
 
+import json
 import logging
 import time
 
@@ -72,14 +73,14 @@ def server(tmp_path_factory):
         procs.stop_all()
 
 
-def run_groups(recipe, run_dir, monkeypatch, tmp, overrides=None, num_groups=2):
+def run_groups(recipe, run_dir, monkeypatch, tmp, overrides=None, num_groups=2, until=lambda o: True):
     monkeypatch.syspath_prepend(str(tmp))
     cfg = load_recipe(recipe, overrides={"env.args": {}, **(overrides or {})})
     o = Orchestrator(cfg, RunDir(run_dir))
     o._set_policy(0)
     deadline = time.monotonic() + 120
     try:
-        while len(o.buffer) < num_groups:
+        while len(o.buffer) < num_groups or not until(o):
             assert time.monotonic() < deadline, "episodes did not finish"
             o.refresh()
             o.dispatch()
@@ -158,6 +159,26 @@ def test_with_env_errors_mask_a_failed_episode_trains_nothing(server, monkeypatc
     for g in o.buffer:
         assert g.errored == [True, True] and g.rewards == [-1.0, -1.0] and g.advantages == [0.0, 0.0]
         assert all(not any(m) for m in g.loss_masks) and all(s.num_loss_tokens == 0 for s in g.samples())
+
+
+def test_an_evaluation_round_runs_multi_turn_episodes_under_its_own_sampling(server, monkeypatch):
+    """orchestrate.eval beside training: the round's episodes take every environment turn (reward 5, as
+    training's), with eval.samples completions per task, and none of its groups joins the buffer."""
+    from rlcli.orchestrate.evaluation import Evaluation
+
+    tmp, recipe, run_dir = server
+    started, start = [], Evaluation.start
+    monkeypatch.setattr(Evaluation, "start", lambda self, v: started.extend(start(self, v)) or started)
+    o = run_groups(recipe, run_dir, monkeypatch, tmp, {"orchestrate.eval.interval": 1, "orchestrate.eval.num_tasks": 3,
+                                                      "orchestrate.eval.samples": 3},
+                   until=lambda o: 0 in o.evaluation.done)
+    assert all(g.eval_version is None and len(g.completions) == 2 for g in o.buffer)
+    [m] = [m for m in RunDir(run_dir).read_metrics("eval") if m["step"] == 0]
+    assert m["num_tasks"] == 3 and m["reward_mean"] == 5.0
+    records = [json.loads(line) for line in (run_dir / "evals" / "policy_0.jsonl").read_text().splitlines()]
+    assert [r["rewards"] for r in records] == [[5.0] * 3] * 3
+    turns = [t for g in started for ep in g.episodes for t in ep.turns if t.role == "model"]
+    assert len(started) == 3 and len(turns) == 3 * 3 * 3  # tasks x eval.samples x model turns
 
 
 def test_token_budget_truncates_episodes(server, monkeypatch):

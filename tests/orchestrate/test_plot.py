@@ -37,6 +37,9 @@ def test_one_panel_per_metric_that_has_data(tmp_path):
     assert four == run.root / "reward.png"
     assert two.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     assert (height(two), height(four)) == (2 * 260, 4 * 260)
+    for v in (0, 6, 12):
+        run.append_metrics("eval", {"step": v, "pass@1": v / 24, "pass@4": v / 12})
+    assert height(plot_run(run)) == 5 * 260  # orchestrate.eval's pass@1
 
 
 def test_a_run_without_metrics_is_refused(tmp_path):
