@@ -192,6 +192,7 @@ REVERSE = REPO / "recipes" / "reverse.toml"
     ("train.checkpoint.interval", "0", "train.checkpoint.interval must be >= 1"),
     ("train.checkpoint.keep", "0", "train.checkpoint.keep must be >= 1"),
     ("train.checkpoint.keep", "-1", "train.checkpoint.keep must be >= 1"),
+    ("train.checkpoint.keep_every", "-1", "train.checkpoint.keep_every must be >= 0"),
     # train.sft
     ("train.sft.num_steps", "-1", "train.sft.num_steps must be >= 0 (0 skips the warm-up)"),
     ("train.sft.batch_size", "0", "train.sft.batch_size must be >= 1"),
@@ -226,9 +227,12 @@ REVERSE = REPO / "recipes" / "reverse.toml"
     ("orchestrate.request_timeout_s", "nan", "orchestrate.request_timeout_s must be > 0"),
     ("orchestrate.keep_rollouts", "-1", "orchestrate.keep_rollouts must be >= 0"),
     ("orchestrate.num_train_ranks", "0", "orchestrate.num_train_ranks must be >= 1"),
+    ("orchestrate.eval.threshold", "nan", "orchestrate.eval.threshold must be a finite reward"),
+    ("orchestrate.eval.top_p", "1.5", "orchestrate.eval.top_p must be in (0, 1]"),
     # sync
     ("sync.keep_weights", "0", "sync.keep_weights (--keep-weights) must be >= 1"),
     ("sync.keep_weights", "-1", "sync.keep_weights (--keep-weights) must be >= 1"),
+    ("sync.keep_weights_every", "-1", "sync.keep_weights_every must be >= 0"),
     ("sync.poll_interval_s", "0", "sync.poll_interval_s must be > 0 and finite"),
     ("sync.poll_interval_s", "nan", "sync.poll_interval_s must be > 0 and finite"),
     ("sync.poll_interval_s", "inf", "sync.poll_interval_s must be > 0 and finite"),

@@ -61,6 +61,10 @@ class SyncConfig(Config):
     """Keep this many newest weight versions on disk (never one a server still loads, nor policy 0
     before the trainer's first checkpoint)."""
 
+    keep_weights_every: int = 0
+    """Also keep, for good, every policy whose version is a multiple of this (HF-layout milestones
+    to serve or evaluate later; filesystem transports, which write every version); 0: none."""
+
     ack_timeout_s: float = 120.0
     """A server that has not acknowledged a load in this long is skipped (logged, not waited
     for by PolicyUpdated) until it answers again, and so is one whose loads have failed for this
@@ -77,6 +81,8 @@ class SyncConfig(Config):
             raise ValueError(f"sync.poll_interval_s must be > 0 and finite, got {self.poll_interval_s}")
         if self.keep_weights < 1:
             raise ValueError(f"sync.keep_weights (--keep-weights) must be >= 1, got {self.keep_weights}")
+        if self.keep_weights_every < 0:
+            raise ValueError(f"sync.keep_weights_every must be >= 0 (0: no milestones), got {self.keep_weights_every}")
 
 
 class CacheBackendBase(Config, tag_field="name"):

@@ -197,7 +197,11 @@ class CheckpointConfig(Config):
     """Save a checkpoint every this many steps (and always at the last step)."""
 
     keep: int = 2
-    """Keep this many newest checkpoints; older ones are deleted."""
+    """Keep this many newest checkpoints; older ones are deleted (milestones aside)."""
+
+    keep_every: int = 0
+    """Also keep, for good, every checkpoint whose step is a multiple of this (milestones to go back
+    to or evaluate later; written only at steps the interval reaches); 0: none."""
 
     background: bool = True
     """Write each checkpoint on a background thread from a host copy taken in the step (one in
@@ -210,6 +214,8 @@ class CheckpointConfig(Config):
                              f"{self.interval}")
         if self.keep < 1:
             raise ValueError(f"train.checkpoint.keep must be >= 1, got {self.keep}")
+        if self.keep_every < 0:
+            raise ValueError(f"train.checkpoint.keep_every must be >= 0 (0: no milestones), got {self.keep_every}")
 
 
 class ParallelConfig(Config):

@@ -442,9 +442,12 @@ class Orchestrator:
         return m
 
     def _retain(self) -> None:
-        """Delete batches keep_rollouts behind the trainer that its oldest kept checkpoint covers."""
+        """Delete batches keep_rollouts behind the trainer that the oldest of its newest train.checkpoint.keep
+        checkpoints covers (a milestone further back, train.checkpoint.keep_every, holds none: a trainer sent
+        back to one finds its batches missing and they are written again)."""
         trainer_step = int(self.run.read_progress("train").get("step", 0))
-        checkpoint = (self.run.stable_steps("checkpoints") or [0])[0]  # a damaged newest one falls back to it
+        # A damaged newest checkpoint falls back to the one before.
+        checkpoint = (self.run.stable_steps("checkpoints")[-self.cfg.train.checkpoint.keep:] or [0])[0]
         for step in self.run.stable_steps("rollouts"):
             if step < trainer_step - self.ocfg.keep_rollouts and step <= checkpoint:
                 remove_dir(self.run.rollouts_dir(step))

@@ -39,7 +39,7 @@ from rlcli.sync.status import write_status
 from rlcli.transport.atomic import clean_temporaries
 from rlcli.transport.pins import prune_weights
 from rlcli.transport.registry import Entry, Registration, describe_gone, list_entries
-from rlcli.transport.rundir import RunDir
+from rlcli.transport.rundir import RunDir, retired
 from rlcli.transport.zmq import Publisher, RpcClient, Subscriber, new_request_id
 
 log = setup_logging("rl-sync")
@@ -263,13 +263,14 @@ class Syncer:
         write_status(self.run, self.kind, self.policy_version, self.target, self.servers, self.last_update)
 
     def retain(self) -> None:
-        """Prune weights past the newest ``sync.keep_weights``, but none a server uses or loads, and
+        """Prune weights past the newest ``sync.keep_weights`` (sparing milestones, ``sync.keep_weights_every``),
+        but none a server uses or loads, and
         not policy 0 while no checkpoint exists: a trainer restarted then builds from it, and without
         it would run the SFT warm-up again and republish versions the servers already served."""
         keep = self.cfg.sync.keep_weights
         in_use = min([self.policy_version] + [s.version for s in self.servers.values()]
                      + [s.pending[1] for s in self.servers.values() if s.pending])
-        old = self.run.stable_steps("weights")[:-keep] if keep else []
+        old = retired(self.run.stable_steps("weights"), keep, self.cfg.sync.keep_weights_every)
         if old and old[0] == 0 and self.run.latest_stable("checkpoints") is None:
             old = old[1:]
         for step in old:

@@ -46,8 +46,8 @@ from rlcli.transport.rundir import RunDir
 class AsyncCheckpointer:
     """Snapshot now, write in the background; one save in flight (see the module docstring)."""
 
-    def __init__(self, run: RunDir, keep: int, mesh: dict | None = None, group=None):
-        self.run, self.keep, self.mesh, self.group = run, keep, mesh, group
+    def __init__(self, run: RunDir, keep: int, mesh: dict | None = None, group=None, keep_every: int = 0):
+        self.run, self.keep, self.mesh, self.group, self.keep_every = run, keep, mesh, group, keep_every
         self._buffers: dict[str, torch.Tensor] = {}  # state path -> host copy, reused by every save
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -103,7 +103,7 @@ class AsyncCheckpointer:
         try:
             if fence is not None:
                 fence.synchronize()  # the device-to-host copies are done
-            write_checkpoint(self.run, step, snapshot, self.keep, self.mesh, self.group)
+            write_checkpoint(self.run, step, snapshot, self.keep, self.mesh, self.group, self.keep_every)
         except BaseException as e:  # surfaces on the next save / wait / close
             self._error = e
 

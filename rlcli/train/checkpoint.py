@@ -34,7 +34,7 @@ from rlcli.errors import CorruptFile
 from rlcli.parallel import dist as pdist
 from rlcli.transport.atomic import checksums_of, clean_temporaries, read_marker, remove_dir
 from rlcli.transport.checksum import verify
-from rlcli.transport.rundir import RunDir
+from rlcli.transport.rundir import RunDir, retired
 
 log = logging.getLogger("rl-train")
 
@@ -105,17 +105,18 @@ def corrupt_file(e: BaseException) -> CorruptFile | None:
 
 
 def save_checkpoint(run: RunDir, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler, extra: dict, keep: int, mesh: dict | None = None) -> None:
+                    scheduler, extra: dict, keep: int, mesh: dict | None = None, keep_every: int = 0) -> None:
     """Every rank calls this; ``mesh`` (dp/cp/ep) is recorded in the STABLE marker."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "extra": extra}
-    write_checkpoint(run, step, state, keep, mesh)
+    write_checkpoint(run, step, state, keep, mesh, keep_every=keep_every)
 
 
 def write_checkpoint(run: RunDir, step: int, state: dict, keep: int, mesh: dict | None = None,
-                     group=None) -> None:
+                     group=None, keep_every: int = 0) -> None:
     """Write ``state`` ({"model", "optim", "scheduler", "extra"}) as checkpoint ``step``, commit it
-    (rename, then STABLE) and delete all but the newest ``keep``: the live state
+    (rename, then STABLE) and delete all but the newest ``keep`` and the milestones (multiples of
+    ``keep_every``, :func:`~rlcli.transport.rundir.retired`): the live state
     (:func:`save_checkpoint`) or a host snapshot of it (``rlcli.train.async_checkpoint``).
     ``group``: the gloo group DCP's and the commit's collectives run on (a writer thread's own;
     default the process's)."""
@@ -124,7 +125,7 @@ def write_checkpoint(run: RunDir, step: int, state: dict, keep: int, mesh: dict 
         warnings.simplefilter("ignore")  # "torch.distributed is disabled ... single process"
         dcp.save(state, checkpoint_id=str(tmp), process_group=group)
     if not pdist.enabled() or torch.distributed.get_rank() == 0:
-        for old in run.stable_steps("checkpoints")[:-keep]:
+        for old in retired(run.stable_steps("checkpoints"), keep, keep_every):
             remove_dir(run.checkpoint_dir(old))
 
 

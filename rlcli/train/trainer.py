@@ -220,7 +220,8 @@ class Trainer:
             log.info("resumed from checkpoint step %d", self.step)
         self.loss_fn = resolve_loss(tcfg.loss.kind)
         # Checkpoints behind the step (rlcli.train.async_checkpoint), the writers' collectives on a group of their own.
-        self.checkpointer = AsyncCheckpointer(run, tcfg.checkpoint.keep, self._mesh_record(), pdist.new_cpu_group()) \
+        self.checkpointer = AsyncCheckpointer(run, tcfg.checkpoint.keep, self._mesh_record(), pdist.new_cpu_group(),
+                                              tcfg.checkpoint.keep_every) \
             if tcfg.checkpoint.background else None
 
     def _mesh_record(self) -> dict:
@@ -453,7 +454,8 @@ class Trainer:
         if self.checkpointer is not None:
             self.checkpointer.save(step, *state)
         else:
-            save_checkpoint(self.run, step, *state, self.cfg.train.checkpoint.keep, self._mesh_record())
+            c = self.cfg.train.checkpoint
+            save_checkpoint(self.run, step, *state, c.keep, self._mesh_record(), c.keep_every)
 
     def next_batch(self, step: int) -> TrainingBatch | None:
         """This rank's batch of ``step`` (None on timeout or stop). A batch that any rank finds

@@ -44,6 +44,12 @@ from rlcli.transport.atomic import (
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
 
+def retired(steps: list[int], keep: int, every: int = 0) -> list[int]:
+    """Of sorted ``steps``, those to delete: all but the newest ``keep``, sparing milestones (the
+    positive multiples of ``every``; 0: none)."""
+    return [s for s in steps[:-keep] if not (every and s and s % every == 0)]
+
+
 class RunDir:
     def __init__(self, root: str | Path):
         self.root = Path(root).resolve()

@@ -48,6 +48,19 @@ def test_retention_keeps_every_batch_after_the_newest_checkpoint(tmp_path):
     assert run.stable_steps("rollouts") == list(range(6, 21))  # a restart from step 5 needs 6..19
 
 
+def test_a_milestone_checkpoint_holds_no_batches_back(tmp_path):
+    run = RunDir(tmp_path)
+    mark(run, "rollouts", range(1, 31))
+    mark(run, "checkpoints", [10, 20, 28, 30])  # train.checkpoint.keep_every = 10 kept 10 and 20 for good
+    run.write_progress("train", step=30)
+    o = bare_orchestrator(1, 4, 40)
+    o.run = run
+    o.ocfg.keep_rollouts = 1
+    o.cfg.train.checkpoint.keep = 2
+    o._retain()
+    assert run.stable_steps("rollouts") == list(range(29, 31))  # what a restart from 28 (or 30) needs
+
+
 def test_a_missing_batch_is_written_again(tmp_path):
     run = RunDir(tmp_path)
     o = bare_orchestrator(1, 2, 30)

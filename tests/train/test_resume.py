@@ -65,6 +65,20 @@ def test_restart_after_policy_zero_was_pruned_does_not_rerun_the_warm_up(setup):
         again.close()
 
 
+@pytest.mark.parametrize("background", [True, False])
+def test_milestone_checkpoints_stay_beside_the_newest(setup, background):
+    cfg, run = setup
+    c = cfg.train.checkpoint
+    c.keep, c.keep_every, c.background = 1, 2, background
+    trainer = Trainer(cfg, run)
+    try:
+        for step in range(1, 6):
+            trainer.checkpoint(step)
+    finally:
+        trainer.close()  # flushes a background write
+    assert run.stable_steps("checkpoints") == [2, 4, 5]
+
+
 def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(setup):
     cfg, run = setup
     trainer = Trainer(cfg, run)

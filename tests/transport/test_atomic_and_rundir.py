@@ -363,3 +363,11 @@ def test_a_pruner_killed_with_the_version_aside_has_it_put_back(tmp_path, monkey
     clean_temporaries(tmp_path / "weights")
     assert [p.name for p in (tmp_path / "weights").iterdir()] == ["step_1"] and verify_dir(final) == []
     assert pins.prune_weights(final, 1) and list((tmp_path / "weights").iterdir()) == []
+
+
+def test_retention_keeps_the_newest_and_the_milestones():
+    from rlcli.transport.rundir import retired
+
+    assert retired([0, 1, 2, 3, 4, 5, 6], 2) == [0, 1, 2, 3, 4]
+    assert retired([0, 1, 2, 3, 4, 5, 6], 2, every=2) == [0, 1, 3]  # policy 0 is not a milestone
+    assert retired([3, 4], 3, every=2) == []

@@ -69,3 +69,22 @@ def test_rl_sync_puts_back_a_version_a_killed_rl_sync_had_moved_aside(tmp_path, 
         assert run.stable_steps("weights") == [3]
     finally:
         syncer.close()
+
+
+def test_milestone_versions_are_never_pruned(tmp_path, tiny_model_dir):
+    run_dir = tmp_path / "run"
+    cfg = load_recipe(write_recipe(tmp_path / "r.toml", tiny_model_dir, run_dir,
+                                   sync={"keep_weights": 2, "keep_weights_every": 3}))
+    run = RunDir(run_dir)
+    for step in range(9):
+        with atomic_dir(run.weights_dir(step), {"step": step}):
+            pass
+    with atomic_dir(run.checkpoint_dir(8), {"step": 8}):
+        pass
+    syncer = Syncer(cfg, run)
+    try:
+        syncer.policy_version = 8
+        syncer.retain()
+        assert run.stable_steps("weights") == [3, 6, 7, 8]
+    finally:
+        syncer.close()
