@@ -82,3 +82,35 @@ def test_score_refuses_what_it_cannot_read(tmp_path):
         out = subprocess.run([BIN / "rl-orchestrate", "score", "--env", "reverse"], input=text, capture_output=True,
                              text=True, timeout=120)
         assert out.returncode == 2 and needle in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_score_runs_a_failed_reward_again_up_to_env_retries(tmp_path, monkeypatch, caplog):
+    import logging
+
+    from rlcli.config.env import EnvConfig
+    from rlcli.orchestrate.pipeline import score_records
+
+    (tmp_path / "flakyenv.py").write_text('''
+from rlcli.envs import Task
+
+
+class Flaky:
+    calls = 0
+
+    def sample_task(self, rng):
+        return Task(prompt="a=")
+
+    def reward(self, task, text):
+        Flaky.calls += 1
+        if Flaky.calls % 3:
+            raise ConnectionError("judge hung up")
+        return 1.0
+''')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    records = [{"prompt": "a=", "completions": ["x", "y"]}]
+    with caplog.at_level(logging.WARNING, logger="rlcli.envs"):
+        [twice] = score_records(EnvConfig(name="flakyenv:Flaky", retries=2, on_error=-1.0), records)
+        [once] = score_records(EnvConfig(name="flakyenv:Flaky", retries=1, on_error=-1.0), records)
+    assert twice["rewards"] == [1.0, 1.0]  # each passed on its third attempt
+    assert once["rewards"] == [-1.0, 1.0]  # calls 7, 8 fail; 9 passes
+    assert sum("trying again" in r.getMessage() for r in caplog.records) == 4 + 1

@@ -81,6 +81,13 @@ class EnvConfig(Config):
     on_error: float = 0.0
     """Reward of an episode whose environment raised, returned a non-number or ran past a budget."""
 
+    retries: int = 0
+    """Run a reward or environment turn that failed (raised, returned the wrong type, ran past
+    env.reward_timeout_s) again, up to this many more times, before its episode counts as failed
+    (env.on_error, env.errors). For failures of the infrastructure (a sandbox, a judge's connection);
+    a deterministic failure only costs the attempts. Episodes of the loop and of rl-orchestrate
+    score; an environment that runs its own episodes over HTTP retries as it does."""
+
     errors: Literal["reward", "mask"] = "reward"
     """What such an episode trains. reward: it is scored env.on_error and trained like any other, so
     the model learns to avoid what failed. mask: it trains nothing (its loss is masked) and its reward
@@ -115,6 +122,8 @@ class EnvConfig(Config):
             raise ValueError("env.executor = \"processes\" needs env.num_workers >= 1")
         if self.reward_timeout_s <= 0:
             raise ValueError(f"env.reward_timeout_s must be > 0, got {self.reward_timeout_s}")
+        if self.retries < 0:
+            raise ValueError(f"env.retries must be >= 0, got {self.retries}")
         if self.max_turns < 1:
             raise ValueError(f"env.max_turns must be >= 1, got {self.max_turns}")
         if self.max_episode_tokens < 0 or self.episode_timeout_s < 0:

@@ -16,8 +16,10 @@ is freed for the next call, and its thread (which Python cannot kill) finishes i
 background and is ignored; its worker process, if it has one, is killed. A call that
 raises, or returns something of the wrong type (a reward must be a finite real number; a
 turn a string, a ``{"role", "content"}`` dict or None), is logged with the environment's
-name and also counts as an error; the run goes on. ``num_workers = 0`` runs calls inline,
-as the loop used to.
+name and also counts as an error; the run goes on. With ``env.retries = N`` a call that
+failed either way is run again, up to N more times (a sandbox that timed out, a judge that
+dropped its connection), each attempt with a deadline of its own; only the last failure
+counts. ``num_workers = 0`` runs calls inline, as the loop used to.
 """
 
 import asyncio
@@ -152,10 +154,12 @@ class EnvRunner:
     its place) and exits when the call returns, its result ignored. Each result also writes a
     byte to :attr:`wake_fd`, so a caller blocked on a poller wakes for it at once."""
 
-    def __init__(self, name: str, num_workers: int, timeout_s: float, processes: dict | None = None):
+    def __init__(self, name: str, num_workers: int, timeout_s: float, processes: dict | None = None,
+                 retries: int = 0):
         """``processes``: the env table (as builtins) each worker process builds its environment
-        from (``env.executor = "processes"``); None: calls run on the worker threads."""
-        self.name, self.num_workers, self.timeout_s = name, num_workers, timeout_s
+        from (``env.executor = "processes"``); None: calls run on the worker threads. ``retries``:
+        how many more times a failed call is run before its failure counts."""
+        self.name, self.num_workers, self.timeout_s, self.retries = name, num_workers, timeout_s, retries
         self.env_table = processes if num_workers > 0 else None
         self.idle: list[EnvProcess] = [EnvProcess(processes) for _ in range(num_workers)] if self.env_table else []
         self.process_of: dict[int, EnvProcess] = {}  # job -> the worker process running it
@@ -163,10 +167,12 @@ class EnvRunner:
         self.lock = threading.Lock()  # guards waiting and running, shared with the workers
         self.waiting: deque = deque()
         self.running: dict[int, tuple[Hashable, float, str, Any]] = {}  # job -> (key, started, what, fallback)
+        self.calls: dict[Hashable, tuple[Callable, tuple, Callable, int]] = {}  # key -> (fn, args, check, attempt)
         self.done: list[tuple[Hashable, Outcome]] = []
         self.next_job = 0
         self.num_errors = 0
         self.num_timeouts = 0
+        self.num_retries = 0
         self.busy_s = 0.0  # summed seconds of finished calls
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -182,17 +188,41 @@ class EnvRunner:
         call in logs ("reward", "respond"); ``fallback`` is the value on error."""
         if self.num_workers == 0:
             t0 = time.monotonic()
-            try:
-                outcome = Outcome(call(fn, args, check), None, 0.0)
-            except Exception as e:  # the environment's own failure: logged and scored, never fatal
-                outcome = self._failed(what, fallback, describe(e))
+            for attempt in range(self.retries + 1):
+                try:
+                    outcome = Outcome(call(fn, args, check), None, 0.0)
+                    break
+                except Exception as e:  # the environment's own failure: logged and scored, never fatal
+                    if attempt < self.retries:
+                        self._retrying(what, describe(e), attempt + 1)
+                    else:
+                        outcome = self._failed(what, fallback, describe(e))
             outcome.seconds = time.monotonic() - t0
             self.busy_s += outcome.seconds
             self.done.append((key, outcome))
             return
         with self.lock:
+            if self.retries:
+                self.calls[key] = (fn, args, check, 0)
             self.waiting.append((key, what, fn, args, check, fallback))
         self._start()
+
+    def _retry(self, key: Hashable, what: str, fallback: Any, error: str) -> bool:
+        """Queue failed call ``key`` again if it has attempts left (caller holds no lock)."""
+        with self.lock:
+            spec = self.calls.pop(key, None)
+            if spec is None or spec[3] >= self.retries:
+                return False
+            fn, args, check, attempt = spec
+            self.calls[key] = (fn, args, check, attempt + 1)
+            self.waiting.append((key, what, fn, args, check, fallback))
+        self._retrying(what, error, attempt + 1)
+        return True
+
+    def _retrying(self, what: str, error: str, attempt: int) -> None:
+        self.num_retries += 1
+        log.warning("env %s: %s failed (%s); trying again (%d of env.retries=%d)", self.name, what, error,
+                    attempt, self.retries)
 
     @property
     def num_pending(self) -> int:
@@ -272,9 +302,12 @@ class EnvRunner:
                 key, what, fallback, value, error, seconds = self.results.get_nowait()
             except queue.Empty:
                 break
+            self.busy_s += seconds
+            if error and self._retry(key, what, fallback, error):
+                continue
+            self.calls.pop(key, None)
             outcome = self._failed(what, fallback, error) if error else Outcome(value, None, 0.0)
             outcome.seconds = seconds
-            self.busy_s += seconds
             self.done.append((key, outcome))
         now = time.monotonic()
         with self.lock:
@@ -286,7 +319,10 @@ class EnvRunner:
             proc.kill()
         for job, (key, started, what, fallback) in late:
             self.num_timeouts += 1
-            outcome = self._failed(what, fallback, f"no result within env.reward_timeout_s={self.timeout_s}")
+            error = f"no result within env.reward_timeout_s={self.timeout_s}"
+            if self._retry(key, what, fallback, error):
+                continue
+            outcome = self._failed(what, fallback, error)
             outcome.seconds = now - started
             self.done.append((key, outcome))
         self._start()

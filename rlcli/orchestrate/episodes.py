@@ -84,7 +84,8 @@ class Episodes:
         self.cfg, self.ecfg, self.env, self.tokenizer = cfg, cfg.env, env, tokenizer
         self.new_id = new_id  # the pool's: ids carry the orchestrator's incarnation
         self.runner = EnvRunner(cfg.env.name, cfg.env.num_workers, cfg.env.reward_timeout_s,
-                                processes=msgspec.to_builtins(cfg.env) if cfg.env.executor == "processes" else None)
+                                processes=msgspec.to_builtins(cfg.env) if cfg.env.executor == "processes" else None,
+                                retries=cfg.env.retries)
         self.multi_turn = is_multi_turn(env)
         self.encoder = TurnEncoder(tokenizer, cfg.env.use_chat_template) if self.multi_turn else None
         self.groups: dict[int, Group] = {}  # id(group) -> group with episodes not yet scored
@@ -99,7 +100,7 @@ class Episodes:
         self.cont_earlier_kv_tokens = 0  # KV the previous turns computed: their prompt + completion - 1
         self.num_env_errors = 0
         self.num_truncated = 0
-        self.runner.num_timeouts, self.runner.busy_s = 0, 0.0
+        self.runner.num_timeouts, self.runner.num_retries, self.runner.busy_s = 0, 0, 0.0
 
     def budget(self, group: Group) -> int:
         """Most tokens of one of ``group``'s episodes, prompt included."""
@@ -244,7 +245,8 @@ class Episodes:
 
     def metrics(self) -> dict[str, float]:
         r = self.runner
-        return {"env_errors": self.num_env_errors, "env_timeouts": r.num_timeouts, "env_truncated": self.num_truncated,
+        return {"env_errors": self.num_env_errors, "env_timeouts": r.num_timeouts, "env_retries": r.num_retries,
+                "env_truncated": self.num_truncated,
                 "env_busy_s": r.busy_s, "env_turns": self.num_turns,
                 # Of later turns' prompts, the share served from the prefix cache (environment tokens
                 # are new, so below 1), and the share of the earlier turns' KV reused (1 up to the

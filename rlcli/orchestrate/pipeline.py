@@ -40,17 +40,23 @@ def read_records(stream: TextIO) -> Iterator[dict[str, Any]]:
 def score_records(env_cfg, records: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
     """Each record with ``rewards`` for its ``completions`` under the environment's reward (a
     multi-turn environment scores each completion as a one-turn episode). A reward that fails
-    is logged with the environment's name and scored ``env.on_error``."""
+    is run again up to ``env.retries`` times, then logged with the environment's name and scored
+    ``env.on_error``."""
     env = make_env(env_cfg)
     multi_turn = is_multi_turn(env)
 
     def score(task: Task, text: str) -> float:
-        try:
-            return call(env.reward, (task, [{"role": "assistant", "content": text}] if multi_turn else text),
-                        check_reward)
-        except Exception as e:  # the environment's failure: scored, the stream goes on
-            log.warning("env %s: reward failed (%s); scored %r", env_cfg.name, describe(e), env_cfg.on_error)
-            return env_cfg.on_error
+        for attempt in range(env_cfg.retries + 1):
+            try:
+                return call(env.reward, (task, [{"role": "assistant", "content": text}] if multi_turn else text),
+                            check_reward)
+            except Exception as e:  # the environment's failure: tried again (env.retries), then scored
+                if attempt < env_cfg.retries:
+                    log.warning("env %s: reward failed (%s); trying again (%d of env.retries=%d)", env_cfg.name,
+                                describe(e), attempt + 1, env_cfg.retries)
+                    continue
+                log.warning("env %s: reward failed (%s); scored %r", env_cfg.name, describe(e), env_cfg.on_error)
+        return env_cfg.on_error
 
     for number, rec in enumerate(records, 1):
         completions = rec.get("completions")

@@ -151,3 +151,32 @@ def test_worker_processes_hold_their_own_environment_and_a_late_one_is_killed(tm
     finally:
         runner.close()
     assert procs and not any(p.alive() for p in procs)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_env_retries_run_a_failed_call_again_and_only_the_last_failure_counts(num_workers, caplog):
+    attempts: dict = {}
+
+    def reward(name, fails, slow=False):
+        attempts[name] = attempts.get(name, 0) + 1
+        if attempts[name] <= fails:
+            if slow:
+                time.sleep(0.6)  # past the deadline: a timeout, tried again
+                return 1.0
+            raise ConnectionError("judge hung up")
+        return 1.0
+
+    runner = EnvRunner("flaky", num_workers=num_workers, timeout_s=0.3, retries=2)
+    calls = {"once": (1,), "twice": (2,), "always": (5,)}
+    if num_workers:
+        calls["slow"] = (1, True)  # inline calls have no deadline
+    with caplog.at_level(logging.WARNING, logger="rlcli.envs"):
+        for name, args in calls.items():
+            runner.submit(name, "reward", reward, (name, *args), check_reward, -1.0)
+        out = collect(runner, len(calls))
+    assert {k: o.value for k, o in out.items()} == {"once": 1.0, "twice": 1.0, "always": -1.0,
+                                                   **({"slow": 1.0} if num_workers else {})}
+    assert out["always"].error and "judge hung up" in out["always"].error
+    assert attempts["once"] == 2 and attempts["twice"] == 3 and attempts["always"] == 3
+    assert runner.num_errors == 1 and runner.num_retries == 1 + 2 + 2 + (1 if num_workers else 0)
+    assert sum("trying again" in r.getMessage() for r in caplog.records) == runner.num_retries

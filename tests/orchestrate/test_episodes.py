@@ -38,6 +38,12 @@ class Chat:
         n = sum(m["role"] == "assistant" for m in messages)
         if self.fail == "respond-raises":
             raise RuntimeError("tool crashed")
+        if self.fail == "respond-flaky":  # each turn fails once, then works
+            seen = self.__dict__.setdefault("seen", set())
+            turn = (task.prompt, repr(messages))
+            if turn not in seen:
+                seen.add(turn)
+                raise ConnectionError("sandbox dropped")
         if self.fail == "respond-number":
             return 42
         return None if n >= self.turns else f"[tool {n}]"
@@ -179,6 +185,15 @@ def test_an_evaluation_round_runs_multi_turn_episodes_under_its_own_sampling(ser
     assert [r["rewards"] for r in records] == [[5.0] * 3] * 3
     turns = [t for g in started for ep in g.episodes for t in ep.turns if t.role == "model"]
     assert len(started) == 3 and len(turns) == 3 * 3 * 3  # tasks x eval.samples x model turns
+
+
+def test_env_retries_carry_an_episode_past_a_flaky_environment(server, monkeypatch):
+    tmp, recipe, run_dir = server
+    o = run_groups(recipe, run_dir, monkeypatch, tmp, {"env.args": {"fail": "respond-flaky"}, "env.on_error": -1.0,
+                                                      "env.retries": 1})
+    assert all(g.rewards == [5.0, 5.0] and not g.errored for g in o.buffer)
+    m = o.episodes.metrics()
+    assert m["env_errors"] == 0 and m["env_retries"] >= 2 * 2 * 2  # groups x completions x environment turns
 
 
 def test_token_budget_truncates_episodes(server, monkeypatch):
