@@ -30,7 +30,8 @@ def run_up(recipe, *args, timeout=240):
 def test_max_async_0_is_exactly_synchronous_with_evaluation_rounds_beside_it(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "run"
     recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, run_dir,
-                          orchestrate={"eval": {"interval": 2, "num_tasks": 3, "samples": 2, "max_tokens": 5}})
+                          orchestrate={"eval": {"interval": 2, "num_tasks": 3, "samples": 2, "max_tokens": 5},
+                                       "log_samples": 2})
     out = run_up(recipe, "--max-async", "0", "--steps", "5")
     assert out.returncode == 0, out.stderr[-3000:]
     for step in range(1, 6):
@@ -52,6 +53,12 @@ def test_max_async_0_is_exactly_synchronous_with_evaluation_rounds_beside_it(tmp
         assert [len(r["completions"]) for r in records] == [2, 2, 2]
         rewards = [x for r in records for x in r["rewards"]]
         assert m["reward_mean"] == pytest.approx(sum(rewards) / len(rewards))
+    # orchestrate.log_samples: two groups of each batch, readable.
+    for step in range(1, 6):
+        records = read_jsonl(run_dir / "samples" / f"step_{step}.jsonl")
+        assert len(records) == 2 and all(len(r["completions"]) == len(r["rewards"]) == 4 for r in records)
+        assert all(r["versions"] == [[step - 1, step - 1]] * 4 for r in records)
+        assert all(sum(r["advantages"]) == pytest.approx(0, abs=1e-9) and isinstance(r["prompt"], str) for r in records)
 
 
 def test_max_async_bounds_off_policy_lag(tmp_path, tiny_model_dir):

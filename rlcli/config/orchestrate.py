@@ -155,6 +155,11 @@ class OrchestrateConfig(Config):
     num_train_ranks: int = 1
     """Trainer data-parallel ranks; each batch is split into this many balanced files."""
 
+    log_samples: int = 0
+    """With each batch written, this many of its groups, decoded, to RUN/samples/step_N.jsonl (prompt,
+    answer, completions, rewards, advantages, token versions): what the policy writes and how it is
+    scored, for a person or jq to read. 0: none."""
+
     share_prompts: bool = True
     """Pack each group's prompt once, its completions after it (a prefix-tree attention mask),
     so the trainer computes the prompt once instead of group_size times, and the beginning
@@ -171,6 +176,8 @@ class OrchestrateConfig(Config):
             raise ValueError(f"orchestrate.request_timeout_s must be > 0, got {self.request_timeout_s}")
         if self.keep_rollouts < 0:
             raise ValueError(f"orchestrate.keep_rollouts must be >= 0, got {self.keep_rollouts}")
+        if self.log_samples < 0:
+            raise ValueError(f"orchestrate.log_samples must be >= 0, got {self.log_samples}")
         if self.num_train_ranks < 1:
             raise ValueError(f"orchestrate.num_train_ranks must be >= 1, got {self.num_train_ranks}")
 

@@ -16,11 +16,10 @@ evaluated version, pass@1 and pass@k (:func:`rlcli.orchestrate.pipeline.pass_at_
 reward and length, the policy versions the tokens actually came from (a new policy may arrive
 mid-round; in-flight requests continue under it, as training's do), and the counts of lost tasks
 and failed episodes. The completions, decoded, go to RUN/evals/policy_<version>.jsonl as JSON
-lines (``prompt``, ``answer``, ``completions``, ``rewards``), written whole or not at all. A
+lines (:func:`rlcli.orchestrate.rollouts.write_samples`), written whole or not at all. A
 restarted rl-orchestrate skips versions eval.jsonl already has.
 """
 
-import json
 import logging
 import random
 import time
@@ -29,8 +28,7 @@ from typing import Any
 from rlcli.config import RecipeConfig
 from rlcli.envs import render_prompt
 from rlcli.orchestrate.pipeline import summarize_eval
-from rlcli.orchestrate.rollouts import Group
-from rlcli.transport.atomic import atomic_write_bytes
+from rlcli.orchestrate.rollouts import Group, write_samples
 from rlcli.transport.rundir import RunDir
 
 log = logging.getLogger("rl-orchestrate")
@@ -102,9 +100,7 @@ class Evaluation:
         if len(self.finished) < len(self.groups):
             return
         version, scored = self.version, [g for g in self.groups if g.completions]
-        records = [{"prompt": g.task.prompt, "answer": g.task.answer,
-                    "completions": [self.tokenizer.decode(c.token_ids) for c in g.completions],
-                    "rewards": g.rewards, "reward_mean": sum(g.rewards) / len(g.rewards),
+        records = [{"rewards": g.rewards, "reward_mean": sum(g.rewards) / len(g.rewards),
                     "versions": [c.versions for c in g.completions]} for g in scored]
         summary = summarize_eval(records, self.ecfg.samples, self.ecfg.threshold)
         lengths = [len(c.token_ids) for g in scored for c in g.completions]
@@ -115,9 +111,7 @@ class Evaluation:
                    "token_version_min": versions[0] if versions else version,
                    "token_version_max": versions[-1] if versions else version,
                    "eval_s": time.monotonic() - self.started, "time": time.time()}
-        body = "".join(json.dumps({k: r[k] for k in ("prompt", "answer", "completions", "rewards")},
-                                  sort_keys=True, default=str) + "\n" for r in records)
-        atomic_write_bytes(self.run.root / "evals" / f"policy_{version}.jsonl", body.encode(), fsync=False)
+        write_samples(self.run.root / "evals" / f"policy_{version}.jsonl", scored, self.tokenizer)
         self.run.append_metrics("eval", metrics)
         log.info("eval: policy v%d pass@1 %s pass@%d %s reward %s (%d tasks, %d lost, %.1fs)", version,
                  _fmt(metrics["pass@1"]), self.ecfg.samples, _fmt(metrics[f"pass@{self.ecfg.samples}"]),

@@ -57,7 +57,7 @@ from rlcli.orchestrate.episodes import Episodes
 from rlcli.orchestrate.evaluation import Evaluation
 from rlcli.orchestrate.http_groups import HttpGroups, uses_http
 from rlcli.orchestrate.pool import InferPool
-from rlcli.orchestrate.rollouts import Group, write_batch
+from rlcli.orchestrate.rollouts import Group, write_batch, write_samples
 from rlcli.protocol import BatchWritten, ErrorReply, GenerateRequest, PolicyUpdated, SamplingParams
 from rlcli.transport.atomic import clean_temporaries, is_stable, remove_dir
 from rlcli.transport.registry import Registration, list_entries
@@ -407,6 +407,9 @@ class Orchestrator:
                                 **({"tasks_drawn": self.order.position} if self.order else {}))
         self.registration.update(step=step, policy=self.policy_version)
         self.run.append_metrics("orchestrate", self._metrics(step, groups, info))
+        if self.ocfg.log_samples:
+            write_samples(self.run.root / "samples" / f"step_{step}.jsonl", groups[:self.ocfg.log_samples],
+                          self.tokenizer)
         self.next_step += 1
         self._reset_step_stats()
         self._retain()

@@ -1,4 +1,7 @@
-"""Groups of completions (episodes) and the packed batch files written for the trainer."""
+"""Groups of completions (episodes), the packed batch files written for the trainer, and readable
+samples of groups (JSON lines of text)."""
+
+import json
 
 from dataclasses import dataclass, field
 from typing import Any
@@ -6,7 +9,7 @@ from typing import Any
 from rlcli.envs import Task
 from rlcli.protocol import Completion
 from rlcli.protocol.batch import Sample, TrainingBatch, build_micro_batch, encode_batch, pack_samples
-from rlcli.transport.atomic import atomic_dir
+from rlcli.transport.atomic import atomic_dir, atomic_write_bytes
 from rlcli.transport.checksum import checksum
 from rlcli.transport.rundir import RunDir
 
@@ -55,6 +58,25 @@ class Group:
                        advantage=a, logprobs=c.logprobs, versions=c.versions, routed_experts=c.routed_experts,
                        loss_mask=m)
                 for c, a, m in zip(self.completions, self.advantages, masks)]
+
+
+def write_samples(path, groups: list[Group], tokenizer) -> None:
+    """``groups`` as JSON lines a person (or jq) reads: per group its task's ``prompt`` and ``answer``,
+    each completion decoded (a multi-turn episode's environment turns included), its ``rewards``, and
+    where known its ``advantages`` and ``errored`` flags and the policy versions of its tokens; written
+    whole or not at all."""
+    lines = []
+    for g in groups:
+        record = {"prompt": g.task.prompt, "answer": g.task.answer,
+                  "completions": [tokenizer.decode(c.token_ids) for c in g.completions], "rewards": g.rewards,
+                  "versions": [[min(c.versions, default=g.dispatch_version), max(c.versions, default=g.dispatch_version)]
+                               for c in g.completions]}
+        if g.advantages:
+            record["advantages"] = g.advantages
+        if g.errored:
+            record["errored"] = g.errored
+        lines.append(json.dumps(record, sort_keys=True, default=str) + "\n")
+    atomic_write_bytes(path, "".join(lines).encode(), fsync=False)
 
 
 def write_batch(run: RunDir, step: int, groups: list[Group], num_ranks: int, capacity: int,
