@@ -122,6 +122,15 @@ def test_dump_toml_round_trips():
     assert again == cfg
 
 
+def test_dump_toml_writes_inline_tables_in_lists_and_quotes_odd_keys():
+    args = {"envs": [{"name": "math", "weight": 3.0, "args": {"verifier": "numeric"}},
+                     {"name": "pkg.mod:Env", "args": {"a b": [1, 2], "x.y": {"z": "q\"uote"}}}]}
+    cfg = load_recipe(REPO / "recipes" / "reverse.toml", {"env.name": "mix", "env.args": args})
+    text = dump_toml(to_dict(cfg))
+    assert tomllib.loads(text)["env"]["args"] == args
+    assert msgspec.convert(tomllib.loads(text), RecipeConfig) == cfg
+
+
 def test_off_policy_bound_defaults_to_max_async():
     cfg = load_recipe(None, {"orchestrate.max_async": 2})
     assert cfg.orchestrate.off_policy_bound == 2

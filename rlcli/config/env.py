@@ -11,6 +11,7 @@ Before environments could be brought in, a built-in's options sat directly in ``
 and overrides keep working, and names ``env.args.<key>`` for any key that fits nowhere.
 """
 
+import math
 from typing import Any, Literal, Optional
 
 import msgspec
@@ -25,6 +26,7 @@ BUILTINS = {
     "tool-use": "rlcli.envs.tools:ToolUseEnv",
     "reasoning-gym": "rlcli.envs.reasoning_gym:ReasoningGymEnv",
     "verifiers": "rlcli.envs.verifiers_adapter:VerifiersEnv",
+    "mix": "rlcli.envs.mix:MixEnv",
 }
 """Built-in environments: name -> module:factory, resolved like a user's package.module:factory."""
 
@@ -243,8 +245,47 @@ class ToolUseEnvConfig(Config):
             raise ValueError("env.args.python_cpu_s must be >= 1, python_memory_mb >= 32, python_timeout_s > 0")
 
 
+class MixMemberConfig(Config):
+    """One environment of a mixture (``env.args.envs`` of ``mix``)."""
+
+    name: str
+    """The environment, named as env.name names one (a built-in, an entry point, package.module:factory)."""
+
+    args: dict[str, Any] = {}
+    """Its factory's keyword arguments."""
+
+    weight: float = 1.0
+    """Its share of the tasks drawn: weight / the sum of the weights."""
+
+    label: str = ""
+    """How its tasks are tagged (task.info["env"]) and its metrics named; default: name. Unique."""
+
+    def __post_init__(self) -> None:
+        if not (self.weight > 0 and math.isfinite(self.weight)):
+            raise ValueError(f"a mixed environment's weight must be > 0 and finite, got {self.weight}")
+
+
+class MixEnvConfig(Config):
+    """env.args of `mix`: several environments, each task drawn from one of them by weight and scored
+    (and answered, over turns) by the one that drew it."""
+
+    envs: list[MixMemberConfig] = []
+    """The environments, e.g. [{name = "math", weight = 3}, {name = "reverse", args = {min_len = 4}}]."""
+
+    def __post_init__(self) -> None:
+        if not self.envs:
+            raise ValueError("env.args.envs must list at least one environment ({name, args, weight})")
+        labels = [m.label or m.name for m in self.envs]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"env.args.envs: labels must be unique (give each of a repeated name a label), got "
+                             f"{labels}")
+        if any(m.name == "mix" for m in self.envs):
+            raise ValueError("env.args.envs: a mixture cannot hold another mix; list its environments instead")
+
+
 BUILTIN_ARGS: dict[str, type[Config]] = {
     "reverse": ReverseEnvConfig, "longtail": LongTailEnvConfig, "math": MathEnvConfig, "tool-use": ToolUseEnvConfig,
+    "mix": MixEnvConfig,
 }
 """The env.args struct of each built-in environment."""
 

@@ -142,7 +142,8 @@ def to_dict(cfg: msgspec.Struct) -> dict[str, Any]:
 
 
 def dump_toml(data: Mapping[str, Any]) -> str:
-    """A small TOML writer for config trees (tables, scalars, lists of scalars)."""
+    """A small TOML writer for config trees: tables, scalars, and lists of scalars, lists or inline
+    tables (a mixture's ``env.args.envs``); keys that are not bare TOML keys are quoted."""
     lines: list[str] = []
 
     def emit(table: Mapping[str, Any], prefix: str) -> None:
@@ -152,12 +153,19 @@ def dump_toml(data: Mapping[str, Any]) -> str:
             lines.append(f"\n[{prefix}]")
         for k, v in scalars.items():
             if v is not None:
-                lines.append(f"{k} = {_toml_value(v)}")
+                lines.append(f"{_toml_key(k)} = {_toml_value(v)}")
         for k, v in tables.items():
-            emit(v, f"{prefix}.{k}" if prefix else k)
+            emit(v, f"{prefix}.{_toml_key(k)}" if prefix else _toml_key(k))
 
     emit(data, "")
     return "\n".join(lines).lstrip("\n") + "\n"
+
+
+_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _toml_key(k: str) -> str:
+    return k if _BARE_KEY.match(k) else _toml_value(str(k))
 
 
 def _toml_value(v: Any) -> str:
@@ -169,4 +177,6 @@ def _toml_value(v: Any) -> str:
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items() if x is not None) + "}"
     raise TypeError(f"cannot write {type(v).__name__} to TOML")

@@ -27,6 +27,7 @@ from typing import Any
 
 from rlcli.config import RecipeConfig
 from rlcli.envs import render_prompt
+from rlcli.envs.mix import per_env
 from rlcli.orchestrate.pipeline import summarize_eval
 from rlcli.orchestrate.rollouts import Group, write_samples
 from rlcli.transport.rundir import RunDir
@@ -108,6 +109,7 @@ class Evaluation:
         metrics = {"step": version, **summary, "num_tasks_lost": self.num_lost,
                    "env_errors": sum(sum(g.errored) for g in scored),
                    "completion_len_mean": sum(lengths) / len(lengths) if lengths else 0.0,
+                   **per_env((g.task, g.rewards) for g in scored),
                    "token_version_min": versions[0] if versions else version,
                    "token_version_max": versions[-1] if versions else version,
                    "eval_s": time.monotonic() - self.started, "time": time.time()}

@@ -49,6 +49,7 @@ import time
 from rlcli.config import RecipeConfig
 from rlcli.config.recipe import shared_settings
 from rlcli.envs import EpochOrder, is_dataset, make_env, render_prompt
+from rlcli.envs.mix import per_env
 from rlcli.errors import ConfigError
 from rlcli.logging import setup_logging
 from rlcli.models.tokenizer import load_tokenizer
@@ -435,6 +436,7 @@ class Orchestrator:
             "num_errors": self.num_errors, "straggler_wait_s": self.straggler_wait_s, "step_s": elapsed,
             "tokens_per_s": self.gen_tokens / elapsed if elapsed > 0 else 0.0, "wait_s": self.wait_s,
             "time": time.time(), **self.episodes.metrics(), **info,
+            **per_env((g.task, g.rewards) for g in groups),  # env.name = "mix": each environment's mean reward
             **({"epoch": self.order.epoch} if self.order else {}),
             **(self.http.metrics() if self.http is not None else {}),
         }

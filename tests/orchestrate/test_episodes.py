@@ -196,6 +196,30 @@ def test_env_retries_carry_an_episode_past_a_flaky_environment(server, monkeypat
     assert m["env_errors"] == 0 and m["env_retries"] >= 2 * 2 * 2  # groups x completions x environment turns
 
 
+def test_a_mixture_runs_each_task_as_its_own_environment_would(server, monkeypatch):
+    """env.name = "mix" of the multi-turn Chat and the single-turn reverse: Chat's episodes take their
+    environment turns, reverse's end after one model turn and are scored on its text, and the step's
+    metrics name each environment's mean reward."""
+    from rlcli.envs.mix import per_env
+    from rlcli.envs.reverse import similarity
+
+    tmp, recipe, run_dir = server
+    o = run_groups(recipe, run_dir, monkeypatch, tmp, {"env.name": "mix", "env.args": {"envs": [
+        {"name": "mtenv:Chat"}, {"name": "reverse", "args": {"min_len": 3, "max_len": 5}}]},
+        "orchestrate.batch_size": 6}, num_groups=6,
+        until=lambda o: len({g.task.info["env"] for g in o.buffer}) == 2)
+    for g in o.buffer:
+        turns = [[t.role for t in ep.turns] for ep in g.episodes]
+        if g.task.info["env"] == "reverse":
+            assert turns == [["model"]] * 2
+            texts = [o.tokenizer.decode(c.token_ids).strip() for c in g.completions]
+            assert g.rewards == pytest.approx([similarity(t.strip("'\"").strip(), g.task.answer) for t in texts])
+        else:
+            assert turns == [["model", "env", "model", "env", "model"]] * 2 and g.rewards == [5.0, 5.0]
+    means = per_env((g.task, g.rewards) for g in o.buffer)
+    assert set(means) == {"reward_mean/mtenv:Chat", "reward_mean/reverse"} and means["reward_mean/mtenv:Chat"] == 5.0
+
+
 def test_token_budget_truncates_episodes(server, monkeypatch):
     tmp, recipe, run_dir = server
     o = run_groups(recipe, run_dir, monkeypatch, tmp, {"env.max_episode_tokens": 24, "env.truncation": "mask"})
