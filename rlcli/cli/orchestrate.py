@@ -137,6 +137,23 @@ def status_cmd(
         print(render_status(s), flush=True)
 
 
+@app.command("rewind")
+@handle_errors("rl-orchestrate")
+def rewind_cmd(
+    run_dir: Annotated[Path, typer.Argument(help="Run directory (its processes stopped).")],
+    to: Annotated[int, typer.Option("--to", help="The checkpoint step to go back to (0: policy 0).",
+                                    show_default=False)],
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be removed; change nothing.")] = False,
+    json_: JsonAlwaysOpt = False,
+) -> None:
+    """Take a stopped run back to a checkpoint: later checkpoints, weights, batches and metrics records go;
+    started again, every process goes on from step N. Prints what was removed as JSON."""
+    from rlcli.orchestrate.rewind import rewind
+
+    check_run_json(run_dir)
+    emit_json(rewind(run_dir, to, dry_run))
+
+
 def check_run_json(run_dir: Path) -> None:
     """A RunDirError if RUN/run.json exists but is not the object a run writes (a status of a
     damaged run would otherwise show an empty table as if nothing had run)."""

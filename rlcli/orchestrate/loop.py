@@ -437,7 +437,7 @@ class Orchestrator:
             "tokens_per_s": self.gen_tokens / elapsed if elapsed > 0 else 0.0, "wait_s": self.wait_s,
             "time": time.time(), **self.episodes.metrics(), **info,
             **per_env((g.task, g.rewards) for g in groups),  # env.name = "mix": each environment's mean reward
-            **({"epoch": self.order.epoch} if self.order else {}),
+            **({"epoch": self.order.epoch, "tasks_drawn": self.order.position} if self.order else {}),
             **(self.http.metrics() if self.http is not None else {}),
         }
         log.info("step %d reward %.3f len %.1f (generated %.1f) lag %.1f (max %d) dropped %.1f%% tok/s %.0f "
