@@ -12,9 +12,11 @@ directory every 20 ms.
 
 The audit at the end (printed as JSON, last line a table):
 
-- every step 1..N trained, each on the batch the orchestrator wrote for it (a step whose
+- every step 1..N trained, each on the batch the orchestrator wrote for it, byte for byte (the
+  checksum of rank 0's file that rl-train read equals the one rl-orchestrate wrote; a step whose
   work a trainer kill lost since its checkpoint is trained again from the same batch:
   counted as ``steps_redone``);
+- no ``step_N`` directory left without its marker (a deletion killed midway);
 - every batch written once (its STABLE marker never changes) and no step skipped;
 - the last step's weights published (STABLE), however the trainer's last kill fell;
 - policy versions monotone (rl-sync's live policy, and each server's served version);
@@ -291,7 +293,8 @@ def audit(run_dir: Path, steps: int, mon: Monitor) -> dict:
     for m in train:
         by_step.setdefault(m["step"], []).append(m)
     written = {m["step"]: m for m in orch}
-    ident = lambda m: (m["num_samples"], m["min_version"], m["max_version"])  # noqa: E731
+    # The bytes of rank 0's file (its manifest checksum), where both sides logged it; else the shape.
+    ident = lambda m: m.get("batch_checksum") or (m["num_samples"], m["min_version"], m["max_version"])  # noqa: E731
     same_batch = all(len({ident(m) for m in ms}) == 1 and (s not in written or ident(written[s]) == ident(ms[0]))
                      for s, ms in by_step.items())
     rewards = [written[s]["reward_mean"] for s in sorted(written)]

@@ -44,6 +44,9 @@ def test_max_async_0_is_exactly_synchronous_with_evaluation_rounds_beside_it(tmp
     # rl-orchestrate stayed for) and none of their completions joined a batch.
     orch = read_jsonl(run_dir / "metrics" / "orchestrate.jsonl")
     assert {m["num_samples"] for m in orch} == {4 * 4}  # write_recipe's batch_size x group_size
+    # Each step trained the bytes written for it (the checksum of rank 0's file, logged by both sides).
+    assert [m["batch_checksum"] for m in train] == [m["batch_checksum"] for m in orch] and len(set(
+        m["batch_checksum"] for m in orch)) == 5
     evals = read_jsonl(run_dir / "metrics" / "eval.jsonl")
     assert [m["step"] for m in evals] == [0, 2, 4, 5]
     for m in evals:

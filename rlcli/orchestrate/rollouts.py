@@ -101,4 +101,5 @@ def write_batch(run: RunDir, step: int, groups: list[Group], num_ranks: int, cap
             sums[f"{rank}.msgpack"] = checksum(data)
     return {"num_samples": len(samples), "num_loss_tokens": num_loss_tokens,
             "num_micro_batches": sum(len(r) for r in per_rank), "min_version": min_v, "max_version": max_v,
-            "num_row_tokens": num_row_tokens, "num_sample_tokens": sum(len(s.token_ids) for s in samples)}
+            "num_row_tokens": num_row_tokens, "num_sample_tokens": sum(len(s.token_ids) for s in samples),
+            "batch_checksum": sums["0.msgpack"]}

@@ -29,9 +29,11 @@ def batch_path(run: RunDir, step: int, rank: int) -> Path:
 
 
 def wait_for_batch(run: RunDir, step: int, rank: int, timeout_s: float = 0.0, poll_s: float = 0.05,
-                   should_stop=lambda: False, sleep=time.sleep, num_ranks: int | None = None) -> TrainingBatch | None:
-    """Block until RUN/rollouts/step_<step> is STABLE, then read and verify this rank's file.
-    Returns None on timeout or when ``should_stop()`` turns true. Between two looks at the marker
+                   should_stop=lambda: False, sleep=time.sleep,
+                   num_ranks: int | None = None) -> tuple[TrainingBatch, str] | None:
+    """Block until RUN/rollouts/step_<step> is STABLE, then read and verify this rank's file: the batch
+    and the checksum its bytes matched (which batch was trained, for the metrics). Returns None on
+    timeout or when ``should_stop()`` turns true. Between two looks at the marker
     it calls ``sleep(poll_s)``, which may return early (the trainer's wakes on rl-orchestrate's
     ``BatchWritten``). A batch split for other than ``num_ranks`` data-parallel ranks (the
     trainer's) is unusable: part of it would never be read, or a rank would find no file."""
@@ -66,7 +68,7 @@ def wait_for_batch(run: RunDir, step: int, rank: int, timeout_s: float = 0.0, po
     if legacy_sum is not None and hashlib.sha256(data).hexdigest() != legacy_sum:
         raise BatchCorrupt(f"{path} does not match its sha256")
     try:
-        return decode_batch(data)
+        return decode_batch(data), expected or legacy_sum
     except ValueError as e:  # msgspec.DecodeError / ValidationError: a wrong but self-consistent write
         raise BatchCorrupt(f"{path} does not decode: {e}") from None
 

@@ -432,7 +432,8 @@ class Trainer:
                       "publish_s": publish_s, "checkpoint_s": save_s - publish_s,
                       "num_loss_tokens": batch.num_loss_tokens, "num_samples": batch.num_samples,
                       "min_version": batch.min_version, "max_version": batch.max_version,
-                      "off_policy_lag": step - 1 - batch.min_version, "time": time.time()}
+                      "off_policy_lag": step - 1 - batch.min_version, "batch_checksum": self.batch_checksum,
+                      "time": time.time()}
             if self.dist.is_main:
                 run.append_metrics("train", record)
                 run.write_progress("train", step=step)
@@ -463,9 +464,10 @@ class Trainer:
         self._wait_note.start(step)
         while True:
             try:
-                batch = wait_for_batch(self.run, step, self.dp_rank, self.cfg.train.wait_timeout_s,
-                                       should_stop=lambda: self.beat() or self.stopping, sleep=self._sleep,
-                                       num_ranks=self.dims.dp)
+                read = wait_for_batch(self.run, step, self.dp_rank, self.cfg.train.wait_timeout_s,
+                                      should_stop=lambda: self.beat() or self.stopping, sleep=self._sleep,
+                                      num_ranks=self.dims.dp)
+                batch, self.batch_checksum = read if read is not None else (None, "")
                 problem = ""
             except BatchCorrupt as e:
                 batch, problem = None, str(e)
