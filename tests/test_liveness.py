@@ -106,7 +106,12 @@ def test_status_shows_what_each_server_is_doing(tmp_path):
         work = {p["key"]: p["work"] for p in s["processes"]}
         assert work == {"infer-0": "behind v5", "infer-1": "1234 tok/s", "infer-2": None}
         table = render_status(s)
-        assert "behind v5" in table and "1234 tok/s" in table
+        assert "behind v5" in table and "1234 tok/s" in table and "eval" not in table
+        run.append_metrics("eval", {"step": 4, "samples_per_task": 8, "pass@1": 0.25, "pass@8": 0.5,
+                                    "reward_mean": 0.4, "num_tasks": 64})
+        s = run_status(run.root)
+        assert s["eval"]["step"] == 4
+        assert "eval of v4: pass@1 0.250, pass@8 0.500, reward 0.400 over 64 tasks" in render_status(s)
     finally:
         for reg in regs:
             reg.close()

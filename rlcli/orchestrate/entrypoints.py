@@ -122,6 +122,7 @@ def status(run_dir: Path) -> dict:
         "weights": weights,
         "rollouts": run.stable_steps("rollouts"),
         "checkpoints": run.stable_steps("checkpoints"),
+        "eval": last_record(run.metrics_file("eval")),  # the newest evaluation (orchestrate.eval), if any
         "processes": [process_row(e, progress, weights[-1] if weights else None, run)
                       for e in list_entries(run.registry_dir(), alive_only=False)],
     }
@@ -154,8 +155,17 @@ def render_status(s: dict) -> str:
     lines.append(f"trained {progress['train'].get('step', 0)}, written {progress['orchestrate'].get('step', 0)}"
                  f", policy live v{s['progress']['sync'].get('version', '-')}; newest weights {last(s['weights'])}, "
                  f"rollouts {last(s['rollouts'])}, checkpoint {last(s['checkpoints'])}")
+    e = s.get("eval")
+    if e:
+        k = e.get("samples_per_task")
+        lines.append(f"eval of v{e.get('step')}: pass@1 {_fmt(e.get('pass@1'))}, pass@{k} {_fmt(e.get(f'pass@{k}'))}, "
+                     f"reward {_fmt(e.get('reward_mean'))} over {e.get('num_tasks')} tasks")
     return "\n".join(lines)
 
 
 def _dash(value) -> str:
     return "-" if value is None else str(value)
+
+
+def _fmt(value) -> str:
+    return f"{value:.3f}" if isinstance(value, (int, float)) else "-"
