@@ -232,6 +232,8 @@ REVERSE = REPO / "recipes" / "reverse.toml"
     ("orchestrate.sampling.top_p", "0", "orchestrate.sampling.top_p must be in (0, 1]"),
     ("orchestrate.sampling.max_tokens", "0", "orchestrate.sampling.max_tokens must be >= 1"),
     ("orchestrate.advantage.max_zero_variance_drops", "-2", "orchestrate.advantage.max_zero_variance_drops must be"),
+    ("orchestrate.advantage.overlong_buffer", "-1", "orchestrate.advantage.overlong_buffer must be >= 0"),
+    ("orchestrate.advantage.overlong_penalty", "nan", "orchestrate.advantage.overlong_penalty must be >= 0"),
     ("orchestrate.request_timeout_s", "0", "orchestrate.request_timeout_s must be > 0"),
     ("orchestrate.request_timeout_s", "nan", "orchestrate.request_timeout_s must be > 0"),
     ("orchestrate.keep_rollouts", "-1", "orchestrate.keep_rollouts must be >= 0"),

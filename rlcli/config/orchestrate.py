@@ -37,11 +37,24 @@ class AdvantageConfig(Config):
     skip_zero_variance: bool = False
     """Drop groups whose rewards are all equal (they carry no gradient) and sample replacements."""
 
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment: a completion within this many tokens of its max_tokens loses
+    reward linearly, up to overlong_penalty at max_tokens, before its advantage is taken (the logged
+    rewards stay the environment's). Single-turn environments; 0: off."""
+
+    overlong_penalty: float = 1.0
+    """The most reward a completion loses to overlong_buffer (at its max_tokens)."""
+
     max_zero_variance_drops: int = -1
     """Most zero-variance groups dropped per step; beyond it they join the batch anyway (so a
     saturated task set cannot stall the run; reported as num_zero_variance_kept). -1: 2 x batch_size."""
 
     def __post_init__(self) -> None:
+        if self.overlong_buffer < 0:
+            raise ValueError(f"orchestrate.advantage.overlong_buffer must be >= 0 (0: off), got {self.overlong_buffer}")
+        if not (self.overlong_penalty >= 0 and math.isfinite(self.overlong_penalty)):
+            raise ValueError(f"orchestrate.advantage.overlong_penalty must be >= 0 and finite, got "
+                             f"{self.overlong_penalty}")
         if self.max_zero_variance_drops < -1:
             raise ValueError(f"orchestrate.advantage.max_zero_variance_drops must be >= 0 or -1 (2 x batch_size), "
                              f"got {self.max_zero_variance_drops}")

@@ -20,7 +20,11 @@ def prepare(cfg: RecipeConfig) -> tuple:
     from rlcli.envs import make_env
     from rlcli.models.tokenizer import load_tokenizer
 
-    return make_env(cfg.env), load_tokenizer(cfg.model.path)
+    from rlcli.orchestrate.loop import check_env_settings
+
+    env = make_env(cfg.env)
+    check_env_settings(cfg, env)
+    return env, load_tokenizer(cfg.model.path)
 
 
 def orchestrate(cfg: RecipeConfig, run: RunDir, env=None, tokenizer=None) -> int:

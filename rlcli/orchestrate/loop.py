@@ -48,12 +48,12 @@ import time
 
 from rlcli.config import RecipeConfig
 from rlcli.config.recipe import shared_settings
-from rlcli.envs import EpochOrder, is_dataset, make_env, render_prompt
+from rlcli.envs import EpochOrder, is_dataset, is_multi_turn, make_env, render_prompt
 from rlcli.envs.mix import per_env
 from rlcli.errors import ConfigError
 from rlcli.logging import setup_logging
 from rlcli.models.tokenizer import load_tokenizer
-from rlcli.orchestrate.advantages import group_advantages
+from rlcli.orchestrate.advantages import group_advantages, overlong_penalty
 from rlcli.orchestrate.episodes import Episodes
 from rlcli.orchestrate.evaluation import Evaluation
 from rlcli.orchestrate.http_groups import HttpGroups, uses_http
@@ -77,6 +77,13 @@ def percentile(values: list[int], q: int) -> int:
     return ordered[max(0, -(-q * len(ordered) // 100) - 1)]
 
 
+def check_env_settings(cfg: RecipeConfig, env) -> None:
+    """Refuse settings the environment cannot honour (before rl-orchestrate claims the run directory)."""
+    if cfg.orchestrate.advantage.overlong_buffer and (is_multi_turn(env) or uses_http(cfg, env)):
+        raise ConfigError(f"orchestrate.advantage.overlong_buffer is for single-turn environments and "
+                          f"{cfg.env.name} is multi-turn: set it to 0")
+
+
 class Orchestrator:
     http: HttpGroups | None = None
     """Groups whose episodes the environment runs itself over rl-infer's HTTP API, if it does."""
@@ -86,6 +93,7 @@ class Orchestrator:
         claims the run directory, so a bad env.args leaves no claim); None builds them here."""
         self.cfg, self.run, self.ocfg = cfg, run, cfg.orchestrate
         self.env = env if env is not None else make_env(cfg.env)
+        check_env_settings(cfg, self.env)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model.path)
         self.pool = InferPool(run, self.ocfg.connect, self.ocfg.request_timeout_s)
         self.episodes = Episodes(cfg, self.env, self.tokenizer, self.pool.new_request_id)
@@ -151,6 +159,7 @@ class Orchestrator:
         self.num_filtered = 0
         self.num_zero_variance_kept = 0
         self.num_errors = 0
+        self.overlong_penalties: list[float] = []
         self.wait_s = 0.0
         self.straggler_since: float | None = None
         self.straggler_wait_s = 0.0
@@ -259,9 +268,14 @@ class Orchestrator:
         index = self.turns.get(request.request_id)
         return "" if index is None else self.inflight[request.request_id].episodes[index].server
 
+    def _max_tokens(self, group: Group) -> int:
+        """The completion budget of ``group``'s requests: its task's or the sampling's, within its episode's."""
+        s = group.sampling or self.ocfg.sampling
+        return min(group.task.max_tokens or s.max_tokens, self.episodes.budget(group) - len(group.prompt_ids))
+
     def _send(self, group: Group) -> None:
         s = group.sampling or self.ocfg.sampling
-        max_tokens = min(group.task.max_tokens or s.max_tokens, self.episodes.budget(group) - len(group.prompt_ids))
+        max_tokens = self._max_tokens(group)
         group.cache_salt = f"v{self.policy_version}"
         request = GenerateRequest(
             request_id=self.pool.new_request_id(), prompt_ids=group.prompt_ids, cache_salt=group.cache_salt,
@@ -336,6 +350,13 @@ class Orchestrator:
         counted = [not bad for bad in group.errored] if group.errored and self.cfg.env.errors == "mask" \
             else [True] * len(group.rewards)
         rewards = [r for r, c in zip(group.rewards, counted) if c]
+        a = self.ocfg.advantage
+        if a.overlong_buffer:  # DAPO's soft overlong punishment, on the rewards the advantages see
+            limit = self._max_tokens(group)
+            penalties = [overlong_penalty(len(c.token_ids), limit, a.overlong_buffer, a.overlong_penalty)
+                         for c, k in zip(group.completions, counted) if k]
+            self.overlong_penalties += penalties
+            rewards = [r + p for r, p in zip(rewards, penalties)]
         if self.ocfg.advantage.skip_zero_variance and (not rewards or max(rewards) == min(rewards)):
             if self.num_filtered < self.zero_variance_cap:
                 self.num_filtered += 1
@@ -433,6 +454,8 @@ class Orchestrator:
             "num_redispatched": self.num_redispatched,
             "dropped_fraction": self.num_stale / max(self.num_dispatched, 1),
             "num_filtered": self.num_filtered, "num_zero_variance_kept": self.num_zero_variance_kept,
+            **({"overlong_penalty_mean": sum(self.overlong_penalties) / len(self.overlong_penalties)}
+               if self.overlong_penalties else {}),
             "num_errors": self.num_errors, "straggler_wait_s": self.straggler_wait_s, "step_s": elapsed,
             "tokens_per_s": self.gen_tokens / elapsed if elapsed > 0 else 0.0, "wait_s": self.wait_s,
             "time": time.time(), **self.episodes.metrics(), **info,

@@ -4,6 +4,7 @@ against a simulated inference pool (random completion times, weights updated per
 
 import random
 
+import pytest
 from tiny import TINY_MODEL
 
 from rlcli.config import RecipeConfig
@@ -183,3 +184,32 @@ def test_failed_episodes_train_nothing_and_leave_the_baseline_with_env_errors_ma
     assert o.num_filtered == 0 and g.advantages == [-2.0, 2.0]
     o, g = scored("mask", [-1.0, 3.0], [True, False], skip_zero_variance=True)  # one survivor: no variance
     assert o.num_filtered == 1
+
+
+def test_overlong_buffer_takes_reward_from_completions_near_their_budget():
+    """DAPO's soft overlong punishment: with max_tokens 32 and a buffer of 8, lengths 24, 28 and 32 lose
+    0, half and all of overlong_penalty before the advantages; the logged rewards stay the environment's."""
+    from rlcli.orchestrate.advantages import overlong_penalty
+
+    assert [overlong_penalty(n, 32, 8) for n in (10, 24, 28, 32)] == [0.0, 0.0, -0.5, -1.0]
+    assert overlong_penalty(32, 32, 0) == 0.0 and overlong_penalty(30, 32, 8, scale=0.5) == -0.375
+    o = bare_orchestrator(1, 2, 30, overlong_buffer=8, overlong_penalty=2.0)
+    g = Group(Task("t"), [0, 1, 2], 0)  # sampling.max_tokens 32 (the default)
+    g.completions = [Completion(token_ids=[1] * n, logprobs=[0.0] * n, versions=[0] * n, finish_reason="stop")
+                     for n in (24, 28, 32)]
+    g.rewards = [1.0, 1.0, 1.0]
+    o.on_scored(g)
+    assert g.rewards == [1.0, 1.0, 1.0] and g.advantages == pytest.approx([1.0, 0.0, -1.0])
+    assert o.overlong_penalties == [0.0, -1.0, -2.0]
+
+
+def test_overlong_buffer_is_refused_for_a_multi_turn_environment(tmp_path, tiny_model_dir):
+    from procs import write_recipe
+    from rlcli.config import load_recipe
+    from rlcli.errors import ConfigError
+    from rlcli.orchestrate.entrypoints import prepare
+
+    cfg = load_recipe(write_recipe(tmp_path / "r.toml", tiny_model_dir, tmp_path / "run", env={"name": "tool-use"},
+                                   orchestrate={"advantage": {"overlong_buffer": 4}}))
+    with pytest.raises(ConfigError, match="overlong_buffer is for single-turn environments and tool-use is multi-turn"):
+        prepare(cfg)
