@@ -201,12 +201,17 @@ class NativeEngine(SchedulingMixin, SharedKVMixin):
         if need > self.blocks.num_blocks:
             raise ValueError(f"this request needs {need} KV blocks and the cache has {self.blocks.num_blocks}; "
                              "lower max_tokens or n, or raise infer.engine.kv_cache_memory_mb")
+        if sp.prompt_logprobs >= len(req.prompt_ids):
+            raise ValueError(f"sampling.prompt_logprobs {sp.prompt_logprobs} must be below the prompt's "
+                             f"{len(req.prompt_ids)} tokens")
+        if sp.prompt_logprobs > 0 and self.role == "prefill":
+            raise ValueError("a prefill server does not score prompts (sampling.prompt_logprobs): ask a mixed server")
         if self.role == "prefill":  # compute the prompt's KV and one token; a decode server generates
             sp = msgspec.structs.replace(sp, n=1, max_tokens=1)
         stop = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids))
         gen = torch.Generator(device=self.device).manual_seed(sp.seed) if sp.seed is not None else None
         r = Request(req.request_id, list(req.prompt_ids), sp, req.cache_salt, frozenset(stop), gen, [None] * sp.n,
-                    stream=stream)
+                    stream=stream, prompt_logprobs=[] if sp.prompt_logprobs > 0 else None)
         self.requests[r.request_id] = r
         self.waiting.append(Sequence(r, -1, list(r.prompt_ids)))
         self.counters["num_requests"] += 1
@@ -294,7 +299,29 @@ class NativeEngine(SchedulingMixin, SharedKVMixin):
     # ------------------------------------------------------------------ forward
     def _forward(self, batch: list[tuple[Sequence, int]]):
         record = self.carries_routes or (self.is_moe and any(seq.req.sampling.return_routing for seq, _ in batch))
-        return self.runner.forward(batch, record)
+        scored = [i for i, (seq, _) in enumerate(batch) if seq.index < 0 and seq.req.prompt_logprobs is not None]
+        if not scored:
+            return self.runner.forward(batch, record)
+        logits, routes, hidden = self.runner.forward(batch, record, keep=scored)
+        for i, h in zip(scored, hidden):
+            self._score_prompt(batch[i][0], batch[i][1], h)
+        return logits, routes
+
+    def _score_prompt(self, seq: Sequence, n: int, hidden_ND: torch.Tensor) -> None:
+        """Append the logprobs of the prompt tokens this prefill chunk predicts (from
+        ``sampling.prompt_logprobs`` on): position p's logits score token p + 1."""
+        r, first = seq.req, seq.num_computed  # the chunk is tokens[first:first + n]
+        start, end = r.sampling.prompt_logprobs, len(r.prompt_ids)
+        lo, hi = max(first, start - 1), min(first + n, end - 1)  # positions whose next token is scored
+        if lo >= hi:
+            return
+        temperature = r.sampling.temperature if r.sampling.temperature > 0 else 1.0
+        targets = torch.tensor(r.prompt_ids[lo + 1:hi + 1], device=hidden_ND.device)
+        for a in range(lo, hi, 1024):  # the vocabulary's logits for at most 1024 positions at a time
+            b = min(a + 1024, hi)
+            logits = self.model.lm_head(hidden_ND[a - first:b - first]).float() / temperature
+            lps = torch.log_softmax(logits, dim=-1).gather(-1, targets[a - lo:b - lo, None])[:, 0]
+            r.prompt_logprobs.extend(lps.tolist())
 
     # ------------------------------------------------------------------ sampling and bookkeeping
     def _postprocess(self, batch, logits, routes) -> list[GenerateResponse | Delta]:
@@ -354,7 +381,8 @@ class NativeEngine(SchedulingMixin, SharedKVMixin):
             if r.done and self.requests.pop(r.request_id, None) is not None:
                 out.append(GenerateResponse(request_id=r.request_id, completions=list(r.completions),
                                             num_prompt_tokens=len(r.prompt_ids),
-                                            num_cached_tokens=r.num_cached_tokens))
+                                            num_cached_tokens=r.num_cached_tokens,
+                                            prompt_logprobs=r.prompt_logprobs or []))
         return out
 
     @staticmethod

@@ -161,11 +161,13 @@ class ModelRunner:
             parts.append((ids, pos, slots))
         return parts, qstart, ctx_lens
 
-    def forward(self, batch: list, record: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, batch: list, record: bool, keep: list[int] | None = None):
         """One step's forward: ``batch`` is its (sequence, tokens) pairs in order, each sequence's
         ``tokens[num_computed:num_computed + n]`` computed into its ``blocks``; the logits after each
         sequence's last token ``[S, V]``, and with ``record`` the step's routes (MoE). A decode-only
-        step replays its graph where there is one."""
+        step replays its graph where there is one. ``keep``: batch indices whose final hidden states
+        at every position computed are also returned, as a third item (prompts being scored; such a
+        step runs eagerly)."""
         bs, S = self.block_size, len(batch)
         seqs = [seq for seq, _ in batch]
         width = max(len(seq.blocks) for seq in seqs)
@@ -188,7 +190,7 @@ class ModelRunner:
         num_decode = 0
         while num_decode < len(batch) and batch[num_decode][1] == 1 and batch[num_decode][0].num_computed > 0:
             num_decode += 1
-        if self.graphs is not None and num_decode == S and self.graphs.fits(S):
+        if self.graphs is not None and num_decode == S and self.graphs.fits(S) and not keep:
             self.graph_steps += 1
             logits, routes = self.graphs.run(host[:N], host[N:2 * N], host[2 * N:3 * N], ctx_lens, tables)
             return logits, routes if record else None
@@ -204,4 +206,6 @@ class ModelRunner:
         hidden = self.model.hidden_states(ids_t[None], pos_t[None], ctx)[0]
         logits = self.model.lm_head(hidden[last])
         routes = routing.stacked() if record else None
+        if keep:
+            return logits, routes, [hidden[qstart[i]:qstart[i + 1]] for i in keep]
         return logits, routes

@@ -137,7 +137,10 @@ class SchedulingMixin:
         if seq.pending_hashes is not None and seq.pending_hashes[0] == self.version:
             hashes = seq.pending_hashes[1]  # (the tokens of a waiting prompt do not change)
         else:
-            hashes = self.blocks.block_hashes(seq.tokens[:-1], f"{seq.req.salt}|w{self.version}")
+            # A prompt being scored from token k needs the logits from position k - 1 on: no cached block past it.
+            scored_from = seq.req.sampling.prompt_logprobs
+            upto = len(seq.tokens) - 1 if scored_from < 1 else scored_from - 1
+            hashes = self.blocks.block_hashes(seq.tokens[:upto], f"{seq.req.salt}|w{self.version}")
         seq.pending_hashes = None
         # With a shared store an MoE engine keeps every block's routes, and matches only blocks that
         # have them, so every sequence's routes run from its first token.

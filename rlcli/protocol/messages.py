@@ -95,6 +95,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     """Per-request RNG seed; None draws from the server's generator."""
     return_routing: bool = False
     """Return the experts each token was routed to (MoE models; R3 replay)."""
+    prompt_logprobs: int = -1
+    """Also return the logprob of each prompt token from this index on (>= 1), each given the tokens
+    before it, of the temperature-scaled distribution (temperature 0 counts as 1; no top-p): a
+    teacher scoring a student's completion (orchestrate.teacher). -1: none."""
 
     def __post_init__(self) -> None:
         # Checked on decode, so every engine sees only sane values (NaN or negative temperatures
@@ -107,6 +111,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             raise ValueError("sampling.max_tokens and sampling.n must be >= 1")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"sampling.seed must be in [0, 2**63), got {self.seed}")
+        if self.prompt_logprobs == 0 or self.prompt_logprobs < -1:
+            raise ValueError(f"sampling.prompt_logprobs must be >= 1 (the first prompt token scored) or -1 (none), "
+                             f"got {self.prompt_logprobs}")
 
 
 class GenerateRequest(Message, tag="generate", kw_only=True):
@@ -145,6 +152,8 @@ class GenerateResponse(Message, tag="generate_response", kw_only=True):
     """Prompt length."""
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache."""
+    prompt_logprobs: list[float] = []
+    """With ``sampling.prompt_logprobs = k``: the logprob of each of ``prompt_ids[k:]``."""
 
 
 class TensorSpec(msgspec.Struct, array_like=True):

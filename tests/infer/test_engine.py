@@ -355,3 +355,29 @@ def test_a_block_computed_across_a_swap_is_never_reused(model, tiny_model_dir, t
     out = run_all(engine)
     assert out["b"].num_cached_tokens == 0
     assert out["c"].num_cached_tokens == 8  # b's blocks, computed under v1 alone
+
+
+@pytest.mark.parametrize("kwargs", [{"block_size": 4}, {"max_num_batched_tokens": 8, "block_size": 4}])
+def test_prompt_logprobs_equal_a_full_forward_also_past_cached_blocks(model, kwargs):
+    """sampling.prompt_logprobs = k scores prompt_ids[k:] (a teacher scoring a completion), chunked
+    prefill or not; a second request with the same prompt takes the cached blocks before k and scores
+    the same; a request without it is not slowed by it."""
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=128, **kwargs)
+    prompt = [256] + list(range(30, 60))
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompt]))[0].float() / 0.7, -1)
+    expected = [float(ref[p - 1, prompt[p]]) for p in range(12, len(prompt))]
+    for i in range(2):
+        engine.add_request(GenerateRequest(request_id=f"s{i}", prompt_ids=prompt, sampling=SamplingParams(
+            temperature=0.7, max_tokens=1, prompt_logprobs=12)))
+        engine.add_request(GenerateRequest(request_id=f"g{i}", prompt_ids=prompt, sampling=SamplingParams(
+            temperature=0.7, max_tokens=2)))
+        out = run_all(engine)
+        assert out[f"s{i}"].prompt_logprobs == pytest.approx(expected, abs=1e-4)
+        assert out[f"g{i}"].prompt_logprobs == [] and len(out[f"g{i}"].completions[0].token_ids) == 2
+    assert out["s1"].num_cached_tokens == 8  # the blocks before position 11, no further
+    with pytest.raises(ValueError, match="must be below the prompt's 31 tokens"):
+        engine.add_request(GenerateRequest(request_id="x", prompt_ids=prompt,
+                                           sampling=SamplingParams(prompt_logprobs=31)))
+    with pytest.raises(ValueError, match="prompt_logprobs must be >= 1"):
+        SamplingParams(prompt_logprobs=0)

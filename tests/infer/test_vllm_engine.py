@@ -183,6 +183,9 @@ def test_bad_requests_raise_and_leave_the_engine_unchanged(serving):
                 GenerateRequest(request_id="l", prompt_ids=[1] * 400)]:
         with pytest.raises(ValueError):
             serving.add_request(req)
+    with pytest.raises(ValueError, match="needs the native engine"):  # a teacher's scoring (orchestrate.teacher)
+        serving.add_request(GenerateRequest(request_id="p", prompt_ids=[256, 5, 6],
+                                            sampling=SamplingParams(prompt_logprobs=1)))
     assert not serving.has_work() and not serving.requests
     assert serving.version == 0
 
