@@ -117,6 +117,36 @@ class EvalConfig(Config):
                               max_tokens=self.max_tokens or train.max_tokens)
 
 
+class TeacherConfig(Config):
+    """On-policy distillation: a teacher model, served by rl-infer servers of its own (the native engine),
+    scores every token of each training completion, and ``coef * (teacher logprob - inference logprob)``,
+    a per-token estimate of the reverse KL to the teacher, is added to that token's advantage. The
+    teacher must share the student's tokenizer, and its model.max_seq_len must exceed the student's
+    longest episode (prompt and completion, plus the one token a request generates)."""
+
+    connect: list[str] = []
+    """Teacher rl-infer endpoints (tcp://host:port)."""
+
+    run_dir: str = ""
+    """Or the teacher servers' own run directory, whose registry lists them (rl-infer --run-dir)."""
+
+    coef: float = 1.0
+    """Weight of the teacher's per-token term."""
+
+    reward: bool = True
+    """Keep the environment's group advantage beside the teacher's term; false: distillation alone."""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.connect or self.run_dir)
+
+    def __post_init__(self) -> None:
+        if self.connect and self.run_dir:
+            raise ValueError("orchestrate.teacher: give connect or run_dir, not both")
+        if not (self.coef >= 0 and math.isfinite(self.coef)):
+            raise ValueError(f"orchestrate.teacher.coef must be >= 0 and finite, got {self.coef}")
+
+
 class OrchestrateConfig(Config):
     """rl-orchestrate: the RL loop."""
 
@@ -147,6 +177,9 @@ class OrchestrateConfig(Config):
 
     eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
     """Evaluation during training (off unless eval.interval > 0)."""
+
+    teacher: TeacherConfig = msgspec.field(default_factory=TeacherConfig)
+    """On-policy distillation from a teacher's servers (off unless connect or run_dir is given)."""
 
     request_timeout_s: float = 300.0
     """How long an rl-infer server may leave the orchestrator's question "which of these requests

@@ -59,6 +59,7 @@ from rlcli.orchestrate.evaluation import Evaluation
 from rlcli.orchestrate.http_groups import HttpGroups, uses_http
 from rlcli.orchestrate.pool import InferPool
 from rlcli.orchestrate.rollouts import Group, write_batch, write_samples
+from rlcli.orchestrate.teacher import Teacher
 from rlcli.protocol import BatchWritten, ErrorReply, GenerateRequest, PolicyUpdated, SamplingParams
 from rlcli.transport.atomic import clean_temporaries, is_stable, remove_dir
 from rlcli.transport.registry import Registration, list_entries
@@ -100,6 +101,7 @@ class Orchestrator:
         self.http = HttpGroups(cfg, self.env, run) if uses_http(cfg, self.env) else None
         self.evaluation = Evaluation(cfg, run, self.env, self.tokenizer, renders_prompts=self.http is None) \
             if self.ocfg.eval.interval else None
+        self.teacher = Teacher(cfg, run) if self.ocfg.teacher.enabled else None
         if self.ocfg.connect:
             self.pool.check_reachable()
         self.sub = Subscriber()
@@ -123,7 +125,7 @@ class Orchestrator:
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model.path)
         self.episodes = Episodes(cfg, self.env, self.tokenizer)
         self.pool = None
-        self.evaluation = None
+        self.evaluation = self.teacher = None
         self._init_schedule(1, policy_version=0)
         return self
 
@@ -166,6 +168,8 @@ class Orchestrator:
         self.episodes.reset_stats()
         if self.http is not None:
             self.http.reset_stats()
+        if getattr(self, "teacher", None) is not None:
+            self.teacher.reset_stats()
 
     # ------------------------------------------------------------------ policy version
     def refresh(self) -> None:
@@ -225,6 +229,8 @@ class Orchestrator:
         pending.update(self.episodes.groups)
         if self.http is not None:
             pending.update((id(g), g) for g in self.http.groups)
+        if self.teacher is not None:
+            pending.update(self.teacher.groups)
         return [g for g in pending.values() if (g.eval_version is not None) == evaluation]
 
     def dispatch(self) -> None:
@@ -340,6 +346,8 @@ class Orchestrator:
                     self.gen_tokens += sum(sum(m) for m in group.loss_masks)
                     self.gen_completions += len(group.completions)
                 self.on_scored(group)
+        if self.teacher is not None:
+            self.buffer += self.teacher.poll()
         if self.evaluation is not None:
             self.evaluation.sweep(self._pending_groups(evaluation=True))
 
@@ -367,6 +375,8 @@ class Orchestrator:
             self.num_zero_variance_kept += 1
         advantages = iter(group_advantages(rewards, self.ocfg.advantage.std_normalize) if rewards else [])
         group.advantages = [next(advantages) if c else 0.0 for c in counted]
+        if self.teacher is not None:  # the buffer takes it once the teacher has scored its tokens
+            return self.teacher.submit(group)
         self.buffer.append(group)
 
     def deadline(self, group: Group) -> int:
@@ -462,6 +472,7 @@ class Orchestrator:
             **per_env((g.task, g.rewards) for g in groups),  # env.name = "mix": each environment's mean reward
             **({"epoch": self.order.epoch, "tasks_drawn": self.order.position} if self.order else {}),
             **(self.http.metrics() if self.http is not None else {}),
+            **(self.teacher.metrics() if self.teacher is not None else {}),
         }
         log.info("step %d reward %.3f len %.1f (generated %.1f) lag %.1f (max %d) dropped %.1f%% tok/s %.0f "
                  "wait %.2fs straggler wait %.2fs", step, m["reward_mean"], m["completion_len_mean"],
@@ -519,6 +530,8 @@ class Orchestrator:
         return self.evaluation is not None and self.evaluation.waiting_for_final()
 
     def close(self) -> None:
+        if self.teacher is not None:
+            self.teacher.close()
         self.episodes.runner.close()
         if self.http is not None:
             self.http.close()

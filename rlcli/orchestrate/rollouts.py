@@ -42,6 +42,9 @@ class Group:
     """Completions of its prompt; 0: orchestrate.group_size."""
     eval_version: int | None = None
     """The policy version a group of a scheduled evaluation evaluates; such a group never joins a batch."""
+    token_advantages: list[list[float]] = field(default_factory=list)
+    """Per completion and completion token, the teacher's term added to its advantage (orchestrate.teacher);
+    empty when no teacher scored the group."""
 
     @property
     def min_version(self) -> int:
@@ -54,10 +57,11 @@ class Group:
 
     def samples(self) -> list[Sample]:
         masks = self.loss_masks or [[]] * len(self.completions)
+        terms = self.token_advantages or [[]] * len(self.completions)
         return [Sample(token_ids=self.prompt_ids + c.token_ids, num_prompt_tokens=len(self.prompt_ids),
                        advantage=a, logprobs=c.logprobs, versions=c.versions, routed_experts=c.routed_experts,
-                       loss_mask=m)
-                for c, a, m in zip(self.completions, self.advantages, masks)]
+                       loss_mask=m, token_advantages=t)
+                for c, a, m, t in zip(self.completions, self.advantages, masks, terms)]
 
 
 def write_samples(path, groups: list[Group], tokenizer) -> None:

@@ -30,7 +30,7 @@ class MicroBatch(msgspec.Struct, kw_only=True):
     loss_mask: WireTensor
     """bool [T]: True where the token is a completion token the loss trains on."""
     advantages: WireTensor
-    """float32 [T] advantage of the sequence each token belongs to."""
+    """float32 [T] advantage of each token: its sequence's, plus its own term where a teacher scored it."""
     inference_logprobs: WireTensor
     """float32 [T] logprob the inference engine gave each completion token (0 elsewhere)."""
     versions: WireTensor
@@ -99,6 +99,8 @@ class Sample(msgspec.Struct, kw_only=True):
     """Leading prompt tokens (no loss on them)."""
     advantage: float = 0.0
     """Advantage of the whole completion."""
+    token_advantages: list[float] = []
+    """Per completion token, added to ``advantage`` (a teacher's term, orchestrate.teacher); empty: none."""
     logprobs: list[float] = []
     """Inference logprob per completion token."""
     versions: list[int] = []
@@ -233,7 +235,8 @@ def _sample_arrays(s: Sample) -> dict:
         mask, lps, vers = [False] * p + [True] * c, [0.0] * p + list(s.logprobs), [-1] * p + list(s.versions)
     out = {"input_ids": np.asarray(s.token_ids, dtype=np.int32), "position_ids": np.arange(n, dtype=np.int32),
            "loss_mask": np.asarray(mask, dtype=np.bool_),
-           "advantages": np.asarray([0.0] * p + [s.advantage] * c, dtype=np.float32),
+           "advantages": np.asarray([0.0] * p + ([s.advantage + a for a in s.token_advantages] if s.token_advantages
+                                                 else [s.advantage] * c), dtype=np.float32),
            "inference_logprobs": np.asarray(lps, dtype=np.float32), "versions": np.asarray(vers, dtype=np.int32)}
     if s.routed_experts is not None:
         r = s.routed_experts.numpy()
