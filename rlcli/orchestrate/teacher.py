@@ -11,8 +11,9 @@ teacher, estimated on the token the student sampled (on-policy distillation). En
 multi-turn episode are context and get nothing. With ``reward = false`` the group's own advantage is
 dropped and the teacher's term is the whole signal.
 
-The teacher's servers are rl-infer processes of their own (the native engine; their own run
-directory or fixed endpoints), never in the student's registry, so rl-sync does not update them and
+The teacher's servers are rl-infer processes of their own (their own run directory or fixed
+endpoints; vLLM scores at temperature 1 only, so a student sampled at another temperature needs a
+native-engine teacher), never in the student's registry, so rl-sync does not update them and
 rl-orchestrate sends them no generation. They are reached through an :class:`InferPool` of their own:
 requests lost with a server are sent again, and a server's rejection (a sequence too long for the
 teacher, say) drops the group, counted as ``teacher_errors``; the dispatch replaces it. While it is

@@ -97,8 +97,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     """Return the experts each token was routed to (MoE models; R3 replay)."""
     prompt_logprobs: int = -1
     """Also return the logprob of each prompt token from this index on (>= 1), each given the tokens
-    before it, of the temperature-scaled distribution (temperature 0 counts as 1; no top-p): a
-    teacher scoring a student's completion (orchestrate.teacher). -1: none."""
+    before it, of the temperature-scaled distribution (temperature 0 counts as 1; no top-p; vLLM:
+    temperature 1 only): a teacher scoring a student's completion (orchestrate.teacher). -1: none."""
 
     def __post_init__(self) -> None:
         # Checked on decode, so every engine sees only sane values (NaN or negative temperatures

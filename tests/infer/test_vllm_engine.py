@@ -126,6 +126,21 @@ def test_logprobs_are_of_the_temperature_scaled_policy(serving, models):
         assert max(abs(a - b) for a, b in zip(ref, c.logprobs)) < 1e-3
 
 
+def test_prompt_logprobs_score_the_prompt_from_the_index_asked(serving, models):
+    """A teacher's scoring (sampling.prompt_logprobs, orchestrate.teacher): the logprob of each prompt token
+    from k on, as the reference model gives it, beside an ordinary request."""
+    prompt = long_prompt(3, 40)
+    serving.add_request(GenerateRequest(request_id="s", prompt_ids=prompt, sampling=SamplingParams(
+        temperature=1.0, max_tokens=1, prompt_logprobs=25)))
+    serving.add_request(GenerateRequest(request_id="g", prompt_ids=prompt, sampling=SamplingParams(max_tokens=3)))
+    out = run_all(serving)
+    with torch.no_grad():
+        lp = torch.log_softmax(models[0](torch.tensor([prompt]))[0].float(), -1)
+    ref = [lp[i - 1, prompt[i]].item() for i in range(25, len(prompt))]
+    assert len(out["s"].prompt_logprobs) == len(ref) and max(abs(a - b) for a, b in zip(ref, out["s"].prompt_logprobs)) < 1e-3
+    assert out["g"].prompt_logprobs == []
+
+
 def test_seeded_requests_reproduce_whatever_the_batch(serving):
     def sample(with_others: bool, seed: int):
         if with_others:
@@ -183,9 +198,9 @@ def test_bad_requests_raise_and_leave_the_engine_unchanged(serving):
                 GenerateRequest(request_id="l", prompt_ids=[1] * 400)]:
         with pytest.raises(ValueError):
             serving.add_request(req)
-    with pytest.raises(ValueError, match="needs the native engine"):  # a teacher's scoring (orchestrate.teacher)
+    with pytest.raises(ValueError, match="at temperature 1 only"):  # vLLM's prompt logprobs skip the sampler
         serving.add_request(GenerateRequest(request_id="p", prompt_ids=[256, 5, 6],
-                                            sampling=SamplingParams(prompt_logprobs=1)))
+                                            sampling=SamplingParams(temperature=0.7, prompt_logprobs=1)))
     assert not serving.has_work() and not serving.requests
     assert serving.version == 0
 
