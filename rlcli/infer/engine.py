@@ -191,6 +191,11 @@ class NativeEngine(SchedulingMixin, SharedKVMixin):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if sp.n < 1 or sp.max_tokens < 1:
             raise ValueError("sampling.n and sampling.max_tokens must be >= 1")
+        if sp.prompt_logprobs >= len(req.prompt_ids):
+            raise ValueError(f"sampling.prompt_logprobs {sp.prompt_logprobs} must be below the prompt's "
+                             f"{len(req.prompt_ids)} tokens")
+        if sp.prompt_logprobs > 0 and self.role == "prefill":
+            raise ValueError("a prefill server does not score prompts (sampling.prompt_logprobs): ask a mixed server")
         if sp.n > self.max_num_seqs and self.role != "prefill":
             raise ValueError(f"sampling.n {sp.n} exceeds infer.max_num_seqs {self.max_num_seqs}, the most sequences "
                              "decoded together: raise infer.max_num_seqs or lower n")
@@ -201,11 +206,6 @@ class NativeEngine(SchedulingMixin, SharedKVMixin):
         if need > self.blocks.num_blocks:
             raise ValueError(f"this request needs {need} KV blocks and the cache has {self.blocks.num_blocks}; "
                              "lower max_tokens or n, or raise infer.engine.kv_cache_memory_mb")
-        if sp.prompt_logprobs >= len(req.prompt_ids):
-            raise ValueError(f"sampling.prompt_logprobs {sp.prompt_logprobs} must be below the prompt's "
-                             f"{len(req.prompt_ids)} tokens")
-        if sp.prompt_logprobs > 0 and self.role == "prefill":
-            raise ValueError("a prefill server does not score prompts (sampling.prompt_logprobs): ask a mixed server")
         if self.role == "prefill":  # compute the prompt's KV and one token; a decode server generates
             sp = msgspec.structs.replace(sp, n=1, max_tokens=1)
         stop = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids))
@@ -312,7 +312,8 @@ class NativeEngine(SchedulingMixin, SharedKVMixin):
         ``sampling.prompt_logprobs`` on): position p's logits score token p + 1."""
         r, first = seq.req, seq.num_computed  # the chunk is tokens[first:first + n]
         start, end = r.sampling.prompt_logprobs, len(r.prompt_ids)
-        lo, hi = max(first, start - 1), min(first + n, end - 1)  # positions whose next token is scored
+        # Positions whose next token is scored, past those already scored (a preempted prompt is recomputed).
+        lo, hi = max(first, start - 1 + len(r.prompt_logprobs)), min(first + n, end - 1)
         if lo >= hi:
             return
         temperature = r.sampling.temperature if r.sampling.temperature > 0 else 1.0

@@ -381,3 +381,19 @@ def test_prompt_logprobs_equal_a_full_forward_also_past_cached_blocks(model, kwa
                                            sampling=SamplingParams(prompt_logprobs=31)))
     with pytest.raises(ValueError, match="prompt_logprobs must be >= 1"):
         SamplingParams(prompt_logprobs=0)
+
+
+def test_a_prompt_preempted_mid_prefill_is_scored_once(model):
+    """The scored prompt's prefill chunks run again after a preemption: its logprobs are not appended twice."""
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=128, max_num_batched_tokens=8, block_size=4)
+    prompt = [256] + list(range(40, 70))
+    engine.add_request(GenerateRequest(request_id="s", prompt_ids=prompt, sampling=SamplingParams(
+        max_tokens=1, prompt_logprobs=3)))
+    engine.step(), engine.step()  # 16 of 31 tokens computed: tokens 3..16 scored
+    [seq] = engine.running
+    assert len(seq.req.prompt_logprobs) == 14
+    engine._preempt(seq)
+    [resp] = run_all(engine).values()
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompt]))[0].float(), -1)
+    assert resp.prompt_logprobs == pytest.approx([float(ref[p - 1, prompt[p]]) for p in range(3, 31)], abs=1e-4)
