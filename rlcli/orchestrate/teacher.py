@@ -21,6 +21,7 @@ being scored a group counts as in flight (the dispatch cap and the batches' dead
 """
 
 import logging
+import time
 
 from rlcli.config import RecipeConfig
 from rlcli.orchestrate.pool import InferPool
@@ -29,6 +30,8 @@ from rlcli.protocol import ErrorReply, GenerateRequest, SamplingParams
 from rlcli.transport.rundir import RunDir
 
 log = logging.getLogger("rl-orchestrate")
+
+REFRESH_S = 0.25
 
 
 class Teacher:
@@ -46,6 +49,7 @@ class Teacher:
         self.scores: dict[int, list[list[float] | None]] = {}
         self.unsent: list[GenerateRequest] = []
         self.told_none = False
+        self.next_refresh = 0.0
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -67,9 +71,11 @@ class Teacher:
 
     def poll(self) -> list[Group]:
         """Send what waits, take the teacher's answers; the groups now scored, their token terms set."""
-        for request in self.pool.refresh() + self.pool.lost():
-            if request.request_id in self.waiting:
-                self.unsent.append(request)
+        if time.monotonic() >= self.next_refresh:  # the registry read at most every REFRESH_S, as the loop's
+            self.next_refresh = time.monotonic() + REFRESH_S
+            for request in self.pool.refresh() + self.pool.lost():
+                if request.request_id in self.waiting:
+                    self.unsent.append(request)
         if self.unsent and not self.pool.servers and not self.told_none:
             log.info("waiting for the teacher's rl-infer servers (%s)", self.where)
             self.told_none = True
