@@ -72,6 +72,29 @@ def test_up_runs_to_the_end_with_summary_and_plot(tmp_path, tiny_model_dir):
     assert not [p for p in (run_dir / "cores").rglob("*") if p.is_file()]
 
 
+def test_up_serves_a_teacher_for_on_policy_distillation(tmp_path, tiny_model_dir):
+    """up.teacher: a model directory served by an rl-infer of its own in RUN/teacher (its own registry, so
+    rl-sync never updates it), the orchestrator pointed at it; it stops with the run."""
+    from rlcli.models import load_model, save_model
+
+    teacher = tmp_path / "teacher-model"
+    save_model(load_model(tiny_model_dir, seed=7), teacher, source_dir=tiny_model_dir)
+    run_dir = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, run_dir, top={"num_steps": 3})
+    out = subprocess.run([sys.executable, "-m", "rlcli.cli.orchestrate", "up", str(recipe), "--no-plot",
+                          "--up.teacher", str(teacher)], capture_output=True, text=True, timeout=200)
+    assert out.returncode == 0, out.stderr[-3000:]
+    orchestrate = read_jsonl(run_dir / "metrics" / "orchestrate.jsonl")
+    # Every batch's tokens were scored by a teacher of other weights (a sampled KL estimate: either sign).
+    assert len(orchestrate) == 3 and all(m["teacher_errors"] == 0 and m["teacher_kl"] != 0 for m in orchestrate)
+    assert (run_dir / "logs" / "teacher-0.log").is_file()
+    assert [e.key for e in list_entries(run_dir / "registry", alive_only=False)] == []
+    assert list_entries(run_dir / "teacher" / "registry", alive_only=False) == []  # stopped and deregistered
+    bad = subprocess.run([sys.executable, "-m", "rlcli.cli.orchestrate", "up", str(recipe), "--no-plot",
+                          "--up.teacher", str(tiny_model_dir)], capture_output=True, text=True, timeout=100)
+    assert bad.returncode == 2 and "has no safetensors weights" in bad.stderr
+
+
 def test_a_failed_child_stops_the_run(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "run"
     recipe = write_recipe(tmp_path / "r.toml", tiny_model_dir, run_dir, top={"num_steps": 500})

@@ -187,6 +187,11 @@ class UpConfig(Config):
     train_nproc_per_node: int = 1
     """rl-train ranks (rl-train --nproc-per-node); orchestrate.num_train_ranks must match its dp."""
 
+    teacher: str = ""
+    """A teacher model directory (HF layout with safetensors weights, the student's tokenizer): up serves it
+    with an rl-infer of its own in RUN/teacher (this recipe's infer settings, model.max_seq_len + 64) and
+    sets orchestrate.teacher.run_dir to it (on-policy distillation). Empty: none."""
+
     def __post_init__(self) -> None:
         if self.num_infer < 1:
             raise ValueError("up.num_infer must be >= 1")

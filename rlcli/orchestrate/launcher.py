@@ -33,9 +33,11 @@ from rlcli.transport.rundir import RunDir
 log = setup_logging("rl-orchestrate")
 
 # Start order; servers first so the others find them, stopped in reverse.
-ORDER = ("cache", "train", "sync", "infer", "orchestrate")
+ORDER = ("cache", "train", "sync", "infer", "teacher", "orchestrate")
 MODULES = {"cache": ["rlcli.cli.cache", "serve"], "train": ["rlcli.cli.train", "run"], "sync": ["rlcli.cli.sync"],
-           "infer": ["rlcli.cli.infer", "serve"], "orchestrate": ["rlcli.cli.orchestrate", "run"]}
+           "infer": ["rlcli.cli.infer", "serve"], "teacher": ["rlcli.cli.infer", "serve"],
+           "orchestrate": ["rlcli.cli.orchestrate", "run"]}
+TEACHER_EXTRA_LEN = 64  # the teacher's model.max_seq_len over the student's: a scored sequence plus its one token
 FINITE = ("train", "orchestrate")  # the run is over when these exit 0
 
 
@@ -59,6 +61,21 @@ def resolved_recipe(cfg: RecipeConfig) -> RecipeConfig:
         tree["model"]["path"] = os.path.abspath(cfg.model.path)
     if cfg.train.sft.dataset != "env":
         tree["train"]["sft"]["dataset"] = os.path.abspath(cfg.train.sft.dataset)
+    if cfg.up.teacher:
+        tree["up"]["teacher"] = os.path.abspath(cfg.up.teacher)
+        tree["orchestrate"]["teacher"]["run_dir"] = os.path.join(tree["run_dir"], "teacher")
+    return msgspec.convert(tree, RecipeConfig)
+
+
+def teacher_recipe(cfg: RecipeConfig) -> RecipeConfig:
+    """The recipe of ``up.teacher``'s rl-infer: ``cfg`` (resolved) serving the teacher's model from RUN/teacher."""
+    tree = to_dict(cfg)
+    tree["run_dir"] = cfg.orchestrate.teacher.run_dir
+    tree["model"]["path"] = cfg.up.teacher
+    tree["model"]["max_seq_len"] = cfg.model.max_seq_len + TEACHER_EXTRA_LEN
+    tree["up"]["teacher"] = ""
+    tree["orchestrate"]["teacher"] = {}
+    tree["infer"]["port"], tree["infer"]["http_port"] = 0, -1  # beside the student's servers: ports of its own
     return msgspec.convert(tree, RecipeConfig)
 
 
@@ -107,6 +124,19 @@ def preflight(cfg: RecipeConfig) -> None:
 
     args = ModelArgs.from_dir(cfg.model.path)
     processes = cfg.up.processes
+    if cfg.up.teacher:
+        t = cfg.orchestrate.teacher
+        if t.connect or (t.run_dir and os.path.abspath(t.run_dir) != os.path.join(os.path.abspath(cfg.run_dir),
+                                                                                 "teacher")):
+            raise ConfigError("up.teacher serves the teacher itself: leave orchestrate.teacher.connect and run_dir "
+                              "unset")
+        teacher = ModelArgs.from_dir(cfg.up.teacher)
+        if teacher.vocab_size != args.vocab_size:
+            raise ConfigError(f"up.teacher {cfg.up.teacher}: its vocabulary ({teacher.vocab_size} tokens) is not the "
+                              f"student's ({args.vocab_size}); a teacher must share the student's tokenizer")
+        if not any(Path(cfg.up.teacher).glob("*.safetensors")):
+            raise ConfigError(f"up.teacher {cfg.up.teacher} has no safetensors weights; a teacher needs trained "
+                              "weights (a model directory, or RUN/weights/step_N of a run)")
     if "train" in processes:
         resolve_dims(cfg.train.parallel, cfg.up.train_nproc_per_node, args.num_experts,
                      cfg.orchestrate.num_train_ranks, cfg.train.micro_batch_tokens)
@@ -138,6 +168,8 @@ class Launcher:
         self.run = run
         self.recipe_path = run.config_file("up")
         run.write_config("up", dump_toml(to_dict(self.cfg)))
+        if self.cfg.up.teacher:
+            self._prepare_teacher()
         self.children: list[Child] = []
         self.started = time.monotonic()
 
@@ -147,10 +179,11 @@ class Launcher:
         if placed:
             log.info("GPUs: %s", ", ".join(f"{label} {gpus}" for label, gpus in placed.items()))
         for name in ORDER:
-            if name not in self.cfg.up.processes:
+            if name not in self.cfg.up.processes and not (name == "teacher" and self.cfg.up.teacher):
                 continue
             for i in range(self.cfg.up.num_infer if name == "infer" else 1):
-                cmd = [sys.executable, "-m", *MODULES[name], "--config", str(self.recipe_path)]
+                recipe = self.run.config_file("teacher") if name == "teacher" else self.recipe_path
+                cmd = [sys.executable, "-m", *MODULES[name], "--config", str(recipe)]
                 if name == "infer":
                     cmd += ["--id", str(i), *self.role_args(i)]
                 if name == "train" and self.cfg.up.train_nproc_per_node > 1:
@@ -164,6 +197,17 @@ class Launcher:
                                             env=child_env, start_new_session=True,
                                             preexec_fn=stop_with_parent(os.getpid()))
                 self.children.append(Child(name, i, proc, log_path))
+
+    def _prepare_teacher(self) -> None:
+        """RUN/config/teacher.toml, and RUN/teacher/weights/step_0 pointing at the teacher's model, which its
+        rl-infer serves (as policy 0 of an unmodified base model is served)."""
+        from rlcli.transport.atomic import atomic_dir, is_stable
+
+        self.run.write_config("teacher", dump_toml(to_dict(teacher_recipe(self.cfg))))
+        step_0 = Path(self.cfg.orchestrate.teacher.run_dir) / "weights" / "step_0"
+        if not is_stable(step_0):
+            with atomic_dir(step_0, {"step": 0, "source": self.cfg.up.teacher}):
+                pass
 
     def role_args(self, i: int) -> list[str]:
         """Split roles (``up.num_prefill``): the first servers prefill, the others decode."""
