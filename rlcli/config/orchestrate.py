@@ -1,5 +1,5 @@
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import msgspec
 
@@ -95,6 +95,13 @@ class EvalConfig(Config):
     final: bool = True
     """Also evaluate the final policy (version num_steps): after the last batch, rl-orchestrate waits
     for the servers to serve it, evaluates it, then exits."""
+
+    env: str = ""
+    """Evaluate on this environment instead of the training one (named as env.name names one: a held-out
+    split, a harder setting, another task), with env_args; the [env] table's other settings apply."""
+
+    env_args: dict[str, Any] = {}
+    """Its factory's keyword arguments (with eval.env)."""
 
     def __post_init__(self) -> None:
         if self.interval < 0:

@@ -2,7 +2,8 @@
 
 The tasks are drawn once, ``num_tasks`` of ``env.sample_task`` with a generator seeded by
 ``eval.seed`` (the draw ``rl-orchestrate eval`` makes), so every version is measured on the same
-tasks. A *round* starts when the policy the servers serve is due: policy 0, then each time the
+tasks (from ``eval.env`` with ``eval.env_args`` where given: a held-out split, a harder setting; its
+episodes then run on workers of their own). A *round* starts when the policy the servers serve is due: policy 0, then each time the
 served version crosses a multiple of ``interval`` (a version skipped while a round was running is
 not evaluated; the next served one is, under its own number), and with ``final`` the last policy.
 Its groups go through the orchestrator's dispatch, servers and episodes like training groups
@@ -25,8 +26,12 @@ import random
 import time
 from typing import Any
 
+import msgspec
+
 from rlcli.config import RecipeConfig
-from rlcli.envs import render_prompt
+from rlcli.envs import make_env, render_prompt
+from rlcli.errors import ConfigError
+from rlcli.orchestrate.episodes import Episodes
 from rlcli.envs.mix import per_env
 from rlcli.orchestrate.pipeline import summarize_eval
 from rlcli.orchestrate.rollouts import Group, write_samples
@@ -35,9 +40,45 @@ from rlcli.transport.rundir import RunDir
 log = logging.getLogger("rl-orchestrate")
 
 
+def eval_recipe(cfg: RecipeConfig) -> RecipeConfig | None:
+    """``cfg`` with [env] naming ``orchestrate.eval.env`` (and its args), or None when evaluation uses the
+    training environment."""
+    e = cfg.orchestrate.eval
+    if not e.env:
+        return None
+    try:
+        return msgspec.structs.replace(cfg, env=msgspec.structs.replace(cfg.env, name=e.env, args=dict(e.env_args)))
+    except ValueError as err:  # the [env] table's own checks (an unknown name)
+        raise ConfigError(f"orchestrate.eval.env: {err}") from None
+
+
+def make_eval_env(cfg: RecipeConfig):
+    """The environment ``orchestrate.eval.env`` names, refused if it runs its own episodes over HTTP."""
+    from rlcli.orchestrate.http_groups import uses_http
+
+    recipe = eval_recipe(cfg)
+    try:
+        env = make_env(recipe.env)
+    except ConfigError as e:
+        raise ConfigError(f"orchestrate.eval.env: {e}") from None
+    if uses_http(recipe, env):
+        raise ConfigError(f"orchestrate.eval.env {cfg.orchestrate.eval.env!r} runs its own episodes over HTTP; an "
+                          "evaluation environment runs through the loop's episodes")
+    return env
+
+
 class Evaluation:
-    def __init__(self, cfg: RecipeConfig, run: RunDir, env: Any, tokenizer: Any, renders_prompts: bool = True):
-        """``renders_prompts``: False for an environment that renders its own (the HTTP path)."""
+    def __init__(self, cfg: RecipeConfig, run: RunDir, env: Any, tokenizer: Any, renders_prompts: bool = True,
+                 new_id=None):
+        """``renders_prompts``: False for an environment that renders its own (the HTTP path). With
+        ``orchestrate.eval.env`` the round's tasks come from that environment and its episodes run in
+        :attr:`episodes` of their own (``new_id``: the pool's request ids)."""
+        self.episodes = None
+        recipe = eval_recipe(cfg)
+        if recipe is not None:
+            env, renders_prompts = make_eval_env(cfg), True
+            self.episodes = Episodes(recipe, env, tokenizer, new_id) if new_id else Episodes(recipe, env, tokenizer)
+            cfg = recipe
         self.cfg, self.ecfg, self.run, self.tokenizer = cfg, cfg.orchestrate.eval, run, tokenizer
         self.sampling = self.ecfg.sampling(cfg.orchestrate.sampling)
         rng = random.Random(self.ecfg.seed)

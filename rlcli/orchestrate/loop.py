@@ -55,7 +55,7 @@ from rlcli.logging import setup_logging
 from rlcli.models.tokenizer import load_tokenizer
 from rlcli.orchestrate.advantages import group_advantages, overlong_penalty
 from rlcli.orchestrate.episodes import Episodes
-from rlcli.orchestrate.evaluation import Evaluation
+from rlcli.orchestrate.evaluation import Evaluation, make_eval_env
 from rlcli.orchestrate.http_groups import HttpGroups, uses_http
 from rlcli.orchestrate.pool import InferPool
 from rlcli.orchestrate.rollouts import Group, write_batch, write_samples
@@ -79,10 +79,16 @@ def percentile(values: list[int], q: int) -> int:
 
 
 def check_env_settings(cfg: RecipeConfig, env) -> None:
-    """Refuse settings the environment cannot honour (before rl-orchestrate claims the run directory)."""
+    """Refuse settings the environment cannot honour, and an evaluation environment that cannot be built
+    (before rl-orchestrate claims the run directory)."""
     if cfg.orchestrate.advantage.overlong_buffer and (is_multi_turn(env) or uses_http(cfg, env)):
         raise ConfigError(f"orchestrate.advantage.overlong_buffer is for single-turn environments and "
                           f"{cfg.env.name} is multi-turn: set it to 0")
+    if cfg.orchestrate.eval.interval and cfg.orchestrate.eval.env:
+        eval_env = make_eval_env(cfg)
+        close = getattr(eval_env, "close", None)
+        if callable(close):
+            close()
 
 
 class Orchestrator:
@@ -99,8 +105,8 @@ class Orchestrator:
         self.pool = InferPool(run, self.ocfg.connect, self.ocfg.request_timeout_s)
         self.episodes = Episodes(cfg, self.env, self.tokenizer, self.pool.new_request_id)
         self.http = HttpGroups(cfg, self.env, run) if uses_http(cfg, self.env) else None
-        self.evaluation = Evaluation(cfg, run, self.env, self.tokenizer, renders_prompts=self.http is None) \
-            if self.ocfg.eval.interval else None
+        self.evaluation = Evaluation(cfg, run, self.env, self.tokenizer, renders_prompts=self.http is None,
+                                     new_id=self.pool.new_request_id) if self.ocfg.eval.interval else None
         self.teacher = Teacher(cfg, run) if self.ocfg.teacher.enabled else None
         if self.ocfg.connect:
             self.pool.check_reachable()
@@ -227,6 +233,8 @@ class Orchestrator:
         training's, or with ``evaluation`` the evaluation round's."""
         pending = {id(g): g for g in self.inflight.values()}
         pending.update(self.episodes.groups)
+        if self.evaluation is not None and self.evaluation.episodes is not None:
+            pending.update(self.evaluation.episodes.groups)
         if self.http is not None:
             pending.update((id(g), g) for g in self.http.groups)
         if self.teacher is not None:
@@ -263,7 +271,7 @@ class Orchestrator:
         if ev is None or ev.running or self.policy_version < 0 or not ev.due(self.policy_version):
             return
         for group in ev.start(self.policy_version):
-            if self.http is not None:
+            if self.http is not None and ev.episodes is None:
                 group.cache_salt, group.dispatch_version = f"v{self.policy_version}", self.policy_version
                 self.http.submit(group)
             else:
@@ -274,10 +282,16 @@ class Orchestrator:
         index = self.turns.get(request.request_id)
         return "" if index is None else self.inflight[request.request_id].episodes[index].server
 
+    def _episodes(self, group: Group) -> Episodes:
+        """Where ``group``'s episodes run: an evaluation environment's own (orchestrate.eval.env), or the loop's."""
+        if group.eval_version is not None and self.evaluation.episodes is not None:
+            return self.evaluation.episodes
+        return self.episodes
+
     def _max_tokens(self, group: Group) -> int:
         """The completion budget of ``group``'s requests: its task's or the sampling's, within its episode's."""
         s = group.sampling or self.ocfg.sampling
-        return min(group.task.max_tokens or s.max_tokens, self.episodes.budget(group) - len(group.prompt_ids))
+        return min(group.task.max_tokens or s.max_tokens, self._episodes(group).budget(group) - len(group.prompt_ids))
 
     def _send(self, group: Group) -> None:
         s = group.sampling or self.ocfg.sampling
@@ -321,25 +335,27 @@ class Orchestrator:
                 log.error("rl-infer rejected a request%s: %s; new groups wait %.1fs",
                           f" ({self.error_streak} in a row)" if self.error_streak > 1 else "", reply.message, backoff)
             if index is not None:
-                self.episodes.failed(group, index, f"rl-infer rejected its turn ({reply.message})")
+                self._episodes(group).failed(group, index, f"rl-infer rejected its turn ({reply.message})")
             return
         self.error_streak = 0
         if group.eval_version is None:  # a step's generation figures are training's
             self.gen_tokens += sum(len(c.token_ids) for c in reply.completions)
             self.gen_completions += len(reply.completions) if index is None else 0
         if index is None:
-            self.episodes.first_turn(group, reply, server)
+            self._episodes(group).first_turn(group, reply, server)
         else:
-            self.episodes.next_turn(group, index, reply, server)
+            self._episodes(group).next_turn(group, index, reply, server)
         self.collect()
 
     def collect(self) -> None:
         """Take what the environment finished: next turns to send, groups scored."""
-        requests, ready = self.episodes.poll()
-        for group, index, request in requests:
-            self._send_turn(group, index, request)
-        for group in ready:
-            self.on_scored(group)
+        for episodes in (self.episodes, *([self.evaluation.episodes] if self.evaluation is not None and
+                                         self.evaluation.episodes is not None else [])):
+            requests, ready = episodes.poll()
+            for group, index, request in requests:
+                self._send_turn(group, index, request)
+            for group in ready:
+                self.on_scored(group)
         if self.http is not None:
             for group in self.http.poll():
                 if group.eval_version is None:
@@ -511,7 +527,7 @@ class Orchestrator:
             idle = not self.inflight and not (self.http is not None and self.http.pending)
             t0 = time.monotonic()
             # Woken at once by a reply, a finished reward or a new policy (none waits out the 20 ms).
-            for request, reply, server in self.pool.poll(20, wake=(self.sub.sock, self.episodes.runner.wake_fd)):
+            for request, reply, server in self.pool.poll(20, wake=self._wake):
                 self.on_reply(request, reply, server)
             self.collect()
             if idle:
@@ -529,9 +545,19 @@ class Orchestrator:
         """After the last batch: the final policy's evaluation (orchestrate.eval.final) is still to come."""
         return self.evaluation is not None and self.evaluation.waiting_for_final()
 
+    @property
+    def _wake(self) -> tuple:
+        """What ends the loop's wait at once: a policy announcement, and every environment runner's result."""
+        runners = [self.episodes.runner.wake_fd]
+        if self.evaluation is not None and self.evaluation.episodes is not None:
+            runners.append(self.evaluation.episodes.runner.wake_fd)
+        return (self.sub.sock, *runners)
+
     def close(self) -> None:
         if self.teacher is not None:
             self.teacher.close()
+        if self.evaluation is not None and self.evaluation.episodes is not None:
+            self.evaluation.episodes.runner.close()
         self.episodes.runner.close()
         if self.http is not None:
             self.http.close()

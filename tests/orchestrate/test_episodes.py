@@ -173,6 +173,7 @@ def test_an_evaluation_round_runs_multi_turn_episodes_under_its_own_sampling(ser
     from rlcli.orchestrate.evaluation import Evaluation
 
     tmp, recipe, run_dir = server
+    (run_dir / "metrics" / "eval.jsonl").unlink(missing_ok=True)  # the module's run directory: a round of its own
     started, start = [], Evaluation.start
     monkeypatch.setattr(Evaluation, "start", lambda self, v: started.extend(start(self, v)) or started)
     o = run_groups(recipe, run_dir, monkeypatch, tmp, {"orchestrate.eval.interval": 1, "orchestrate.eval.num_tasks": 3,
@@ -185,6 +186,39 @@ def test_an_evaluation_round_runs_multi_turn_episodes_under_its_own_sampling(ser
     assert [r["rewards"] for r in records] == [[5.0] * 3] * 3
     turns = [t for g in started for ep in g.episodes for t in ep.turns if t.role == "model"]
     assert len(started) == 3 and len(turns) == 3 * 3 * 3  # tasks x eval.samples x model turns
+
+
+def test_an_evaluation_environment_of_its_own_runs_beside_training(server, monkeypatch):
+    """orchestrate.eval.env: the round's tasks come from another environment (single-turn reverse, while
+    training runs the multi-turn Chat) and are scored by it, on episodes of their own."""
+    from rlcli.envs.reverse import similarity
+
+    tmp, recipe, run_dir = server
+    (run_dir / "metrics" / "eval.jsonl").unlink(missing_ok=True)  # the module's run directory: a round of its own
+    o = run_groups(recipe, run_dir, monkeypatch, tmp, {"orchestrate.eval.interval": 1, "orchestrate.eval.num_tasks": 2,
+                                                      "orchestrate.eval.samples": 2, "orchestrate.eval.seed": 99,
+                                                      "orchestrate.eval.env": "reverse",
+                                                      "orchestrate.eval.env_args": {"min_len": 3, "max_len": 4}},
+                   until=lambda o: 0 in o.evaluation.done)
+    assert all(g.rewards == [5.0, 5.0] for g in o.buffer)  # training: Chat's three-turn episodes
+    records = [json.loads(line) for line in (run_dir / "evals" / "policy_0.jsonl").read_text().splitlines()]
+    assert len(records) == 2
+    assert all(r["prompt"].endswith("=") and 3 <= len(r["answer"]) <= 4 for r in records)
+    for r in records:
+        assert r["rewards"] == pytest.approx([similarity(c.strip().strip("'\"").strip(), r["answer"])
+                                              for c in r["completions"]])
+
+
+def test_a_bad_evaluation_environment_is_refused_before_the_run_is_claimed(server, monkeypatch):
+    from rlcli.errors import ConfigError
+    from rlcli.orchestrate.entrypoints import prepare
+
+    tmp, recipe, _ = server
+    monkeypatch.syspath_prepend(str(tmp))
+    cfg = load_recipe(recipe, overrides={"env.args": {}, "orchestrate.eval.interval": 1,
+                                         "orchestrate.eval.env": "chess"})
+    with pytest.raises(ConfigError, match="orchestrate.eval.env: unknown env.name 'chess'"):
+        prepare(cfg)
 
 
 def test_env_retries_carry_an_episode_past_a_flaky_environment(server, monkeypatch):
