@@ -87,8 +87,11 @@ class ServerHandle:
 
 
 class InferPool:
-    def __init__(self, run: RunDir, connect: list[str], request_timeout_s: float, owner: str = "orchestrate-0"):
-        self.run = run
+    def __init__(self, run: RunDir, connect: list[str], request_timeout_s: float, owner: str = "orchestrate-0",
+                 label: str = ""):
+        """``label``: named before a server in the pool's log lines ("the teacher's ": its servers have the
+        same keys as the run's own)."""
+        self.run, self.label = run, label
         self.fixed = list(connect)
         self.timeout_s = request_timeout_s
         self.owner, self.prefix = owner, f"{owner}.{uuid.uuid4().hex[:8]}."
@@ -132,7 +135,8 @@ class InferPool:
         lost = self._drop(lambda o: o.server in gone)
         for key in gone:
             n = sum(1 for o in lost if o.server == key)
-            log.warning("%s; re-dispatching its %d request(s)", describe_gone(self.entries.pop(key), every.get(key)), n)
+            log.warning("%s%s; re-dispatching its %d request(s)", self.label,
+                        describe_gone(self.entries.pop(key), every.get(key)), n)
         for key, entry in live.items():
             if key not in self.servers:
                 self._add(ServerHandle(key, entry.endpoints["rpc"], entry.incarnation, entry.info.get("role", "mixed")))
@@ -164,8 +168,8 @@ class InferPool:
                 silent = self._drop(lambda o: o.server == s.key)
                 s.probe = None
                 if silent:
-                    log.warning("%s has not said in %.0fs which requests it holds; aborted its %d request(s) "
-                                "there, re-dispatching", s.key, self.timeout_s, len(silent))
+                    log.warning("%s%s has not said in %.0fs which requests it holds; aborted its %d request(s) "
+                                "there, re-dispatching", self.label, s.key, self.timeout_s, len(silent))
                     s.send(AbortRequests(request_ids=[o.request.request_id for o in silent]))
                 lost += silent
             elif s.probe is None and s.num_outstanding and now - s.last_probe >= self.probe_every_s:
@@ -182,8 +186,8 @@ class InferPool:
         unknown = set(reply.unknown)
         gone = self._drop(lambda o: o.server == s.key and o.request.request_id in unknown and o.sent <= sent)
         if gone:
-            log.warning("%s does not hold %d request(s) sent to it (lost on the way); re-dispatching", s.key,
-                        len(gone))
+            log.warning("%s%s does not hold %d request(s) sent to it (lost on the way); re-dispatching", self.label,
+                        s.key, len(gone))
             self.found_lost += gone
 
     def _drop(self, pred) -> list[Outstanding]:

@@ -40,7 +40,7 @@ class Teacher:
         self.coef, self.reward = t.coef, t.reward
         self.temperature = cfg.orchestrate.sampling.temperature
         self.pool = InferPool(RunDir(t.run_dir) if t.run_dir else run, t.connect, cfg.orchestrate.request_timeout_s,
-                              owner="orchestrate-teacher")
+                              owner="orchestrate-teacher", label="the teacher's ")
         if t.connect:
             self.pool.check_reachable()
         self.where = ", ".join(t.connect) if t.connect else f"{t.run_dir}/registry"
@@ -125,7 +125,8 @@ class Teacher:
         self.scores.pop(id(group), None)
 
     def metrics(self) -> dict[str, float]:
-        return {"teacher_kl": self.kl_sum / self.kl_tokens if self.kl_tokens else 0.0,
+        """teacher_kl: over the tokens the teacher scored in the step's window (absent when it scored none)."""
+        return {**({"teacher_kl": self.kl_sum / self.kl_tokens} if self.kl_tokens else {}),
                 "teacher_errors": self.num_errors}
 
     def close(self) -> None:
