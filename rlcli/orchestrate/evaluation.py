@@ -30,9 +30,9 @@ import msgspec
 
 from rlcli.config import RecipeConfig
 from rlcli.envs import make_env, render_prompt
+from rlcli.envs.mix import per_env
 from rlcli.errors import ConfigError
 from rlcli.orchestrate.episodes import Episodes
-from rlcli.envs.mix import per_env
 from rlcli.orchestrate.pipeline import summarize_eval
 from rlcli.orchestrate.rollouts import Group, write_samples
 from rlcli.transport.rundir import RunDir
