@@ -36,6 +36,7 @@ from rlcli.orchestrate.episodes import Episodes
 from rlcli.orchestrate.pipeline import summarize_eval
 from rlcli.orchestrate.rollouts import Group, write_samples
 from rlcli.transport.rundir import RunDir
+from rlcli.transport.zmq import new_request_id
 
 log = logging.getLogger("rl-orchestrate")
 
@@ -77,7 +78,7 @@ class Evaluation:
         recipe = eval_recipe(cfg)
         if recipe is not None:
             env, renders_prompts = make_eval_env(cfg), True
-            self.episodes = Episodes(recipe, env, tokenizer, new_id) if new_id else Episodes(recipe, env, tokenizer)
+            self.episodes = Episodes(recipe, env, tokenizer, new_id or new_request_id)
             cfg = recipe
         self.cfg, self.ecfg, self.run, self.tokenizer = cfg, cfg.orchestrate.eval, run, tokenizer
         self.sampling = self.ecfg.sampling(cfg.orchestrate.sampling)
