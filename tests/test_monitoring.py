@@ -79,6 +79,35 @@ def test_sinks_mirror_the_metrics_files(tmp_path):
     assert got == expected
 
 
+def test_samples_reach_the_sinks_as_tables(tmp_path):
+    """orchestrate.log_samples and evaluations: a W&B Table under <command>/samples at the step, and a
+    TensorBoard text panel of the same name, one row per completion."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = load_recipe(None, {"run_dir": str(tmp_path / "run"), "monitor.wandb": True, "monitor.wandb_mode": "offline",
+                             "monitor.tensorboard": True})
+    run = RunDir(cfg.run_dir)
+    run.sinks = make_sinks(cfg, run.root, "orchestrate")
+    records = [{"prompt": "ab|c=", "answer": "c|ba", "completions": ["cba", "c|ba"], "rewards": [0.5, 1.0],
+                "advantages": [-0.25, 0.25]}]
+    run.append_metrics("orchestrate", {"step": 3, "reward_mean": 0.75})
+    run.mirror_samples("orchestrate", 3, records)
+    for sink in run.sinks:
+        sink.close()
+    assert len(run.sinks) == 2  # neither failed
+    [row] = [r for r in wandb_history(run.root) if "orchestrate/samples/_type" in r]
+    assert row["orchestrate/step"] == 3 and row["orchestrate/samples/_type"] == "table-file"
+    [table] = run.root.glob(f"wandb/offline-run-*/files/{row['orchestrate/samples/path']}")
+    data = json.loads(table.read_text())
+    assert data["columns"] == ["prompt", "answer", "completion", "reward", "advantage"]
+    assert data["data"] == [["ab|c=", "c|ba", "cba", 0.5, -0.25], ["ab|c=", "c|ba", "c|ba", 1.0, 0.25]]
+    acc = EventAccumulator(str(run.root / "tensorboard" / "orchestrate"))
+    acc.Reload()
+    [event] = acc.Tensors("orchestrate/samples/text_summary")
+    text = event.tensor_proto.string_val[0].decode()
+    assert event.step == 3 and "| ab\\|c= | c\\|ba | c\\|ba | 1.0 | 0.25 |" in text
+
+
 def test_a_failing_sink_is_dropped_and_the_metrics_file_is_written(tmp_path):
     class Broken:
         def log(self, command, record):

@@ -155,8 +155,9 @@ class Evaluation:
                    "token_version_min": versions[0] if versions else version,
                    "token_version_max": versions[-1] if versions else version,
                    "eval_s": time.monotonic() - self.started, "time": time.time()}
-        write_samples(self.run.root / "evals" / f"policy_{version}.jsonl", scored, self.tokenizer)
+        samples = write_samples(self.run.root / "evals" / f"policy_{version}.jsonl", scored, self.tokenizer)
         self.run.append_metrics("eval", metrics)
+        self.run.mirror_samples("eval", version, samples)
         log.info("eval: policy v%d pass@1 %s pass@%d %s reward %s (%d tasks, %d lost, %.1fs)", version,
                  _fmt(metrics["pass@1"]), self.ecfg.samples, _fmt(metrics[f"pass@{self.ecfg.samples}"]),
                  _fmt(metrics["reward_mean"]), len(scored), self.num_lost, metrics["eval_s"])

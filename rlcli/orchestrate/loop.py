@@ -456,8 +456,9 @@ class Orchestrator:
         self.registration.update(step=step, policy=self.policy_version)
         self.run.append_metrics("orchestrate", self._metrics(step, groups, info))
         if self.ocfg.log_samples:
-            write_samples(self.run.root / "samples" / f"step_{step}.jsonl", groups[:self.ocfg.log_samples],
-                          self.tokenizer)
+            records = write_samples(self.run.root / "samples" / f"step_{step}.jsonl", groups[:self.ocfg.log_samples],
+                                    self.tokenizer)
+            self.run.mirror_samples("orchestrate", step, records)
         self.next_step += 1
         self._reset_step_stats()
         self._retain()

@@ -64,12 +64,12 @@ class Group:
                 for c, a, m, t in zip(self.completions, self.advantages, masks, terms)]
 
 
-def write_samples(path, groups: list[Group], tokenizer) -> None:
+def write_samples(path, groups: list[Group], tokenizer) -> list[dict]:
     """``groups`` as JSON lines a person (or jq) reads: per group its task's ``prompt`` and ``answer``,
     each completion decoded (a multi-turn episode's environment turns included), its ``rewards``, and
     where known its ``advantages`` and ``errored`` flags and the policy versions of its tokens; written
-    whole or not at all."""
-    lines = []
+    whole or not at all. Returns the records."""
+    records = []
     for g in groups:
         record = {"prompt": g.task.prompt, "answer": g.task.answer,
                   "completions": [tokenizer.decode(c.token_ids) for c in g.completions], "rewards": g.rewards,
@@ -79,8 +79,10 @@ def write_samples(path, groups: list[Group], tokenizer) -> None:
             record["advantages"] = g.advantages
         if g.errored:
             record["errored"] = g.errored
-        lines.append(json.dumps(record, sort_keys=True, default=str) + "\n")
-    atomic_write_bytes(path, "".join(lines).encode(), fsync=False)
+        records.append(record)
+    atomic_write_bytes(path, "".join(json.dumps(r, sort_keys=True, default=str) + "\n" for r in records).encode(),
+                       fsync=False)
+    return records
 
 
 def write_batch(run: RunDir, step: int, groups: list[Group], num_ranks: int, capacity: int,

@@ -238,9 +238,16 @@ class RunDir:
             if full is not None:
                 raise full from None
             raise
+        self._mirror(lambda sink: sink.log(command, record))
+
+    def mirror_samples(self, command: str, step: int, records: list[dict[str, Any]]) -> None:
+        """Readable samples (already in their JSON-lines file) to every attached sink, as a table."""
+        self._mirror(lambda sink: sink.log_samples(command, step, records))
+
+    def _mirror(self, call) -> None:
         for sink in list(self.sinks):
             try:
-                sink.log(command, record)
+                call(sink)
             except Exception as e:  # monitoring never stops a run
                 logging.getLogger("rlcli").warning("metrics sink %s failed and is dropped: %s",
                                                    type(sink).__name__, e)

@@ -1,7 +1,9 @@
 """Metric sinks: Weights & Biases and TensorBoard beside the metrics files.
 
 RUN/metrics/<command>.jsonl stays the record every tool reads (dashboard, plots, benchmarks); a sink
-mirrors the numeric fields of each record, at the record's ``step``, into another monitoring system.
+mirrors the numeric fields of each record, at the record's ``step``, into another monitoring system,
+and the readable samples a process writes (``orchestrate.log_samples``, an evaluation's completions) as
+a table: a W&B ``Table`` under ``<command>/samples``, a TensorBoard text panel of the same name.
 Sinks attach to a process's :class:`RunDir` (``open_run`` does it from the recipe's ``[monitor]``
 table), so no call site changes. A sink that fails is dropped with one warning: monitoring never
 stops a run. Both libraries are optional (the ``monitor`` extra) and imported only when enabled.
@@ -22,7 +24,22 @@ log = logging.getLogger("rlcli.sinks")
 class MetricsSink(Protocol):
     def log(self, command: str, record: dict[str, Any]) -> None: ...
 
+    def log_samples(self, command: str, step: int, records: list[dict[str, Any]]) -> None: ...
+
     def close(self) -> None: ...
+
+
+SAMPLE_COLUMNS = ("prompt", "answer", "completion", "reward", "advantage")
+
+
+def sample_rows(records: list[dict[str, Any]]) -> list[list]:
+    """One row per completion of :func:`rlcli.orchestrate.rollouts.write_samples`' records (SAMPLE_COLUMNS)."""
+    rows = []
+    for r in records:
+        advantages = r.get("advantages") or [None] * len(r["completions"])
+        for text, reward, advantage in zip(r["completions"], r["rewards"], advantages):
+            rows.append([r["prompt"], str(r.get("answer")), text, reward, advantage])
+    return rows
 
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:
@@ -45,7 +62,8 @@ class WandbSink:
         self.run = None
         self.commands: set[str] = set()
 
-    def log(self, command: str, record: dict[str, Any]) -> None:
+    def _start(self, command: str) -> None:
+        """The run, at the first record; each command's own step axis, at its first."""
         if self.run is None:
             import wandb
 
@@ -58,8 +76,18 @@ class WandbSink:
             self.run.define_metric(f"{command}/step")
             self.run.define_metric(f"{command}/*", step_metric=f"{command}/step")
             self.commands.add(command)
+
+    def log(self, command: str, record: dict[str, Any]) -> None:
+        self._start(command)
         values = {f"{command}/{k}": v for k, v in scalars(record).items()}
         self.run.log({**values, f"{command}/step": int(record.get("step", 0))})
+
+    def log_samples(self, command: str, step: int, records: list[dict[str, Any]]) -> None:
+        import wandb
+
+        self._start(command)
+        table = wandb.Table(columns=list(SAMPLE_COLUMNS), data=sample_rows(records))
+        self.run.log({f"{command}/samples": table, f"{command}/step": step})
 
     def close(self) -> None:
         if self.run is not None:
@@ -79,14 +107,26 @@ class TensorBoardSink:
         self.log_dir = run_root / "tensorboard" / command
         self.writer = None
 
-    def log(self, command: str, record: dict[str, Any]) -> None:
+    def _open(self) -> None:
         if self.writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=str(self.log_dir))
+
+    def log(self, command: str, record: dict[str, Any]) -> None:
+        self._open()
         step = int(record.get("step", 0))
         for key, value in scalars(record).items():
             self.writer.add_scalar(f"{command}/{key}", value, step)
+        self.writer.flush()
+
+    def log_samples(self, command: str, step: int, records: list[dict[str, Any]]) -> None:
+        """A markdown table, one row per completion (TensorBoard's text panel)."""
+        self._open()
+        cell = lambda v: str(v).replace("|", "\\|").replace("\n", " ")  # noqa: E731
+        lines = ["| " + " | ".join(SAMPLE_COLUMNS) + " |", "|" + "---|" * len(SAMPLE_COLUMNS)]
+        lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in sample_rows(records)]
+        self.writer.add_text(f"{command}/samples", "\n".join(lines), step)
         self.writer.flush()
 
     def close(self) -> None:
