@@ -37,8 +37,9 @@ def _steps(parent: Path, prefix: str = "step_", suffix: str = "") -> dict[int, P
     if parent.is_dir():
         for child in parent.iterdir():
             name = child.name
-            if name.startswith(prefix) and name.endswith(suffix) and name[len(prefix):len(name) - len(suffix)].isdigit():
-                out[int(name[len(prefix):len(name) - len(suffix)])] = child
+            number = name[len(prefix):len(name) - len(suffix)]
+            if name.startswith(prefix) and name.endswith(suffix) and number.isdigit():
+                out[int(number)] = child
     return out
 
 
@@ -98,20 +99,21 @@ def rewind(run_dir: Path, step: int, dry_run: bool = False) -> dict:
                            _lines([m for m in records[command] if int(m.get("step", 0)) <= step]))
     position = next((m["tasks_drawn"] for m in reversed(records["orchestrate"])
                      if m.get("step") == step and "tasks_drawn" in m), None)
-    orchestrate = run.read_progress("orchestrate")
-    orchestrate.pop("time", None)
-    run.write_progress("orchestrate", **{**orchestrate, "step": step,
-                                         **({"tasks_drawn": position} if position is not None else {})})
-    train = run.read_progress("train")
-    train.pop("time", None)
-    run.write_progress("train", **{**train, "step": step})
+    _set_progress(run, "orchestrate", step=step, **({"tasks_drawn": position} if position is not None else {}))
+    _set_progress(run, "train", step=step)
     if weights_left:
-        sync = run.read_progress("sync")
-        sync.pop("time", None)
-        run.write_progress("sync", **{**sync, "version": min(int(sync.get("version", step)), weights_left[-1])})
+        version = int(run.read_progress("sync").get("version", step))
+        _set_progress(run, "sync", version=min(version, weights_left[-1]))
     else:
         run.progress_file("sync").unlink(missing_ok=True)
     return summary
+
+
+def _set_progress(run: RunDir, command: str, **fields) -> None:
+    """``command``'s progress record with ``fields`` changed and the rest kept (its time written anew)."""
+    record = run.read_progress(command)
+    record.pop("time", None)
+    run.write_progress(command, **{**record, **fields})
 
 
 def _lines(records: list[dict]) -> bytes:
